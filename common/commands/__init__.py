@@ -1,0 +1,1 @@
+"""Sub-commands of `moemesh`; each module defines add_arguments(parser, name) and run(args)."""
