@@ -1,0 +1,71 @@
+"""Benchmark result files: one JSON per run under bench/results/.
+
+Every benchmark writes date, device, commit, the command that produced it, the raw numbers and
+the ratios it derives, so figures can be compared within one run and traced back later.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def current_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def describe_device() -> str:
+    """A human-readable device name: the CUDA device if one is used, else the CPU."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})"
+        cpu_count = torch.get_num_threads()
+    except ImportError:  # the router-side benchmarks run without torch
+        cpu_count = None
+    cpu = platform.processor() or platform.machine()
+    return f"CPU {cpu} ({cpu_count} threads)" if cpu_count else f"CPU {cpu}"
+
+
+def write_result(
+    name: str,
+    raw: dict,
+    ratios: dict | None = None,
+    *,
+    device: str | None = None,
+    command: str | None = None,
+    out_dir: Path | None = None,
+) -> Path:
+    """Write `bench/results/<name>-<utc timestamp>.json` and return its path."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    record = {
+        "benchmark": name,
+        "date": now.isoformat(timespec="seconds"),
+        "device": device or describe_device(),
+        "commit": current_commit(),
+        "command": command or " ".join(sys.argv),
+        "raw": raw,
+        "ratios": ratios or {},
+    }
+    target_dir = out_dir or RESULTS_DIR
+    target_dir.mkdir(parents=True, exist_ok=True)
+    path = target_dir / f"{name}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
+    return path
