@@ -1,0 +1,15 @@
+"""DeepSeek-V4 chat encoding and output parsing (torch-free; shared by router, CLI, tools)."""
+
+from common.chat.encoding import ChatEncodingError, content_text, encode_messages
+from common.chat.parser import ChatOutputParser, Delta, ToolCall
+from common.chat.tokens import SPECIAL_TOKENS
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "ChatEncodingError",
+    "ChatOutputParser",
+    "Delta",
+    "ToolCall",
+    "content_text",
+    "encode_messages",
+]

@@ -1,0 +1,288 @@
+"""The generation endpoints: validate -> admit -> encode + tokenize -> fan out -> answer.
+
+`Gateway.chat_completions` and `Gateway.completions` are step 1 of the hot path
+(architecture §2): validate the body, refuse overload before tokenizing, tokenize, hand
+`GenerationRequest`s to the engine and stream or collect what comes back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+import structlog
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from tokenizers import Tokenizer
+
+from common.chat import ChatEncodingError, ChatOutputParser, encode_messages
+from services.router import responses
+from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
+from services.router.engine_client import EngineClient, EngineError, GenerationRequest
+from services.router.fanout import ChoiceFanOut
+from services.router.gateway_config import GatewayConfig
+from services.router.metrics import RouterMetrics
+from services.router.protocol import CommonOptions, ProtocolError, decode_body
+from services.router.request_parsing import parse_chat_request, parse_completion_request
+from services.router.sequence_output import SequenceOutput
+from services.router.streaming import DONE, KEEP_ALIVE, ClientDisconnected, SSEResponse, run_until_disconnect, sse_data
+
+log = structlog.get_logger("router")
+
+
+def error_response(error: ProtocolError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def derive_seed(seed: int | None, choice_index: int) -> int | None:
+    """Choice 0 keeps the client's seed (n=1 behaves as asked); others get distinct seeds."""
+    if seed is None or choice_index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{choice_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything needed to run one accepted request."""
+
+    endpoint: str  # "chat" | "completions"
+    response_id: str
+    model: str
+    options: CommonOptions
+    prompt_ids: list[list[int]]
+    num_logprobs: int | None
+    thinking: bool = False
+    tools_enabled: bool = False
+
+
+class _Overloaded(Exception):
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, engine: EngineClient, tokenizer: Tokenizer, metrics: RouterMetrics) -> None:
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.token_bytes = TokenBytes(tokenizer)
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    # --- endpoints ---------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        arrival_s = time.monotonic()
+        try:
+            raw = await self._read_body(request)
+            body = decode_body(raw)
+            parsed = parse_chat_request(body, max_num_choices=self.config.max_num_choices,
+                                        default_temperature=self.config.default_temperature,
+                                        default_thinking=self.config.default_thinking)
+            model = self._check_model(parsed.options.model)
+            self._admit(len(raw))
+            try:
+                prompt = encode_messages(parsed.messages, tools=parsed.tools, thinking=parsed.thinking,
+                                         reasoning_effort=parsed.reasoning_effort)
+            except ChatEncodingError as error:
+                raise ProtocolError(str(error), param="messages") from None
+            prompt_ids = [await self._tokenize(prompt)]
+            plan = _Plan("chat", f"chatcmpl-{uuid.uuid4().hex}", model, parsed.options, prompt_ids,
+                         parsed.num_logprobs, parsed.thinking, parsed.tools is not None)
+        except _Overloaded as overload:
+            return self._overloaded("chat", overload)
+        except ProtocolError as error:
+            return self._client_error("chat", error)
+        return await self._generate(request, plan, arrival_s)
+
+    async def completions(self, request: Request) -> Response:
+        arrival_s = time.monotonic()
+        try:
+            raw = await self._read_body(request)
+            body = decode_body(raw)
+            parsed = parse_completion_request(body, max_num_choices=self.config.max_num_choices,
+                                              default_temperature=self.config.default_temperature)
+            model = self._check_model(parsed.options.model)
+            self._admit(len(raw))
+            prompt_ids = [await self._tokenize(p) if isinstance(p, str) else self._check_ids(p) for p in parsed.prompts]
+            plan = _Plan("completions", f"cmpl-{uuid.uuid4().hex}", model, parsed.options, prompt_ids,
+                         parsed.num_logprobs)
+        except _Overloaded as overload:
+            return self._overloaded("completions", overload)
+        except ProtocolError as error:
+            return self._client_error("completions", error)
+        return await self._generate(request, plan, arrival_s)
+
+    # --- validation helpers ------------------------------------------------------------
+    async def _read_body(self, request: Request) -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.config.max_body_bytes:
+                raise ProtocolError(f"request body exceeds {self.config.max_body_bytes} bytes", status=413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, model: str | None) -> str:
+        if not self.config.serves(model):
+            raise ProtocolError(f"The model '{model}' does not exist", param="model", status=404,
+                                code="model_not_found")
+        return model or self.config.model_name
+
+    def _admit(self, num_body_bytes: int) -> None:
+        # Before tokenizing: about 4 bytes of JSON per token is a cheap, generous estimate.
+        rejection = self.engine.admission_check(max(1, num_body_bytes // 4))
+        if rejection is not None:
+            raise _Overloaded(rejection.reason, rejection.retry_after_s)
+
+    async def _tokenize(self, text: str) -> list[int]:
+        if len(text) <= self.config.num_chars_tokenized_inline:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        encoding = await anyio.to_thread.run_sync(lambda: self.tokenizer.encode(text, add_special_tokens=False))
+        return encoding.ids
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise ProtocolError(f"token ids must be in [0, {self.vocab_size})", param="prompt")
+        return list(ids)
+
+    def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+        limit = self.config.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ProtocolError(f"the prompt has {num_prompt_tokens} tokens; this model's context is {limit} tokens",
+                                param="messages", code="context_length_exceeded")
+        room = limit - num_prompt_tokens
+        if requested is None:
+            return min(room, self.config.default_max_tokens or room)
+        if requested > room:
+            raise ProtocolError(f"max_tokens {requested} + prompt {num_prompt_tokens} tokens exceeds the context "
+                                f"of {limit} tokens", param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def _client_error(self, endpoint: str, error: ProtocolError) -> Response:
+        outcome = "not_found" if error.status == 404 else "bad_request"
+        self.metrics.requests.labels(endpoint, outcome).inc()
+        log.info("router.request_refused", endpoint=endpoint, status=error.status, error=error.message)
+        return error_response(error)
+
+    def _overloaded(self, endpoint: str, overload: _Overloaded) -> Response:
+        self.metrics.requests.labels(endpoint, "rejected").inc()
+        error = ProtocolError(f"server overloaded: {overload}", status=429, error_type="rate_limit_error",
+                              code="overloaded")
+        return error_response(error, headers={"Retry-After": str(max(1, math.ceil(overload.retry_after_s)))})
+
+    # --- generation --------------------------------------------------------------------
+    def _fan_out(self, plan: _Plan, arrival_s: float) -> ChoiceFanOut:
+        options = plan.options
+        requests, outputs = [], []
+        for prompt_index, prompt_ids in enumerate(plan.prompt_ids):
+            max_tokens = self._max_tokens(len(prompt_ids), options.max_tokens)
+            for choice in range(options.num_choices):
+                index = prompt_index * options.num_choices + choice
+                params = options.sampling_params(max_tokens=max_tokens, num_logprobs=plan.num_logprobs,
+                                                 seed=derive_seed(options.seed, index),
+                                                 stop_token_ids=self.config.eos_token_ids)
+                deadline = time.time() + self.config.request_timeout_s if self.config.request_timeout_s else None
+                requests.append(GenerationRequest(f"{plan.response_id}-{index}", tuple(prompt_ids), params, deadline))
+                parser = None
+                if plan.endpoint == "chat":
+                    parser = ChatOutputParser(plan.thinking, tools_enabled=plan.tools_enabled,
+                                              tool_call_id_prefix=f"call_{plan.response_id[-12:]}_{index}_")
+                detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=plan.endpoint != "chat",
+                                                     token_bytes=self.token_bytes)
+                outputs.append(SequenceOutput(index, detokenizer=detokenizer, token_bytes=self.token_bytes,
+                                              stop_strings=options.stop_strings, chat_parser=parser))
+        deadline_s = arrival_s + self.config.request_timeout_s if self.config.request_timeout_s else None
+        return ChoiceFanOut(self.engine, requests, outputs, self.metrics, arrival_monotonic_s=arrival_s,
+                            deadline_monotonic_s=deadline_s)
+
+    async def _generate(self, request: Request, plan: _Plan, arrival_s: float) -> Response:
+        try:
+            fanout = self._fan_out(plan, arrival_s)
+        except ProtocolError as error:
+            return self._client_error(plan.endpoint, error)
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in plan.prompt_ids))
+        try:
+            await fanout.start()
+        except EngineError as error:
+            self.metrics.requests.labels(plan.endpoint, "engine_error").inc()
+            return error_response(ProtocolError(f"engine unavailable: {error}", status=503,
+                                                error_type="service_unavailable_error"))
+        if plan.options.stream:
+            return SSEResponse(self._stream(plan, fanout))
+        try:
+            outputs = await run_until_disconnect(request, fanout.run_to_end())
+        except ClientDisconnected:
+            self.metrics.requests.labels(plan.endpoint, "client_disconnected").inc()
+            return Response(status_code=499)
+        finally:
+            await fanout.close()
+        return self._complete(plan, outputs)
+
+    def _usage(self, plan: _Plan, outputs: list[SequenceOutput]) -> responses.UsageTotals:
+        usage = responses.combine_usage(outputs, [len(p) for p in plan.prompt_ids], plan.options.num_choices)
+        self.metrics.cached_prompt_tokens.inc(usage.num_cached_tokens)
+        if usage.speculative is not None:
+            self.metrics.spec_draft_tokens.inc(usage.speculative.num_draft_tokens)
+            self.metrics.spec_accepted_tokens.inc(usage.speculative.num_accepted_tokens)
+        return usage
+
+    def _outcome(self, outputs: list[SequenceOutput]) -> str:
+        reasons = {o.finish_reason for o in outputs}
+        return "engine_error" if "error" in reasons else "timeout" if "abort" in reasons else "ok"
+
+    def _complete(self, plan: _Plan, outputs: list[SequenceOutput]) -> Response:
+        outcome = self._outcome(outputs)
+        self.metrics.requests.labels(plan.endpoint, outcome).inc()
+        if outcome == "engine_error":
+            message = next(o for o in outputs if o.finish_reason == "error")
+            log.warning("router.request_failed", response_id=plan.response_id)
+            return error_response(ProtocolError(f"engine error: {message.error_message or 'generation failed'}",
+                                                status=503, error_type="service_unavailable_error"))
+        if outcome == "timeout":
+            return error_response(ProtocolError("request deadline exceeded", status=504, error_type="timeout_error"))
+        usage = self._usage(plan, outputs)
+        created = int(time.time())
+        with_logprobs = plan.num_logprobs is not None
+        build = responses.chat_completion if plan.endpoint == "chat" else responses.completion
+        return JSONResponse(build(plan.response_id, created, plan.model, outputs, usage, with_logprobs))
+
+    async def _stream(self, plan: _Plan, fanout: ChoiceFanOut) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        chat = plan.endpoint == "chat"
+        with_logprobs = plan.num_logprobs is not None
+        started: set[int] = set()
+        text_offsets: dict[int, int] = {}
+        outcome = "client_disconnected"
+        try:
+            async for delta in fanout.deltas(tick_s=self.config.keep_alive_interval_s):
+                if delta is None:
+                    yield KEEP_ALIVE
+                    continue
+                first = delta.index not in started
+                if not (delta.has_payload() or delta.finish_reason or (chat and first)):
+                    continue
+                started.add(delta.index)
+                if chat:
+                    chunk = responses.chat_chunk(plan.response_id, created, plan.model, delta, first=first,
+                                                 with_logprobs=with_logprobs)
+                else:
+                    offset = text_offsets.get(delta.index, 0)
+                    text_offsets[delta.index] = offset + len(delta.text)
+                    chunk = responses.completion_chunk(plan.response_id, created, plan.model, delta,
+                                                       with_logprobs=with_logprobs, text_offset=offset)
+                yield sse_data(chunk)
+            usage = self._usage(plan, fanout.outputs)
+            if plan.options.include_usage:
+                yield sse_data(responses.usage_chunk(plan.response_id, created, plan.model, usage, chat=chat))
+            yield DONE
+            outcome = self._outcome(fanout.outputs)
+        finally:
+            self.metrics.requests.labels(plan.endpoint, outcome).inc()
+            await fanout.close()

@@ -1,0 +1,175 @@
+"""Per-choice output pipeline: token events -> text -> stop strings -> (chat parsing).
+
+One `SequenceOutput` per generated sequence. It turns each `TokenEvent` into a
+`ChoiceDelta` that is safe to send: no half characters (detokenizer), no text that could
+still become a stop string (StopStringMatcher), no partial chat markers (ChatOutputParser).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.chat import ChatOutputParser, ToolCall
+from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
+from services.router.engine_client import FinishReason, SpeculativeStats, TokenEvent, Usage
+
+
+class StopStringMatcher:
+    """Cuts text at the first stop string; holds back a tail that may start one."""
+
+    def __init__(self, stop_strings: tuple[str, ...]) -> None:
+        self._stop_strings = stop_strings
+        self._pending = ""
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> str:
+        if self.matched is not None:
+            return ""
+        if not self._stop_strings:
+            return text
+        self._pending += text
+        hits = [(self._pending.find(s), s) for s in self._stop_strings if s in self._pending]
+        if hits:
+            position, self.matched = min(hits)
+            released, self._pending = self._pending[:position], ""
+            return released
+        held = 0
+        for stop in self._stop_strings:
+            for length in range(min(len(stop) - 1, len(self._pending)), held, -1):
+                if self._pending.endswith(stop[:length]):
+                    held = length
+                    break
+        released = self._pending[: len(self._pending) - held]
+        self._pending = self._pending[len(self._pending) - held :]
+        return released
+
+    def finish(self) -> str:
+        rest, self._pending = self._pending, ""
+        return "" if self.matched is not None else rest
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    token_bytes: bytes
+    logprob: float
+    top: tuple[tuple[int, str, bytes, float], ...]  # (token_id, token, bytes, logprob)
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str = ""  # completion text, or chat content
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # OpenAI string: stop, length, tool_calls, abort, error
+    error_message: str | None = None
+
+    def has_payload(self) -> bool:
+        return bool(self.text or self.reasoning or self.tool_calls or self.logprobs)
+
+
+class SequenceOutput:
+    """State of one choice. `apply(event)` returns what to send; `stop_matched` tells the
+    caller to abort the engine sequence (the engine does not know about stop strings)."""
+
+    def __init__(self, index: int, *, detokenizer: IncrementalDetokenizer, token_bytes: TokenBytes,
+                 stop_strings: tuple[str, ...], chat_parser: ChatOutputParser | None) -> None:
+        self.index = index
+        self._detokenizer = detokenizer
+        self._token_bytes = token_bytes
+        self._stop = StopStringMatcher(stop_strings)
+        self._parser = chat_parser
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self.speculative: SpeculativeStats | None = None
+        self.num_tokens = 0
+        self.error_message: str | None = None
+        # accumulated for non-streaming responses
+        self.text = ""
+        self.reasoning = ""
+        self.tool_calls: list[ToolCall] = []
+        self.logprobs: list[TokenLogprob] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def stop_matched(self) -> bool:
+        return self._stop.matched is not None
+
+    def apply(self, event: TokenEvent) -> ChoiceDelta:
+        delta = ChoiceDelta(self.index)
+        if self.finished:
+            return delta
+        self.num_tokens += len(event.new_token_ids)
+        if event.usage is not None:
+            self.usage = event.usage
+        if event.logprobs is not None:
+            delta.logprobs = self._logprobs(event)
+        text = self._stop.feed(self._detokenizer.add(event.new_token_ids))
+        if self.stop_matched:
+            self._finish(delta, text, FinishReason.STOP.value)
+        elif event.finish_reason is not None:
+            text += self._stop.feed(self._detokenizer.finish())
+            text += self._stop.finish()
+            self.speculative = event.speculative
+            delta.error_message = event.error_message
+            self._finish(delta, text, event.finish_reason.value)
+        else:
+            self._route(delta, text)
+        self._accumulate(delta)
+        return delta
+
+    def fail(self, reason: FinishReason, message: str | None = None) -> ChoiceDelta:
+        """End the choice without a final engine event (engine error, abort, deadline)."""
+        delta = ChoiceDelta(self.index)
+        if not self.finished:
+            self._finish(delta, "", reason.value)
+            delta.error_message = message
+            self._accumulate(delta)
+        return delta
+
+    def _finish(self, delta: ChoiceDelta, text: str, reason: str) -> None:
+        self._route(delta, text)
+        if self._parser is not None:
+            tail = self._parser.finish()
+            delta.text += tail.content
+            delta.reasoning += tail.reasoning_content
+            delta.tool_calls += tail.tool_calls
+            if reason == FinishReason.STOP.value and self._parser.num_tool_calls:
+                reason = "tool_calls"
+        self.finish_reason = delta.finish_reason = reason
+
+    def _route(self, delta: ChoiceDelta, text: str) -> None:
+        if self._parser is None:
+            delta.text += text
+            return
+        parsed = self._parser.feed(text)
+        delta.text += parsed.content
+        delta.reasoning += parsed.reasoning_content
+        delta.tool_calls += parsed.tool_calls
+
+    def _accumulate(self, delta: ChoiceDelta) -> None:
+        self.error_message = self.error_message or delta.error_message
+        self.text += delta.text
+        self.reasoning += delta.reasoning
+        self.tool_calls.extend(delta.tool_calls)
+        self.logprobs.extend(delta.logprobs)
+
+    def _describe(self, token_id: int) -> tuple[str, bytes]:
+        data = self._token_bytes(token_id)
+        return data.decode("utf-8", errors="replace"), data
+
+    def _logprobs(self, event: TokenEvent) -> list[TokenLogprob]:
+        entries = []
+        for position, token_id in enumerate(event.new_token_ids):
+            token, data = self._describe(token_id)
+            top = ()
+            if event.top_logprobs is not None:
+                top = tuple((alt.token_id, *self._describe(alt.token_id), alt.logprob) for alt in event.top_logprobs[position])
+            entries.append(TokenLogprob(token_id, token, data, event.logprobs[position], top))
+        return entries
