@@ -1,0 +1,88 @@
+"""The scheduler's one frozen config: budgets, pool sizes and queue bounds.
+
+Built once by the router's `main()` and passed explicitly. Validation here guarantees the
+property the scheduler's deadlock freedom rests on: one request at `max_model_len` tokens
+(drafts included) always fits into the GPU pool on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# A compressor window of a DeepSeek-V4 HCA layer is 128 tokens; a block must hold whole windows.
+COMPRESSOR_WINDOW_TOKENS = 128
+
+
+def num_blocks_for_tokens(num_tokens: int, block_size_tokens: int) -> int:
+    """Blocks needed to hold `num_tokens` tokens (ceiling division)."""
+    return -(-num_tokens // block_size_tokens)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one scheduler (one attention data-parallel rank).
+
+    max_num_batched_tokens: tokens computed per step over all sequences (drafts included).
+    long_prefill_token_threshold: the most tokens one request computes per step, so a
+        long prompt is chunked and short requests share the step with it.
+    max_num_running_seqs: running sequences, equal to the number of state slots (window
+        ring + open compressor state) the attention worker holds.
+    block_size_tokens: tokens per KV block; a multiple of 128 so every compressor window
+        lies inside one block.
+    num_gpu_blocks / num_cpu_blocks: blocks in the GPU pool and in the pinned CPU tier
+        (0 CPU blocks: preemption always recomputes).
+    max_model_len: prompt + output tokens of one request.
+    max_waiting_requests / max_waiting_prompt_tokens: admission bounds of the waiting queue.
+    """
+
+    num_gpu_blocks: int
+    max_model_len: int
+    num_cpu_blocks: int = 0
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 1024
+    max_num_running_seqs: int = 256
+    block_size_tokens: int = 128
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024
+    max_waiting_prompt_tokens: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.block_size_tokens < 1 or self.block_size_tokens % COMPRESSOR_WINDOW_TOKENS:
+            problems.append(
+                f"block_size_tokens must be a positive multiple of {COMPRESSOR_WINDOW_TOKENS}, "
+                f"got {self.block_size_tokens}"
+            )
+        if self.max_model_len < 2:
+            problems.append(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_gpu_blocks < 1:
+            problems.append(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if self.num_cpu_blocks < 0:
+            problems.append(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.max_num_batched_tokens < 1:
+            problems.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 1:
+            problems.append(
+                f"long_prefill_token_threshold must be >= 1, got {self.long_prefill_token_threshold}"
+            )
+        if self.max_num_running_seqs < 1:
+            problems.append(f"max_num_running_seqs must be >= 1, got {self.max_num_running_seqs}")
+        if self.max_waiting_requests < 1:
+            problems.append(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.max_waiting_prompt_tokens < 1:
+            problems.append(
+                f"max_waiting_prompt_tokens must be >= 1, got {self.max_waiting_prompt_tokens}"
+            )
+        if not problems:
+            needed = num_blocks_for_tokens(self.max_model_len, self.block_size_tokens)
+            if needed > self.num_gpu_blocks:
+                problems.append(
+                    f"one request of max_model_len={self.max_model_len} needs {needed} blocks of "
+                    f"{self.block_size_tokens} tokens but num_gpu_blocks={self.num_gpu_blocks}"
+                )
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        return num_blocks_for_tokens(self.max_model_len, self.block_size_tokens)
