@@ -1,0 +1,96 @@
+"""`moemesh generate`: text generation with the single-process reference model.
+
+Loads config, tokenizer and weights (dequantized by `common.checkpoint.reader`), then runs all
+prompts together: prefill, then one decode step per token. `--distributed` (attention and expert
+workers over ZeroMQ) is a later issue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint directory (hub format, with tokenizer.json)")
+    parser.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn (chat encoding)")
+    parser.add_argument("--json", action="store_true", help="print JSON: token ids and text")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--device", default="cpu", help="torch device")
+    parser.add_argument("--distributed", action="store_true", help="run over attention/expert workers (not built yet)")
+
+
+def _load_model(path: str, dtype_name: str, device: str):
+    import structlog
+
+    from common.checkpoint.reader import CheckpointReader
+    from common.model.attention_side import AttentionSide
+    from common.model.config import ModelConfig, NumericsConfig
+    from common.model.moe import RoutedExperts
+    from common.model.reference import ReferenceModel
+
+    config = ModelConfig.load(path)
+    numerics = NumericsConfig(dtype=dtype_name)
+    dtype = numerics.torch_dtype()
+    reader = CheckpointReader(path, config=config)
+    side = AttentionSide.from_state_dict(config, reader.load_attention_side(config, dtype), numerics, device=device)
+    pairs = [(layer, expert) for layer in range(config.num_hidden_layers) for expert in range(config.n_routed_experts)]
+    experts = {pair: tuple(w.to(device) for w in weights)
+               for pair, weights in reader.load_experts(config, pairs, dtype).items()}
+    structlog.get_logger().info("generate.model_loaded", path=path, dtype=dtype_name, device=device,
+                                num_layers=config.num_hidden_layers, num_expert_pairs=len(experts))
+    return ReferenceModel(side, RoutedExperts.from_config(experts, config, numerics)), config
+
+
+def _encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
+    if not chat:
+        return [tokenizer.encode(prompt).ids for prompt in prompts]
+    from common.chat.encoding import encode_messages
+
+    # the chat text already carries BOS as text; do not let the tokenizer add another
+    return [tokenizer.encode(encode_messages([{"role": "user", "content": prompt}]), add_special_tokens=False).ids
+            for prompt in prompts]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.distributed:
+        print("moemesh generate --distributed: not built yet", file=sys.stderr)
+        return 2
+    if args.max_tokens < 1:
+        print(f"--max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
+        return 2
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from common.model.generate import GenerationConfig, generate_batch
+    from common.runtime.logging import configure_logging
+
+    configure_logging("generate", None)  # events to stderr: stdout is for the output (--json)
+
+    tokenizer_path = Path(args.model) / "tokenizer.json"
+    if not tokenizer_path.exists():
+        print(f"{tokenizer_path}: not found", file=sys.stderr)
+        return 2
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    model, config = _load_model(args.model, args.dtype, args.device)
+    prompt_ids = _encode_prompts(tokenizer, args.prompt, args.chat)
+    stop = () if config.eos_token_id is None else (config.eos_token_id,)
+    generation = GenerationConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                                  stop_token_ids=stop)
+    generated = generate_batch(model, prompt_ids, generation)
+    results = [
+        {"prompt_token_ids": ids, "generated_token_ids": out, "text": tokenizer.decode(out)}
+        for ids, out in zip(prompt_ids, generated)
+    ]
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else results))
+    else:
+        for prompt, result in zip(args.prompt, results):
+            print(f"{prompt}{result['text']}")
+    return 0

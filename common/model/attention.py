@@ -1,0 +1,119 @@
+"""DeepSeek-V4 attention (spec §2.3, §2.7): one latent K = V head, sinks, window ∪ compressed rows.
+
+Per token t (all projections batched over the T tokens of the forward):
+  q_lat = q_norm(wq_a x) -> q = wq_b q_lat [H, hd], per-head unweighted RMS, RoPE on the tail;
+  kv = kv_norm(wkv x) [hd], RoPE on the tail; this row enters the window ring.
+Keys/values for t: raw rows of positions t-W+1..t, plus compressed rows: HCA all closed windows
+(w < (t+1)//m), CSA the indexer's top-k among those. Softmax has a per-head sink (an extra logit
+with no value). Values carry rotated dims, so the output tail is rotated back by -θ(t). The output
+projection is grouped: heads in G groups, wo_a per group, then wo_b.
+Legend: T tokens, S tokens of one sequence, H heads, hd head dim, L keys, G groups, D hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.model.batch import ForwardBatch
+from common.model.compressor import Compressor
+from common.model.config import AttentionKind, ModelConfig
+from common.model.indexer import Indexer
+from common.model.linear import GroupedLinear, Linear, RMSNorm, parameter, unweighted_rms_norm
+from common.model.rope import RotaryTable, apply_rope
+from common.model.state import LayerState
+
+
+def attend_with_sink(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [S, H, hd], keys [L, hd] (= values), visible [S, L] bool, sink [H] -> [S, H, hd]."""
+    logits = torch.einsum("shd,ld->shl", q, keys) * scale  # [S, H, L]
+    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+    sink_logits = sink.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
+    probs = torch.softmax(torch.cat([logits, sink_logits], dim=-1), dim=-1)[..., :-1]  # drop the sink
+    return torch.einsum("shl,ld->shd", probs.to(keys.dtype), keys)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, *, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.layer = layer
+        self.kind = c.layer_types[layer]
+        self.num_heads = c.num_attention_heads
+        self.head_dim = c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.wq_a = Linear(c.hidden_size, c.q_lora_rank, dtype=dtype, device=device)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, device=device)
+        self.wq_b = Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, dtype=dtype, device=device)
+        self.wkv = Linear(c.hidden_size, c.head_dim, dtype=dtype, device=device)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, device=device)
+        heads_per_group = c.num_attention_heads // c.o_groups
+        self.wo_a = GroupedLinear(heads_per_group * c.head_dim, c.o_groups * c.o_lora_rank, c.o_groups,
+                                  dtype=dtype, device=device)
+        self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size, dtype=dtype, device=device)
+        self.attn_sink = parameter(c.num_attention_heads, dtype=torch.float32, device=device)
+        ratio = c.compress_ratio(layer)
+        self.compressor = None
+        self.indexer = None
+        if self.kind is AttentionKind.CSA:
+            self.compressor = Compressor(c.hidden_size, c.head_dim, ratio, True, c.rms_norm_eps,
+                                         dtype=dtype, device=device)
+            self.indexer = Indexer(c, dtype=dtype, device=device)
+        elif self.kind is AttentionKind.HCA:
+            self.compressor = Compressor(c.hidden_size, c.head_dim, ratio, False, c.rms_norm_eps,
+                                         dtype=dtype, device=device)
+        self.rope = RotaryTable.for_config(c, compressed=self.kind is not AttentionKind.WINDOW)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, D] (after attn_norm) -> [T, D]; updates each sequence's state for this layer."""
+        num_tokens = x.shape[0]
+        cos, sin = batch.cos_sin(self.rope)
+        q_lat = self.q_norm(self.wq_a(x))  # [T, R]
+        q = self.wq_b(q_lat).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]
+        q = apply_rope(unweighted_rms_norm(q, self.config.rms_norm_eps), cos, sin)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
+        compressor_inputs = indexer_inputs = queries_i = None
+        if self.compressor is not None:
+            compressor_inputs = self.compressor.project(x, batch.positions)
+        if self.indexer is not None:
+            indexer_inputs = self.indexer.compressor.project(x, batch.positions)
+            queries_i = self.indexer.project_queries(q_lat, x, cos, sin)
+
+        out = torch.empty_like(q)
+        for chunk, sl, start in zip(batch.chunks, batch.slices, batch.start_positions):
+            state = chunk.state.layers[self.layer]
+            keys, visible = self._keys_for_sequence(state, sl, start, batch.positions[sl], kv[sl],
+                                                    compressor_inputs, indexer_inputs, queries_i)
+            out[sl] = attend_with_sink(q[sl], keys, visible, self.attn_sink, self.scale)
+        out = apply_rope(out, cos, -sin)  # undo the rotation values carried in
+        grouped = out.reshape(num_tokens, self.config.o_groups, -1)  # [T, G, H/G·hd]
+        return self.wo_b(self.wo_a(grouped))
+
+    def _keys_for_sequence(self, state: LayerState, sl: slice, start: int, positions: torch.Tensor,
+                           new_kv: torch.Tensor, compressor_inputs, indexer_inputs, queries_i
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Update this sequence's stores with its S new tokens; return keys [L, hd], visible [S, L]."""
+        window = self.config.sliding_window
+        first_key_pos = max(0, start - window + 1)
+        window_keys = torch.cat([state.window.read(first_key_pos).to(new_kv.dtype), new_kv])  # [Lw, hd]
+        state.window.append(new_kv)
+        key_positions = torch.arange(first_key_pos, start + new_kv.shape[0], device=new_kv.device)
+        delta = positions[:, None] - key_positions[None, :]  # [S, Lw]
+        visible = (delta >= 0) & (delta < window)
+        if self.compressor is None:
+            return window_keys, visible
+        kv_in, score_in = compressor_inputs
+        self.compressor.emit(state.compressor, kv_in[sl], score_in[sl], self.rope)
+        rows = state.compressor.read_rows()  # [N, hd]
+        if self.indexer is None:  # HCA: every closed window
+            row_visible = torch.arange(rows.shape[0], device=rows.device)[None, :] < (
+                (positions + 1) // self.compressor.ratio)[:, None]
+        else:  # CSA: the indexer's choice among closed windows
+            ikv_in, iscore_in = indexer_inputs
+            self.indexer.compressor.emit(state.indexer, ikv_in[sl], iscore_in[sl], self.rope)
+            queries, head_weights = queries_i
+            row_visible = self.indexer.select(queries[sl], head_weights[sl], state.indexer.read_rows(), positions)
+        keys = torch.cat([window_keys, rows.to(window_keys.dtype)])
+        return keys, torch.cat([visible, row_visible], dim=1)

@@ -1,0 +1,136 @@
+"""Everything of the model except the routed experts, with hub parameter names.
+
+`AttentionSide.load_state_dict(hub_sd)` takes hub-named tensors directly (routed experts and
+`mtp.*` excluded). The per-layer work is split into steps that an attention worker can call one
+at a time, with the routed-expert dispatch between `gate` and `ffn_post`:
+
+    h = embed(token_ids)
+    for layer:  h = attn_block(layer, h, batch)
+                x, post, comb = ffn_pre(layer, h)
+                ids, weights = gate(layer, x, token_ids)
+                y = routed(layer, x, ids, weights) + shared_expert(layer, x)
+                h = ffn_post(layer, y, h, post, comb)
+    logits = logits(h)
+Legend: T tokens, N hc streams, D hidden, K top-k, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.model.attention import Attention
+from common.model.batch import ForwardBatch
+from common.model.config import ModelConfig, NumericsConfig
+from common.model.hyper import hc_head, hc_post, hc_pre
+from common.model.linear import Embedding, Linear, RMSNorm, parameter
+from common.model.moe import Gate, SharedExpert
+
+
+class FeedForwardSide(nn.Module):
+    """`ffn.gate` and `ffn.shared_experts` (the routed `ffn.experts` live elsewhere)."""
+
+    def __init__(self, config: ModelConfig, layer: int, numerics: NumericsConfig, *, dtype, device=None) -> None:
+        super().__init__()
+        self.gate = Gate(config, layer, dtype=dtype, device=device)
+        self.shared_experts = SharedExpert(config, numerics, dtype=dtype, device=device)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, numerics: NumericsConfig, *, dtype, device=None) -> None:
+        super().__init__()
+        mix, width = config.num_hc_mix, config.hc_mult * config.hidden_size
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", parameter(mix, width, dtype=torch.float32, device=device))
+            setattr(self, f"hc_{site}_base", parameter(mix, dtype=torch.float32, device=device))
+            setattr(self, f"hc_{site}_scale", parameter(3, dtype=torch.float32, device=device))
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device)
+        self.attn = Attention(config, layer, dtype=dtype, device=device)
+        self.ffn = FeedForwardSide(config, layer, numerics, dtype=dtype, device=device)
+
+
+class AttentionSide(nn.Module):
+    def __init__(self, config: ModelConfig, numerics: NumericsConfig | None = None, *, device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.numerics = numerics or NumericsConfig()
+        dtype = self.numerics.torch_dtype()
+        self.dtype = dtype
+        self.embed = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            Block(config, layer, self.numerics, dtype=dtype, device=device) for layer in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device)
+        self.head = Linear(config.hidden_size, config.vocab_size, dtype=dtype, device=device)
+        self.hc_head_fn = parameter(config.hc_mult, config.hc_mult * config.hidden_size, dtype=torch.float32,
+                                    device=device)
+        self.hc_head_base = parameter(config.hc_mult, dtype=torch.float32, device=device)
+        self.hc_head_scale = parameter(1, dtype=torch.float32, device=device)
+
+    @classmethod
+    def from_state_dict(cls, config: ModelConfig, hub_sd: dict[str, torch.Tensor],
+                        numerics: NumericsConfig | None = None, device: torch.device | str = "cpu") -> "AttentionSide":
+        """Build without allocating twice: modules on the meta device, then the tensors assigned.
+
+        hub_sd may also hold routed experts / mtp tensors; they are ignored. Tensors are cast to the
+        parameter dtypes and moved to `device`."""
+        side = cls(config, numerics, device="meta")
+        own = side.state_dict()
+        if config.tie_word_embeddings and "head.weight" not in hub_sd:
+            hub_sd = {**hub_sd, "head.weight": hub_sd["embed.weight"]}
+        missing = [name for name in own if name not in hub_sd]
+        if missing:
+            raise KeyError(f"attention-side tensors missing from the state dict: {missing[:10]}")
+        cast = {name: hub_sd[name].to(device=device, dtype=own[name].dtype) for name in own}
+        side.load_state_dict(cast, strict=True, assign=True)
+        for param in side.parameters():
+            param.requires_grad_(False)
+        return side
+
+    # ----------------------------------------------------------------------------- steps
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [T] -> streams h [T, N, D] (N identical copies of the embedding)."""
+        e = self.embed(token_ids)
+        return e.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+
+    def _hc_pre(self, layer: int, site: str, h: torch.Tensor):
+        block = self.layers[layer]
+        c = self.config
+        return hc_pre(h, getattr(block, f"hc_{site}_fn"), getattr(block, f"hc_{site}_base"),
+                      getattr(block, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+
+    def attn_block(self, layer: int, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """h [T, N, D] -> h [T, N, D]; updates the sequences' decode state for this layer."""
+        block = self.layers[layer]
+        x, post, comb = self._hc_pre(layer, "attn", h)
+        return hc_post(block.attn(block.attn_norm(x), batch), h, post, comb)
+
+    def ffn_pre(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [T, N, D] -> (MoE input x [T, D] after ffn_norm, post [T, N], comb [T, N, N])."""
+        x, post, comb = self._hc_pre(layer, "ffn", h)
+        return self.layers[layer].ffn_norm(x), post, comb
+
+    def gate(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D], token_ids [T] -> ids [T, K] (ascending), weights [T, K]."""
+        return self.layers[layer].ffn.gate(x, token_ids)
+
+    def shared_expert(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[layer].ffn.shared_experts(x)
+
+    def ffn_post(self, layer: int, y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+                 ) -> torch.Tensor:
+        """y [T, D] = routed + shared -> h [T, N, D]."""
+        return hc_post(y, h, post, comb)
+
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, N, D] -> normed [T, D] (input of the head)."""
+        c = self.config
+        y = hc_head(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps)
+        return self.norm(y)
+
+    def logits(self, h: torch.Tensor, token_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """h [T, N, D] -> logits [T, V] (or only rows token_indices [B] -> [B, V])."""
+        if token_indices is not None:
+            h = h[token_indices]
+        return self.head(self.final_hidden(h))

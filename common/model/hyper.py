@@ -1,0 +1,64 @@
+"""Manifold-constrained hyper-connections (mHC, spec §2.2): the residual lives in `n` streams.
+
+`hc_pre` collapses the streams into one block input and returns the `post` (expand) weights and the
+doubly-stochastic `comb` (stream mixing) matrix; `hc_post` folds the block output back in:
+h'_k = post_k · y + Σ_j comb[j, k] · h_j  (combᵀ h: comb is not symmetric, direction matters).
+All mixing weights are computed in fp32.
+Legend: T tokens, N streams (hc_mult), D hidden, M = (2 + N) · N mix width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from common.model.linear import unweighted_rms_norm
+
+
+def hc_pre(
+    h: torch.Tensor,  # [T, N, D]
+    fn: torch.Tensor,  # [M, N·D]
+    base: torch.Tensor,  # [M]
+    scale: torch.Tensor,  # [3]
+    num_sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (x [T, D] in h's dtype, post [T, N] fp32, comb [T, N, N] fp32)."""
+    num_tokens, num_streams, _ = h.shape
+    flat = unweighted_rms_norm(h.reshape(num_tokens, -1).float(), norm_eps)  # [T, N·D]
+    mix = F.linear(flat, fn.float())  # [T, M]
+    pre_w, post_w, comb_w = mix.split([num_streams, num_streams, num_streams * num_streams], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([num_streams, num_streams, num_streams * num_streams])
+    pre_scale, post_scale, comb_scale = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + hc_eps  # [T, N]; not normalised to sum 1
+    post = 2 * torch.sigmoid(post_w * post_scale + post_b)  # [T, N] in (0, 2)
+    comb_logits = comb_w.view(num_tokens, num_streams, num_streams) * comb_scale + comb_b.view(num_streams, num_streams)
+    comb = torch.softmax(comb_logits, dim=-1) + hc_eps  # [T, N(j in), N(k out)]
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(num_sinkhorn_iters - 1):  # Sinkhorn: rows, then columns
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    x = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)  # [T, D]
+    return x, post, comb
+
+
+def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """y [T, D] block output, h [T, N, D] streams -> new streams [T, N, D]."""
+    dtype = h.dtype
+    return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+
+
+def hc_head(
+    h: torch.Tensor,  # [T, N, D]
+    fn: torch.Tensor,  # [N, N·D]
+    base: torch.Tensor,  # [N]
+    scale: torch.Tensor,  # [1]
+    hc_eps: float,
+    norm_eps: float,
+) -> torch.Tensor:
+    """Final collapse of the streams (no Sinkhorn) -> [T, D]."""
+    flat = unweighted_rms_norm(h.reshape(h.shape[0], -1).float(), norm_eps)
+    mix = F.linear(flat, fn.float())  # [T, N]
+    weights = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
+    return (weights.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)

@@ -1,0 +1,54 @@
+"""Lightning indexer of CSA layers (spec §2.6): picks which compressed rows each query attends to.
+
+score I[t, w] = Σ_h w[t, h] · ReLU(q[t, h] · k_w) · d^-1/2 with w[t] = weights_proj(x_t) · H^-1/2,
+over rows visible at t (w < (t+1) // m); keep the top min(index_topk, visible) rows.
+The keys k_w come from the indexer's own overlapping compressor (row width d = index_head_dim).
+Legend: T tokens, S tokens of one sequence, H indexer heads, d indexer head dim, N rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.model.compressor import Compressor
+from common.model.config import ModelConfig
+from common.model.linear import Linear
+from common.model.rope import apply_rope
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.num_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.ratio = config.csa_compress_ratio
+        self.topk = config.index_topk
+        self.wq_b = Linear(config.q_lora_rank, self.num_heads * self.head_dim, dtype=dtype, device=device)
+        self.weights_proj = Linear(config.hidden_size, self.num_heads, dtype=dtype, device=device)
+        self.compressor = Compressor(config.hidden_size, self.head_dim, self.ratio, True, config.rms_norm_eps,
+                                     dtype=dtype, device=device)
+
+    def project_queries(self, q_lat: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_lat [T, R], x [T, D] -> (queries [T, H, d] rotated at t, head weights [T, H] fp32)."""
+        queries = self.wq_b(q_lat).view(q_lat.shape[0], self.num_heads, self.head_dim)
+        queries = apply_rope(queries, cos, sin)
+        head_weights = self.weights_proj(x).float() * self.num_heads**-0.5
+        return queries, head_weights
+
+    def select(self, queries: torch.Tensor, head_weights: torch.Tensor, rows: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """queries [S, H, d], head_weights [S, H], rows [N, d], positions [S] -> selected [S, N] bool."""
+        num_rows = rows.shape[0]
+        visible = torch.arange(num_rows, device=rows.device)[None, :] < ((positions + 1) // self.ratio)[:, None]
+        num_keep = min(self.topk, num_rows)
+        if num_keep == 0:
+            return visible
+        logits = torch.einsum("shd,nd->shn", queries.float(), rows.float())  # [S, H, N]
+        logits = torch.relu(logits) * self.head_dim**-0.5
+        scores = (logits * head_weights.unsqueeze(-1)).sum(dim=1)  # [S, N]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        top = scores.topk(num_keep, dim=-1).indices  # [S, k]; invisible picks removed below
+        selected = torch.zeros_like(visible).scatter_(1, top, True)
+        return selected & visible

@@ -1,0 +1,84 @@
+"""The dense building blocks every projection and norm goes through.
+
+Every dense projection of the model is a `Linear` (or `GroupedLinear`) so that a later quantized
+implementation (FP8 weights kept on GPU) can replace this one class without touching the math.
+Weights are created uninitialised (`torch.empty`): they always come from a state dict.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _parameter(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x · Wᵀ, no bias. weight [out_features, in_features] (hub layout)."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = _parameter(out_features, in_features, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        return F.linear(x, self.weight)
+
+
+class GroupedLinear(Linear):
+    """Block-diagonal projection used by the grouped attention output (`wo_a`).
+
+    weight [G·O, I] is viewed as [G, O, I]: group g of the input [T, G, I] meets only block g.
+    """
+
+    def __init__(self, in_features_per_group: int, out_features: int, num_groups: int, *, dtype, device=None):
+        super().__init__(in_features_per_group, out_features, dtype=dtype, device=device)
+        if out_features % num_groups:
+            raise ValueError(f"out_features={out_features} not divisible by num_groups={num_groups}")
+        self.num_groups = num_groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # T tokens, G groups, I input per group, O output per group
+        num_tokens = x.shape[0]
+        weight = self.weight.view(self.num_groups, -1, self.in_features).transpose(1, 2)  # [G, I, O]
+        y = torch.bmm(x.transpose(0, 1), weight)  # [G, T, I] @ [G, I, O] -> [G, T, O]
+        return y.transpose(0, 1).reshape(num_tokens, -1)  # [T, G·O]
+
+
+class RMSNorm(nn.Module):
+    """x · rsqrt(mean(x²) + eps) · w, computed in fp32 with an fp32 weight, cast back once."""
+
+    def __init__(self, dim: int, eps: float, *, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _parameter(dim, dtype=torch.float32, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-vector RMS normalisation without a weight (query heads, mHC input)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class Embedding(nn.Module):
+    """Token embedding table, weight [V, D] (hub `embed.weight`)."""
+
+    def __init__(self, vocab_size: int, dim: int, *, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.weight = _parameter(vocab_size, dim, dtype=dtype, device=device)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D]
+        return F.embedding(token_ids, self.weight)
+
+
+def parameter(*shape: int, dtype: torch.dtype, device=None) -> nn.Parameter:
+    """An uninitialised, non-trainable parameter (filled by `load_state_dict`)."""
+    return _parameter(*shape, dtype=dtype, device=device)

@@ -1,0 +1,168 @@
+"""MoE pieces (spec §2.8, §2.9): the gate and shared expert (attention side) and the routed experts.
+
+Routed experts are a separate object so that they can live in other processes: the attention side
+produces (x, ids, weights) per layer, a `RoutedExperts` holder (or several) turns them into the
+routed sum. Slot order is expert-id order (the gate sorts ids ascending per token), and the routed
+sum adds the K slot outputs in slot order, so placing experts on several holders gives results bit
+for bit equal to one holder: each expert always processes the same rows, and the final sum order
+does not depend on placement.
+Legend: T tokens, D hidden, K experts per token, E routed experts, I expert width, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.model.config import ModelConfig, NumericsConfig, RouterKind
+from common.model.linear import Linear, parameter
+
+# experts_fn(layer, x [T, D], ids [T, K], weights [T, K]) -> routed output [T, D]
+ExpertsFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ExpertNotHeld(KeyError):
+    """A token was routed to a (layer, expert) this holder does not have."""
+
+
+class Gate(nn.Module):
+    """Affinity s = sqrt(softplus(x · Wᵀ)); learned layers pick top-k of s + bias (bias only for
+    selection), hash layers take tid2eid[token]; weights = scale · s[ids] / Σ s[ids]."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.kind = config.mlp_layer_types[layer]
+        self.top_k = config.num_experts_per_tok
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = parameter(config.n_routed_experts, config.hidden_size, dtype=dtype, device=device)
+        if self.kind is RouterKind.HASH:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long, device=device))
+        else:
+            self.bias = parameter(config.n_routed_experts, dtype=torch.float32, device=device)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D], token_ids [T] -> ids [T, K] int64 ascending, weights [T, K] (x's dtype)."""
+        scores = F.softplus(F.linear(x, self.weight)).sqrt()  # [T, E]
+        if self.kind is RouterKind.HASH:
+            ids = self.tid2eid[token_ids].long()
+        else:
+            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        ids = ids.sort(dim=-1).values
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.routed_scaling_factor
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    if limit:  # gate clamped from above only, up both ways
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+class SharedExpert(nn.Module):
+    """Always-on SwiGLU expert: w2(silu(w1 x) · w3 x); clamped like routed ones unless the
+    reference numerics switch it off."""
+
+    def __init__(self, config: ModelConfig, numerics: NumericsConfig, *, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        inter = config.moe_intermediate_size
+        self.limit = config.swiglu_limit if numerics.shared_expert_clamp else None
+        self.w1 = Linear(config.hidden_size, inter, dtype=dtype, device=device)
+        self.w2 = Linear(inter, config.hidden_size, dtype=dtype, device=device)
+        self.w3 = Linear(config.hidden_size, inter, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        return self.w2(_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+def sum_slots_in_order(slot_outputs: torch.Tensor) -> torch.Tensor:
+    """[T, K, D] -> [T, D], adding slot 0, then 1, ... (a fixed order, independent of placement)."""
+    total = slot_outputs[:, 0].clone()
+    for slot in range(1, slot_outputs.shape[1]):
+        total += slot_outputs[:, slot]
+    return total
+
+
+class RoutedExperts:
+    """Holds some (layer, expert) SwiGLU experts; computes the routed part of an MoE layer.
+
+    weights: {(layer, expert): (w1 [I, D], w2 [D, I], w3 [I, D])} float tensors (hub layout).
+    """
+
+    def __init__(self, weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 swiglu_limit: float | None, *, route_weight_before_w2: bool = False) -> None:
+        self._weights = dict(weights)
+        self.swiglu_limit = swiglu_limit
+        self.route_weight_before_w2 = route_weight_before_w2
+
+    @classmethod
+    def from_config(cls, weights, config: ModelConfig, numerics: NumericsConfig | None = None) -> "RoutedExperts":
+        numerics = numerics or NumericsConfig()
+        return cls(weights, config.swiglu_limit, route_weight_before_w2=numerics.route_weight_before_w2)
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        return sorted(self._weights)
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self._weights
+
+    def held_mask(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T, K] -> bool [T, K]: which slots this holder can compute."""
+        held = [e for (l, e) in self._weights if l == layer]
+        if not held:
+            return torch.zeros_like(ids, dtype=torch.bool)
+        return torch.isin(ids, torch.tensor(held, device=ids.device))
+
+    def _expert(self, layer: int, expert: int, x: torch.Tensor, route_weight: torch.Tensor) -> torch.Tensor:
+        """x [N, D], route_weight [N] -> weighted output [N, D]."""
+        w1, w2, w3 = self._weights[(layer, expert)]
+        hidden = _swiglu(F.linear(x, w1), F.linear(x, w3), self.swiglu_limit)  # [N, I]
+        if self.route_weight_before_w2:
+            return F.linear(hidden * route_weight[:, None].to(hidden.dtype), w2)
+        return F.linear(hidden, w2) * route_weight[:, None].to(hidden.dtype)
+
+    def per_expert_outputs(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                           slot_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Weighted output of every (token, slot) -> [T, K, D]; zero where slot_mask is False.
+
+        Every selected slot's expert must be held here (else ExpertNotHeld)."""
+        selected = torch.ones_like(ids, dtype=torch.bool) if slot_mask is None else slot_mask
+        out = hidden.new_zeros(ids.shape[0], ids.shape[1], hidden.shape[1])
+        for expert in torch.unique(ids[selected]).tolist():  # ascending
+            if (layer, expert) not in self._weights:
+                raise ExpertNotHeld(f"expert ({layer}, {expert}) is not held here")
+            token_idx, slot_idx = torch.where((ids == expert) & selected)
+            out[token_idx, slot_idx] = self._expert(layer, expert, hidden[token_idx], weights[token_idx, slot_idx])
+        return out
+
+    def __call__(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, D], ids/weights [T, K] -> routed sum [T, D]. Raises ExpertNotHeld."""
+        return sum_slots_in_order(self.per_expert_outputs(layer, hidden, ids, weights))
+
+
+class MultiHolderExperts:
+    """Routes each slot to the first holder that has its expert, then sums slots in order.
+
+    The single-process stand-in for dispatching to several expert workers."""
+
+    def __init__(self, holders: list[RoutedExperts]) -> None:
+        self.holders = list(holders)
+
+    def __call__(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        slot_outputs = hidden.new_zeros(ids.shape[0], ids.shape[1], hidden.shape[1])
+        assigned = torch.zeros_like(ids, dtype=torch.bool)
+        for holder in self.holders:
+            mask = holder.held_mask(layer, ids) & ~assigned
+            if mask.any():
+                part = holder.per_expert_outputs(layer, hidden, ids, weights, slot_mask=mask)
+                slot_outputs = torch.where(mask[..., None], part, slot_outputs)
+                assigned |= mask
+        if not bool(assigned.all()):
+            missing = sorted(set(ids[~assigned].tolist()))
+            raise ExpertNotHeld(f"layer {layer}: experts {missing} are held by no holder")
+        return sum_slots_in_order(slot_outputs)

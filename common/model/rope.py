@@ -1,0 +1,77 @@
+"""Interleaved partial RoPE (spec §2.4), with YaRN frequency scaling on compressed layers.
+
+The rotary part is the trailing `rope_dim` channels of a vector; pairs are adjacent channels
+(2i, 2i+1) rotated by angle pos · ω_i (GPT-J / complex convention, not NeoX rotate-half).
+Frequencies are computed with the same float32 operations as transformers 5.23.0 so the tables
+are bit-identical to it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from common.model.config import ModelConfig, YarnConfig
+
+
+def inverse_frequencies(rope_dim: int, theta: float, yarn: YarnConfig | None) -> torch.Tensor:
+    """ω_i for i in 0..rope_dim/2-1, float32 [rope_dim / 2]."""
+    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float) / rope_dim
+    if yarn is None:
+        return 1.0 / (theta**exponents)
+    pos_freqs = theta**exponents
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (yarn.factor * pos_freqs)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (rope_dim * math.log(yarn.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(theta)
+        )
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: pair keeps its frequency; 0: pair slowed by `factor`
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+@dataclass(frozen=True)
+class RotaryTable:
+    """Frequencies of one RoPE kind ("main": window-only layers; "compress": CSA/HCA layers)."""
+
+    name: str
+    rope_dim: int
+    inv_freq: torch.Tensor  # [R/2] float32
+
+    @classmethod
+    def for_config(cls, config: ModelConfig, compressed: bool) -> "RotaryTable":
+        if compressed:
+            freqs = inverse_frequencies(config.qk_rope_head_dim, config.compress_rope_theta, config.yarn)
+            return cls("compress", config.qk_rope_head_dim, freqs)
+        return cls("main", config.qk_rope_head_dim, inverse_frequencies(config.qk_rope_head_dim, config.rope_theta, None))
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] int -> (cos, sin) each [N, R/2] float32."""
+        angles = positions[:, None].float() * self.inv_freq.to(positions.device)
+        return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing 2·cos.shape[-1] channels of x in interleaved pairs; pass -sin to undo.
+
+    x [N, ..., C] (any number of middle dims, e.g. heads), cos/sin [N, R/2]. Math in fp32.
+    """
+    half = cos.shape[-1]
+    rope_dim = 2 * half
+    view_shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos = cos.view(view_shape)
+    sin = sin.view(view_shape)
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    pairs = rope.float().unflatten(-1, (half, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)

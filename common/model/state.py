@@ -1,0 +1,241 @@
+"""Per-sequence decode state (spec §3), laid out so that rollback is only a counter change.
+
+One `SequenceState` per sequence holds one `LayerState` per layer:
+- `WindowStore`: raw kv rows in a ring of `sliding_window + max_rollback_tokens` rows (slot = pos mod
+  ring). Attention at position t needs rows t-W+1..t, so after rolling back n ≤ max_rollback tokens
+  every row still needed is intact.
+- `CompressorStore` (CSA/HCA main compressor; CSA indexer compressor): the projected compressor
+  inputs (K, Z) of the last R·m positions in a ring (CSA also needs the previous window for the
+  overlap), plus the emitted rows, append-only; `num_rows = num_tokens // ratio` so a rollback
+  simply forgets rows past the new count. R is chosen from `max_rollback_tokens`.
+
+Invariant: every store of a sequence advances by the same token count per forward; the
+`SequenceState.num_tokens` counter is the authority and is advanced once the whole forward is done.
+Rollback is allowed while the total distance below the highest position ever reached ("high
+water") stays within `max_rollback_tokens`; beyond that, ring slots may have been overwritten.
+Storage is kept behind these small classes so a paged GPU/CPU pool can replace them later.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from common.model.config import AttentionKind, ModelConfig
+
+DEFAULT_MAX_ROLLBACK_TOKENS = 8
+
+
+class RollbackError(ValueError):
+    """Rolling back further than the state retains."""
+
+
+class _RingCounter:
+    """num_tokens and the high-water mark shared by the ring stores."""
+
+    def __init__(self, max_rollback_tokens: int) -> None:
+        self.num_tokens = 0
+        self.high_water = 0
+        self.max_rollback_tokens = max_rollback_tokens
+
+    def check_readable(self, start_pos: int, ring_size: int, what: str) -> None:
+        if start_pos < self.high_water - ring_size or start_pos < 0 or start_pos > self.num_tokens:
+            raise RollbackError(
+                f"{what}: position {start_pos} not retained (num_tokens={self.num_tokens}, "
+                f"high_water={self.high_water}, ring={ring_size})"
+            )
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens < 0 or num_tokens > self.num_tokens:
+            raise RollbackError(f"cannot roll back {num_tokens} of {self.num_tokens} tokens")
+        if self.high_water - (self.num_tokens - num_tokens) > self.max_rollback_tokens:
+            raise RollbackError(
+                f"rollback to {self.num_tokens - num_tokens} is more than max_rollback_tokens="
+                f"{self.max_rollback_tokens} below the high-water mark {self.high_water}"
+            )
+        self.num_tokens -= num_tokens
+
+    def advance(self, num_tokens: int) -> None:
+        self.num_tokens += num_tokens
+        self.high_water = max(self.high_water, self.num_tokens)
+
+
+def _write_ring(ring: torch.Tensor, first_pos: int, rows: torch.Tensor) -> None:
+    """rows [n, C] for positions first_pos.. into ring [S, C] at slot = pos mod S (last S rows only)."""
+    ring_size = ring.shape[0]
+    if rows.shape[0] > ring_size:
+        first_pos += rows.shape[0] - ring_size
+        rows = rows[-ring_size:]
+    slots = torch.arange(first_pos, first_pos + rows.shape[0], device=ring.device) % ring_size
+    ring[slots] = rows.to(ring.dtype)
+
+
+def _read_ring(ring: torch.Tensor, start_pos: int, end_pos: int) -> torch.Tensor:
+    slots = torch.arange(start_pos, end_pos, device=ring.device) % ring.shape[0]
+    return ring[slots]
+
+
+class WindowStore:
+    """Raw (normed, rotated) kv rows of the sliding window. rows [ring, C]."""
+
+    def __init__(self, sliding_window: int, row_dim: int, max_rollback_tokens: int, dtype, device) -> None:
+        self.ring_size = sliding_window + max_rollback_tokens
+        self._rows = torch.zeros(self.ring_size, row_dim, dtype=dtype, device=device)
+        self._counter = _RingCounter(max_rollback_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._counter.num_tokens
+
+    def read(self, start_pos: int) -> torch.Tensor:
+        """Rows of positions start_pos .. num_tokens-1 -> [n, C]."""
+        self._counter.check_readable(start_pos, self.ring_size, "window")
+        return _read_ring(self._rows, start_pos, self.num_tokens)
+
+    def append(self, rows: torch.Tensor) -> None:
+        """rows [n, C] for positions num_tokens .. num_tokens+n-1."""
+        _write_ring(self._rows, self.num_tokens, rows)
+        self._counter.advance(rows.shape[0])
+
+    def rollback(self, num_tokens: int) -> None:
+        self._counter.rollback(num_tokens)
+
+    def live_tensors(self, window: int) -> dict[str, torch.Tensor]:
+        start = max(0, self.num_tokens - window + 1)
+        return {"window": self.read(start)}
+
+
+class CompressorStore:
+    """Pending compressor inputs (K, Z per position) and emitted rows of one compressor.
+
+    inputs ring [R·m, C_in] fp32 (C_in = c·row_dim, c = 2 with overlap); rows [capacity, row_dim].
+    """
+
+    def __init__(self, ratio: int, input_dim: int, row_dim: int, overlap: bool, max_rollback_tokens: int,
+                 dtype, device, initial_row_capacity: int = 64) -> None:
+        self.ratio = ratio
+        self.overlap = overlap
+        # positions still needed after a rollback of max_rollback_tokens: the open window, plus the
+        # previous window when overlapping -> up to max_rollback + 2m - 1 (or + m - 1) positions back.
+        needed = max_rollback_tokens + (2 * ratio - 1 if overlap else ratio - 1)
+        self.ring_size = max(math.ceil(needed / ratio), 2 if overlap else 1) * ratio
+        self._kv = torch.zeros(self.ring_size, input_dim, dtype=torch.float32, device=device)
+        self._score = torch.zeros(self.ring_size, input_dim, dtype=torch.float32, device=device)
+        self._rows = torch.zeros(initial_row_capacity, row_dim, dtype=dtype, device=device)
+        self._counter = _RingCounter(max_rollback_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._counter.num_tokens
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens // self.ratio
+
+    def first_needed_position(self) -> int:
+        """First position whose inputs the next window close needs (open window, or the one before)."""
+        open_window = self.num_tokens // self.ratio
+        return max(0, (open_window - (1 if self.overlap else 0)) * self.ratio)
+
+    def read_inputs(self, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, Z) of positions start_pos .. num_tokens-1, each [n, C_in] fp32."""
+        self._counter.check_readable(start_pos, self.ring_size, "compressor inputs")
+        return _read_ring(self._kv, start_pos, self.num_tokens), _read_ring(self._score, start_pos, self.num_tokens)
+
+    def append_inputs(self, kv: torch.Tensor, score: torch.Tensor) -> None:
+        _write_ring(self._kv, self.num_tokens, kv.float())
+        _write_ring(self._score, self.num_tokens, score.float())
+        self._counter.advance(kv.shape[0])
+
+    def write_rows(self, first_row: int, rows: torch.Tensor) -> None:
+        """rows [n, row_dim] as rows first_row.. (must not be past num_rows when called)."""
+        end = first_row + rows.shape[0]
+        if end > self._rows.shape[0]:
+            grown = torch.zeros(max(end, 2 * self._rows.shape[0]), self._rows.shape[1],
+                                dtype=self._rows.dtype, device=self._rows.device)
+            grown[: self._rows.shape[0]] = self._rows
+            self._rows = grown
+        self._rows[first_row:end] = rows.to(self._rows.dtype)
+
+    def read_rows(self) -> torch.Tensor:
+        """All emitted rows of this sequence -> [num_rows, row_dim]."""
+        return self._rows[: self.num_rows]
+
+    def rollback(self, num_tokens: int) -> None:
+        self._counter.rollback(num_tokens)
+
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        kv, score = self.read_inputs(self.first_needed_position())
+        return {"rows": self.read_rows(), "pending_kv": kv, "pending_score": score}
+
+
+@dataclass
+class LayerState:
+    kind: AttentionKind
+    window: WindowStore
+    compressor: CompressorStore | None = None
+    indexer: CompressorStore | None = None  # CSA only
+
+    def stores(self) -> list[WindowStore | CompressorStore]:
+        return [s for s in (self.window, self.compressor, self.indexer) if s is not None]
+
+
+class SequenceState:
+    """Everything one sequence needs to continue: per-layer stores and the token count."""
+
+    def __init__(self, config: ModelConfig, *, max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.max_rollback_tokens = max_rollback_tokens
+        self.num_tokens = 0
+        self.layers: list[LayerState] = []
+        for layer, kind in enumerate(config.layer_types):
+            window = WindowStore(config.sliding_window, config.head_dim, max_rollback_tokens, dtype, device)
+            state = LayerState(kind, window)
+            ratio = config.compress_ratio(layer)
+            if kind is AttentionKind.CSA:
+                state.compressor = CompressorStore(ratio, 2 * config.head_dim, config.head_dim, True,
+                                                   max_rollback_tokens, dtype, device)
+                state.indexer = CompressorStore(ratio, 2 * config.index_head_dim, config.index_head_dim, True,
+                                                max_rollback_tokens, dtype, device)
+            elif kind is AttentionKind.HCA:
+                state.compressor = CompressorStore(ratio, config.head_dim, config.head_dim, False,
+                                                   max_rollback_tokens, dtype, device)
+            self.layers.append(state)
+
+    def advance(self, num_tokens: int) -> None:
+        """Called once a forward over num_tokens new tokens has updated every layer."""
+        target = self.num_tokens + num_tokens
+        for layer, state in enumerate(self.layers):
+            for store in state.stores():
+                if store.num_tokens != target:
+                    raise RuntimeError(f"layer {layer} store at {store.num_tokens} tokens, expected {target}")
+        self.num_tokens = target
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last num_tokens tokens exactly (speculative verification)."""
+        if num_tokens == 0:
+            return
+        for state in self.layers:
+            for store in state.stores():
+                store.rollback(num_tokens)
+        self.num_tokens -= num_tokens
+
+    def clone(self) -> "SequenceState":
+        import copy
+
+        return copy.deepcopy(self)
+
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the next step can read, by name (for state-equality tests)."""
+        out: dict[str, torch.Tensor] = {}
+        for layer, state in enumerate(self.layers):
+            for name, tensor in state.window.live_tensors(self.config.sliding_window).items():
+                out[f"layers.{layer}.{name}"] = tensor
+            for prefix, store in (("compressor", state.compressor), ("indexer", state.indexer)):
+                if store is not None:
+                    for name, tensor in store.live_tensors().items():
+                        out[f"layers.{layer}.{prefix}.{name}"] = tensor
+        return out
