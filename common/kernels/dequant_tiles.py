@@ -1,0 +1,65 @@
+"""Triton device functions that load one weight tile and dequantise it to fp32 in registers.
+
+Legend: BN rows (output features) of the tile, BK input features (the dot's K side), G = BK/32.
+
+Both helpers return the fp32 tile [BN, BK] with the ue8m0 scale already applied; callers cast
+it to the activation dtype for `tl.dot`. The e2m1 and e4m3 values times a power of two are exact
+in fp32 and in bf16 (same exponent range), so the cast loses nothing.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def fp4_tile(
+    w_ptr, s_ptr, offs_n, mask_n, k_begin, stride_wn, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """FP4 e2m1 packed [N, K/2] (low nibble = even k) with ue8m0 [N, K/32]: tile at rows offs_n, k_begin.
+
+    Decode in ~6 operations per element: the nibble's three magnitude bits (e1 e0 m) placed at
+    bits 24..22 of an fp32 (its two lowest exponent bits and top mantissa bit), with the sign at
+    bit 31, give exactly LUT[code] * 2^-126 for every code, the zero-exponent codes (0, 0.5)
+    landing on fp32 subnormals. Multiplied by 2^(s - 127 + 126) (exact: fp32 multiplies keep
+    subnormal inputs; Triton's FTZ flag only affects libdevice calls), that is
+    LUT[code] * 2^(s - 127). Exact for scale bytes 0..191 (real checkpoints use ~110..130). `k_begin` must be a multiple of 32.
+    """
+    NUM_GROUPS: tl.constexpr = BLOCK_K // 32
+    offs_g = tl.arange(0, NUM_GROUPS)  # [G]
+    offs_b = tl.arange(0, 16)  # 16 bytes = 32 codes per scale group
+    byte_cols = (k_begin // 2) + offs_g[:, None] * 16 + offs_b[None, :]  # [G, 16]
+    packed = tl.load(
+        w_ptr + offs_n[:, None, None] * stride_wn + byte_cols[None, :, :], mask=mask_n[:, None, None], other=0
+    ).to(tl.uint8, bitcast=True).to(tl.int32)  # [BN, G, 16]
+    s = tl.load(s_ptr + offs_n[:, None] * stride_sn + (k_begin // 32) + offs_g[None, :], mask=mask_n[:, None], other=127)
+    # 2^(s - 1) = 2^63 * 2^(s - 64): two exact factors, each a normal fp32 for every byte 0..191.
+    factor = ((s.to(tl.int32) + 63) << 23).to(tl.float32, bitcast=True)[:, :, None]  # [BN, G, 1]
+    low = (_e2m1_times_2_pow_minus_126(packed) * 9.223372036854775808e18) * factor  # [BN, G, 16] even k
+    high = (_e2m1_times_2_pow_minus_126(packed >> 4) * 9.223372036854775808e18) * factor  # [BN, G, 16] odd k
+    return tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])  # [BN, BK]
+
+
+@triton.jit
+def _e2m1_times_2_pow_minus_126(code):
+    """int32 code in the low 4 bits (higher bits ignored) -> fp32 LUT[code] * 2^-126."""
+    bits = ((code & 7) << 22) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_tile(w_ptr, s_ptr, offs_n, mask_n, k_begin, num_cols, stride_wn, stride_sn, BLOCK_K: tl.constexpr):
+    """FP8 e4m3 [N, K] with ue8m0 [ceil(N/128), ceil(K/128)]: tile at rows offs_n, k_begin.
+
+    BLOCK_K must divide 128 and k_begin be a multiple of BLOCK_K, so the tile spans one scale column.
+    """
+    offs_k = k_begin + tl.arange(0, BLOCK_K)
+    w_bytes = tl.load(
+        w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+        mask=mask_n[:, None] & (offs_k[None, :] < num_cols),
+        other=0,
+    )  # [BN, BK]
+    s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k_begin // 128, mask=mask_n, other=127)
+    scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # [BN] 2^(s - 127)
+    return w_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
