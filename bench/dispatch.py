@@ -1,0 +1,253 @@
+"""Round-trip cost of one Dispatch/Combine, against a plain in-process call.
+
+For T tokens of a [T, D] activation (D = 4096, bf16), K = 6 top-k ids and weights, measure:
+- `call`:  the trivial expert op called in-process (no wire at all), the floor;
+- `codec`: encode + decode of Dispatch and Combine in-process (no socket), the codec's share;
+- `ipc`, `tcp`: a full round trip to an expert process on this host over ipc:// or tcp://
+  loopback (SyncClient -> the service skeleton's loop -> trivial op -> Combine), tensors
+  sent from staging buffers (pinned when CUDA is available).
+
+The expert process runs `EchoExpert` on the real service skeleton (`ServiceRunner`); its
+op is `output = hidden * sum_k(weights)`. Prints median and p90 per case in microseconds
+and writes `bench/results/dispatch-<time>.json` with ratios to the in-process call.
+
+    python -m bench.dispatch                       # T = 1, 8, 64, 2048 on the CPU
+    python -m bench.dispatch --device cuda:0       # tensors on the GPU, pinned staging
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TOKENS = (1, 8, 64, 2048)
+# iterations per token count: enough for a stable median in a few seconds per case
+DEFAULT_ITERATIONS = {1: 2000, 8: 2000, 64: 1000, 2048: 60}
+
+
+def expert_op(dispatch: Any) -> Any:
+    """The trivial expert: output [T, D] = hidden [T, D] * sum_k weights [T, K]."""
+    from common.wire.messages import Combine
+
+    scale = dispatch.weights.sum(-1, keepdim=True).to(dispatch.hidden.dtype)  # [T, 1]
+    return Combine(
+        dispatch_id=dispatch.dispatch_id, step_id=dispatch.step_id, layer=dispatch.layer,
+        micro_batch=dispatch.micro_batch, output=dispatch.hidden * scale,
+    )
+
+
+def serve_expert(endpoint: str, device: str, use_staging: bool) -> int:
+    """The expert process: the service skeleton with one handler."""
+    from common.runtime.service import Service, ServiceConfig, run_service
+    from common.wire.messages import Dispatch, ServiceRole
+    from common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
+
+    class EchoExpert(Service):
+        accepts = (Dispatch,)
+
+        async def load(self) -> None:
+            self.ring = RecvStagingRing(device)
+
+        async def handle(self, message: Any) -> Any:
+            match message:
+                case Dispatch() as dispatch:
+                    on_device = Dispatch(
+                        dispatch_id=dispatch.dispatch_id, step_id=dispatch.step_id, layer=dispatch.layer,
+                        micro_batch=dispatch.micro_batch, hidden=self.ring.to_device(dispatch.hidden),
+                        expert_ids=dispatch.expert_ids, weights=self.ring.to_device(dispatch.weights),
+                    )
+                    return expert_op(on_device)
+
+    service = EchoExpert()
+    if use_staging:  # replies leave from recycled (pinned on CUDA hosts) staging buffers
+        service.reply_staging = SendStagingPool(StagingConfig(num_buffers=4, buffer_bytes=64 << 20))
+    runner_config = ServiceConfig(name="bench-expert", role=ServiceRole.EXPERT, endpoint=endpoint,
+                                  supervisor_endpoint=None, device=device)
+    return run_service(service, runner_config)
+
+
+def _percentiles(samples_ns: list[int]) -> dict[str, float]:
+    ordered = sorted(samples_ns)
+    return {
+        "median_us": statistics.median(ordered) / 1000,
+        "p90_us": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] / 1000,
+        "num_iterations": len(ordered),
+    }
+
+
+def _make_dispatch(num_tokens: int, hidden_size: int, top_k: int, device: str) -> Any:
+    import torch
+
+    from common.wire.messages import Dispatch
+
+    generator = torch.Generator().manual_seed(num_tokens)
+    hidden = torch.randn(num_tokens, hidden_size, generator=generator).to(torch.bfloat16)  # [T, D]
+    expert_ids = torch.randint(0, 256, (num_tokens, top_k), dtype=torch.int32, generator=generator)  # [T, K]
+    weights = torch.rand(num_tokens, top_k, generator=generator)  # [T, K]
+    return Dispatch(dispatch_id=0, step_id=0, layer=3, micro_batch=0, hidden=hidden.to(device),
+                    expert_ids=expert_ids, weights=weights.to(device))
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _time_call(dispatch: Any, iterations: int, device: str) -> list[int]:
+    samples = []
+    for _ in range(iterations):
+        start = time.perf_counter_ns()
+        expert_op(dispatch).output
+        _sync(device)
+        samples.append(time.perf_counter_ns() - start)
+    return samples
+
+
+def _time_codec(dispatch: Any, ring: Any, iterations: int, device: str) -> list[int]:
+    """Both messages through encode + decode and the host<->device copies, no socket."""
+    import dataclasses
+
+    from common.wire import codec
+
+    samples = []
+    for _ in range(iterations):
+        start = time.perf_counter_ns()
+        received = codec.decode(codec.encode(dispatch))
+        on_device = dataclasses.replace(received, hidden=ring.to_device(received.hidden),
+                                        weights=ring.to_device(received.weights))
+        combine = codec.decode(codec.encode(expert_op(on_device)))
+        ring.to_device(combine.output)
+        _sync(device)
+        samples.append(time.perf_counter_ns() - start)
+    return samples
+
+
+def _time_socket(client: Any, pool: Any, ring: Any, dispatch: Any, iterations: int, device: str) -> list[int]:
+    samples = []
+    for _ in range(iterations):
+        start = time.perf_counter_ns()
+        combine = client.request(dispatch, timeout_s=30, staging=pool)
+        ring.to_device(combine.output)
+        _sync(device)
+        samples.append(time.perf_counter_ns() - start)
+    return samples
+
+
+def _start_expert(endpoint: str, device: str, use_staging: bool, num_threads: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "bench.dispatch", "--serve-expert", endpoint, "--device", device,
+               "--num-threads", str(num_threads)]
+    if not use_staging:
+        command.append("--no-staging")
+    return subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1])
+
+
+def _wait_until_serving(client: Any, deadline_s: float) -> None:
+    from common.wire.errors import ReplyTimeout
+    from common.wire.messages import Ping
+
+    while True:
+        try:
+            client.request(Ping(nonce=1), timeout_s=10.0)
+            return
+        except ReplyTimeout:
+            if time.monotonic() > deadline_s:
+                raise
+
+
+def run_benchmark(args: argparse.Namespace) -> tuple[dict, dict]:
+    import zmq
+
+    from common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
+    from common.wire.transport import SyncClient
+
+    dispatches = {t: _make_dispatch(t, args.hidden, args.top_k, args.device) for t in args.tokens}
+    max_bytes = max(t for t in args.tokens) * args.hidden * 2 + (1 << 20)
+    pool = SendStagingPool(StagingConfig(num_buffers=4, buffer_bytes=max_bytes)) if args.staging else None
+    ring = RecvStagingRing(args.device, num_slots=4, slot_bytes=max_bytes)
+    raw: dict[str, dict[str, dict]] = {}
+    for num_tokens, dispatch in dispatches.items():
+        iterations = max(5, int(DEFAULT_ITERATIONS.get(num_tokens, 100) * args.iteration_scale))
+        raw[str(num_tokens)] = {
+            "call": _percentiles(_time_call(dispatch, iterations, args.device)),
+            "codec": _percentiles(_time_codec(dispatch, ring, iterations, args.device)),
+        }
+    context = zmq.Context()
+    with tempfile.TemporaryDirectory(prefix="moemesh-bench-") as run_dir:
+        for transport in args.transports:
+            endpoint = f"ipc://{run_dir}/expert.sock" if transport == "ipc" else f"tcp://127.0.0.1:{args.tcp_port}"
+            expert = _start_expert(endpoint, args.device, args.staging, args.num_threads)
+            client = SyncClient(endpoint, context=context)
+            try:
+                _wait_until_serving(client, time.monotonic() + 60)
+                for num_tokens, dispatch in dispatches.items():
+                    iterations = max(5, int(DEFAULT_ITERATIONS.get(num_tokens, 100) * args.iteration_scale))
+                    _time_socket(client, pool, ring, dispatch, min(20, iterations), args.device)  # warm-up
+                    samples = _time_socket(client, pool, ring, dispatch, iterations, args.device)
+                    raw[str(num_tokens)][transport] = _percentiles(samples)
+            finally:
+                client.close()
+                expert.terminate()
+                expert.wait(30)
+    context.term()
+    ratios = {
+        tokens: {f"{case}_over_call": cases[case]["median_us"] / cases["call"]["median_us"]
+                 for case in cases if case != "call"}
+        for tokens, cases in raw.items()
+    }
+    return raw, ratios
+
+
+def _print_table(raw: dict, args: argparse.Namespace) -> None:
+    cases = ["call", "codec", *args.transports]
+    print(f"Dispatch/Combine round trip, [T, {args.hidden}] bf16, top-k {args.top_k}, device {args.device}, "
+          f"staging {'on' if args.staging else 'off'}; median / p90 in microseconds")
+    print(f"{'T tokens':>9} | " + " | ".join(f"{case:>19}" for case in cases))
+    for tokens, results in raw.items():
+        cells = [f"{results[c]['median_us']:>9.1f} / {results[c]['p90_us']:>7.1f}" for c in cases]
+        print(f"{tokens:>9} | " + " | ".join(cells))
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench.dispatch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=lambda text: [int(t) for t in text.split(",")], default=list(DEFAULT_TOKENS))
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--transports", type=lambda text: text.split(","), default=["ipc", "tcp"])
+    parser.add_argument("--tcp-port", type=int, default=5699)
+    parser.add_argument("--iteration-scale", type=float, default=1.0, help="multiply the iteration counts")
+    parser.add_argument("--no-staging", dest="staging", action="store_false", help="send from tensor memory")
+    parser.add_argument("--no-write", dest="write", action="store_false", help="do not write a result file")
+    parser.add_argument("--num-threads", type=int, default=1,
+                        help="torch threads per process (client and expert share the host's cores)")
+    parser.add_argument("--serve-expert", metavar="ENDPOINT", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.num_threads)
+    if args.serve_expert:
+        return serve_expert(args.serve_expert, args.device, args.staging)
+    raw, ratios = run_benchmark(args)
+    _print_table(raw, args)
+    if args.write:
+        from bench.results_io import write_result
+
+        path = write_result("dispatch", raw, ratios)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""One TOML file describes a whole deployment; parsed once into frozen dataclasses.
+
+Example (every key optional except the model path and one attention and expert worker):
+
+    [model]
+    path = "models/tiny-dsv4"
+    dtype = "auto"                 # auto: float32 on CPU, bfloat16 on GPUs
+
+    [paths]
+    run_dir = "/tmp/moemesh"       # ipc sockets live here
+    log_dir = "/tmp/moemesh/logs"
+
+    [router]
+    host = "127.0.0.1"
+    port = 8000
+
+    [network]
+    base_port = 5600               # tcp ports for the internal endpoints (multi-host only)
+
+    [timeouts]
+    dispatch_s = 5.0
+    step_s = 30.0
+    ready_s = 600.0
+    drain_s = 30.0
+    heartbeat_interval_s = 1.0
+
+    [[attention]]
+    name = "attention-0"
+    device = "cuda:0"
+
+    [[expert]]
+    name = "expert-0"
+    device = "cuda:0"
+    placement = "all"              # "all", or a placement file path
+
+    [draft]
+    enabled = true
+    device = "cuda:0"
+
+    [security]                     # see common/security and deploy/README.md
+    keys_dir = "/etc/moemesh/keys" # CURVE on every socket; absent: plain (loopback/ipc only)
+    insecure = false               # true: allow tcp beyond loopback without CURVE
+    api_key_file = "/etc/moemesh/api_keys"   # gateway Bearer tokens, one per line
+
+Overrides (`--set key=value`, dotted, list entries by index: `expert[1].device=cpu`, or
+without an index when the list has one entry: `attention.device=cuda:0`) are applied to
+the raw table before validation, so every error names the full key that is wrong.
+Endpoints are derived in `derive_endpoints` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.security.cli_args import add_security_arguments
+
+
+class DeploymentError(ValueError):
+    """A deployment config that cannot be used; the message starts with the bad key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    run_dir: str = "/tmp/moemesh"
+    log_dir: str = "/tmp/moemesh/logs"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    base_port: int = 5600
+
+
+@dataclass(frozen=True)
+class TimeoutsConfig:
+    dispatch_s: float = 5.0
+    step_s: float = 30.0
+    ready_s: float = 600.0
+    drain_s: float = 30.0
+    heartbeat_interval_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class AttentionWorkerConfig:
+    name: str
+    device: str = "cpu"
+    host: str | None = None  # None: the router's host (single-host deployments)
+
+
+@dataclass(frozen=True)
+class ExpertWorkerConfig:
+    name: str
+    device: str = "cpu"
+    placement: str = "all"
+    host: str | None = None
+
+
+@dataclass(frozen=True)
+class DraftWorkerConfig:
+    enabled: bool = False
+    device: str = "cpu"
+    name: str = "draft"
+    host: str | None = None
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """CURVE between services and Bearer keys at the gateway (common/security reads it).
+    `api_keys` is excluded from repr so logging a config does not print secrets."""
+
+    keys_dir: str | None = None  # None: no CURVE; tcp beyond loopback then needs `insecure`
+    allowed_clients_dir: str | None = None  # None: the public keys in keys_dir
+    insecure: bool = False
+    api_key_file: str | None = None
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    model: ModelConfig
+    attention: tuple[AttentionWorkerConfig, ...]
+    expert: tuple[ExpertWorkerConfig, ...]
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    draft: DraftWorkerConfig = field(default_factory=DraftWorkerConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    @property
+    def is_multi_host(self) -> bool:
+        hosts = [worker.host for worker in (*self.attention, *self.expert, self.draft) if worker.host]
+        return any(host != self.router.host for host in hosts)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Every internal endpoint of a deployment. `supervisor` receives Ready and Heartbeat."""
+
+    supervisor: str
+    attention: dict[str, str]  # worker name -> endpoint it binds
+    expert: dict[str, str]
+    draft: str | None
+
+
+def derive_endpoints(deployment: Deployment) -> Endpoints:
+    """ipc:// sockets under run_dir on one host; tcp:// (host:base_port + offset) when any
+    worker names a host other than the router's. The one place endpoints are made."""
+    _check_unique_names(deployment)
+    names = ["supervisor", *(w.name for w in deployment.attention), *(w.name for w in deployment.expert)]
+    if deployment.draft.enabled:
+        names.append(deployment.draft.name)
+    hosts = {"supervisor": deployment.router.host}
+    for worker in (*deployment.attention, *deployment.expert, deployment.draft):
+        hosts[worker.name] = worker.host or deployment.router.host
+    if deployment.is_multi_host:
+        port_of = {name: deployment.network.base_port + offset for offset, name in enumerate(names)}
+        endpoint_of = {name: f"tcp://{hosts[name]}:{port_of[name]}" for name in names}
+    else:
+        run_dir = Path(deployment.paths.run_dir)
+        endpoint_of = {name: f"ipc://{run_dir / (name + '.sock')}" for name in names}
+    return Endpoints(
+        supervisor=endpoint_of["supervisor"],
+        attention={w.name: endpoint_of[w.name] for w in deployment.attention},
+        expert={w.name: endpoint_of[w.name] for w in deployment.expert},
+        draft=endpoint_of[deployment.draft.name] if deployment.draft.enabled else None,
+    )
+
+
+# ------------------------------------------------------------------ loading
+
+
+def load_deployment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Deployment:
+    """Read, override and validate a deployment TOML file."""
+    try:
+        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise DeploymentError(f"{path}: cannot read: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise DeploymentError(f"{path}: not valid TOML: {error}") from None
+    return parse_deployment(raw, overrides)
+
+
+def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Deployment:
+    for override in overrides:
+        apply_override(raw, override)
+    deployment = _build(Deployment, raw, "")
+    if not deployment.attention:
+        raise DeploymentError("attention: at least one attention worker is required")
+    if not deployment.expert:
+        raise DeploymentError("expert: at least one expert worker is required")
+    if deployment.timeouts.heartbeat_interval_s <= 0:
+        raise DeploymentError("timeouts.heartbeat_interval_s: must be > 0")
+    _check_unique_names(deployment)
+    return deployment
+
+
+def _check_unique_names(deployment: Deployment) -> None:
+    """Names key the endpoints and log files, so they must differ ('supervisor' is taken)."""
+    seen = {"supervisor": "the supervisor endpoint"}
+    keyed = [(f"attention[{i}].name", w.name) for i, w in enumerate(deployment.attention)]
+    keyed += [(f"expert[{i}].name", w.name) for i, w in enumerate(deployment.expert)]
+    if deployment.draft.enabled:
+        keyed.append(("draft.name", deployment.draft.name))
+    for key, name in keyed:
+        if name in seen:
+            raise DeploymentError(f"{key}: {name!r} is already used by {seen[name]}")
+        seen[name] = key
+
+
+_SEGMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\[(\d+)\])?$")
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Apply `a.b[1].c=value` to the raw table in place. Values parse as TOML when they
+    can (`3`, `true`, `"x"`, `[1, 2]`) and are taken as plain strings otherwise."""
+    key, sep, text = override.partition("=")
+    if not sep or not key.strip():
+        raise DeploymentError(f"{override!r}: overrides are key=value")
+    key = key.strip()
+    try:
+        value = tomllib.loads(f"value = {text.strip()}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    parts: list[str | int] = []
+    for segment in key.replace("]", "].").split("."):
+        if segment.isdigit():
+            parts.append(int(segment))
+            continue
+        if not segment:
+            continue
+        match = _SEGMENT.match(segment)
+        if match is None:
+            raise DeploymentError(f"{key}: bad key syntax")
+        parts.append(match.group(1))
+        if match.group(2) is not None:
+            parts.append(int(match.group(2)))
+    node: Any = raw
+    for position, part in enumerate(parts[:-1]):
+        following = parts[position + 1]
+        where = _render_key(parts[: position + 1])
+        if isinstance(part, int):
+            if not isinstance(node, list) or part >= len(node):
+                raise DeploymentError(f"{where}: no such entry")
+            node = node[part]
+            continue
+        child = node.setdefault(part, [] if isinstance(following, int) else {})
+        if isinstance(child, list) and not isinstance(following, int):
+            if len(child) != 1:
+                raise DeploymentError(f"{where}: {len(child)} entries, name one as {part}[i]")
+            child = child[0]
+        node = child
+    last = parts[-1]
+    if isinstance(last, int) or not isinstance(node, dict):
+        raise DeploymentError(f"{key}: must name a key inside a table")
+    node[last] = value
+
+
+def _render_key(parts: list[str | int]) -> str:
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+    return text
+
+
+def _build(cls: type, table: Any, where: str) -> Any:
+    """Build dataclass `cls` from a TOML table; errors name the key (`expert[1].device`)."""
+    if not isinstance(table, dict):
+        raise DeploymentError(f"{where or '<root>'}: expected a table, got {type(table).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        raise DeploymentError(f"{_join(where, unknown[0])}: unknown key (known: {sorted(fields)})")
+    values = {}
+    for name, item in table.items():
+        values[name] = _convert(hints[name], item, _join(where, name))
+    for name, spec in fields.items():
+        if name not in values and spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+            raise DeploymentError(f"{_join(where, name)}: required key is missing")
+    return cls(**values)
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        non_none = [arg for arg in args if arg is not type(None)]
+        return _convert(non_none[0], value, where)  # TOML has no null: a present key is a value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise DeploymentError(f"{where}: expected an array, got {type(value).__name__}")
+        return tuple(_convert(args[0], item, f"{where}[{i}]") for i, item in enumerate(value))
+    if tp is float and type(value) in (int, float):
+        return float(value)
+    if tp in (str, int, bool) and type(value) is tp:
+        return value
+    raise DeploymentError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__} {value!r:.40}")
+
+
+def add_deployment_arguments(parser: Any) -> None:
+    """`--config PATH` and repeatable `--set KEY=VALUE` on an argparse parser."""
+    parser.add_argument("--config", required=True, help="deployment TOML file")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override one config key, e.g. --set attention.device=cuda:0 (repeatable)",
+    )
+    add_security_arguments(parser, dest="overrides")  # --keys-dir, --insecure, --api-key[-file]
