@@ -2,7 +2,8 @@
 
 Per token t (all projections batched over the T tokens of the forward):
   q_lat = q_norm(wq_a x) -> q = wq_b q_lat [H, hd], per-head unweighted RMS, RoPE on the tail;
-  kv = kv_norm(wkv x) [hd], RoPE on the tail; this row enters the window ring.
+  kv = kv_norm(wkv x) [hd], RoPE on the tail (with `kv_fp8_qat`, FP8 quant-dequant of the first
+  nope_head_dim channels, spec §2.3); this row enters the window ring.
 Keys/values for t: raw rows of positions t-W+1..t, plus compressed rows: HCA all closed windows
 (w < (t+1)//m), CSA the indexer's top-k among those. Softmax has a per-head sink (an extra logit
 with no value). Values carry rotated dims, so the output tail is rotated back by -θ(t). The output
@@ -17,9 +18,10 @@ from torch import nn
 
 from common.model.batch import ForwardBatch
 from common.model.compressor import Compressor
-from common.model.config import AttentionKind, ModelConfig
+from common.model.config import AttentionKind, ModelConfig, NumericsConfig
 from common.model.indexer import Indexer
 from common.model.linear import GroupedLinear, Linear, RMSNorm, parameter, unweighted_rms_norm
+from common.model.qat import kv_nope_fp8_qat
 from common.model.rope import RotaryTable, apply_rope
 from common.model.state import LayerState
 
@@ -35,9 +37,13 @@ def attend_with_sink(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, *, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, config: ModelConfig, layer: int, *, dtype: torch.dtype, device=None,
+                 numerics: NumericsConfig | None = None) -> None:
         super().__init__()
         c = config
+        numerics = numerics or NumericsConfig()
+        # leading kv channels FP8-simulated (reference QAT); None = rows stay in the activation dtype
+        self.fp8_qat_nope_dim = c.nope_head_dim if numerics.kv_fp8_qat else None
         self.config = c
         self.layer = layer
         self.kind = c.layer_types[layer]
@@ -59,11 +65,11 @@ class Attention(nn.Module):
         self.indexer = None
         if self.kind is AttentionKind.CSA:
             self.compressor = Compressor(c.hidden_size, c.head_dim, ratio, True, c.rms_norm_eps,
-                                         dtype=dtype, device=device)
+                                         dtype=dtype, device=device, fp8_qat_nope_dim=self.fp8_qat_nope_dim)
             self.indexer = Indexer(c, dtype=dtype, device=device)
         elif self.kind is AttentionKind.HCA:
             self.compressor = Compressor(c.hidden_size, c.head_dim, ratio, False, c.rms_norm_eps,
-                                         dtype=dtype, device=device)
+                                         dtype=dtype, device=device, fp8_qat_nope_dim=self.fp8_qat_nope_dim)
         self.rope = RotaryTable.for_config(c, compressed=self.kind is not AttentionKind.WINDOW)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -74,6 +80,8 @@ class Attention(nn.Module):
         q = self.wq_b(q_lat).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]
         q = apply_rope(unweighted_rms_norm(q, self.config.rms_norm_eps), cos, sin)
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
+        if self.fp8_qat_nope_dim is not None:  # before storing and attending: every step reads these values
+            kv = kv_nope_fp8_qat(kv, self.fp8_qat_nope_dim)
         compressor_inputs = indexer_inputs = queries_i = None
         if self.compressor is not None:
             compressor_inputs = self.compressor.project(x, batch.positions)

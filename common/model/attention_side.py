@@ -46,7 +46,7 @@ class Block(nn.Module):
             setattr(self, f"hc_{site}_scale", parameter(3, dtype=torch.float32, device=device))
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device)
-        self.attn = Attention(config, layer, dtype=dtype, device=device)
+        self.attn = Attention(config, layer, dtype=dtype, device=device, numerics=numerics)
         self.ffn = FeedForwardSide(config, layer, numerics, dtype=dtype, device=device)
 
 

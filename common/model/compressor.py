@@ -5,6 +5,8 @@ w·m+m-1) closes, one row is pooled per channel: C_w = Σ_slot softmax_slot(Z) �
 and rotated at position w·m. Without overlap the slots are the window's m tokens. With overlap K
 and Z are 2·d wide: the slots are the first halves ("a") of window w-1's tokens and the second
 halves ("b") of window w's tokens (2m slots, stride m); window 0 has no a-slots (gate -inf).
+With `fp8_qat_nope_dim` set (reference numerics), each row's first channels are FP8
+quant-dequantized after norm and RoPE, before being stored (spec §2.5, `common.model.qat`).
 The same class, at the indexer's width, is the CSA indexer's compressor.
 Legend: T tokens, S tokens of one sequence, W closed windows, m ratio, d row dim, C = c·d input dim.
 """
@@ -15,14 +17,19 @@ import torch
 from torch import nn
 
 from common.model.linear import Linear, RMSNorm, parameter
+from common.model.qat import kv_nope_fp8_qat
 from common.model.rope import RotaryTable, apply_rope
 from common.model.state import CompressorStore
 
 
 class Compressor(nn.Module):
     def __init__(self, hidden_size: int, row_dim: int, ratio: int, overlap: bool, eps: float, *,
-                 dtype: torch.dtype, device=None) -> None:
+                 dtype: torch.dtype, device=None, fp8_qat_nope_dim: int | None = None) -> None:
+        """fp8_qat_nope_dim: leading row channels to FP8-simulate (reference QAT); None = none."""
         super().__init__()
+        if fp8_qat_nope_dim is not None and not 0 <= fp8_qat_nope_dim <= row_dim:
+            raise ValueError(f"fp8_qat_nope_dim={fp8_qat_nope_dim} outside [0, row_dim={row_dim}]")
+        self.fp8_qat_nope_dim = fp8_qat_nope_dim
         width = (2 if overlap else 1) * row_dim
         self.ratio = ratio
         self.overlap = overlap
@@ -74,5 +81,7 @@ class Compressor(nn.Module):
         row_positions = torch.arange(first_row, end_row, device=kv.device) * m  # first token of each window
         cos, sin = rope.cos_sin(row_positions)
         rows = apply_rope(rows, cos, sin)
+        if self.fp8_qat_nope_dim is not None:
+            rows = kv_nope_fp8_qat(rows, self.fp8_qat_nope_dim)
         store.append_inputs(kv, score)
         store.write_rows(first_row, rows)

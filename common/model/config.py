@@ -64,13 +64,20 @@ class DSparkConfig:
 
 @dataclass(frozen=True)
 class NumericsConfig:
-    """Numerical choices. The default reproduces transformers 5.23.0 (spec §6).
+    """Numerical choices. The default reproduces transformers 5.23.0 (spec §6); each switch below,
+    set the other way, gives one behaviour of the official reference (`reference()` sets all three).
 
     dtype: activation/weight dtype name ("float32" on CPU for exact comparison, "bfloat16" on GPU).
-    shared_expert_clamp: transformers clamps the shared expert's SwiGLU like the routed ones; the
-        official reference does not (False = reference behaviour).
-    route_weight_before_w2: reference multiplies routing weights before `w2`, transformers after.
-    kv_fp8_qat: reference FP8 quant-dequant of kv dims `:nope` (not implemented yet; must stay False).
+    shared_expert_clamp: transformers clamps the shared expert's SwiGLU like the routed ones (gate
+        <= swiglu_limit, up within ±swiglu_limit); the reference does not (False = reference).
+        Changes outputs only where a shared-expert pre-activation exceeds the limit.
+    route_weight_before_w2: the reference multiplies the routing weight into the SwiGLU output
+        before `w2`, transformers after `w2` (True = reference). Equal in exact arithmetic; differs
+        by rounding only. `RoutedExperts.from_config` reads it; expert workers take it as
+        `ExpertWorkerConfig.route_weight_before_w2`, which their launcher must set to match.
+    kv_fp8_qat: the reference's FP8 e4m3 quant-dequant (block 64, power-of-two scale) of the first
+        `nope_head_dim` channels of every window kv row and main-compressor row, after norm and
+        RoPE (True = reference; `common.model.qat`). The CSA indexer's own rows are not touched.
     """
 
     dtype: str = "float32"
@@ -81,8 +88,11 @@ class NumericsConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype={self.dtype!r} is not one of float32, bfloat16, float16")
-        if self.kv_fp8_qat:
-            raise ConfigError("kv_fp8_qat=True is not supported yet")
+
+    @classmethod
+    def reference(cls, dtype: str = "float32") -> "NumericsConfig":
+        """All three reference switches on (no shared-expert clamp, weight before w2, KV FP8 QAT)."""
+        return cls(dtype=dtype, shared_expert_clamp=False, route_weight_before_w2=True, kv_fp8_qat=True)
 
     def torch_dtype(self):  # -> torch.dtype; torch imported lazily so config stays torch-free
         import torch
