@@ -172,10 +172,11 @@ def test_timings_match_the_engine_delays(server, engine, tmp_path):
     assert (metrics["completed"], metrics["failed"], metrics["total_output_tokens"]) == (4, 0, 24)
     assert metrics["total_input_tokens"] == sum(len(r.prompt_token_ids) for r in engine.submitted)
     assert metrics["itl_ms"]["count"] == 4 * 5  # one event per token: the script's first 6 are words
-    assert 25 <= metrics["itl_ms"]["median"] <= 60
-    assert 25 <= metrics["tpot_ms"]["mean"] <= 60
-    assert 120 <= metrics["ttft_ms"]["median"] <= 250  # first-token delay + one step
-    assert 270 <= metrics["e2el_ms"]["median"] <= 500  # + 5 more steps
+    # lower bounds are guaranteed by the delays; upper bounds are loose because CI machines are loaded
+    assert 25 <= metrics["itl_ms"]["median"] <= 250
+    assert 25 <= metrics["tpot_ms"]["mean"] <= 250
+    assert 120 <= metrics["ttft_ms"]["median"] <= 1500  # first-token delay + one step
+    assert 270 <= metrics["e2el_ms"]["median"] <= 3000  # + 5 more steps
     assert "p99.9" in metrics["e2el_ms"] and result["raw"]["config"]["model"] == MODEL
     assert metrics["output_throughput"] == pytest.approx(24 / metrics["duration_s"])
     assert result["benchmark"] == "serve" and result["ratios"]["completed_fraction"] == 1.0

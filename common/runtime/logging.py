@@ -25,18 +25,26 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 
 class _TeeWriter:
-    """A file-like object writing each line to several streams (stderr and the log file)."""
+    """A file-like object writing each line to stderr and to the log file.
 
-    def __init__(self, streams: list[IO[str]]) -> None:
-        self.streams = streams
+    stderr is looked up at every write, not captured once: whoever replaced `sys.stderr` since
+    configuration (a test harness, a daemonising wrapper) gets the events, and a stream closed
+    since then is never written to.
+    """
+
+    def __init__(self, files: list[IO[str]]) -> None:
+        self.files = files
+
+    def _streams(self) -> list[IO[str]]:
+        return [sys.stderr, *self.files]
 
     def write(self, text: str) -> int:
-        for stream in self.streams:
+        for stream in self._streams():
             stream.write(text)
         return len(text)
 
     def flush(self) -> None:
-        for stream in self.streams:
+        for stream in self._streams():
             stream.flush()
 
 
@@ -48,12 +56,12 @@ def configure_logging(service: str, log_dir: str | Path | None, level: str = "in
     """
     if level.lower() not in _LEVELS:
         raise ValueError(f"log level {level!r} is not one of {sorted(_LEVELS)}")
-    streams: list[IO[str]] = [sys.stderr]
+    files: list[IO[str]] = []
     log_path = None
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         log_path = Path(log_dir) / f"{service}.log"
-        streams.append(open(log_path, "a", buffering=1, encoding="utf-8"))  # noqa: SIM115 (lives as long as the process)
+        files.append(open(log_path, "a", buffering=1, encoding="utf-8"))  # noqa: SIM115 (lives as long as the process)
     pid = os.getpid()
 
     def add_service(_logger: Any, _method: str, event: dict) -> dict:
@@ -71,7 +79,7 @@ def configure_logging(service: str, log_dir: str | Path | None, level: str = "in
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level.lower()]),
-        logger_factory=structlog.WriteLoggerFactory(file=_TeeWriter(streams)),
+        logger_factory=structlog.WriteLoggerFactory(file=_TeeWriter(files)),
         cache_logger_on_first_use=False,
     )
     return log_path
