@@ -150,6 +150,12 @@ class DSparkDrafter(nn.Module):
         self._shared = (embed, head)  # a tuple: not registered, so not in state_dict / parameters()
         self.experts_fn: ExpertsFn | None = None
 
+    def set_experts(self, experts_fn: ExpertsFn) -> None:
+        """The routed experts of the stages (`experts_fn(stage, x, ids, weights)`). Stored without
+        nn.Module registration even when it is a module, so `state_dict()` stays the hub `mtp.*`
+        names of the stage weights."""
+        object.__setattr__(self, "experts_fn", experts_fn)
+
     # ----------------------------------------------------------------------------- loading
     @classmethod
     def from_state_dict(cls, config: ModelConfig, hub_sd: dict[str, torch.Tensor], embed: Embedding, head: Linear,
@@ -171,7 +177,7 @@ class DSparkDrafter(nn.Module):
                 prefix = f"{MTP_PREFIX}{j}.ffn.experts.{expert}."
                 weights[(j, expert)] = tuple(hub_sd[prefix + f"{w}.weight"].to(device=device, dtype=drafter.dtype)
                                              for w in ("w1", "w2", "w3"))
-        drafter.experts_fn = RoutedExperts.from_config(weights, config, drafter.numerics)
+        drafter.set_experts(RoutedExperts.from_config(weights, config, drafter.numerics))
         return drafter
 
     @property
@@ -201,8 +207,8 @@ class DSparkDrafter(nn.Module):
         q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)  # [A·G, H, hd]
         block_kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin).view(num_blocks, num_slots, -1)  # [A, G, hd]
         context_cos, context_sin = attn.rope.cos_sin(context_positions.reshape(-1).clamp_min(0))
-        context_kv = apply_rope(attn.kv_norm(attn.wkv(main_x.reshape(num_blocks * num_context, -1))),
-                                context_cos, context_sin).view(num_blocks, num_context, -1)  # [A, C, hd]
+        context_kv = apply_rope(attn.kv_norm(attn.wkv(main_x.reshape(num_blocks * num_context, main_x.shape[-1]))),
+                                context_cos, context_sin).view(num_blocks, num_context, attn.head_dim)  # [A, C, hd]
         keys = torch.cat([context_kv, block_kv.to(context_kv.dtype)], dim=1)  # [A, C + G, hd]
         visible = torch.cat([context_valid[:, None, :].expand(-1, num_slots, -1),
                              torch.ones(num_blocks, num_slots, num_slots, dtype=torch.bool, device=x.device)], dim=-1)
