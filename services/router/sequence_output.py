@@ -28,20 +28,27 @@ class StopStringMatcher:
         if not self._stop_strings:
             return text
         self._pending += text
+        # A stop string that starts before the first complete hit but is still incomplete may
+        # yet win (the earliest occurrence in the final text is the cut), so decide only when
+        # no such partial match remains; never release text that may start a stop string.
+        partial_start = self._earliest_partial_start()
         hits = [(self._pending.find(s), s) for s in self._stop_strings if s in self._pending]
-        if hits:
+        if hits and (partial_start is None or min(hits)[0] <= partial_start):
             position, self.matched = min(hits)
             released, self._pending = self._pending[:position], ""
             return released
-        held = 0
-        for stop in self._stop_strings:
-            for length in range(min(len(stop) - 1, len(self._pending)), held, -1):
-                if self._pending.endswith(stop[:length]):
-                    held = length
-                    break
-        released = self._pending[: len(self._pending) - held]
-        self._pending = self._pending[len(self._pending) - held :]
+        keep_from = len(self._pending) if partial_start is None else partial_start
+        released, self._pending = self._pending[:keep_from], self._pending[keep_from:]
         return released
+
+    def _earliest_partial_start(self) -> int | None:
+        """First index q where pending[q:] is a proper prefix of some stop string, if any."""
+        longest = max(len(stop) for stop in self._stop_strings)
+        for start in range(max(0, len(self._pending) - longest + 1), len(self._pending)):
+            tail = self._pending[start:]
+            if any(len(tail) < len(stop) and stop.startswith(tail) for stop in self._stop_strings):
+                return start
+        return None
 
     def finish(self) -> str:
         rest, self._pending = self._pending, ""
