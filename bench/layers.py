@@ -1,0 +1,146 @@
+"""`moemesh bench layers`: N DeepSeek-V4 layers at true V4-Flash width, weights quantized on the device.
+
+Usage: python -m bench.layers [--layers csa,hca] [--batch 1,8,64] [--context 4096] [--prefill 2048,8192]
+       [--device cuda:0] [--steps 10] [--no-transformers] [--tiny] [--out-dir DIR]
+
+Builds the layers (window / CSA / HCA, learned routers) plus embedding and head with random weights
+in the checkpoint formats directly on the device (`common.model.random_init`: FP8 128x128 linears,
+FP4 routed experts, bf16 elsewhere; no checkpoint, no dequantised copy), and measures in one run:
+the device's copy bandwidth and bf16 matmul rate; per batch size the decode step time, per layer,
+with a `--context`-token history already in every sequence's state (written directly as random
+rows through the state's append methods, not by a prefill: a 64 x 4K prefill would dominate the
+run); prefill time of one `--prefill`-token prompt in one forward; the bytes each step must read
+and FLOPs each prefill must do, their floors and the ratio of every figure to its floor; where
+transformers is installed, transformers' decode on the same stack; the extrapolation to the
+43-layer model. Decode runs in CUDA graphs (see `bench.layers_timing`). In-process only: the
+disaggregated mode (attention and expert workers as separate processes) is not built yet.
+Prints a table and writes bench/results/layers-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+GOALS = {"decode_b1_max_ratio": 1.3, "decode_b64_max_ratio": 1.5, "prefill_8k_min_fraction_of_bf16": 0.5,
+         "single_stream_min_tok_s": 300.0, "prefill_min_tok_s": 15000.0}
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv: list[str] | None):
+    parser = argparse.ArgumentParser(prog="moemesh bench layers", description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", default="csa,hca", help="comma list of window, csa, hca")
+    parser.add_argument("--batch", type=_int_list, default=[1, 8, 64], help="decode batch sizes")
+    parser.add_argument("--context", type=int, default=4096, help="tokens already in each sequence at decode")
+    parser.add_argument("--prefill", type=_int_list, default=[2048, 8192], help="prompt lengths")
+    parser.add_argument("--device", default=None, help="torch device (default cuda:0 if available, else cpu)")
+    parser.add_argument("--steps", type=int, default=10, help="timed repetitions (median), >= 10 on CUDA")
+    parser.add_argument("--prefill-reps", type=int, default=3)
+    parser.add_argument("--graph-steps", type=int, default=4, help="consecutive decode steps captured")
+    parser.add_argument("--no-graphs", action="store_true", help="time decode eagerly")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
+    parser.add_argument("--tiny", action="store_true", help="a small model of the same structure (CPU checks)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from bench import layers_floors as floors
+    from bench import layers_timing as timing
+    from bench.layers_hf import bench_transformers, transformers_available
+    from bench.layers_report import print_table, summarize
+    from bench.results_io import write_result
+    from common.model.random_init import LAYER_KIND_NAMES, flash_config, random_model, tiny_flash_like_config
+
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kinds = [LAYER_KIND_NAMES[name.strip()] for name in args.layers.split(",") if name.strip()]
+    config = tiny_flash_like_config(kinds) if args.tiny else flash_config(kinds)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    print(f"ceilings on {device} ...", flush=True)
+    ceilings = timing.measure_ceilings(device)
+    print(f"building {len(kinds)} layers ({args.layers}){' tiny' if args.tiny else ''} ...", flush=True)
+    side, experts = random_model(config, device, seed=args.seed)
+    bytes_info = {
+        "layer_weight_bytes": [floors.layer_weight_bytes(side, i) for i in range(len(kinds))],
+        "expert_bytes": experts.bytes_per_expert(0),
+        "head_weight_bytes": floors.head_weight_bytes(side),
+    }
+    raw: dict = {"config": {"layers": [k.name.lower() for k in kinds], "tiny": args.tiny,
+                            "hidden_size": config.hidden_size, "n_routed_experts": config.n_routed_experts,
+                            "dtype": str(dtype).removeprefix("torch.")},
+                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                 "ceilings": ceilings, "bytes": bytes_info,
+                 "context_fill": "random rows written through the state stores' append methods (no prefill)",
+                 "decode": [], "prefill": []}
+
+    for batch_size in args.batch:
+        print(f"decode batch {batch_size} ...", flush=True)
+        states = timing.decode_states(config, batch_size, args.context, dtype, device, args.seed)
+        graph_error = None
+        try:
+            timed = timing.time_decode(side, experts, states, config.vocab_size, num_steps=args.steps,
+                                       num_graph_steps=args.graph_steps, use_graphs=not args.no_graphs)
+        except RuntimeError as error:  # a capture failure must not lose the rest of the run
+            graph_error = f"{type(error).__name__}: {error}"[:2000]
+            print(f"  CUDA graph timing failed, timing eagerly: {graph_error[:300]}", flush=True)
+            del states
+            states = timing.decode_states(config, batch_size, args.context, dtype, device, args.seed)
+            timed = timing.time_decode(side, experts, states, config.vocab_size, num_steps=args.steps,
+                                       use_graphs=False)
+        raw["decode"].append({"batch_size": batch_size, "context_tokens": args.context,
+                              "piece_s": timed.piece_s, "step_s": timed.step_s, "eager_step_s": timed.eager_step_s,
+                              "graphs": device.type == "cuda" and not args.no_graphs and graph_error is None,
+                              "graph_error": graph_error,
+                              "kv_bytes_per_layer": [batch_size * floors.kv_bytes_per_sequence(
+                                  config, i, args.context, torch.finfo(dtype).bits // 8) for i in range(len(kinds))],
+                              "expected_distinct_experts": floors.expected_distinct_experts(config, batch_size)})
+        del states
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    for num_tokens in args.prefill:
+        print(f"prefill {num_tokens} ...", flush=True)
+        try:
+            timed = timing.time_prefill(side, experts, config, num_tokens, num_reps=args.prefill_reps, seed=args.seed)
+        except RuntimeError as error:  # out of memory at long prompts: record it, keep the run
+            raw.setdefault("prefill_errors", {})[str(num_tokens)] = f"{type(error).__name__}: {error}"[:2000]
+            print(f"  prefill {num_tokens} failed: {str(error)[:300]}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        raw["prefill"].append({"num_tokens": num_tokens, "piece_s": timed.piece_s, "step_s": timed.step_s,
+                               "layer_flops": [floors.prefill_layer_flops(config, i, num_tokens)
+                                               for i in range(len(kinds))],
+                               "head_flops": 2.0 * config.vocab_size * config.hidden_size})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    del side, experts
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not args.no_transformers and transformers_available():
+        print("transformers ...", flush=True)
+        raw["transformers"] = bench_transformers(config, args.batch, args.context, args.steps, device, dtype)
+    else:
+        raw["transformers"] = {"skipped": "--no-transformers" if args.no_transformers else "not installed"}
+
+    ratios = summarize(raw, config, kinds, GOALS)
+    path = write_result("layers", raw, ratios, out_dir=args.out_dir)
+    print_table(raw, ratios)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Floors of `bench.layers`: bytes each step must read, FLOPs each prefill must do (spec §8).
+
+Bytes are counted from the tensors actually built (FP8 weights + scales, FP4 packed + scales,
+bf16/fp32 tensors), per layer and for the head, so the floor is the one of the model measured.
+Decode reads, per step: every attention-side weight of each layer (attention, compressor, indexer,
+gate, shared expert, mHC, norms; `tid2eid` is gathered, one row per token, and not counted), the
+expected number of distinct routed experts under uniform routing, `E·(1 − (1 − k/E)^B)`, times
+one expert's bytes, and the head (final norm, hc_head, head matrix). KV reads are counted apart.
+Prefill FLOPs: 2 · (matmul parameters a token passes through) per token, plus the attention core
+over the keys a token must see (window, CSA top-k rows, HCA rows) and the CSA indexer's scoring.
+Legend: B batch, E routed experts, k top-k, P prompt tokens, D hidden, H heads, hd head dim.
+"""
+
+from __future__ import annotations
+
+from common.model.config import AttentionKind, ModelConfig
+
+FLASH_LAYER_COUNTS = {AttentionKind.WINDOW: 2, AttentionKind.CSA: 21, AttentionKind.HCA: 20}
+
+
+def tensor_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def layer_weight_bytes(side, layer: int) -> int:
+    """Attention-side bytes a step reads for one layer (everything but `tid2eid` and routed experts)."""
+    block = side.layers[layer]
+    total = tensor_bytes(block)
+    tid2eid = getattr(block.ffn.gate, "tid2eid", None)
+    return total - (tid2eid.numel() * tid2eid.element_size() if tid2eid is not None else 0)
+
+
+def head_weight_bytes(side) -> int:
+    return (tensor_bytes(side.head) + tensor_bytes(side.norm)
+            + sum(t.numel() * t.element_size() for t in (side.hc_head_fn, side.hc_head_base, side.hc_head_scale)))
+
+
+def expected_distinct_experts(config: ModelConfig, batch_size: int) -> float:
+    num_experts, top_k = config.n_routed_experts, config.num_experts_per_tok
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch_size)
+
+
+def kv_bytes_per_sequence(config: ModelConfig, layer: int, context_tokens: int, element_bytes: int) -> int:
+    """Rows one decode step must read for one sequence (window, selected/all compressed rows)."""
+    kind = config.layer_types[layer]
+    rows = min(context_tokens + 1, config.sliding_window) * config.head_dim
+    if kind is AttentionKind.CSA:
+        num_compressed = (context_tokens + 1) // config.csa_compress_ratio
+        rows += min(config.index_topk, num_compressed) * config.head_dim + num_compressed * config.index_head_dim
+    elif kind is AttentionKind.HCA:
+        rows += (context_tokens + 1) // config.hca_compress_ratio * config.head_dim
+    return rows * element_bytes
+
+
+def matmul_params_per_token(config: ModelConfig, layer: int) -> int:
+    """Parameters of every matmul one token of `layer` passes through (6 routed + shared expert)."""
+    c = config
+    hidden, heads, head_dim = c.hidden_size, c.num_attention_heads, c.head_dim
+    attention = (c.q_lora_rank * hidden + heads * head_dim * c.q_lora_rank + head_dim * hidden
+                 + c.o_groups * c.o_lora_rank * (heads * head_dim // c.o_groups) + hidden * c.o_groups * c.o_lora_rank)
+    kind = c.layer_types[layer]
+    if kind is AttentionKind.CSA:
+        attention += 2 * (2 * head_dim * hidden)  # compressor wkv, wgate (2·hd wide)
+        attention += c.index_n_heads * c.index_head_dim * c.q_lora_rank + c.index_n_heads * hidden
+        attention += 2 * (2 * c.index_head_dim * hidden)
+    elif kind is AttentionKind.HCA:
+        attention += 2 * (head_dim * hidden)
+    mixing = 2 * c.num_hc_mix * c.hc_mult * hidden
+    gate = c.n_routed_experts * hidden
+    experts = (c.num_experts_per_tok + 1) * 3 * c.moe_intermediate_size * hidden
+    return attention + mixing + gate + experts
+
+
+def attention_core_flops(config: ModelConfig, layer: int, num_tokens: int) -> float:
+    """Σ over prompt positions t of the QK and PV products over the keys t must see, + indexer."""
+    c = config
+    kind = c.layer_types[layer]
+    total_keys = 0
+    indexer_rows = 0
+    for t in range(num_tokens):
+        keys = min(t + 1, c.sliding_window)
+        if kind is AttentionKind.CSA:
+            visible = (t + 1) // c.csa_compress_ratio
+            keys += min(c.index_topk, visible)
+            indexer_rows += visible
+        elif kind is AttentionKind.HCA:
+            keys += (t + 1) // c.hca_compress_ratio
+        total_keys += keys
+    core = 2 * 2 * c.num_attention_heads * c.head_dim * total_keys
+    indexer = 2 * c.index_n_heads * c.index_head_dim * indexer_rows
+    return float(core + indexer)
+
+
+def prefill_layer_flops(config: ModelConfig, layer: int, num_tokens: int) -> float:
+    return 2.0 * matmul_params_per_token(config, layer) * num_tokens + attention_core_flops(config, layer, num_tokens)
+
+
+def substitute_kind(kind: AttentionKind, measured: set[AttentionKind]) -> AttentionKind | None:
+    """The measured kind that stands in for an unmeasured one in the 43-layer sum (or None)."""
+    if kind in measured:
+        return kind
+    for candidate in (AttentionKind.HCA, AttentionKind.CSA, AttentionKind.WINDOW):
+        if candidate in measured:
+            return candidate
+    return None
+
+
+def extrapolate(per_kind_s: dict[AttentionKind, float], fixed_s: float,
+                layer_counts: dict[AttentionKind, int] | None = None) -> tuple[float, dict[str, str]]:
+    """Σ_kind count · per-layer time + fixed (embed + head) -> (seconds, {kind: kind used})."""
+    counts = layer_counts or FLASH_LAYER_COUNTS
+    total = fixed_s
+    used = {}
+    for kind, count in counts.items():
+        stand_in = substitute_kind(kind, set(per_kind_s))
+        if stand_in is None:
+            raise ValueError("no layer kind measured")
+        used[kind.name.lower()] = stand_in.name.lower()
+        total += count * per_kind_s[stand_in]
+    return total, used

@@ -1,0 +1,152 @@
+"""Ratios, 43-layer extrapolation, goal checks and the printed table of `bench.layers`.
+
+Every ratio is measured time / floor (1.0 = at the floor); `fraction_of_bf16` is the inverse for
+prefill FLOPs (achieved share of the measured bf16 matmul rate). Extrapolation: 2 window + 21 CSA +
+20 HCA layers (spec §1.2), each kind's measured per-layer time (a kind not measured takes a measured
+kind's time; `stand_ins` says which), plus the measured embed + head pieces.
+"""
+
+from __future__ import annotations
+
+from statistics import mean
+
+from bench import layers_floors as floors
+from common.model.config import AttentionKind
+
+
+def _per_kind(values: list[float], kinds: list[AttentionKind]) -> dict[AttentionKind, float]:
+    out = {}
+    for kind in set(kinds):
+        out[kind] = mean(v for v, k in zip(values, kinds) if k is kind)
+    return out
+
+
+def _decode_summary(entry: dict, raw: dict, config, kinds: list[AttentionKind]) -> dict:
+    copy = raw["ceilings"]["copy_bytes_per_s"]
+    info = raw["bytes"]
+    routed_bytes = entry["expected_distinct_experts"] * info["expert_bytes"]
+    layer_bytes = [b + routed_bytes for b in info["layer_weight_bytes"]]
+    layer_s = [entry["piece_s"][f"layer{i}"] for i in range(len(kinds))]
+    layer_floor_s = [b / copy for b in layer_bytes]
+    fixed_s = entry["piece_s"]["embed"] + entry["piece_s"]["head"]
+    step_bytes = sum(layer_bytes) + info["head_weight_bytes"]
+    t43, stand_ins = floors.extrapolate(_per_kind(layer_s, kinds), fixed_s)
+    floor43, _ = floors.extrapolate(_per_kind(layer_floor_s, kinds), info["head_weight_bytes"] / copy)
+    return {
+        "batch_size": entry["batch_size"],
+        "layer_weight_bytes": layer_bytes,
+        "layer_floor_s": layer_floor_s,
+        "layer_s": layer_s,
+        "layer_ratio": [t / f for t, f in zip(layer_s, layer_floor_s)],
+        "step_bytes": step_bytes,
+        "step_floor_s": step_bytes / copy,
+        "step_s": entry["step_s"],
+        "step_ratio": entry["step_s"] / (step_bytes / copy),
+        "eager_over_graph": (entry["eager_step_s"] / entry["step_s"]) if entry.get("eager_step_s") else None,
+        "model43_step_s": t43,
+        "model43_floor_s": floor43,
+        "model43_ratio": t43 / floor43,
+        "model43_tok_s": entry["batch_size"] / t43,
+        "model43_floor_tok_s": entry["batch_size"] / floor43,
+        "stand_ins": stand_ins,
+    }
+
+
+def _prefill_summary(entry: dict, raw: dict, config, kinds: list[AttentionKind]) -> dict:
+    copy, flops = raw["ceilings"]["copy_bytes_per_s"], raw["ceilings"]["bf16_flops_per_s"]
+    info = raw["bytes"]
+    all_expert_bytes = config.n_routed_experts * info["expert_bytes"]
+    layer_s = [entry["piece_s"][f"layer{i}"] for i in range(len(kinds))]
+    flop_floor = [f / flops for f in entry["layer_flops"]]
+    byte_floor = [(b + all_expert_bytes) / copy for b in info["layer_weight_bytes"]]
+    layer_floor = [max(a, b) for a, b in zip(flop_floor, byte_floor)]
+    fixed_s = entry["piece_s"]["embed"] + entry["piece_s"]["head"]
+    t43, stand_ins = floors.extrapolate(_per_kind(layer_s, kinds), fixed_s)
+    head_floor = max(entry["head_flops"] / flops, info["head_weight_bytes"] / copy)
+    floor43, _ = floors.extrapolate(_per_kind(layer_floor, kinds), head_floor)
+    return {
+        "num_tokens": entry["num_tokens"],
+        "layer_s": layer_s,
+        "layer_floor_s": layer_floor,
+        "layer_ratio": [t / f for t, f in zip(layer_s, layer_floor)],
+        "fraction_of_bf16": sum(flop_floor) / sum(layer_s),
+        "step_s": entry["step_s"],
+        "model43_s": t43,
+        "model43_floor_s": floor43,
+        "model43_tok_s": entry["num_tokens"] / t43,
+        "model43_floor_tok_s": entry["num_tokens"] / floor43,
+        "stand_ins": stand_ins,
+    }
+
+
+def summarize(raw: dict, config, kinds: list[AttentionKind], goals: dict) -> dict:
+    decode = [_decode_summary(e, raw, config, kinds) for e in raw["decode"]]
+    prefill = [_prefill_summary(e, raw, config, kinds) for e in raw["prefill"]]
+    hf = raw.get("transformers", {})
+    hf_ratio = {}
+    for item in hf.get("decode", []):
+        ours = next((d for d in decode if d["batch_size"] == item["batch_size"]), None)
+        if ours:
+            hf_ratio[str(item["batch_size"])] = {
+                "transformers_step_s": item["step_s"], "ours_step_s": ours["step_s"],
+                "transformers_over_ours": item["step_s"] / ours["step_s"],
+                "transformers_over_floor": item["step_s"] / ours["step_floor_s"]}
+    return {"decode": decode, "prefill": prefill, "transformers": hf_ratio, "goals": _goals(decode, prefill, goals)}
+
+
+def _goals(decode: list[dict], prefill: list[dict], goals: dict) -> dict:
+    out = {}
+
+    def check(name: str, value: float | None, target: float, at_most: bool) -> None:
+        if value is None:
+            out[name] = {"target": target, "value": None, "met": None}
+            return
+        out[name] = {"target": target, "value": value, "met": value <= target if at_most else value >= target}
+
+    by_batch = {d["batch_size"]: d for d in decode}
+    b1, b64 = by_batch.get(1), by_batch.get(64)
+    check("decode_b1_layer_ratio", max(b1["layer_ratio"]) if b1 else None, goals["decode_b1_max_ratio"], True)
+    check("decode_b64_layer_ratio", max(b64["layer_ratio"]) if b64 else None, goals["decode_b64_max_ratio"], True)
+    p8 = next((p for p in prefill if p["num_tokens"] == 8192), None)
+    check("prefill_8k_fraction_of_bf16", p8["fraction_of_bf16"] if p8 else None,
+          goals["prefill_8k_min_fraction_of_bf16"], False)
+    check("single_stream_tok_s", b1["model43_tok_s"] if b1 else None, goals["single_stream_min_tok_s"], False)
+    longest = max(prefill, key=lambda p: p["num_tokens"]) if prefill else None
+    check("prefill_tok_s", longest["model43_tok_s"] if longest else None, goals["prefill_min_tok_s"], False)
+    return out
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.0f}"
+
+
+def print_table(raw: dict, ratios: dict) -> None:
+    ceilings = raw["ceilings"]
+    print(f"\ndevice ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s; layers {','.join(raw['config']['layers'])}, "
+          f"context {raw['args']['context']}")
+    print("\nDECODE (per layer; us)   batch | layer time | floor | ratio | step us (floor) | 43L tok/s (floor) | eager/graph")
+    for d in ratios["decode"]:
+        layers = " ".join(f"{_us(t)}/{_us(f)}/{r:.1f}x" for t, f, r in zip(d["layer_s"], d["layer_floor_s"],
+                                                                      d["layer_ratio"]))
+        eager = f"{d['eager_over_graph']:.1f}" if d["eager_over_graph"] else "-"
+        print(f"  b={d['batch_size']:<3} {layers} | {_us(d['step_s'])} ({_us(d['step_floor_s'])}) | "
+              f"{d['model43_tok_s']:,.0f} ({d['model43_floor_tok_s']:,.0f}) | {eager}")
+    print("\nPREFILL (per layer; ms)  tokens | layer time/floor/ratio | bf16 share | 43L tok/s (floor)")
+    for p in ratios["prefill"]:
+        layers = " ".join(f"{t * 1e3:.1f}/{f * 1e3:.1f}/{r:.1f}x" for t, f, r in zip(p["layer_s"], p["layer_floor_s"],
+                                                                                 p["layer_ratio"]))
+        print(f"  P={p['num_tokens']:<5} {layers} | {p['fraction_of_bf16']:.2f} | "
+              f"{p['model43_tok_s']:,.0f} ({p['model43_floor_tok_s']:,.0f})")
+    hf = raw.get("transformers", {})
+    if ratios["transformers"]:
+        print(f"\nTRANSFORMERS {hf.get('version')} ({hf.get('dtype')}): batch | step ms | / ours | / floor")
+        for batch, r in ratios["transformers"].items():
+            print(f"  b={batch:<3} {r['transformers_step_s'] * 1e3:.2f} | {r['transformers_over_ours']:.2f}x | "
+                  f"{r['transformers_over_floor']:.1f}x")
+    if "error" in hf or "skipped" in hf:
+        print(f"\ntransformers: {hf.get('error') or hf.get('skipped')}")
+    print("\nGOALS")
+    for name, goal in ratios["goals"].items():
+        value = "n/a" if goal["value"] is None else f"{goal['value']:.3g}"
+        print(f"  {name}: {value} (target {goal['target']}) -> {goal['met']}")

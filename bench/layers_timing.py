@@ -1,0 +1,257 @@
+"""Timing machinery of `bench.layers`: device ceilings, decode steps (CUDA graphs) and prefill.
+
+A step is cut into pieces: `embed`, one piece per layer (attention block, gate, shared and
+routed experts, mHC), `head` (hc_head, final norm, logits). Each piece is timed on its own, so
+per-layer figures and the 43-layer extrapolation come from one measured stack.
+
+Decode on CUDA: for each of `num_graph_steps` consecutive decode positions the step runs once
+eagerly (warm-up: Triton compilation, cuBLAS handles), is rolled back (`SequenceState.rollback`),
+and is captured piece by piece into CUDA graphs that share one memory pool. Replaying the graphs
+of steps 0..S-1 in order reproduces exactly those S steps (the state's Python counters moved once,
+at capture; the device writes of each replay are the same), so replays can be repeated and timed
+with events between pieces. S = 4 covers one CSA window close (a compressed row emitted).
+Elsewhere (CPU) every step runs eagerly, timed by the host clock, then is rolled back.
+Legend: B sequences in the batch, T tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from common.model.batch import ForwardBatch, SequenceChunk
+from common.model.random_init import fill_random_context, new_sequence_state
+
+Piece = tuple[str, Callable[[], None]]
+
+
+@dataclass(frozen=True)
+class TimedPieces:
+    """Median seconds per piece name (`embed`, `layer0`, ..., `head`) and per whole step."""
+
+    piece_s: dict[str, float]
+    step_s: float
+    eager_step_s: float | None = None
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    """Copy bandwidth (read + write bytes) and bf16 (fp32 on CPU) matmul rate of `device`."""
+    if device.type == "cuda":
+        from bench.kernels import measure_ceilings as cuda_ceilings
+
+        return cuda_ceilings()
+    num_bytes, size = 256 * 1024**2, 1024
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copy_s = _host_median(lambda: dst.copy_(src), 5)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    mm_s = _host_median(lambda: a @ b, 5)
+    return {"copy_bytes_per_s": 2 * num_bytes / copy_s, "bf16_flops_per_s": 2 * size**3 / mm_s,
+            "note": "CPU: fp32 matmul rate"}
+
+
+def _host_median(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def step_pieces(side, experts, batch: ForwardBatch, token_ids: torch.Tensor,
+                logits_indices: torch.Tensor | None = None) -> list[Piece]:
+    """The pieces of one forward (the `ReferenceModel.forward` loop, cut at layer boundaries).
+
+    Pieces pass the residual streams through `buf`; `batch.finish()` is the caller's."""
+    buf: dict[str, torch.Tensor] = {}
+
+    def embed() -> None:
+        buf["h"] = side.embed_tokens(token_ids)  # [T, N, D]
+
+    def layer_piece(layer: int) -> Callable[[], None]:
+        def run() -> None:
+            h = side.attn_block(layer, buf["h"], batch)
+            x, post, comb = side.ffn_pre(layer, h)
+            ids, weights = side.gate(layer, x, token_ids)
+            shared = side.shared_expert(layer, x)
+            routed = experts(layer, x, ids, weights)
+            buf["h"] = side.ffn_post(layer, routed + shared, h, post, comb)
+        return run
+
+    def head() -> None:
+        buf["logits"] = side.logits(buf["h"], logits_indices)  # [T or B, V]
+
+    num_layers = side.config.num_hidden_layers
+    return [("embed", embed)] + [(f"layer{i}", layer_piece(i)) for i in range(num_layers)] + [("head", head)]
+
+
+def decode_states(config, num_sequences: int, context_tokens: int, dtype, device, seed: int) -> list:
+    """`num_sequences` states, each holding a random `context_tokens`-token history."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    states = []
+    for _ in range(num_sequences):
+        state = new_sequence_state(config, context_tokens + 64, dtype, device)
+        fill_random_context(state, context_tokens, generator=generator)
+        states.append(state)
+    return states
+
+
+def _decode_batch(states, device) -> ForwardBatch:
+    return ForwardBatch([SequenceChunk(state, 1) for state in states], device)
+
+
+def _rollback(states, num_tokens: int = 1) -> None:
+    for state in states:
+        state.rollback(num_tokens)
+
+
+def time_decode(side, experts, states, vocab_size: int, *, num_steps: int, num_graph_steps: int = 4,
+                use_graphs: bool = True, seed: int = 0) -> TimedPieces:
+    """Median time of one decode step (one new token for every state) and of each piece."""
+    device = side.head.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    token_ids = torch.randint(0, vocab_size, (len(states),), generator=generator, device=device)  # [B]
+    if device.type != "cuda" or not use_graphs:
+        return _time_eager(side, experts, states, token_ids, num_steps)
+    return _time_graphs(side, experts, states, token_ids, num_steps, num_graph_steps)
+
+
+def _time_eager(side, experts, states, token_ids, num_steps: int) -> TimedPieces:
+    device = token_ids.device
+    per_piece: dict[str, list[float]] = {}
+    steps = []
+    with torch.inference_mode():
+        for rep in range(num_steps + 1):  # the first is warm-up
+            batch = _decode_batch(states, device)
+            times = {}
+            for name, run in step_pieces(side, experts, batch, token_ids):
+                _sync(device)
+                start = time.perf_counter()
+                run()
+                _sync(device)
+                times[name] = time.perf_counter() - start
+            batch.finish()
+            _rollback(states)
+            if rep:
+                for name, seconds in times.items():
+                    per_piece.setdefault(name, []).append(seconds)
+                steps.append(sum(times.values()))
+    return TimedPieces({n: statistics.median(v) for n, v in per_piece.items()}, statistics.median(steps))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_graphs(side, experts, states, token_ids, num_steps: int, num_graph_steps: int) -> TimedPieces:
+    device = token_ids.device
+    pool = torch.cuda.graph_pool_handle()
+    captured: list[list[tuple[str, torch.cuda.CUDAGraph]]] = []
+    keep_alive = []  # the pieces' closures and buffers must outlive the graphs
+    eager_steps = []
+    side_stream = torch.cuda.Stream(device)
+    with torch.inference_mode():
+        for _ in range(num_graph_steps):
+            batch = _decode_batch(states, device)
+            side_stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side_stream):  # warm-up outside the capture, then undo it
+                torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                for _, run in step_pieces(side, experts, batch, token_ids):
+                    run()
+                torch.cuda.synchronize(device)
+                eager_steps.append(time.perf_counter() - start)
+            torch.cuda.current_stream(device).wait_stream(side_stream)
+            batch.finish()
+            _rollback(states)
+            batch = _decode_batch(states, device)
+            pieces = step_pieces(side, experts, batch, token_ids)
+            graphs = []
+            for name, run in pieces:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    run()
+                graphs.append((name, graph))
+            batch.finish()  # the states now stand after this step, as the replay leaves them
+            captured.append(graphs)
+            keep_alive.append((batch, pieces))
+        for step_graphs in captured:  # one untimed pass
+            for _, graph in step_graphs:
+                graph.replay()
+        torch.cuda.synchronize(device)
+        per_piece: dict[str, list[float]] = {}
+        step_samples = []
+        for _ in range(num_steps):
+            events = []
+            for step_graphs in captured:
+                for name, graph in step_graphs:
+                    event = torch.cuda.Event(enable_timing=True)
+                    event.record()
+                    events.append((name, event))
+                    graph.replay()
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            sums: dict[str, float] = {}
+            marks = events + [("end", end)]
+            for (name, event), (_, after) in zip(marks, marks[1:]):
+                sums[name] = sums.get(name, 0.0) + event.elapsed_time(after) * 1e-3 / num_graph_steps
+            for name, seconds in sums.items():
+                per_piece.setdefault(name, []).append(seconds)
+            step_samples.append(events[0][1].elapsed_time(end) * 1e-3 / num_graph_steps)
+    del captured, keep_alive
+    torch.cuda.synchronize(device)
+    return TimedPieces({n: statistics.median(v) for n, v in per_piece.items()}, statistics.median(step_samples),
+                       eager_step_s=statistics.median(eager_steps[1:] or eager_steps))
+
+
+def time_prefill(side, experts, config, num_tokens: int, *, num_reps: int, seed: int = 0) -> TimedPieces:
+    """One sequence, all `num_tokens` prompt tokens in one forward (logits of the last only).
+
+    Eager (a prefill is thousands of tokens per launch); pieces timed with events on CUDA."""
+    device = side.head.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    token_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=generator, device=device)
+    per_piece: dict[str, list[float]] = {}
+    steps = []
+    with torch.inference_mode():
+        for rep in range(num_reps + 1):  # the first is warm-up
+            state = new_sequence_state(config, num_tokens + 64, side.dtype, device)
+            batch = ForwardBatch([SequenceChunk(state, num_tokens)], device)
+            last = torch.full((1,), num_tokens - 1, device=device, dtype=torch.int64)
+            times = _run_timed(step_pieces(side, experts, batch, token_ids, last), device)
+            batch.finish()
+            del state, batch
+            if rep:
+                for name, seconds in times.items():
+                    per_piece.setdefault(name, []).append(seconds)
+                steps.append(sum(times.values()))
+    return TimedPieces({n: statistics.median(v) for n, v in per_piece.items()}, statistics.median(steps))
+
+
+def _run_timed(pieces: list[Piece], device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        times = {}
+        for name, run in pieces:
+            start = time.perf_counter()
+            run()
+            times[name] = time.perf_counter() - start
+        return times
+    marks = []
+    for name, run in pieces:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((name, event))
+        run()
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    end.synchronize()
+    marks.append(("end", end))
+    return {name: event.elapsed_time(after) * 1e-3 for (name, event), (_, after) in zip(marks, marks[1:])}

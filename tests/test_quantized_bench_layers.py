@@ -1,0 +1,58 @@
+"""`moemesh bench layers` end to end at tiny width on CPU, and the random-state helpers it uses."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from bench import layers_floors as floors
+from bench.layers import main
+from common.model.batch import SequenceChunk
+from common.model.config import AttentionKind
+from common.model.random_init import fill_random_context, new_sequence_state, random_model, tiny_flash_like_config
+from common.model.reference import ReferenceModel
+
+
+def test_bench_layers_tiny_writes_every_figure(tmp_path):
+    code = main(["--tiny", "--layers", "csa,hca", "--batch", "1,3", "--context", "40", "--prefill", "24",
+                 "--steps", "2", "--prefill-reps", "1", "--no-transformers", "--out-dir", str(tmp_path)])
+    assert code == 0
+    (path,) = tmp_path.glob("layers-*.json")
+    record = json.loads(path.read_text())
+    raw, ratios = record["raw"], record["ratios"]
+    assert raw["ceilings"]["copy_bytes_per_s"] > 0
+    assert [d["batch_size"] for d in ratios["decode"]] == [1, 3]
+    for d in ratios["decode"]:
+        assert len(d["layer_ratio"]) == 2 and all(r > 0 for r in d["layer_ratio"])
+        assert d["model43_tok_s"] > 0 and d["stand_ins"]["window"] == "hca"
+    assert ratios["decode"][1]["step_bytes"] > ratios["decode"][0]["step_bytes"]  # more experts at b=3
+    assert ratios["prefill"][0]["num_tokens"] == 24 and ratios["prefill"][0]["fraction_of_bf16"] > 0
+    assert set(ratios["goals"]) >= {"decode_b1_layer_ratio", "single_stream_tok_s", "prefill_tok_s"}
+
+
+def test_flash_floors_match_the_spec():
+    """Spec §8: expected distinct experts at b=64 ≈ 199.9; per-token layer matmul params."""
+    from common.model.random_init import flash_config
+
+    config = flash_config([AttentionKind.CSA, AttentionKind.HCA])
+    assert abs(floors.expected_distinct_experts(config, 64) - 199.9) < 0.1
+    assert abs(floors.expected_distinct_experts(config, 1) - 6.0) < 1e-9
+    attention_and_experts = floors.matmul_params_per_token(config, 1)
+    assert 107e6 + 4.3e6 + 176e6 < attention_and_experts < 107e6 + 4.3e6 + 176e6 + 3e6
+
+
+def test_random_context_then_decode_continues_the_state():
+    config = tiny_flash_like_config([AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA])
+    side, experts = random_model(config, "cpu", seed=2)
+    state = new_sequence_state(config, 200, torch.float32, "cpu")
+    fill_random_context(state, 101, generator=torch.Generator().manual_seed(0))
+    assert state.num_tokens == 101
+    assert state.layers[1].compressor.num_rows == 101 // config.csa_compress_ratio
+    assert state.layers[2].compressor.read_rows().shape == (101 // config.hca_compress_ratio, config.head_dim)
+    model = ReferenceModel(side, experts)
+    before = state.layers[1].indexer.read_rows().clone()
+    logits = model.forward(torch.tensor([5, 6, 7]), [SequenceChunk(state, 3)])
+    assert torch.isfinite(logits).all() and state.num_tokens == 104
+    assert state.layers[1].compressor.num_rows == 26
+    assert torch.equal(state.layers[1].indexer.read_rows()[:25], before)

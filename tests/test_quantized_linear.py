@@ -1,0 +1,116 @@
+"""Fp8Linear / Fp8GroupedLinear and the module swap equal the float path on dequantised weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.checkpoint.quant import quantize_fp8_block
+from common.kernels.reference import dequant_fp8_blockwise
+from common.model.batch import SequenceChunk
+from common.model.config import AttentionKind, NumericsConfig
+from common.model.linear import GroupedLinear, Linear
+from common.model.moe import RoutedExperts
+from common.model.quantized import (Fp8GroupedLinear, Fp8Linear, KernelBackend, dequantized_expert_weights,
+                                    swap_fp8_linears)
+from common.model.random_init import (fp8_linear_names, random_fp8_linear, random_model, tiny_flash_like_config)
+from common.model.reference import ReferenceModel
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (64, 32)])
+def test_fp8_linear_equals_linear_on_dequantised_weight(shape):
+    gen = torch.Generator().manual_seed(shape[0])
+    original = torch.randn(*shape, generator=gen)
+    weight, scale = quantize_fp8_block(original)
+    reference = Linear(shape[1], shape[0], dtype=torch.float32)
+    reference.weight.data = dequant_fp8_blockwise(weight, scale)
+    x = torch.randn(5, 3, shape[1], generator=gen)
+    fp8 = Fp8Linear(weight, scale)
+    assert fp8.weight.dtype == torch.float8_e4m3fn and fp8.weight.shape == shape
+    # the checkpoint quantizer's format is read back: e4m3 keeps 3 mantissa bits (error <= 2^-4 relative)
+    assert ((fp8.dequantized() - original).abs() <= original.abs() / 16 + 2**-9 * original.abs().max()).all()
+    torch.testing.assert_close(fp8(x), reference(x))
+
+
+def test_fp8_linear_rejects_wrong_scale_grid():
+    weight, scale = random_fp8_linear(256, 256)
+    with pytest.raises(ValueError, match="scale"):
+        Fp8Linear(weight, scale[:1])
+
+
+def test_fp8_grouped_linear_equals_grouped_linear():
+    gen = torch.Generator().manual_seed(3)
+    num_groups, in_per_group, out_per_group = 4, 96, 40
+    weight, scale = random_fp8_linear(num_groups * out_per_group, in_per_group, generator=gen)
+    reference = GroupedLinear(in_per_group, num_groups * out_per_group, num_groups, dtype=torch.float32)
+    reference.weight.data = dequant_fp8_blockwise(weight, scale)
+    x = torch.randn(7, num_groups, in_per_group, generator=gen)
+    torch.testing.assert_close(Fp8GroupedLinear(weight, scale, num_groups)(x), reference(x))
+
+
+def test_random_fp8_linear_has_unit_gain_and_varied_scales():
+    weight, scale = random_fp8_linear(512, 1024, generator=torch.Generator().manual_seed(0))
+    dense = dequant_fp8_blockwise(weight, scale)
+    std = dense.std().item()
+    assert 0.5 * 1024**-0.5 < std < 2 * 1024**-0.5
+    assert torch.isfinite(dense).all()
+    assert len(torch.unique(scale)) > 1
+
+
+def _float_twin(side, experts, config):
+    """The same model with every quantized tensor dequantised into plain Linear / RoutedExperts."""
+    from common.model.attention_side import AttentionSide
+
+    state = {}
+    for name, tensor in side.state_dict().items():
+        if name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in side.state_dict():
+            continue
+        module_name = name.removesuffix(".weight")
+        module = side.get_submodule(module_name) if name.endswith(".weight") else None
+        state[name] = module.dequantized() if isinstance(module, Fp8Linear) else tensor
+    twin = AttentionSide.from_state_dict(config, state, side.numerics)
+    from common.model.random_init import move_rope_tables
+
+    move_rope_tables(twin, "cpu")
+    routed = RoutedExperts.from_config(dequantized_expert_weights(experts), config, side.numerics)
+    return twin, routed
+
+
+def test_swapped_model_equals_float_model_on_dequantised_weights():
+    config = tiny_flash_like_config([AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA])
+    side, experts = random_model(config, "cpu", seed=5)
+    names = fp8_linear_names(config)
+    assert all(isinstance(side.get_submodule(n.removesuffix(".weight")), Fp8Linear) for n in names)
+    assert any(isinstance(side.get_submodule(n.removesuffix(".weight")), Fp8GroupedLinear) for n in names)
+    twin, routed = _float_twin(side, experts, config)
+    assert not any(isinstance(m, Fp8Linear) for m in twin.modules())
+    tokens = torch.randint(0, config.vocab_size, (70,), generator=torch.Generator().manual_seed(1))
+    quantized_model, float_model = ReferenceModel(side, experts), ReferenceModel(twin, routed)
+    states = [quantized_model.new_sequence(), float_model.new_sequence()]
+    prefill = [m.forward(tokens[:60], [SequenceChunk(s, 60)]) for m, s in zip((quantized_model, float_model), states)]
+    torch.testing.assert_close(prefill[0], prefill[1], rtol=1e-5, atol=1e-5)
+    for t in range(60, 70):  # decode continues identically
+        out = [m.forward(tokens[t:t + 1], [SequenceChunk(s, 1)]) for m, s in zip((quantized_model, float_model), states)]
+        torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
+
+
+def test_swap_checks_names_and_shapes():
+    config = tiny_flash_like_config([AttentionKind.HCA])
+    side, _ = random_model(config, "cpu")
+    weight, scale = random_fp8_linear(8, 8)
+    with pytest.raises(KeyError):
+        swap_fp8_linears(side, {"layers.0.attn.nonexistent.weight": (weight, scale)})
+    with pytest.raises(ValueError, match="FP8 weight"):
+        swap_fp8_linears(side, {"layers.0.attn.wq_a.weight": (weight, scale)})
+    module = side.get_submodule("layers.0.attn.wq_a")
+    fresh = random_fp8_linear(module.out_features, module.in_features)
+    assert swap_fp8_linears(side, {"layers.0.attn.wq_a.weight": fresh}, backend=KernelBackend.TORCH) == [
+        "layers.0.attn.wq_a"]
+    assert side.get_submodule("layers.0.attn.wq_a").weight.data_ptr() == fresh[0].data_ptr()
+
+
+def test_numerics_default_is_float32_on_cpu():
+    config = tiny_flash_like_config([AttentionKind.CSA])
+    side, _ = random_model(config, "cpu")
+    assert side.numerics == NumericsConfig(dtype="float32")
+    assert side.embed.weight.dtype == torch.float32 and side.embed.weight.device.type == "cpu"
