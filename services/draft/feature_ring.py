@@ -1,0 +1,116 @@
+"""Per-request ring of the last `max_positions` (128) fused target features (dspark.md §3.3 step 1).
+
+The drafter's attention sees, besides its own block, one context entry per past position: the
+fused feature `main_x` [D] of the target's hidden states after the `dspark_target_layer_ids`
+layers. Features are fused (`main_proj` + `main_norm`) once, when they arrive, so a ring holds
+D floats per position instead of L·D and a draft step does not re-fuse the same rows every step.
+
+Invariants of one ring:
+- positions strictly increase from oldest to newest; at most `max_positions` entries (older
+  ones are overwritten: the drafter's window is `sliding_window` = 128 positions);
+- appending rows that start at position p first drops every entry at a position >= p: such
+  entries belong to tokens that verification rejected, or are being resent, so the ring always
+  describes the request's committed prefix (rollback is implicit in the next append);
+- `truncate(n)` keeps positions < n (explicit rollback to an accepted length of n tokens).
+Gaps (positions never sent, e.g. a prefix restored from cache) are allowed: the drafter just
+has fewer context entries. Legend: C context positions, D hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+
+class FeatureRing:
+    """One request's context ring on one device."""
+
+    def __init__(self, max_positions: int, hidden_size: int, *, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        if max_positions < 1:
+            raise ValueError(f"max_positions={max_positions} must be >= 1")
+        self.max_positions = max_positions
+        self._features = torch.zeros(max_positions, hidden_size, dtype=dtype, device=device)  # [cap, D]
+        self._positions = torch.zeros(max_positions, dtype=torch.long)  # [cap], host: read every step
+        self._oldest = 0  # index of the oldest entry
+        self.num_positions = 0
+
+    def _slot(self, age: int) -> int:
+        return (self._oldest + age) % self.max_positions
+
+    @property
+    def next_position(self) -> int | None:
+        """One past the newest position held (None when empty)."""
+        if self.num_positions == 0:
+            return None
+        return int(self._positions[self._slot(self.num_positions - 1)]) + 1
+
+    def truncate(self, num_positions: int) -> None:
+        """Keep only entries at positions < num_positions (newest entries go first)."""
+        while self.num_positions and int(self._positions[self._slot(self.num_positions - 1)]) >= num_positions:
+            self.num_positions -= 1
+        if self.num_positions == 0:
+            self._oldest = 0
+
+    def append(self, start_position: int, features: torch.Tensor) -> None:
+        """features [n, D] for positions start_position ..< start_position + n (already fused)."""
+        if start_position < 0:
+            raise ValueError(f"start_position={start_position} must be >= 0")
+        self.truncate(start_position)
+        num_rows = features.shape[0]
+        skip = max(0, num_rows - self.max_positions)  # only the newest max_positions can survive
+        for row in range(skip, num_rows):
+            if self.num_positions == self.max_positions:  # full: overwrite the oldest
+                self._oldest = (self._oldest + 1) % self.max_positions
+                self.num_positions -= 1
+            slot = self._slot(self.num_positions)
+            self._positions[slot] = start_position + row
+            self._features[slot].copy_(features[row])
+            self.num_positions += 1
+
+    def context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(main_x [C, D], positions [C] int64), oldest first; C = num_positions."""
+        order = [self._slot(age) for age in range(self.num_positions)]
+        index = torch.tensor(order, dtype=torch.long)
+        return self._features.index_select(0, index.to(self._features.device)), self._positions.index_select(0, index)
+
+
+class FeatureRings:
+    """Every live request's ring; requests never see each other's entries."""
+
+    def __init__(self, max_positions: int, hidden_size: int, *, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        self.max_positions = max_positions
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
+        self._rings: dict[str, FeatureRing] = {}
+
+    def __len__(self) -> int:
+        return len(self._rings)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._rings
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rings)
+
+    def ring(self, request_id: str) -> FeatureRing:
+        """The request's ring, created empty on first use."""
+        ring = self._rings.get(request_id)
+        if ring is None:
+            ring = FeatureRing(self.max_positions, self.hidden_size, dtype=self.dtype, device=self.device)
+            self._rings[request_id] = ring
+        return ring
+
+    def append(self, request_id: str, start_position: int, features: torch.Tensor) -> None:
+        self.ring(request_id).append(start_position, features)
+
+    def truncate(self, request_id: str, num_positions: int) -> None:
+        if request_id in self._rings:
+            self._rings[request_id].truncate(num_positions)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a finished or aborted request (unknown ids are ignored)."""
+        self._rings.pop(request_id, None)

@@ -1,0 +1,239 @@
+"""The DSpark draft worker: target features in, a block of drafts per request out (architecture §2 step 7).
+
+State: one `FeatureRing` per live request (fused features of its last 128 committed positions).
+Messages (`handle`):
+- `TargetFeatures` (from the attention worker after each step): fuse and append each segment's
+  rows to its request's ring. Rows starting at position p replace whatever the ring held at
+  positions >= p (rejected drafts' features), so rollback needs no message of its own.
+- `DraftRequest` (from the router): drop the finished requests' rings, then `propose(...)`.
+
+`propose(request)` is the one visible loop: all drafted requests go through the three stages
+in one batched forward (contexts padded to the longest ring, padding masked out), then each
+request gets its Markov chain (greedy, or sampled from a sparse exact q, see chains.py) and its
+width from the confidences (width.py). Every slot of the request gets a proposal, empty when
+it asked for no drafts or speculation is off.
+
+Routed experts of the stages run in this process (`RoutedExperts` from `load_mtp`), so a draft
+step needs no network hop. Legend: A drafted requests, C context positions (padded), G block
+slots, D hidden, F = L·D raw feature width, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from common.model.config import ModelConfig, NumericsConfig
+from common.model.dspark import DSparkDrafter
+from common.model.linear import Embedding, Linear
+from common.runtime.service import Service
+from common.wire.messages import (
+    Ack, DraftProposal, DraftRequest, DraftSlot, DraftTokens, ErrorCode, ErrorReply, TargetFeatures,
+)
+from services.draft.chains import sparse_sampled_chain
+from services.draft.feature_ring import FeatureRings
+from services.draft.width import SpeculationConfig, SpeculationMode, choose_width
+
+log = structlog.get_logger("draft")
+
+DEFAULT_MAX_SUPPORT = 64
+
+
+@dataclass(frozen=True)
+class DraftWorkerConfig:
+    """name: service name; checkpoint_path: model directory (config.json + safetensors);
+    dtype: "auto" (float32 on CPU, bfloat16 elsewhere) or a dtype name; speculation: the width
+    policy (None: the model's default, adaptive up to dspark_block_size); max_support: tokens
+    kept in a sampled slot's proposal distribution (None: the full vocabulary, large on the wire)."""
+
+    name: str = "draft"
+    checkpoint_path: str = ""
+    device: str = "cpu"
+    dtype: str = "auto"
+    speculation: SpeculationConfig | None = None
+    max_support: int | None = DEFAULT_MAX_SUPPORT
+
+
+def resolve_numerics(dtype: str, device: str) -> NumericsConfig:
+    if dtype == "auto":
+        dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
+    return NumericsConfig(dtype)
+
+
+def load_drafter(checkpoint_path: str, device: str, numerics: NumericsConfig) -> DSparkDrafter:
+    """`mtp.*` (stages, heads, routed experts) plus the target's embed and head; nothing else of
+    the target is read."""
+    from common.checkpoint.reader import CheckpointReader
+
+    reader = CheckpointReader(checkpoint_path)
+    config = reader.config
+    torch_dtype = numerics.torch_dtype()
+    embed = Embedding(config.vocab_size, config.hidden_size, dtype=torch_dtype, device="meta")
+    embed.load_state_dict({"weight": reader.load("embed.weight", torch_dtype).to(device)}, assign=True)
+    head_name = "embed.weight" if config.tie_word_embeddings else "head.weight"
+    head = Linear(config.hidden_size, config.vocab_size, dtype=torch_dtype, device="meta")
+    head.load_state_dict({"weight": reader.load(head_name, torch_dtype).to(device)}, assign=True)
+    for module in (embed, head):
+        module.requires_grad_(False)
+    return DSparkDrafter.from_state_dict(config, reader.load_mtp(config, torch_dtype), embed, head, numerics, device)
+
+
+@dataclass
+class _Batch:
+    """The padded inputs of one batched draft forward."""
+
+    main_x: torch.Tensor  # [A, C, D]
+    context_positions: torch.Tensor  # [A, C] int64
+    context_valid: torch.Tensor  # [A, C] bool
+    block_token_ids: torch.Tensor  # [A, G]
+    block_positions: torch.Tensor  # [A, G]
+    seed_positions: list[int] = field(default_factory=list)
+
+
+class DraftWorker(Service):
+    accepts = (TargetFeatures, DraftRequest)
+
+    def __init__(self, config: DraftWorkerConfig, drafter: DSparkDrafter | None = None) -> None:
+        """drafter: an already built drafter (tests, single-process use); None: `load()` reads
+        config.checkpoint_path."""
+        self.config = config
+        self.drafter: DSparkDrafter | None = None
+        self.speculation: SpeculationConfig | None = None
+        self.rings: FeatureRings | None = None
+        if drafter is not None:
+            self._install(drafter)
+
+    def _install(self, drafter: DSparkDrafter) -> None:
+        model: ModelConfig = drafter.config
+        block_size = model.dspark.block_size
+        speculation = self.config.speculation or SpeculationConfig.for_model(None, None, block_size)
+        self.speculation = speculation.validate_block_size(block_size)
+        self.drafter = drafter
+        self.device = drafter.head.weight.device
+        self.rings = FeatureRings(model.sliding_window, model.hidden_size, dtype=drafter.dtype, device=self.device)
+
+    async def load(self) -> None:
+        if self.drafter is None:
+            numerics = resolve_numerics(self.config.dtype, self.config.device)
+            self._install(load_drafter(self.config.checkpoint_path, self.config.device, numerics))
+        log.info("draft.loaded", block_size=self.drafter.dspark.block_size, mode=self.speculation.mode.value,
+                 width=self.speculation.width, device=str(self.device))
+
+    async def handle(self, message: Any) -> Any:
+        match message:
+            case TargetFeatures():
+                self.add_features(message)
+                return Ack()
+            case DraftRequest():
+                try:
+                    return self.propose(message)
+                except DraftSlotError as error:
+                    return ErrorReply(code=ErrorCode.MALFORMED, message=str(error), request_id=error.request_id)
+        return await super().handle(message)
+
+    def num_inflight(self) -> int:
+        return 0 if self.rings is None else len(self.rings)
+
+    # ------------------------------------------------------------------ features
+    @torch.no_grad()
+    def add_features(self, message: TargetFeatures) -> None:
+        """Fuse every segment's rows ([n, F] -> [n, D]) and append them to its request's ring."""
+        features = message.features
+        expected_width = len(self.drafter.dspark.target_layer_ids) * self.drafter.config.hidden_size
+        if features.dim() != 2 or features.shape[1] != expected_width:
+            raise ValueError(f"target features {tuple(features.shape)}: expected [N, {expected_width}]")
+        for segment in message.segments:
+            end = segment.row_start + segment.num_rows
+            if segment.row_start < 0 or end > features.shape[0]:
+                raise ValueError(f"{segment.request_id}: rows {segment.row_start}..{end} outside {features.shape[0]}")
+            rows = features[segment.row_start:end].to(self.device)  # [n, F]
+            self.rings.append(segment.request_id, segment.start_position, self.drafter.fuse_features(rows))
+
+    # ------------------------------------------------------------------ the loop
+    @torch.no_grad()
+    def propose(self, request: DraftRequest) -> DraftTokens:
+        """Drafts for every slot of `request`: one batched forward, then per-request chains and widths."""
+        for request_id in request.finished_request_ids:
+            self.rings.drop(request_id)
+        drafted = [slot for slot in request.slots if self._wants_drafts(slot)]
+        rows: dict[str, DraftProposal] = {}
+        if drafted:
+            batch = self._batch_inputs(drafted)
+            hidden = self.drafter.block_hidden(batch.main_x, batch.context_positions, batch.context_valid,
+                                               batch.block_token_ids, batch.block_positions)  # [A, G, D]
+            base_logits = self.drafter.base_logits(hidden)  # [A, G, V]
+            for index, slot in enumerate(drafted):
+                rows[slot.request_id] = self._proposal(slot, base_logits[index], hidden[index])
+        return DraftTokens(step_id=request.step_id, proposals=tuple(
+            rows.get(slot.request_id) or DraftProposal(slot.request_id, (), (), ()) for slot in request.slots))
+
+    # ------------------------------------------------------------------ helpers
+    def _wants_drafts(self, slot: DraftSlot) -> bool:
+        if not slot.last_token_ids:
+            raise DraftSlotError(slot.request_id, "last_token_ids is empty: no seed token")
+        if slot.temperature > 0 and (slot.seed is None or slot.first_output_position is None):
+            raise DraftSlotError(slot.request_id, "a sampled slot needs seed and first_output_position")
+        return self.speculation.enabled and slot.num_draft_tokens > 0
+
+    def _batch_inputs(self, slots: list[DraftSlot]) -> _Batch:
+        """Roll each ring back to its seed position, then pad the contexts to one length."""
+        contexts, seed_positions = [], []
+        for slot in slots:
+            seed_position = slot.start_position + len(slot.last_token_ids) - 1
+            self.rings.truncate(slot.request_id, seed_position)  # entries >= the seed are rejected drafts'
+            contexts.append(self.rings.ring(slot.request_id).context())
+            seed_positions.append(seed_position)
+        num_blocks = len(slots)
+        num_context = max(features.shape[0] for features, _ in contexts)
+        hidden_size = self.drafter.config.hidden_size
+        main_x = torch.zeros(num_blocks, num_context, hidden_size, dtype=self.drafter.dtype, device=self.device)
+        positions = torch.zeros(num_blocks, num_context, dtype=torch.long)
+        valid = torch.zeros(num_blocks, num_context, dtype=torch.bool)
+        for index, (features, context_positions) in enumerate(contexts):
+            count = features.shape[0]
+            main_x[index, :count] = features
+            positions[index, :count] = context_positions
+            valid[index, :count] = True
+        seeds = torch.tensor([slot.last_token_ids[-1] for slot in slots], dtype=torch.long, device=self.device)
+        offsets = torch.arange(self.drafter.dspark.block_size, dtype=torch.long)
+        block_positions = torch.tensor(seed_positions, dtype=torch.long)[:, None] + offsets[None]  # [A, G]
+        return _Batch(main_x, positions.to(self.device), valid.to(self.device), self.drafter.block_inputs(seeds),
+                      block_positions.to(self.device), seed_positions)
+
+    def _proposal(self, slot: DraftSlot, base_logits: torch.Tensor, hidden: torch.Tensor) -> DraftProposal:
+        """One request's chain, cut to the width policy's choice and to slot.num_draft_tokens."""
+        seed_token = slot.last_token_ids[-1]
+        if slot.temperature > 0:
+            num_slots = base_logits.shape[0]
+            chain = sparse_sampled_chain(
+                self.drafter, base_logits, hidden, seed_token, temperature=slot.temperature, seed=slot.seed,
+                output_positions=range(slot.first_output_position, slot.first_output_position + num_slots),
+                max_support=self.config.max_support)
+            chosen_probs = chain.probs
+        else:
+            chain = self.drafter.greedy_chain(base_logits, hidden, seed_token)
+            chosen_probs = chain.probs.gather(1, chain.token_ids[:, None]).squeeze(1)  # [G]
+        confidences = chain.confidences.tolist()
+        width = min(choose_width(confidences, self.speculation), slot.num_draft_tokens)
+        support_ids = support_probs = ()
+        if slot.temperature > 0:
+            support_ids = tuple(tuple(ids.tolist()) for ids in chain.support_ids[:width])
+            support_probs = tuple(tuple(probs.tolist()) for probs in chain.support_probs[:width])
+        return DraftProposal(
+            request_id=slot.request_id, token_ids=tuple(chain.token_ids[:width].tolist()),
+            draft_probs=tuple(chosen_probs[:width].tolist()), confidences=tuple(confidences[:width]),
+            support_token_ids=support_ids, support_probs=support_probs)
+
+
+class DraftSlotError(ValueError):
+    """A DraftSlot the drafter cannot serve (answered with ErrorReply(MALFORMED))."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"{request_id}: {reason}")
+        self.request_id = request_id
+
+
+__all__ = ["DraftWorker", "DraftWorkerConfig", "DraftSlotError", "SpeculationMode", "load_drafter"]

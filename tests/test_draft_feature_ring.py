@@ -1,0 +1,70 @@
+"""Per-request feature rings (services/draft/feature_ring.py): cap, rollback, isolation."""
+
+from __future__ import annotations
+
+import torch
+
+from services.draft.feature_ring import FeatureRing, FeatureRings
+
+D = 4
+
+
+def rows(start: int, count: int) -> torch.Tensor:
+    """Row i carries the value start + i in every column, so contents name their position."""
+    return torch.arange(start, start + count, dtype=torch.float32)[:, None].expand(count, D).clone()
+
+
+def assert_holds(ring: FeatureRing, first: int, last: int) -> None:
+    features, positions = ring.context()
+    assert positions.tolist() == list(range(first, last + 1))
+    assert torch.equal(features, rows(first, last - first + 1))
+
+
+def test_ring_keeps_the_last_128_positions_in_order():
+    ring = FeatureRing(128, D, dtype=torch.float32)
+    ring.append(0, rows(0, 100))
+    ring.append(100, rows(100, 50))  # wraps
+    assert ring.num_positions == 128 and ring.next_position == 150
+    assert_holds(ring, 22, 149)
+    for position in range(150, 300):  # one at a time, like decoding
+        ring.append(position, rows(position, 1))
+    assert_holds(ring, 172, 299)
+    big = FeatureRing(128, D, dtype=torch.float32)
+    big.append(0, rows(0, 1000))  # a long prefill: only the newest 128 survive
+    assert_holds(big, 872, 999)
+
+
+def test_truncate_rolls_back_to_the_accepted_length():
+    ring = FeatureRing(8, D, dtype=torch.float32)
+    ring.append(0, rows(0, 6))  # 6 positions, the last 3 of them drafts
+    ring.truncate(4)  # one draft accepted: keep positions < 4
+    assert_holds(ring, 0, 3)
+    ring.append(4, rows(4, 2))
+    assert_holds(ring, 0, 5)
+    ring.truncate(0)
+    assert ring.num_positions == 0 and ring.next_position is None
+    ring.append(0, rows(0, 1))
+    assert_holds(ring, 0, 0)
+
+
+def test_appending_at_an_earlier_position_replaces_the_stale_tail_even_after_wrapping():
+    ring = FeatureRing(8, D, dtype=torch.float32)
+    ring.append(0, rows(0, 12))  # holds 4..11
+    ring.append(9, rows(109, 2) - 100 + 0.5)  # resend 9, 10 with new values; 11 is gone
+    features, positions = ring.context()
+    assert positions.tolist() == [4, 5, 6, 7, 8, 9, 10]
+    assert features[-2:, 0].tolist() == [9.5, 10.5] and features[0, 0] == 4
+
+
+def test_requests_are_isolated_and_dropped():
+    rings = FeatureRings(16, D, dtype=torch.float32)
+    rings.append("a", 0, rows(0, 5))
+    rings.append("b", 0, rows(50, 3))
+    rings.truncate("a", 2)
+    assert rings.ring("a").context()[1].tolist() == [0, 1]
+    assert rings.ring("b").context()[0][:, 0].tolist() == [50, 51, 52]
+    rings.drop("a")
+    rings.drop("missing")  # ignored
+    rings.truncate("missing", 3)  # ignored, creates nothing
+    assert list(rings) == ["b"] and "a" not in rings and len(rings) == 1
+    assert rings.ring("a").num_positions == 0  # a new request starts empty
