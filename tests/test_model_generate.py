@@ -117,14 +117,6 @@ def test_generate_command_json_matches_helper(checkpoint, capsys):
         assert result["text"].split() == [("</s>" if t == 1 else f"w{t}") for t in expected if t != 0]
 
 
-def test_generate_command_distributed_is_not_built(checkpoint, capsys):
-    from common.cli import main
-
-    path, _ = checkpoint
-    assert main(["generate", "--model", str(path), "--prompt", "w3", "--distributed"]) == 2
-    assert "not built yet" in capsys.readouterr().err
-
-
 def test_generate_command_chat_mode_runs(checkpoint, capsys):
     from common.cli import main
 

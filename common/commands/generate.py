@@ -1,8 +1,9 @@
 """`moemesh generate`: text generation with the single-process reference model.
 
 Loads config, tokenizer and weights (dequantized by `common.checkpoint.reader`), then runs all
-prompts together: prefill, then one decode step per token. `--distributed` (attention and expert
-workers over ZeroMQ) is a later issue.
+prompts together: prefill, then one decode step per token. `--distributed` runs the attention
+worker and `--expert-workers` expert workers as processes over ZeroMQ
+(`services.attention.distributed_generate`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON: token ids and text")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu", help="torch device")
-    parser.add_argument("--distributed", action="store_true", help="run over attention/expert workers (not built yet)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="run the attention worker and --expert-workers expert workers as separate processes")
+    from services.attention.distributed_generate import add_distributed_arguments
+
+    add_distributed_arguments(parser)
 
 
 def _load_model(path: str, dtype_name: str, device: str):
@@ -59,8 +64,9 @@ def _encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]
 
 def run(args: argparse.Namespace) -> int:
     if args.distributed:
-        print("moemesh generate --distributed: not built yet", file=sys.stderr)
-        return 2
+        from services.attention.distributed_generate import run_distributed
+
+        return run_distributed(args)
     if args.max_tokens < 1:
         print(f"--max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
         return 2

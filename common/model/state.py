@@ -19,7 +19,9 @@ Storage is kept behind these small classes so a paged GPU/CPU pool can replace t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -30,6 +32,19 @@ DEFAULT_MAX_ROLLBACK_TOKENS = 8
 
 class RollbackError(ValueError):
     """Rolling back further than the state retains."""
+
+
+class RowStore(Protocol):
+    """Where a CompressorStore keeps its emitted rows when not in its own tensor (a paged pool).
+    Rows are append-only by row index; `read(n)` returns rows 0..n-1 as [n, row_dim]."""
+
+    def write(self, first_row: int, rows: torch.Tensor) -> None: ...
+
+    def read(self, num_rows: int) -> torch.Tensor: ...
+
+
+# (layer, "compressor" | "indexer", row_dim) -> the RowStore of that compressor's rows
+RowStoreFactory = Callable[[int, str, int], RowStore]
 
 
 class _RingCounter:
@@ -114,7 +129,7 @@ class CompressorStore:
     """
 
     def __init__(self, ratio: int, input_dim: int, row_dim: int, overlap: bool, max_rollback_tokens: int,
-                 dtype, device, initial_row_capacity: int = 64) -> None:
+                 dtype, device, initial_row_capacity: int = 64, row_store: "RowStore | None" = None) -> None:
         self.ratio = ratio
         self.overlap = overlap
         # positions still needed after a rollback of max_rollback_tokens: the open window, plus the
@@ -123,7 +138,10 @@ class CompressorStore:
         self.ring_size = max(math.ceil(needed / ratio), 2 if overlap else 1) * ratio
         self._kv = torch.zeros(self.ring_size, input_dim, dtype=torch.float32, device=device)
         self._score = torch.zeros(self.ring_size, input_dim, dtype=torch.float32, device=device)
-        self._rows = torch.zeros(initial_row_capacity, row_dim, dtype=dtype, device=device)
+        # emitted rows live in `row_store` when given (a paged KV pool), else in a growing tensor
+        self._row_store = row_store
+        self._rows = None if row_store is not None else torch.zeros(initial_row_capacity, row_dim, dtype=dtype,
+                                                                    device=device)
         self._counter = _RingCounter(max_rollback_tokens)
 
     @property
@@ -151,6 +169,9 @@ class CompressorStore:
 
     def write_rows(self, first_row: int, rows: torch.Tensor) -> None:
         """rows [n, row_dim] as rows first_row.. (must not be past num_rows when called)."""
+        if self._row_store is not None:
+            self._row_store.write(first_row, rows)
+            return
         end = first_row + rows.shape[0]
         if end > self._rows.shape[0]:
             grown = torch.zeros(max(end, 2 * self._rows.shape[0]), self._rows.shape[1],
@@ -161,6 +182,8 @@ class CompressorStore:
 
     def read_rows(self) -> torch.Tensor:
         """All emitted rows of this sequence -> [num_rows, row_dim]."""
+        if self._row_store is not None:
+            return self._row_store.read(self.num_rows)
         return self._rows[: self.num_rows]
 
     def rollback(self, num_tokens: int) -> None:
@@ -186,8 +209,14 @@ class SequenceState:
     """Everything one sequence needs to continue: per-layer stores and the token count."""
 
     def __init__(self, config: ModelConfig, *, max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 row_store_factory: RowStoreFactory | None = None) -> None:
+        """row_store_factory: where compressed rows live (default: a growing tensor per store)."""
         self.config = config
+
+        def rows(layer: int, which: str, row_dim: int) -> RowStore | None:
+            return None if row_store_factory is None else row_store_factory(layer, which, row_dim)
+
         self.max_rollback_tokens = max_rollback_tokens
         self.num_tokens = 0
         self.layers: list[LayerState] = []
@@ -197,12 +226,15 @@ class SequenceState:
             ratio = config.compress_ratio(layer)
             if kind is AttentionKind.CSA:
                 state.compressor = CompressorStore(ratio, 2 * config.head_dim, config.head_dim, True,
-                                                   max_rollback_tokens, dtype, device)
+                                                   max_rollback_tokens, dtype, device,
+                                                   row_store=rows(layer, "compressor", config.head_dim))
                 state.indexer = CompressorStore(ratio, 2 * config.index_head_dim, config.index_head_dim, True,
-                                                max_rollback_tokens, dtype, device)
+                                                max_rollback_tokens, dtype, device,
+                                                row_store=rows(layer, "indexer", config.index_head_dim))
             elif kind is AttentionKind.HCA:
                 state.compressor = CompressorStore(ratio, config.head_dim, config.head_dim, False,
-                                                   max_rollback_tokens, dtype, device)
+                                                   max_rollback_tokens, dtype, device,
+                                                   row_store=rows(layer, "compressor", config.head_dim))
             self.layers.append(state)
 
     def advance(self, num_tokens: int) -> None:

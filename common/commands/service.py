@@ -1,0 +1,52 @@
+"""`moemesh router|attention|expert|draft --config FILE [--name NAME]`: run one service.
+
+The deployment TOML (common.runtime.deployment) describes every process; `--name` picks this
+process's entry when its role has several. Heavy imports (torch for the workers) happen in
+`run()` only, inside the service's own `main`, so `moemesh router` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    from common.runtime.deployment import add_deployment_arguments
+
+    add_deployment_arguments(parser)
+    parser.add_argument("--name", default=None, help="this worker's name in the deployment (needed when the "
+                        "role has several workers)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    if name == "attention":
+        from services.attention.main import add_attention_arguments
+
+        add_attention_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from common.runtime.deployment import DeploymentError, load_deployment
+
+    try:
+        deployment = load_deployment(args.config, args.overrides)
+    except DeploymentError as error:
+        print(f"moemesh {args.command_name}: {error}", file=sys.stderr)
+        return 2
+    match args.command_name:
+        case "router":
+            from services.router.main import main as router_main
+
+            return router_main(deployment, args.name, args.log_level)
+        case "attention":
+            from services.attention.main import main as attention_main, options_from_args
+
+            return attention_main(deployment, args.name, args.log_level, options_from_args(args))
+        case "expert":
+            from services.expert.main import main as expert_main
+
+            return expert_main(deployment, args.name, args.log_level)
+        case "draft":
+            print("moemesh draft: the DSpark draft worker is not built yet", file=sys.stderr)
+            return 2
+    print(f"unknown service {args.command_name!r}", file=sys.stderr)
+    return 2

@@ -1,0 +1,169 @@
+"""The attention worker's KV tiers: a paged primary pool on the compute device and a CPU pool.
+
+What is paged is the growing part of a sequence's state: the compressed rows of every CSA /
+HCA compressor and of every CSA indexer (architecture §4). The fixed part (window ring, open
+compressor inputs) stays in the sequence's slot (`slots.py`). A block holds the rows of
+`block_size_tokens` consecutive positions for every such compressor: block b of a sequence's
+table covers positions [b·B, (b+1)·B) and so rows [b·B/m, (b+1)·B/m) of a ratio-m compressor.
+B must be a multiple of every ratio, so a compressor window never straddles two blocks.
+
+Tiers: `primary[seg]` [num_primary_blocks, B/m, d] on the compute device, `cpu[seg]`
+[num_cpu_blocks, B/m, d] in host memory (pinned when the device is CUDA). The router decides
+which block is where; this pool only moves bytes as the StepPlan says: `swap_out` (primary ->
+cpu) then `swap_in` (cpu -> primary), both before the step's compute.
+
+Ordering on CUDA: copies run on a side stream. The side stream first waits for an event
+recorded on the compute stream (so a block is copied only after every kernel writing it is
+done), and the compute stream then waits for an event recorded after the copies (so nothing
+reads a swapped-in block, or overwrites a swapped-out one, before its copy finished). No host
+sync is needed. On the CPU the copies are plain synchronous copies.
+Legend: B tokens per block, m compression ratio, d row dim, R = B/m rows per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from common.model.config import AttentionKind, ModelConfig
+from services.attention.kv_config import KVPoolConfig
+
+log = structlog.get_logger("attention")
+
+
+class KVPoolError(RuntimeError):
+    """A block table that does not cover a row, or a block id outside its tier."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One compressor's rows inside a block."""
+
+    layer: int
+    which: str  # "compressor" | "indexer"
+    ratio: int
+    row_dim: int
+
+
+def pool_segments(config: ModelConfig) -> list[Segment]:
+    segments = []
+    for layer, kind in enumerate(config.layer_types):
+        ratio = config.compress_ratio(layer)
+        if kind in (AttentionKind.CSA, AttentionKind.HCA):
+            segments.append(Segment(layer, "compressor", ratio, config.head_dim))
+        if kind is AttentionKind.CSA:
+            segments.append(Segment(layer, "indexer", ratio, config.index_head_dim))
+    return segments
+
+
+class BlockTable:
+    """A sequence's primary-tier block ids, replaced by each plan that schedules the sequence."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.block_ids: tuple[int, ...] = ()
+        self.ids_tensor = torch.zeros(0, dtype=torch.long, device=device)  # [num_blocks]
+
+    def update(self, block_ids: Sequence[int]) -> None:
+        block_ids = tuple(block_ids)
+        if block_ids != self.block_ids:
+            self.block_ids = block_ids
+            self.ids_tensor = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+class PagedRowStore:
+    """The rows of one compressor of one sequence, in the primary tier blocks of its table."""
+
+    def __init__(self, pool: torch.Tensor, rows_per_block: int, table: BlockTable) -> None:
+        self.pool = pool  # [num_primary_blocks, R, d]
+        self.rows_per_block = rows_per_block
+        self.table = table
+
+    def _locate(self, first_row: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end_block = -(-(first_row + num_rows) // self.rows_per_block)
+        if end_block > len(self.table.block_ids):
+            raise KVPoolError(f"rows up to {first_row + num_rows} need {end_block} blocks, "
+                              f"the table has {len(self.table.block_ids)}")
+        rows = torch.arange(first_row, first_row + num_rows, device=self.pool.device)  # [n]
+        return self.table.ids_tensor[rows // self.rows_per_block], rows % self.rows_per_block
+
+    def write(self, first_row: int, rows: torch.Tensor) -> None:
+        """rows [n, d] as rows first_row .. first_row+n-1."""
+        blocks, offsets = self._locate(first_row, rows.shape[0])
+        self.pool[blocks, offsets] = rows.to(self.pool.dtype)
+
+    def read(self, num_rows: int) -> torch.Tensor:
+        """Rows 0 .. num_rows-1 -> [num_rows, d] (a gathered copy)."""
+        blocks, offsets = self._locate(0, num_rows)
+        return self.pool[blocks, offsets]
+
+
+class KVPool:
+    def __init__(self, model_config: ModelConfig, config: KVPoolConfig, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.segments = pool_segments(model_config)
+        for segment in self.segments:
+            if config.block_size_tokens % segment.ratio:
+                raise ValueError(f"block_size_tokens={config.block_size_tokens} is not a multiple of layer "
+                                 f"{segment.layer}'s compression ratio {segment.ratio}")
+        pin = self.device.type == "cuda"
+        self.primary: dict[tuple[int, str], torch.Tensor] = {}
+        self.cpu: dict[tuple[int, str], torch.Tensor] = {}
+        for segment in self.segments:
+            rows = config.block_size_tokens // segment.ratio
+            key = (segment.layer, segment.which)
+            self.primary[key] = torch.zeros(config.num_primary_blocks, rows, segment.row_dim, dtype=dtype,
+                                            device=self.device)
+            self.cpu[key] = torch.zeros(config.num_cpu_blocks, rows, segment.row_dim, dtype=dtype, pin_memory=pin)
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
+
+    def row_store_factory(self, table: BlockTable):
+        """For SequenceState(row_store_factory=...): the paged stores of one sequence."""
+        def factory(layer: int, which: str, row_dim: int) -> PagedRowStore:
+            pool = self.primary[(layer, which)]
+            return PagedRowStore(pool, pool.shape[1], table)
+        return factory
+
+    def num_bytes_per_block(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.primary.values()) if self.config.num_primary_blocks else 0
+
+    def _check(self, pairs: Sequence[tuple[int, int]], source_blocks: int, target_blocks: int, what: str) -> None:
+        for source, target in pairs:
+            if not (0 <= source < source_blocks and 0 <= target < target_blocks):
+                raise KVPoolError(f"{what} ({source}, {target}) is outside the tiers "
+                                  f"({source_blocks}, {target_blocks} blocks)")
+
+    def move(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
+        """swap_out (primary, cpu) pairs, then swap_in (cpu, primary) pairs; ordered as the module says."""
+        if not swap_out and not swap_in:
+            return
+        self._check(swap_out, self.config.num_primary_blocks, self.config.num_cpu_blocks, "swap_out")
+        self._check(swap_in, self.config.num_cpu_blocks, self.config.num_primary_blocks, "swap_in")
+        if self._copy_stream is None:
+            self._copy(swap_out, swap_in, non_blocking=False)
+        else:
+            compute = torch.cuda.current_stream(self.device)
+            self._copy_stream.wait_stream(compute)  # = an event recorded on compute, waited on the side
+            with torch.cuda.stream(self._copy_stream):
+                self._copy(swap_out, swap_in, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+            compute.wait_event(done)
+        self.num_blocks_swapped_out += len(swap_out)
+        self.num_blocks_swapped_in += len(swap_in)
+        log.debug("attention.kv_moved", num_swapped_out=len(swap_out), num_swapped_in=len(swap_in))
+
+    def _copy(self, swap_out, swap_in, non_blocking: bool) -> None:
+        for key, primary in self.primary.items():
+            cpu = self.cpu[key]
+            for primary_block, cpu_block in swap_out:
+                cpu[cpu_block].copy_(primary[primary_block], non_blocking=non_blocking)
+            for cpu_block, primary_block in swap_in:
+                primary[primary_block].copy_(cpu[cpu_block], non_blocking=non_blocking)

@@ -1,0 +1,109 @@
+"""The routed part of one MoE layer for one micro-batch: split by owner, send, later combine.
+
+`start` sends each expert worker only the tokens that have at least one slot it owns, with a
+slot mask saying which; it returns a `PendingMoE` ticket at once. `finish` waits for the
+answers and combines them in a fixed order:
+- partial-sum mode: routed = 0 + partial(worker 0) + partial(worker 1) + ... (ascending worker
+  index). Each partial already adds its slots in slot order, so with K = 2 (one slot per worker
+  at most twice) the result is bit-identical to the single-process sum; with K > 2 spread over
+  several workers the association differs and results agree to rounding only.
+- placement-invariant mode: workers return per-slot outputs [T, K, D]; they are scattered into
+  one [T, K, D] tensor and the K slots are added in slot order (= ascending expert id), the
+  reference's exact order, whatever the placement.
+Legend: T tokens, K top-k slots, D hidden, W expert workers, L layers, E routed experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.model.moe import sum_slots_in_order
+from common.wire.messages import Combine, Dispatch, ErrorReply
+from services.attention.expert_channel import ExpertChannel
+
+
+class DispatchError(RuntimeError):
+    """An expert worker answered a Dispatch with an error (or with a Combine that does not match)."""
+
+
+@dataclass
+class _Sent:
+    worker_index: int
+    ticket: int
+    token_index: torch.Tensor  # [T_w] rows of the micro-batch sent to this worker
+    slot_mask: torch.Tensor  # [T_w, K] bool
+    dispatch_id: int
+
+
+@dataclass
+class PendingMoE:
+    layer: int
+    micro_batch: int
+    num_tokens: int
+    num_slots: int
+    hidden_size: int
+    dtype: torch.dtype
+    device: torch.device
+    sent: list[_Sent]
+
+
+class MoEDispatcher:
+    def __init__(self, channel: ExpertChannel, owner_table: list[list[int]], *, placement_invariant: bool,
+                 device: torch.device) -> None:
+        self.channel = channel
+        self.owner = torch.tensor(owner_table, dtype=torch.long, device=device)  # [L, E] worker index
+        self.placement_invariant = placement_invariant
+        self._dispatch_ids = 0
+
+    def start(self, step_id: int, micro_batch: int, layer: int, x: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor) -> PendingMoE:
+        """x [T, D], ids [T, K], weights [T, K] -> a ticket; every Dispatch is sent before returning."""
+        owner = self.owner[layer][ids]  # [T, K]
+        workers = torch.unique(owner).tolist()  # ascending; one host sync per layer and micro-batch
+        sent = []
+        for worker_index in workers:
+            mask = owner == worker_index  # [T, K]
+            token_index = mask.any(dim=1).nonzero().squeeze(1)  # [T_w]
+            slot_mask = mask[token_index]
+            self._dispatch_ids += 1
+            dispatch = Dispatch(
+                dispatch_id=self._dispatch_ids, step_id=step_id, layer=layer, micro_batch=micro_batch,
+                hidden=x[token_index].contiguous(), expert_ids=ids[token_index].to(torch.int32).contiguous(),
+                weights=weights[token_index].float().contiguous(), per_expert_outputs=self.placement_invariant,
+                slot_mask=slot_mask.contiguous(),
+            )
+            ticket = self.channel.send(worker_index, dispatch)
+            sent.append(_Sent(worker_index, ticket, token_index, slot_mask, self._dispatch_ids))
+        return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
+
+    def finish(self, pending: PendingMoE) -> torch.Tensor:
+        """Wait for every answer of `pending` -> routed output [T, D], combined in the fixed order."""
+        if self.placement_invariant:
+            per_slot = torch.zeros(pending.num_tokens, pending.num_slots, pending.hidden_size, dtype=pending.dtype,
+                                   device=pending.device)  # [T, K, D]
+        else:
+            routed = torch.zeros(pending.num_tokens, pending.hidden_size, dtype=pending.dtype, device=pending.device)
+        for sent in pending.sent:  # ascending worker index
+            output = self._answer(pending, sent).to(pending.device, pending.dtype)
+            if self.placement_invariant:  # [T_w, K, D]: take only our slots from this worker
+                rows = per_slot[sent.token_index]
+                per_slot[sent.token_index] = torch.where(sent.slot_mask[..., None], output, rows)
+            else:  # [T_w, D]
+                routed[sent.token_index] += output
+        return sum_slots_in_order(per_slot) if self.placement_invariant else routed
+
+    def _answer(self, pending: PendingMoE, sent: _Sent) -> torch.Tensor:
+        reply = self.channel.receive(sent.worker_index, sent.ticket)
+        if isinstance(reply, ErrorReply):
+            raise DispatchError(f"expert worker {sent.worker_index}, layer {pending.layer}: {reply.code}: "
+                                f"{reply.message}")
+        if not isinstance(reply, Combine) or reply.dispatch_id != sent.dispatch_id or reply.layer != pending.layer:
+            raise DispatchError(f"expert worker {sent.worker_index} answered dispatch {sent.dispatch_id} with "
+                                f"{type(reply).__name__} {getattr(reply, 'dispatch_id', None)}")
+        expected = ((len(sent.token_index), pending.num_slots, pending.hidden_size) if self.placement_invariant
+                    else (len(sent.token_index), pending.hidden_size))
+        if tuple(reply.output.shape) != expected:
+            raise DispatchError(f"combine output {tuple(reply.output.shape)}, expected {expected}")
+        return reply.output

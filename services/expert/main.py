@@ -1,0 +1,40 @@
+"""`moemesh expert --config FILE [--name NAME]`: build the worker's config from the deployment, serve."""
+
+from __future__ import annotations
+
+from common.runtime.deployment import Deployment, DeploymentError, derive_endpoints
+
+
+def pick_worker(workers, name: str | None, role: str):
+    """The deployment entry called `name` (or the only one when name is None)."""
+    if name is None:
+        if len(workers) != 1:
+            raise DeploymentError(f"{role}: {len(workers)} workers configured, pass --name")
+        return workers[0]
+    for worker in workers:
+        if worker.name == name:
+            return worker
+    raise DeploymentError(f"{role}: no worker named {name!r} (have {[w.name for w in workers]})")
+
+
+def main(deployment: Deployment, name: str | None, log_level: str = "info") -> int:
+    from common.model.config import ModelConfig
+    from common.runtime.logging import configure_logging
+    from common.runtime.service import ServiceConfig, run_service
+    from common.wire.messages import ServiceRole
+    from services.expert.placement import holdings_for
+    from services.expert.worker import ExpertWorker, ExpertWorkerConfig
+
+    entry = pick_worker(deployment.expert, name, "expert")
+    configure_logging(entry.name, deployment.paths.log_dir, log_level)
+    endpoints = derive_endpoints(deployment)
+    model_config = ModelConfig.load(deployment.model.path)
+    pairs = holdings_for(entry.name, entry.placement, model_config.num_hidden_layers,
+                         model_config.n_routed_experts).held
+    worker = ExpertWorker(ExpertWorkerConfig(name=entry.name, checkpoint_path=deployment.model.path,
+                                             device=entry.device, dtype=deployment.model.dtype, pairs=tuple(pairs)),
+                          model_config)
+    service_config = ServiceConfig(name=entry.name, role=ServiceRole.EXPERT, endpoint=endpoints.expert[entry.name],
+                                   supervisor_endpoint=endpoints.supervisor, device=entry.device,
+                                   heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s)
+    return run_service(worker, service_config)

@@ -1,0 +1,156 @@
+"""The expert worker: holds the (layer, expert) pairs its placement assigns, answers Dispatch.
+
+One visible loop, `handle_dispatch(dispatch) -> Combine`: group the selected (token, slot)
+pairs by expert, run each SwiGLU expert once on its group, scatter back, then either add the
+owned slots per token in slot order (a partial sum [T, D]) or, in placement-invariant mode,
+return every slot's weighted output [T, K, D] (zeros for slots that are not ours) so that the
+attention worker adds all K slots in slot order itself.
+
+Weights are read with `CheckpointReader.load_experts`, which reads only the requested pairs'
+entries, and live on one torch device. Admin messages (`LoadExperts`, `DropExperts`,
+`QueryInventory`) change or report what is held; each answers with an `ExpertInventory`.
+Legend: T tokens, K top-k slots, D hidden.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from common.model.config import ModelConfig
+from common.runtime.service import Service
+from common.wire.messages import (
+    Combine, Dispatch, DropExperts, ErrorCode, ErrorReply, ExpertInventory, ExpertKey, LoadExperts, QueryInventory,
+)
+from services.expert.grouping import group_by_expert, slot_outputs
+from common.model.moe import sum_slots_in_order
+
+log = structlog.get_logger("expert")
+
+Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # w1 [I, D], w2 [D, I], w3 [I, D]
+
+
+@dataclass(frozen=True)
+class ExpertWorkerConfig:
+    """name: service name; checkpoint_path: model directory; pairs: (layer, expert) held at start;
+    dtype: "auto" (float32 on CPU, bfloat16 elsewhere) or a torch dtype name."""
+
+    name: str
+    checkpoint_path: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    pairs: tuple[tuple[int, int], ...] = ()
+    route_weight_before_w2: bool = False
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype {dtype!r} is not auto, float32, bfloat16 or float16")
+    return getattr(torch, dtype)
+
+
+def device_memory(device: torch.device) -> tuple[int, int | None]:
+    """(bytes used, bytes total or None): allocator bytes on CUDA, resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), None
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None
+
+
+class ExpertWorker(Service):
+    accepts = (Dispatch, LoadExperts, DropExperts, QueryInventory)
+
+    def __init__(self, config: ExpertWorkerConfig, model_config: ModelConfig | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        self._model_config = model_config
+        self._weights: dict[tuple[int, int], Weights] = {}
+        self.placement_version = 0
+        self.read_entry_names: list[str] = []  # every checkpoint entry this worker read
+        self.num_dispatches = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def load(self) -> None:
+        self.load_pairs(self.config.pairs, self.config.checkpoint_path)
+
+    def load_pairs(self, pairs, checkpoint_path: str) -> None:
+        from common.checkpoint.reader import CheckpointReader
+
+        wanted = sorted({(int(l), int(e)) for l, e in pairs} - set(self._weights))
+        reader = CheckpointReader(checkpoint_path, config=self._model_config)
+        self._model_config = reader.config
+        loaded = reader.load_experts(reader.config, wanted, self.dtype)
+        for pair, weights in loaded.items():
+            self._weights[pair] = tuple(w.to(self.device).contiguous() for w in weights)
+        self.read_entry_names.extend(reader.read_entry_names)
+        log.info("expert.loaded", name=self.config.name, num_pairs=len(self._weights), num_new=len(wanted),
+                 device=str(self.device), num_weight_bytes=self.num_weight_bytes())
+
+    @property
+    def swiglu_limit(self) -> float | None:
+        return self._model_config.swiglu_limit if self._model_config is not None else None
+
+    # ------------------------------------------------------------------ the loop
+    async def handle(self, message: Any) -> Any:
+        match message:
+            case Dispatch():
+                return self.handle_dispatch(message)
+            case LoadExperts(placement_version=version, experts=keys, checkpoint_path=path):
+                self.load_pairs([(k.layer, k.expert) for k in keys], path or self.config.checkpoint_path)
+                self.placement_version = version
+                return self.inventory()
+            case DropExperts(placement_version=version, experts=keys):
+                for key in keys:
+                    self._weights.pop((key.layer, key.expert), None)
+                self.placement_version = version
+                return self.inventory()
+            case QueryInventory():
+                return self.inventory()
+        return ErrorReply(code=ErrorCode.UNEXPECTED, message=f"{type(message).TYPE} not handled")
+
+    @torch.inference_mode()
+    def handle_dispatch(self, dispatch: Dispatch) -> Combine | ErrorReply:
+        """Dispatch -> Combine: grouped expert compute on this worker's slots, in a fixed order."""
+        self.num_dispatches += 1
+        hidden = dispatch.hidden.to(self.device, self.dtype)  # [T, D]
+        ids = dispatch.expert_ids.to(self.device).long()  # [T, K]
+        route_weights = dispatch.weights.to(self.device)  # [T, K] f32
+        mask = None if dispatch.slot_mask is None else dispatch.slot_mask.to(self.device)  # [T, K] bool
+        if ids.shape != route_weights.shape or ids.shape[0] != hidden.shape[0] or (
+                mask is not None and mask.shape != ids.shape):
+            return ErrorReply(code=ErrorCode.MALFORMED, message=f"dispatch shapes disagree: hidden "
+                              f"{tuple(hidden.shape)}, ids {tuple(ids.shape)}, weights {tuple(route_weights.shape)}")
+        groups = group_by_expert(ids, mask)
+        missing = [e for e in groups.expert_ids if (dispatch.layer, e) not in self._weights]
+        if missing:
+            return ErrorReply(code=ErrorCode.NOT_FOUND,
+                              message=f"{self.config.name} does not hold layer {dispatch.layer} experts {missing}")
+        per_slot = slot_outputs(self._weights, dispatch.layer, hidden, groups, route_weights, ids.shape[1],
+                                self.swiglu_limit, self.config.route_weight_before_w2)  # [T, K, D]
+        output = per_slot if dispatch.per_expert_outputs else sum_slots_in_order(per_slot)
+        return Combine(dispatch_id=dispatch.dispatch_id, step_id=dispatch.step_id, layer=dispatch.layer,
+                       micro_batch=dispatch.micro_batch, output=output.cpu(),
+                       per_expert_outputs=dispatch.per_expert_outputs)
+
+    # ------------------------------------------------------------------ reports
+    def num_weight_bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for weights in self._weights.values() for w in weights)
+
+    def inventory(self) -> ExpertInventory:
+        used, total = device_memory(self.device)
+        return ExpertInventory(
+            name=self.config.name, device=str(self.device), placement_version=self.placement_version,
+            experts=tuple(ExpertKey(layer=l, expert=e) for l, e in sorted(self._weights)),
+            num_weight_bytes=self.num_weight_bytes(), memory_used_bytes=used, memory_total_bytes=total)
