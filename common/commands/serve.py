@@ -1,0 +1,194 @@
+"""`moemesh serve`: router, attention worker and expert workers on one host, as separate processes.
+
+    write <run_dir>/deployment.toml -> start every service -> wait until /health is 200
+    (a progress line on stderr) -> print the URL -> wait for Ctrl-C / SIGTERM or a service
+    dying -> stop router, attention, experts in that order (SIGTERM, bounded drain, SIGKILL)
+
+Readiness is what the router reports: it receives every worker's Ready and heartbeats on
+the deployment's supervisor endpoint, and /health turns 200 only when all needed workers
+are ready. Exit code 0 after a requested stop, 1 when a service failed, 2 for bad arguments.
+Imports nothing heavy: the services load torch in their own processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from common.commands.serve_config import DEFAULT_MODEL_DIR
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR),
+                        help=f"checkpoint directory (default: the embedded {DEFAULT_MODEL_DIR.name})")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument("--expert-workers", type=int, default=1, help="expert worker processes (default 1)")
+    parser.add_argument("--devices", default="cpu",
+                        help="comma-separated torch devices: the attention worker uses the first, expert "
+                             "worker i uses device i mod count (default cpu)")
+    parser.add_argument("--dtype", default="auto", choices=_DTYPES, help="compute dtype (auto: f32 on CPU, bf16 on GPU)")
+    parser.add_argument("--run-dir", default=None, help="sockets and the deployment file (default: a new temp dir)")
+    parser.add_argument("--log-dir", default=None, help="service logs (default: <run-dir>/logs)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds each service gets to stop")
+
+
+def _parse_devices(text: str) -> tuple[str, ...]:
+    devices = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not devices:
+        raise ValueError("--devices names no device")
+    return devices
+
+
+class _StopRequested:
+    """Set by SIGINT / SIGTERM; serve polls it (signal handlers only set a flag)."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+
+    def __call__(self, signum: int, _frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def __bool__(self) -> bool:
+        return self.signal_name is not None
+
+
+def _health(url: str) -> tuple[bool, dict[str, str]]:
+    """(ok, per-service status); the router not listening yet reads as 'router: starting'."""
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as response:
+            body = json.loads(response.read() or b"{}")
+            return True, body.get("services", {})
+    except urllib.error.HTTPError as error:
+        try:
+            body = json.loads(error.read() or b"{}")
+        except ValueError:
+            body = {}
+        return False, body.get("services", {"router": f"HTTP {error.code}"})
+    except (OSError, ValueError):
+        return False, {"router": "starting"}
+
+
+def _progress(services: dict[str, str], elapsed_s: float) -> str:
+    parts = [f"{name} {status.split(':')[0]}" for name, status in sorted(services.items())]
+    return f"\rwaiting for services ({elapsed_s:.0f}s): " + ", ".join(parts) + " " * 8
+
+
+def run(args: argparse.Namespace) -> int:
+    from common.commands.serve_config import ModelMissing, ServeLayout, check_model_dir, write_deployment
+    from common.commands.serve_processes import start_service, stop_services
+    from common.runtime.deployment import DeploymentError
+    from common.runtime.logging import configure_logging
+
+    try:
+        model_dir = check_model_dir(args.model)
+        devices = _parse_devices(args.devices)
+        if args.expert_workers < 1:
+            raise ValueError(f"--expert-workers must be >= 1, got {args.expert_workers}")
+    except (ModelMissing, ValueError) as error:
+        print(f"moemesh serve: {error}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="moemesh-")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(args.log_dir).resolve() if args.log_dir else run_dir / "logs"
+    configure_logging("serve", log_dir, "warning")
+    placement_path = _write_placement(model_dir, run_dir, args.expert_workers, devices)
+    layout = ServeLayout(model_path=str(model_dir.resolve()), run_dir=str(run_dir), log_dir=str(log_dir),
+                         host=args.host, port=args.port, num_expert_workers=args.expert_workers, devices=devices,
+                         dtype=args.dtype, placement_path=placement_path)
+    try:
+        config_path, deployment = write_deployment(layout)
+    except DeploymentError as error:
+        print(f"moemesh serve: bad deployment: {error}", file=sys.stderr)
+        return 2
+
+    stop = _StopRequested()
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    services = []
+    try:
+        services.append(start_service("router", "router", config_path, log_dir))
+        services += [start_service("attention", w.name, config_path, log_dir) for w in deployment.attention]
+        services += [start_service("expert", w.name, config_path, log_dir) for w in deployment.expert]
+        base_url = f"http://{args.host}:{args.port}"
+        outcome = _wait_ready(f"{base_url}/health", services, stop, args.ready_timeout)
+        if outcome == "ready":
+            print(f"moemesh serving {model_dir.name} at {base_url}/v1 (logs: {log_dir})", flush=True)
+            outcome = _wait_for_stop(services, stop)
+    finally:
+        codes = stop_services(services, args.drain_timeout)  # router, attention, experts: that order
+    if outcome == "stopped":
+        print(f"moemesh serve: stopped ({stop.signal_name}); exit codes {codes}", file=sys.stderr)
+        return 0
+    print(f"moemesh serve: {outcome}; logs in {log_dir}", file=sys.stderr)
+    return 1
+
+
+def _write_placement(model_dir: Path, run_dir: Path, num_workers: int, devices: tuple[str, ...]) -> str | None:
+    """With several expert workers, split every layer's experts round-robin (a placement file)."""
+    if num_workers == 1:
+        return None
+    from common.commands.serve_config import expert_devices
+    from common.model.config import ModelConfig
+    from common.placement.placement_file import write_placement
+    from services.expert.placement import round_robin
+
+    config = ModelConfig.load(model_dir)
+    names = [f"expert-{index}" for index in range(num_workers)]
+    # a planning figure only (bytes of w1, w2, w3 at 4 bytes each); nothing is sized from it here
+    bytes_per_expert = 3 * config.moe_intermediate_size * config.hidden_size * 4
+    placement = round_robin(names, expert_devices(devices, num_workers), config.num_hidden_layers,
+                            config.n_routed_experts, bytes_per_expert)
+    path = run_dir / "placement.toml"
+    write_placement(path, placement)
+    return str(path)
+
+
+def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: float) -> str:
+    """"ready", "stopped" or why not, after printing a progress line while waiting."""
+    from common.commands.serve_processes import first_exited
+
+    start_s = time.monotonic()
+    last_line = ""
+    while True:
+        if stop:
+            print(file=sys.stderr)
+            return "stopped"
+        exited = first_exited(services)
+        if exited is not None:
+            print(file=sys.stderr)
+            return f"{exited.name} exited with code {exited.exit_code} while starting:\n{exited.stderr_tail()}"
+        ok, statuses = _health(health_url)
+        if ok:
+            print(file=sys.stderr)
+            return "ready"
+        elapsed_s = time.monotonic() - start_s
+        if elapsed_s > timeout_s:
+            print(file=sys.stderr)
+            return f"not ready after {timeout_s:.0f}s: {statuses}"
+        line = _progress(statuses, elapsed_s)
+        if line != last_line:
+            print(line, end="", file=sys.stderr, flush=True)
+            last_line = line
+        time.sleep(0.25)
+
+
+def _wait_for_stop(services, stop: _StopRequested) -> str:
+    from common.commands.serve_processes import first_exited
+
+    while not stop:
+        exited = first_exited(services)
+        if exited is not None:
+            return f"{exited.name} exited with code {exited.exit_code}:\n{exited.stderr_tail()}"
+        time.sleep(0.2)
+    return "stopped"

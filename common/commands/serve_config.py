@@ -1,0 +1,106 @@
+"""The deployment `moemesh serve` writes for one host: TOML text, validated by the loader.
+
+The raw table is built here, rendered to TOML (the subset the deployment file uses:
+scalars, tables, arrays of tables), written to `<run_dir>/deployment.toml` and read back
+with `common.runtime.deployment.load_deployment`, so serve and every service it starts see
+exactly the same, validated config. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.runtime.deployment import Deployment, load_deployment
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "kjv-dsv4-mini"
+
+
+class ModelMissing(Exception):
+    """The model directory cannot be served (no config.json or no weights)."""
+
+
+@dataclass(frozen=True)
+class ServeLayout:
+    """What `moemesh serve` was asked for; everything else keeps the deployment defaults."""
+
+    model_path: str
+    run_dir: str
+    log_dir: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_expert_workers: int = 1
+    devices: tuple[str, ...] = ("cpu",)
+    dtype: str = "auto"
+    placement_path: str | None = None  # a placement file when several expert workers split the experts
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """The model directory, or ModelMissing naming what is absent (the embedded model may not
+    be trained yet: its directory then holds only the tokenizer)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelMissing(f"model directory {path} does not exist")
+    missing = [name for name in ("config.json", "tokenizer.json") if not (path / name).is_file()]
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    if missing:
+        raise ModelMissing(f"model directory {path} has no {', '.join(missing)}; train it or pass --model")
+    return path
+
+
+def expert_devices(devices: tuple[str, ...], num_workers: int) -> list[str]:
+    """Expert worker i runs on devices[i mod len(devices)] (the attention worker on devices[0])."""
+    return [devices[index % len(devices)] for index in range(num_workers)]
+
+
+def deployment_table(layout: ServeLayout) -> dict[str, Any]:
+    experts = []
+    for index, device in enumerate(expert_devices(layout.devices, layout.num_expert_workers)):
+        placement = "all" if layout.placement_path is None else layout.placement_path
+        experts.append({"name": f"expert-{index}", "device": device, "placement": placement})
+    return {
+        "model": {"path": layout.model_path, "dtype": layout.dtype},
+        "paths": {"run_dir": layout.run_dir, "log_dir": layout.log_dir},
+        "router": {"host": layout.host, "port": layout.port},
+        "attention": [{"name": "attention-0", "device": layout.devices[0]}],
+        "expert": experts,
+    }
+
+
+def render_toml(table: dict[str, Any]) -> str:
+    """TOML for scalars, tables and arrays of tables (strings are JSON-quoted, which TOML
+    basic strings accept for the characters paths and names use)."""
+    lines: list[str] = []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            lines.append(f"[{key}]")
+            lines.extend(f"{name} = {_scalar(item)}" for name, item in value.items())
+            lines.append("")
+        elif isinstance(value, list) and all(isinstance(item, dict) for item in value):
+            for item in value:
+                lines.append(f"[[{key}]]")
+                lines.extend(f"{name} = {_scalar(entry)}" for name, entry in item.items())
+                lines.append("")
+        else:
+            lines.insert(0, f"{key} = {_scalar(value)}")
+    return "\n".join(lines)
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    raise TypeError(f"cannot render {type(value).__name__} as a TOML scalar")
+
+
+def write_deployment(layout: ServeLayout) -> tuple[Path, Deployment]:
+    """Write `<run_dir>/deployment.toml` and load it back (validation included)."""
+    path = Path(layout.run_dir) / "deployment.toml"
+    path.write_text(render_toml(deployment_table(layout)), encoding="utf-8")
+    return path, load_deployment(path)

@@ -1,0 +1,102 @@
+"""The child processes of `moemesh serve`: start, watch, stop in order, never orphan.
+
+Each service runs as `python -m common.cli <role> --config FILE --name NAME` in its own
+session (so a Ctrl-C on the terminal reaches only `serve`, which then stops the services in
+order) with the parent-death signal set to SIGTERM on Linux (so even a SIGKILLed `serve`
+leaves no orphans). Its stderr goes to `<log_dir>/<name>.stderr` (the structured log is in
+`<name>.log`, written by the service itself).
+
+Stop order matters: the router first (it stops taking HTTP requests and lets the open ones
+finish while the workers are still up), then the attention worker, then the expert
+workers. Each gets SIGTERM and `drain_s` seconds to exit; then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("serve")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the ordered stop in serve still applies
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    role: str  # router | attention | expert | draft
+    process: subprocess.Popen
+    stderr_path: Path
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def stderr_tail(self, num_lines: int = 20) -> str:
+        try:
+            lines = self.stderr_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+
+def start_service(role: str, name: str, config_path: Path, log_dir: Path) -> ServiceProcess:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stderr_path = log_dir / f"{name}.stderr"
+    command = [sys.executable, "-m", "common.cli", role, "--config", str(config_path), "--name", name]
+    env = dict(os.environ)
+    repo_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
+    with open(stderr_path, "ab") as stderr:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, env=env,
+                                   start_new_session=True, preexec_fn=_die_with_parent)
+    log.info("serve.service_started", name=name, role=role, pid=process.pid)
+    return ServiceProcess(name, role, process, stderr_path)
+
+
+def stop_services(services: list[ServiceProcess], drain_s: float) -> dict[str, int]:
+    """Stop in the given order: SIGTERM, wait up to drain_s, SIGKILL. Returns exit codes."""
+    codes: dict[str, int] = {}
+    for service in services:
+        if service.exit_code is None:
+            service.process.send_signal(signal.SIGTERM)
+            try:
+                service.process.wait(timeout=drain_s)
+            except subprocess.TimeoutExpired:
+                log.warning("serve.service_killed", name=service.name, after_s=drain_s)
+                service.process.kill()
+                service.process.wait()
+        codes[service.name] = service.process.returncode
+        log.info("serve.service_stopped", name=service.name, exit_code=service.process.returncode)
+    return codes
+
+
+def first_exited(services: list[ServiceProcess]) -> ServiceProcess | None:
+    for service in services:
+        if service.exit_code is not None:
+            return service
+    return None
+
+
+def wait_until(predicate, timeout_s: float, poll_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll_s)
+    return predicate()

@@ -1,0 +1,297 @@
+"""The router's engine loop (architecture §2, steps 2 and 6) and the `EngineClient` it offers.
+
+    while True:
+        await wait_for_work()                      # new requests, aborts, running sequences
+        drain_inbox()                              # requests in, aborts applied
+        if not await attention_reachable(): continue
+        output = scheduler.schedule()              # step 2
+        result = await execute(output)             # StepPlan -> attention worker -> StepResult
+        publish(scheduler.update(output, result))  # step 6: token events to the streams at once
+
+Everything else is a named helper. The loop is one asyncio task in the router's event loop
+(the same loop uvicorn serves HTTP on), so the scheduler is only ever touched between
+awaits and needs no lock: the HTTP handlers only append to the inbox and read counters.
+
+Failure model: a sequence the worker reports as failed (SequenceResult.error) ends alone.
+A whole step that times out or is refused leaves the worker's state unknown (a dispatch may
+have died mid-layer), so every open request ends with a final ERROR event naming the reason,
+their blocks and slots are freed, health turns 503 and new submissions are refused with
+EngineError until the attention worker answers a Ping again. A crash of the loop itself
+fails every open stream, so no request ever hangs. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import structlog
+import zmq.asyncio
+
+from common.wire.codec import TORCH_FREE_MESSAGES
+from common.wire.errors import ReplyTimeout, WireError
+from common.wire.messages import ErrorReply, Ping, Pong, StepResult
+from common.wire.transport import AsyncClient
+from common.runtime.supervisor import Supervisor
+from services.router.engine_client import (
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    HealthReport,
+    Rejection,
+)
+from services.router.engine_config import EngineConfig
+from services.router.engine_health import HealthTracker
+from services.router.engine_plan import PlanTranslator, ResultMismatch, TranslatedResult, failed_results, translate_result
+from services.router.engine_streams import RequestStream
+from services.router.scheduler import Request, RequestEvent, Scheduler, SchedulerOutput
+
+log = structlog.get_logger("router")
+
+
+class StepFailed(Exception):
+    """The attention worker did not execute a plan (refusal, wrong reply, timeout)."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, *, supervisor: Supervisor | None = None,
+                 context: zmq.asyncio.Context | None = None) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.health_tracker = HealthTracker(config, supervisor)
+        self.translator = PlanTranslator()
+        self._context = context
+        self._owns_context = context is None
+        self._client: AsyncClient | None = None
+        self._task: asyncio.Task | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._new_requests: list[Request] = []
+        self._aborted_ids: list[str] = []
+        self._wake = asyncio.Event()
+        self._last_probe_s = 0.0
+        self.num_steps = 0
+        self.num_failed_steps = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect to the attention worker and start the loop task (call inside the event loop)."""
+        if self._context is None:
+            self._context = zmq.asyncio.Context()
+        self._client = AsyncClient(self.config.attention_endpoint, context=self._context,
+                                   accept=TORCH_FREE_MESSAGES, default_timeout_s=self.config.step_timeout_s)
+        self._task = asyncio.create_task(self._run_guarded(), name="engine-loop")
+        log.info("router.engine_started", attention=self.config.attention_endpoint)
+
+    async def stop(self, reason: str = "router shutting down") -> None:
+        """Stop the loop, end every open stream with an ERROR event, close the socket."""
+        self.health_tracker.stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self._fail_all_streams(reason)
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+        if self._owns_context and self._context is not None:
+            self._context.term()
+            self._context = None
+        log.info("router.engine_stopped", reason=reason)
+
+    # -- EngineClient ------------------------------------------------------------------
+    async def submit(self, request: GenerationRequest) -> AsyncIterator:
+        report = self.health()
+        if not report.ok:
+            problems = ", ".join(f"{name}: {status}" for name, status in report.services.items() if status != "ok")
+            raise EngineError(f"not serving: {problems}")
+        if request.request_id in self._streams:
+            raise EngineError(f"duplicate request id {request.request_id!r}")
+        max_model_len = self.scheduler.config.max_model_len
+        if len(request.prompt_token_ids) >= max_model_len:
+            raise EngineError(f"prompt of {len(request.prompt_token_ids)} tokens leaves no room under "
+                              f"max_model_len={max_model_len}")
+        now_s = time.monotonic()
+        deadline_s = None
+        if request.deadline_unix_s is not None:
+            deadline_s = now_s + (request.deadline_unix_s - time.time())
+        scheduled = Request(
+            request_id=request.request_id,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            sampling_params=request.sampling_params,
+            arrival_time_s=now_s,
+            deadline_s=deadline_s,
+            eos_token_ids=self.config.eos_token_ids,
+        )
+        stream = RequestStream(scheduled)
+        self._streams[request.request_id] = stream
+        self._new_requests.append(scheduled)
+        self._wake.set()
+        return stream.events()
+
+    async def abort(self, request_id: str) -> None:
+        """End the stream now (ABORT); the scheduler frees its blocks at the next loop turn."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.finished:
+            return
+        stream.push(stream.final_event(FinishReason.ABORT))
+        self._aborted_ids.append(request_id)
+        self._wake.set()
+
+    def health(self) -> HealthReport:
+        report = self.health_tracker.report()
+        if self._task is None or self._task.done():
+            return HealthReport(ok=False, services={**report.services, "router": "down: engine loop not running"})
+        return report
+
+    def admission_check(self, estimated_prompt_tokens: int) -> Rejection | None:
+        decision = self.scheduler.check_admission(estimated_prompt_tokens)
+        if decision.admitted:
+            return None
+        reason = decision.reject_reason.value if decision.reject_reason is not None else "overloaded"
+        return Rejection(reason=reason, retry_after_s=float(decision.retry_after_seconds or 1))
+
+    def stats(self) -> dict:
+        stats = self.scheduler.stats()
+        return {
+            "num_waiting": stats.num_waiting_requests + len(self._new_requests),
+            "num_running": stats.num_running_seqs,
+            "kv_blocks_used": {"gpu": stats.num_gpu_blocks_used, "cpu": stats.num_cpu_blocks_used},
+            "kv_blocks_total": {"gpu": stats.num_gpu_blocks_total, "cpu": stats.num_cpu_blocks_total},
+            "prefix_cache_queried_tokens": stats.prefix_cache_queried_tokens,
+            "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+        }
+
+    # -- the loop ----------------------------------------------------------------------
+    async def run(self) -> None:
+        """The engine loop; runs until cancelled."""
+        idle = False
+        while True:
+            await self._wait_for_work(idle)
+            self._drain_inbox()
+            if not await self._attention_reachable():
+                continue
+            output = self.scheduler.schedule()
+            idle = output.is_empty
+            if idle:
+                self._publish(self.scheduler.update(output, {}), TranslatedResult({}, {}))
+                continue
+            result = await self._execute(output)
+            self._publish(self.scheduler.update(output, result.sequence_results), result)
+            if result.failure is not None:
+                self._fail_open_requests(result.failure)
+
+    async def _run_guarded(self) -> None:
+        try:
+            await self.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug in the loop must not leave requests hanging
+            log.exception("router.engine_loop_crashed")
+            self._fail_all_streams("internal error: the engine loop crashed")
+            raise
+
+    async def _wait_for_work(self, idle: bool) -> None:
+        """Return at once while anything is queued (or running, unless the last schedule()
+        found nothing to do); otherwise sleep until woken or idle_wait_s passed, so that
+        deadlines of queued requests still expire."""
+        if self._new_requests or self._aborted_ids:
+            return
+        if not idle and self.scheduler.num_unfinished_requests:
+            return
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=self.config.idle_wait_s)
+        except TimeoutError:
+            pass
+        self._wake.clear()
+
+    def _drain_inbox(self) -> None:
+        new_requests, self._new_requests = self._new_requests, []
+        for request in new_requests:
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as error:
+                stream = self._streams.pop(request.request_id, None)
+                if stream is not None:
+                    stream.push(stream.final_event(FinishReason.ERROR, str(error)))
+        aborted_ids, self._aborted_ids = self._aborted_ids, []
+        for request_id in aborted_ids:
+            self.scheduler.abort(request_id)  # None when it finished meanwhile: harmless
+            self._streams.pop(request_id, None)
+        if aborted_ids:
+            log.info("router.requests_aborted", num_aborted=len(aborted_ids))
+
+    async def _attention_reachable(self) -> bool:
+        """True unless a step failed; then Ping (at most every probe_interval_s) until a Pong."""
+        if self.health_tracker.step_failure is None:
+            return True
+        wait_s = self._last_probe_s + self.config.probe_interval_s - time.monotonic()
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+        self._last_probe_s = time.monotonic()
+        try:
+            reply = await self._client.request(Ping(nonce=self.num_steps), timeout_s=self.config.probe_timeout_s)
+        except ReplyTimeout:
+            return False
+        if isinstance(reply, Pong):
+            log.info("router.attention_recovered", attention=self.config.attention_name)
+            self.health_tracker.record_step_ok()
+            return True
+        return False
+
+    async def _execute(self, output: SchedulerOutput) -> TranslatedResult:
+        """Send the step's plan(s) and translate the answer; on any failure, results that end
+        every scheduled request with the reason."""
+        result = TranslatedResult({}, {})
+        self.health_tracker.record_step_started()
+        try:
+            for plan in self.translator.plans_for(output):
+                reply = await self._client.request(plan, timeout_s=self.config.step_timeout_s)
+                match reply:
+                    case StepResult():
+                        result = translate_result(plan, reply)
+                    case ErrorReply(code=code, message=message):
+                        raise StepFailed(f"attention worker refused step {plan.step_id}: {code.value}: {message}")
+                    case _:
+                        raise StepFailed(f"attention worker answered {type(reply).TYPE} to a step_plan")
+        except ReplyTimeout:
+            return self._step_failed(output, f"attention worker did not answer within {self.config.step_timeout_s:.1f}s")
+        except (StepFailed, ResultMismatch, WireError) as error:
+            return self._step_failed(output, str(error))
+        self.num_steps += 1
+        self.health_tracker.record_step_ok()
+        log.debug("router.step", step_id=output.step_id, num_sequences=len(output.scheduled),
+                  num_tokens=output.num_scheduled_tokens)
+        return result
+
+    def _step_failed(self, output: SchedulerOutput, message: str) -> TranslatedResult:
+        self.num_failed_steps += 1
+        self.health_tracker.record_step_failure(message)
+        log.warning("router.step_failed", step_id=output.step_id, reason=message,
+                    request_ids=[seq.request_id for seq in output.scheduled][:16])
+        return TranslatedResult(dict(failed_results(output, message)), {}, failure=message)
+
+    def _publish(self, events: list[RequestEvent], result: TranslatedResult) -> None:
+        """Push each event to its stream at once; finished streams leave the table."""
+        for event in events:
+            stream = self._streams.get(event.request_id)
+            if stream is None:
+                continue  # aborted by the client: its stream already ended
+            stream.push(stream.token_event(event, result.logprobs.get(event.request_id)))
+            if event.is_finished:
+                del self._streams[event.request_id]
+
+    def _fail_open_requests(self, reason: str) -> None:
+        """After a failed step the worker's state is unknown: end every open request with
+        the reason (their blocks and slots are freed; the next plan releases the slots)."""
+        for request_id, stream in list(self._streams.items()):
+            self.scheduler.abort(request_id)
+            stream.push(stream.final_event(FinishReason.ERROR, f"attention worker failed: {reason}"))
+        self._streams.clear()
+        self._new_requests.clear()
+        self._aborted_ids.clear()
+
+    def _fail_all_streams(self, reason: str) -> None:
+        for stream in self._streams.values():
+            stream.push(stream.final_event(FinishReason.ERROR, reason))
+        self._streams.clear()

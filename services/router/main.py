@@ -1,0 +1,172 @@
+"""The router service: `moemesh router --config FILE`.
+
+    configure logging -> read the model's config.json + tokenizer.json (no weights, no torch)
+    -> build SchedulerConfig, EngineConfig, GatewayConfig (frozen, once, here)
+    -> on one uvloop event loop: bind the supervisor endpoint (Ready + heartbeats of every
+       worker), start the engine loop, serve the Starlette app with uvicorn
+    -> SIGTERM / SIGINT: uvicorn stops accepting and lets open requests finish (bounded),
+       then the engine stops (anything still open ends with an error), sockets close, exit 0.
+
+The router binds the deployment's supervisor endpoint, so `/health` reflects every worker's
+readiness and liveness; `moemesh serve` waits on that `/health`.
+
+KV geometry: the scheduler's block counts must equal the attention worker's pool. The
+deployment file has no section for them yet, so both sides use the same defaults
+(`RouterSettings`, taking `services.attention.kv_config.KVPoolConfig`'s defaults). Prefix caching and
+the CPU tier are off by default because both resume a sequence from blocks (a PrefixRestore),
+which the attention worker does not support yet; with them on, a prefix hit or a swap-in
+would fail its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import uvicorn
+
+from common.runtime.deployment import Deployment, derive_endpoints
+from services.attention.kv_config import KVPoolConfig
+from services.router.engine_config import EngineConfig
+from services.router.gateway_config import GatewayConfig
+from services.router.scheduler import SchedulerConfig
+
+log = structlog.get_logger("router")
+
+EOS_TOKEN_TEXT = "<｜end▁of▁sentence｜>"
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Router knobs the deployment file does not carry (yet); defaults match the attention
+    worker's KV pool defaults (KVPoolConfig: 128-token blocks, 256 primary, 0 CPU blocks).
+    enable_prefix_caching stays False until the attention worker executes PrefixRestore."""
+
+    block_size_tokens: int = KVPoolConfig().block_size_tokens
+    num_gpu_blocks: int = KVPoolConfig().num_primary_blocks
+    num_cpu_blocks: int = KVPoolConfig().num_cpu_blocks
+    max_num_running_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 1024
+    enable_prefix_caching: bool = False
+    graceful_shutdown_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class RouterConfigs:
+    scheduler: SchedulerConfig
+    engine: EngineConfig
+    gateway: GatewayConfig
+    host: str
+    port: int
+
+
+def build_configs(deployment: Deployment, tokenizer, settings: RouterSettings = RouterSettings()) -> RouterConfigs:
+    """Every config the router runs with, from the deployment and the model's config.json."""
+    model_dir = Path(deployment.model.path)
+    with open(model_dir / "config.json", encoding="utf-8") as handle:
+        model = json.load(handle)  # read raw: ModelConfig validation is the workers' business
+    max_model_len = min(int(model.get("max_position_embeddings", 4096)),
+                        settings.num_gpu_blocks * settings.block_size_tokens)
+    eos_ids = {model["eos_token_id"]} if isinstance(model.get("eos_token_id"), int) else set()
+    tokenizer_eos = tokenizer.token_to_id(EOS_TOKEN_TEXT)
+    if tokenizer_eos is not None:
+        eos_ids.add(tokenizer_eos)
+    eos_token_ids = tuple(sorted(eos_ids))
+    scheduler = SchedulerConfig(
+        num_gpu_blocks=settings.num_gpu_blocks,
+        num_cpu_blocks=settings.num_cpu_blocks,
+        max_model_len=max_model_len,
+        block_size_tokens=settings.block_size_tokens,
+        max_num_running_seqs=settings.max_num_running_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        enable_prefix_caching=settings.enable_prefix_caching,
+    )
+    endpoints = derive_endpoints(deployment)
+    attention = deployment.attention[0]  # one data-parallel rank for now
+    timeouts = deployment.timeouts
+    engine = EngineConfig(
+        attention_endpoint=endpoints.attention[attention.name],
+        attention_name=attention.name,
+        required_worker_names=(*(w.name for w in deployment.attention), *(w.name for w in deployment.expert)),
+        step_timeout_s=timeouts.step_s,
+        max_heartbeat_silence_s=max(3.0, 5 * timeouts.heartbeat_interval_s),
+        eos_token_ids=eos_token_ids,
+    )
+    gateway = GatewayConfig(model_name=model_dir.name, max_model_len=max_model_len, eos_token_ids=eos_token_ids,
+                            model_aliases=("moemesh",) if model_dir.name != "moemesh" else ())
+    return RouterConfigs(scheduler, engine, gateway, deployment.router.host, deployment.router.port)
+
+
+def main(deployment: Deployment, name: str | None = None, log_level: str = "info",
+         settings: RouterSettings = RouterSettings()) -> int:
+    """Run the router until SIGTERM / SIGINT; returns the exit code. `name` is accepted for
+    symmetry with the workers' entry points (there is one router per deployment)."""
+    import uvloop
+
+    from common.runtime.logging import configure_logging
+    from services.router.app import load_tokenizer
+
+    configure_logging("router", deployment.paths.log_dir, log_level)
+    Path(deployment.paths.run_dir).mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(deployment.model.path)
+    configs = build_configs(deployment, tokenizer, settings)
+    return uvloop.run(serve_router(deployment, configs, tokenizer, settings.graceful_shutdown_s))
+
+
+run = main  # `services.router.main.run(deployment)` is the name the CLI brief asks for
+
+
+async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer, graceful_shutdown_s: float) -> int:
+    import zmq.asyncio
+
+    from common.runtime.supervisor import Supervisor
+    from services.router.app import build_app
+    from services.router.engine import Engine
+    from services.router.scheduler import Scheduler
+
+    context = zmq.asyncio.Context()
+    supervisor = Supervisor(derive_endpoints(deployment).supervisor, context=context)
+    supervisor_task = asyncio.create_task(supervisor.run(), name="supervisor")
+    engine = Engine(configs.engine, Scheduler(configs.scheduler), supervisor=supervisor, context=context)
+    await engine.start()
+    app = build_app(configs.gateway, engine, tokenizer)
+    server = _RouterServer(uvicorn.Config(app, host=configs.host, port=configs.port, log_level="warning",
+                                          lifespan="off", timeout_graceful_shutdown=graceful_shutdown_s))
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, server.request_exit, signal.Signals(signum).name)
+    log.info("router.http_listening", host=configs.host, port=configs.port, model=configs.gateway.model_name,
+             max_model_len=configs.gateway.max_model_len)
+    try:
+        await server.serve()
+    finally:
+        await engine.stop()
+        supervisor_task.cancel()
+        await asyncio.gather(supervisor_task, return_exceptions=True)
+        supervisor.close()
+        context.term()
+        log.info("router.stopped")
+    return 0
+
+
+class _RouterServer(uvicorn.Server):
+    """uvicorn's Server without its own signal capture: it re-raises captured signals when
+    serve() returns, which would kill the process before the engine drained. The router's
+    handlers call `request_exit` instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def request_exit(self, signal_name: str) -> None:
+        if self.should_exit:
+            self.force_exit = True  # second signal: stop waiting for open connections
+        self.should_exit = True
+        log.info("router.draining", signal=signal_name)
