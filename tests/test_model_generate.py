@@ -124,3 +124,18 @@ def test_generate_command_chat_mode_runs(checkpoint, capsys):
     assert main(["generate", "--model", str(path), "--prompt", "w7 w8", "--chat", "--max-tokens", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert len(result["prompt_token_ids"]) > 2 and 1 <= len(result["generated_token_ids"]) <= 2
+
+
+def test_generate_command_reference_numerics_changes_logits_not_the_interface(checkpoint, capsys):
+    """--reference-numerics loads the official reference's numerics (FP8 KV QAT among them)."""
+    from common.cli import main
+    from common.commands.generate import _load_model
+
+    path, _ = checkpoint
+    default_model, _ = _load_model(str(path), "float32", "cpu")
+    reference_model, _ = _load_model(str(path), "float32", "cpu", reference_numerics=True)
+    assert reference_model.side.numerics.kv_fp8_qat and not default_model.side.numerics.kv_fp8_qat
+    assert main(["generate", "--model", str(path), "--prompt", "w3 w4", "--max-tokens", "2", "--json",
+                 "--reference-numerics"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["generated_token_ids"]) <= 2
+    assert main(["generate", "--model", str(path), "--prompt", "w3", "--distributed", "--reference-numerics"]) == 2

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON: token ids and text")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu", help="torch device")
+    parser.add_argument("--reference-numerics", action="store_true",
+                        help="the official reference's numerics instead of transformers': no shared-expert clamp, "
+                             "routing weight before w2, FP8 KV QAT (single-process only)")
     parser.add_argument("--distributed", action="store_true",
                         help="run the attention worker and --expert-workers expert workers as separate processes")
     from services.attention.distributed_generate import add_distributed_arguments
@@ -30,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     add_distributed_arguments(parser)
 
 
-def _load_model(path: str, dtype_name: str, device: str):
+def _load_model(path: str, dtype_name: str, device: str, reference_numerics: bool = False):
     import structlog
 
     from common.checkpoint.reader import CheckpointReader
@@ -40,7 +43,7 @@ def _load_model(path: str, dtype_name: str, device: str):
     from common.model.reference import ReferenceModel
 
     config = ModelConfig.load(path)
-    numerics = NumericsConfig(dtype=dtype_name)
+    numerics = NumericsConfig.reference(dtype_name) if reference_numerics else NumericsConfig(dtype=dtype_name)
     dtype = numerics.torch_dtype()
     reader = CheckpointReader(path, config=config)
     side = AttentionSide.from_state_dict(config, reader.load_attention_side(config, dtype), numerics, device=device)
@@ -64,6 +67,9 @@ def _encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]
 
 def run(args: argparse.Namespace) -> int:
     if args.distributed:
+        if args.reference_numerics:
+            print("--reference-numerics is not supported with --distributed yet", file=sys.stderr)
+            return 2
         from services.attention.distributed_generate import run_distributed
 
         return run_distributed(args)
@@ -84,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{tokenizer_path}: not found", file=sys.stderr)
         return 2
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    model, config = _load_model(args.model, args.dtype, args.device)
+    model, config = _load_model(args.model, args.dtype, args.device, args.reference_numerics)
     prompt_ids = _encode_prompts(tokenizer, args.prompt, args.chat)
     stop = () if config.eos_token_id is None else (config.eos_token_id,)
     generation = GenerationConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
