@@ -120,6 +120,16 @@ def main(deployment: Deployment, name: str | None = None, log_level: str = "info
     return uvloop.run(serve_router(deployment, configs, tokenizer, settings.graceful_shutdown_s))
 
 
+def _install_api_keys(app, deployment: Deployment) -> None:
+    """Bearer auth at the gateway when `--api-key` / `[security] api_key_file` gives keys."""
+    from common.security.api_keys import api_keys_from_config
+    from services.router.auth_middleware import GatewayAuthConfig, install_bearer_auth
+
+    api_keys = api_keys_from_config(deployment.security)
+    if api_keys is not None:
+        install_bearer_auth(app, GatewayAuthConfig(api_keys))
+
+
 run = main  # `services.router.main.run(deployment)` is the name the CLI brief asks for
 
 
@@ -137,6 +147,7 @@ async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer
     engine = Engine(configs.engine, Scheduler(configs.scheduler), supervisor=supervisor, context=context)
     await engine.start()
     app = build_app(configs.gateway, engine, tokenizer)
+    _install_api_keys(app, deployment)
     server = _RouterServer(uvicorn.Config(app, host=configs.host, port=configs.port, log_level="warning",
                                           lifespan="off", timeout_graceful_shutdown=graceful_shutdown_s))
     loop = asyncio.get_running_loop()
