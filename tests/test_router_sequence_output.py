@@ -31,7 +31,7 @@ def test_partial_stop_string_is_held_then_released():
     assert matcher.finish() == "ST" and matcher.matched is None
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(
     st.text(alphabet="abS TOP", max_size=40),
     st.lists(st.text(alphabet="abSTOP", min_size=1, max_size=4), min_size=1, max_size=3),

@@ -51,8 +51,15 @@ class StopStringMatcher:
         return None
 
     def finish(self) -> str:
+        """End of text: held partial matches can no longer complete, so a complete hit wins."""
         rest, self._pending = self._pending, ""
-        return "" if self.matched is not None else rest
+        if self.matched is not None:
+            return ""
+        hits = [(rest.find(s), s) for s in self._stop_strings if s in rest]
+        if hits:
+            position, self.matched = min(hits)
+            return rest[:position]
+        return rest
 
 
 @dataclass(frozen=True)
