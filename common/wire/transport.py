@@ -205,6 +205,15 @@ class AsyncServer:
         self.socket.close(linger=0)
 
 
+def _connect_dealer(context: zmq.Context, endpoint: str, security: SocketSecurity | None) -> zmq.Socket:
+    """A DEALER socket, secured as a CURVE client when `security` says so, connected to `endpoint`."""
+    socket = _new_socket(context, zmq.DEALER)
+    if security is not None:
+        _secure_or_close(socket, security.secure_client, endpoint)
+    socket.connect(endpoint)
+    return socket
+
+
 class AsyncClient:
     """A DEALER connected to one server; requests may overlap; replies matched by id."""
 
@@ -222,10 +231,7 @@ class AsyncClient:
         self.limits = limits
         self.accept = frozenset(accept) if accept is not None else None
         self.default_timeout_s = default_timeout_s
-        self.socket = _new_socket(context, zmq.DEALER)
-        if security is not None:
-            _secure_or_close(self.socket, security.secure_client, endpoint)
-        self.socket.connect(endpoint)
+        self.socket = _connect_dealer(context, endpoint, security)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
@@ -316,10 +322,7 @@ class SyncClient:
         self.limits = limits
         self.accept = frozenset(accept) if accept is not None else None
         self.default_timeout_s = default_timeout_s
-        self.socket = _new_socket(context, zmq.DEALER)
-        if security is not None:
-            _secure_or_close(self.socket, security.secure_client, endpoint)
-        self.socket.connect(endpoint)
+        self.socket = _connect_dealer(context, endpoint, security)
         self._ids = itertools.count(1)
         self.num_late_replies = 0
 
