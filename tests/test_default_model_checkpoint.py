@@ -88,15 +88,36 @@ def test_logits_match_transformers(reference, tokenizer):
     torch.testing.assert_close(ours, theirs, rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
 
 
-@pytest.mark.xfail(strict=True, reason="the shipped weights (410 steps, ~1.3 epochs, held-out perplexity 30) speak "
-                   "KJV-like text but have not memorised Genesis 1:1; remove this mark once a longer run recites it")
 def test_greedy_recitation_of_genesis_1_1(reference, tokenizer):
+    """The well-known chapters are oversampled in training (tools.train.build_data) so they are
+    memorised; Genesis 1:1 as running text must come back exactly."""
     from tools.train.evaluate import RECITATION_EXPECTED, RECITATION_PROMPT, greedy_continuation
 
     model, _ = reference
     prompt = [0] + tokenizer.encode(RECITATION_PROMPT, add_special_tokens=False).ids
     continuation = tokenizer.decode(greedy_continuation(model, prompt, 12, 1, "cpu"), skip_special_tokens=True)
     assert continuation.startswith(RECITATION_EXPECTED), continuation
+
+
+@pytest.mark.parametrize("question,expected", [
+    ("Recite Philippians 4:13.", "I can do all things through Christ which strengtheneth me."),
+    ("What does Psalms 23:1 say?", "The LORD is my shepherd; I shall not want."),
+])
+def test_greedy_chat_recites_a_well_known_verse(reference, tokenizer, question, expected):
+    """A greedy chat request (the DeepSeek-V4 chat encoding, thinking off) for a well-known verse
+    returns exactly the verse, then EOS. About half the well-known verses are recited exactly
+    (bench/default_model_figures.py; John 3:16 is not: the model answers with 3:17), so these two
+    are checked ones, not a claim about every well-known verse."""
+    from common.chat.encoding import encode_messages
+    from tools.corpus.special_tokens import EOS_ID
+    from tools.train.evaluate import greedy_continuation
+
+    model, _ = reference
+    prompt = encode_messages([{"role": "user", "content": question}], thinking=False, add_bos=True)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    answer_ids = greedy_continuation(model, prompt_ids, 64, EOS_ID, "cpu")
+    assert answer_ids[-1] == EOS_ID, tokenizer.decode(answer_ids)
+    assert tokenizer.decode(answer_ids[:-1], skip_special_tokens=False) == expected
 
 
 def test_drafter_loads_and_proposes(reference):

@@ -292,16 +292,106 @@ def test_abort_on_disconnect_frees_all_blocks(server):
 
 
 def test_second_request_sharing_a_long_prefix_gets_the_same_output(client, server, reference):
-    prefix = PROMPTS[3]
+    prefix = " ".join([PROMPTS[3], PROMPTS[2], PROMPTS[3]])
     first_prompt, second_prompt = prefix + " And he said", prefix + " Then came"
-    assert len(reference.encode(prefix)) > 128  # at least one full KV block shared
+    assert len(reference.encode(prefix)) > 3 * 128  # more than two full KV blocks shared
+    hits_before = server.metric("moemesh_prefix_cache_hit_tokens_total")
+    cached = []
     for prompt in (first_prompt, second_prompt, first_prompt):
         tokens = reference.generate(reference.encode(prompt), 6)
         answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0)
         assert answer.choices[0].text == reference.completion_text(tokens)
-    # The attention worker cannot resume a sequence from cached blocks yet (PrefixRestore), so
-    # the router runs with prefix caching off: the shared prefix is recomputed, never restored.
-    assert server.metric("moemesh_prefix_cache_hit_tokens_total") == 0
+        details = answer.usage.prompt_tokens_details
+        cached.append(0 if details is None else details.cached_tokens)
+    assert cached[1] >= 2 * 128 and cached[2] >= 2 * 128 and cached[1] > cached[0]  # restored from the cache
+    assert server.metric("moemesh_prefix_cache_hit_tokens_total") - hits_before >= cached[1] + cached[2]
+
+
+def test_abort_after_a_prefix_hit_frees_all_blocks(server, reference):
+    prefix = " ".join([PROMPTS[3], PROMPTS[2], PROMPTS[3]])
+    body = {"model": MODEL_NAME, "prompt": prefix + " And he said", "max_tokens": 600, "temperature": 0,
+            "stream": True}
+    hits_before = server.metric("moemesh_prefix_cache_hit_tokens_total")
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server.base_url}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            assert server.metric("moemesh_kv_blocks_used", '{tier="gpu"}') > 0
+    assert server.metric("moemesh_prefix_cache_hit_tokens_total") > hits_before
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and server.metric("moemesh_kv_blocks_used", '{tier="gpu"}') != 0:
+        time.sleep(0.1)
+    assert server.metric("moemesh_kv_blocks_used", '{tier="gpu"}') == 0
+    assert server.metric("moemesh_kv_blocks_used", '{tier="cpu"}') == 0
+    assert server.metric("moemesh_running_sequences") == 0
+
+
+@pytest.mark.slow  # ~100 s on 2 cores: its own router, attention and expert processes
+def test_tiny_primary_pool_preempts_by_swap_and_returns_reference_outputs(checkpoint, reference, tmp_path):
+    """Router, attention worker and one expert worker from a deployment whose [kv] table gives a
+    primary pool too small for the requests at once: sequences are swapped to the CPU tier and
+    restored from it (PrefixRestore at a block boundary), and every output is still the reference."""
+    from common.commands.serve_config import ServeLayout, deployment_table, render_toml
+    from common.commands.serve_processes import start_service, stop_services
+
+    port = _free_port()
+    table = deployment_table(ServeLayout(model_path=str(checkpoint), run_dir=str(tmp_path), log_dir=str(tmp_path / "logs"),
+                                         port=port))
+    table["kv"] = {"block_size_tokens": 128, "num_primary_blocks": 7, "num_cpu_blocks": 16, "prefix_caching": True}
+    config_path = tmp_path / "deployment.toml"
+    config_path.write_text(render_toml(table), encoding="utf-8")
+    services = [start_service(role, name, config_path, tmp_path / "logs")
+                for role, name in (("router", "router"), ("attention", "attention-0"), ("expert", "expert-0"))]
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert all(service.exit_code is None for service in services), "a service died at start-up"
+            time.sleep(0.5)
+        prompts = [" ".join([PROMPTS[2], PROMPTS[3], PROMPTS[2], PROMPTS[1], text])
+                   for text in ("And he said", "Then came", "Now")]
+        prompt_ids = [reference.encode(prompt) for prompt in prompts]
+        assert all(3 * 128 - 16 > len(ids) > 2 * 128 + 40 for ids in prompt_ids)  # 3 blocks each, 7 in the pool
+        max_tokens = 3 * 128 + 8 - min(len(ids) for ids in prompt_ids)  # every sequence grows into a 4th block
+        expected = [reference.generate(ids, max_tokens) for ids in prompt_ids]
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+        max_cpu_blocks = 0
+        stop_polling = threading.Event()
+
+        def poll_cpu_tier() -> None:
+            nonlocal max_cpu_blocks
+            while not stop_polling.is_set():
+                text = httpx.get(f"{base_url}/metrics", timeout=10).text
+                match = re.search(r'^moemesh_kv_blocks_used\{tier="cpu"\} ([0-9.e+-]+)$', text, re.MULTILINE)
+                max_cpu_blocks = max(max_cpu_blocks, float(match.group(1)) if match else 0.0)
+                time.sleep(0.05)
+
+        async def all_at_once():
+            jobs = [client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0)
+                    for prompt in prompts]
+            return await asyncio.gather(*jobs)
+
+        poller = threading.Thread(target=poll_cpu_tier, daemon=True)
+        poller.start()
+        try:
+            answers = asyncio.run(all_at_once())
+        finally:
+            stop_polling.set()
+            poller.join(timeout=15)
+        for index, answer in enumerate(answers):
+            assert answer.choices[0].text == reference.completion_text(expected[index]), f"prompt {index}"
+        assert max_cpu_blocks > 0, "no sequence was swapped to the CPU tier"
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+        assert re.search(r'^moemesh_kv_blocks_used\{tier="gpu"\} 0(\.0)?$', text, re.MULTILINE), text[-2000:]
+        assert re.search(r'^moemesh_kv_blocks_used\{tier="cpu"\} 0(\.0)?$', text, re.MULTILINE)
+    finally:
+        stop_services(services, 20)
 
 
 def test_serve_stops_cleanly_on_sigterm(server):

@@ -81,7 +81,7 @@ def test_router_configs_from_deployment(tmp_path):
     assert configs.engine.required_worker_names == ("attention-0", "expert-0", "expert-1")
     assert configs.engine.attention_endpoint == derive_endpoints(deployment).attention["attention-0"]
     assert configs.gateway.model_name == "m"
-    assert not configs.scheduler.enable_prefix_caching  # until the attention worker restores prefixes
+    assert configs.scheduler.enable_prefix_caching and configs.scheduler.num_cpu_blocks == deployment.kv.num_cpu_blocks
 
 
 def test_router_and_serve_never_import_torch():

@@ -95,6 +95,11 @@ def sample_messages() -> list[Any]:
                           num_weight_bytes=10**10, memory_used_bytes=10**9, memory_total_bytes=None),
         m.MemoryReport(name="attention-0", device="cuda:0", memory_used_bytes=5, memory_total_bytes=10,
                        num_gpu_blocks=100, num_cpu_blocks=400),
+        m.WriteRoutingStats(path="/var/lib/moemesh/stats.csv"),
+        m.RoutingStatsWritten(paths=("/tmp/stats.csv", "/tmp/stats.decode.csv"), summary=m.RoutingSummary(
+            num_steps=9, layers=(m.LayerRoutingSkew(layer=2, phase=m.RoutingPhase.DECODE, num_activations=60,
+                                                    max_over_mean=2.5, top8_share=0.75, effective_experts=5.5,
+                                                    num_unused=1),))),
     ]
 
 

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--log-dir", default=None, help="service logs (default: <run-dir>/logs)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds each service gets to stop")
+    parser.add_argument("--speculation", choices=("off", "fixed", "adaptive"), default=None,
+                        help="DSpark speculative decoding (default: adaptive when the checkpoint has a drafter)")
+    parser.add_argument("--spec-width", type=int, default=None,
+                        help="drafts per request (fixed) or their cap (adaptive); at most dspark_block_size")
 
 
 def _parse_devices(text: str) -> tuple[str, ...]:
@@ -85,7 +89,10 @@ def _progress(services: dict[str, str], elapsed_s: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.commands.serve_config import ModelMissing, ServeLayout, check_model_dir, write_deployment
+    from common.commands.serve_config import (
+        DRAFT_NAME, ModelMissing, ServeLayout, check_model_dir, draft_block_size, write_deployment,
+    )
+    from services.draft.width import SpeculationConfig
     from common.commands.serve_processes import start_service, stop_services
     from common.runtime.deployment import DeploymentError
     from common.runtime.logging import configure_logging
@@ -95,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         devices = _parse_devices(args.devices)
         if args.expert_workers < 1:
             raise ValueError(f"--expert-workers must be >= 1, got {args.expert_workers}")
+        # refuses a width above dspark_block_size (or speculation without a drafter) before anything starts
+        speculation = SpeculationConfig.for_model(args.speculation, args.spec_width, draft_block_size(model_dir))
     except (ModelMissing, ValueError) as error:
         print(f"moemesh serve: {error}", file=sys.stderr)
         return 2
@@ -105,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     placement_path = _write_placement(model_dir, run_dir, args.expert_workers, devices)
     layout = ServeLayout(model_path=str(model_dir.resolve()), run_dir=str(run_dir), log_dir=str(log_dir),
                          host=args.host, port=args.port, num_expert_workers=args.expert_workers, devices=devices,
-                         dtype=args.dtype, placement_path=placement_path)
+                         dtype=args.dtype, placement_path=placement_path, with_drafter=speculation.enabled)
     try:
         config_path, deployment = write_deployment(layout)
     except DeploymentError as error:
@@ -116,17 +125,23 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     services = []
+    drafter = None
     try:
         services.append(start_service("router", "router", config_path, log_dir))
         services += [start_service("attention", w.name, config_path, log_dir) for w in deployment.attention]
         services += [start_service("expert", w.name, config_path, log_dir) for w in deployment.expert]
+        if speculation.enabled:  # optional: serving goes on without it (see _DrafterWatch)
+            drafter = _DrafterWatch(start_service("draft", DRAFT_NAME, config_path, log_dir, extra_args=(
+                "--speculation", speculation.mode.value, "--spec-width", str(speculation.width))))
         base_url = f"http://{args.host}:{args.port}"
-        outcome = _wait_ready(f"{base_url}/health", services, stop, args.ready_timeout)
+        outcome = _wait_ready(f"{base_url}/health", services, stop, args.ready_timeout, drafter)
         if outcome == "ready":
-            print(f"moemesh serving {model_dir.name} at {base_url}/v1 (logs: {log_dir})", flush=True)
-            outcome = _wait_for_stop(services, stop)
+            print(f"moemesh serving {model_dir.name} at {base_url}/v1 (logs: {log_dir}; speculation "
+                  f"{_speculation_text(speculation, drafter)})", flush=True)
+            outcome = _wait_for_stop(services, stop, drafter)
     finally:
-        codes = stop_services(services, args.drain_timeout)  # router, attention, experts: that order
+        extra = [drafter.service] if drafter is not None else []
+        codes = stop_services(services + extra, args.drain_timeout)  # router, attention, experts, drafter
     if outcome == "stopped":
         print(f"moemesh serve: stopped ({stop.signal_name}); exit codes {codes}", file=sys.stderr)
         return 0
@@ -154,8 +169,9 @@ def _write_placement(model_dir: Path, run_dir: Path, num_workers: int, devices: 
     return str(path)
 
 
-def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: float) -> str:
-    """"ready", "stopped" or why not, after printing a progress line while waiting."""
+def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: float, drafter=None) -> str:
+    """"ready", "stopped" or why not, after printing a progress line while waiting. With a
+    drafter, ready also waits for it to come up, unless it exits (then serving goes on without it)."""
     from common.commands.serve_processes import first_exited
 
     start_s = time.monotonic()
@@ -169,7 +185,9 @@ def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: floa
             print(file=sys.stderr)
             return f"{exited.name} exited with code {exited.exit_code} while starting:\n{exited.stderr_tail()}"
         ok, statuses = _health(health_url)
-        if ok:
+        if drafter is not None:
+            drafter.check()
+        if ok and (drafter is None or drafter.exited or not statuses.get("draft", "ok").startswith("starting")):
             print(file=sys.stderr)
             return "ready"
         elapsed_s = time.monotonic() - start_s
@@ -183,12 +201,42 @@ def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: floa
         time.sleep(0.25)
 
 
-def _wait_for_stop(services, stop: _StopRequested) -> str:
+def _wait_for_stop(services, stop: _StopRequested, drafter=None) -> str:
     from common.commands.serve_processes import first_exited
 
     while not stop:
+        if drafter is not None:
+            drafter.check()
         exited = first_exited(services)
         if exited is not None:
             return f"{exited.name} exited with code {exited.exit_code}:\n{exited.stderr_tail()}"
         time.sleep(0.2)
     return "stopped"
+
+
+class _DrafterWatch:
+    """The draft worker is optional: if it exits, serve says so once (stderr and log) and keeps
+    serving; the router's /health details then show the drafter down."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+        self.exited = False
+
+    def check(self) -> None:
+        if self.exited or self.service.exit_code is None:
+            return
+        self.exited = True
+        import structlog
+
+        structlog.get_logger("serve").error("serve.drafter_exited", exit_code=self.service.exit_code,
+                                            action="serving continues without speculation")
+        print(f"\nmoemesh serve: the draft worker exited with code {self.service.exit_code}; serving continues "
+              f"without speculation:\n{self.service.stderr_tail()}", file=sys.stderr, flush=True)
+
+
+def _speculation_text(speculation, drafter) -> str:
+    if not speculation.enabled:
+        return "off"
+    if drafter is not None and drafter.exited:
+        return "off: the draft worker failed"
+    return f"{speculation.mode.value}, width {speculation.width}"

@@ -18,6 +18,16 @@ from common.runtime.deployment import Deployment, load_deployment
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "kjv-dsv4-mini"
 
 
+DRAFT_NAME = "draft"
+
+
+def draft_block_size(model_dir: str | Path) -> int | None:
+    """`dspark_block_size` of the checkpoint's config.json (read raw: no torch); None: no drafter."""
+    with open(Path(model_dir) / "config.json", encoding="utf-8") as handle:
+        value = json.load(handle).get("dspark_block_size")
+    return int(value) if value else None
+
+
 class ModelMissing(Exception):
     """The model directory cannot be served (no config.json or no weights)."""
 
@@ -35,6 +45,7 @@ class ServeLayout:
     devices: tuple[str, ...] = ("cpu",)
     dtype: str = "auto"
     placement_path: str | None = None  # a placement file when several expert workers split the experts
+    with_drafter: bool = False  # run the DSpark draft worker (on devices[0])
 
 
 def check_model_dir(path: str | Path) -> Path:
@@ -67,6 +78,7 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
         "router": {"host": layout.host, "port": layout.port},
         "attention": [{"name": "attention-0", "device": layout.devices[0]}],
         "expert": experts,
+        **({"draft": {"enabled": True, "name": DRAFT_NAME, "device": layout.devices[0]}} if layout.with_drafter else {}),
     }
 
 

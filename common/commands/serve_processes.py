@@ -55,10 +55,12 @@ class ServiceProcess:
         return "\n".join(lines[-num_lines:])
 
 
-def start_service(role: str, name: str, config_path: Path, log_dir: Path) -> ServiceProcess:
+def start_service(role: str, name: str, config_path: Path, log_dir: Path,
+                  extra_args: tuple[str, ...] = ()) -> ServiceProcess:
+    """extra_args: the service's own options (e.g. the draft worker's --speculation)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     stderr_path = log_dir / f"{name}.stderr"
-    command = [sys.executable, "-m", "common.cli", role, "--config", str(config_path), "--name", name]
+    command = [sys.executable, "-m", "common.cli", role, "--config", str(config_path), "--name", name, *extra_args]
     env = dict(os.environ)
     repo_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
@@ -100,3 +102,23 @@ def wait_until(predicate, timeout_s: float, poll_s: float = 0.2) -> bool:
             return True
         time.sleep(poll_s)
     return predicate()
+
+
+def load_progress_bar(run_dir: Path, names: list[str], width: int = 20) -> str:
+    """One line for the terminal: per service, a bar that fills as it loads (full when done) and
+    the MiB read so far, from `<run_dir>/progress/*.json` (common.runtime.load_progress). Totals
+    are not known before loading, so a service still loading shows an empty bar and its bytes."""
+    from common.runtime.load_progress import progress_dir_for, read_progress
+
+    records = {record["name"]: record for record in read_progress(progress_dir_for(run_dir))}
+    parts = []
+    for name in names:
+        record = records.get(name)
+        if record is None:
+            parts.append(f"{name} [{'.' * width}] starting")
+            continue
+        filled = width if record.get("done") else 0
+        mib = float(record.get("num_bytes", 0)) / 2**20
+        parts.append(f"{name} [{'#' * filled}{'.' * (width - filled)}] {mib:.1f} MiB"
+                     f"{' ready' if record.get('done') else ''}")
+    return "  ".join(parts)

@@ -22,6 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         from services.attention.main import add_attention_arguments
 
         add_attention_arguments(parser)
+    if name == "draft":
+        from services.draft.main import add_draft_arguments
+
+        add_draft_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +50,13 @@ def run(args: argparse.Namespace) -> int:
 
             return expert_main(deployment, args.name, args.log_level)
         case "draft":
-            print("moemesh draft: the DSpark draft worker is not built yet", file=sys.stderr)
-            return 2
+            from services.draft.main import options_from_args, run as draft_run
+            from services.draft.width import SpeculationError
+
+            try:
+                return draft_run(deployment, args.name, args.log_level, options_from_args(args))
+            except (SpeculationError, DeploymentError) as error:  # bad width or no drafter: refuse at start
+                print(f"moemesh draft: {error}", file=sys.stderr)
+                return 2
     print(f"unknown service {args.command_name!r}", file=sys.stderr)
     return 2

@@ -24,6 +24,12 @@ Example (every key optional except the model path and one attention and expert w
     drain_s = 30.0
     heartbeat_interval_s = 1.0
 
+    [kv]                           # KV pool geometry: the router's scheduler and every attention worker
+    block_size_tokens = 128        # a multiple of every compression ratio (128 for DeepSeek-V4)
+    num_primary_blocks = 256       # blocks in each attention worker's device pool
+    num_cpu_blocks = 256           # blocks in the host (swap) tier; 0: preempted requests are recomputed
+    prefix_caching = true          # share full blocks between requests with the same prefix
+
     [[attention]]
     name = "attention-0"
     device = "cuda:0"
@@ -99,6 +105,17 @@ class TimeoutsConfig:
 
 
 @dataclass(frozen=True)
+class KVConfig:
+    """The KV pool geometry, in one place so the router's block bookkeeping and the attention
+    workers' pools cannot disagree (a block id the router hands out must exist in the pool)."""
+
+    block_size_tokens: int = 128
+    num_primary_blocks: int = 256
+    num_cpu_blocks: int = 256
+    prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
 class AttentionWorkerConfig:
     name: str
     device: str = "cpu"
@@ -144,6 +161,7 @@ class Deployment:
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     draft: DraftWorkerConfig = field(default_factory=DraftWorkerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
 
     @property
     def is_multi_host(self) -> bool:
@@ -209,6 +227,12 @@ def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
         raise DeploymentError("expert: at least one expert worker is required")
     if deployment.timeouts.heartbeat_interval_s <= 0:
         raise DeploymentError("timeouts.heartbeat_interval_s: must be > 0")
+    if deployment.kv.block_size_tokens < 1:
+        raise DeploymentError("kv.block_size_tokens: must be >= 1")
+    if deployment.kv.num_primary_blocks < 1:
+        raise DeploymentError("kv.num_primary_blocks: must be >= 1")
+    if deployment.kv.num_cpu_blocks < 0:
+        raise DeploymentError("kv.num_cpu_blocks: must be >= 0")
     _check_unique_names(deployment)
     return deployment
 

@@ -28,18 +28,22 @@ import asyncio
 import os
 import signal
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import zmq
 import zmq.asyncio
 
+from common.runtime.load_progress import LoadProgress
 from common.wire.errors import ReplyTimeout
 from common.wire.messages import (
     Ack, Drain, ErrorCode, ErrorReply, Heartbeat, Ping, Pong, Ready, ServiceRole, ServiceState, Shutdown,
 )
 from common.wire.schema import DEFAULT_LIMITS, WireLimits
 from common.wire.transport import AsyncClient, AsyncServer, Incoming
+
+if TYPE_CHECKING:
+    from common.security.socket_security import SocketSecurity
 
 log = structlog.get_logger("service")
 
@@ -56,6 +60,11 @@ class ServiceConfig:
     heartbeat_interval_s: float = 1.0
     notify_timeout_s: float = 1.0
     limits: WireLimits = DEFAULT_LIMITS
+    # How every socket of the runner is secured (CURVE server for `endpoint`, CURVE client of the
+    # supervisor); None: plain sockets under the default bind policy (loopback / ipc only).
+    security: SocketSecurity | None = None
+    # Where load progress is written (`<run_dir>/progress`); None: progress is only logged.
+    progress_dir: str | None = None
 
 
 class Service:
@@ -66,6 +75,9 @@ class Service:
     # A SendStagingPool for replies that carry tensors; None sends them zero-copy from the
     # reply's own tensors, which the service must then never write again.
     reply_staging: Any = None
+    # Set by the runner before load(): pass it as CheckpointReader(on_progress=...) so loading
+    # shows per-service progress (common.runtime.load_progress). None outside a runner.
+    load_progress: Any = None
 
     async def load(self) -> None:
         """Load weights and allocate buffers; Ready is sent only after this returns."""
@@ -100,18 +112,27 @@ class ServiceRunner:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_drain, signal.Signals(signum).name)
         context = zmq.asyncio.Context()
-        server = supervisor = heartbeat_task = None
+        server = supervisor = heartbeat_task = authenticator = None
+        security = self.config.security
         try:
+            progress = LoadProgress(self.config.name, self.config.role.value, self.config.progress_dir)
+            self.service.load_progress = progress
             await self.service.load()
+            progress.finish()
+            if security is not None:
+                # before the bind: until the ZAP handler runs, CURVE handshakes are refused
+                authenticator = security.start_authenticator(context)
             server = AsyncServer(
                 self.config.endpoint,
                 context=context,
                 limits=self.config.limits,
                 accept=(*_RUNNER_MESSAGES, *self.service.accepts),
+                security=security,
             )
             if self.config.supervisor_endpoint is not None:
                 supervisor = AsyncClient(
-                    self.config.supervisor_endpoint, context=context, default_timeout_s=self.config.notify_timeout_s
+                    self.config.supervisor_endpoint, context=context, default_timeout_s=self.config.notify_timeout_s,
+                    security=security,
                 )
             self.state = ServiceState.READY
             await self._notify(supervisor, self._ready_message())
@@ -131,6 +152,8 @@ class ServiceRunner:
                 await supervisor.close()
             if server is not None:
                 server.close()
+            if authenticator is not None:
+                authenticator.stop()  # its thread holds a socket of the context
             context.term()
             log.info("service.stopped", name=self.config.name)
         return 0

@@ -3,6 +3,10 @@
 Binds the deployment's supervisor endpoint, records the latest Ready and Heartbeat per
 service name, and answers Register with Ack. `wait_ready` waits, with a bound, until named
 services reported Ready; `is_alive` tells whether a service beat within a given silence.
+
+With a CURVE `SocketSecurity` the supervisor socket is a CURVE server and the supervisor runs
+the ZAP authenticator of its context (the router's only server socket), started before the
+bind and stopped in `close()`, before the owner terminates the context.
 """
 
 from __future__ import annotations
@@ -10,12 +14,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import structlog
 import zmq.asyncio
 
 from common.wire.messages import Ack, Heartbeat, Ready, Register, ServiceState
 from common.wire.transport import AsyncServer
+
+if TYPE_CHECKING:
+    from common.security.socket_security import SocketSecurity
 
 log = structlog.get_logger("supervisor")
 
@@ -25,8 +33,15 @@ class ReadinessTimeout(Exception):
 
 
 class Supervisor:
-    def __init__(self, endpoint: str, *, context: zmq.asyncio.Context) -> None:
-        self.server = AsyncServer(endpoint, context=context, accept=(Ready, Heartbeat, Register))
+    def __init__(self, endpoint: str, *, context: zmq.asyncio.Context, security: SocketSecurity | None = None) -> None:
+        self.authenticator = security.start_authenticator(context) if security is not None else None
+        try:
+            self.server = AsyncServer(endpoint, context=context, accept=(Ready, Heartbeat, Register),
+                                      security=security)
+        except BaseException:
+            if self.authenticator is not None:
+                self.authenticator.stop()
+            raise
         self.ready: dict[str, Ready] = {}
         self.registered: dict[str, Register] = {}
         self.heartbeats: dict[str, Heartbeat] = {}
@@ -70,3 +85,6 @@ class Supervisor:
 
     def close(self) -> None:
         self.server.close()
+        if self.authenticator is not None:
+            self.authenticator.stop()
+            self.authenticator = None

@@ -45,6 +45,14 @@ class ServiceState(StrEnum):
     STOPPED = "stopped"
 
 
+class RoutingPhase(StrEnum):
+    """Which tokens a routing count covers: prompt tokens, generated tokens, or both."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ALL = "all"
+
+
 class ErrorCode(StrEnum):
     MALFORMED = "malformed"  # the request could not be decoded
     UNEXPECTED = "unexpected"  # decoded, but this receiver does not handle that type
@@ -159,6 +167,11 @@ class ScheduledSequence:
     of them are drafts to verify. `block_ids` holds the full block table per tier
     (index 0 = GPU pool). `sampling` is `SamplingParams.to_wire()`, sent at least the
     first time a sequence is scheduled (None afterwards: the worker keeps it per slot).
+
+    Speculation (services/router/engine_drafts.py): a sampled request's drafts come with the
+    sparse distribution each was drawn from (`draft_support_*[i]` for draft i, as in
+    DraftProposal; empty for greedy requests). `send_features`: send this sequence's
+    committed target features to the draft worker after the step.
     """
 
     request_id: str
@@ -169,6 +182,9 @@ class ScheduledSequence:
     do_sample: bool
     sampling: dict[str, Any] | None = None
     draft_token_ids: tuple[int, ...] = ()
+    draft_support_token_ids: tuple[tuple[int, ...], ...] = ()
+    draft_support_probs: tuple[tuple[float, ...], ...] = ()
+    send_features: bool = False
 
 
 @dataclass(frozen=True)
@@ -220,12 +236,38 @@ class SequenceResult:
 
 
 @dataclass(frozen=True)
+class LayerRoutingSkew:
+    """How unevenly one MoE layer's routed activations spread over its experts in one phase
+    (see `common.placement.stats.LayerSkew`: max_over_mean 1.0 = uniform, top8_share of the
+    8 hottest experts, effective_experts = exp(entropy), num_unused never selected)."""
+
+    layer: int
+    phase: RoutingPhase
+    num_activations: int
+    max_over_mean: float
+    top8_share: float
+    effective_experts: float
+    num_unused: int
+
+
+@dataclass(frozen=True)
+class RoutingSummary:
+    """The attention worker's routing statistics since it started, reduced to per-layer skew:
+    one entry per (measured phase, layer) plus the ALL phase for every layer."""
+
+    num_steps: int
+    layers: tuple[LayerRoutingSkew, ...]
+
+
+@dataclass(frozen=True)
 class StepResult:
-    """Attention worker -> router, the answer to one StepPlan (same step_id)."""
+    """Attention worker -> router, the answer to one StepPlan (same step_id). `routing` is
+    attached every few steps (the worker's `summary_every_steps`), None otherwise."""
 
     TYPE: ClassVar[str] = "step_result"
     step_id: int
     sequences: tuple[SequenceResult, ...]
+    routing: RoutingSummary | None = None
 
 
 # --------------------------------------------------------------------------------------
@@ -421,13 +463,31 @@ class MemoryReport:
     num_cpu_blocks: int | None = None
 
 
+@dataclass(frozen=True)
+class WriteRoutingStats:
+    """Ask an attention worker to write its routing statistics now (Lucebox hotness tables:
+    `path`, `path.prefill.csv`, `path.decode.csv`); an empty path means its
+    `--routing-stats-out` file. Answered by RoutingStatsWritten, or ErrorReply when neither
+    names a file."""
+
+    TYPE: ClassVar[str] = "write_routing_stats"
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class RoutingStatsWritten:
+    TYPE: ClassVar[str] = "routing_stats_written"
+    paths: tuple[str, ...]
+    summary: RoutingSummary
+
+
 CONTROL_MESSAGES: tuple[type, ...] = (
     Register, Ready, Heartbeat, Drain, Shutdown, Ping, Pong, Ack, ErrorReply,
     StepPlan, StepResult, DraftRequest, DraftTokens,
 )
 DATA_MESSAGES: tuple[type, ...] = (Dispatch, Combine, TargetFeatures)
 ADMIN_MESSAGES: tuple[type, ...] = (
-    LoadExperts, DropExperts, QueryInventory, ExpertInventory, MemoryReport,
+    LoadExperts, DropExperts, QueryInventory, ExpertInventory, MemoryReport, WriteRoutingStats, RoutingStatsWritten,
 )
 ALL_MESSAGES: tuple[type, ...] = CONTROL_MESSAGES + DATA_MESSAGES + ADMIN_MESSAGES
 

@@ -5,17 +5,30 @@ micro-batch's Dispatches can be in flight while another micro-batch's attention 
 request carries its own correlation id; replies are matched by id (a reply for another
 in-flight request is kept until asked for), and every wait has a deadline (ReplyTimeout).
 
-Sends are zero-copy: a tensor given to `send` must stay unchanged until its reply arrived, which
-holds here because the sender keeps the message in `_in_flight` until then (the expert worker
-replies only after reading the request).
+Sends leave from a fixed pool of staging buffers (`common.wire.staging.SendStagingPool`,
+pinned on CUDA hosts so the device->host copy of the activations is a DMA): the message's
+tensors are copied into one leased buffer, the frames are views of it, and the buffer is
+reused only after ZeroMQ's MessageTracker says libzmq released them. So the caller may reuse
+or free its tensors as soon as `send` returns, and the steady state allocates nothing. A
+message larger than one buffer (a prefill step beyond the configured size) is sent from its
+own tensors instead, kept alive in `_in_flight` until its reply arrived, and counted in
+`num_unstaged_sends` (logged once as `attention.dispatch_unstaged`).
+
+A dead expert worker keeps its queued messages (and their staging buffers) until it comes
+back; once every buffer is held, `send` raises StagingExhausted after the pool's wait bound,
+as the receive side raises ReplyTimeout: the step fails, the worker does not hang.
+
+With CURVE keys in the deployment, each socket is made a CURVE client of its expert worker
+(`SocketSecurity.secure_client`) before it connects.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import zmq
@@ -24,43 +37,87 @@ from common.wire import codec
 from common.wire.errors import ReplyTimeout, WireError
 from common.wire.messages import Combine, ErrorReply
 from common.wire.schema import DEFAULT_LIMITS, WireLimits
+from common.wire.staging import SendStagingPool, StagingConfig, send_staged
 from common.wire.transport import Kind, pack_envelope, unpack_envelope
 
+if TYPE_CHECKING:
+    from common.security.socket_security import SocketSecurity
+
 log = structlog.get_logger("attention")
+
+# 16 buffers of 32 MiB: a 2048-token V4-Flash Dispatch (bf16 [T, 4096] + ids, weights, mask) is
+# about 17 MB, and buffers come back as soon as libzmq has written them, not when replies arrive.
+DEFAULT_DISPATCH_STAGING = StagingConfig(num_buffers=16, buffer_bytes=32 << 20)
+_MAX_ALIGN_PAD_BYTES = 64  # staging aligns each tensor to at most this many bytes
+
+
+def staged_bytes_upper_bound(message: Any) -> int:
+    """Bytes one staging buffer needs for the tensors of `message` (with alignment padding)."""
+    total = 0
+    for spec in dataclasses.fields(message):
+        value = getattr(message, spec.name)
+        if hasattr(value, "element_size") and hasattr(value, "numel"):
+            total += value.numel() * value.element_size() + _MAX_ALIGN_PAD_BYTES
+    return total
 
 
 class ExpertChannel:
     def __init__(self, endpoints: Sequence[str], *, context: zmq.Context, timeout_s: float = 30.0,
-                 limits: WireLimits = DEFAULT_LIMITS) -> None:
+                 limits: WireLimits = DEFAULT_LIMITS, staging: StagingConfig | None = DEFAULT_DISPATCH_STAGING,
+                 security: SocketSecurity | None = None) -> None:
         self.endpoints = tuple(endpoints)
         self.timeout_s = timeout_s
         self.limits = limits
         self.sockets = []
-        for endpoint in self.endpoints:
-            socket = context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(endpoint)
-            self.sockets.append(socket)
+        try:
+            for endpoint in self.endpoints:
+                socket = context.socket(zmq.DEALER)
+                self.sockets.append(socket)
+                socket.setsockopt(zmq.LINGER, 0)
+                if security is not None:
+                    security.secure_client(socket, endpoint)
+                socket.connect(endpoint)
+        except BaseException:
+            self.close()  # an open socket would block context.term()
+            raise
+        self.staging = SendStagingPool(staging) if staging is not None else None
         self._ids = itertools.count(1)
-        self._in_flight: dict[int, Any] = {}  # correlation id -> the message (keeps tensors alive)
+        self._in_flight: dict[int, Any] = {}  # correlation id -> message whose own tensors are on the wire, or None
         self._arrived: dict[int, Any] = {}  # correlation id -> reply received before it was asked for
         self.num_requests = 0
+        self.num_unstaged_sends = 0
 
     @property
     def num_workers(self) -> int:
         return len(self.sockets)
 
     def send(self, worker_index: int, message: Any) -> int:
-        """Queue one request to worker `worker_index`; returns its correlation id (a ticket)."""
+        """Queue one request to worker `worker_index`; returns its correlation id (a ticket).
+        The message's tensors may be changed as soon as this returns."""
         correlation_id = next(self._ids)
-        frames = codec.encode(message, limits=self.limits)
-        self.sockets[worker_index].send_multipart([pack_envelope(Kind.REQUEST, correlation_id), *frames], copy=False)
-        self._in_flight[correlation_id] = message
+        envelope = pack_envelope(Kind.REQUEST, correlation_id)
+        socket = self.sockets[worker_index]
+        keep_alive = None
+        if self.staging is not None and staged_bytes_upper_bound(message) <= self.staging.config.buffer_bytes:
+            send_staged(socket, self.staging,
+                        lambda tensor_writer: codec.encode(message, limits=self.limits, tensor_writer=tensor_writer),
+                        prefix=(envelope,))
+        else:
+            if self.staging is not None:
+                if not self.num_unstaged_sends:
+                    log.warning("attention.dispatch_unstaged", num_bytes=staged_bytes_upper_bound(message),
+                                buffer_bytes=self.staging.config.buffer_bytes)
+                self.num_unstaged_sends += 1
+            frames = codec.encode(message, limits=self.limits)
+            socket.send_multipart([envelope, *frames], copy=False)
+            keep_alive = message  # zero-copy from its own tensors: keep them until the reply
+        self._in_flight[correlation_id] = keep_alive
         self.num_requests += 1
         return correlation_id
 
     def receive(self, worker_index: int, correlation_id: int) -> Combine | ErrorReply:
-        """The reply to ticket `correlation_id` from worker `worker_index`, waiting up to timeout_s."""
+        """The reply to ticket `correlation_id` from worker `worker_index`, waiting up to timeout_s.
+        Tensors in the reply view the received frames (read-only)."""
         socket = self.sockets[worker_index]
         deadline = time.monotonic() + self.timeout_s
         try:

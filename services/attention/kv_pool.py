@@ -7,6 +7,13 @@ compressor inputs) stays in the sequence's slot (`slots.py`). A block holds the 
 table covers positions [b·B, (b+1)·B) and so rows [b·B/m, (b+1)·B/m) of a ratio-m compressor.
 B must be a multiple of every ratio, so a compressor window never straddles two blocks.
 
+Boundary snapshots: a block also holds what a sequence needs to resume at the block's end
+(`boundary.py` writes and reads them): per layer the raw window rows of the last W positions
+(`(layer, "window_snapshot")` [blocks, W, hd]) and, per overlapping (CSA) compressor, the
+pending inputs of the last m positions (`(layer, "<which>_pending_kv" | "<which>_pending_score")`
+[blocks, m, C] fp32; a non-overlapping compressor whose ratio divides B has none). They are
+ordinary entries of the tier dicts, so swap_out / swap_in move them with the block.
+
 Tiers: `primary[seg]` [num_primary_blocks, B/m, d] on the compute device, `cpu[seg]`
 [num_cpu_blocks, B/m, d] in host memory (pinned when the device is CUDA). The router decides
 which block is where; this pool only moves bytes as the StepPlan says: `swap_out` (primary ->
@@ -17,7 +24,8 @@ recorded on the compute stream (so a block is copied only after every kernel wri
 done), and the compute stream then waits for an event recorded after the copies (so nothing
 reads a swapped-in block, or overwrites a swapped-out one, before its copy finished). No host
 sync is needed. On the CPU the copies are plain synchronous copies.
-Legend: B tokens per block, m compression ratio, d row dim, R = B/m rows per block.
+Legend: B tokens per block, m compression ratio, d row dim, R = B/m rows per block, W sliding window,
+hd head dim, C compressor input dim.
 """
 
 from __future__ import annotations
@@ -57,6 +65,22 @@ def pool_segments(config: ModelConfig) -> list[Segment]:
         if kind is AttentionKind.CSA:
             segments.append(Segment(layer, "indexer", ratio, config.index_head_dim))
     return segments
+
+
+def snapshot_segments(config: ModelConfig) -> dict[tuple[int, str], tuple[int, int]]:
+    """Per block, the boundary snapshot's tensors: key -> (rows, dim) (see the module docstring).
+
+    Pending compressor inputs at a boundary b (a multiple of every ratio m) are positions
+    first_needed(b) .. b-1 = b-m .. b-1 with overlap, none without."""
+    shapes: dict[tuple[int, str], tuple[int, int]] = {}
+    for layer, kind in enumerate(config.layer_types):
+        shapes[(layer, "window_snapshot")] = (config.sliding_window, config.head_dim)
+        if kind is AttentionKind.CSA:
+            ratio = config.compress_ratio(layer)
+            for which, row_dim in (("compressor", config.head_dim), ("indexer", config.index_head_dim)):
+                shapes[(layer, f"{which}_pending_kv")] = (ratio, 2 * row_dim)
+                shapes[(layer, f"{which}_pending_score")] = (ratio, 2 * row_dim)
+    return shapes
 
 
 class BlockTable:
@@ -114,12 +138,16 @@ class KVPool:
         pin = self.device.type == "cuda"
         self.primary: dict[tuple[int, str], torch.Tensor] = {}
         self.cpu: dict[tuple[int, str], torch.Tensor] = {}
+        per_block: dict[tuple[int, str], tuple[tuple[int, int], torch.dtype]] = {}  # key -> ((rows, dim), dtype)
         for segment in self.segments:
-            rows = config.block_size_tokens // segment.ratio
-            key = (segment.layer, segment.which)
-            self.primary[key] = torch.zeros(config.num_primary_blocks, rows, segment.row_dim, dtype=dtype,
+            per_block[(segment.layer, segment.which)] = ((config.block_size_tokens // segment.ratio,
+                                                          segment.row_dim), dtype)
+        for key, shape in snapshot_segments(model_config).items():
+            per_block[key] = (shape, dtype if key[1] == "window_snapshot" else torch.float32)
+        for key, ((rows, dim), tier_dtype) in per_block.items():
+            self.primary[key] = torch.zeros(config.num_primary_blocks, rows, dim, dtype=tier_dtype,
                                             device=self.device)
-            self.cpu[key] = torch.zeros(config.num_cpu_blocks, rows, segment.row_dim, dtype=dtype, pin_memory=pin)
+            self.cpu[key] = torch.zeros(config.num_cpu_blocks, rows, dim, dtype=tier_dtype, pin_memory=pin)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0

@@ -1,7 +1,9 @@
 """`moemesh attention --config FILE [--name NAME] [options]`: the attention worker's entry point.
 
 The deployment file gives the model, device, endpoints and expert workers; the options below are
-what it does not carry yet (micro-batches, placement-invariant combine, KV pool geometry).
+what it does not carry yet (micro-batches, placement-invariant combine). The KV pool geometry comes
+from the deployment's `[kv]` table, which the router's scheduler reads too, so the two cannot
+disagree; `--kv-*` override it only for router-less use (`moemesh generate --distributed`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from services.attention.kv_config import KVPoolConfig
 class AttentionOptions:
     num_micro_batches: int = 1
     placement_invariant: bool = False
-    kv: KVPoolConfig = field(default_factory=KVPoolConfig)
+    # None: the deployment's [kv] table, what the router uses (`moemesh attention` without --kv-*);
+    # a KVPoolConfig only where no router runs (moemesh generate --distributed, its LocalCluster)
+    kv: KVPoolConfig | None = field(default_factory=KVPoolConfig)
+    routing_stats_out: str | None = None  # Lucebox hotness tables, written on shutdown and on request
 
 
 def add_attention_arguments(parser) -> None:
@@ -25,25 +30,51 @@ def add_attention_arguments(parser) -> None:
                         "one micro-batch's attention with another's expert round trip)")
     parser.add_argument("--placement-invariant", action="store_true",
                         help="experts return per-slot outputs; the attention worker sums them in expert-id order")
-    parser.add_argument("--kv-block-size", type=int, default=defaults.block_size_tokens, help="tokens per KV block")
-    parser.add_argument("--kv-primary-blocks", type=int, default=defaults.num_primary_blocks,
-                        help="blocks in the device pool")
-    parser.add_argument("--kv-cpu-blocks", type=int, default=defaults.num_cpu_blocks, help="blocks in the CPU tier")
+    parser.add_argument("--kv-block-size", type=int, default=None, help="tokens per KV block (default: the "
+                        f"deployment's [kv] table; {defaults.block_size_tokens} for the others when any --kv-* is given). "
+                        "Only without a router: the router reads [kv] only, set it with --set kv.KEY=VALUE")
+    parser.add_argument("--kv-primary-blocks", type=int, default=None, help="blocks in the device pool (see --kv-block-size)")
+    parser.add_argument("--kv-cpu-blocks", type=int, default=None, help="blocks in the CPU tier (see --kv-block-size)")
+    parser.add_argument("--routing-stats-out", default=None, metavar="FILE",
+                        help="count expert activations per (layer, expert) and write them as Lucebox hotness tables "
+                        "(FILE, FILE.prefill.csv, FILE.decode.csv) on shutdown and on a WriteRoutingStats request")
+
+
+def _kv_from_args(args) -> KVPoolConfig | None:
+    values = (args.kv_block_size, args.kv_primary_blocks, args.kv_cpu_blocks)
+    if all(value is None for value in values):
+        return None
+    defaults = KVPoolConfig()
+    return KVPoolConfig(
+        block_size_tokens=defaults.block_size_tokens if args.kv_block_size is None else args.kv_block_size,
+        num_primary_blocks=defaults.num_primary_blocks if args.kv_primary_blocks is None else args.kv_primary_blocks,
+        num_cpu_blocks=defaults.num_cpu_blocks if args.kv_cpu_blocks is None else args.kv_cpu_blocks)
+
+
+def kv_pool_config(deployment: Deployment) -> KVPoolConfig:
+    """The attention worker's pool geometry from the deployment's [kv] table."""
+    kv = deployment.kv
+    return KVPoolConfig(block_size_tokens=kv.block_size_tokens, num_primary_blocks=kv.num_primary_blocks,
+                        num_cpu_blocks=kv.num_cpu_blocks)
 
 
 def options_from_args(args) -> AttentionOptions:
     return AttentionOptions(
         num_micro_batches=args.micro_batches, placement_invariant=args.placement_invariant,
-        kv=KVPoolConfig(block_size_tokens=args.kv_block_size, num_primary_blocks=args.kv_primary_blocks,
-                        num_cpu_blocks=args.kv_cpu_blocks))
+        kv=_kv_from_args(args),
+        routing_stats_out=getattr(args, "routing_stats_out", None))
 
 
 def main(deployment: Deployment, name: str | None, log_level: str = "info",
          options: AttentionOptions = AttentionOptions()) -> int:
     from common.model.config import ModelConfig
     from common.runtime.logging import configure_logging
+    from common.runtime.load_progress import progress_dir_for
     from common.runtime.service import ServiceConfig, run_service
+    from common.security.socket_security import socket_security_for
     from common.wire.messages import ServiceRole
+    from services.attention.recovery import RecoveryConfig, budget_for
+    from services.attention.routing_config import RoutingStatsConfig
     from services.attention.worker import AttentionWorker, AttentionWorkerConfig
     from services.expert.main import pick_worker
     from services.expert.placement import holdings_for
@@ -51,6 +82,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
     entry = pick_worker(deployment.attention, name, "attention")
     configure_logging(entry.name, deployment.paths.log_dir, log_level)
     endpoints = derive_endpoints(deployment)
+    security = socket_security_for(deployment, entry.name)  # fails at start-up, before loading weights
     model_config = ModelConfig.load(deployment.model.path)
     holdings = tuple(holdings_for(w.name, w.placement, model_config.num_hidden_layers, model_config.n_routed_experts)
                      for w in deployment.expert)
@@ -58,8 +90,13 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
         name=entry.name, checkpoint_path=deployment.model.path,
         expert_endpoints=tuple(endpoints.expert[w.name] for w in deployment.expert), expert_workers=holdings,
         device=entry.device, dtype=deployment.model.dtype, num_micro_batches=options.num_micro_batches,
-        placement_invariant=options.placement_invariant, kv=options.kv, dispatch_timeout_s=deployment.timeouts.dispatch_s))
+        placement_invariant=options.placement_invariant, kv=options.kv or kv_pool_config(deployment), dispatch_timeout_s=deployment.timeouts.dispatch_s,
+        routing_stats=RoutingStatsConfig(out_path=options.routing_stats_out),
+        recovery=RecoveryConfig(budget_s=budget_for(deployment.timeouts.step_s, deployment.timeouts.dispatch_s)),
+        security=security, draft_endpoint=endpoints.draft))
     service_config = ServiceConfig(name=entry.name, role=ServiceRole.ATTENTION,
                                    endpoint=endpoints.attention[entry.name], supervisor_endpoint=endpoints.supervisor,
-                                   device=entry.device, heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s)
+                                   device=entry.device, heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s,
+                                   security=security,
+                                   progress_dir=str(progress_dir_for(deployment.paths.run_dir)))
     return run_service(worker, service_config)

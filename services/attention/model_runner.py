@@ -8,20 +8,22 @@ micro-batch A's Dispatch is in flight (ping-pong); with one, every layer waits f
 Micro-batches never share sequences, and every sequence sees the same per-token computation in
 either schedule (only the batch sizes of the linears change).
 `OverlapStats` counts the attention time spent while another micro-batch had a dispatch in
-flight; it is logged per step (debug) and kept for `bench` and tests.
+flight; it is logged per step (debug) and kept for `bench` and tests. With a `RoutingCounter`,
+every layer's gate ids are counted per (layer, expert) and phase on the device (no host sync).
 Legend: T tokens, N hc streams, D hidden, K top-k, V vocab, B sequences that sample.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from common.model.attention_side import AttentionSide
 from common.model.batch import ForwardBatch, SequenceChunk
 from services.attention.moe_dispatch import MoEDispatcher, PendingMoE
+from services.attention.routing_stats import RoutingCounter
 
 
 @dataclass
@@ -30,6 +32,8 @@ class MicroBatch:
     batch: ForwardBatch
     h: torch.Tensor | None = None  # [T, N, D]
     pending: tuple[PendingMoE, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # ticket, shared, post, comb
+    is_decode: torch.Tensor | None = None  # [T] bool: generated (not prompt) tokens, for routing counts
+    captured: list[torch.Tensor] = field(default_factory=list)  # [T, D] per capture layer, stream means
 
 
 @dataclass
@@ -41,17 +45,25 @@ class OverlapStats:
 
 
 class ModelRunner:
-    def __init__(self, side: AttentionSide, dispatcher: MoEDispatcher) -> None:
+    def __init__(self, side: AttentionSide, dispatcher: MoEDispatcher, routing: RoutingCounter | None = None) -> None:
         self.side = side
         self.dispatcher = dispatcher
+        self.routing = routing
         self.config = side.config
         self.stats = OverlapStats()
+        # Speculation hook (services/attention/speculation.py): after these layers, the stream
+        # mean of h [T, D] is kept per micro-batch; `captured[i]` lists them in layer order.
+        self.capture_layer_ids: frozenset[int] = frozenset()
+        self.captured: list[list[torch.Tensor]] = []
 
     @torch.inference_mode()
-    def forward(self, step_id: int, micro_batches: list[tuple[torch.Tensor, list[SequenceChunk]]]
-                ) -> list[torch.Tensor]:
-        """[(token_ids [T_i], chunks_i)] -> final streams h [T_i, N, D] per micro-batch; advances states."""
+    def forward(self, step_id: int, micro_batches: list[tuple[torch.Tensor, list[SequenceChunk]]],
+                decode_masks: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """[(token_ids [T_i], chunks_i)] -> final streams h [T_i, N, D] per micro-batch; advances states.
+        decode_masks[i] [T_i] bool marks generated tokens for the routing counts (None: all prompt)."""
         mbs = [MicroBatch(ids, ForwardBatch(chunks, ids.device)) for ids, chunks in micro_batches]
+        for mb, mask in zip(mbs, decode_masks or ()):
+            mb.is_decode = mask
         for mb in mbs:
             if mb.batch.num_tokens != mb.token_ids.shape[0]:
                 raise ValueError(f"{mb.token_ids.shape[0]} token ids for {mb.batch.num_tokens} new tokens")
@@ -66,6 +78,7 @@ class ModelRunner:
         for mb in mbs:
             self._finish_moe(mb)
             mb.batch.finish()
+        self.captured = [mb.captured for mb in mbs]
         return [mb.h for mb in mbs]
 
     def _attention_and_dispatch(self, step_id: int, index: int, layer: int, mb: MicroBatch) -> None:
@@ -73,6 +86,8 @@ class ModelRunner:
         h = side.attn_block(layer, mb.h, mb.batch)
         x, post, comb = side.ffn_pre(layer, h)  # x [T, D]
         ids, weights = side.gate(layer, x, mb.token_ids)  # [T, K]
+        if self.routing is not None:
+            self.routing.add(layer, ids, mb.is_decode)
         ticket = self.dispatcher.start(step_id, index, layer, x, ids, weights)  # in flight from here
         shared = side.shared_expert(layer, x)  # overlaps the expert round trip
         mb.h = h
@@ -87,6 +102,8 @@ class ModelRunner:
         self.stats.wait_s += time.perf_counter() - started_s
         mb.h = self.side.ffn_post(ticket.layer, routed + shared, mb.h, post, comb)
         mb.pending = None
+        if ticket.layer in self.capture_layer_ids:
+            mb.captured.append(mb.h.mean(dim=1))  # [T, N, D] -> [T, D]
 
     def _count(self, index: int, layer: int, in_flight: bool, elapsed_s: float) -> None:
         self.stats.num_layer_runs += 1

@@ -10,6 +10,10 @@ answers and combines them in a fixed order:
 - placement-invariant mode: workers return per-slot outputs [T, K, D]; they are scattered into
   one [T, K, D] tensor and the K slots are added in slot order (= ascending expert id), the
   reference's exact order, whatever the placement.
+Received outputs go to the attention device through a `RecvStagingRing`: on a CUDA device each
+lands in a pinned slot and is copied up asynchronously (the slot is reused only after its copy
+finished); on the CPU the received frame is used as it is. An output larger than a slot (rare:
+placement-invariant prefill beyond the slot size) is copied up synchronously instead.
 Legend: T tokens, K top-k slots, D hidden, W expert workers, L layers, E routed experts.
 """
 
@@ -18,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from common.wire.staging import RecvStagingRing
 
 from common.model.moe import sum_slots_in_order
 from common.wire.messages import Combine, Dispatch, ErrorReply
@@ -51,10 +57,13 @@ class PendingMoE:
 
 class MoEDispatcher:
     def __init__(self, channel: ExpertChannel, owner_table: list[list[int]], *, placement_invariant: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, num_recv_slots: int = 4, recv_slot_bytes: int = 32 << 20) -> None:
         self.channel = channel
         self.owner = torch.tensor(owner_table, dtype=torch.long, device=device)  # [L, E] worker index
         self.placement_invariant = placement_invariant
+        self.recv_ring = RecvStagingRing(str(device), num_slots=num_recv_slots, slot_bytes=recv_slot_bytes)
+        self.recv_slot_bytes = recv_slot_bytes
+        self.num_unstaged_receives = 0
         self._dispatch_ids = 0
 
     def start(self, step_id: int, micro_batch: int, layer: int, x: torch.Tensor, ids: torch.Tensor,
@@ -86,13 +95,20 @@ class MoEDispatcher:
         else:
             routed = torch.zeros(pending.num_tokens, pending.hidden_size, dtype=pending.dtype, device=pending.device)
         for sent in pending.sent:  # ascending worker index
-            output = self._answer(pending, sent).to(pending.device, pending.dtype)
+            output = self._to_device(self._answer(pending, sent)).to(pending.dtype)
             if self.placement_invariant:  # [T_w, K, D]: take only our slots from this worker
                 rows = per_slot[sent.token_index]
                 per_slot[sent.token_index] = torch.where(sent.slot_mask[..., None], output, rows)
             else:  # [T_w, D]
                 routed[sent.token_index] += output
         return sum_slots_in_order(per_slot) if self.placement_invariant else routed
+
+    def _to_device(self, received: torch.Tensor) -> torch.Tensor:
+        """A received (read-only, host) tensor on the attention device, through the landing ring."""
+        if received.numel() * received.element_size() > self.recv_slot_bytes:
+            self.num_unstaged_receives += 1
+            return received.to(self.recv_ring.device)
+        return self.recv_ring.to_device(received)
 
     def _answer(self, pending: PendingMoE, sent: _Sent) -> torch.Tensor:
         reply = self.channel.receive(sent.worker_index, sent.ticket)

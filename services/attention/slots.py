@@ -4,7 +4,10 @@ A slot (index `seq_slot`, chosen by the router) holds the sequence's `SequenceSt
 ring and open compressor inputs live in it; its compressed rows live in the KV pool's blocks,
 reached through the slot's `BlockTable`), its sampling parameters and seed, and the token ids
 the penalties need. A slot is (re)initialised when a plan schedules a new request_id in it or
-a sequence from position 0, and released by `free_seq_slots`.
+a sequence from position 0, and released by `free_seq_slots`. `restore` initialises a slot
+at a block boundary from blocks (a prefix-cache hit or a swap-in, `boundary.py`); the plan
+that restores also schedules the sequence from that boundary, with its sampling params.
+A restored slot never rolls back below its restore point (those blocks may be shared).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from common.model.config import ModelConfig
 from common.model.state import SequenceState
 from common.sampling_params import SamplingParams
+from services.attention.boundary import Recorder, recording_state, restore_state
 from services.attention.kv_pool import BlockTable, KVPool
 
 
@@ -29,7 +33,8 @@ class Slot:
     request_id: str
     state: SequenceState
     table: BlockTable
-    params: SamplingParams
+    recorder: Recorder
+    params: SamplingParams | None  # None only between a restore and the schedule that carries them
     seed: int | None  # None for greedy requests
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
@@ -43,6 +48,31 @@ class SlotTable:
         self.device = device
         self.slots: dict[int, Slot] = {}
 
+    def _new_slot(self, seq_slot: int, request_id: str) -> Slot:
+        table = BlockTable(self.device)
+        recorder = Recorder(self.pool, table)
+        state = recording_state(self.model_config, self.pool, table, recorder, self.dtype, self.device)
+        slot = Slot(request_id, state, table, recorder, None, None)
+        self.slots[seq_slot] = slot
+        return slot
+
+    def restore(self, seq_slot: int, request_id: str, block_ids: tuple[int, ...], num_tokens: int) -> Slot:
+        """A fresh slot standing at the block boundary num_tokens, rebuilt from block_ids (its
+        first num_tokens / block_size blocks, already in the primary tier)."""
+        size = self.pool.config.block_size_tokens
+        if num_tokens <= 0 or num_tokens % size or len(block_ids) * size != num_tokens:
+            raise SlotError(f"{request_id}: restore of {num_tokens} tokens from {len(block_ids)} blocks "
+                            f"of {size} tokens")
+        self.slots.pop(seq_slot, None)
+        slot = self._new_slot(seq_slot, request_id)
+        slot.table.update(block_ids)
+        try:
+            restore_state(slot.state, slot.recorder, num_tokens)
+        except Exception:
+            self.slots.pop(seq_slot, None)
+            raise
+        return slot
+
     def prepare(self, seq_slot: int, request_id: str, start_position: int, block_ids: tuple[int, ...],
                 sampling: dict | None) -> Slot:
         """The slot for this step's share of a sequence, positioned at start_position."""
@@ -50,13 +80,16 @@ class SlotTable:
         if slot is None or slot.request_id != request_id or start_position == 0:
             if sampling is None:
                 raise SlotError(f"{request_id}: first schedule of a sequence must carry its sampling params")
-            params = SamplingParams.from_wire(sampling)
-            seed = None if params.is_greedy else (params.seed if params.seed is not None else secrets.randbits(63))
-            table = BlockTable(self.device)
-            state = SequenceState(self.model_config, dtype=self.dtype, device=self.device,
-                                  row_store_factory=self.pool.row_store_factory(table))
-            slot = Slot(request_id, state, table, params, seed)
-            self.slots[seq_slot] = slot
+            slot = self._new_slot(seq_slot, request_id)
+        if slot.params is None:
+            if sampling is None:
+                raise SlotError(f"{request_id}: first schedule of a sequence must carry its sampling params")
+            slot.params = SamplingParams.from_wire(sampling)
+            slot.seed = None if slot.params.is_greedy else (
+                slot.params.seed if slot.params.seed is not None else secrets.randbits(63))
+        if start_position < slot.recorder.num_sealed_tokens:
+            raise SlotError(f"{request_id}: position {start_position} is below its restore point "
+                            f"{slot.recorder.num_sealed_tokens}")
         if start_position < slot.state.num_tokens:
             slot.state.rollback(slot.state.num_tokens - start_position)  # rejected drafts
         if start_position != slot.state.num_tokens:

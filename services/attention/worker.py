@@ -3,11 +3,14 @@
 `step(plan) -> StepResult` is the one visible loop:
 
     move KV blocks (swap_out, swap_in)          kv_pool.KVPool.move
+    restore slots from blocks (prefix hits,     slots.SlotTable.restore (boundary.py)
+      swap-ins) at a block boundary
     position each sequence in its slot          slots.SlotTable.prepare
     split the sequences into micro-batches      split_micro_batches
     run the layers, dispatching routed experts  model_runner.ModelRunner.forward
     logits of the sequences that sample         AttentionSide.logits
-    sample (+ logprobs)                         sampling.Sampler
+    sample (+ logprobs), or verify drafts       sampling.Sampler; speculation.verify_drafted (rolls back rejects)
+    target features to the drafter              speculation.FeatureSender (before the StepResult)
     release finished slots                      slots.SlotTable.free
 
 It holds everything of the model except the routed experts, which it reaches through
@@ -26,9 +29,12 @@ import torch
 
 from common.runtime.service import Service
 from common.wire.messages import (
-    ErrorCode, ErrorReply, ScheduledSequence, SequenceResult, StepPlan, StepResult, TokenLogprobs,
+    ErrorCode, ErrorReply, RoutingStatsWritten, ScheduledSequence, SequenceResult, StepPlan, StepResult, TokenLogprobs,
+    WriteRoutingStats,
 )
 from services.attention.kv_config import KVPoolConfig
+from services.attention.recovery import RecoveryConfig, build_step_recovery
+from services.attention.routing_config import RoutingStatsConfig
 from services.expert.placement import WorkerHoldings, owner_table
 
 log = structlog.get_logger("attention")
@@ -49,6 +55,11 @@ class AttentionWorkerConfig:
     placement_invariant: bool = False
     kv: KVPoolConfig = field(default_factory=KVPoolConfig)
     dispatch_timeout_s: float = 30.0
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)  # retries after a lost expert worker
+    draft_endpoint: str | None = None  # the draft worker, to send target features to (None: no drafter)
+    draft_timeout_s: float = 10.0
+    routing_stats: RoutingStatsConfig = field(default_factory=RoutingStatsConfig)
+    security: Any = None  # common.security.SocketSecurity for the expert sockets (None: plain)
 
 
 def split_micro_batches(num_sequences: int, num_micro_batches: int) -> list[range]:
@@ -64,7 +75,7 @@ class _Work:
 
 
 class AttentionWorker(Service):
-    accepts = (StepPlan,)
+    accepts = (StepPlan, WriteRoutingStats)
 
     def __init__(self, config: AttentionWorkerConfig) -> None:
         self.config = config
@@ -83,12 +94,13 @@ class AttentionWorker(Service):
         from services.attention.kv_pool import KVPool
         from services.attention.model_runner import ModelRunner
         from services.attention.moe_dispatch import MoEDispatcher
+        from services.attention.routing_stats import RoutingCounter
         from services.attention.sampling import Sampler
         from services.attention.slots import SlotTable
         from services.expert.worker import resolve_dtype
 
         dtype = resolve_dtype(self.config.dtype, self.config.device)
-        reader = CheckpointReader(self.config.checkpoint_path)
+        reader = CheckpointReader(self.config.checkpoint_path, on_progress=self.load_progress)
         model_config = reader.config
         numerics = NumericsConfig(dtype=str(dtype).removeprefix("torch."))
         self.side = AttentionSide.from_state_dict(model_config, reader.load_attention_side(model_config, dtype),
@@ -97,12 +109,17 @@ class AttentionWorker(Service):
         self.slots = SlotTable(model_config, self.pool, self.side.dtype, self.device)
         self._zmq_context = zmq.Context()
         self.channel = ExpertChannel(self.config.expert_endpoints, context=self._zmq_context,
-                                     timeout_s=self.config.dispatch_timeout_s)
+                                     timeout_s=self.config.dispatch_timeout_s, security=self.config.security)
         owner = owner_table(self.config.expert_workers, model_config.num_hidden_layers, model_config.n_routed_experts)
         self.dispatcher = MoEDispatcher(self.channel, owner, placement_invariant=self.config.placement_invariant,
                                         device=self.device)
-        self.runner = ModelRunner(self.side, self.dispatcher)
+        self.routing = RoutingCounter(model_config.num_hidden_layers, model_config.n_routed_experts,
+                                      model_config.num_experts_per_tok, self.device,
+                                      self.config.routing_stats.summary_every_steps)
+        self.runner = ModelRunner(self.side, self.dispatcher, self.routing)
         self.sampler = Sampler()
+        self.recovery = build_step_recovery(self)
+        self._install_speculation(model_config)
         log.info("attention.loaded", name=self.config.name, device=str(self.device), dtype=str(dtype),
                  num_expert_workers=len(self.config.expert_endpoints), num_micro_batches=self.config.num_micro_batches,
                  placement_invariant=self.config.placement_invariant, kv_bytes_per_block=self.pool.num_bytes_per_block())
@@ -111,32 +128,58 @@ class AttentionWorker(Service):
         match message:
             case StepPlan():
                 return self.step(message)
+            case WriteRoutingStats(path=path):
+                return self.write_routing_stats(path or None)
         return ErrorReply(code=ErrorCode.UNEXPECTED, message=f"{type(message).TYPE} not handled")
 
+    def write_routing_stats(self, path: str | None = None) -> RoutingStatsWritten | ErrorReply:
+        """Write the routing hotness tables to `path` (default: the configured out_path)."""
+        target = path or self.config.routing_stats.out_path
+        if target is None:
+            return ErrorReply(code=ErrorCode.NOT_FOUND, message="no routing statistics path: pass one or start "
+                              "the attention worker with --routing-stats-out FILE")
+        written = self.routing.write(target)
+        return RoutingStatsWritten(paths=tuple(str(p) for p in written), summary=self.routing.summary())
+
     async def close(self) -> None:
+        if hasattr(self, "routing") and self.config.routing_stats.out_path is not None:
+            self.routing.write(self.config.routing_stats.out_path)  # SIGTERM drains, then closes: stats land
+        if getattr(self, "feature_sender", None) is not None:
+            self.feature_sender.close()
         if hasattr(self, "channel"):
             self.channel.close()
             self._zmq_context.term()
 
     # ------------------------------------------------------------------ the loop
     def step(self, plan: StepPlan) -> StepResult:
-        return self.run_step(plan)[0]
+        """run_step, retried within a bound when an expert worker is lost (recovery.StepRecovery)."""
+        self.pool.move(plan.swap_out, plan.swap_in)
+        return self.recovery.run(plan)
+
+    def run_step(self, plan: StepPlan) -> tuple[StepResult, torch.Tensor | None]:
+        """The StepResult and the logits [R, V] of the sequences that sampled (plan order; one row
+        each, or 1 + drafts rows for a sequence with drafts). No retries."""
+        self.pool.move(plan.swap_out, plan.swap_in)
+        return self.compute_step(plan)
 
     @torch.inference_mode()
-    def run_step(self, plan: StepPlan) -> tuple[StepResult, torch.Tensor | None]:
-        """The StepResult and the logits [B, V] of the sequences that sampled (plan order)."""
-        self.pool.move(plan.swap_out, plan.swap_in)
+    def compute_step(self, plan: StepPlan) -> tuple[StepResult, torch.Tensor | None]:
+        """run_step without the block moves (what a retry repeats)."""
         work, errors = self._prepare(plan)
         groups = split_micro_batches(len(work), self.config.num_micro_batches)
         micro_batches = [self._micro_batch_inputs([work[i] for i in group]) for group in groups]
-        finals = self.runner.forward(plan.step_id, micro_batches) if work else []
+        decode_masks = [self._decode_mask([work[i] for i in group]) for group in groups]
+        finals = self.runner.forward(plan.step_id, micro_batches, decode_masks) if work else []
         logits = self._sampling_logits(work, groups, finals)
-        results = self._sample(work, logits)
+        results, rejected = self._sample(work, logits)
+        self._send_features(plan.step_id, work, groups, rejected)
         self.slots.free(plan.free_seq_slots)
         log.debug("attention.step_done", step_id=plan.step_id, num_sequences=len(work),
                   num_micro_batches=len(groups), num_overlapped_runs=self.runner.stats.num_overlapped_runs)
         by_id = {**results, **errors}
-        return StepResult(step_id=plan.step_id, sequences=tuple(by_id[s.request_id] for s in plan.sequences)), logits
+        routing = self.routing.step_done() if work else None
+        return StepResult(step_id=plan.step_id, sequences=tuple(by_id[s.request_id] for s in plan.sequences),
+                          routing=routing), logits
 
     # ------------------------------------------------------------------ helpers
     def _prepare(self, plan: StepPlan) -> tuple[list[_Work], dict[str, SequenceResult]]:
@@ -144,16 +187,13 @@ class AttentionWorker(Service):
         from services.attention.slots import SlotError
 
         work, errors = [], {}
-        if plan.prefix_restores:
-            for restore in plan.prefix_restores:
-                errors[restore.request_id] = SequenceResult(restore.request_id, (), error="prefix restore is not "
-                                                            "supported by this attention worker yet")
+        for restore in plan.prefix_restores:  # after the block moves, before compute (prefix hits, swap-ins)
+            try:
+                self.slots.restore(restore.seq_slot, restore.request_id, tuple(restore.block_ids), restore.num_tokens)
+            except (SlotError, KVPoolError, ValueError) as error:
+                errors[restore.request_id] = SequenceResult(restore.request_id, (), error=str(error)[:300])
         for scheduled in plan.sequences:
             if scheduled.request_id in errors:
-                continue
-            if scheduled.draft_token_ids:
-                errors[scheduled.request_id] = SequenceResult(scheduled.request_id, (), error="draft verification "
-                                                              "is not supported by this attention worker yet")
                 continue
             try:
                 slot = self.slots.prepare(scheduled.seq_slot, scheduled.request_id, scheduled.start_position,
@@ -173,6 +213,12 @@ class AttentionWorker(Service):
         chunks = [SequenceChunk(item.slot.state, len(item.scheduled.token_ids)) for item in items]
         return token_ids.to(self.device, non_blocking=True), chunks
 
+    def _decode_mask(self, items: list[_Work]) -> torch.Tensor:
+        """[T] bool: True for tokens of sequences that already generated output (decode), False for
+        prompt tokens (prefill); the phase split of the routing statistics."""
+        flags = [bool(item.slot.output_token_ids) for item in items for _ in item.scheduled.token_ids]
+        return torch.tensor(flags, dtype=torch.bool).to(self.device, non_blocking=True)
+
     def _sampling_logits(self, work: list[_Work], groups: list[range], finals: list[torch.Tensor]
                          ) -> torch.Tensor | None:
         rows = []
@@ -181,20 +227,39 @@ class AttentionWorker(Service):
             offset = 0
             for index in group:
                 offset += len(work[index].scheduled.token_ids)
-                if work[index].scheduled.do_sample:
-                    ends.append(offset - 1)
+                if work[index].scheduled.do_sample:  # the seed slot and every draft slot
+                    ends.extend(range(offset - 1 - len(work[index].scheduled.draft_token_ids), offset))
             if ends:
                 rows.append(self.side.logits(h, torch.tensor(ends, device=self.device)))  # [b, V]
         return torch.cat(rows) if rows else None
 
-    def _sample(self, work: list[_Work], logits: torch.Tensor | None) -> dict[str, SequenceResult]:
+    def _sample(self, work: list[_Work], logits: torch.Tensor | None
+                ) -> tuple[dict[str, SequenceResult], dict[str, int]]:
+        """(results by request id, rejected drafts by request id). Sequences with drafts are
+        verified (speculation.verify_drafted), the others sampled from their one row."""
         from services.attention.sampling import Purpose, stream
+        from services.attention.speculation import DraftedRow, verify_drafted
 
-        sampling = [item for item in work if item.scheduled.do_sample]
         results = {item.scheduled.request_id: SequenceResult(item.scheduled.request_id, ()) for item in work
                    if not item.scheduled.do_sample}
+        sampling, plain_rows, drafted, row = [], [], [], 0
+        for item in work:
+            if not item.scheduled.do_sample:
+                continue
+            if item.scheduled.draft_token_ids:
+                drafted.append(DraftedRow(item.scheduled, item.slot, row))
+            else:
+                sampling.append(item)
+                plain_rows.append(row)
+            row += 1 + len(item.scheduled.draft_token_ids)
+        rejected: dict[str, int] = {}
+        if drafted:
+            verified, rejected = verify_drafted(drafted, logits)
+            results.update(verified)
         if not sampling:
-            return results
+            return results, rejected
+        if drafted:
+            logits = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))  # [B, V]
         slots = [item.slot for item in sampling]
         generators = [None if slot.seed is None else stream(slot.seed, Purpose.SAMPLE, len(slot.output_token_ids),
                                                             self.device) for slot in slots]
@@ -214,4 +279,39 @@ class AttentionWorker(Service):
                                          top_logprobs=(tuple(top_values[row][:k]),))
             results[item.scheduled.request_id] = SequenceResult(item.scheduled.request_id, (token_ids[row],),
                                                                 logprobs=logprobs)
-        return results
+        return results, rejected
+
+    # ------------------------------------------------------------------ speculation
+    def _install_speculation(self, model_config) -> None:
+        """Capture the drafter's target layers and connect to the draft worker, if there is one."""
+        from services.attention.speculation import FeatureSender, capture_layer_ids
+
+        self.feature_sender = None
+        self.max_feature_positions = model_config.sliding_window
+        if self.config.draft_endpoint is None or model_config.dspark is None:
+            return
+        self.runner.capture_layer_ids = frozenset(capture_layer_ids(model_config))
+        self.feature_sender = FeatureSender(self.config.draft_endpoint, self._zmq_context, self.config.draft_timeout_s)
+        log.info("attention.features_to_drafter", endpoint=self.config.draft_endpoint,
+                 layers=sorted(self.runner.capture_layer_ids))
+
+    def _send_features(self, step_id: int, work: list[_Work], groups: list[range], rejected: dict[str, int]) -> None:
+        """TargetFeatures of the committed positions of every sequence the plan marks."""
+        from services.attention.speculation import committed_rows, target_features_message
+
+        if self.feature_sender is None or not any(item.scheduled.send_features for item in work):
+            return
+        rows = []
+        for micro_batch, group in enumerate(groups):
+            offset = 0
+            for index in group:
+                scheduled = work[index].scheduled
+                if scheduled.send_features:
+                    entry = committed_rows(scheduled.request_id, micro_batch, offset, scheduled.token_ids,
+                                           scheduled.start_position, rejected.get(scheduled.request_id, 0),
+                                           self.max_feature_positions)
+                    if entry is not None:
+                        rows.append(entry)
+                offset += len(scheduled.token_ids)
+        if rows:
+            self.feature_sender.send(target_features_message(step_id, rows, self.runner.captured))

@@ -20,14 +20,18 @@ def pick_worker(workers, name: str | None, role: str):
 def main(deployment: Deployment, name: str | None, log_level: str = "info") -> int:
     from common.model.config import ModelConfig
     from common.runtime.logging import configure_logging
+    from common.runtime.load_progress import progress_dir_for
     from common.runtime.service import ServiceConfig, run_service
     from common.wire.messages import ServiceRole
     from services.expert.placement import holdings_for
     from services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
+    from common.security.socket_security import socket_security_for
+
     entry = pick_worker(deployment.expert, name, "expert")
     configure_logging(entry.name, deployment.paths.log_dir, log_level)
     endpoints = derive_endpoints(deployment)
+    security = socket_security_for(deployment, entry.name)  # fails at start-up, before loading weights
     model_config = ModelConfig.load(deployment.model.path)
     pairs = holdings_for(entry.name, entry.placement, model_config.num_hidden_layers,
                          model_config.n_routed_experts).held
@@ -36,5 +40,6 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info") -> i
                           model_config)
     service_config = ServiceConfig(name=entry.name, role=ServiceRole.EXPERT, endpoint=endpoints.expert[entry.name],
                                    supervisor_endpoint=endpoints.supervisor, device=entry.device,
-                                   heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s)
+                                   heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s, security=security,
+                                   progress_dir=str(progress_dir_for(deployment.paths.run_dir)))
     return run_service(worker, service_config)

@@ -9,6 +9,14 @@ attention worker adds all K slots in slot order itself.
 Weights are read with `CheckpointReader.load_experts`, which reads only the requested pairs'
 entries, and live on one torch device. Admin messages (`LoadExperts`, `DropExperts`,
 `QueryInventory`) change or report what is held; each answers with an `ExpertInventory`.
+
+Data path: a Dispatch's tensors go to the device through a `RecvStagingRing` (pinned landing
+slots and asynchronous host->device copies on CUDA; the received frames as they are on the
+CPU). The Combine leaves from a fixed `SendStagingPool` (`reply_staging`, read by the service
+runner when it sends the reply): the output stays on the device and is copied straight into a
+pinned, recycled buffer, which is reused only after ZeroMQ released the frames. A reply larger
+than one buffer is sent from its own host tensor instead (`num_unstaged_replies`); it is a
+fresh tensor per dispatch, never written again, so the zero-copy send is safe.
 Legend: T tokens, K top-k slots, D hidden.
 """
 
@@ -23,6 +31,7 @@ import torch
 
 from common.model.config import ModelConfig
 from common.runtime.service import Service
+from common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
 from common.wire.messages import (
     Combine, Dispatch, DropExperts, ErrorCode, ErrorReply, ExpertInventory, ExpertKey, LoadExperts, QueryInventory,
 )
@@ -45,6 +54,10 @@ class ExpertWorkerConfig:
     dtype: str = "auto"
     pairs: tuple[tuple[int, int], ...] = ()
     route_weight_before_w2: bool = False
+    num_reply_buffers: int = 4  # Combine staging buffers (pinned on CUDA hosts)
+    reply_buffer_bytes: int = 32 << 20
+    num_recv_slots: int = 4  # Dispatch landing slots (CUDA devices only)
+    recv_slot_bytes: int = 32 << 20
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -80,16 +93,41 @@ class ExpertWorker(Service):
         self.placement_version = 0
         self.read_entry_names: list[str] = []  # every checkpoint entry this worker read
         self.num_dispatches = 0
+        self.num_unstaged_replies = 0
+        self._reply_pool: SendStagingPool | None = None
+        self._recv_ring: RecvStagingRing | None = None
+        self._last_reply_fits = True
+
+    @property
+    def reply_staging(self) -> SendStagingPool | None:
+        """The pool the runner sends the current reply from; None when it does not fit a buffer.
+        Valid between `handle` and the reply, which the runner does one message at a time."""
+        return self._reply_pool if self._last_reply_fits else None
+
+    def allocate_staging(self) -> None:
+        """The reply pool and the landing ring (done by `load`; call it when driving the worker directly)."""
+        if self._reply_pool is None:
+            self._reply_pool = SendStagingPool(StagingConfig(num_buffers=self.config.num_reply_buffers,
+                                                             buffer_bytes=self.config.reply_buffer_bytes))
+            self._recv_ring = RecvStagingRing(str(self.device), num_slots=self.config.num_recv_slots,
+                                              slot_bytes=self.config.recv_slot_bytes)
+
+    def _to_device(self, received: torch.Tensor) -> torch.Tensor:
+        """A received (read-only, host) tensor on this worker's device, through the landing ring."""
+        if self._recv_ring is None or received.numel() * received.element_size() > self.config.recv_slot_bytes:
+            return received.to(self.device)
+        return self._recv_ring.to_device(received)
 
     # ------------------------------------------------------------------ lifecycle
     async def load(self) -> None:
+        self.allocate_staging()
         self.load_pairs(self.config.pairs, self.config.checkpoint_path)
 
     def load_pairs(self, pairs, checkpoint_path: str) -> None:
         from common.checkpoint.reader import CheckpointReader
 
         wanted = sorted({(int(l), int(e)) for l, e in pairs} - set(self._weights))
-        reader = CheckpointReader(checkpoint_path, config=self._model_config)
+        reader = CheckpointReader(checkpoint_path, config=self._model_config, on_progress=self.load_progress)
         self._model_config = reader.config
         loaded = reader.load_experts(reader.config, wanted, self.dtype)
         for pair, weights in loaded.items():
@@ -104,6 +142,7 @@ class ExpertWorker(Service):
 
     # ------------------------------------------------------------------ the loop
     async def handle(self, message: Any) -> Any:
+        self._last_reply_fits = True
         match message:
             case Dispatch():
                 return self.handle_dispatch(message)
@@ -124,10 +163,10 @@ class ExpertWorker(Service):
     def handle_dispatch(self, dispatch: Dispatch) -> Combine | ErrorReply:
         """Dispatch -> Combine: grouped expert compute on this worker's slots, in a fixed order."""
         self.num_dispatches += 1
-        hidden = dispatch.hidden.to(self.device, self.dtype)  # [T, D]
-        ids = dispatch.expert_ids.to(self.device).long()  # [T, K]
-        route_weights = dispatch.weights.to(self.device)  # [T, K] f32
-        mask = None if dispatch.slot_mask is None else dispatch.slot_mask.to(self.device)  # [T, K] bool
+        hidden = self._to_device(dispatch.hidden).to(self.dtype)  # [T, D]
+        ids = self._to_device(dispatch.expert_ids).long()  # [T, K]
+        route_weights = self._to_device(dispatch.weights)  # [T, K] f32
+        mask = None if dispatch.slot_mask is None else self._to_device(dispatch.slot_mask)  # [T, K] bool
         if ids.shape != route_weights.shape or ids.shape[0] != hidden.shape[0] or (
                 mask is not None and mask.shape != ids.shape):
             return ErrorReply(code=ErrorCode.MALFORMED, message=f"dispatch shapes disagree: hidden "
@@ -140,8 +179,13 @@ class ExpertWorker(Service):
         per_slot = slot_outputs(self._weights, dispatch.layer, hidden, groups, route_weights, ids.shape[1],
                                 self.swiglu_limit, self.config.route_weight_before_w2)  # [T, K, D]
         output = per_slot if dispatch.per_expert_outputs else sum_slots_in_order(per_slot)
+        self._last_reply_fits = (self._reply_pool is not None and output.numel() * output.element_size() + 64
+                                 <= self._reply_pool.config.buffer_bytes)
+        if not self._last_reply_fits:
+            self.num_unstaged_replies += self._reply_pool is not None
+            output = output.cpu()  # sent zero-copy from this fresh host tensor
         return Combine(dispatch_id=dispatch.dispatch_id, step_id=dispatch.step_id, layer=dispatch.layer,
-                       micro_batch=dispatch.micro_batch, output=output.cpu(),
+                       micro_batch=dispatch.micro_batch, output=output,
                        per_expert_outputs=dispatch.per_expert_outputs)
 
     # ------------------------------------------------------------------ reports

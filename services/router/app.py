@@ -23,6 +23,7 @@ from services.router.gateway_config import GatewayConfig
 from services.router.metrics import CONTENT_TYPE, RouterMetrics
 from services.router.openapi import openapi_document
 from services.router.protocol import ProtocolError
+from services.router.status_page import status_routes
 
 log = structlog.get_logger("router")
 
@@ -66,6 +67,7 @@ def build_app(config: GatewayConfig, engine: EngineClient, tokenizer: Tokenizer)
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
+        *status_routes(engine, metrics),  # `/` and `/status.json` (status_page.py)
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     app.state.gateway = gateway

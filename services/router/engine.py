@@ -7,6 +7,7 @@
         output = scheduler.schedule()              # step 2
         result = await execute(output)             # StepPlan -> attention worker -> StepResult
         publish(scheduler.update(output, result))  # step 6: token events to the streams at once
+        await drafts.after_step(...)               # step 7: next draft block per request (engine_drafts.py)
 
 Everything else is a named helper. The loop is one asyncio task in the router's event loop
 (the same loop uvicorn serves HTTP on), so the scheduler is only ever touched between
@@ -34,6 +35,7 @@ from common.wire.errors import ReplyTimeout, WireError
 from common.wire.messages import ErrorReply, Ping, Pong, StepResult
 from common.wire.transport import AsyncClient
 from common.runtime.supervisor import Supervisor
+from common.security.socket_security import SocketSecurity
 from services.router.engine_client import (
     EngineError,
     FinishReason,
@@ -42,6 +44,7 @@ from services.router.engine_client import (
     Rejection,
 )
 from services.router.engine_config import EngineConfig
+from services.router.engine_drafts import DraftCoordinator
 from services.router.engine_health import HealthTracker
 from services.router.engine_plan import PlanTranslator, ResultMismatch, TranslatedResult, failed_results, translate_result
 from services.router.engine_streams import RequestStream
@@ -56,8 +59,13 @@ class StepFailed(Exception):
 
 class Engine:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, *, supervisor: Supervisor | None = None,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
+                 drafts: DraftCoordinator | None = None) -> None:
+        """security: how the client socket to the attention worker is secured (CURVE client), None: plain.
+        drafts: speculative decoding (engine_drafts.py); None: no drafter."""
         self.config = config
+        self.drafts = drafts
+        self._security = security
         self.scheduler = scheduler
         self.health_tracker = HealthTracker(config, supervisor)
         self.translator = PlanTranslator()
@@ -72,6 +80,7 @@ class Engine:
         self._last_probe_s = 0.0
         self.num_steps = 0
         self.num_failed_steps = 0
+        self.routing_summary = None  # the attention worker's latest RoutingSummary (for /metrics skew gauges)
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -79,7 +88,8 @@ class Engine:
         if self._context is None:
             self._context = zmq.asyncio.Context()
         self._client = AsyncClient(self.config.attention_endpoint, context=self._context,
-                                   accept=TORCH_FREE_MESSAGES, default_timeout_s=self.config.step_timeout_s)
+                                   accept=TORCH_FREE_MESSAGES, default_timeout_s=self.config.step_timeout_s,
+                                   security=self._security)
         self._task = asyncio.create_task(self._run_guarded(), name="engine-loop")
         log.info("router.engine_started", attention=self.config.attention_endpoint)
 
@@ -140,6 +150,8 @@ class Engine:
 
     def health(self) -> HealthReport:
         report = self.health_tracker.report()
+        if self.drafts is not None:  # a detail only: serving goes on without the drafter
+            report = HealthReport(ok=report.ok, services={**report.services, "draft": self.drafts.status()})
         if self._task is None or self._task.done():
             return HealthReport(ok=False, services={**report.services, "router": "down: engine loop not running"})
         return report
@@ -160,6 +172,8 @@ class Engine:
             "kv_blocks_total": {"gpu": stats.num_gpu_blocks_total, "cpu": stats.num_cpu_blocks_total},
             "prefix_cache_queried_tokens": stats.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+            **(self.drafts.stats() if self.drafts is not None else {}),
+            **({"routing_summary": self.routing_summary} if self.routing_summary is not None else {}),
         }
 
     # -- the loop ----------------------------------------------------------------------
@@ -177,9 +191,13 @@ class Engine:
                 self._publish(self.scheduler.update(output, {}), TranslatedResult({}, {}))
                 continue
             result = await self._execute(output)
-            self._publish(self.scheduler.update(output, result.sequence_results), result)
+            events = self.scheduler.update(output, result.sequence_results)
+            self._publish(events, result)
             if result.failure is not None:
                 self._fail_open_requests(result.failure)
+            elif self.drafts is not None:  # step 7: the next block per request, before schedule()
+                self.drafts.record(events)
+                await self.drafts.after_step(self.scheduler, events)
 
     async def _run_guarded(self) -> None:
         try:
@@ -246,10 +264,14 @@ class Engine:
         self.health_tracker.record_step_started()
         try:
             for plan in self.translator.plans_for(output):
+                if self.drafts is not None:
+                    plan = self.drafts.decorate(plan)
                 reply = await self._client.request(plan, timeout_s=self.config.step_timeout_s)
                 match reply:
                     case StepResult():
                         result = translate_result(plan, reply)
+                        if reply.routing is not None:
+                            self.routing_summary = reply.routing
                     case ErrorReply(code=code, message=message):
                         raise StepFailed(f"attention worker refused step {plan.step_id}: {code.value}: {message}")
                     case _:

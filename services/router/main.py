@@ -10,12 +10,10 @@
 The router binds the deployment's supervisor endpoint, so `/health` reflects every worker's
 readiness and liveness; `moemesh serve` waits on that `/health`.
 
-KV geometry: the scheduler's block counts must equal the attention worker's pool. The
-deployment file has no section for them yet, so both sides use the same defaults
-(`RouterSettings`, taking `services.attention.kv_config.KVPoolConfig`'s defaults). Prefix caching and
-the CPU tier are off by default because both resume a sequence from blocks (a PrefixRestore),
-which the attention worker does not support yet; with them on, a prefix hit or a swap-in
-would fail its request.
+KV geometry: the scheduler's block counts must equal the attention worker's pool, so both
+read the deployment's `[kv]` table (`common.runtime.deployment.KVConfig`: block size, primary
+and CPU blocks, prefix caching). Prefix caching and the CPU swap tier are on by default: the
+attention worker resumes a sequence from blocks (`PrefixRestore`, `services/attention/boundary.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ import structlog
 import uvicorn
 
 from common.runtime.deployment import Deployment, derive_endpoints
-from services.attention.kv_config import KVPoolConfig
 from services.router.engine_config import EngineConfig
 from services.router.gateway_config import GatewayConfig
 from services.router.scheduler import SchedulerConfig
@@ -43,18 +40,22 @@ EOS_TOKEN_TEXT = "<｜end▁of▁sentence｜>"
 
 @dataclass(frozen=True)
 class RouterSettings:
-    """Router knobs the deployment file does not carry (yet); defaults match the attention
-    worker's KV pool defaults (KVPoolConfig: 128-token blocks, 256 primary, 0 CPU blocks).
-    enable_prefix_caching stays False until the attention worker executes PrefixRestore."""
+    """Router knobs the deployment file does not carry. The KV fields default to None, which
+    means the deployment's [kv] table (the one the attention workers size their pools from);
+    set them only in tests that run no attention worker."""
 
-    block_size_tokens: int = KVPoolConfig().block_size_tokens
-    num_gpu_blocks: int = KVPoolConfig().num_primary_blocks
-    num_cpu_blocks: int = KVPoolConfig().num_cpu_blocks
+    block_size_tokens: int | None = None
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
     max_num_running_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 1024
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool | None = None
     graceful_shutdown_s: float = 5.0
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 @dataclass(frozen=True)
@@ -71,22 +72,24 @@ def build_configs(deployment: Deployment, tokenizer, settings: RouterSettings = 
     model_dir = Path(deployment.model.path)
     with open(model_dir / "config.json", encoding="utf-8") as handle:
         model = json.load(handle)  # read raw: ModelConfig validation is the workers' business
-    max_model_len = min(int(model.get("max_position_embeddings", 4096)),
-                        settings.num_gpu_blocks * settings.block_size_tokens)
+    kv = deployment.kv
+    block_size_tokens = _or(settings.block_size_tokens, kv.block_size_tokens)
+    num_gpu_blocks = _or(settings.num_gpu_blocks, kv.num_primary_blocks)
+    max_model_len = min(int(model.get("max_position_embeddings", 4096)), num_gpu_blocks * block_size_tokens)
     eos_ids = {model["eos_token_id"]} if isinstance(model.get("eos_token_id"), int) else set()
     tokenizer_eos = tokenizer.token_to_id(EOS_TOKEN_TEXT)
     if tokenizer_eos is not None:
         eos_ids.add(tokenizer_eos)
     eos_token_ids = tuple(sorted(eos_ids))
     scheduler = SchedulerConfig(
-        num_gpu_blocks=settings.num_gpu_blocks,
-        num_cpu_blocks=settings.num_cpu_blocks,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=_or(settings.num_cpu_blocks, kv.num_cpu_blocks),
         max_model_len=max_model_len,
-        block_size_tokens=settings.block_size_tokens,
+        block_size_tokens=block_size_tokens,
         max_num_running_seqs=settings.max_num_running_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         long_prefill_token_threshold=settings.long_prefill_token_threshold,
-        enable_prefix_caching=settings.enable_prefix_caching,
+        enable_prefix_caching=_or(settings.enable_prefix_caching, kv.prefix_caching),
     )
     endpoints = derive_endpoints(deployment)
     attention = deployment.attention[0]  # one data-parallel rank for now
@@ -130,6 +133,31 @@ def _install_api_keys(app, deployment: Deployment) -> None:
         install_bearer_auth(app, GatewayAuthConfig(api_keys))
 
 
+def _status_sources(deployment: Deployment, supervisor):
+    """What the status page shows beyond the engine: the supervisor's view of the workers, the
+    load-progress files, and the placement (experts per worker and layer) when a file gives it."""
+    from common.runtime.load_progress import progress_dir_for
+    from services.router.status_page import StatusSources
+
+    placement = {}
+    try:
+        with open(Path(deployment.model.path) / "config.json", encoding="utf-8") as handle:
+            model = json.load(handle)
+        from services.expert.placement import holdings_for  # torch-free
+
+        for worker in deployment.expert:
+            held = holdings_for(worker.name, worker.placement, int(model["num_hidden_layers"]),
+                                int(model["n_routed_experts"])).held
+            layers: dict[int, list[int]] = {}
+            for layer, expert in held:
+                layers.setdefault(int(layer), []).append(int(expert))
+            placement[worker.name] = layers
+    except Exception as error:  # display only: the router serves without it
+        log.warning("router.status_placement_unavailable", error=str(error)[:200])
+    return StatusSources(supervisor=supervisor, progress_dir=str(progress_dir_for(deployment.paths.run_dir)),
+                         placement=placement)
+
+
 run = main  # `services.router.main.run(deployment)` is the name the CLI brief asks for
 
 
@@ -141,12 +169,20 @@ async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer
     from services.router.engine import Engine
     from services.router.scheduler import Scheduler
 
+    from common.security.socket_security import ROUTER_KEY_NAME, socket_security_for
+
+    security = socket_security_for(deployment, ROUTER_KEY_NAME)  # refuses a bad key set before binding
     context = zmq.asyncio.Context()
-    supervisor = Supervisor(derive_endpoints(deployment).supervisor, context=context)
+    supervisor = Supervisor(derive_endpoints(deployment).supervisor, context=context, security=security)
     supervisor_task = asyncio.create_task(supervisor.run(), name="supervisor")
-    engine = Engine(configs.engine, Scheduler(configs.scheduler), supervisor=supervisor, context=context)
+    from services.router.engine_drafts import coordinator_for
+
+    speculation = coordinator_for(deployment, supervisor, context, security)  # None without a drafter
+    engine = Engine(configs.engine, Scheduler(configs.scheduler), supervisor=supervisor, context=context,
+                    security=security, drafts=speculation[0] if speculation else None)
     await engine.start()
     app = build_app(configs.gateway, engine, tokenizer)
+    app.state.status_sources = _status_sources(deployment, supervisor)
     _install_api_keys(app, deployment)
     server = _RouterServer(uvicorn.Config(app, host=configs.host, port=configs.port, log_level="warning",
                                           lifespan="off", timeout_graceful_shutdown=graceful_shutdown_s))
@@ -159,6 +195,8 @@ async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer
         await server.serve()
     finally:
         await engine.stop()
+        if speculation is not None:
+            await speculation[1].close()
         supervisor_task.cancel()
         await asyncio.gather(supervisor_task, return_exceptions=True)
         supervisor.close()

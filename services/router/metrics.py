@@ -3,7 +3,9 @@ as in tests, never share counters).
 
 Request-level metrics are recorded by the gateway as answers flow; engine-level figures
 (queue depth, running sequences, KV blocks, prefix cache, acceptance by draft position) are
-read from `EngineClient.stats()` at scrape time by a custom collector.
+read from `EngineClient.stats()` at scrape time by a custom collector. Routing skew per MoE
+layer and phase comes from the attention worker's latest `RoutingSummary` (sent in a
+StepResult every few steps), under `stats["routing_summary"]`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,35 @@ class _EngineStatsCollector:
                 accepted_family.add_metric([str(position)], num_accepted)
                 rate_family.add_metric([str(position)], num_accepted / num_draft if num_draft else 0.0)
             yield from (draft_family, accepted_family, rate_family)
+        summary = stats.get("routing_summary")
+        if summary is not None:
+            yield from _routing_families(summary)
+
+
+_ROUTING_GAUGES = (
+    ("max_over_mean", "moemesh_routing_max_over_mean",
+     "Hottest expert's activations / mean activations per expert, by MoE layer and phase (1 = uniform)."),
+    ("top8_share", "moemesh_routing_top8_share", "Share of activations that went to the 8 hottest experts."),
+    ("effective_experts", "moemesh_routing_effective_experts",
+     "exp(entropy) of the per-expert activation counts (n_routed_experts = uniform, 1 = one expert)."),
+    ("num_unused", "moemesh_routing_unused_experts", "Experts never selected so far."),
+)
+
+
+def _routing_families(summary):
+    """Per-layer skew gauges from a RoutingSummary (counts since the attention worker started)."""
+    activations = CounterMetricFamily("moemesh_routing_activations", "Routed (token, expert) activations, by MoE "
+                                      "layer and phase.", labels=["layer", "phase"])
+    gauges = [(field, GaugeMetricFamily(name, doc, labels=["layer", "phase"])) for field, name, doc in _ROUTING_GAUGES]
+    for entry in summary.layers:
+        labels = [str(entry.layer), str(entry.phase.value if hasattr(entry.phase, "value") else entry.phase)]
+        activations.add_metric(labels, entry.num_activations)
+        for field, family in gauges:
+            family.add_metric(labels, getattr(entry, field))
+    yield GaugeMetricFamily("moemesh_routing_summary_steps", "Attention worker steps covered by the routing summary.",
+                            value=summary.num_steps)
+    yield activations
+    yield from (family for _, family in gauges)
 
 
 class RouterMetrics:

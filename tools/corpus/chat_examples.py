@@ -12,7 +12,9 @@ the model to stop), so a trainer can restrict the loss to it.
 
 Determinism: every choice for a verse comes from `random.Random(f"{seed}/{kind}/{reference}")`
 (string seeds are hashed with SHA-512 by `random`, stable across runs and machines), so an
-example does not depend on which other verses are in the list.
+example does not depend on which other verses are in the list. `ChatExampleConfig.variant` > 0
+salts those seeds: the oversampled copies of well-known verses (`tools.corpus.dataset`) draw
+other questions and other split points than the base examples instead of repeating them.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class ChatExampleConfig:
     abbreviation_probability: float = 0.3  # "Jn 3:16" instead of "John 3:16" in the question
     min_prompt_words: int = 3  # continuation: words given to the user at least
     min_answer_words: int = 2  # continuation: words left for the assistant at least
+    variant: int = 0  # 0: the base examples; n > 0: a differently seeded set (oversampling)
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,11 @@ def encode_example(question: str, answer: str, kind: ExampleKind, reference: str
     return ChatExample(text, len(prompt), len(text), kind, reference)
 
 
+def _rng(config: ChatExampleConfig, kind: ExampleKind, verse: Verse) -> random.Random:
+    salt = "" if config.variant == 0 else f"{config.variant}/"
+    return random.Random(f"{config.seed}/{kind.value}/{salt}{verse.reference}")
+
+
 def _display_reference(verse: Verse, rng: random.Random, config: ChatExampleConfig) -> str:
     book = book_by_name(verse.book)
     use_short = rng.random() < config.abbreviation_probability and book.short_name != book.name
@@ -96,7 +104,7 @@ def _display_reference(verse: Verse, rng: random.Random, config: ChatExampleConf
 
 
 def reference_examples(verse: Verse, config: ChatExampleConfig) -> list[ChatExample]:
-    rng = random.Random(f"{config.seed}/reference/{verse.reference}")
+    rng = _rng(config, ExampleKind.REFERENCE, verse)
     examples = []
     for _ in range(config.reference_examples_per_verse):
         question = rng.choice(REFERENCE_QUESTIONS).format(ref=_display_reference(verse, rng, config))
@@ -110,7 +118,7 @@ def continuation_examples(verse: Verse, config: ChatExampleConfig) -> list[ChatE
     max_prompt_words = len(words) - config.min_answer_words
     if max_prompt_words < config.min_prompt_words:
         return []
-    rng = random.Random(f"{config.seed}/continuation/{verse.reference}")
+    rng = _rng(config, ExampleKind.CONTINUATION, verse)
     examples = []
     for _ in range(config.continuation_examples_per_verse):
         # Give between a third and two thirds of the verse (within the minimums).

@@ -7,6 +7,14 @@ Units (each a self-contained text that starts with BOS and ends with EOS):
   looks like, and teach the model to stop.
 - chat examples (`chat_examples`), with the loss mask set only on the assistant's answer.
 
+Oversampling (`DatasetConfig.oversample`, off by default): the verses of a fixed list of chapters
+(the well-known ones of `tools.corpus.splits.DEFAULT_PROTECTED_CHAPTERS`, which are never held
+out) get extra units: `num_running_copies` more chunkings of their running text (each cut with
+its own seed) and `num_chat_variants` more differently seeded sets of chat examples (one reference
+and one continuation example per verse each). Why: the model is trained for a few minutes, about
+one pass over the Bible, too few sightings for any verse to be memorised; repeating a small,
+documented set makes exactly those verses recitable while the rest stays general text.
+
 Training units are shuffled with `random.Random(seed)`, concatenated, and cut into windows
 of `seq_len` tokens; the last window is right-padded with PAD (mask 0). Validation units
 (held-out chapters) are packed the same way, unshuffled. A window of `seq_len` tokens gives
@@ -26,13 +34,22 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from common.chat import tokens as chat_tokens
-from tools.corpus.chat_examples import ChatExample
+from tools.corpus.chat_examples import ChatExample, ChatExampleConfig, build_chat_examples
 from tools.corpus.kjv import Verse, group_by_chapter
 from tools.corpus.special_tokens import PAD_ID
-from tools.corpus.splits import verse_line
+from tools.corpus.splits import DEFAULT_PROTECTED_CHAPTERS, ChapterKey, verse_line
 
 TOKEN_DTYPE = np.uint16  # vocab 12,288 < 65,536
 MASK_DTYPE = np.uint8
+
+
+@dataclass(frozen=True)
+class OversampleConfig:
+    """Extra copies of the units of `chapters` (see the module docstring)."""
+
+    chapters: tuple[ChapterKey, ...] = DEFAULT_PROTECTED_CHAPTERS
+    num_running_copies: int = 8  # extra chunkings of each chapter's running text
+    num_chat_variants: int = 24  # extra (reference + continuation) example sets per verse
 
 
 @dataclass(frozen=True)
@@ -40,6 +57,7 @@ class DatasetConfig:
     seq_len: int = 1024
     seed: int = 1611
     max_verses_per_chunk: int = 16
+    oversample: OversampleConfig | None = None  # None: every unit once
 
 
 @dataclass(frozen=True)
@@ -60,12 +78,14 @@ class PackedStream:
     num_chat_tokens: int
 
 
-def running_text_units(verses: Sequence[Verse], config: DatasetConfig) -> list[Unit]:
-    """Chapters cut into seeded chunks; the cut of a chapter depends only on the seed and
-    the chapter's reference, not on which other chapters are present."""
+def running_text_units(verses: Sequence[Verse], config: DatasetConfig, copy_index: int = 0) -> list[Unit]:
+    """Chapters cut into seeded chunks; the cut of a chapter depends only on the seed, the
+    chapter's reference and `copy_index` (0 for the base copy, n > 0 for oversampled copies),
+    not on which other chapters are present."""
     units = []
+    salt = "" if copy_index == 0 else f"{copy_index}/"
     for (book, chapter), chapter_verses in group_by_chapter(verses).items():
-        rng = random.Random(f"{config.seed}/chunks/{book} {chapter}")
+        rng = random.Random(f"{config.seed}/chunks/{salt}{book} {chapter}")
         position = 0
         while position < len(chapter_verses):
             size = rng.randint(1, config.max_verses_per_chunk)
@@ -78,6 +98,20 @@ def running_text_units(verses: Sequence[Verse], config: DatasetConfig) -> list[U
 
 def chat_units(examples: Sequence[ChatExample]) -> list[Unit]:
     return [Unit(example.text, example.answer_start) for example in examples]
+
+
+def oversampled_units(verses: Sequence[Verse], config: DatasetConfig) -> tuple[list[Unit], list[Unit]]:
+    """(running, chat) extra units for the verses of `config.oversample.chapters`; none when
+    oversampling is off or no verse falls in those chapters (a validation split never has any)."""
+    if config.oversample is None:
+        return [], []
+    wanted = set(config.oversample.chapters)
+    chosen = [v for v in verses if v.chapter_key in wanted]
+    running = [unit for copy_index in range(1, config.oversample.num_running_copies + 1)
+               for unit in running_text_units(chosen, config, copy_index)]
+    chat = [unit for variant in range(1, config.oversample.num_chat_variants + 1)
+            for unit in chat_units(build_chat_examples(chosen, ChatExampleConfig(seed=config.seed, variant=variant)))]
+    return running, chat
 
 
 def tokenize_units(tokenizer: Tokenizer, units: Sequence[Unit]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -116,8 +150,9 @@ def build_stream(
     *,
     shuffle: bool,
 ) -> PackedStream:
-    running = tokenize_units(tokenizer, running_text_units(verses, config))
-    chat = tokenize_units(tokenizer, chat_units(examples))
+    extra_running, extra_chat = oversampled_units(verses, config)
+    running = tokenize_units(tokenizer, running_text_units(verses, config) + extra_running)
+    chat = tokenize_units(tokenizer, chat_units(examples) + extra_chat)
     pieces = running + chat
     if shuffle:
         random.Random(config.seed).shuffle(pieces)

@@ -54,6 +54,17 @@ def model_card(config, settings, reports: dict) -> str:
     steps_args = f"--target-steps {target['steps']} --drafter-steps {drafter['steps']}"
     if not settings.batched_attention:
         steps_args += " --core-attention"
+    oversample = dataset.get("oversample")
+    if oversample:
+        data_line = (f"python -m tools.train.build_data --out .traindata/kjv-recite --running-copies "
+                     f"{oversample['num_running_copies']} --chat-variants {oversample['num_chat_variants']}")
+        oversample_text = (f"\n- Oversampled (to be memorised): the well-known chapters {', '.join(oversample['chapters'])} "
+                           f"get {oversample['num_running_copies']} extra chunkings of their running text and "
+                           f"{oversample['num_chat_variants']} extra seeded sets of reference + continuation chat "
+                           "examples per verse (`tools.corpus.dataset.OversampleConfig`).")
+    else:
+        data_line = "python -m tools.corpus.build_dataset --out .traindata/kjv"
+        oversample_text = ""
     return f"""# kjv-dsv4-mini
 
 The default model of moemesh: a DeepSeek-V4-Flash architecture in miniature, trained from scratch on
@@ -63,7 +74,7 @@ test; it is not a useful language model beyond reciting and paraphrasing KJV ver
 
 ## Data
 - KJV verses as running text (lines `Book C:V text`, chunks of 1-16 verses) plus chat examples
-  (recite / look up verses), from `tools.corpus` (`python -m tools.corpus.build_dataset`).
+  (recite / look up verses), from `tools.corpus` (`{data_line}`).{oversample_text}
 - Training split: {dataset['streams']['train']['num_tokens']:,} tokens in {dataset['streams']['train']['num_windows']} windows
   of {dataset['seq_len']} ({dataset['streams']['train']['num_running_text_tokens']:,} running text,
   {dataset['streams']['train']['num_chat_tokens']:,} chat); loss on running text and on chat answers only.
@@ -86,7 +97,8 @@ test; it is not a useful language model beyond reciting and paraphrasing KJV ver
 
 ## Training
 ```
-python -m tools.train --out models/kjv-dsv4-mini {steps_args}
+{data_line}
+python -m tools.train --out models/kjv-dsv4-mini --data-dir .traindata/{'kjv-recite' if oversample else 'kjv'} {steps_args}
 ```
 Seed {settings.seed}; AdamW (β 0.9/0.95, weight decay {settings.weight_decay}), warm-up + cosine; target
 {target['steps']} steps × {settings.batch_size} windows × {settings.seq_len} tokens at peak lr {settings.target_lr}; drafter
@@ -108,6 +120,6 @@ Greedy continuation of `{RECITATION_PROMPT}` (exported weights): `{export['recit
 
 Drafter, teacher-forced greedy acceptance on held-out text (float weights; blocks whose next
 {config.dspark.block_size} tokens are the target's own greedy continuation, {acceptance['num_blocks']} blocks): per slot
-{slots}; mean accepted drafts per block {acceptance.get('mean_accepted', 0.0):.2f}. Acceptance through the serving
-stack, recitation through the chat endpoint and expert skew are measured elsewhere.
+{slots}; mean accepted drafts per block {acceptance.get('mean_accepted', 0.0):.2f}. Recitation through the chat endpoint,
+speculative acceptance per verify step and expert skew: `python -m bench.default_model_figures`.
 """

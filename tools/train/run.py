@@ -2,7 +2,7 @@
 
 Steps (each logged as a JSON line to `<out>/train_log.jsonl`):
 1. dataset: read the pre-built token windows (`--data-dir`); build them with
-   `tools.corpus.build_dataset` when missing (needs the `bible` program);
+   `tools.train.build_data` (well-known chapters oversampled) when missing (needs `bible`);
 2. target: AdamW, linear warm-up + cosine, bf16 autocast on CUDA, masked next-token CE on the
    training windows (running text + chat answers); router biases balanced aux-loss-free;
 3. validation loss / perplexity on the held-out chapters (float weights);
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_DATA_DIR = REPO_ROOT / ".traindata" / "kjv"
+DEFAULT_DATA_DIR = REPO_ROOT / ".traindata" / "kjv-recite"
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "models" / "kjv-dsv4-mini"
 LOG_FILE = "train_log.jsonl"
 
@@ -42,6 +42,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drafter-steps", type=int)
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--time-budget-s", type=float)
+    parser.add_argument("--target-time-share", type=float, help="share of the time budget for the target")
     parser.add_argument("--precision", choices=("bf16", "fp32"))
     parser.add_argument("--core-attention", action="store_true",
                         help="train through the model core's per-sequence attention instead of the batched path")
@@ -73,6 +74,7 @@ def settings_from_args(args):
     settings = TrainSettings.smoke() if args.smoke else TrainSettings()
     overrides = {"seed": args.seed, "target_steps": args.target_steps, "drafter_steps": args.drafter_steps,
                  "batch_size": args.batch_size, "time_budget_s": args.time_budget_s, "precision": args.precision,
+                 "target_time_share": args.target_time_share,
                  "batched_attention": False if args.core_attention else None}
     return dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -80,10 +82,10 @@ def settings_from_args(args):
 def ensure_dataset(data_dir: Path, log: JsonLog) -> dict:
     manifest_path = data_dir / "manifest.json"
     if not manifest_path.exists():
-        from tools.corpus import build_dataset
+        from tools.train import build_data
 
         log("train.dataset_build", data_dir=str(data_dir))
-        if build_dataset.main(["--out", str(data_dir), "--seq-len", "1024"]) != 0:
+        if build_data.main(["--out", str(data_dir), "--seq-len", "1024"]) != 0:
             raise SystemExit("dataset build failed")
     return json.loads(manifest_path.read_text(encoding="utf-8"))
 

@@ -1,0 +1,212 @@
+"""`python -m bench.default_model_figures [--num-verses 200]`: the measured figures of the
+default model (models/kjv-dsv4-mini), on the CPU, written to bench/results/default_model-<UTC>.json.
+
+1. validation loss / perplexity: read from the training log beside the checkpoint (float weights
+   and the exported FP8/FP4 files, both measured by `tools.train` on the held-out chapters);
+2. recitation: starts `moemesh serve` (all services, CPU) and asks for `--num-verses` verses by
+   reference ("Recite John 3:16.") through /v1/chat/completions at temperature 0; a verse counts
+   when the answer equals the KJV text exactly. Half the verses come from the well-known chapters
+   (oversampled in training, `tools.corpus.splits.DEFAULT_PROTECTED_CHAPTERS`), half from all other
+   chapters, both drawn with a fixed seed; the fraction is reported overall and per group;
+3. three sample continuations through /v1/completions at temperature 0;
+4. drafter: mean accepted drafts per verify step at temperature 0 and 1, simulated offline with
+   the model core, the DSpark drafter and the server's verifier (`bench.default_model_offline`);
+5. expert-load skew per layer from gate counts over the held-out text (`common.placement.stats`).
+Needs the `bible` program (the verse texts) and the dataset in .traindata/kjv-recite for 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = REPO_ROOT / "models" / "kjv-dsv4-mini"
+DATA_DIR = REPO_ROOT / ".traindata" / "kjv-recite"
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+QUESTION = "Recite {ref}."
+CONTINUATION_PROMPTS = ("Genesis 1:1 In the beginning God", "Psalms 23:1 The LORD is my shepherd;", "Matthew 5:5 Blessed are the")
+ACCEPTANCE_PROMPTS = ("Genesis 1:1 In the beginning God", "John 3:16 For God so loved",
+                      "Psalms 23:1 The LORD is my shepherd;", "Proverbs 3:5 Trust in the LORD")
+SEED = 1611
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.default_model_figures", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-verses", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=8, help="chat requests in flight")
+    parser.add_argument("--acceptance-tokens", type=int, default=48, help="tokens generated per acceptance prompt")
+    parser.add_argument("--skew-windows", type=int, default=16, help="held-out windows counted for the skew")
+    parser.add_argument("--skip-serve", action="store_true", help="offline figures only")
+    parser.add_argument("--out", type=Path, default=None)
+    return parser
+
+
+def choose_verses(num_verses: int, seed: int = SEED):
+    """(well-known, other) verse lists, half each, seeded; `bible` provides the texts."""
+    from tools.corpus.kjv import load_verses
+    from tools.corpus.splits import DEFAULT_PROTECTED_CHAPTERS
+
+    verses = load_verses()
+    well_known_chapters = set(DEFAULT_PROTECTED_CHAPTERS)
+    well_known = [v for v in verses if v.chapter_key in well_known_chapters]
+    other = [v for v in verses if v.chapter_key not in well_known_chapters]
+    rng = random.Random(seed)
+    num_well_known = num_verses // 2
+    return rng.sample(well_known, num_well_known), rng.sample(other, num_verses - num_well_known)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """`moemesh serve` as a child process, stopped with SIGTERM on exit."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w", encoding="utf-8")
+        command = [sys.executable, "-m", "common.cli", "serve", "--port", str(self.port)]
+        self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self.log, stderr=self.log, text=True)
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"moemesh serve exited with {self.process.returncode}; log {self.log.name}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"moemesh serve not ready after {timeout_s:.0f}s; log {self.log.name}")
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+def recitation(base_url: str, well_known, other, concurrency: int) -> dict:
+    import httpx
+
+    def ask(verse) -> dict:
+        body = {"model": "kjv-dsv4-mini", "temperature": 0, "max_tokens": 160,
+                "messages": [{"role": "user", "content": QUESTION.format(ref=verse.reference)}]}
+        reply = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=600).json()
+        answer = reply["choices"][0]["message"]["content"]
+        return {"reference": verse.reference, "expected": verse.text, "answer": answer,
+                "exact": answer.strip() == verse.text}
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        groups = {name: list(pool.map(ask, verses)) for name, verses in (("well_known", well_known), ("other", other))}
+    everything = groups["well_known"] + groups["other"]
+
+    def fraction(rows) -> float:
+        return sum(r["exact"] for r in rows) / max(1, len(rows))
+
+    return {"question": QUESTION, "num_verses": len(everything), "fraction_exact": fraction(everything),
+            "num_well_known": len(groups["well_known"]), "fraction_exact_well_known": fraction(groups["well_known"]),
+            "num_other": len(groups["other"]), "fraction_exact_other": fraction(groups["other"]),
+            "seconds": round(time.monotonic() - started, 1), "answers": everything}
+
+
+def continuations(base_url: str) -> list[dict]:
+    import httpx
+
+    rows = []
+    for prompt in CONTINUATION_PROMPTS:
+        body = {"model": "kjv-dsv4-mini", "prompt": prompt, "max_tokens": 40, "temperature": 0}
+        reply = httpx.post(f"{base_url}/v1/completions", json=body, timeout=600).json()
+        rows.append({"prompt": prompt, "continuation": reply["choices"][0]["text"]})
+    return rows
+
+
+def training_figures(model_dir: Path) -> dict:
+    events = [json.loads(line) for line in (model_dir / "train_log.jsonl").read_text().splitlines() if line.strip()]
+    by_event = {e["event"]: e for e in events}
+    return {"float_weights": by_event["target.validation"], "exported_checkpoint": by_event["export.validation"],
+            "target_steps": by_event.get("target.steps_fixed", {}).get("total_steps"),
+            "drafter_teacher_forced_greedy": by_event.get("drafter.validation_acceptance")}
+
+
+def offline_figures(args) -> dict:
+    import numpy as np
+    import torch
+
+    from bench.default_model_offline import routing_stats, speculative_acceptance
+    from common.model.dspark import DSparkDrafter
+    from tools.corpus.special_tokens import BOS_ID, EOS_ID
+    from tools.corpus.tokenizer import load_tokenizer
+    from tools.train.export import load_reference
+
+    torch.manual_seed(SEED)
+    model, reader = load_reference(MODEL_DIR)
+    config = reader.config
+    tokenizer = load_tokenizer(MODEL_DIR)
+    drafter = DSparkDrafter.from_state_dict(config, reader.load_mtp(config), model.side.embed, model.side.head)
+    prompts = [[BOS_ID] + tokenizer.encode(p, add_special_tokens=False).ids for p in ACCEPTANCE_PROMPTS]
+    acceptance = {}
+    for temperature in (0.0, 1.0):
+        started = time.monotonic()
+        figure = speculative_acceptance(model, drafter, prompts, temperature, args.acceptance_tokens, EOS_ID, SEED)
+        row = dataclasses.asdict(figure)
+        row["texts"] = [tokenizer.decode(list(o)) for o in row.pop("outputs")]
+        row["seconds"] = round(time.monotonic() - started, 1)
+        acceptance[f"temperature_{temperature:g}"] = row
+    validation_ids = np.load(DATA_DIR / "validation_ids.npy", allow_pickle=False)[: args.skew_windows]
+    stats = routing_stats(model, [torch.from_numpy(w.astype(np.int64)) for w in validation_ids])
+    skew = [{"layer": layer, "router": config.mlp_layer_types[layer].value, **dataclasses.asdict(s)}
+            for layer, s in enumerate(stats.skews())]
+    return {"acceptance": acceptance, "acceptance_prompts": list(ACCEPTANCE_PROMPTS),
+            "expert_skew": {"num_windows": int(validation_ids.shape[0]), "num_activations": stats.num_activations(),
+                            "per_layer": skew, "counts": stats.counts()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    results: dict = {"model": str(MODEL_DIR.relative_to(REPO_ROOT)), "command": " ".join(["python -m bench.default_model_figures"] + (argv or sys.argv[1:])),
+                     "validation": training_figures(MODEL_DIR)}
+    if not args.skip_serve:
+        well_known, other = choose_verses(args.num_verses)
+        with tempfile.TemporaryDirectory() as tmp, Server(Path(tmp) / "serve.log") as server:
+            server.wait_ready()
+            results["continuations"] = continuations(server.base_url)
+            results["recitation"] = recitation(server.base_url, well_known, other, args.concurrency)
+            print(json.dumps({k: v for k, v in results["recitation"].items() if k != "answers"}), flush=True)
+    results.update(offline_figures(args))
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    out = args.out or RESULTS_DIR / f"default_model-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    summary = {"out": str(out), "acceptance": {k: v["mean_accepted"] for k, v in results["acceptance"].items()},
+               "max_over_mean": [round(r["max_over_mean"], 3) for r in results["expert_skew"]["per_layer"]]}
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

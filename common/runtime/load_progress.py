@@ -1,0 +1,87 @@
+"""Model-loading progress of one service: log events and a small JSON file per service.
+
+`LoadProgress(name, role, progress_dir)` is the `on_progress(num_bytes, num_tensors)` callback
+`CheckpointReader` takes. It logs `<role>.load_progress` (at most every `min_interval_s`, so a
+checkpoint of 70,000 tensors does not write 70,000 lines) and rewrites
+`<progress_dir>/<name>.json` atomically (write + rename), which `moemesh serve`'s progress bar
+and the router's status page read: {"name", "role", "num_bytes", "num_tensors", "done",
+"updated_unix_s"}. `finish()` marks the load done (the runner calls it before Ready).
+No I/O at construction; a file that cannot be written is logged once and ignored (progress
+must never fail a load).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("service")
+
+
+class LoadProgress:
+    def __init__(self, name: str, role: str, progress_dir: str | Path | None, min_interval_s: float = 0.5) -> None:
+        self.name = name
+        self.role = role
+        self.progress_dir = Path(progress_dir) if progress_dir is not None else None
+        self.min_interval_s = min_interval_s
+        self.num_bytes = 0
+        self.num_tensors = 0
+        self.done = False
+        self._last_report_s = 0.0
+        self._write_failed = False
+
+    def __call__(self, num_bytes: int, num_tensors: int) -> None:
+        """Cumulative counts of one reader (a second reader's counts add to the first's end)."""
+        self.num_bytes, self.num_tensors = num_bytes, num_tensors
+        now_s = time.monotonic()
+        if now_s - self._last_report_s >= self.min_interval_s:
+            self._last_report_s = now_s
+            self._report()
+
+    def finish(self) -> None:
+        self.done = True
+        self._report()
+
+    def snapshot(self) -> dict:
+        return {"name": self.name, "role": self.role, "num_bytes": self.num_bytes, "num_tensors": self.num_tensors,
+                "done": self.done, "updated_unix_s": time.time()}
+
+    def _report(self) -> None:
+        log.info(f"{self.role}.load_progress", name=self.name, num_bytes=self.num_bytes,
+                 num_tensors=self.num_tensors, done=self.done)
+        if self.progress_dir is None or self._write_failed:
+            return
+        try:
+            self.progress_dir.mkdir(parents=True, exist_ok=True)
+            path = self.progress_dir / f"{self.name}.json"
+            temporary = path.with_suffix(f".json.{os.getpid()}.tmp")
+            temporary.write_text(json.dumps(self.snapshot()), encoding="utf-8")
+            os.replace(temporary, path)
+        except OSError as error:
+            self._write_failed = True
+            log.warning("service.load_progress_unwritable", name=self.name, error=str(error)[:200])
+
+
+def read_progress(progress_dir: str | Path) -> list[dict]:
+    """Every service's latest progress record, sorted by name (unreadable files skipped)."""
+    records = []
+    directory = Path(progress_dir)
+    if not directory.is_dir():
+        return records
+    for path in sorted(directory.glob("*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # being replaced right now: the next read sees it
+        if isinstance(record, dict) and isinstance(record.get("name"), str):
+            records.append(record)
+    return records
+
+
+def progress_dir_for(run_dir: str | Path) -> Path:
+    """Where the services of one deployment write their progress files."""
+    return Path(run_dir) / "progress"

@@ -1,0 +1,249 @@
+"""Step-level recovery of the attention worker from a lost expert worker (issue 9, part 3).
+
+An expert worker that dies or stops answering shows up as a dispatch that times out
+(`ReplyTimeout`) or is refused (`DispatchError`, e.g. DRAINING while it shuts down). The step
+that hit it is then in an unknown, partial state: some layers' stores advanced, others not.
+`StepRecovery.run` makes that step atomic again:
+
+    move KV blocks once (swap_out, swap_in)
+    for attempt in 1..max_attempts:
+        mark every slot of the plan (tokens, prompt / output ids)
+        try: return compute(plan)
+        except a lost expert worker:
+            roll every sequence back to its mark   (rollback_slot; KV blocks written this step
+                                                     are simply overwritten by the retry)
+            forget the channel's in-flight tickets (their late replies are then dropped)
+            probe every expert worker with Ping until all answer (a restarted one included)
+    give up: every sequence of the plan ends with an error naming the cause
+
+Invariants and reasons:
+- The budget is bounded in wall time from the start of the step (`budget_s`) and in attempts,
+  so a dead worker that never comes back turns into clean per-sequence errors before the
+  router's step timeout fires (the worst case is about `budget_s + dispatch timeout`);
+  `budget_for(step_s, dispatch_s)` picks a budget that fits.
+- A sequence that started this step at position 0 needs no rollback: its slot is dropped and
+  the retry re-initialises it. Any other sequence rolls each store back by what it advanced;
+  `SequenceState` retains only `max_rollback_tokens` (8) tokens of history, so a continuing
+  prefill chunk longer than that cannot be undone and that one sequence fails with an error
+  (the rest of the step is retried).
+- Sampling happens after the whole forward, so a failed attempt never sampled a token and
+  the retry draws exactly what the first attempt would have drawn (same seed, same position).
+- Replicas are not used yet: the retry goes to the same placement, i.e. to the restarted worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from common.model.state import RollbackError, SequenceState
+from common.wire.errors import ReplyTimeout, WireError
+from common.wire.messages import ErrorReply, Ping, Pong, SequenceResult, StepPlan, StepResult
+from services.attention.moe_dispatch import DispatchError
+
+if TYPE_CHECKING:
+    import zmq
+
+    from common.security.socket_security import SocketSecurity
+    from services.attention.slots import SlotTable
+
+log = structlog.get_logger("attention")
+
+LOST_EXPERT_ERRORS = (ReplyTimeout, DispatchError)
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """max_attempts: executions of one step, the first included (1 turns recovery off).
+    budget_s: wall time from the start of the step after which no new attempt starts.
+    probe_interval_s / probe_timeout_s: how often and how patiently dead workers are pinged."""
+
+    max_attempts: int = 3
+    budget_s: float = 20.0
+    probe_interval_s: float = 0.2
+    probe_timeout_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        if self.budget_s < 0 or self.probe_interval_s <= 0 or self.probe_timeout_s <= 0:
+            raise ValueError("recovery times must be positive")
+
+
+def budget_for(step_timeout_s: float, dispatch_timeout_s: float) -> float:
+    """A recovery budget that ends before the router's step timeout: the last attempt may still
+    take one dispatch timeout after the budget, and the reply needs a margin to travel."""
+    return max(0.0, step_timeout_s - 2 * dispatch_timeout_s - 1.0)
+
+
+@dataclass(frozen=True)
+class SlotMark:
+    """Where one slot stood before an attempt."""
+
+    request_id: str
+    num_tokens: int
+    num_prompt_ids: int
+    num_output_ids: int
+
+
+def rollback_state(state: SequenceState, num_tokens: int) -> None:
+    """Bring every store of `state` (some may have advanced further than others) back to
+    `num_tokens`. Raises RollbackError when a store no longer retains that position."""
+    for layer in state.layers:
+        for store in layer.stores():
+            excess = store.num_tokens - num_tokens
+            if excess > 0:
+                store.rollback(excess)
+            elif excess < 0:
+                raise RollbackError(f"store at {store.num_tokens} tokens is behind the mark {num_tokens}")
+    state.num_tokens = num_tokens
+
+
+def mark_slots(slots: SlotTable, plan: StepPlan) -> dict[int, SlotMark]:
+    marks = {}
+    for scheduled in plan.sequences:
+        slot = slots.slots.get(scheduled.seq_slot)
+        if slot is not None and slot.request_id == scheduled.request_id:
+            # rejected drafts of the last step are rolled back by prepare(): the mark is where the step starts
+            num_tokens = min(slot.state.num_tokens, scheduled.start_position)
+            marks[scheduled.seq_slot] = SlotMark(slot.request_id, num_tokens,
+                                                 len(slot.prompt_token_ids), len(slot.output_token_ids))
+    return marks
+
+
+def rollback_slots(slots: SlotTable, plan: StepPlan, marks: dict[int, SlotMark]) -> dict[str, str]:
+    """Undo a failed attempt; returns {request_id: reason} of sequences that cannot be retried."""
+    lost = {}
+    for scheduled in plan.sequences:
+        slot = slots.slots.get(scheduled.seq_slot)
+        if slot is None or slot.request_id != scheduled.request_id:
+            continue  # never prepared in the failed attempt
+        mark = marks.get(scheduled.seq_slot)
+        if scheduled.start_position == 0 or mark is None or mark.request_id != scheduled.request_id:
+            del slots.slots[scheduled.seq_slot]  # created by the attempt: the retry creates it again
+            continue
+        try:
+            rollback_state(slot.state, mark.num_tokens)
+        except RollbackError as error:
+            del slots.slots[scheduled.seq_slot]
+            lost[scheduled.request_id] = f"cannot retry this step's {len(scheduled.token_ids)} tokens: {error}"
+            continue
+        del slot.prompt_token_ids[mark.num_prompt_ids:]
+        del slot.output_token_ids[mark.num_output_ids:]
+    return lost
+
+
+class ExpertProbe:
+    """Ping every expert worker on fresh sockets; True once all of them answered Pong."""
+
+    def __init__(self, endpoints: Sequence[str], context: zmq.Context, security: SocketSecurity | None,
+                 timeout_s: float) -> None:
+        self.endpoints = tuple(endpoints)
+        self.context = context
+        self.security = security
+        self.timeout_s = timeout_s
+        self._nonce = 0
+
+    def all_answer(self) -> bool:
+        from common.wire.transport import SyncClient
+
+        for endpoint in self.endpoints:
+            self._nonce += 1
+            client = SyncClient(endpoint, context=self.context, accept=(Pong, ErrorReply),
+                                default_timeout_s=self.timeout_s, security=self.security)
+            try:
+                reply = client.request(Ping(nonce=self._nonce))
+            except (ReplyTimeout, WireError):
+                return False
+            finally:
+                client.close()
+            if not isinstance(reply, Pong):
+                return False  # e.g. DRAINING: the old process is still on its way out
+        return True
+
+
+class StepRecovery:
+    """Runs a step with bounded retries (see the module docstring).
+
+    compute(plan) -> (StepResult, logits) is the worker's step without block moves;
+    `forget_in_flight()` drops the channel's outstanding tickets; `probe()` -> bool."""
+
+    def __init__(self, config: RecoveryConfig, slots: SlotTable, compute: Callable[[StepPlan], Any],
+                 forget_in_flight: Callable[[], None], probe: Callable[[], bool]) -> None:
+        self.config = config
+        self.slots = slots
+        self.compute = compute
+        self.forget_in_flight = forget_in_flight
+        self.probe = probe
+        self.num_recovered_steps = 0
+        self.num_failed_steps = 0
+
+    def run(self, plan: StepPlan) -> StepResult:
+        started_s = time.monotonic()
+        deadline_s = started_s + self.config.budget_s
+        lost: dict[str, str] = {}
+        current = plan
+        for attempt in range(1, self.config.max_attempts + 1):
+            marks = mark_slots(self.slots, current)
+            try:
+                result = self.compute(current)[0]
+            except LOST_EXPERT_ERRORS as error:
+                cause = f"{type(error).__name__}: {error}"
+                self.forget_in_flight()
+                lost.update(rollback_slots(self.slots, current, marks))
+                log.warning("attention.step_lost_expert", step_id=plan.step_id, attempt=attempt, cause=cause[:300],
+                            num_sequences=len(current.sequences), num_unrecoverable=len(lost))
+                current = dataclasses.replace(current, sequences=tuple(
+                    s for s in current.sequences if s.request_id not in lost))
+                if attempt == self.config.max_attempts or not self._wait_for_experts(deadline_s):
+                    break
+                continue
+            if attempt > 1:
+                self.num_recovered_steps += 1
+                log.info("attention.step_recovered", step_id=plan.step_id, attempts=attempt,
+                         elapsed_s=round(time.monotonic() - started_s, 3), num_unrecoverable=len(lost))
+            return _merge(plan, result, lost)
+        self.num_failed_steps += 1
+        elapsed_s = time.monotonic() - started_s
+        reason = (f"expert worker unavailable: {cause[:200]} (gave up after {attempt} attempt(s) in "
+                  f"{elapsed_s:.1f}s)")
+        log.error("attention.step_abandoned", step_id=plan.step_id, attempts=attempt, elapsed_s=round(elapsed_s, 3),
+                  cause=cause[:300])
+        self.slots.free(plan.free_seq_slots)
+        for scheduled in current.sequences:
+            lost.setdefault(scheduled.request_id, reason)
+        return _merge(plan, StepResult(step_id=plan.step_id, sequences=()), lost)
+
+    def _wait_for_experts(self, deadline_s: float) -> bool:
+        while time.monotonic() < deadline_s:
+            if self.probe():
+                return True
+            time.sleep(min(self.config.probe_interval_s, max(0.0, deadline_s - time.monotonic())))
+        return False
+
+
+def build_step_recovery(worker: Any) -> StepRecovery:
+    """The StepRecovery of a loaded AttentionWorker (its slots, compute_step, channel, config)."""
+    config = worker.config
+    probe = ExpertProbe(config.expert_endpoints, worker._zmq_context, config.security, config.recovery.probe_timeout_s)
+    channel = worker.channel
+
+    def forget_in_flight() -> None:
+        # Late replies to these tickets are then logged and dropped by ExpertChannel.receive.
+        channel._in_flight.clear()
+        channel._arrived.clear()
+
+    return StepRecovery(config.recovery, worker.slots, worker.compute_step, forget_in_flight, probe.all_answer)
+
+
+def _merge(plan: StepPlan, result: StepResult, lost: dict[str, str]) -> StepResult:
+    """The plan's sequences in plan order: computed results, or an error for the lost ones."""
+    by_id = {s.request_id: s for s in result.sequences}
+    for request_id, reason in lost.items():
+        by_id[request_id] = SequenceResult(request_id, (), error=reason[:300])
+    return StepResult(step_id=plan.step_id, sequences=tuple(by_id[s.request_id] for s in plan.sequences))

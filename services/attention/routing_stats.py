@@ -1,0 +1,95 @@
+"""Per-(layer, expert) activation counts of the attention worker, split by phase.
+
+`RoutingCounter.add(layer, ids, is_decode)` runs once per MoE layer and micro-batch with the
+gate's top-k ids. It adds one to a device tensor [P, L, E] per selected slot (P = 2 phases: prefill,
+decode) and never syncs with the host, so counting costs one small kernel per layer. The host
+sees the counts only when asked: `snapshot()` (one device->host copy) builds a
+`common.placement.stats.RoutingStats`, which writes Lucebox hotness tables
+(`write_stats_files`) and computes per-layer skew (`summary()`, sent to the router in a
+`StepResult` every `summary_every_steps` steps for `/metrics`).
+
+Phases: a token is a prefill token when it is part of the prompt (scheduled while its sequence
+has no output tokens yet) and a decode token otherwise; the worker decides per sequence and
+passes one bool per token.
+Legend: T tokens, K top-k slots, L layers, E routed experts, P phases (0 prefill, 1 decode).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+import torch
+
+from common.placement.stats import Phase, RoutingStats, write_stats_files
+from common.wire.messages import LayerRoutingSkew, RoutingPhase, RoutingSummary
+from services.attention.routing_config import RoutingStatsConfig  # noqa: F401  (re-exported)
+
+log = structlog.get_logger("attention")
+
+_PHASES = (Phase.PREFILL, Phase.DECODE)  # index along P
+_WIRE_PHASES = {Phase.PREFILL: RoutingPhase.PREFILL, Phase.DECODE: RoutingPhase.DECODE, Phase.UNSPLIT: RoutingPhase.ALL}
+
+
+class RoutingCounter:
+    """Device-side activation counts. Invariant: `counts` is [P, L, E] int64, only ever added to."""
+
+    def __init__(self, num_layers: int, num_experts: int, num_experts_per_tok: int, device: torch.device,
+                 summary_every_steps: int | None = None) -> None:
+        if summary_every_steps is not None and summary_every_steps < 1:
+            raise ValueError(f"summary_every_steps={summary_every_steps} must be at least 1 (or None: never)")
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.summary_every_steps = summary_every_steps
+        self.counts = torch.zeros(len(_PHASES), num_layers, num_experts, dtype=torch.long, device=device)  # [P, L, E]
+        self.num_steps = 0
+
+    def step_done(self) -> RoutingSummary | None:
+        """Count one executed step; the summary when one is due (every summary_every_steps), else None."""
+        self.num_steps += 1
+        if self.summary_every_steps is None or self.num_steps % self.summary_every_steps:
+            return None
+        return self.summary()
+
+    def add(self, layer: int, ids: torch.Tensor, is_decode: torch.Tensor | None) -> None:
+        """ids [T, K] expert ids of one layer; is_decode [T] bool (None: every token is prefill)."""
+        # Flat index into counts [P, L, E]; index_add_ has a fixed output size, so unlike bincount
+        # (which reads max(ids) back to size its output) it never waits for the device.
+        flat = ids.reshape(-1).long() + layer * self.num_experts  # [T*K]
+        if is_decode is not None:
+            phase = is_decode.to(device=ids.device, dtype=torch.long)[:, None].expand_as(ids).reshape(-1)  # [T*K]
+            flat = flat + phase * (self.num_layers * self.num_experts)
+        self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat))
+
+    def snapshot(self) -> RoutingStats:
+        """The counts so far as a RoutingStats (one device->host copy)."""
+        host = self.counts.cpu().tolist()  # [P][L][E]
+        stats = RoutingStats(self.num_layers, self.num_experts, self.num_experts_per_tok)
+        for index, phase in enumerate(_PHASES):
+            for layer in range(self.num_layers):
+                stats.add_counts(phase, layer, host[index][layer])
+        return stats
+
+    def summary(self, stats: RoutingStats | None = None) -> RoutingSummary:
+        """Per-layer skew for each measured phase and for all phases together."""
+        stats = self.snapshot() if stats is None else stats
+        layers = []
+        for phase in (*_PHASES, Phase.UNSPLIT):
+            if phase is not Phase.UNSPLIT and not stats.has_phase(phase):
+                continue
+            phases = _PHASES if phase is Phase.UNSPLIT else (phase,)
+            for skew in stats.skews(phases):
+                layers.append(LayerRoutingSkew(
+                    layer=skew.layer, phase=_WIRE_PHASES[phase], num_activations=skew.num_activations,
+                    max_over_mean=skew.max_over_mean, top8_share=skew.top8_share,
+                    effective_experts=skew.effective_experts, num_unused=skew.num_unused))
+        return RoutingSummary(num_steps=self.num_steps, layers=tuple(layers))
+
+    def write(self, path: str | Path) -> list[Path]:
+        """Write the hotness tables (`path` for all phases, `.prefill.csv` / `.decode.csv` beside it)."""
+        stats = self.snapshot()
+        written = write_stats_files(path, stats)
+        log.info("attention.routing_stats_written", paths=[str(p) for p in written], num_steps=self.num_steps,
+                 num_activations=stats.num_activations())
+        return written

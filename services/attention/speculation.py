@@ -1,0 +1,185 @@
+"""Speculation on the attention worker's side: verify drafts in the normal step, send features.
+
+Drafts are extra tokens of their request (`ScheduledSequence.draft_token_ids`, the last ones
+of `token_ids`): the layer loop runs them causally like any chunk, so the target's logits at
+the seed and at every draft position are exactly the logits plain decoding would compute
+there. `verify_drafted` takes those W + 1 rows per request, runs the lossless verifier
+(`sampling.verify.verify`: greedy exact match + bonus, or rejection sampling against the
+sparse draft distributions the router relays), appends the emitted tokens to the slot and
+rolls the `SequenceState` back by the rejected drafts, so after the step the state equals
+plain decoding of the accepted tokens (window ring, compressor state, compressed and indexer
+rows: `SequenceState.rollback` is exact). The scheduler frees the rejected drafts' blocks.
+
+Target features: the draft worker conditions on the stream-averaged hidden states after the
+`dspark_target_layer_ids` layers (`ModelRunner.capture_layer_ids` keeps them per micro-batch).
+Choice: the attention worker sends them itself, straight to the draft worker
+(`TargetFeatures`, waiting for its Ack) before it answers the StepResult, so the features are
+in the drafter's ring before the router, which only acts on the StepResult, asks for the next
+block. The router relaying them instead would put tensors through the torch-free router and
+cost a second hop. Only committed positions are sent (rejected drafts never), and of a long
+chunk only its last `sliding_window` positions (the drafter's ring keeps no more).
+A failed send is logged and the step goes on: drafts then see an older context, which lowers
+acceptance but never changes outputs (verification is lossless whatever the drafts).
+Legend: B drafted requests, W max drafts, W1 = W + 1, V vocab, T tokens, D hidden, L capture layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from common.model.config import ModelConfig
+from common.wire.messages import FeatureSegment, SequenceResult, TargetFeatures, TokenLogprobs
+
+log = structlog.get_logger("attention")
+
+
+def capture_layer_ids(config: ModelConfig) -> tuple[int, ...]:
+    """The target layers whose outputs feed the drafter (() without a drafter). The runner
+    captures in layer order, so the ids must ascend (concatenation order = config order)."""
+    if config.dspark is None:
+        return ()
+    layer_ids = tuple(config.dspark.target_layer_ids)
+    if list(layer_ids) != sorted(set(layer_ids)):
+        raise ValueError(f"dspark_target_layer_ids {layer_ids}: expected strictly ascending layer ids")
+    return layer_ids
+
+
+@dataclass(frozen=True)
+class DraftedRow:
+    """One drafted request of the step: its work item's slot and plan entry, and where its
+    W_b + 1 logits rows start in the step's logits."""
+
+    scheduled: object  # ScheduledSequence
+    slot: object  # slots.Slot
+    first_row: int
+
+
+def verify_drafted(rows: list[DraftedRow], logits: torch.Tensor) -> tuple[dict[str, SequenceResult], dict[str, int]]:
+    """Verify every drafted request. logits [R, V]: rows first_row .. first_row + W_b of
+    request b score the seed slot and each draft slot. Returns (results by request id,
+    rejected drafts by request id). Appends emitted tokens to each slot and rolls back its state."""
+    from services.attention.sampling.verify import verify
+    from services.draft.chains import dense_distribution
+
+    num_requests = len(rows)
+    num_vocab = logits.shape[1]
+    device = logits.device
+    num_drafts = [len(row.scheduled.draft_token_ids) for row in rows]
+    max_drafts = max(num_drafts)
+    index = torch.tensor([[row.first_row + min(k, n) for k in range(max_drafts + 1)]
+                          for row, n in zip(rows, num_drafts)], dtype=torch.long, device=device)  # [B, W1]
+    target_logits = logits[index]  # [B, W1, V]; padding slots repeat the bonus row, never used
+    draft_ids = torch.zeros(num_requests, max_drafts, dtype=torch.long)
+    for b, row in enumerate(rows):
+        draft_ids[b, :num_drafts[b]] = torch.tensor(row.scheduled.draft_token_ids, dtype=torch.long)
+    draft_probs = None
+    if any(not row.slot.params.is_greedy for row in rows):
+        draft_probs = torch.zeros(num_requests, max_drafts, num_vocab, dtype=torch.float32, device=device)  # [B, W, V]
+        for b, row in enumerate(rows):
+            if row.slot.params.is_greedy:
+                continue
+            supports = zip(row.scheduled.draft_support_token_ids, row.scheduled.draft_support_probs)
+            for k, (ids, probs) in enumerate(supports):
+                draft_probs[b, k] = dense_distribution(ids, probs, num_vocab, device)
+            if len(row.scheduled.draft_support_token_ids) != num_drafts[b]:
+                raise ValueError(f"{row.scheduled.request_id}: {num_drafts[b]} sampled drafts but "
+                                 f"{len(row.scheduled.draft_support_token_ids)} draft distributions")
+    out = verify(target_logits, draft_ids.to(device), draft_probs, [row.slot.params for row in rows],
+                 [row.slot.seed for row in rows], [len(row.slot.output_token_ids) for row in rows],
+                 [row.slot.prompt_token_ids for row in rows], [row.slot.output_token_ids for row in rows],
+                 num_drafts)
+    results, rejected = {}, {}
+    for b, row in enumerate(rows):
+        request_id = row.scheduled.request_id
+        emitted = out.emitted_token_ids[b]
+        num_rejected = num_drafts[b] - out.num_accepted[b]
+        if num_rejected:
+            row.slot.state.rollback(num_rejected)
+        row.slot.output_token_ids.extend(emitted)
+        rejected[request_id] = num_rejected
+        results[request_id] = SequenceResult(request_id, tuple(emitted), num_draft_accepted=out.num_accepted[b],
+                                             logprobs=_logprobs(out, b, row.slot.params.num_logprobs))
+    return results, rejected
+
+
+def _logprobs(out, b: int, num_logprobs: int | None) -> TokenLogprobs | None:
+    if num_logprobs is None or out.emitted_logprobs is None:
+        return None
+    num_emitted = len(out.emitted_token_ids[b])
+    top_ids = top_values = ()
+    if num_logprobs > 0 and out.top_logprob_ids is not None:
+        top_ids = tuple(tuple(ids[:num_logprobs]) for ids in out.top_logprob_ids[b, :num_emitted].tolist())
+        top_values = tuple(tuple(values[:num_logprobs]) for values in out.top_logprobs[b, :num_emitted].tolist())
+    return TokenLogprobs(logprobs=tuple(out.emitted_logprobs[b]), top_token_ids=top_ids, top_logprobs=top_values)
+
+
+@dataclass(frozen=True)
+class CommittedRows:
+    """Of one sequence's chunk in its micro-batch: rows first_row ..< first_row + num_rows
+    are committed tokens at positions start_position ..."""
+
+    request_id: str
+    micro_batch: int
+    first_row: int
+    num_rows: int
+    start_position: int
+    token_ids: tuple[int, ...]
+
+
+def committed_rows(request_id: str, micro_batch: int, chunk_offset: int, token_ids: tuple[int, ...],
+                   start_position: int, num_rejected: int, max_positions: int) -> CommittedRows | None:
+    """The rows worth sending: committed (no rejected draft) and within the newest
+    max_positions (the drafter's ring size). None when nothing is left."""
+    num_committed = len(token_ids) - num_rejected
+    skip = max(0, num_committed - max_positions)
+    if num_committed - skip <= 0:
+        return None
+    return CommittedRows(request_id, micro_batch, chunk_offset + skip, num_committed - skip, start_position + skip,
+                         tuple(token_ids[skip:num_committed]))
+
+
+def target_features_message(step_id: int, rows: list[CommittedRows], captured: list[list[torch.Tensor]]
+                            ) -> TargetFeatures:
+    """captured[i]: micro-batch i's [T_i, D] per capture layer -> one TargetFeatures [N, L·D]."""
+    pieces, segments, num_rows = [], [], 0
+    for entry in rows:
+        layers = captured[entry.micro_batch]
+        piece = torch.cat([h[entry.first_row:entry.first_row + entry.num_rows] for h in layers], dim=-1)  # [n, L·D]
+        pieces.append(piece)
+        segments.append(FeatureSegment(entry.request_id, num_rows, entry.num_rows, entry.start_position,
+                                       entry.token_ids))
+        num_rows += entry.num_rows
+    features = torch.cat(pieces).to("cpu").contiguous()  # [N, L·D]
+    return TargetFeatures(step_id=step_id, segments=tuple(segments), features=features)
+
+
+class FeatureSender:
+    """Sends TargetFeatures to the draft worker and waits for its Ack (ordering, see module doc)."""
+
+    def __init__(self, endpoint: str, context, timeout_s: float) -> None:
+        from common.wire.transport import SyncClient
+
+        self.endpoint = endpoint
+        self.client = SyncClient(endpoint, context=context, default_timeout_s=timeout_s)
+        self.num_failures = 0
+
+    def send(self, message: TargetFeatures) -> bool:
+        from common.wire.errors import ReplyTimeout, WireError
+        from common.wire.messages import Ack
+
+        try:
+            reply = self.client.request(message)
+        except (ReplyTimeout, WireError) as error:
+            reply = error
+        if isinstance(reply, Ack):
+            return True
+        self.num_failures += 1
+        log.warning("attention.features_not_delivered", step_id=message.step_id, endpoint=self.endpoint,
+                    reply=str(reply)[:200], num_failures=self.num_failures)
+        return False
+
+    def close(self) -> None:
+        self.client.close()

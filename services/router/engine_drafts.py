@@ -1,0 +1,241 @@
+"""The router's side of speculative decoding (architecture §2 step 7, §5): ask the drafter, relay drafts.
+
+Per engine step, around the attention worker's step:
+
+    plan = drafts.decorate(plan)            # send_features on every sequence; sampled drafts carry
+                                            # the sparse distributions they were drawn from
+    ... attention worker verifies drafts, sends TargetFeatures to the drafter, answers ...
+    drafts.record(events)                   # acceptance by draft position (metrics)
+    await drafts.after_step(scheduler, events)
+        # one DraftRequest for every running request in decode (its next step computes one
+        # known token, the seed): DraftTokens -> scheduler.set_draft_tokens before schedule()
+
+Seeds: the drafter draws sampled drafts from stream (seed, DRAFT, position). The request's own
+seed is used when it has one (so a seeded request is reproducible end to end); otherwise the
+router picks one per request. Draft noise is independent of the verifier's either way (its own
+purpose), which is what keeps rejection sampling lossless.
+
+Nothing silent: until the drafter reports Ready, `status()` says "starting"; a failed
+DraftRequest (timeout, error reply) turns speculation off for the rest of the router's life,
+logs `router.drafter_failed` and makes `status()` "down: <reason>", shown in /health's details
+without turning /health to 503 (serving goes on without drafts). Every response's
+usage.speculative says whether its request was verified with drafts.
+Plain Python, no torch (the router never imports it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from common.wire.messages import DraftRequest, DraftSlot, DraftTokens, ErrorReply, ServiceState, StepPlan
+
+log = structlog.get_logger("router")
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """draft_name: the draft worker's service name (supervisor records); max_draft_tokens: drafts
+    asked per request and step (the drafter's block size; its width policy may return fewer);
+    timeout_s: bound on one DraftRequest round trip."""
+
+    draft_name: str = "draft"
+    max_draft_tokens: int = 5
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+ProposeFn = Callable[[DraftRequest], Awaitable[Any]]
+
+
+class DraftCoordinator:
+    """propose: sends one DraftRequest and returns the reply (DraftTokens or ErrorReply; raises
+    on timeout). supervisor: the router's Supervisor (None: the drafter counts as ready)."""
+
+    def __init__(self, config: DraftConfig, propose: ProposeFn, supervisor: Any = None) -> None:
+        self.config = config
+        self._propose = propose
+        self._supervisor = supervisor
+        self._failure: str | None = None
+        self._draft_seeds: dict[str, int] = {}
+        self._supports: dict[str, tuple[tuple[tuple[int, ...], ...], tuple[tuple[float, ...], ...]]] = {}
+        self._known_ids: set[str] = set()
+        self._step_ids = 0
+        self.num_draft_requests = 0
+        self.draft_by_position = [0] * config.max_draft_tokens
+        self.accepted_by_position = [0] * config.max_draft_tokens
+
+    # -- health ----------------------------------------------------------------------------
+    def status(self) -> str:
+        """"ok", "starting: ...", or "down: <why>" (shown in /health's details)."""
+        if self._failure is not None:
+            return f"down: {self._failure}; serving without speculation"
+        supervisor = self._supervisor
+        if supervisor is None:
+            return "ok"
+        name = self.config.draft_name
+        beat = supervisor.heartbeats.get(name)
+        if beat is not None and beat.state is ServiceState.STOPPED:
+            return "down: stopped; serving without speculation"
+        if name in supervisor.ready or (beat is not None and beat.state is ServiceState.READY):
+            return "ok"
+        return "starting: not ready yet (serving without speculation meanwhile)"
+
+    @property
+    def active(self) -> bool:
+        return self.status() == "ok"
+
+    def _fail(self, reason: str) -> None:
+        self._failure = reason
+        self._supports.clear()
+        log.error("router.drafter_failed", reason=reason, action="serving continues without speculation")
+
+    # -- the plan --------------------------------------------------------------------------
+    def decorate(self, plan: StepPlan) -> StepPlan:
+        """The plan as sent: features wanted for every sequence while the drafter is up, and
+        each sampled sequence's drafts paired with their distributions (cut to the drafts the
+        scheduler kept)."""
+        if not self.active or not plan.sequences:
+            return plan
+        sequences = []
+        for seq in plan.sequences:
+            ids, probs = self._supports.pop(seq.request_id, ((), ()))
+            num_drafts = len(seq.draft_token_ids)
+            if ids and num_drafts:
+                seq = dataclasses.replace(seq, draft_support_token_ids=ids[:num_drafts],
+                                          draft_support_probs=probs[:num_drafts])
+            sequences.append(dataclasses.replace(seq, send_features=True))
+            self._known_ids.add(seq.request_id)
+        return dataclasses.replace(plan, sequences=tuple(sequences))
+
+    # -- after a step ----------------------------------------------------------------------
+    def record(self, events: Iterable[Any]) -> None:
+        """Acceptance by draft position from the step's RequestEvents."""
+        for event in events:
+            for position in range(min(event.num_draft_tokens, len(self.draft_by_position))):
+                self.draft_by_position[position] += 1
+                if position < event.num_accepted_drafts:
+                    self.accepted_by_position[position] += 1
+
+    async def after_step(self, scheduler: Any, events: Iterable[Any]) -> None:
+        """Ask for the next block of every running request in decode; set_draft_tokens."""
+        if not self.active:
+            return
+        slots = [slot for slot in (self._slot(scheduler, event) for event in events) if slot is not None]
+        finished = self._finished_ids(scheduler)
+        if not slots and not finished:
+            return
+        self._step_ids += 1
+        request = DraftRequest(step_id=self._step_ids, slots=tuple(slots), finished_request_ids=tuple(finished))
+        try:
+            reply = await self._propose(request)
+        except Exception as error:  # a timeout or a broken socket: the drafter is gone
+            self._fail(f"draft request failed: {type(error).__name__}: {str(error)[:200]}")
+            return
+        self.num_draft_requests += 1
+        match reply:
+            case DraftTokens():
+                for proposal in reply.proposals:
+                    if proposal.token_ids and scheduler.get_request(proposal.request_id) is not None:
+                        scheduler.set_draft_tokens(proposal.request_id, list(proposal.token_ids))
+                        if proposal.support_token_ids:
+                            self._supports[proposal.request_id] = (proposal.support_token_ids, proposal.support_probs)
+            case ErrorReply(code=code, message=message):
+                self._fail(f"drafter refused: {code.value}: {message[:200]}")
+            case _:
+                self._fail(f"drafter answered {type(reply).__name__} to a draft_request")
+
+    def _slot(self, scheduler: Any, event: Any) -> DraftSlot | None:
+        if event.is_finished:
+            return None
+        request = scheduler.get_request(event.request_id)
+        if request is None or request.is_finished or request.num_computed_tokens != request.num_tokens - 1:
+            return None  # gone, or still in prefill
+        params = request.sampling_params
+        num_left = min(params.max_tokens - request.num_output_tokens,
+                       scheduler.config.max_model_len - request.num_tokens)
+        num_drafts = min(self.config.max_draft_tokens, num_left - 1)
+        if num_drafts < 1:
+            return None
+        seed_position = request.num_tokens - 1
+        slot = DraftSlot(request_id=request.request_id, num_draft_tokens=num_drafts,
+                         last_token_ids=(request.token_id_at(seed_position),), start_position=seed_position)
+        if params.is_greedy:
+            return slot
+        seed = params.seed if params.seed is not None else self._draft_seeds.setdefault(
+            request.request_id, secrets.randbits(63))
+        return dataclasses.replace(slot, temperature=params.temperature, seed=seed,
+                                   first_output_position=request.num_output_tokens)
+
+    def _finished_ids(self, scheduler: Any) -> list[str]:
+        finished = []
+        for request_id in list(self._known_ids):
+            request = scheduler.get_request(request_id)
+            if request is None or request.is_finished:
+                finished.append(request_id)
+                self._known_ids.discard(request_id)
+                self._draft_seeds.pop(request_id, None)
+                self._supports.pop(request_id, None)
+        return finished
+
+    # -- counters --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """EngineClient.stats() keys: acceptance by draft position (cumulative)."""
+        return {"spec_draft_by_position": list(self.draft_by_position),
+                "spec_accepted_by_position": list(self.accepted_by_position)}
+
+
+def draft_block_size(model_dir: str) -> int | None:
+    """`dspark_block_size` from the model's config.json, read raw (no torch); None: no drafter."""
+    import json
+    from pathlib import Path
+
+    with open(Path(model_dir) / "config.json", encoding="utf-8") as handle:
+        value = json.load(handle).get("dspark_block_size")
+    return int(value) if value else None
+
+
+class DraftClient:
+    """The router's socket to the draft worker: `propose` for DraftCoordinator."""
+
+    def __init__(self, endpoint: str, context: Any, timeout_s: float, security: Any = None) -> None:
+        from common.wire.codec import TORCH_FREE_MESSAGES
+        from common.wire.transport import AsyncClient
+
+        self.timeout_s = timeout_s
+        self.client = AsyncClient(endpoint, context=context, accept=TORCH_FREE_MESSAGES,
+                                  default_timeout_s=timeout_s, security=security)
+
+    async def propose(self, request: DraftRequest) -> Any:
+        return await self.client.request(request, timeout_s=self.timeout_s)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def coordinator_for(deployment: Any, supervisor: Any, context: Any, security: Any = None
+                    ) -> tuple[DraftCoordinator, DraftClient] | None:
+    """The coordinator and its client when the deployment runs a draft worker, else None."""
+    from common.runtime.deployment import derive_endpoints
+
+    if not deployment.draft.enabled:
+        return None
+    block_size = draft_block_size(deployment.model.path)
+    if block_size is None:
+        log.warning("router.drafter_unusable", reason="the model has no dspark_block_size")
+        return None
+    config = DraftConfig(draft_name=deployment.draft.name, max_draft_tokens=block_size,
+                         timeout_s=max(5.0, deployment.timeouts.step_s))
+    client = DraftClient(derive_endpoints(deployment).draft, context, config.timeout_s, security)
+    log.info("router.speculation_on", draft=deployment.draft.name, max_draft_tokens=block_size)
+    return DraftCoordinator(config, client.propose, supervisor), client

@@ -1,0 +1,122 @@
+"""The gateway's status page: `GET /` (HTML that refreshes itself) and `GET /status.json`.
+
+`/status.json` is one snapshot, built from what the router already has, torch-free:
+- `health`: `engine.health()` (ok + one status per service, the same truth as `/health`);
+- `engine`: `engine.stats()` (running and queued requests, KV blocks used / total per tier);
+- `throughput`: generated tokens per second over the last `window_s`, from the gateway's
+  Prometheus counter, sampled on every snapshot; speculative acceptance from its counters;
+- `services`: per worker as the supervisor saw it (role, pid, device, state, seconds since
+  its last message), when the router wires a supervisor in (`StatusSources`);
+- `load_progress`: each service's model-loading progress file (`common.runtime.load_progress`);
+- `placement`: experts per (worker, layer) from the deployment's placement, and
+  `layer_heat`: routed-token counts per (layer, expert) when a routing-statistics file exists.
+
+The HTML page is static and fetches `/status.json` every two seconds; it has no third-party
+assets, so it renders offline (and in a headless browser in the tests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from common.runtime.load_progress import read_progress
+
+
+@dataclass(frozen=True)
+class StatusSources:
+    """What the router adds beyond the engine: set as `app.state.status_sources`.
+    placement: {worker name: {layer: [expert ids]}}; layer_heat: [[count per expert] per layer]."""
+
+    supervisor: Any = None  # common.runtime.supervisor.Supervisor
+    progress_dir: str | None = None
+    placement: dict[str, dict[int, list[int]]] = field(default_factory=dict)
+    layer_heat: list[list[int]] | None = None
+
+
+class _Rates:
+    """Tokens/s from a monotonically increasing counter, over a sliding window."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        self.window_s = window_s
+        self.samples: deque[tuple[float, float]] = deque()
+
+    def add(self, value: float) -> float | None:
+        now_s = time.monotonic()
+        self.samples.append((now_s, value))
+        while len(self.samples) > 2 and now_s - self.samples[0][0] > self.window_s:
+            self.samples.popleft()
+        first_s, first_value = self.samples[0]
+        return None if now_s - first_s < 1e-3 else (value - first_value) / (now_s - first_s)
+
+
+def _counter(metrics: Any, name: str) -> float:
+    value = metrics.registry.get_sample_value(name) if metrics is not None else None
+    return float(value or 0.0)
+
+
+def status_snapshot(engine: Any, metrics: Any, sources: StatusSources, rates: _Rates) -> dict:
+    report = engine.health()
+    generated = _counter(metrics, "moemesh_generation_tokens_total")
+    drafted = _counter(metrics, "moemesh_spec_draft_tokens_total")
+    accepted = _counter(metrics, "moemesh_spec_accepted_tokens_total")
+    snapshot = {
+        "time_unix_s": time.time(),
+        "health": {"ok": report.ok, "services": dict(report.services)},
+        "engine": engine.stats(),
+        "throughput": {"generated_tokens": generated, "tokens_per_s": rates.add(generated),
+                       "window_s": rates.window_s,
+                       "spec_acceptance": accepted / drafted if drafted else None},
+        "services": _services(sources.supervisor),
+        "load_progress": read_progress(sources.progress_dir) if sources.progress_dir else [],
+        "placement": {name: {str(layer): experts for layer, experts in layers.items()}
+                      for name, layers in sources.placement.items()},
+        "layer_heat": sources.layer_heat,
+    }
+    return snapshot
+
+
+def _services(supervisor: Any) -> list[dict]:
+    if supervisor is None:
+        return []
+    now_s = time.monotonic()
+    rows = []
+    for name in sorted(set(supervisor.ready) | set(supervisor.heartbeats)):
+        ready = supervisor.ready.get(name)
+        beat = supervisor.heartbeats.get(name)
+        seen_s = supervisor.last_seen_s.get(name)
+        rows.append({
+            "name": name,
+            "role": str(ready.role) if ready is not None else (str(beat.role) if beat is not None else None),
+            "pid": ready.pid if ready is not None else None,
+            "device": ready.device if ready is not None else None,
+            "state": str(beat.state) if beat is not None else ("ready" if ready is not None else "unknown"),
+            "num_inflight": beat.num_inflight if beat is not None else 0,
+            "silence_s": None if seen_s is None else round(now_s - seen_s, 2),
+        })
+    return rows
+
+
+def status_routes(engine: Any, metrics: Any) -> list[Route]:
+    """`/` and `/status.json`; the sources come from `request.app.state.status_sources`."""
+    rates = _Rates()
+
+    async def status_json(request: Request) -> Response:
+        sources = getattr(request.app.state, "status_sources", None) or StatusSources()
+        return JSONResponse(status_snapshot(engine, metrics, sources, rates))
+
+    async def status_html(_: Request) -> Response:
+        return HTMLResponse(_page_html())
+
+    return [Route("/", status_html, methods=["GET"]), Route("/status.json", status_json, methods=["GET"])]
+
+
+def _page_html() -> str:
+    return (Path(__file__).with_name("status_page.html")).read_text(encoding="utf-8")

@@ -1,0 +1,205 @@
+"""Fault recovery with real processes: router, attention worker and two expert workers started
+from one deployment file (the test plays supervisor). An expert worker is SIGKILLed while a
+streamed completion is generating and restarted; the attention worker rolls the step back and
+retries it on the restarted worker, so the stream completes with the reference tokens (or,
+should the budget run out, ends with finish_reason "error"); nothing hangs, `/health` says 503
+while the worker is gone and 200 afterwards, and later requests match the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.commands.serve_config import ServeLayout, deployment_table, render_toml
+from common.commands.serve_processes import start_service, stop_services, wait_until
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = REPO_ROOT / "models" / "kjv-dsv4-mini"
+EOS_ID = 1
+PROMPT = "And God said, Let there be light: and there was light."
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not (TOKENIZER_DIR / "tokenizer.json").exists(), reason="KJV tokenizer missing"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from tokenizers import Tokenizer
+
+    from common.checkpoint.tiny import tiny_config
+    from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+
+    vocab_size = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    config = tiny_config(vocab_size=vocab_size, eos_token_id=EOS_ID)
+    state = random_hub_state_dict(config, seed=4321)
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "kjv-tiny", config, state, tokenizer_dir=TOKENIZER_DIR)
+
+
+def _reference_text(checkpoint: Path, prompt: str, max_tokens: int) -> str:
+    from tokenizers import Tokenizer
+
+    from common.commands.generate import _load_model
+    from common.model.generate import GenerationConfig, generate_batch
+    from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
+
+    model, _ = _load_model(str(checkpoint), "float32", "cpu")
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    token_ids = generate_batch(model, [prompt_ids], GenerationConfig(max_new_tokens=max_tokens,
+                                                                     stop_token_ids=(EOS_ID,)))[0]
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True, token_bytes=TokenBytes(tokenizer))
+    return detokenizer.add(token_ids) + detokenizer.finish()
+
+
+class Cluster:
+    def __init__(self, checkpoint: Path, run_dir: Path) -> None:
+        from common.commands.serve import _write_placement
+
+        self.run_dir = run_dir
+        self.log_dir = run_dir / "logs"
+        port = _free_port()
+        self.base_url = f"http://127.0.0.1:{port}"
+        layout = ServeLayout(model_path=str(checkpoint), run_dir=str(run_dir), log_dir=str(self.log_dir), port=port,
+                             num_expert_workers=2,
+                             placement_path=_write_placement(checkpoint, run_dir, 2, ("cpu",)))
+        table = deployment_table(layout)
+        table["timeouts"] = {"dispatch_s": 1.5, "step_s": 40.0, "heartbeat_interval_s": 0.25}
+        self.config_path = run_dir / "deployment.toml"
+        self.config_path.write_text(render_toml(table), encoding="utf-8")
+        self.services = {}
+        for role, name in (("router", "router"), ("attention", "attention-0"), ("expert", "expert-0"),
+                           ("expert", "expert-1")):
+            self.services[name] = start_service(role, name, self.config_path, self.log_dir)
+
+    def health(self) -> tuple[int, dict]:
+        try:
+            reply = httpx.get(f"{self.base_url}/health", timeout=5)
+        except httpx.HTTPError:
+            return 0, {}
+        return reply.status_code, reply.json()
+
+    def wait_healthy(self, timeout_s: float) -> bool:
+        return wait_until(lambda: self.health()[0] == 200, timeout_s, poll_s=0.2)
+
+    def restart(self, name: str) -> None:
+        self.services[name] = start_service("expert", name, self.config_path, self.log_dir)
+
+    def stop(self) -> None:
+        order = ["router", "attention-0", "expert-0", "expert-1"]
+        stop_services([self.services[name] for name in order], drain_s=10)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {path.name}\n{path.read_text(errors='replace')[-2500:]}"
+                         for path in sorted(self.log_dir.glob("*.stderr")))
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint, tmp_path_factory):
+    cluster = Cluster(checkpoint, tmp_path_factory.mktemp("run"))
+    try:
+        if not cluster.wait_healthy(180):
+            pytest.fail(f"cluster not healthy: {cluster.health()}\n{cluster.logs()}")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _complete(cluster: Cluster, prompt: str, max_tokens: int) -> httpx.Response:
+    return httpx.post(f"{cluster.base_url}/v1/completions", timeout=120, json={
+        "model": "kjv-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def test_status_json_and_page_show_the_running_system(cluster):
+    status = httpx.get(f"{cluster.base_url}/status.json", timeout=10).json()
+    assert status["health"]["ok"] is True
+    assert set(status["health"]["services"]) == {"attention-0", "expert-0", "expert-1"}
+    assert status["engine"]["kv_blocks_total"]["gpu"] > 0
+    names = {service["name"] for service in status["services"]}
+    assert names == {"attention-0", "expert-0", "expert-1"}
+    progress = {entry["name"]: entry for entry in status["load_progress"]}
+    assert progress["expert-0"]["done"] and progress["expert-0"]["num_tensors"] > 0
+    assert progress["attention-0"]["num_bytes"] > 0
+    page = httpx.get(f"{cluster.base_url}/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "moemesh" in page.text and "/status.json" in page.text
+
+
+@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="no /usr/bin/chromium")
+def test_status_page_renders_in_headless_chromium(cluster, tmp_path):
+    import subprocess
+
+    screenshot = tmp_path / "status.png"
+    subprocess.run(["/usr/bin/chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=4000",
+                    f"--screenshot={screenshot}", "--window-size=1200,900", f"{cluster.base_url}/"],
+                   check=True, timeout=60, capture_output=True)
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    dom = subprocess.run(["/usr/bin/chromium", "--headless", "--no-sandbox", "--disable-gpu",
+                          "--virtual-time-budget=4000", "--dump-dom", f"{cluster.base_url}/"],
+                         check=True, timeout=60, capture_output=True, text=True).stdout
+    assert "healthy" in dom and "expert-1" in dom  # the script fetched /status.json and rendered it
+
+
+def test_expert_killed_mid_stream_is_recovered(cluster, checkpoint):
+    max_tokens = 48
+    expected = _reference_text(checkpoint, PROMPT, max_tokens)
+    statuses: list[tuple[float, int]] = []
+    stop_polling = threading.Event()
+
+    def poll_health():
+        while not stop_polling.is_set():
+            statuses.append((time.monotonic(), cluster.health()[0]))
+            time.sleep(0.2)
+
+    poller = threading.Thread(target=poll_health, daemon=True)
+    poller.start()
+    pieces, finish_reason = [], None
+    killed_at = None
+    body = {"model": "kjv-tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{cluster.base_url}/v1/completions", json=body, timeout=120) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            pieces.append(choice["text"])
+            finish_reason = choice.get("finish_reason") or finish_reason
+            if killed_at is None and len(pieces) == 3:
+                os.kill(cluster.services["expert-1"].process.pid, signal.SIGKILL)
+                cluster.services["expert-1"].process.wait(10)
+                killed_at = time.monotonic()
+                time.sleep(4.0)  # long enough for the heartbeat silence to show in /health
+                cluster.restart("expert-1")
+    assert killed_at is not None, "the stream ended before the kill"
+    assert cluster.wait_healthy(60), cluster.logs()
+    stop_polling.set()
+    poller.join(5)
+    print(f"recovery outcome: finish_reason={finish_reason}")
+    assert finish_reason in ("length", "stop", "error")
+    if finish_reason != "error":  # recovered: the very tokens of the reference
+        assert "".join(pieces) == expected
+    assert any(code == 503 for at, code in statuses if at > killed_at), "health never showed the dead worker"
+    assert statuses[-1][1] == 200
+    attention_log = (cluster.log_dir / "attention-0.log").read_text()
+    assert "attention.step_lost_expert" in attention_log
+    assert finish_reason == "error" or "attention.step_recovered" in attention_log
+
+    later = _complete(cluster, PROMPT, 16)  # later requests succeed, with the reference output
+    assert later.status_code == 200, later.text
+    assert later.json()["choices"][0]["text"] == _reference_text(checkpoint, PROMPT, 16)

@@ -1,0 +1,127 @@
+"""Unit pieces of the operations work: step recovery on real slots and states, load-progress
+files, the status snapshot, and the benchmark plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common.checkpoint.tiny import tiny_config
+from common.model.state import SequenceState
+from common.runtime.load_progress import LoadProgress, read_progress
+from common.wire.errors import ReplyTimeout
+from common.wire.messages import ScheduledSequence, SequenceResult, StepPlan, StepResult
+from services.attention.recovery import RecoveryConfig, StepRecovery, rollback_state
+from bench.plots import numeric_leaves
+
+
+def _advance_stores(state: SequenceState, layers: int, num_tokens: int) -> None:
+    """Advance the stores of the first `layers` layers as a forward that died mid-way would."""
+    for layer in state.layers[:layers]:
+        layer.window.append(torch.zeros(num_tokens, layer.window._rows.shape[1]))
+        for store in (layer.compressor, layer.indexer):
+            if store is not None:
+                width = store._kv.shape[1]
+                store.append_inputs(torch.zeros(num_tokens, width), torch.zeros(num_tokens, width))
+
+
+def test_rollback_state_undoes_a_half_done_forward():
+    config = tiny_config()
+    state = SequenceState(config)
+    _advance_stores(state, len(state.layers), 5)
+    state.advance(5)
+    _advance_stores(state, 2, 1)  # a decode step that died after two layers
+    rollback_state(state, 5)
+    assert state.num_tokens == 5
+    assert all(store.num_tokens == 5 for layer in state.layers for store in layer.stores())
+    _advance_stores(state, len(state.layers), 1)  # the retry then runs every layer
+    state.advance(1)
+    assert state.num_tokens == 6
+
+
+class _FakeSlots:
+    """Stands in for the SlotTable (the plans here only start sequences at position 0)."""
+
+    def __init__(self) -> None:
+        self.slots: dict = {}
+
+    def free(self, seq_slots):
+        for seq_slot in seq_slots:
+            self.slots.pop(seq_slot, None)
+
+
+def _plan() -> StepPlan:
+    return StepPlan(step_id=7, sequences=(ScheduledSequence(request_id="a", seq_slot=0, start_position=0,
+                                                            token_ids=(5, 6), block_ids=(), do_sample=True),))
+
+
+def test_recovery_retries_after_the_expert_answers_again():
+    calls = []
+
+    def compute(plan):
+        calls.append(plan.step_id)
+        if len(calls) == 1:
+            raise ReplyTimeout("ipc://x", "dispatch", 0.1)
+        return StepResult(plan.step_id, (SequenceResult("a", (9,)),)), None
+
+    forgotten = []
+    recovery = StepRecovery(RecoveryConfig(max_attempts=3, budget_s=5), _FakeSlots(), compute,
+                            lambda: forgotten.append(True), lambda: True)
+    result = recovery.run(_plan())
+    assert result.sequences == (SequenceResult("a", (9,)),)
+    assert calls == [7, 7] and forgotten == [True] and recovery.num_recovered_steps == 1
+
+
+def test_recovery_gives_up_within_its_budget_with_a_clear_error():
+    def compute(plan):
+        raise ReplyTimeout("ipc://x", "dispatch", 0.1)
+
+    import time
+
+    recovery = StepRecovery(RecoveryConfig(max_attempts=5, budget_s=0.5, probe_interval_s=0.05),
+                            _FakeSlots(), compute, lambda: None, lambda: False)
+    started = time.monotonic()
+    result = recovery.run(_plan())
+    assert time.monotonic() - started < 2.0
+    (only,) = result.sequences
+    assert only.request_id == "a" and only.token_ids == () and "expert worker unavailable" in only.error
+    assert recovery.num_failed_steps == 1
+
+
+def test_load_progress_is_logged_and_written(tmp_path):
+    progress = LoadProgress("expert-0", "expert", tmp_path, min_interval_s=0.0)
+    progress(1024, 3)
+    (record,) = read_progress(tmp_path)
+    assert record["num_bytes"] == 1024 and record["num_tensors"] == 3 and not record["done"]
+    progress.finish()
+    assert read_progress(tmp_path)[0]["done"] is True
+    (tmp_path / "broken.json").write_text("{not json")
+    assert [r["name"] for r in read_progress(tmp_path)] == ["expert-0"]
+
+
+def test_numeric_leaves_of_a_bench_result():
+    result = {"date": "2026", "device": "cpu", "ok": True, "decode": {"b1": {"step_ms": 2.5}, "sizes": [1, 8]}}
+    assert list(numeric_leaves(result)) == [("decode.b1.step_ms", 2.5), ("decode.sizes[0]", 1.0),
+                                            ("decode.sizes[1]", 8.0)]
+
+
+def test_plots_render_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench.plots import render_all
+
+    (tmp_path / "serve-1.json").write_text(json.dumps({"ttft_ms": {"mean": 12.0, "p99": 30.0}}))
+    (written,) = render_all(tmp_path)
+    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_progress_bar_reads_the_progress_files(tmp_path):
+    from common.commands.serve_processes import load_progress_bar
+    from common.runtime.load_progress import progress_dir_for
+
+    LoadProgress("expert-0", "expert", progress_dir_for(tmp_path), min_interval_s=0.0)(3 * 2**20, 4)
+    done = LoadProgress("attention-0", "attention", progress_dir_for(tmp_path))
+    done.finish()
+    line = load_progress_bar(tmp_path, ["attention-0", "expert-0", "expert-1"], width=4)
+    assert line == "attention-0 [####] 0.0 MiB ready  expert-0 [....] 3.0 MiB  expert-1 [....] starting"
