@@ -20,6 +20,11 @@ as the receive side raises ReplyTimeout: the step fails, the worker does not han
 
 With CURVE keys in the deployment, each socket is made a CURVE client of its expert worker
 (`SocketSecurity.secure_client`) before it connects.
+
+A channel dropped without `close()` closes its sockets when it is collected (a weakref
+finalizer, which runs before any garbage Context's __del__): otherwise a worker caught in a
+reference cycle would have its Context terminated by the cycle collector while the sockets are
+still open, and `Context.term()` would block forever inside the collector.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -78,8 +84,9 @@ class ExpertChannel:
                     security.secure_client(socket, endpoint)
                 socket.connect(endpoint)
         except BaseException:
-            self.close()  # an open socket would block context.term()
+            _close_sockets(self.sockets)  # an open socket would block context.term()
             raise
+        self._finalizer = weakref.finalize(self, _close_sockets, self.sockets)
         self.staging = SendStagingPool(staging) if staging is not None else None
         self._ids = itertools.count(1)
         self._in_flight: dict[int, Any] = {}  # correlation id -> message whose own tensors are on the wire, or None
@@ -141,5 +148,9 @@ class ExpertChannel:
             self._in_flight.pop(correlation_id, None)
 
     def close(self) -> None:
-        for socket in self.sockets:
-            socket.close(linger=0)
+        self._finalizer()  # idempotent
+
+
+def _close_sockets(sockets: list[zmq.Socket]) -> None:
+    for socket in sockets:
+        socket.close(linger=0)
