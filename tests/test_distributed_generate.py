@@ -8,6 +8,8 @@ attention worker (so that they can look at logits, overlap counters and KV pool 
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 
 import pytest
@@ -68,6 +70,18 @@ def expert_processes(checkpoint, tmp_path_factory):
     assert cluster.exit_codes == {name: 0 for name in cluster.expert_names}
 
 
+_OPEN_WORKERS: list[AttentionWorker] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_attention_workers():
+    """Close every in-process attention worker a test built: their ZeroMQ contexts must not be
+    left to the garbage collector, which would terminate them with sockets still open."""
+    yield
+    while _OPEN_WORKERS:
+        asyncio.run(_OPEN_WORKERS.pop().close())
+
+
 def _attention(checkpoint, cluster, placement_builder, **options) -> AttentionWorker:
     path, config = checkpoint
     placement = placement_builder(cluster.expert_names, ["cpu"] * 3, config.num_hidden_layers,
@@ -78,6 +92,7 @@ def _attention(checkpoint, cluster, placement_builder, **options) -> AttentionWo
         expert_endpoints=tuple(cluster.endpoint_of(n) for n in cluster.expert_names), expert_workers=holdings,
         dispatch_timeout_s=30.0, **options))
     worker.load_now()
+    _OPEN_WORKERS.append(worker)
     return worker
 
 
