@@ -95,6 +95,8 @@ def sample_messages() -> list[Any]:
                           num_weight_bytes=10**10, memory_used_bytes=10**9, memory_total_bytes=None),
         m.MemoryReport(name="attention-0", device="cuda:0", memory_used_bytes=5, memory_total_bytes=10,
                        num_gpu_blocks=100, num_cpu_blocks=400),
+        m.SwitchPlacement(placement_version=4, workers=(
+            m.PlacementWorker(name="expert-1", endpoint="tcp://10.0.0.2:7001", experts=experts, replicas=experts[:1]),)),
         m.WriteRoutingStats(path="/var/lib/moemesh/stats.csv"),
         m.RoutingStatsWritten(paths=("/tmp/stats.csv", "/tmp/stats.decode.csv"), summary=m.RoutingSummary(
             num_steps=9, layers=(m.LayerRoutingSkew(layer=2, phase=m.RoutingPhase.DECODE, num_activations=60,

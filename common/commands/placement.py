@@ -5,7 +5,9 @@
         [--replicate-hot N] [--policy hottest|balanced] [--out placement.toml]
     moemesh placement show placement.toml [--preset v4-flash]
 
-(`apply`, loading a placement into running workers, is not built yet.) Pure Python: no torch.
+    moemesh placement apply placement.toml --url http://router:8000   (common/commands/placement_apply.py)
+
+Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     show.add_argument("file", help="placement TOML")
     _add_model_arguments(show, required=False)
     show.add_argument("--layers", action="store_true", help="also list each worker's experts per layer")
+    from common.commands.placement_apply import add_apply_arguments
+
+    add_apply_arguments(sub)
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -67,9 +72,13 @@ def run(args: argparse.Namespace) -> int:
 
     action = getattr(args, "placement_command", None)
     if action is None:
-        print("usage: moemesh placement {plan,show} ... (apply is not built yet)", file=sys.stderr)
+        print("usage: moemesh placement {plan,show,apply} ...", file=sys.stderr)
         return 2
     try:
+        if action == "apply":
+            from common.commands.placement_apply import run_apply
+
+            return run_apply(args)
         return _plan(args) if action == "plan" else _show(args)
     except (ConfigError, DeviceSpecError, PlacementError, PlacementInfeasible, StatsError, OSError,
             ValueError) as error:

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
             drafter = _DrafterWatch(start_service("draft", DRAFT_NAME, config_path, log_dir, extra_args=(
                 "--speculation", speculation.mode.value, "--spec-width", str(speculation.width))))
         base_url = f"http://{args.host}:{args.port}"
-        outcome = _wait_ready(f"{base_url}/health", services, stop, args.ready_timeout, drafter)
+        outcome = _wait_ready(f"{base_url}/health", services, stop, args.ready_timeout, drafter, run_dir)
         if outcome == "ready":
             print(f"moemesh serving {model_dir.name} at {base_url}/v1 (logs: {log_dir}; speculation "
                   f"{_speculation_text(speculation, drafter)})", flush=True)
@@ -169,10 +169,14 @@ def _write_placement(model_dir: Path, run_dir: Path, num_workers: int, devices: 
     return str(path)
 
 
-def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: float, drafter=None) -> str:
+def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: float, drafter=None,
+                run_dir: Path | None = None) -> str:
     """"ready", "stopped" or why not, after printing a progress line while waiting. With a
-    drafter, ready also waits for it to come up, unless it exits (then serving goes on without it)."""
-    from common.commands.serve_processes import first_exited
+    drafter, ready also waits for it to come up, unless it exits (then serving goes on without it).
+    With `run_dir`, the line also carries a load progress bar per worker (the router loads no weights)."""
+    from common.commands.serve_processes import first_exited, load_progress_bar
+
+    loading_names = [service.name for service in services if service.name != "router"]
 
     start_s = time.monotonic()
     last_line = ""
@@ -195,6 +199,8 @@ def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: floa
             print(file=sys.stderr)
             return f"not ready after {timeout_s:.0f}s: {statuses}"
         line = _progress(statuses, elapsed_s)
+        if run_dir is not None:
+            line = line.rstrip() + "  " + load_progress_bar(run_dir, loading_names) + " " * 8
         if line != last_line:
             print(line, end="", file=sys.stderr, flush=True)
             last_line = line

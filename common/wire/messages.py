@@ -481,6 +481,28 @@ class RoutingStatsWritten:
     summary: RoutingSummary
 
 
+@dataclass(frozen=True)
+class PlacementWorker:
+    """One expert worker of a placement: where it listens and which pairs it serves."""
+
+    name: str
+    endpoint: str
+    experts: tuple[ExpertKey, ...]
+    replicas: tuple[ExpertKey, ...] = ()
+
+
+@dataclass(frozen=True)
+class SwitchPlacement:
+    """Router -> attention worker: dispatch by this placement from the next step on (live
+    placement changes). Sent only after every worker holds its pairs; the attention worker
+    applies it between two steps (its loop handles one message at a time) and answers Ack, or
+    ErrorReply when a pair has no owner (the old placement then stays)."""
+
+    TYPE: ClassVar[str] = "switch_placement"
+    placement_version: int
+    workers: tuple[PlacementWorker, ...]
+
+
 CONTROL_MESSAGES: tuple[type, ...] = (
     Register, Ready, Heartbeat, Drain, Shutdown, Ping, Pong, Ack, ErrorReply,
     StepPlan, StepResult, DraftRequest, DraftTokens,
@@ -488,6 +510,7 @@ CONTROL_MESSAGES: tuple[type, ...] = (
 DATA_MESSAGES: tuple[type, ...] = (Dispatch, Combine, TargetFeatures)
 ADMIN_MESSAGES: tuple[type, ...] = (
     LoadExperts, DropExperts, QueryInventory, ExpertInventory, MemoryReport, WriteRoutingStats, RoutingStatsWritten,
+    SwitchPlacement,
 )
 ALL_MESSAGES: tuple[type, ...] = CONTROL_MESSAGES + DATA_MESSAGES + ADMIN_MESSAGES
 

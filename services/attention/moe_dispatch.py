@@ -14,7 +14,8 @@ Received outputs go to the attention device through a `RecvStagingRing`: on a CU
 lands in a pinned slot and is copied up asynchronously (the slot is reused only after its copy
 finished); on the CPU the received frame is used as it is. An output larger than a slot (rare:
 placement-invariant prefill beyond the slot size) is copied up synchronously instead.
-Legend: T tokens, K top-k slots, D hidden, W expert workers, L layers, E routed experts.
+Replicas: with R owner tables (see `set_owner_tables`) each `start` uses the next one in turn.
+Legend: T tokens, K top-k slots, D hidden, W expert workers, L layers, E routed experts, R tables.
 """
 
 from __future__ import annotations
@@ -59,17 +60,28 @@ class MoEDispatcher:
     def __init__(self, channel: ExpertChannel, owner_table: list[list[int]], *, placement_invariant: bool,
                  device: torch.device, num_recv_slots: int = 4, recv_slot_bytes: int = 32 << 20) -> None:
         self.channel = channel
-        self.owner = torch.tensor(owner_table, dtype=torch.long, device=device)  # [L, E] worker index
+        self.device = device
+        self.set_owner_tables([owner_table])
         self.placement_invariant = placement_invariant
         self.recv_ring = RecvStagingRing(str(device), num_slots=num_recv_slots, slot_bytes=recv_slot_bytes)
         self.recv_slot_bytes = recv_slot_bytes
         self.num_unstaged_receives = 0
         self._dispatch_ids = 0
 
+    def set_owner_tables(self, owner_tables: list[list[list[int]]]) -> None:
+        """Replace the routing table (between steps only: nothing may be in flight). R >= 1 tables
+        [L, E]; with replicas they differ in the pairs held twice, and successive `start` calls
+        take them in turn (round robin), so replicas share an expert's load."""
+        self.owners = torch.tensor(owner_tables, dtype=torch.long, device=self.device)  # [R, L, E] worker index
+        self.owner = self.owners[0]  # [L, E] the primary table
+        self._turn = 0
+
     def start(self, step_id: int, micro_batch: int, layer: int, x: torch.Tensor, ids: torch.Tensor,
               weights: torch.Tensor) -> PendingMoE:
         """x [T, D], ids [T, K], weights [T, K] -> a ticket; every Dispatch is sent before returning."""
-        owner = self.owner[layer][ids]  # [T, K]
+        table = self.owners[self._turn % self.owners.shape[0]]  # [L, E]
+        self._turn += 1
+        owner = table[layer][ids]  # [T, K]
         workers = torch.unique(owner).tolist()  # ascending; one host sync per layer and micro-batch
         sent = []
         for worker_index in workers:

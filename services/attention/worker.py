@@ -29,8 +29,8 @@ import torch
 
 from common.runtime.service import Service
 from common.wire.messages import (
-    ErrorCode, ErrorReply, RoutingStatsWritten, ScheduledSequence, SequenceResult, StepPlan, StepResult, TokenLogprobs,
-    WriteRoutingStats,
+    ErrorCode, ErrorReply, RoutingStatsWritten, ScheduledSequence, SequenceResult, StepPlan, StepResult,
+    SwitchPlacement, TokenLogprobs, WriteRoutingStats,
 )
 from services.attention.kv_config import KVPoolConfig
 from services.attention.recovery import RecoveryConfig, build_step_recovery
@@ -75,7 +75,7 @@ class _Work:
 
 
 class AttentionWorker(Service):
-    accepts = (StepPlan, WriteRoutingStats)
+    accepts = (StepPlan, WriteRoutingStats, SwitchPlacement)
 
     def __init__(self, config: AttentionWorkerConfig) -> None:
         self.config = config
@@ -130,6 +130,10 @@ class AttentionWorker(Service):
                 return self.step(message)
             case WriteRoutingStats(path=path):
                 return self.write_routing_stats(path or None)
+            case SwitchPlacement():  # between two steps: a StepPlan runs within one handle()
+                from services.attention.placement_switch import apply_switch
+
+                return apply_switch(self, message)
         return ErrorReply(code=ErrorCode.UNEXPECTED, message=f"{type(message).TYPE} not handled")
 
     def write_routing_stats(self, path: str | None = None) -> RoutingStatsWritten | ErrorReply:

@@ -32,7 +32,9 @@ def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
 
 
-def build_app(config: GatewayConfig, engine: EngineClient, tokenizer: Tokenizer) -> Starlette:
+def build_app(config: GatewayConfig, engine: EngineClient, tokenizer: Tokenizer,
+              placement_route: Route | None = None) -> Starlette:
+    """placement_route: `POST /v1/admin/placement` (services.router.placement_admin), or None."""
     metrics = RouterMetrics(engine.stats)
     gateway = Gateway(config, engine, tokenizer, metrics)
     created = int(time.time())
@@ -69,6 +71,8 @@ def build_app(config: GatewayConfig, engine: EngineClient, tokenizer: Tokenizer)
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
         *status_routes(engine, metrics),  # `/` and `/status.json` (status_page.py)
     ]
+    if placement_route is not None:
+        routes.append(placement_route)  # guarded by the API key middleware like every non-open path
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     app.state.gateway = gateway
     app.state.metrics = metrics

@@ -123,6 +123,28 @@ def main(deployment: Deployment, name: str | None = None, log_level: str = "info
     return uvloop.run(serve_router(deployment, configs, tokenizer, settings.graceful_shutdown_s))
 
 
+def _placement_route(deployment: Deployment, security):
+    """`POST /v1/admin/placement`: load on new owners, switch every attention worker between two
+    steps, drop (services.router.placement_admin). Its blocking clients run in a worker thread."""
+    import zmq
+
+    from common.wire.transport import SyncClient
+    from services.router.placement_admin import PlacementAdmin, placement_route
+
+    endpoints = derive_endpoints(deployment)
+    context = zmq.Context()
+    expert_clients: dict[tuple[str, str], SyncClient] = {}
+
+    def expert_client(name: str, endpoint: str) -> SyncClient:
+        if (name, endpoint) not in expert_clients:
+            expert_clients[(name, endpoint)] = SyncClient(endpoint, context=context, security=security)
+        return expert_clients[(name, endpoint)]
+
+    attention_clients = [SyncClient(endpoint, context=context, security=security)
+                         for endpoint in endpoints.attention.values()]
+    return placement_route(PlacementAdmin(expert_client, attention_clients), dict(endpoints.expert))
+
+
 def _install_api_keys(app, deployment: Deployment) -> None:
     """Bearer auth at the gateway when `--api-key` / `[security] api_key_file` gives keys."""
     from common.security.api_keys import api_keys_from_config
@@ -181,7 +203,7 @@ async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer
     engine = Engine(configs.engine, Scheduler(configs.scheduler), supervisor=supervisor, context=context,
                     security=security, drafts=speculation[0] if speculation else None)
     await engine.start()
-    app = build_app(configs.gateway, engine, tokenizer)
+    app = build_app(configs.gateway, engine, tokenizer, placement_route=_placement_route(deployment, security))
     app.state.status_sources = _status_sources(deployment, supervisor)
     _install_api_keys(app, deployment)
     server = _RouterServer(uvicorn.Config(app, host=configs.host, port=configs.port, log_level="warning",

@@ -1,0 +1,322 @@
+"""Soak benchmark: a long run of concurrent streams with random client aborts and periodic
+restarts of one expert worker, on the default model.
+
+    python -m bench.soak [--minutes 20] [--concurrency 8] [--restart-interval-s 120] [--abort-probability 0.2]
+
+The services are the ones `moemesh serve` runs, from the deployment file it writes
+(`ServeLayout` → `write_deployment`) and started with its own `start_service` (the same command
+line `python -m common.cli <role> --config FILE --name NAME`, the drafter included when the
+checkpoint has one). The soak plays supervisor instead of running `moemesh serve` itself because
+serve stops every service as soon as one exits, and this benchmark's point is a SIGKILLed expert
+worker started again with the same command while the rest keeps serving (what systemd or
+supervisord do in production).
+
+Reported (JSON through `bench.results_io.write_result`, name "soak"): requests completed, failed
+(HTTP error, finish_reason "error", transport error) and aborted by the client; restarts done;
+KV blocks still in use per tier once the load stopped and the system went idle (from `/metrics`
+`moemesh_kv_blocks_used`; anything above 0 is a leak); RSS per service at the end of the warm-up
+and at the end, and its growth (for a restarted worker, since its last restart's warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO_ROOT / "models" / "kjv-dsv4-mini"
+PROMPTS = (
+    "In the beginning God",
+    "The LORD is my shepherd;",
+    "Blessed are the poor in spirit:",
+    "For God so loved the world,",
+    "Charity suffereth long, and is kind;",
+    "And God said, Let there be light:",
+    "Rejoice in the Lord alway:",
+    "In the beginning was the Word,",
+)
+_KV_USED = re.compile(r'^moemesh_kv_blocks_used\{tier="(\w+)"\}\s+([0-9.eE+-]+)$', re.MULTILINE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=20.0, help="load duration (default 20)")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory (default: the embedded model)")
+    parser.add_argument("--concurrency", type=int, default=8, help="concurrent client streams (default 8)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="upper bound of max_tokens per request")
+    parser.add_argument("--abort-probability", type=float, default=0.2,
+                        help="share of requests the client drops mid-stream (default 0.2)")
+    parser.add_argument("--restart-interval-s", type=float, default=120.0,
+                        help="SIGKILL and restart one expert worker this often (default 120; 0: never)")
+    parser.add_argument("--expert-workers", type=int, default=2, help="expert worker processes (default 2)")
+    parser.add_argument("--port", type=int, default=8417, help="HTTP port (default 8417)")
+    parser.add_argument("--warmup-s", type=float, default=30.0,
+                        help="seconds of load before the RSS baseline (also after each restart)")
+    parser.add_argument("--request-timeout-s", type=float, default=120.0, help="client bound per request")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", default=None, help="results directory (default bench/results)")
+    return parser
+
+
+@dataclass
+class Counts:
+    completed: int = 0
+    failed: int = 0
+    aborted: int = 0
+    completion_tokens: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+
+    def fail(self, why: str) -> None:
+        self.failed += 1
+        self.failures[why] = self.failures.get(why, 0) + 1
+
+
+def rss_bytes(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def kv_blocks_used(metrics_text: str) -> dict[str, int]:
+    return {tier: int(float(value)) for tier, value in _KV_USED.findall(metrics_text)}
+
+
+async def _one_request(client, base_url: str, rng: random.Random, args, counts: Counts) -> None:
+    max_tokens = rng.randint(8, args.max_tokens)
+    abort_after = rng.randint(1, max(1, max_tokens // 2)) if rng.random() < args.abort_probability else None
+    body = {"model": args.served_model, "prompt": rng.choice(PROMPTS), "max_tokens": max_tokens, "stream": True,
+            "temperature": rng.choice((0.0, 0.7, 1.0)), "seed": rng.randint(0, 2**31 - 1)}
+    num_chunks, finish_reason = 0, None
+    try:
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body,
+                                 timeout=args.request_timeout_s) as reply:
+            if reply.status_code != 200:
+                await reply.aread()
+                counts.fail(f"http_{reply.status_code}")
+                await asyncio.sleep(0.5)  # no hot loop of refused requests (e.g. 503 while a worker restarts)
+                return
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[len("data: "):])["choices"][0]
+                num_chunks += 1
+                finish_reason = choice.get("finish_reason") or finish_reason
+                if abort_after is not None and num_chunks >= abort_after and finish_reason is None:
+                    counts.aborted += 1  # leaving the block closes the connection: the server aborts
+                    return
+    except Exception as error:  # noqa: BLE001 - any transport failure is a failed request here
+        counts.fail(type(error).__name__)
+        await asyncio.sleep(0.5)
+        return
+    if finish_reason in ("length", "stop"):
+        counts.completed += 1
+        counts.completion_tokens += num_chunks
+    else:
+        counts.fail(f"finish_{finish_reason}")
+
+
+async def _client_loop(base_url: str, seed: int, deadline: float, args, counts: Counts) -> None:
+    import httpx
+
+    rng = random.Random(seed)
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            await _one_request(client, base_url, rng, args, counts)
+
+
+class Soak:
+    """Starts the services, runs the load, restarts an expert worker on schedule, samples RSS."""
+
+    def __init__(self, args) -> None:
+        from common.commands.serve import _write_placement
+        from common.commands.serve_config import DRAFT_NAME, ServeLayout, check_model_dir, draft_block_size, \
+            write_deployment
+        from services.draft.width import SpeculationConfig
+
+        self.args = args
+        model_dir = check_model_dir(args.model)
+        self.run_dir = Path(tempfile.mkdtemp(prefix="moemesh-soak-"))
+        self.log_dir = self.run_dir / "logs"
+        self.speculation = SpeculationConfig.for_model(None, None, draft_block_size(model_dir))
+        layout = ServeLayout(model_path=str(model_dir.resolve()), run_dir=str(self.run_dir), log_dir=str(self.log_dir),
+                             port=args.port, num_expert_workers=args.expert_workers,
+                             placement_path=_write_placement(model_dir, self.run_dir, args.expert_workers, ("cpu",)),
+                             with_drafter=self.speculation.enabled)
+        self.config_path, self.deployment = write_deployment(layout)
+        self.draft_name = DRAFT_NAME
+        self.base_url = f"http://127.0.0.1:{args.port}"
+        self.services: dict[str, object] = {}
+        self.restarted_at: dict[str, float] = {}
+        self.rss_samples: dict[str, list[tuple[float, int]]] = {}
+        self.num_restarts = 0
+
+    def _start(self, role: str, name: str) -> None:
+        from common.commands.serve_processes import start_service
+
+        extra = ()
+        if role == "draft":
+            extra = ("--speculation", self.speculation.mode.value, "--spec-width", str(self.speculation.width))
+        self.services[name] = start_service(role, name, self.config_path, self.log_dir, extra_args=extra)
+        self.restarted_at[name] = time.monotonic()
+
+    def start(self) -> None:
+        self._start("router", "router")
+        for worker in self.deployment.attention:
+            self._start("attention", worker.name)
+        for worker in self.deployment.expert:
+            self._start("expert", worker.name)
+        if self.speculation.enabled:
+            self._start("draft", self.draft_name)
+
+    def health(self) -> int | None:
+        import httpx
+
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=5).status_code
+        except httpx.HTTPError:
+            return None
+
+    def wait_healthy(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.health() == 200:
+                return True
+            time.sleep(0.5)
+        return False
+
+    def restart_expert(self, name: str) -> None:
+        service = self.services[name]
+        os.kill(service.process.pid, signal.SIGKILL)
+        service.process.wait(10)
+        print(f"soak: SIGKILLed {name}; starting it again", file=sys.stderr, flush=True)
+        self._start("expert", name)
+        self.num_restarts += 1
+
+    def sample_rss(self) -> None:
+        now = time.monotonic()
+        for name, service in self.services.items():
+            value = rss_bytes(service.process.pid)
+            if value is not None:
+                self.rss_samples.setdefault(name, []).append((now, value))
+
+    def rss_report(self) -> dict[str, dict]:
+        report = {}
+        for name, samples in self.rss_samples.items():
+            since = self.restarted_at[name] + self.args.warmup_s
+            window = [value for at, value in samples if at >= since]
+            if len(window) < 2:
+                report[name] = {"samples": len(window), "note": "too few samples after warm-up"}
+                continue
+            report[name] = {"rss_start_mib": round(window[0] / 2**20, 1), "rss_end_mib": round(window[-1] / 2**20, 1),
+                            "rss_growth_mib": round((window[-1] - window[0]) / 2**20, 1),
+                            "rss_max_mib": round(max(window) / 2**20, 1), "samples": len(window),
+                            "restarted": self.restarted_at[name] > self.started_at + 1}
+        return report
+
+    def stop(self) -> None:
+        from common.commands.serve_processes import stop_services
+
+        order = ["router", *(w.name for w in self.deployment.attention), *(w.name for w in self.deployment.expert)]
+        if self.speculation.enabled:
+            order.append(self.draft_name)
+        stop_services([self.services[name] for name in order if name in self.services], drain_s=30)
+
+    async def run_load(self) -> Counts:
+        counts = Counts()
+        self.started_at = time.monotonic()
+        deadline = self.started_at + self.args.minutes * 60
+        clients = [asyncio.create_task(_client_loop(self.base_url, self.args.seed * 1000 + index, deadline,
+                                                    self.args, counts))
+                   for index in range(self.args.concurrency)]
+        rng = random.Random(self.args.seed)
+        experts = [w.name for w in self.deployment.expert]
+        next_restart = (self.started_at + self.args.restart_interval_s) if self.args.restart_interval_s > 0 else None
+        last_report = last_sample = self.started_at
+        while time.monotonic() < deadline:
+            await asyncio.sleep(1.0)
+            if time.monotonic() - last_sample >= 5:
+                last_sample = time.monotonic()
+                self.sample_rss()
+            if next_restart is not None and time.monotonic() >= next_restart:
+                # On this (main) thread, not a pool thread: the services die with the thread that
+                # forked them (PR_SET_PDEATHSIG), and pool threads exit when asyncio.run ends.
+                self.restart_expert(rng.choice(experts))
+                next_restart += self.args.restart_interval_s
+            if time.monotonic() - last_report >= 30:
+                last_report = time.monotonic()
+                print(f"soak: {last_report - self.started_at:.0f} s completed={counts.completed} "
+                      f"failed={counts.failed} aborted={counts.aborted}", file=sys.stderr, flush=True)
+        await asyncio.gather(*clients)  # each finishes its current request (bounded by the request timeout)
+        self.sample_rss()
+        return counts
+
+
+def _metrics_text(base_url: str) -> str:
+    import httpx
+
+    return httpx.get(f"{base_url}/metrics", timeout=10).text
+
+
+def _served_model(base_url: str) -> str:
+    import httpx
+
+    return httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """0 when the soak ran, served requests and leaked no blocks; 1 otherwise."""
+    from bench.results_io import write_result
+
+    args = build_parser().parse_args(argv)
+    soak = Soak(args)
+    soak.start()
+    try:
+        if not soak.wait_healthy(600):
+            print(f"soak: services never became healthy; logs in {soak.log_dir}", file=sys.stderr)
+            return 1
+        args.served_model = _served_model(soak.base_url)
+        started = time.monotonic()
+        counts = asyncio.run(soak.run_load())
+        elapsed_s = time.monotonic() - started
+        healthy_at_end = soak.wait_healthy(60)
+        time.sleep(2.0)  # let the last aborts reach the engine loop
+        leaked = kv_blocks_used(_metrics_text(soak.base_url))
+        rss = soak.rss_report()
+    finally:
+        soak.stop()
+    raw = {
+        "minutes": args.minutes, "elapsed_s": round(elapsed_s, 1), "concurrency": args.concurrency,
+        "expert_workers": args.expert_workers, "restart_interval_s": args.restart_interval_s,
+        "abort_probability": args.abort_probability, "speculation": soak.speculation.mode.value,
+        "requests_completed": counts.completed, "requests_failed": counts.failed,
+        "requests_aborted_by_client": counts.aborted, "failures_by_kind": counts.failures,
+        "completion_tokens": counts.completion_tokens, "expert_restarts": soak.num_restarts,
+        "kv_blocks_used_at_end": leaked, "blocks_leaked": sum(leaked.values()),
+        "healthy_at_end": healthy_at_end, "rss_by_service": rss, "log_dir": str(soak.log_dir),
+    }
+    total = counts.completed + counts.failed
+    ratios = {"failed_share": round(counts.failed / total, 4) if total else None,
+              "output_tokens_per_s": round(counts.completion_tokens / elapsed_s, 2)}
+    path = write_result("soak", raw, ratios, out_dir=Path(args.out_dir) if args.out_dir else None)
+    print(json.dumps({**raw, **ratios}, indent=2))
+    print(f"soak: wrote {path}", file=sys.stderr)
+    ok = counts.completed > 0 and raw["blocks_leaked"] == 0 and healthy_at_end and bool(leaked)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Hostile input: 1,000 concurrent connections to a real gateway (uvicorn on localhost, in a
+child process, over the bookkeeping in-test engine of `ops_hostile_support`), opened and
+dropped in every awkward way: silent, half a request line, half a body, a stream dropped
+after its first bytes, a stream never read, a reset (RST) instead of a close. Afterwards the
+engine holds no open request and no block, the server's open file descriptors are back near
+their value before the flood, its memory has not grown without bound, and it still answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+NUM_CONNECTIONS = 1000
+MAX_FD_GROWTH = 16  # listening socket churn, log handles: anything per-connection would be hundreds
+MAX_RSS_GROWTH_BYTES = 64 * 2**20
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs /proc to count descriptors")]
+
+CHAT = {"model": "dsv4-flash", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 64}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _request_bytes(body: dict) -> bytes:
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode()
+    return head + payload
+
+
+def _num_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    port = _free_port()
+    stderr_path = tmp_path_factory.mktemp("gateway") / "gateway.stderr"
+    with stderr_path.open("wb") as stderr:
+        process = subprocess.Popen([sys.executable, str(TESTS_DIR / "ops_hostile_support.py"), str(port)],
+                                   stdout=stderr, stderr=stderr)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None, stderr_path.read_text()
+            assert time.monotonic() < deadline, "gateway did not come up"
+            time.sleep(0.1)
+        yield process, base_url
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
+async def _one_connection(port: int, index: int, hold: asyncio.Event, ready: list[int]) -> None:
+    """One hostile client; the kind is chosen by index so every kind appears ~1/6 of the time."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    kind = index % 6
+    try:
+        if kind == 1:
+            writer.write(b"POST /v1/chat/compl")
+        elif kind == 2:
+            writer.write(_request_bytes({**CHAT, "stream": True}))
+        elif kind == 3:
+            writer.write(_request_bytes(CHAT)[:-7])  # the body stops short of its Content-Length
+        elif kind == 4:
+            writer.write(_request_bytes({**CHAT, "stream": True, "max_tokens": 200}))
+        elif kind == 5:
+            writer.write(_request_bytes(CHAT))
+        await writer.drain()
+        if kind == 2:
+            await asyncio.wait_for(reader.read(64), timeout=30)  # the stream has begun: drop it now
+        ready.append(index)
+        await hold.wait()  # every connection is open at the same time before any is dropped
+    finally:
+        if kind in (4, 5):  # RST instead of FIN
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()
+
+
+async def _flood(port: int, num_connections: int) -> None:
+    hold = asyncio.Event()
+    ready: list[int] = []
+    tasks = [asyncio.create_task(_one_connection(port, index, hold, ready)) for index in range(num_connections)]
+    deadline = time.monotonic() + 60
+    while len(ready) + sum(task.done() for task in tasks) < num_connections and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(1.0)  # let requests reach the engine
+    hold.set()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    errors = [result for result in results if isinstance(result, BaseException)]
+    assert len(errors) < num_connections // 20, errors[:5]  # a few refused connects are fine, not many
+
+
+def _settled(base_url: str, pid: int, fds_before: int, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ledger = httpx.get(f"{base_url}/_test/ledger", timeout=5).json()
+        if (not ledger["open_request_ids"] and _num_fds(pid) <= fds_before + MAX_FD_GROWTH) \
+                or time.monotonic() > deadline:
+            return ledger
+        time.sleep(0.2)
+
+
+def test_thousand_dropped_connections_leave_nothing_behind(gateway):
+    process, base_url = gateway
+    port = int(base_url.rsplit(":", 1)[1])
+    warm = httpx.post(f"{base_url}/v1/chat/completions", json=CHAT, timeout=30)
+    assert warm.status_code == 200, warm.text
+    asyncio.run(_flood(port, 200))  # warm-up: allocator pools and caches settle before measuring
+    _settled(base_url, process.pid, _num_fds(process.pid), 30)
+    fds_before, rss_before = _num_fds(process.pid), _rss_bytes(process.pid)
+
+    asyncio.run(_flood(port, NUM_CONNECTIONS))
+    ledger = _settled(base_url, process.pid, fds_before, timeout_s=60)
+
+    assert process.poll() is None, "the gateway died"
+    assert ledger["open_request_ids"] == [], ledger
+    assert ledger["num_held_blocks"] == 0 and ledger["num_streams_started"] == ledger["num_streams_closed"], ledger
+    assert ledger["num_streams_started"] >= NUM_CONNECTIONS // 2, ledger  # the flood did reach the engine
+    assert _num_fds(process.pid) <= fds_before + MAX_FD_GROWTH, (fds_before, _num_fds(process.pid))
+    assert _rss_bytes(process.pid) - rss_before < MAX_RSS_GROWTH_BYTES
+    reply = httpx.post(f"{base_url}/v1/chat/completions", json=CHAT, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"].startswith("The quick brown fox")
