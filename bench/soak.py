@@ -73,7 +73,7 @@ class Counts:
     completed: int = 0
     failed: int = 0
     aborted: int = 0
-    completion_tokens: int = 0
+    num_stream_chunks: int = 0  # SSE chunks with a choice (one or more tokens each, with speculation)
     failures: dict[str, int] = field(default_factory=dict)
 
     def fail(self, why: str) -> None:
@@ -124,7 +124,7 @@ async def _one_request(client, base_url: str, rng: random.Random, args, counts: 
         return
     if finish_reason in ("length", "stop"):
         counts.completed += 1
-        counts.completion_tokens += num_chunks
+        counts.num_stream_chunks += num_chunks
     else:
         counts.fail(f"finish_{finish_reason}")
 
@@ -251,7 +251,8 @@ class Soak:
             if time.monotonic() - last_sample >= 5:
                 last_sample = time.monotonic()
                 self.sample_rss()
-            if next_restart is not None and time.monotonic() >= next_restart:
+            if next_restart is not None and time.monotonic() >= next_restart \
+                    and deadline - time.monotonic() > self.args.warmup_s:  # leave time to measure it afterwards
                 # On this (main) thread, not a pool thread: the services die with the thread that
                 # forked them (PR_SET_PDEATHSIG), and pool threads exit when asyncio.run ends.
                 self.restart_expert(rng.choice(experts))
@@ -304,13 +305,14 @@ def main(argv: list[str] | None = None) -> int:
         "abort_probability": args.abort_probability, "speculation": soak.speculation.mode.value,
         "requests_completed": counts.completed, "requests_failed": counts.failed,
         "requests_aborted_by_client": counts.aborted, "failures_by_kind": counts.failures,
-        "completion_tokens": counts.completion_tokens, "expert_restarts": soak.num_restarts,
+        "stream_chunks_completed": counts.num_stream_chunks, "expert_restarts": soak.num_restarts,
         "kv_blocks_used_at_end": leaked, "blocks_leaked": sum(leaked.values()),
         "healthy_at_end": healthy_at_end, "rss_by_service": rss, "log_dir": str(soak.log_dir),
     }
     total = counts.completed + counts.failed
     ratios = {"failed_share": round(counts.failed / total, 4) if total else None,
-              "output_tokens_per_s": round(counts.completion_tokens / elapsed_s, 2)}
+              "completed_requests_per_s": round(counts.completed / elapsed_s, 3),
+              "stream_chunks_per_s": round(counts.num_stream_chunks / elapsed_s, 2)}
     path = write_result("soak", raw, ratios, out_dir=Path(args.out_dir) if args.out_dir else None)
     print(json.dumps({**raw, **ratios}, indent=2))
     print(f"soak: wrote {path}", file=sys.stderr)
