@@ -135,6 +135,7 @@ def test_generate_command_reference_numerics_changes_logits_not_the_interface(ch
     default_model, _ = _load_model(str(path), "float32", "cpu")
     reference_model, _ = _load_model(str(path), "float32", "cpu", reference_numerics=True)
     assert reference_model.side.numerics.kv_fp8_qat and not default_model.side.numerics.kv_fp8_qat
+    capsys.readouterr()  # drop what loading logged before the command configures logging
     assert main(["generate", "--model", str(path), "--prompt", "w3 w4", "--max-tokens", "2", "--json",
                  "--reference-numerics"]) == 0
     assert len(json.loads(capsys.readouterr().out)["generated_token_ids"]) <= 2

@@ -176,9 +176,15 @@ def test_supervisord_serves_requests(supervised, checkpoint):
     reply = _complete(supervised, 12)
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["text"] == _reference_text(checkpoint, PROMPT, 12)
-    status = supervised.ctl("status")
-    for program in ("moemesh-router", "moemesh-attention-0", "moemesh-expert-0", "moemesh-expert-1"):
-        assert any(program in line and "RUNNING" in line for line in status.splitlines()), status
+    programs = ("moemesh-router", "moemesh-attention-0", "moemesh-expert-0", "moemesh-expert-1")
+    deadline = time.monotonic() + 30  # supervisord says STARTING until startsecs (5 s) have passed
+    while True:
+        status = supervised.ctl("status")
+        running = [any(p in line and "RUNNING" in line for line in status.splitlines()) for p in programs]
+        if all(running) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert all(running), status
 
 
 def test_sigkilled_expert_is_restarted_and_the_stream_ends_cleanly(supervised, checkpoint):
