@@ -49,6 +49,10 @@ def test_buffer_reused_only_after_send_completes(tmp_path):
     lease = pool.acquire(max_wait_s=5.0)  # completion observed through the MessageTracker
     assert lease.index in (0, 1) and pool.num_leases == 3
     lease.release_after(None)
+    # ZeroMQ's I/O thread marks the other send done a moment after delivery; wait for it, bounded
+    deadline = time.monotonic() + 5.0
+    while pool.num_free < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert pool.num_free == 2
     for socket in (push, pull):
         socket.close(0)
