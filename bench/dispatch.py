@@ -6,6 +6,9 @@ For T tokens of a [T, D] activation (D = 4096, bf16), K = 6 top-k ids and weight
 - `ipc`, `tcp`: a full round trip to an expert process on this host over ipc:// or tcp://
   loopback (SyncClient -> the service skeleton's loop -> trivial op -> Combine), tensors
   sent from staging buffers (pinned when CUDA is available).
+- `cuda_ipc` (CUDA only): the same round trip with the tensors in shared device rings and only
+  the control message (DispatchSlot / CombineSlot) over ipc:// (`common/wire/cuda_ipc.py`,
+  the attention worker's `SlotPlane`), timed until the output is usable on the device.
 
 The expert process runs `EchoExpert` on the real service skeleton (`ServiceRunner`); its
 op is `output = hidden * sum_k(weights)`. Prints median and p90 per case in microseconds
@@ -48,14 +51,29 @@ def serve_expert(endpoint: str, device: str, use_staging: bool) -> int:
     from common.wire.messages import Dispatch, ServiceRole
     from common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
 
+    from common.wire.messages import AttachCudaIpc, DispatchSlot
+    from services.expert.ipc_plane import ExpertSlotPlane
+
     class EchoExpert(Service):
-        accepts = (Dispatch,)
+        accepts = (Dispatch, AttachCudaIpc, DispatchSlot)
 
         async def load(self) -> None:
             self.ring = RecvStagingRing(device)
+            self.slot_plane = ExpertSlotPlane(device, "bench-expert")
 
         async def handle(self, message: Any) -> Any:
             match message:
+                case AttachCudaIpc():
+                    return self.slot_plane.attach(message)
+                case DispatchSlot():
+                    inputs = self.slot_plane.inputs(message)
+                    if not isinstance(inputs, tuple):
+                        return inputs
+                    hidden, ids, weights, _ = inputs
+                    echo = expert_op(Dispatch(dispatch_id=message.dispatch_id, step_id=message.step_id,
+                                              layer=message.layer, micro_batch=message.micro_batch, hidden=hidden,
+                                              expert_ids=ids, weights=weights))
+                    return self.slot_plane.reply(message, echo.output)
                 case Dispatch() as dispatch:
                     on_device = Dispatch(
                         dispatch_id=dispatch.dispatch_id, step_id=dispatch.step_id, layer=dispatch.layer,
@@ -141,6 +159,63 @@ def _time_socket(client: Any, pool: Any, ring: Any, dispatch: Any, iterations: i
     return samples
 
 
+def _time_cuda_ipc(channel: Any, plane: Any, dispatch: Any, iterations: int) -> list[int]:
+    """Round trips through the shared device rings: write slot, doorbell, CombineSlot, output usable."""
+    import torch
+
+    samples = []
+    for _ in range(iterations):
+        start = time.perf_counter_ns()
+        ticket, slot = plane.try_send(0, dispatch_id=1, step_id=0, layer=dispatch.layer, micro_batch=0,
+                                      x=dispatch.hidden, ids=dispatch.expert_ids, weights=dispatch.weights,
+                                      slot_mask=None)
+        reply = channel.receive(0, ticket)
+        output = plane.output(0, slot, reply, dispatch_id=1, layer=dispatch.layer,
+                              num_tokens=dispatch.hidden.shape[0])
+        if isinstance(output, str):
+            raise RuntimeError(output)
+        output.sum()  # a use of the output on the device, ordered after the expert's event
+        torch.cuda.synchronize()
+        plane.release(0, slot)
+        samples.append(time.perf_counter_ns() - start)
+    return samples
+
+
+def _run_cuda_ipc(args: argparse.Namespace, context: Any, run_dir: str, dispatches: dict, raw: dict) -> None:
+    import torch
+
+    from common.wire.cuda_ipc import CudaIpcConfig
+    from services.attention.dispatch_slots import SlotPlane
+    from services.attention.expert_channel import ExpertChannel
+
+    endpoint = f"ipc://{run_dir}/expert-cuda-ipc.sock"
+    expert = _start_expert(endpoint, args.device, args.staging, args.num_threads)
+    channel = ExpertChannel([endpoint], context=context, timeout_s=30)
+    try:
+        from common.wire.transport import SyncClient
+
+        probe = SyncClient(endpoint, context=context)
+        try:
+            _wait_until_serving(probe, time.monotonic() + 60)
+        finally:
+            probe.close()
+        plane = SlotPlane(channel, CudaIpcConfig(num_slots=2, max_tokens=max(dispatches)), torch.device(args.device),
+                          placement_invariant=False)
+        for num_tokens, dispatch in dispatches.items():
+            import dataclasses
+
+            iterations = max(5, int(DEFAULT_ITERATIONS.get(num_tokens, 100) * args.iteration_scale))
+            dispatch = dataclasses.replace(dispatch, expert_ids=dispatch.expert_ids.to(args.device))  # all on device
+            _time_cuda_ipc(channel, plane, dispatch, min(20, iterations))  # warm-up (and the attach)
+            if plane.num_slot_dispatches == 0:
+                raise RuntimeError("the expert refused the CUDA IPC rings (see attention.data_plane_fallback)")
+            raw[str(num_tokens)]["cuda_ipc"] = _percentiles(_time_cuda_ipc(channel, plane, dispatch, iterations))
+    finally:
+        channel.close()
+        expert.terminate()
+        expert.wait(30)
+
+
 def _start_expert(endpoint: str, device: str, use_staging: bool, num_threads: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "bench.dispatch", "--serve-expert", endpoint, "--device", device,
                "--num-threads", str(num_threads)]
@@ -182,6 +257,9 @@ def run_benchmark(args: argparse.Namespace) -> tuple[dict, dict]:
     context = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="moemesh-bench-") as run_dir:
         for transport in args.transports:
+            if transport == "cuda_ipc":
+                _run_cuda_ipc(args, context, run_dir, dispatches, raw)
+                continue
             endpoint = f"ipc://{run_dir}/expert.sock" if transport == "ipc" else f"tcp://127.0.0.1:{args.tcp_port}"
             expert = _start_expert(endpoint, args.device, args.staging, args.num_threads)
             client = SyncClient(endpoint, context=context)
@@ -228,6 +306,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-write", dest="write", action="store_false", help="do not write a result file")
     parser.add_argument("--num-threads", type=int, default=1,
                         help="torch threads per process (client and expert share the host's cores)")
+    parser.add_argument("--out-dir", type=Path, default=None, help="where the result JSON goes")
     parser.add_argument("--serve-expert", metavar="ENDPOINT", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -244,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         from bench.results_io import write_result
 
-        path = write_result("dispatch", raw, ratios)
+        path = write_result("dispatch", raw, ratios, out_dir=args.out_dir)
         print(f"wrote {path}")
     return 0
 

@@ -2,6 +2,7 @@
 
 Usage: python -m bench.layers [--layers csa,hca] [--batch 1,8,64] [--context 4096] [--prefill 2048,8192]
        [--device cuda:0] [--steps 10] [--no-transformers] [--tiny] [--out-dir DIR]
+       [--disaggregated [--data-planes zmq,cuda_ipc] [--micro-batches 2] [--no-in-process]]
 
 Builds the layers (window / CSA / HCA, learned routers) plus embedding and head with random weights
 in the checkpoint formats directly on the device (`common.model.random_init`: FP8 128x128 linears,
@@ -12,9 +13,11 @@ rows through the state's append methods, not by a prefill: a 64 x 4K prefill wou
 run); prefill time of one `--prefill`-token prompt in one forward; the bytes each step must read
 and FLOPs each prefill must do, their floors and the ratio of every figure to its floor; where
 transformers is installed, transformers' decode on the same stack; the extrapolation to the
-43-layer model. Decode runs in CUDA graphs (see `bench.layers_timing`). In-process only: the
-disaggregated mode (attention and expert workers as separate processes) is not built yet.
-Prints a table and writes bench/results/layers-*.json.
+43-layer model. Decode runs in CUDA graphs (see `bench.layers_timing`). With `--disaggregated`
+the same stack also runs with the routed experts in an expert worker process on the same device
+(`bench.layers_disagg`: the real ModelRunner / MoEDispatcher / ExpertWorker, ZeroMQ and CUDA IPC
+data planes, 1 and `--micro-batches` micro-batches), and each disaggregated step is compared with
+the in-process steps of the same run. Prints a table and writes bench/results/layers-*.json.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import sys
 from pathlib import Path
 
 GOALS = {"decode_b1_max_ratio": 1.3, "decode_b64_max_ratio": 1.5, "prefill_8k_min_fraction_of_bf16": 0.5,
-         "single_stream_min_tok_s": 300.0, "prefill_min_tok_s": 15000.0}
+         "single_stream_min_tok_s": 300.0, "prefill_min_tok_s": 15000.0,
+         "disaggregated_max_ratio": {1: 2.0, 8: 1.3, 64: 1.15}}
 
 
 def _int_list(text: str) -> list[int]:
@@ -45,6 +49,19 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     parser.add_argument("--tiny", action="store_true", help="a small model of the same structure (CPU checks)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--disaggregated", action="store_true",
+                        help="also run decode with the experts in an expert worker process on the same device")
+    parser.add_argument("--data-planes", type=lambda text: [v.strip() for v in text.split(",") if v.strip()],
+                        default=["zmq", "cuda_ipc"], help="disaggregated data planes: zmq, cuda_ipc")
+    parser.add_argument("--micro-batches", type=int, default=2, help="disaggregated ping-pong micro-batches")
+    parser.add_argument("--graph-segments", action="store_true",
+                        help="disaggregated: also time with CUDA graphs of the segments between dispatches")
+    parser.add_argument("--expert-device", default=None,
+                        help="disaggregated: the expert worker's device (default: the attention device)")
+    parser.add_argument("--expert-graph-buckets", type=_int_list, default=[],
+                        help="disaggregated: token buckets of the expert worker's CUDA graphs (empty: eager)")
+    parser.add_argument("--no-in-process", action="store_true",
+                        help="skip the in-process CUDA-graph decode, prefill and transformers (disaggregated only)")
     parser.add_argument("--out-dir", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -84,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                  "context_fill": "random rows written through the state stores' append methods (no prefill)",
                  "decode": [], "prefill": []}
 
-    for batch_size in args.batch:
+    for batch_size in [] if args.no_in_process else args.batch:
         print(f"decode batch {batch_size} ...", flush=True)
         states = timing.decode_states(config, batch_size, args.context, dtype, device, args.seed)
         graph_error = None
@@ -109,7 +126,19 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    for num_tokens in args.prefill:
+    if args.disaggregated:
+        from bench.layers_disagg import run_disaggregated
+
+        print(f"disaggregated decode ({','.join(args.data_planes)}) ...", flush=True)
+        try:
+            raw["disaggregated"] = run_disaggregated(args, side, experts, config, device, dtype)
+        except Exception as error:  # the expert process or a data plane failed: keep the in-process figures
+            raw["disaggregated"] = {"error": f"{type(error).__name__}: {error}"[:2000], "runs": []}
+            print(f"  disaggregated run failed: {raw['disaggregated']['error'][:500]}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    for num_tokens in [] if args.no_in_process else args.prefill:
         print(f"prefill {num_tokens} ...", flush=True)
         try:
             timed = timing.time_prefill(side, experts, config, num_tokens, num_reps=args.prefill_reps, seed=args.seed)
@@ -129,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     del side, experts
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    if not args.no_transformers and transformers_available():
+    if not args.no_transformers and not args.no_in_process and transformers_available():
         print("transformers ...", flush=True)
         raw["transformers"] = bench_transformers(config, args.batch, args.context, args.steps, device, dtype)
     else:

@@ -3,19 +3,22 @@ restarts of one expert worker, on the default model.
 
     python -m bench.soak [--minutes 20] [--concurrency 8] [--restart-interval-s 120] [--abort-probability 0.2]
 
-The services are the ones `moemesh serve` runs, from the deployment file it writes
-(`ServeLayout` → `write_deployment`) and started with its own `start_service` (the same command
-line `python -m common.cli <role> --config FILE --name NAME`, the drafter included when the
-checkpoint has one). The soak plays supervisor instead of running `moemesh serve` itself because
-serve stops every service as soon as one exits, and this benchmark's point is a SIGKILLed expert
-worker started again with the same command while the rest keeps serving (what systemd or
-supervisord do in production).
+The services run under `moemesh serve` itself (the default model, `--expert-workers` 2, the
+drafter when the checkpoint has one), which restarts a service that dies: every interval the
+soak SIGKILLs one expert worker (found by its `--name` among serve's children in /proc) and
+waits for serve to bring up a new process, while the streams keep going. So the benchmark also
+checks serve's restart path and the attention worker's step recovery on the restarted worker.
 
 Reported (JSON through `bench.results_io.write_result`, name "soak"): requests completed, failed
-(HTTP error, finish_reason "error", transport error) and aborted by the client; restarts done;
-KV blocks still in use per tier once the load stopped and the system went idle (from `/metrics`
-`moemesh_kv_blocks_used`; anything above 0 is a leak); RSS per service at the end of the warm-up
-and at the end, and its growth (for a restarted worker, since its last restart's warm-up).
+(HTTP error, finish_reason "error", transport error) and aborted by the client; restarts done,
+how long each took to show a new pid, and what serve itself counted (`/status.json` restarts;
+must equal the kills); how often a kill hit a step in flight (the attention worker's
+step-recovery log events: lost, recovered, abandoned); KV blocks still in use per tier once the load stopped and the system
+went idle (from `/metrics` `moemesh_kv_blocks_used`; anything above 0 is a leak); RSS per
+service (serve included) at the end of the warm-up and at the end, and its growth (for a
+restarted worker, its current process from its warm-up on); serve's exit code after SIGTERM.
+Exit code 0 only when requests completed, no block leaked, the system was healthy at the end,
+serve counted every restart and stopped cleanly.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -138,49 +142,59 @@ async def _client_loop(base_url: str, seed: int, deadline: float, args, counts: 
             await _one_request(client, base_url, rng, args, counts)
 
 
+def child_pids(parent_pid: int) -> dict[str, int]:
+    """{service name: pid} of the services `moemesh serve` (parent_pid) runs now, from /proc
+    (each child's command line carries `--name NAME`)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            if ppid != parent_pid:
+                continue
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, ValueError):
+            continue
+        if "--name" in argv[:-1]:
+            found[argv[argv.index("--name") + 1]] = int(entry.name)
+    return found
+
+
 class Soak:
-    """Starts the services, runs the load, restarts an expert worker on schedule, samples RSS."""
+    """Runs `moemesh serve` (which restarts a dead service), the load, a SIGKILL of one expert
+    worker on schedule, and samples RSS per service."""
 
     def __init__(self, args) -> None:
-        from common.commands.serve import _write_placement
-        from common.commands.serve_config import DRAFT_NAME, ServeLayout, check_model_dir, draft_block_size, \
-            write_deployment
-        from services.draft.width import SpeculationConfig
+        from common.commands.serve_config import check_model_dir
 
         self.args = args
-        model_dir = check_model_dir(args.model)
+        self.model_dir = check_model_dir(args.model)
         self.run_dir = Path(tempfile.mkdtemp(prefix="moemesh-soak-"))
         self.log_dir = self.run_dir / "logs"
-        self.speculation = SpeculationConfig.for_model(None, None, draft_block_size(model_dir))
-        layout = ServeLayout(model_path=str(model_dir.resolve()), run_dir=str(self.run_dir), log_dir=str(self.log_dir),
-                             port=args.port, num_expert_workers=args.expert_workers,
-                             placement_path=_write_placement(model_dir, self.run_dir, args.expert_workers, ("cpu",)),
-                             with_drafter=self.speculation.enabled)
-        self.config_path, self.deployment = write_deployment(layout)
-        self.draft_name = DRAFT_NAME
         self.base_url = f"http://127.0.0.1:{args.port}"
-        self.services: dict[str, object] = {}
-        self.restarted_at: dict[str, float] = {}
-        self.rss_samples: dict[str, list[tuple[float, int]]] = {}
-        self.num_restarts = 0
-
-    def _start(self, role: str, name: str) -> None:
-        from common.commands.serve_processes import start_service
-
-        extra = ()
-        if role == "draft":
-            extra = ("--speculation", self.speculation.mode.value, "--spec-width", str(self.speculation.width))
-        self.services[name] = start_service(role, name, self.config_path, self.log_dir, extra_args=extra)
-        self.restarted_at[name] = time.monotonic()
+        self.process: subprocess.Popen | None = None
+        self.restarted_at: dict[str, float] = {}  # name -> when its current process started (monotonic)
+        self.rss_samples: dict[str, list[tuple[float, int, int]]] = {}  # name -> (at, pid, rss)
+        self.num_restarts = 0  # SIGKILLs sent whose replacement came up
+        self.restart_waits_s: list[float] = []
+        self.speculation = "default"
+        self.started_at = time.monotonic()
 
     def start(self) -> None:
-        self._start("router", "router")
-        for worker in self.deployment.attention:
-            self._start("attention", worker.name)
-        for worker in self.deployment.expert:
-            self._start("expert", worker.name)
-        if self.speculation.enabled:
-            self._start("draft", self.draft_name)
+        command = [sys.executable, "-m", "common.cli", "serve", "--model", str(self.model_dir),
+                   "--port", str(self.args.port), "--expert-workers", str(self.args.expert_workers),
+                   "--run-dir", str(self.run_dir), "--ready-timeout", "600",
+                   # restarts are this benchmark's point: a budget it never spends
+                   "--max-restarts", "1000"]
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+        with open(self.run_dir / "serve.stderr", "wb") as stderr:
+            self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
+                                            env=env, start_new_session=True)
+
+    def pids(self) -> dict[str, int]:
+        return child_pids(self.process.pid) if self.process is not None else {}
 
     def health(self) -> int | None:
         import httpx
@@ -195,45 +209,64 @@ class Soak:
         while time.monotonic() < deadline:
             if self.health() == 200:
                 return True
+            if self.process is not None and self.process.poll() is not None:
+                return False
             time.sleep(0.5)
         return False
 
-    def restart_expert(self, name: str) -> None:
-        service = self.services[name]
-        os.kill(service.process.pid, signal.SIGKILL)
-        service.process.wait(10)
-        print(f"soak: SIGKILLed {name}; starting it again", file=sys.stderr, flush=True)
-        self._start("expert", name)
-        self.num_restarts += 1
+    async def restart_expert(self, name: str) -> None:
+        """SIGKILL the expert worker; `moemesh serve` must start it again (a new pid) on its own."""
+        old_pid = self.pids().get(name)
+        if old_pid is None:
+            print(f"soak: {name} is not running (restart still pending?); skipped", file=sys.stderr, flush=True)
+            return
+        os.kill(old_pid, signal.SIGKILL)
+        killed_s = time.monotonic()
+        print(f"soak: SIGKILLed {name} (pid {old_pid}); serve restarts it", file=sys.stderr, flush=True)
+        while time.monotonic() - killed_s < 120:
+            await asyncio.sleep(0.25)
+            new_pid = self.pids().get(name)
+            if new_pid not in (None, old_pid):
+                self.restarted_at[name] = time.monotonic()
+                self.restart_waits_s.append(round(time.monotonic() - killed_s, 2))
+                self.num_restarts += 1
+                return
+        print(f"soak: {name} was not restarted within 120 s", file=sys.stderr, flush=True)
 
     def sample_rss(self) -> None:
         now = time.monotonic()
-        for name, service in self.services.items():
-            value = rss_bytes(service.process.pid)
+        serve_rss = rss_bytes(self.process.pid) if self.process is not None else None
+        pids = {**self.pids(), **({"serve": self.process.pid} if serve_rss is not None else {})}
+        for name, pid in pids.items():
+            value = rss_bytes(pid)
             if value is not None:
-                self.rss_samples.setdefault(name, []).append((now, value))
+                self.rss_samples.setdefault(name, []).append((now, pid, value))
 
     def rss_report(self) -> dict[str, dict]:
         report = {}
         for name, samples in self.rss_samples.items():
-            since = self.restarted_at[name] + self.args.warmup_s
-            window = [value for at, value in samples if at >= since]
+            # a restarted service is measured from its last restart's warm-up (its pid since then)
+            since = max(self.restarted_at.get(name, self.started_at), self.started_at) + self.args.warmup_s
+            last_pid = samples[-1][1]
+            window = [value for at, pid, value in samples if at >= since and pid == last_pid]
             if len(window) < 2:
                 report[name] = {"samples": len(window), "note": "too few samples after warm-up"}
                 continue
             report[name] = {"rss_start_mib": round(window[0] / 2**20, 1), "rss_end_mib": round(window[-1] / 2**20, 1),
                             "rss_growth_mib": round((window[-1] - window[0]) / 2**20, 1),
                             "rss_max_mib": round(max(window) / 2**20, 1), "samples": len(window),
-                            "restarted": self.restarted_at[name] > self.started_at + 1}
+                            "restarted": name in self.restarted_at}
         return report
 
-    def stop(self) -> None:
-        from common.commands.serve_processes import stop_services
-
-        order = ["router", *(w.name for w in self.deployment.attention), *(w.name for w in self.deployment.expert)]
-        if self.speculation.enabled:
-            order.append(self.draft_name)
-        stop_services([self.services[name] for name in order if name in self.services], drain_s=30)
+    def stop(self) -> int | None:
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGTERM)  # serve drains and stops every service in order
+        try:
+            return self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait()
 
     async def run_load(self) -> Counts:
         counts = Counts()
@@ -243,7 +276,7 @@ class Soak:
                                                     self.args, counts))
                    for index in range(self.args.concurrency)]
         rng = random.Random(self.args.seed)
-        experts = [w.name for w in self.deployment.expert]
+        experts = [f"expert-{index}" for index in range(self.args.expert_workers)]
         next_restart = (self.started_at + self.args.restart_interval_s) if self.args.restart_interval_s > 0 else None
         last_report = last_sample = self.started_at
         while time.monotonic() < deadline:
@@ -253,9 +286,7 @@ class Soak:
                 self.sample_rss()
             if next_restart is not None and time.monotonic() >= next_restart \
                     and deadline - time.monotonic() > self.args.warmup_s:  # leave time to measure it afterwards
-                # On this (main) thread, not a pool thread: the services die with the thread that
-                # forked them (PR_SET_PDEATHSIG), and pool threads exit when asyncio.run ends.
-                self.restart_expert(rng.choice(experts))
+                await self.restart_expert(rng.choice(experts))
                 next_restart += self.args.restart_interval_s
             if time.monotonic() - last_report >= 30:
                 last_report = time.monotonic()
@@ -270,6 +301,31 @@ def _metrics_text(base_url: str) -> str:
     import httpx
 
     return httpx.get(f"{base_url}/metrics", timeout=10).text
+
+
+def _recovery_events(log_dir: Path) -> dict[str, int]:
+    """How often a kill hit a step in flight: the attention workers' step-recovery log events
+    (services/attention/recovery.py), counted from their JSON log lines."""
+    counts: dict[str, int] = {}
+    wanted = ("attention.step_lost_expert", "attention.step_recovered", "attention.step_abandoned")
+    for path in sorted(log_dir.glob("attention-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                event = json.loads(line).get("event")
+            except ValueError:
+                continue
+            if event in wanted:
+                counts[event] = counts.get(event, 0) + 1
+    return counts
+
+
+def _json(base_url: str, path: str) -> dict:
+    import httpx
+
+    try:
+        return httpx.get(f"{base_url}{path}", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
 
 
 def _served_model(base_url: str) -> str:
@@ -297,15 +353,19 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(2.0)  # let the last aborts reach the engine loop
         leaked = kv_blocks_used(_metrics_text(soak.base_url))
         rss = soak.rss_report()
+        health = _json(soak.base_url, "/health")
+        serve_restarts = _json(soak.base_url, "/status.json").get("restarts", {})
     finally:
-        soak.stop()
+        serve_exit_code = soak.stop()
     raw = {
         "minutes": args.minutes, "elapsed_s": round(elapsed_s, 1), "concurrency": args.concurrency,
         "expert_workers": args.expert_workers, "restart_interval_s": args.restart_interval_s,
-        "abort_probability": args.abort_probability, "speculation": soak.speculation.mode.value,
+        "abort_probability": args.abort_probability, "drafter": "draft" in health.get("services", {}),
         "requests_completed": counts.completed, "requests_failed": counts.failed,
         "requests_aborted_by_client": counts.aborted, "failures_by_kind": counts.failures,
         "stream_chunks_completed": counts.num_stream_chunks, "expert_restarts": soak.num_restarts,
+        "restart_wait_s": soak.restart_waits_s, "serve_restarts": serve_restarts,
+        "serve_exit_code": serve_exit_code, "attention_recovery_events": _recovery_events(soak.log_dir),
         "kv_blocks_used_at_end": leaked, "blocks_leaked": sum(leaked.values()),
         "healthy_at_end": healthy_at_end, "rss_by_service": rss, "log_dir": str(soak.log_dir),
     }
@@ -316,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result("soak", raw, ratios, out_dir=Path(args.out_dir) if args.out_dir else None)
     print(json.dumps({**raw, **ratios}, indent=2))
     print(f"soak: wrote {path}", file=sys.stderr)
-    ok = counts.completed > 0 and raw["blocks_leaked"] == 0 and healthy_at_end and bool(leaked)
+    restarts_seen = sum(record.get("num_restarts", 0) for record in serve_restarts.values())
+    ok = (counts.completed > 0 and raw["blocks_leaked"] == 0 and healthy_at_end and bool(leaked)
+          and restarts_seen == soak.num_restarts and serve_exit_code == 0)
     return 0 if ok else 1
 
 

@@ -1,20 +1,30 @@
-"""`moemesh bench speculation`: tokens/s with and without DSpark speculation, in one run.
+"""`moemesh bench speculation`: tokens/s with speculation off, fixed and adaptive, in one run.
 
-Starts `moemesh serve` twice on the same model (speculation off, then the chosen mode), and for
-temperature 0 and 1, one stream and N streams, sends the same completions and measures output
-tokens per second (wall clock over the batch), plus the mean accepted length per verify step
-(bonus included) from each response's usage.speculative.
+Starts one `moemesh serve` per mode on the same model and devices (all at once, so their start-up
+overlaps; they are then measured one after the other, the others idle), and for temperature 0
+and 1, one stream and N streams, sends the same completions (running text of chapters the default
+model memorised, so decodes run long) and measures output tokens per second (wall clock over the batch),
+the mean accepted length per verify step (bonus included) from each response's
+usage.speculative, and the speedup over the `off` server of the same run.
+
+Where the time goes, per run, from the router's counters (/status.json, before and after):
+engine steps, mean attention step time (plan sent .. StepResult: the forward, verification and
+the features sent to the drafter), mean drafter round trip (DraftRequest .. DraftTokens), and the
+rest of the wall clock per step (router, HTTP, scheduling). After the servers stop, the drafter's
+own compute per proposal and per features message and the attention worker's feature-send time
+come from their logs (`draft.timing_summary`, `attention.feature_send_summary`).
 
 Deterministic decode check (in the manner of Lucebox's bench_ds4_decode.py); the benchmark exits 1
 when any holds:
-- a run is short: a request produced no token, or ended as "length" before max_tokens (ending
-  on EOS is allowed: the gateway has no ignore_eos);
+- a run is short: a request produced no token, or ended before max_tokens other than on EOS (with
+  --ignore-eos: any request with fewer than max_tokens tokens);
 - a request hit a cached prefix (usage.prompt_tokens_details.cached_tokens > 0);
 - a run had zero throughput;
-- greedy outputs (sha256 over every request's text) differ between speculation and plain;
+- greedy outputs (sha256 over every request's text) differ between a speculative mode and off;
 - speculation did not run in a speculative run (no request with usage.speculative.ran).
 Prompts carry a per-run nonce so no run reuses another's prefix. Writes
-`bench/results/speculation-<time>.json` (bench.results_io). Speed is printed, never asserted.
+`speculation-<time>.json` (bench.results_io) under --out-dir (default bench/results/).
+Speed is printed, never asserted.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
 import os
 import signal
 import socket
@@ -29,14 +40,37 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = [
-    "In the beginning God created", "And the LORD said unto Moses,", "Blessed are the poor in spirit:",
-    "The LORD is my shepherd;", "For God so loved the world,", "And it came to pass, when", "Now the serpent was",
-    "Thus saith the LORD of hosts;",
+# Running text of the chapters the default model memorised (its training format `Book C:V text`), so
+# decodes run long and drafts have something to get right, as on code or maths for a real model.
+PROMPTS = [  # the first one alone is the single-stream run: Psalms 119 is long, so it decodes to max_tokens
+    "Psalms 119:1 Blessed are the", "Psalms 23:1 The LORD is my shepherd;", "Genesis 1:1 In the beginning God",
+    "Matthew 5:3 Blessed are the poor in spirit:", "John 1:1 In the beginning was the Word,",
+    "John 3:16 For God so loved the world,", "1 Corinthians 13:4 Charity suffereth long,",
+    "Matthew 6:9 After this manner therefore pray ye:",
 ]
+MODES = ("off", "fixed", "adaptive")
+
+
+@dataclass
+class Server:
+    mode: str
+    process: subprocess.Popen
+    run_dir: Path
+    base_url: str
+    first_line: str = ""
+
+
+def _die_with_parent() -> None:  # in the child between fork and exec: serve gets SIGTERM if the bench dies
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _free_port() -> int:
@@ -45,45 +79,75 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start(model: str, run_dir: Path, args: list[str]) -> tuple[subprocess.Popen, str]:
+def _serve_args(mode: str, spec_width: int | None) -> list[str]:
+    if mode == "off":
+        return ["--speculation", "off"]
+    return ["--speculation", mode] + (["--spec-width", str(spec_width)] if spec_width else [])
+
+
+def _launch(model: str, mode: str, extra: list[str]) -> Server:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-spec-{mode}-"))
     port = _free_port()
     command = [sys.executable, "-m", "common.cli", "serve", "--model", model, "--port", str(port), "--run-dir",
-               str(run_dir), *args]
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                               env=env)
-    line = process.stdout.readline()
-    if "moemesh serving" not in line:
-        process.kill()
-        raise RuntimeError(f"serve {' '.join(args)} did not start: {line!r} (logs in {run_dir})")
-    return process, f"http://127.0.0.1:{port}"
+               str(run_dir), *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    with open(run_dir / "serve.stderr", "wb") as stderr:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
+                                   preexec_fn=_die_with_parent)
+    return Server(mode, process, run_dir, f"http://127.0.0.1:{port}")
 
 
-def _stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
+def _await_ready(server: Server) -> None:
+    server.first_line = server.process.stdout.readline()
+    if "moemesh serving" not in server.first_line:
+        tail = (server.run_dir / "serve.stderr").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"serve ({server.mode}) did not start: {server.first_line!r}\n{tail}")
 
 
-async def _run(base_url: str, prompts: list[str], temperature: float, max_tokens: int, seed: int) -> dict:
+def _stop(server: Server) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+
+
+async def _engine_counters(client, base_url: str) -> dict:
+    reply = await client.get(f"{base_url}/status.json")
+    reply.raise_for_status()
+    return reply.json().get("engine", {})
+
+
+def _counter_delta(before: dict, after: dict, key: str) -> float:
+    return float(after.get(key, 0) or 0) - float(before.get(key, 0) or 0)
+
+
+async def _run(base_url: str, prompts: list[str], temperature: float, max_tokens: int, seed: int,
+               ignore_eos: bool, timeout_s: float = 600.0) -> dict:
     import httpx
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
         async def one(index: int, prompt: str) -> dict:
             body = {"model": "moemesh", "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-                    "seed": seed + index}
+                    "seed": seed + index, "ignore_eos": ignore_eos}
             reply = await client.post(f"{base_url}/v1/completions", json=body)
             reply.raise_for_status()
             return reply.json()
 
+        before = await _engine_counters(client, base_url)
         start_s = time.perf_counter()
         replies = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         elapsed_s = time.perf_counter() - start_s
+        after = await _engine_counters(client, base_url)
     num_tokens = sum(r["usage"]["completion_tokens"] for r in replies)
     spec = [r["usage"].get("speculative") or {} for r in replies]
     accepted_lengths = [s["mean_accepted_length"] for s in spec if s.get("ran")]
+    num_steps = _counter_delta(before, after, "num_steps")
+    step_s = _counter_delta(before, after, "step_seconds_total")
+    num_draft_requests = _counter_delta(before, after, "spec_num_draft_requests")
+    draft_s = _counter_delta(before, after, "spec_draft_round_trip_s_total")
     return {
         "num_requests": len(prompts), "num_output_tokens": num_tokens, "elapsed_s": elapsed_s,
         "tokens_per_s": num_tokens / elapsed_s if elapsed_s > 0 else 0.0,
@@ -91,17 +155,25 @@ async def _run(base_url: str, prompts: list[str], temperature: float, max_tokens
         "draft_tokens": sum(s.get("draft_tokens", 0) for s in spec),
         "accepted_tokens": sum(s.get("accepted_tokens", 0) for s in spec),
         "mean_accepted_length": sum(accepted_lengths) / len(accepted_lengths) if accepted_lengths else 0.0,
-        "cached_tokens": sum(r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in replies),
+        "cached_tokens": sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in replies),
         "finish_reasons": [r["choices"][0]["finish_reason"] for r in replies],
         "completion_tokens": [r["usage"]["completion_tokens"] for r in replies],
         "output_hash": hashlib.sha256("\x00".join(r["choices"][0]["text"] for r in replies).encode()).hexdigest(),
+        "texts": [r["choices"][0]["text"] for r in replies],
+        # where the time goes (router's view), per engine step
+        "num_steps": num_steps,
+        "step_ms_mean": 1e3 * step_s / num_steps if num_steps else 0.0,
+        "num_draft_requests": num_draft_requests,
+        "draft_round_trip_ms_mean": 1e3 * draft_s / num_draft_requests if num_draft_requests else 0.0,
+        "other_ms_per_step": 1e3 * (elapsed_s - step_s - draft_s) / num_steps if num_steps else 0.0,
+        "tokens_per_step": num_tokens / num_steps if num_steps else 0.0,
     }
 
 
-def _checks(name: str, run: dict, max_tokens: int, speculative: bool) -> list[str]:
+def _checks(name: str, run: dict, max_tokens: int, speculative: bool, ignore_eos: bool) -> list[str]:
     problems = []
     for reason, count in zip(run["finish_reasons"], run["completion_tokens"]):
-        if count == 0 or (reason == "length" and count != max_tokens):  # ended early without EOS / stop
+        if count == 0 or (reason == "length" and count != max_tokens) or (ignore_eos and count != max_tokens):
             problems.append(f"{name}: short request ({count} tokens, finish {reason})")
     if any(reason not in ("length", "stop") for reason in run["finish_reasons"]):
         problems.append(f"{name}: finish reasons {run['finish_reasons']}")
@@ -114,56 +186,173 @@ def _checks(name: str, run: dict, max_tokens: int, speculative: bool) -> list[st
     return problems
 
 
-def main(argv: list[str] | None = None) -> int:
-    from bench.results_io import write_result
+def _log_summaries(run_dir: Path) -> dict:
+    """The last timing summary of the drafter and the attention worker's feature sender (written at
+    their drain) from the service logs of one server."""
+    wanted = {"draft.timing_summary": "drafter", "attention.feature_send_summary": "feature_sender"}
+    found: dict = {}
+    for path in sorted((run_dir / "logs").glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if not any(event in line for event in wanted):
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            key = wanted.get(record.get("event"))
+            if key is not None:
+                found[key] = {k: v for k, v in record.items() if k not in ("event", "timestamp", "level", "logger")}
+    return found
 
+
+def _print_run(key: str, run: dict) -> None:
+    print(f"{key:44s} {run['tokens_per_s']:8.2f} tok/s  tokens {run['num_output_tokens']:5d}  "
+          f"accepted length {run['mean_accepted_length']:.2f}  drafts {run['draft_tokens']:5d}  "
+          f"steps {run['num_steps']:4.0f}  step {run['step_ms_mean']:6.1f} ms  "
+          f"draft rtt {run['draft_round_trip_ms_mean']:5.1f} ms  other {run['other_ms_per_step']:5.1f} ms/step",
+          flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="moemesh bench speculation")
     parser.add_argument("--model", default=str(REPO_ROOT / "models" / "kjv-dsv4-mini"))
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--speculation", default="adaptive", choices=("fixed", "adaptive"))
-    parser.add_argument("--spec-width", type=int, default=None)
-    parser.add_argument("--devices", default="cpu")
+    parser.add_argument("--streams", type=int, default=8, help="the multi-stream runs' concurrency")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of off,fixed,adaptive")
+    parser.add_argument("--speculation", default=None, choices=("fixed", "adaptive"),
+                        help="shorthand for --modes off,<mode> (the previous interface)")
+    parser.add_argument("--spec-width", type=int, default=None, help="width of the speculative modes")
+    parser.add_argument("--devices", default="cpu", help="passed to serve (e.g. cuda:0)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="ask for ignore_eos so every request decodes max_tokens (default: requests may end at EOS)")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--out-dir", default=None, help="result directory (default bench/results/)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration and mode (median kept)")
+    parser.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.add_argument("--keep-logs", default=None, help="copy the servers' service logs here at the end")
     args = parser.parse_args(argv)
-    spec_args = ["--speculation", args.speculation] + (["--spec-width", str(args.spec_width)] if args.spec_width else [])
-    modes = {"plain": ["--speculation", "off"], "spec": spec_args}
-    results: dict[str, dict] = {}
-    problems: list[str] = []
-    for mode, serve_args in modes.items():
-        process, base_url = _start(args.model, Path(tempfile.mkdtemp(prefix=f"bench-spec-{mode}-")),
-                                   serve_args + ["--devices", args.devices])
-        try:
-            asyncio.run(_run(base_url, ["Warm up"], 0.0, 4, 0))  # first-step costs out of the figures
-            for temperature in (0.0, 1.0):
-                for num_streams in (1, args.streams):
-                    # a per-run prefix keeps runs of one server apart (a prefix-cache hit is checked too);
-                    # the same prompts go to both servers, so greedy hashes are comparable
-                    nonce = f"t{temperature:g} s{num_streams}"
-                    prompts = [f"{nonce}: {PROMPTS[i % len(PROMPTS)]}" for i in range(num_streams)]
-                    run = asyncio.run(_run(base_url, prompts, temperature, args.max_tokens, 7))
-                    key = f"{mode}/temperature={temperature:g}/streams={num_streams}"
-                    results[key] = run
-                    problems += _checks(key, run, args.max_tokens, mode == "spec")
-                    print(f"{key:40s} {run['tokens_per_s']:8.2f} tok/s  tokens {run['num_output_tokens']:5d}  "
-                          f"mean accepted length {run['mean_accepted_length']:.2f}  drafts {run['draft_tokens']}")
-        finally:
-            _stop(process)
+    if args.speculation:
+        args.modes = f"off,{args.speculation}"
+    args.mode_list = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+    if "off" not in args.mode_list or any(mode not in MODES for mode in args.mode_list):
+        parser.error(f"--modes {args.modes!r}: a subset of {','.join(MODES)} that includes off")
+    return args
+
+
+def _measure(servers: list[Server], args: argparse.Namespace, ignore_eos: bool,
+             problems: list[str]) -> dict[str, dict]:
+    """Every (temperature, streams) configuration on every server, interleaved (off, fixed,
+    adaptive, then again in rotated order) so slow drifts of the host hit every mode alike; the
+    run kept per key is the median by tokens/s, with every repeat's tokens/s beside it."""
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    stream_counts = sorted({1, args.streams})
+    for server in servers:  # first-step costs out of the figures: greedy and sampled, long enough to draft
+        asyncio.run(_run(server.base_url, ["Warm up", "Warm up again"], 0.0, 16, 0, ignore_eos, args.request_timeout_s))
+        asyncio.run(_run(server.base_url, ["Warm up sampled"], 1.0, 16, 0, ignore_eos, args.request_timeout_s))
+    runs: dict[str, list[dict]] = {}
+    for temperature in temperatures:
+        for num_streams in stream_counts:
+            for repeat in range(args.repeats):
+                # a per-run prefix keeps runs apart (a prefix-cache hit is checked too); the same
+                # prompts go to every server, so greedy hashes are comparable
+                nonce = f"t{temperature:g} s{num_streams} r{repeat}"
+                prompts = [f"{nonce}\n{PROMPTS[i % len(PROMPTS)]}" for i in range(num_streams)]
+                order = servers[repeat % len(servers):] + servers[:repeat % len(servers)]
+                for server in order:
+                    key = f"{server.mode}/temperature={temperature:g}/streams={num_streams}"
+                    print(f"run {key} repeat {repeat}", flush=True)
+                    try:
+                        run = asyncio.run(_run(server.base_url, prompts, temperature, args.max_tokens, 7, ignore_eos,
+                                               args.request_timeout_s))
+                    except Exception as error:  # a timeout or an error reply: recorded, the rest still runs
+                        problems.append(f"{key} repeat {repeat}: {type(error).__name__}: {str(error)[:200]}")
+                        print(f"FAIL {problems[-1]}", flush=True)
+                        continue
+                    problems += _checks(key, run, args.max_tokens, server.mode != "off", ignore_eos)
+                    runs.setdefault(key, []).append(run)
+                    _print_run(key, run)
+    results = {}
+    for key, repeats in runs.items():  # repeats in repeat order (same prompts across modes per repeat)
+        ordered = sorted(repeats, key=lambda run: run["tokens_per_s"])
+        results[key] = {**ordered[len(ordered) // 2], "repeat_tokens_per_s": [r["tokens_per_s"] for r in repeats],
+                        "repeat_texts": [r["texts"] for r in repeats],
+                        "repeat_hashes": [r["output_hash"] for r in repeats]}
+    return results
+
+
+def _ratios(results: dict[str, dict], modes: list[str], problems: list[str]) -> dict[str, float]:
     ratios = {}
-    for temperature in (0.0, 1.0):
-        for num_streams in (1, args.streams):
-            suffix = f"temperature={temperature:g}/streams={num_streams}"
-            plain, spec = results[f"plain/{suffix}"], results[f"spec/{suffix}"]
-            ratios[f"speedup/{suffix}"] = spec["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0
-            if temperature == 0.0 and plain["output_hash"] != spec["output_hash"]:
-                problems.append(f"greedy output hash differs with speculation ({suffix})")
+    for key, spec in results.items():
+        mode, suffix = key.split("/", 1)
+        plain = results.get(f"off/{suffix}")
+        if mode == "off" or plain is None:
+            continue
+        ratios[f"speedup/{mode}/{suffix}"] = spec["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
+        if not suffix.startswith("temperature=0/"):
+            continue
+        for repeat, (plain_texts, spec_texts) in enumerate(zip(plain["repeat_texts"], spec["repeat_texts"])):
+            if plain_texts == spec_texts:  # same prompts (the repeat's nonce) on both servers
+                continue
+            first = next(i for i, (a, b) in enumerate(zip(plain_texts, spec_texts)) if a != b)
+            problems.append(f"greedy output hash differs with speculation {mode} ({suffix}, repeat {repeat}): "
+                            f"request {first}, off {plain_texts[first][-80:]!r} vs {mode} {spec_texts[first][-80:]!r}")
+    return ratios
+
+
+def _keep_logs(servers: list[Server], target: Path) -> None:
+    """Copy the tail of every service log of every server (device runs lose /tmp)."""
+    for server in servers:
+        directory = target / server.mode
+        directory.mkdir(parents=True, exist_ok=True)
+        for path in [server.run_dir / "serve.stderr", *sorted((server.run_dir / "logs").glob("*"))]:
+            if path.is_file():
+                (directory / path.name).write_bytes(path.read_bytes()[-200_000:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.results_io import describe_device, write_result
+
+    args = parse_args(argv)
+    ignore_eos = args.ignore_eos
+    common = ["--devices", args.devices, "--dtype", args.dtype, "--drain-timeout", "5"]
+    signal.signal(signal.SIGTERM, _terminate)  # a wall-clock cap still stops the servers (finally below)
+    servers = [_launch(args.model, mode, _serve_args(mode, args.spec_width) + common) for mode in args.mode_list]
+    problems: list[str] = []
+    results: dict[str, dict] = {}
+    start_s = time.perf_counter()
+    try:
+        for server in servers:
+            _await_ready(server)
+        print(f"servers ready after {time.perf_counter() - start_s:.1f} s: "
+              + "; ".join(s.first_line.strip() for s in servers), flush=True)
+        results = _measure(servers, args, ignore_eos, problems)
+    finally:
+        for server in servers:
+            _stop(server)
+        if args.keep_logs:
+            _keep_logs(servers, Path(args.keep_logs))
+    summaries = {server.mode: _log_summaries(server.run_dir) for server in servers}
+    for mode, summary in summaries.items():
+        if summary:
+            print(f"{mode:10s} inside the workers: {json.dumps(summary, sort_keys=True)}")
+    ratios = _ratios(results, args.mode_list, problems)
     for key, value in ratios.items():
-        print(f"{key:40s} {value:.2f}x")
-    path = write_result("speculation", {"runs": results, "problems": problems, "max_tokens": args.max_tokens},
-                        ratios, device=args.devices, command="moemesh bench speculation " + " ".join(argv or []))
+        print(f"{key:44s} {value:.2f}x")
+    raw = {"runs": results, "problems": problems, "max_tokens": args.max_tokens, "ignore_eos": ignore_eos,
+           "modes": args.mode_list, "spec_width": args.spec_width, "repeats": args.repeats,
+           "worker_timings": summaries, "serve_lines": {s.mode: s.first_line.strip() for s in servers}}
+    path = write_result("speculation", raw, ratios, device=f"{describe_device()}; serve --devices {args.devices}",
+                        command="moemesh bench speculation " + " ".join(argv if argv is not None else sys.argv[1:]),
+                        out_dir=Path(args.out_dir) if args.out_dir else None)
     print(f"wrote {path}")
     for problem in problems:
         print(f"FAIL {problem}")
     return 1 if problems else 0
+
+
+def _terminate(signum, _frame) -> None:
+    raise SystemExit(f"bench speculation: stopped by signal {signum}")
 
 
 if __name__ == "__main__":

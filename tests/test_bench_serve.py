@@ -194,12 +194,12 @@ def test_ignore_eos_is_sent_and_honoured(server, engine, tmp_path):
 
 
 def test_finish_only_event_adds_no_token_gap(server, engine, tmp_path):
-    # Chat with ignore_eos past the script's EOS: the gateway's chat parser shows no text after
-    # EOS, so the stream is 6 word events, then one event with only finish_reason "length".
+    # Chat with ignore_eos, 7 tokens: 6 words, then the script's EOS, whose text chat never shows,
+    # so the stream is 6 word events, then one event with only finish_reason "length".
     code, result = run_bench(server, tmp_path, "--num-prompts", "2", "--random-input-len", "8",
-                             "--random-output-len", "8", "--ignore-eos")
+                             "--random-output-len", "7", "--ignore-eos")
     metrics = result["raw"]["metrics"]
-    assert code == 0 and metrics["total_output_tokens"] == 16  # tokens from usage, not from events
+    assert code == 0 and metrics["total_output_tokens"] == 14  # tokens from usage, not from events
     assert metrics["itl_ms"]["count"] == 2 * (NUM_BEFORE_EOS - 1)
 
 

@@ -21,6 +21,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CASE_IDS = [
     "fp8_decode_ragged", "fp8_split3_bk64", "fp8_prefill_fp32", "fp8_bf16_out",
     "fp4_experts_clamp", "fp4_experts_noclamp_fp32", "fp8_experts_clamp", "fp8_experts_fp32_default_cfg",
+    "fp4_halves_split2_fma_split2", "fp4_fma_halves_fp32", "fp8_experts_split2",
+    "fp8_fma_t1_split2", "fp8_fma_t4_bf16_out", "fp8_experts_fma_m2",
+    "fp4_decode_exact_join", "fp4_decode_exact_halves", "fp4_fma_m1_fma_m2_split2",
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from common.sampling_params import SamplingParams
-from common.wire.messages import DraftProposal, DraftTokens, StepPlan
+from common.wire.messages import DraftProposal, DraftTokens, Ready, ServiceRole, StepPlan
 from services.router.engine_drafts import DraftConfig, DraftCoordinator
 from services.router.engine_plan import PlanTranslator
 from services.router.scheduler import Request, Scheduler, SchedulerConfig, SequenceResult
@@ -58,7 +58,9 @@ def test_decode_requests_get_drafts_and_sampled_ones_their_distributions():
     events = scheduler.update(output, {"g": SequenceResult((50, 51, 99), num_accepted_drafts=2),
                                        "s": SequenceResult((77,), num_accepted_drafts=0)})
     drafts.record(events)
-    assert drafts.stats() == {"spec_draft_by_position": [2, 2, 1, 1, 1], "spec_accepted_by_position": [1, 1, 0, 0, 0]}
+    stats = drafts.stats()
+    assert stats["spec_draft_by_position"] == [2, 2, 1, 1, 1] and stats["spec_accepted_by_position"] == [1, 1, 0, 0, 0]
+    assert stats["spec_num_draft_requests"] == 1 and stats["spec_draft_round_trip_s_total"] > 0
     asyncio.run(drafts.after_step(scheduler, events))
     assert drafter.requests[-1].finished_request_ids == ("g",)  # g reached max_tokens: its ring is dropped
 
@@ -75,3 +77,79 @@ def test_a_failing_drafter_turns_speculation_off_and_says_so():
     asyncio.run(drafts.after_step(scheduler, []))
     assert len(drafter.requests) == 1  # never asked again
     assert not scheduler.get_request("g").draft_token_ids
+
+
+class Records:
+    """What the coordinator reads of the router's Supervisor: Ready per name, heartbeats, last seen."""
+
+    def __init__(self, clock) -> None:
+        self.ready, self.heartbeats, self.last_seen_s = {}, {}, {}
+        self.clock = clock
+
+    def report_ready(self, name: str, pid: int) -> None:
+        self.ready[name] = Ready(name=name, role=ServiceRole.DRAFT, pid=pid, endpoint="ipc://draft")
+        self.last_seen_s[name] = self.clock.now_s
+
+    def beat(self, name: str) -> None:
+        self.last_seen_s[name] = self.clock.now_s
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def _coordinator(drafter, clock):
+    records = Records(clock)
+    drafts = DraftCoordinator(DraftConfig(max_heartbeat_silence_s=3.0), drafter, records, clock=clock)
+    return drafts, records
+
+
+def test_a_silent_drafter_is_down_until_it_beats_again():
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=8, max_model_len=512))
+    clock, drafter = Clock(), Drafter()
+    drafts, records = _coordinator(drafter, clock)
+    assert drafts.status().startswith("starting")
+    records.report_ready("draft", pid=10)
+    assert drafts.status() == "ok"
+    clock.now_s += 4.0  # no heartbeat for longer than the bound
+    assert drafts.status().startswith("down: no heartbeat for 4.0 s")
+    asyncio.run(drafts.after_step(scheduler, _prefilled(scheduler)))
+    assert drafter.requests == []  # not asked while down
+    records.beat("draft")
+    assert drafts.status() == "ok" and drafts.stats()["spec_drafter_recoveries"] == 1
+
+
+def test_after_a_failed_request_only_a_restarted_drafter_is_used_again():
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=8, max_model_len=512))
+    clock, drafter = Clock(), Drafter(fail=True)
+    drafts, records = _coordinator(drafter, clock)
+    records.report_ready("draft", pid=10)
+    asyncio.run(drafts.after_step(scheduler, _prefilled(scheduler)))
+    assert drafts.status().startswith("down: draft request failed")
+    records.beat("draft")  # the same process still beating: it stays off (its state is unknown)
+    assert drafts.status().startswith("down")
+    drafter.fail = False
+    records.report_ready("draft", pid=11)  # restarted
+    assert drafts.status() == "ok"
+    events = scheduler.update(scheduler.schedule(), {"g": SequenceResult((5,)), "s": SequenceResult((6,))})
+    asyncio.run(drafts.after_step(scheduler, events))
+    assert len(drafter.requests) == 2 and scheduler.get_request("s").draft_token_ids
+
+
+def test_drafts_handed_out_before_a_failure_keep_their_distributions():
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=8, max_model_len=512))
+    clock, drafter = Clock(), Drafter()
+    drafts, records = _coordinator(drafter, clock)
+    records.report_ready("draft", pid=10)
+    asyncio.run(drafts.after_step(scheduler, _prefilled(scheduler)))
+    clock.now_s += 10.0  # the drafter dies after answering
+    assert drafts.status().startswith("down")
+    plan = drafts.decorate(PlanTranslator().plans_for(scheduler.schedule())[-1])
+    sampled = {seq.request_id: seq for seq in plan.sequences}["s"]
+    assert sampled.draft_token_ids == (50, 51, 52, 53, 54)
+    assert len(sampled.draft_support_token_ids) == 5  # verifiable: q travels with its drafts
+    assert not any(seq.send_features for seq in plan.sequences)  # nobody to send features to

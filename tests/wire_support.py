@@ -28,6 +28,10 @@ def sample_messages() -> list[Any]:
     expert_ids = torch.randint(0, 256, (num_tokens, top_k), dtype=torch.int32, generator=generator)  # [T, K]
     weights = torch.rand(num_tokens, top_k, generator=generator)  # [T, K] f32
     experts = (m.ExpertKey(layer=3, expert=17), m.ExpertKey(layer=42, expert=255))
+    shared_buffer = m.SharedCudaBuffer(device_index=0, handle=b"\x02" * 64, storage_size_bytes=1 << 20,
+                                       storage_offset_bytes=512, ref_counter_handle=b"/torch_123", ref_counter_offset=3,
+                                       event_handle=b"", event_sync_required=False, tensor_offset=0,
+                                       num_bytes=1 << 19)
     return [
         m.Register(name="expert-0", role=m.ServiceRole.EXPERT, pid=123, host="h1", device="cuda:1", endpoint="ipc:///tmp/e0"),
         m.Ready(name="attention-0", role=m.ServiceRole.ATTENTION, pid=7, endpoint="tcp://127.0.0.1:5601", device="cuda:0"),
@@ -83,6 +87,14 @@ def sample_messages() -> list[Any]:
                    expert_ids=expert_ids, weights=weights, per_expert_outputs=True),
         m.Combine(dispatch_id=1, step_id=11, layer=3, micro_batch=1,
                   output=torch.randn(num_tokens, top_k, hidden, generator=generator), per_expert_outputs=True),
+        m.AttachCudaIpc(channel_id="attention-0/1", host_id="host/boot", num_slots=4, max_tokens=64,
+                        hidden_size=hidden, top_k=top_k, hidden_dtype="bf16", per_expert_outputs=False,
+                        dispatch_region=shared_buffer, combine_region=shared_buffer,
+                        dispatch_event_handles=(b"\x01" * 64,) * 4),
+        m.CudaIpcAttached(channel_id="attention-0/1", accepted=False, reason="other host"),
+        m.DispatchSlot(dispatch_id=2, step_id=11, layer=3, micro_batch=0, channel_id="attention-0/1", slot=1,
+                       num_tokens=8, has_slot_mask=True),
+        m.CombineSlot(dispatch_id=2, step_id=11, layer=3, micro_batch=0, slot=1, num_tokens=8),
         m.TargetFeatures(
             step_id=11,
             segments=(m.FeatureSegment(request_id="req-1", row_start=0, num_rows=2, start_position=4, token_ids=(4, 77)),),

@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "scheduler": "bench.scheduler_cost",
     "kernels": "bench.kernels",
     "layers": "bench.layers",
+    "fullsize": "bench.fullsize",
     "serve": "bench.serve",
     "speculation": "bench.speculation",
 }

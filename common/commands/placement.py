@@ -4,6 +4,7 @@
         --budget cuda:0=80GiB --budget cpu=100GiB --throughput cuda:0=4000GB/s --throughput cpu=100GB/s \
         [--replicate-hot N] [--policy hottest|balanced] [--out placement.toml]
     moemesh placement show placement.toml [--preset v4-flash]
+    moemesh placement show --url http://router:8000    (the expert workers registered with a router)
 
     moemesh placement apply placement.toml --url http://router:8000   (common/commands/placement_apply.py)
 
@@ -45,8 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     plan.add_argument("--policy", choices=("hottest", "balanced"), default="balanced")
     plan.add_argument("--out", default="placement.toml", help="placement file to write (TOML)")
     plan.add_argument("--json", action="store_true", help="print the per-device table as JSON")
-    show = sub.add_parser("show", help="print what a placement file holds and check it")
-    show.add_argument("file", help="placement TOML")
+    show = sub.add_parser("show", help="print what a placement file holds and check it, or (--url) the expert "
+                          "workers registered with a running router")
+    show.add_argument("file", nargs="?", default=None, help="placement TOML")
+    show.add_argument("--url", default=None, help="a running router's base URL: list its registered expert workers")
+    show.add_argument("--api-key", default=None, help="bearer key for --url (default: $MOEMESH_API_KEY)")
     _add_model_arguments(show, required=False)
     show.add_argument("--layers", action="store_true", help="also list each worker's experts per layer")
     from common.commands.placement_apply import add_apply_arguments
@@ -79,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
             from common.commands.placement_apply import run_apply
 
             return run_apply(args)
+        if action == "show" and args.url is not None:
+            return _show_registered(args)
+        if action == "show" and args.file is None:
+            raise ValueError("show needs a placement FILE or --url URL")
         return _plan(args) if action == "plan" else _show(args)
     except (ConfigError, DeviceSpecError, PlacementError, PlacementInfeasible, StatsError, OSError,
             ValueError) as error:
@@ -197,4 +205,40 @@ def _show(args: argparse.Namespace) -> int:
             print(f"  {problem}")
         return 1
     print(f"valid ({checked})")
+    return 0
+
+
+def _show_registered(args: argparse.Namespace) -> int:
+    """`placement show --url`: GET /v1/admin/experts and print one row per registered worker."""
+    import os
+
+    import httpx
+
+    from common.placement.devices import format_bytes
+
+    key = args.api_key or os.environ.get("MOEMESH_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        response = httpx.get(args.url.rstrip("/") + "/v1/admin/experts", headers=headers, timeout=30)
+    except httpx.HTTPError as error:
+        print(f"moemesh placement show: error: {error}", file=sys.stderr)
+        return 1
+    if response.status_code != 200:
+        print(f"moemesh placement show: error {response.status_code}: {response.text[:300]}", file=sys.stderr)
+        return 1
+    body = response.json()
+    applied = body["applied_workers"]
+    print(f"{args.url}: placement version {body['placement_version']} "
+          f"({'the deployment files' if applied is None else 'applied: ' + ', '.join(applied)})")
+    print(f"{'worker':<14} {'device':<8} {'state':<12} {'pid':>8} {'experts':>8} {'bytes':>12} {'free budget':>12}  endpoint")
+    for worker in body["workers"]:
+        free = "?" if worker["free_budget_bytes"] is None else format_bytes(worker["free_budget_bytes"])
+        print(f"{worker['name']:<14} {worker['device']:<8} {worker['state']:<12} {worker['pid']:>8} "
+              f"{worker['num_experts']:>8} {format_bytes(worker['num_weight_bytes']):>12} {free:>12}  "
+              f"{worker['endpoint']}")
+        if args.layers:
+            from common.placement.placement_file import format_ranges
+
+            for layer, experts in worker["experts_by_layer"].items():
+                print(f"    layer {layer}: {format_ranges(experts)}")
     return 0

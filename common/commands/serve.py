@@ -1,12 +1,16 @@
 """`moemesh serve`: router, attention worker and expert workers on one host, as separate processes.
 
     write <run_dir>/deployment.toml -> start every service -> wait until /health is 200
-    (a progress line on stderr) -> print the URL -> wait for Ctrl-C / SIGTERM or a service
-    dying -> stop router, attention, experts in that order (SIGTERM, bounded drain, SIGKILL)
+    (a progress line on stderr) -> print the URL -> until Ctrl-C / SIGTERM: restart a service
+    that dies (serve_restarts.py: backoff, budget) -> stop router, attention, experts, drafter
+    in that order (SIGTERM, bounded drain, SIGKILL)
 
 Readiness is what the router reports: it receives every worker's Ready and heartbeats on
 the deployment's supervisor endpoint, and /health turns 200 only when all needed workers
-are ready. Exit code 0 after a requested stop, 1 when a service failed, 2 for bad arguments.
+are ready. A service dying while starting fails serve at once (that is a config or model
+problem, not a transient fault); once serving, a dead service is restarted, and serve only
+gives up (stopping everything) when one spends its restart budget. Exit code 0 after a
+requested stop, 1 when a service failed, 2 for bad arguments.
 Imports nothing heavy: the services load torch in their own processes.
 """
 
@@ -45,6 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="DSpark speculative decoding (default: adaptive when the checkpoint has a drafter)")
     parser.add_argument("--spec-width", type=int, default=None,
                         help="drafts per request (fixed) or their cap (adaptive); at most dspark_block_size")
+    parser.add_argument("--max-restarts", type=int, default=5,
+                        help="restarts in a row of a service that keeps dying within --restart-stable-s "
+                             "before serve gives up (default 5; 0: stop serving when any service exits)")
+    parser.add_argument("--restart-stable-s", type=float, default=60.0,
+                        help="a service that ran this long before dying starts a fresh backoff and budget "
+                             "(default 60)")
+    parser.add_argument("--restart-backoff-s", type=float, default=0.5,
+                        help="first restart delay; doubles per quick death in a row, capped at 30 s "
+                             "(default 0.5)")
 
 
 def _parse_devices(text: str) -> tuple[str, ...]:
@@ -94,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from services.draft.width import SpeculationConfig
     from common.commands.serve_processes import start_service, stop_services
+    from common.commands.serve_restarts import RestartPolicy
     from common.runtime.deployment import DeploymentError
     from common.runtime.logging import configure_logging
 
@@ -104,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--expert-workers must be >= 1, got {args.expert_workers}")
         # refuses a width above dspark_block_size (or speculation without a drafter) before anything starts
         speculation = SpeculationConfig.for_model(args.speculation, args.spec_width, draft_block_size(model_dir))
+        restart_policy = RestartPolicy(initial_backoff_s=args.restart_backoff_s,
+                                       max_backoff_s=max(30.0, args.restart_backoff_s),
+                                       max_restarts=args.max_restarts, stable_after_s=args.restart_stable_s)
     except (ModelMissing, ValueError) as error:
         print(f"moemesh serve: {error}", file=sys.stderr)
         return 2
@@ -126,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     services = []
     drafter = None
+    watched = None  # after readiness: every service serve restarts (the list the restarter updates)
     try:
         services.append(start_service("router", "router", config_path, log_dir))
         services += [start_service("attention", w.name, config_path, log_dir) for w in deployment.attention]
@@ -138,10 +156,12 @@ def run(args: argparse.Namespace) -> int:
         if outcome == "ready":
             print(f"moemesh serving {model_dir.name} at {base_url}/v1 (logs: {log_dir}; speculation "
                   f"{_speculation_text(speculation, drafter)})", flush=True)
-            outcome = _wait_for_stop(services, stop, drafter)
+            watched = services + ([drafter.service] if drafter is not None and not drafter.exited else [])
+            outcome = _wait_for_stop(watched, stop, restart_policy, run_dir)
     finally:
-        extra = [drafter.service] if drafter is not None else []
-        codes = stop_services(services + extra, args.drain_timeout)  # router, attention, experts, drafter
+        if watched is None:
+            watched = services + ([drafter.service] if drafter is not None else [])
+        codes = stop_services(watched, args.drain_timeout)  # router, attention, experts, drafter
     if outcome == "stopped":
         print(f"moemesh serve: stopped ({stop.signal_name}); exit codes {codes}", file=sys.stderr)
         return 0
@@ -207,15 +227,33 @@ def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: floa
         time.sleep(0.25)
 
 
-def _wait_for_stop(services, stop: _StopRequested, drafter=None) -> str:
-    from common.commands.serve_processes import first_exited
+def _wait_for_stop(services, stop: _StopRequested, policy, run_dir: Path) -> str:
+    """Restart services that die until a stop is requested ("stopped") or one spends its budget
+    (why). `services` is updated in place with the replacements."""
+    from common.commands.serve_processes import restart_service
+    from common.commands.serve_restarts import ChildRestarter, GaveUp
+    from common.commands.serve_config import DRAFT_NAME
+    from common.runtime.restart_record import restarts_path_for
 
+    record_path = restarts_path_for(run_dir)
+    record_path.unlink(missing_ok=True)  # a reused run dir: only this serve's restarts count
+    restarter = ChildRestarter(services, policy, restart_service, record_path=record_path,
+                               optional=frozenset({DRAFT_NAME}))
+    num_restarts, num_given_up = 0, 0
     while not stop:
-        if drafter is not None:
-            drafter.check()
-        exited = first_exited(services)
-        if exited is not None:
-            return f"{exited.name} exited with code {exited.exit_code}:\n{exited.stderr_tail()}"
+        try:
+            restarter.poll()
+        except GaveUp as error:
+            return str(error)
+        if restarter.num_restarts != num_restarts:
+            num_restarts = restarter.num_restarts
+            restarted = ", ".join(f"{name} x{record.num_restarts} (pid {record.pid})"
+                                  for name, record in sorted(restarter.records.items()) if record.pid is not None)
+            print(f"moemesh serve: restarted {restarted}", file=sys.stderr, flush=True)
+        if len(restarter.given_up) != num_given_up:
+            num_given_up = len(restarter.given_up)
+            print(f"moemesh serve: gave up restarting {', '.join(restarter.given_up)}; serving continues "
+                  f"without it", file=sys.stderr, flush=True)
         time.sleep(0.2)
     return "stopped"
 

@@ -42,6 +42,10 @@ class ServiceProcess:
     role: str  # router | attention | expert | draft
     process: subprocess.Popen
     stderr_path: Path
+    # how it was started, so `restart_service` can run the same command again
+    config_path: Path | None = None
+    log_dir: Path | None = None
+    extra_args: tuple[str, ...] = ()
 
     @property
     def exit_code(self) -> int | None:
@@ -68,7 +72,14 @@ def start_service(role: str, name: str, config_path: Path, log_dir: Path,
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, env=env,
                                    start_new_session=True, preexec_fn=_die_with_parent)
     log.info("serve.service_started", name=name, role=role, pid=process.pid)
-    return ServiceProcess(name, role, process, stderr_path)
+    return ServiceProcess(name, role, process, stderr_path, Path(config_path), log_dir, tuple(extra_args))
+
+
+def restart_service(service: ServiceProcess) -> ServiceProcess:
+    """The same service started again with the same command (its stderr file is appended to)."""
+    if service.config_path is None or service.log_dir is None:
+        raise ValueError(f"{service.name} was not started by start_service: no command to repeat")
+    return start_service(service.role, service.name, service.config_path, service.log_dir, service.extra_args)
 
 
 def stop_services(services: list[ServiceProcess], drain_s: float) -> dict[str, int]:

@@ -182,14 +182,36 @@ Case = tuple[str, Callable[[], CheckResult]]
 
 def interpret_cases() -> list[Case]:
     """Small shapes with ragged edges, split-K, empty experts, both weight formats (~10 s interpreted)."""
-    from common.kernels.fp4_experts import GroupedGemmConfig
+    from common.kernels.fp4_experts import Fp4Decode, GroupedGemmConfig
     from common.kernels.fp8_linear import Fp8LinearConfig
 
     bf16, f32 = torch.bfloat16, torch.float32
     small = GroupedGemmConfig(block_m=16, block_n=16, block_k=64)
     wide_k = GroupedGemmConfig(block_m=16, block_n=32, block_k=128)
     split3 = Fp8LinearConfig(block_n=32, block_t=16, block_k=64, split_k=3)
+    halves_split2 = GroupedGemmConfig(block_m=16, block_n=16, block_k=32, split_k=2, fp4_decode=Fp4Decode.HALVES)
+    fma_m2_split2 = GroupedGemmConfig(block_m=2, block_n=16, block_k=32, split_k=2, fp4_decode=Fp4Decode.FMA)
+    fma_m1_split2 = GroupedGemmConfig(block_m=1, block_n=16, block_k=32, split_k=2, fp4_decode=Fp4Decode.FMA)
+    fma_m4 = GroupedGemmConfig(block_m=4, block_n=32, block_k=64, fp4_decode=Fp4Decode.FMA)
+    halves = GroupedGemmConfig(block_m=16, block_n=32, block_k=64, fp4_decode=Fp4Decode.HALVES)
+    fma_t1_split2 = Fp8LinearConfig(block_n=32, block_t=1, block_k=64, split_k=2, use_fma=True)
+    fma_t4 = Fp8LinearConfig(block_n=16, block_t=4, block_k=32, use_fma=True)
     return [
+        ("fp4_decode_exact_join", lambda: check_fp4_decode_exact(Fp4Decode.JOIN, "cpu")),
+        ("fp4_decode_exact_halves", lambda: check_fp4_decode_exact(Fp4Decode.HALVES, "cpu")),
+        ("fp4_halves_split2_fma_split2", lambda: check_grouped_experts(
+            9, 6, 128, 64, num_empty=2, gate_up_config=halves_split2, down_config=fma_m1_split2, seed=9)),
+        ("fp4_fma_m1_fma_m2_split2", lambda: check_grouped_experts(
+            7, 5, 64, 64, num_empty=1, gate_up_config=fma_m1_split2, down_config=fma_m2_split2, seed=15)),
+        ("fp4_fma_halves_fp32", lambda: check_grouped_experts(
+            40, 3, 64, 64, swiglu_limit=None, x_dtype=f32, gate_up_config=fma_m4, down_config=halves, seed=10)),
+        ("fp8_fma_t1_split2", lambda: check_fp8_linear(1, 96, 256, config=fma_t1_split2, seed=12)),
+        ("fp8_fma_t4_bf16_out", lambda: check_fp8_linear(3, 130, 200, out_dtype=bf16, config=fma_t4, seed=13)),
+        ("fp8_experts_fma_m2", lambda: check_grouped_experts(
+            7, 4, 128, 128, weight_format=1, gate_up_config=fma_m1_split2, down_config=fma_m4, seed=14)),
+        ("fp8_experts_split2", lambda: check_grouped_experts(
+            12, 4, 128, 128, weight_format=1, num_empty=1, gate_up_config=halves_split2, down_config=halves_split2,
+            seed=11)),
         ("fp8_decode_ragged", lambda: check_fp8_linear(3, 200, 300, seed=1)),  # heuristic: split-K, ragged N, K
         ("fp8_split3_bk64", lambda: check_fp8_linear(5, 256, 512, config=split3, seed=2)),
         ("fp8_prefill_fp32", lambda: check_fp8_linear(70, 130, 260, x_dtype=f32, seed=3)),
@@ -208,6 +230,8 @@ def interpret_cases() -> list[Case]:
 
 def cuda_cases() -> list[Case]:
     """V4-Flash shapes on a CUDA device, decode and prefill schedules."""
+    from common.kernels.expert_configs import Fp4Decode, GroupedGemmConfig
+
     cases: list[Case] = []
     for num_tokens in (1, 7, 64, 2048):
         for out_features, in_features in ((1024, 4096), (32768, 1024), (4096, 8192)):
@@ -216,11 +240,79 @@ def cuda_cases() -> list[Case]:
                           check_fp8_linear(t, n, k, device="cuda", seed=t)))
     cases.append(("fp8_T33_512x4096_fp32", lambda: check_fp8_linear(
         33, 512, 4096, x_dtype=torch.float32, device="cuda", seed=11)))
+    cases.append(("fp4_decode_exact_asm", lambda: check_fp4_decode_exact(Fp4Decode.ASM, "cuda")))
+    cases.append(("fp4_decode_exact_asm_folded", lambda: check_fp4_decode_exact(Fp4Decode.ASM_FOLDED, "cuda")))
+    cases.append(("fp4_decode_exact_asm_quad", lambda: check_fp4_decode_exact(Fp4Decode.ASM_QUAD, "cuda")))
+    cases.append(("fp4_decode_exact_halves", lambda: check_fp4_decode_exact(Fp4Decode.HALVES, "cuda")))
+    for num_tokens, out_features, in_features in ((1, 32768, 1024), (64, 4096, 8192), (2048, 1024, 4096)):
+        cases.append((f"fp8_asm_quad_T{num_tokens}_{out_features}x{in_features}",
+                      lambda t=num_tokens, n=out_features, k=in_features: check_fp8_linear(
+                          t, n, k, config=_asm_quad_config(t, n, k), device="cuda", seed=t + 1)))
+    cases.append(("fp8_T1_split8_twice", lambda: check_fp8_linear_repeatable(1, 4096, 8192, split_k=8)))
     for num_rows, num_experts, fmt in ((6, 256, 0), (384, 256, 0), (12288, 256, 0), (6, 16, 1), (4096, 16, 1)):
         cases.append((f"experts_fmt{fmt}_R{num_rows}_E{num_experts}",
                       lambda r=num_rows, e=num_experts, f=fmt: check_grouped_experts(
                           r, e, 4096, 2048, weight_format=f, device="cuda", seed=r + f)))
+    for num_rows, config in ((6, GroupedGemmConfig(16, 64, 128, 4, 3, 2, Fp4Decode.ASM_QUAD)),
+                             (4096, GroupedGemmConfig(64, 128, 64, 8, 3, 1, Fp4Decode.ASM_QUAD))):
+        cases.append((f"experts_fmt1_asm_quad_R{num_rows}", lambda r=num_rows, c=config: check_grouped_experts(
+            r, 16, 4096, 2048, weight_format=1, gate_up_config=c, down_config=c, device="cuda", seed=r + 9)))
+    for label, num_rows, config in expert_variant_configs():
+        cases.append((f"experts_R{num_rows}_{label}", lambda r=num_rows, c=config: check_grouped_experts(
+            r, 256, 4096, 2048, gate_up_config=c, down_config=c, device="cuda", seed=r + 3)))
     return cases
+
+
+def _asm_quad_config(num_tokens: int, out_features: int, in_features: int):
+    import dataclasses
+
+    from common.kernels.fp8_linear import choose_fp8_linear_config
+
+    heuristic = choose_fp8_linear_config(num_tokens, out_features, in_features)
+    return dataclasses.replace(heuristic, asm_decode=True, asm_quad=True, use_fma=False)
+
+
+def check_fp4_decode_exact(decode, device: str) -> CheckResult:
+    """The decoder against the reference over every byte value: the error is the mismatch count."""
+    from common.kernels.decode_probe import mismatches
+
+    return CheckResult(f"fp4 decode {decode.name} exact on {device}", float(mismatches(decode, device)), 0.0, True)
+
+
+def expert_variant_configs() -> list[tuple[str, int, object]]:
+    """Every FP4 decode mode and split-K at the decode and prefill row counts (CUDA cases)."""
+    from common.kernels.fp4_experts import Fp4Decode, GroupedGemmConfig
+
+    out = []
+    for decode in (Fp4Decode.ASM_QUAD, Fp4Decode.ASM_QUAD_WORD_SCALES, Fp4Decode.ASM_FOLDED, Fp4Decode.DOT_SCALED,
+                   Fp4Decode.ASM, Fp4Decode.FMA, Fp4Decode.HALVES):
+        block_m = 2 if decode == Fp4Decode.FMA else 16
+        out.append((f"{decode.name.lower()}_split4", 6, GroupedGemmConfig(
+            block_m=block_m, block_n=64, block_k=128, split_k=4, fp4_decode=decode)))
+        out.append((decode.name.lower(), 384, GroupedGemmConfig(block_m=block_m, block_n=64, fp4_decode=decode)))
+    for decode in (Fp4Decode.ASM_QUAD, Fp4Decode.ASM_QUAD_WORD_SCALES, Fp4Decode.ASM_FOLDED, Fp4Decode.DOT_SCALED,
+                   Fp4Decode.ASM, Fp4Decode.HALVES):
+        block_k = 128 if decode == Fp4Decode.ASM_QUAD_WORD_SCALES else 64
+        out.append((f"{decode.name.lower()}_prefill", 12288, GroupedGemmConfig(
+            block_m=64, block_n=128, block_k=block_k, num_warps=8, fp4_decode=decode)))
+    return out
+
+
+def check_fp8_linear_repeatable(num_tokens: int, out_features: int, in_features: int, *, split_k: int) -> CheckResult:
+    """Split-K twice in a row on CUDA: both right (the counters reset) and bitwise equal (fixed-order sum)."""
+    from common.kernels.fp8_linear import Fp8LinearConfig, fp8_linear
+
+    config = Fp8LinearConfig(block_n=64, block_t=16, split_k=split_k)
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    weight, scale = random_fp8_weight((out_features, in_features), generator, "cuda")
+    x = torch.randn(num_tokens, in_features, generator=generator, device="cuda").to(torch.bfloat16)
+    first = fp8_linear(x, weight, scale, out_dtype=torch.float32, config=config)
+    second = fp8_linear(x, weight, scale, out_dtype=torch.float32, config=config)
+    ref = reference.fp8_linear_reference(x, weight, scale)
+    error, finite = _relative_error(second.cpu(), ref.cpu())
+    if not torch.equal(first, second):
+        error = float("inf")
+    return CheckResult(f"fp8_linear split_k={split_k} twice T={num_tokens}", error, TIGHT_TOLERANCE, finite)
 
 
 def main(argv: list[str] | None = None) -> int:

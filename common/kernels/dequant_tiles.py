@@ -2,8 +2,11 @@
 
 Legend: BN rows (output features) of the tile, BK input features (the dot's K side), G = BK/32.
 
-Both helpers return the fp32 tile [BN, BK] with the ue8m0 scale already applied; callers cast
-it to the activation dtype for `tl.dot`. The e2m1 and e4m3 values times a power of two are exact
+`fp4_tile` and `fp8_tile` return the fp32 tile [BN, BK] with the ue8m0 scale already applied;
+callers cast it to the activation dtype for `tl.dot`. `fp4_tile_halves` returns the even-k and
+odd-k columns as two [BN, BK/2] tiles (no interleaving join: the caller splits x the same way and
+runs two dots), `fp4_packed_tile` the raw bytes and scale bytes for `tl.dot_scaled`. These run
+everywhere, the interpreter included; the faster inline-PTX decoders are in `ptx_decode.py`. The e2m1 and e4m3 values times a power of two are exact
 in fp32 and in bf16 (same exponent range), so the cast loses nothing.
 """
 
@@ -39,6 +42,44 @@ def fp4_tile(
     low = (_e2m1_times_2_pow_minus_126(packed) * 9.223372036854775808e18) * factor  # [BN, G, 16] even k
     high = (_e2m1_times_2_pow_minus_126(packed >> 4) * 9.223372036854775808e18) * factor  # [BN, G, 16] odd k
     return tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])  # [BN, BK]
+
+
+@triton.jit
+def fp4_tile_halves(
+    w_ptr, s_ptr, offs_n, mask_n, k_begin, stride_wn, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """As `fp4_tile`, but returns (even-k [BN, BK/2], odd-k [BN, BK/2]) without joining them.
+
+    Column j of each half is k = k_begin + 2j (+1): exactly the byte column j, so the [BN, G, 16]
+    decode merges its two minor dims into [BN, BK/2] in order, with no element moving between
+    threads; the interleaving join of `fp4_tile` is what this avoids.
+    """
+    NUM_GROUPS: tl.constexpr = BLOCK_K // 32
+    offs_g = tl.arange(0, NUM_GROUPS)  # [G]
+    offs_b = tl.arange(0, 16)
+    byte_cols = (k_begin // 2) + offs_g[:, None] * 16 + offs_b[None, :]  # [G, 16]
+    packed = tl.load(
+        w_ptr + offs_n[:, None, None] * stride_wn + byte_cols[None, :, :], mask=mask_n[:, None, None], other=0
+    ).to(tl.uint8, bitcast=True).to(tl.int32)  # [BN, G, 16]
+    s = tl.load(s_ptr + offs_n[:, None] * stride_sn + (k_begin // 32) + offs_g[None, :], mask=mask_n[:, None], other=127)
+    factor = ((s.to(tl.int32) + 63) << 23).to(tl.float32, bitcast=True)[:, :, None]  # [BN, G, 1]
+    low = (_e2m1_times_2_pow_minus_126(packed) * 9.223372036854775808e18) * factor  # [BN, G, 16]
+    high = (_e2m1_times_2_pow_minus_126(packed >> 4) * 9.223372036854775808e18) * factor  # [BN, G, 16]
+    return tl.reshape(low, [BLOCK_N, BLOCK_K // 2]), tl.reshape(high, [BLOCK_N, BLOCK_K // 2])
+
+
+@triton.jit
+def fp4_packed_tile(
+    w_ptr, s_ptr, offs_n, mask_n, k_begin, stride_wn, stride_sn, BLOCK_K: tl.constexpr
+):
+    """Raw e2m1 bytes [BN, BK/2] (low nibble = even k) and ue8m0 bytes [BN, BK/32]: the operands of
+    `tl.dot_scaled(..., "e2m1", ...)`, whose packing and scale convention (2^(byte - 127) per 32
+    k along a row) are the checkpoint's. Rows past `mask_n` read code 0 with scale 2^0."""
+    byte_cols = (k_begin // 2) + tl.arange(0, BLOCK_K // 2)  # [BK/2]
+    packed = tl.load(w_ptr + offs_n[:, None] * stride_wn + byte_cols[None, :], mask=mask_n[:, None], other=0)
+    scale_cols = (k_begin // 32) + tl.arange(0, BLOCK_K // 32)  # [G]
+    s = tl.load(s_ptr + offs_n[:, None] * stride_sn + scale_cols[None, :], mask=mask_n[:, None], other=127)
+    return packed.to(tl.uint8, bitcast=True), s.to(tl.uint8, bitcast=True)
 
 
 @triton.jit

@@ -19,10 +19,17 @@ by a prefix sum over all experts' tile counts, done in the kernel (E <= a few hu
 vector load). The grid has `min(R, ceil(R / BM) + E)` tile slots, an upper bound on the real tile
 count; programs past the real count return at once, before reading any weight. Each weight tile
 is therefore read once per row tile of its expert: once in decode (a few rows per expert).
+
+How a K step meets the weights is a config choice (`expert_configs.Fp4Decode`: portable fp32
+decodes the interpreter runs, inline-PTX bf16 decodes for the GPU; the default is the fastest
+measured, `expert_configs.choose_grouped_config`). `split_k` > 1 spreads each tile's K loop over
+several programs of the same launch, the last of which sums the partials and runs the epilogue
+(`split_k.py`): one launch, deterministic, graph-capturable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -30,8 +37,19 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels.dequant_tiles import fp4_tile, fp8_tile
+from common.kernels.dequant_tiles import fp4_packed_tile, fp4_tile, fp4_tile_halves, fp8_tile
+from common.kernels.expert_configs import Fp4Decode, GroupedGemmConfig, choose_grouped_config, validate
+from common.kernels.ptx_decode import (
+    FOLDED_SCALE_SHIFT, fp4_scale_pairs, fp4_scale_pairs_from_words, fp4_tile_halves_bf16_asm,
+    fp4_tile_halves_bf16_folded_asm, fp4_tile_quarters_bf16_asm, fp8_tile_quarters_bf16_asm,
+)
 from common.kernels.reference import FP4_BLOCK_SIZE, FP8_BLOCK_SIZE, scale_bytes
+from common.kernels.split_k import take_ticket, tile_counters
+
+__all__ = [
+    "ExpertWeights", "Fp4Decode", "GroupedGemmConfig", "WeightFormat", "choose_grouped_config",
+    "grouped_down", "grouped_experts", "grouped_gate_up",
+]
 
 
 class WeightFormat(enum.IntEnum):
@@ -64,34 +82,6 @@ class ExpertWeights:
         return self.w1.shape[1]
 
 
-@dataclass(frozen=True)
-class GroupedGemmConfig:
-    """Tile shape and launch parameters; `block_k` is a multiple of 32 dividing 128."""
-
-    block_m: int
-    block_n: int
-    block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        if self.block_k % FP4_BLOCK_SIZE != 0 or FP8_BLOCK_SIZE % self.block_k != 0:
-            raise ValueError(f"block_k {self.block_k} must be a multiple of 32 dividing 128")
-        if min(self.block_m, self.block_n) < 16:
-            raise ValueError("block_m and block_n must be at least 16 (tl.dot)")
-
-
-def choose_grouped_config(num_rows: int, num_experts: int) -> GroupedGemmConfig:
-    """Decode (a few rows per expert): narrow tiles so that enough programs stream the weights.
-    Prefill (tens of rows per expert or more): larger tiles that reuse each weight tile."""
-    mean_rows_per_expert = num_rows / max(1, num_experts)
-    # Tile shapes are the best measured on an H200 (bench/NOTES.md), same for both launches.
-    if mean_rows_per_expert >= 32:
-        return GroupedGemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    block_m = 16 if mean_rows_per_expert <= 4 else 32
-    return GroupedGemmConfig(block_m=block_m, block_n=64, block_k=128, num_warps=4, num_stages=3)
-
-
 @triton.jit
 def _find_tile(offsets_ptr, tile_id, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """(expert, first row, end row) of row tile `tile_id`; expert >= num_experts if there is none."""
@@ -110,25 +100,86 @@ def _find_tile(offsets_ptr, tile_id, num_experts, BLOCK_M: tl.constexpr, BLOCK_E
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, offs_n, mask_n, k_begin, num_cols, stride_wn, stride_sn,
-                 WEIGHT_FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    if WEIGHT_FORMAT == 0:
-        return fp4_tile(w_ptr, s_ptr, offs_n, mask_n, k_begin, stride_wn, stride_sn, BLOCK_N, BLOCK_K)
-    else:
-        return fp8_tile(w_ptr, s_ptr, offs_n, mask_n, k_begin, num_cols, stride_wn, stride_sn, BLOCK_K)
+def _accumulate(acc, x, w_ptr, s_ptr, scales, offs_n, mask_n, k_begin, num_cols, stride_wn, stride_sn,
+                WEIGHT_FORMAT: tl.constexpr, FP4_DECODE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BN, BM] += W[offs_n, k_begin:+BK] @ x^T for x [BM, BK]; the weight decode per FP4_DECODE.
+
+    `scales` is this step's prefetched scale tile where the decode takes one (ASM_QUAD), else unused."""
+    if WEIGHT_FORMAT == 1 and FP4_DECODE == 6:  # FP8 weights, inline-PTX e4m3 decode by k mod 4
+        q0, q1, q2, q3 = fp8_tile_quarters_bf16_asm(w_ptr, s_ptr, offs_n, mask_n, k_begin, num_cols, stride_wn,
+                                                    stride_sn, BLOCK_K)  # [BN, BK/4] each
+        x_b0, x_b1 = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 4, 2, 2]))
+        x_0, x_2 = tl.split(x_b0)
+        x_1, x_3 = tl.split(x_b1)
+        acc = tl.dot(q0, tl.trans(x_0), acc)
+        acc = tl.dot(q1, tl.trans(x_1), acc)
+        acc = tl.dot(q2, tl.trans(x_2), acc)
+        acc = tl.dot(q3, tl.trans(x_3), acc)
+    elif WEIGHT_FORMAT == 1:
+        w = fp8_tile(w_ptr, s_ptr, offs_n, mask_n, k_begin, num_cols, stride_wn, stride_sn, BLOCK_K)
+        if FP4_DECODE == 3 and BLOCK_M == 1:  # FMA, one row: acc [BN, BK] summed after the loop
+            acc += w * x.to(tl.float32)
+        elif FP4_DECODE == 3:  # FMA also for FP8 weights (block_m may be below tl.dot's 16)
+            acc += tl.sum(w[:, None, :] * x.to(tl.float32)[None, :, :], axis=2)
+        else:
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+    elif FP4_DECODE == 0:  # JOIN
+        w = fp4_tile(w_ptr, s_ptr, offs_n, mask_n, k_begin, stride_wn, stride_sn, BLOCK_N, BLOCK_K)
+        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+    elif FP4_DECODE == 2:  # DOT_SCALED
+        packed, scales = fp4_packed_tile(w_ptr, s_ptr, offs_n, mask_n, k_begin, stride_wn, stride_sn, BLOCK_K)
+        acc = tl.dot_scaled(packed, scales, "e2m1", tl.trans(x), None, "bf16", acc)
+    elif FP4_DECODE == 6 or FP4_DECODE == 7:  # ASM_QUAD(_WORD_SCALES): four bf16 quarters by k mod 4 (W * 2^-16)
+        if FP4_DECODE == 7:
+            scales = fp4_scale_pairs_from_words(s_ptr, offs_n, mask_n, k_begin, stride_sn, BLOCK_K)
+        q0, q1, q2, q3 = fp4_tile_quarters_bf16_asm(w_ptr, scales, offs_n, mask_n, k_begin, stride_wn,
+                                                    BLOCK_N, BLOCK_K)  # [BN, BK/4] each
+        x_b0, x_b1 = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 4, 2, 2]))  # k % 2 == 0 / 1: [BM, BK/4, 2]
+        x_0, x_2 = tl.split(x_b0)  # k % 4 == 0 / 2: [BM, BK/4]
+        x_1, x_3 = tl.split(x_b1)  # k % 4 == 1 / 3
+        acc = tl.dot(q0, tl.trans(x_0), acc)
+        acc = tl.dot(q1, tl.trans(x_1), acc)
+        acc = tl.dot(q2, tl.trans(x_2), acc)
+        acc = tl.dot(q3, tl.trans(x_3), acc)
+    elif FP4_DECODE == 4 or FP4_DECODE == 5:  # ASM / ASM_FOLDED: bf16 halves from inline PTX
+        if FP4_DECODE == 4:
+            w_even, w_odd = fp4_tile_halves_bf16_asm(w_ptr, s_ptr, offs_n, mask_n, k_begin, stride_wn, stride_sn,
+                                                     BLOCK_N, BLOCK_K)  # [BN, BK/2] bf16 each
+        else:  # W * 2^-16, rescaled by the caller after the K loop
+            w_even, w_odd = fp4_tile_halves_bf16_folded_asm(w_ptr, s_ptr, offs_n, mask_n, k_begin, stride_wn,
+                                                            stride_sn, BLOCK_N, BLOCK_K)
+        x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))  # [BM, BK/2] each
+        acc = tl.dot(w_even, tl.trans(x_even), acc)
+        acc = tl.dot(w_odd, tl.trans(x_odd), acc)
+    else:  # HALVES or FMA: even-k and odd-k columns apart
+        w_even, w_odd = fp4_tile_halves(w_ptr, s_ptr, offs_n, mask_n, k_begin, stride_wn, stride_sn,
+                                        BLOCK_N, BLOCK_K)  # [BN, BK/2] each
+        x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))  # [BM, BK/2] each
+        if FP4_DECODE == 1:
+            acc = tl.dot(w_even.to(x.dtype), tl.trans(x_even), acc)
+            acc = tl.dot(w_odd.to(x.dtype), tl.trans(x_odd), acc)
+        elif BLOCK_M == 1:  # FMA, one row: acc [BN, BK/2] elementwise, summed over k after the loop
+            acc += w_even * x_even.to(tl.float32) + w_odd * x_odd.to(tl.float32)
+        else:  # FMA: [BN, 1, BK/2] * [1, BM, BK/2] summed over k
+            products = w_even[:, None, :] * x_even.to(tl.float32)[None, :, :]
+            products += w_odd[:, None, :] * x_odd.to(tl.float32)[None, :, :]
+            acc += tl.sum(products, axis=2)
+    return acc
 
 
 @triton.jit
 def _grouped_kernel(
-    x_ptr, wa_ptr, sa_ptr, wb_ptr, sb_ptr, out_ptr, offsets_ptr, row_weights_ptr,
+    x_ptr, wa_ptr, sa_ptr, wb_ptr, sb_ptr, out_ptr, offsets_ptr, row_weights_ptr, partial_ptr, counter_ptr,
     num_experts, out_features, swiglu_limit,
-    stride_xr, stride_we, stride_wn, stride_se, stride_sn, stride_or,
-    IN_FEATURES: tl.constexpr, WEIGHT_FORMAT: tl.constexpr, FUSE_SWIGLU: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, HAS_ROW_WEIGHTS: tl.constexpr,
+    stride_xr, stride_we, stride_wn, stride_se, stride_sn, stride_or, stride_ps,
+    IN_FEATURES: tl.constexpr, WEIGHT_FORMAT: tl.constexpr, FP4_DECODE: tl.constexpr, FUSE_SWIGLU: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_ROW_WEIGHTS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     expert, row_begin, row_end = _find_tile(offsets_ptr, tile_id, num_experts, BLOCK_M, BLOCK_E)
     if expert >= num_experts:
         return
@@ -142,20 +193,56 @@ def _grouped_kernel(
     wb_ptr += expert64 * stride_we
     sb_ptr += expert64 * stride_se
     offs_k = tl.arange(0, BLOCK_K)
+    K_STEPS: tl.constexpr = IN_FEATURES // BLOCK_K // SPLIT_K
 
-    acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # (x W_a^T)^T tile
-    acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # (x W_b^T)^T tile, SwiGLU only
-    for step in range(0, IN_FEATURES // BLOCK_K):
-        k_begin = step * BLOCK_K
+    # FMA with one row per tile keeps per-column partial sums ("wide", no reduction per K step).
+    WIDE: tl.constexpr = FP4_DECODE == 3 and BLOCK_M == 1
+    ACC_COLS: tl.constexpr = (BLOCK_K // 2 if WEIGHT_FORMAT == 0 else BLOCK_K) if WIDE else BLOCK_M
+    acc_a = tl.zeros([BLOCK_N, ACC_COLS], dtype=tl.float32)  # (x W_a^T)^T tile
+    acc_b = tl.zeros([BLOCK_N, ACC_COLS], dtype=tl.float32)  # (x W_b^T)^T tile, SwiGLU only
+    # ASM_QUAD: the scale bytes of step i + 1 are loaded during step i (register double buffer).
+    PREFETCH: tl.constexpr = WEIGHT_FORMAT == 0 and FP4_DECODE == 6
+    k_first = pid_s * K_STEPS * BLOCK_K
+    scales_a = fp4_scale_pairs(sa_ptr, offs_n, mask_n & PREFETCH, k_first, stride_sn, BLOCK_K)  # [BN, G]
+    scales_b = fp4_scale_pairs(sb_ptr, offs_n, mask_n & (PREFETCH and FUSE_SWIGLU), k_first, stride_sn, BLOCK_K)
+    for step in range(0, K_STEPS):
+        k_begin = k_first + step * BLOCK_K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xr + (k_begin + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
-        x_t = tl.trans(x)  # [BK, BM]
-        w_a = _weight_tile(wa_ptr, sa_ptr, offs_n, mask_n, k_begin, IN_FEATURES, stride_wn, stride_sn,
-                           WEIGHT_FORMAT, BLOCK_N, BLOCK_K)
-        acc_a = tl.dot(w_a.to(x.dtype), x_t, acc_a)
+        ahead = mask_n & (PREFETCH and step + 1 < K_STEPS)
+        next_a = fp4_scale_pairs(sa_ptr, offs_n, ahead, k_begin + BLOCK_K, stride_sn, BLOCK_K)
+        acc_a = _accumulate(acc_a, x, wa_ptr, sa_ptr, scales_a, offs_n, mask_n, k_begin, IN_FEATURES, stride_wn,
+                            stride_sn, WEIGHT_FORMAT, FP4_DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
+        scales_a = next_a
         if FUSE_SWIGLU:
-            w_b = _weight_tile(wb_ptr, sb_ptr, offs_n, mask_n, k_begin, IN_FEATURES, stride_wn, stride_sn,
-                               WEIGHT_FORMAT, BLOCK_N, BLOCK_K)
-            acc_b = tl.dot(w_b.to(x.dtype), x_t, acc_b)
+            next_b = fp4_scale_pairs(sb_ptr, offs_n, ahead, k_begin + BLOCK_K, stride_sn, BLOCK_K)
+            acc_b = _accumulate(acc_b, x, wb_ptr, sb_ptr, scales_b, offs_n, mask_n, k_begin, IN_FEATURES, stride_wn,
+                                stride_sn, WEIGHT_FORMAT, FP4_DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
+            scales_b = next_b
+
+    if WIDE:
+        acc_a = tl.sum(acc_a, axis=1)[:, None]  # [BN, 1]
+        acc_b = tl.sum(acc_b, axis=1)[:, None]
+    if WEIGHT_FORMAT == 0 and FP4_DECODE >= 5:  # ASM_FOLDED / ASM_QUAD*: accumulated W * 2^-16 (exact rescale)
+        acc_a = acc_a * FOLDED_SCALE_SHIFT
+        acc_b = acc_b * FOLDED_SCALE_SHIFT
+    store_mask = mask_n[:, None] & mask_m[None, :]  # [BN, BM]
+    if SPLIT_K > 1:
+        # Partials [S, R, (a|b), N_out] fp32, indexed by real rows (tiles' padding rows skipped).
+        NUM_PARTS: tl.constexpr = 2 if FUSE_SWIGLU else 1
+        part_cols = offs_m[None, :].to(tl.int64) * (NUM_PARTS * out_features) + offs_n[:, None]  # [BN, BM]
+        tl.store(partial_ptr + pid_s * stride_ps + part_cols, acc_a, mask=store_mask)
+        if FUSE_SWIGLU:
+            tl.store(partial_ptr + pid_s * stride_ps + part_cols + out_features, acc_b, mask=store_mask)
+        is_last = take_ticket(counter_ptr + tile_id * tl.num_programs(1) + pid_n, SPLIT_K)
+        store_mask = store_mask & is_last
+        acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):  # fixed order: the sum does not depend on arrival order
+            acc_a += tl.load(partial_ptr + s * stride_ps + part_cols, mask=store_mask, other=0.0,
+                             cache_modifier=".cg")
+            if FUSE_SWIGLU:
+                acc_b += tl.load(partial_ptr + s * stride_ps + part_cols + out_features, mask=store_mask,
+                                 other=0.0, cache_modifier=".cg")
 
     if FUSE_SWIGLU:
         gate = acc_a
@@ -170,7 +257,7 @@ def _grouped_kernel(
         row_weight = tl.load(row_weights_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
         result = result * row_weight[None, :]
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_or + offs_n[:, None]
-    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 def _check_weight(w: torch.Tensor, s: torch.Tensor, weight_format: WeightFormat, num_cols: int) -> None:
@@ -196,8 +283,8 @@ def _launch(
 ) -> torch.Tensor:
     num_rows, in_features = x.shape
     num_experts, out_features = w_a.shape[0], w_a.shape[1]
-    if in_features % config.block_k != 0:
-        raise ValueError(f"in_features {in_features} must be a multiple of block_k {config.block_k}")
+    validate(config, in_features=in_features, is_fp4=weight_format == WeightFormat.FP4_E2M1,
+             x_is_bf16=x.dtype == torch.bfloat16)
     if expert_offsets.shape != (num_experts + 1,):
         raise ValueError(f"expert_offsets must have {num_experts + 1} entries, got {tuple(expert_offsets.shape)}")
     _check_weight(w_a, s_a, weight_format, in_features)
@@ -214,19 +301,43 @@ def _launch(
     if num_rows == 0:
         return out
     max_tiles = min(num_rows, triton.cdiv(num_rows, config.block_m) + num_experts)
-    grid = (max_tiles, triton.cdiv(out_features, config.block_n))
+    grid = (max_tiles, triton.cdiv(out_features, config.block_n), config.split_k)
+    if config.split_k > 1:
+        num_parts = 2 if fuse else 1
+        partials = torch.empty(config.split_k, num_rows, num_parts * out_features, dtype=torch.float32,
+                               device=x.device)
+        counters = tile_counters(x.device, grid[0] * grid[1])
+    else:
+        partials, counters = out, offsets  # never read
     _grouped_kernel[grid](
         x, w_a_bytes, s_a_bytes, w_b_bytes, s_b_bytes, out, offsets,
-        row_weights if row_weights is not None else out,
+        row_weights if row_weights is not None else out, partials, counters,
         num_experts, out_features, float(swiglu_limit) if swiglu_limit is not None else 0.0,
         x.stride(0), w_a_bytes.stride(0), w_a_bytes.stride(1), s_a_bytes.stride(0), s_a_bytes.stride(1), out.stride(0),
-        IN_FEATURES=in_features, WEIGHT_FORMAT=int(weight_format), FUSE_SWIGLU=fuse,
-        HAS_LIMIT=swiglu_limit is not None, HAS_ROW_WEIGHTS=row_weights is not None,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        partials.stride(0) if config.split_k > 1 else 0,
+        IN_FEATURES=in_features, WEIGHT_FORMAT=int(weight_format), FP4_DECODE=int(config.fp4_decode),
+        FUSE_SWIGLU=fuse, HAS_LIMIT=swiglu_limit is not None, HAS_ROW_WEIGHTS=row_weights is not None,
+        SPLIT_K=config.split_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         BLOCK_E=triton.next_power_of_2(num_experts),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def _default_config(x: torch.Tensor, weights: ExpertWeights, out_features: int) -> GroupedGemmConfig:
+    config = choose_grouped_config(x.shape[0], weights.num_experts, out_features=out_features,
+                                   x_is_bf16=x.dtype == torch.bfloat16,
+                                   is_fp4=weights.weight_format == WeightFormat.FP4_E2M1, num_sms=_num_sms(x.device))
+    # The K loop must split evenly; a width that does not (never at V4-Flash sizes) runs unsplit.
+    if (x.shape[1] // config.block_k) % config.split_k:
+        config = dataclasses.replace(config, split_k=1)
+    return config
+
+
+def _num_sms(device: torch.device) -> int:
+    from common.kernels.fp8_linear import device_num_sms
+
+    return device_num_sms(device)
 
 
 def grouped_gate_up(
@@ -234,7 +345,7 @@ def grouped_gate_up(
     swiglu_limit: float | None, out_dtype: torch.dtype | None = None, config: GroupedGemmConfig | None = None,
 ) -> torch.Tensor:
     """x_sorted [R, D] -> SwiGLU hidden [R, I] in `out_dtype` (default x's dtype)."""
-    config = config or choose_grouped_config(x_sorted.shape[0], weights.num_experts)
+    config = config or _default_config(x_sorted, weights, weights.intermediate_size)
     return _launch(
         x_sorted, expert_offsets, weights.w1, weights.s1, weights.w3, weights.s3, weights.weight_format,
         swiglu_limit=swiglu_limit, row_weights=None, out_dtype=out_dtype or x_sorted.dtype, config=config,
@@ -247,7 +358,7 @@ def grouped_down(
     config: GroupedGemmConfig | None = None,
 ) -> torch.Tensor:
     """hidden [R, I] -> [R, D], each row times `row_weights[r]` (fp32 [R]) when given."""
-    config = config or choose_grouped_config(hidden.shape[0], weights.num_experts)
+    config = config or _default_config(hidden, weights, weights.w2.shape[1])
     return _launch(
         hidden, expert_offsets, weights.w2, weights.s2, None, None, weights.weight_format,
         swiglu_limit=None, row_weights=row_weights, out_dtype=out_dtype or hidden.dtype, config=config,

@@ -8,6 +8,9 @@ Keys/values for t: raw rows of positions t-W+1..t, plus compressed rows: HCA all
 (w < (t+1)//m), CSA the indexer's top-k among those. Softmax has a per-head sink (an extra logit
 with no value). Values carry rotated dims, so the output tail is rotated back by -θ(t). The output
 projection is grouped: heads in G groups, wo_a per group, then wo_b.
+Two paths compute the same core: batched Triton kernels over every sequence at once when the
+ForwardBatch carries address tables (CUDA by default, `common/model/attention_kernels.py`), and
+the per-sequence torch loop below (CPU, MOEMESH_TORCH_ATTENTION=1, autograd), the reference.
 Legend: T tokens, S tokens of one sequence, H heads, hd head dim, L keys, G groups, D hidden.
 """
 
@@ -20,10 +23,24 @@ from common.model.batch import ForwardBatch
 from common.model.compressor import Compressor
 from common.model.config import AttentionKind, ModelConfig, NumericsConfig
 from common.model.indexer import Indexer
-from common.model.linear import GroupedLinear, Linear, RMSNorm, parameter, unweighted_rms_norm
+from common.model.linear import GroupedLinear, Linear, RMSNorm, parameter
 from common.model.qat import kv_nope_fp8_qat
-from common.model.rope import RotaryTable, apply_rope
+from common.model.rope import RotaryTable, inverse_rope, rms_norm_rope
 from common.model.state import LayerState
+
+
+def batched_attention_core(*args, **kwargs):  # imports triton: only when the kernels run
+    from common.model.attention_kernels import batched_attention_core as core
+
+    return core(*args, **kwargs)
+
+
+def can_use_kernels(batch: ForwardBatch, kv: torch.Tensor) -> bool:
+    if batch.attention_tables is None:
+        return False
+    from common.model.attention_kernels import can_use_kernels as check
+
+    return check(batch, kv)
 
 
 def attend_with_sink(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor,
@@ -78,10 +95,20 @@ class Attention(nn.Module):
         cos, sin = batch.cos_sin(self.rope)
         q_lat = self.q_norm(self.wq_a(x))  # [T, R]
         q = self.wq_b(q_lat).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]
-        q = apply_rope(unweighted_rms_norm(q, self.config.rms_norm_eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
+        q = rms_norm_rope(q, cos, sin, self.config.rms_norm_eps)  # per-head unweighted norm, then RoPE
+        kv = rms_norm_rope(self.wkv(x), cos, sin, self.kv_norm.eps, weight=self.kv_norm.weight)  # [T, hd]
         if self.fp8_qat_nope_dim is not None:  # before storing and attending: every step reads these values
             kv = kv_nope_fp8_qat(kv, self.fp8_qat_nope_dim)
+        if can_use_kernels(batch, kv):
+            out = batched_attention_core(self, batch, q, kv, x, q_lat, cos, sin)
+        else:
+            out = self._torch_core(x, batch, q, kv, q_lat, cos, sin)
+        out = inverse_rope(out, cos, sin)  # undo the rotation values carried in
+        grouped = out.reshape(num_tokens, self.config.o_groups, -1)  # [T, G, H/G·hd]
+        return self.wo_b(self.wo_a(grouped))
+
+    def _torch_core(self, x, batch: ForwardBatch, q, kv, q_lat, cos, sin) -> torch.Tensor:
+        """The per-sequence reference: -> [T, H, hd] before de-rotation; updates each state."""
         compressor_inputs = indexer_inputs = queries_i = None
         if self.compressor is not None:
             compressor_inputs = self.compressor.project(x, batch.positions)
@@ -95,9 +122,7 @@ class Attention(nn.Module):
             keys, visible = self._keys_for_sequence(state, sl, start, batch.positions[sl], kv[sl],
                                                     compressor_inputs, indexer_inputs, queries_i)
             out[sl] = attend_with_sink(q[sl], keys, visible, self.attn_sink, self.scale)
-        out = apply_rope(out, cos, -sin)  # undo the rotation values carried in
-        grouped = out.reshape(num_tokens, self.config.o_groups, -1)  # [T, G, H/G·hd]
-        return self.wo_b(self.wo_a(grouped))
+        return out
 
     def _keys_for_sequence(self, state: LayerState, sl: slice, start: int, positions: torch.Tensor,
                            new_kv: torch.Tensor, compressor_inputs, indexer_inputs, queries_i

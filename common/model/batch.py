@@ -2,11 +2,16 @@
 
 Tokens of sequence i occupy the contiguous slice `slices[i]` of the flat token axis, in order; their
 positions continue the sequence (state.num_tokens + 0..n-1). No padding anywhere. Linears run over
-all T tokens at once; attention loops over the sequences.
+all T tokens at once. Attention either runs batched Triton kernels over every sequence at once
+(`AttentionBackend.TRITON`: the batch then carries the device address tables of
+`common.kernels.attention_layout`, built here, before any CUDA-graph capture of the layers) or
+loops over the sequences in torch (`AttentionBackend.TORCH`, the reference and CPU path).
 """
 
 from __future__ import annotations
 
+import enum
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +28,27 @@ class SequenceChunk:
     num_new_tokens: int
 
 
+class AttentionBackend(enum.Enum):
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+def default_attention_backend(device: torch.device | str) -> AttentionBackend:
+    """Triton kernels on CUDA, torch elsewhere; env MOEMESH_TORCH_ATTENTION=1 forces torch on CUDA."""
+    if torch.device(device).type != "cuda" or os.environ.get("MOEMESH_TORCH_ATTENTION") == "1":
+        return AttentionBackend.TORCH
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return AttentionBackend.TORCH
+    return AttentionBackend.TRITON
+
+
 class ForwardBatch:
-    def __init__(self, chunks: list[SequenceChunk] | tuple[SequenceChunk, ...], device: torch.device | str) -> None:
+    def __init__(self, chunks: list[SequenceChunk] | tuple[SequenceChunk, ...], device: torch.device | str,
+                 attention_backend: AttentionBackend | None = None) -> None:
+        """attention_backend: None = `default_attention_backend(device)`. With TRITON the tables are
+        built now; when a store cannot be addressed in place they are None and attention uses torch."""
         if not chunks:
             raise ValueError("a forward needs at least one sequence")
         if len({id(chunk.state) for chunk in chunks}) != len(chunks):
@@ -46,6 +70,15 @@ class ForwardBatch:
         self.positions = torch.cat(positions).to(device)  # [T] int64
         self._rope_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._finished = False
+        if attention_backend is None:
+            attention_backend = default_attention_backend(device)
+        self.attention_tables = None  # common.kernels.attention_layout.AttentionTables when batched
+        if attention_backend is AttentionBackend.TRITON:
+            from common.kernels.attention_layout import build_tables
+
+            states = [chunk.state for chunk in self.chunks]
+            self.attention_tables = build_tables(states[0].config, states, self.start_positions,
+                                                 [chunk.num_new_tokens for chunk in self.chunks], self.positions)
 
     def cos_sin(self, table: RotaryTable) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, R/2] of every token for one RoPE kind, computed once per forward."""

@@ -4,6 +4,9 @@
 doubly-stochastic `comb` (stream mixing) matrix; `hc_post` folds the block output back in:
 h'_k = post_k · y + Σ_j comb[j, k] · h_j  (combᵀ h: comb is not symmetric, direction matters).
 All mixing weights are computed in fp32.
+On CUDA tensors the fused Triton kernels of `common.kernels.mhc` run instead (two launches for
+hc_pre / hc_head, one for hc_post; `common.kernels.glue` says when): this torch code stays the CPU
+path and the reference they are tested against.
 Legend: T tokens, N streams (hc_mult), D hidden, M = (2 + N) · N mix width.
 """
 
@@ -12,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.model.linear import unweighted_rms_norm
+from common.kernels.glue import use_triton_glue
+from common.model.linear import rms_norm, unweighted_rms_norm
 
 
 def hc_pre(
@@ -25,6 +29,10 @@ def hc_pre(
     norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (x [T, D] in h's dtype, post [T, N] fp32, comb [T, N, N] fp32)."""
+    if use_triton_glue(h, fn, base, scale):
+        from common.kernels import mhc
+
+        return mhc.hc_pre(h, fn, base, scale, num_sinkhorn_iters, hc_eps, norm_eps)
     num_tokens, num_streams, _ = h.shape
     flat = unweighted_rms_norm(h.reshape(num_tokens, -1).float(), norm_eps)  # [T, N·D]
     mix = F.linear(flat, fn.float())  # [T, M]
@@ -43,8 +51,33 @@ def hc_pre(
     return x, post, comb
 
 
+def hc_pre_normed(
+    h: torch.Tensor,  # [T, N, D]
+    fn: torch.Tensor,  # [M, N·D]
+    base: torch.Tensor,  # [M]
+    scale: torch.Tensor,  # [3]
+    num_sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    norm_weight: torch.Tensor,  # [D] fp32: the block's attn_norm / ffn_norm weight
+    out_eps: float,  # that RMSNorm's eps
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_pre` followed by `RMSNorm` of x -> (normed x [T, D], post, comb); on CUDA the norm runs in
+    hc_pre's finish launch (one launch fewer per site). Same roundings as the two calls."""
+    if use_triton_glue(h, fn, base, scale, norm_weight):
+        from common.kernels import mhc
+
+        return mhc.hc_pre(h, fn, base, scale, num_sinkhorn_iters, hc_eps, norm_eps, out_norm=(norm_weight, out_eps))
+    x, post, comb = hc_pre(h, fn, base, scale, num_sinkhorn_iters, hc_eps, norm_eps)
+    return rms_norm(x, norm_weight, out_eps), post, comb
+
+
 def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """y [T, D] block output, h [T, N, D] streams -> new streams [T, N, D]."""
+    if y.dtype == h.dtype and use_triton_glue(y, h, post, comb):
+        from common.kernels import mhc
+
+        return mhc.hc_post(y, h, post, comb)
     dtype = h.dtype
     return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
 
@@ -58,7 +91,29 @@ def hc_head(
     norm_eps: float,
 ) -> torch.Tensor:
     """Final collapse of the streams (no Sinkhorn) -> [T, D]."""
+    if use_triton_glue(h, fn, base, scale):
+        from common.kernels import mhc
+
+        return mhc.hc_head(h, fn, base, scale, hc_eps, norm_eps)
     flat = unweighted_rms_norm(h.reshape(h.shape[0], -1).float(), norm_eps)
     mix = F.linear(flat, fn.float())  # [T, N]
     weights = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
     return (weights.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
+
+
+def hc_head_normed(
+    h: torch.Tensor,  # [T, N, D]
+    fn: torch.Tensor,  # [N, N·D]
+    base: torch.Tensor,  # [N]
+    scale: torch.Tensor,  # [1]
+    hc_eps: float,
+    norm_eps: float,
+    norm_weight: torch.Tensor,  # [D] fp32: the final norm's weight
+    out_eps: float,
+) -> torch.Tensor:
+    """`hc_head` followed by the final `RMSNorm` -> [T, D]; one launch fewer on CUDA."""
+    if use_triton_glue(h, fn, base, scale, norm_weight):
+        from common.kernels import mhc
+
+        return mhc.hc_head(h, fn, base, scale, hc_eps, norm_eps, out_norm=(norm_weight, out_eps))
+    return rms_norm(hc_head(h, fn, base, scale, hc_eps, norm_eps), norm_weight, out_eps)

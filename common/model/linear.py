@@ -3,6 +3,8 @@
 Every dense projection of the model is a `Linear` (or `GroupedLinear`) so that a later quantized
 implementation (FP8 weights kept on GPU) can replace this one class without touching the math.
 Weights are created uninitialised (`torch.empty`): they always come from a state dict.
+The RMS norms run one Triton launch on CUDA (`common.kernels.norm_rope`, dispatch rules in
+`common.kernels.glue`); the torch code here is the CPU path and their reference.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from common.kernels.glue import use_triton_glue
 
 
 def _parameter(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -58,13 +62,29 @@ class RMSNorm(nn.Module):
         self.weight = _parameter(dim, dtype=torch.float32, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x32).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm` as a function: x [..., C], weight [C] fp32 -> x's dtype."""
+    if use_triton_glue(x, weight):
+        from common.kernels import norm_rope
+
+        return norm_rope.rms_norm(x, weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x32).to(x.dtype)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-vector RMS normalisation without a weight (query heads, mHC input)."""
+    """Per-vector RMS normalisation without a weight (query heads, mHC input).
+
+    The scale is rounded to x's dtype before the product (bf16 on GPU): the fused kernels keep that.
+    """
+    if use_triton_glue(x):
+        from common.kernels import norm_rope
+
+        return norm_rope.unweighted_rms_norm(x, eps)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 

@@ -4,6 +4,11 @@ The rotary part is the trailing `rope_dim` channels of a vector; pairs are adjac
 (2i, 2i+1) rotated by angle pos · ω_i (GPT-J / complex convention, not NeoX rotate-half).
 Frequencies are computed with the same float32 operations as transformers 5.23.0 so the tables
 are bit-identical to it.
+
+On CUDA the rotations run as one Triton launch each (`common.kernels.norm_rope`, dispatch rules in
+`common.kernels.glue`), and `rms_norm_rope` / `inverse_rope` fuse the attention projections' glue
+(norm then RoPE; the undo of the rotation) into that one launch; the torch code is the CPU path
+and their reference.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from common.kernels.glue import use_triton_glue
 from common.model.config import ModelConfig, YarnConfig
+from common.model.linear import rms_norm, unweighted_rms_norm
 
 
 def inverse_frequencies(rope_dim: int, theta: float, yarn: YarnConfig | None) -> torch.Tensor:
@@ -65,6 +72,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     x [N, ..., C] (any number of middle dims, e.g. heads), cos/sin [N, R/2]. Math in fp32.
     """
+    if use_triton_glue(x, cos, sin):
+        from common.kernels import norm_rope
+
+        return norm_rope.apply_rope(x, cos, sin)
+    return _apply_rope_torch(x, cos, sin)
+
+
+def _apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = cos.shape[-1]
     rope_dim = 2 * half
     view_shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
@@ -75,3 +90,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def inverse_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope(x, cos, -sin)` (rotate back by the same angles) without materialising -sin."""
+    if use_triton_glue(x, cos, sin):
+        from common.kernels import norm_rope
+
+        return norm_rope.apply_rope(x, cos, sin, inverse=True)
+    return _apply_rope_torch(x, cos, -sin)
+
+
+def rms_norm_rope(
+    x: torch.Tensor,  # [N, ..., C]
+    cos: torch.Tensor,  # [N, R/2]
+    sin: torch.Tensor,  # [N, R/2]
+    eps: float,
+    weight: torch.Tensor | None = None,  # [C] fp32: RMSNorm's weight; None: unweighted
+) -> torch.Tensor:
+    """`apply_rope(norm(x), cos, sin)` with norm = RMSNorm(weight) or `unweighted_rms_norm`, one launch on CUDA.
+
+    The attention's q (per-head unweighted norm) and kv (kv_norm) glue; same roundings as the
+    two-step torch code, which it runs on CPU.
+    """
+    if use_triton_glue(x, cos, sin) and (weight is None or use_triton_glue(weight)):
+        from common.kernels import norm_rope
+
+        kind = norm_rope.NormKind.UNWEIGHTED if weight is None else norm_rope.NormKind.WEIGHTED
+        return norm_rope.norm_rope(x, norm=kind, eps=eps, weight=weight, cos=cos, sin=sin)
+    normed = unweighted_rms_norm(x, eps) if weight is None else rms_norm(x, weight, eps)
+    return _apply_rope_torch(normed, cos, sin)

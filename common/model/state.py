@@ -14,6 +14,13 @@ Invariant: every store of a sequence advances by the same token count per forwar
 Rollback is allowed while the total distance below the highest position ever reached ("high
 water") stays within `max_rollback_tokens`; beyond that, ring slots may have been overwritten.
 Storage is kept behind these small classes so a paged GPU/CPU pool can replace them later.
+
+Kernel access (common/kernels/attention_layout.py): the batched attention kernels read and write
+the ring tensors and row tensors in place through their device addresses, then advance the
+counters with `mark_written`. Addresses of a state's own tensors change only when a row tensor
+grows; every growth bumps the state's shared `LayoutVersion`, so cached address tables can tell
+they are stale. `SequenceState.reserve_tokens` grows ahead of a forward so no write inside it
+reallocates (a captured CUDA graph keeps writing to the addresses it was captured with).
 """
 
 from __future__ import annotations
@@ -45,6 +52,16 @@ class RowStore(Protocol):
 
 # (layer, "compressor" | "indexer", row_dim) -> the RowStore of that compressor's rows
 RowStoreFactory = Callable[[int, str, int], RowStore]
+
+
+class LayoutVersion:
+    """Bumped whenever a store of one sequence moves a tensor (a growing row tensor reallocated)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def bump(self) -> None:
+        self.value += 1
 
 
 class _RingCounter:
@@ -117,6 +134,15 @@ class WindowStore:
     def rollback(self, num_tokens: int) -> None:
         self._counter.rollback(num_tokens)
 
+    @property
+    def ring(self) -> torch.Tensor:
+        """The ring tensor [ring_size, C] itself (never reallocated), for kernels writing in place."""
+        return self._rows
+
+    def mark_written(self, num_tokens: int) -> None:
+        """Advance the counter after a kernel wrote positions num_tokens .. +num_tokens-1 into `ring`."""
+        self._counter.advance(num_tokens)
+
     def live_tensors(self, window: int) -> dict[str, torch.Tensor]:
         start = max(0, self.num_tokens - window + 1)
         return {"window": self.read(start)}
@@ -129,7 +155,8 @@ class CompressorStore:
     """
 
     def __init__(self, ratio: int, input_dim: int, row_dim: int, overlap: bool, max_rollback_tokens: int,
-                 dtype, device, initial_row_capacity: int = 64, row_store: "RowStore | None" = None) -> None:
+                 dtype, device, initial_row_capacity: int = 64, row_store: "RowStore | None" = None,
+                 layout_version: LayoutVersion | None = None) -> None:
         self.ratio = ratio
         self.overlap = overlap
         # positions still needed after a rollback of max_rollback_tokens: the open window, plus the
@@ -143,10 +170,41 @@ class CompressorStore:
         self._rows = None if row_store is not None else torch.zeros(initial_row_capacity, row_dim, dtype=dtype,
                                                                     device=device)
         self._counter = _RingCounter(max_rollback_tokens)
+        self.layout_version = layout_version or LayoutVersion()
 
     @property
     def num_tokens(self) -> int:
         return self._counter.num_tokens
+
+    @property
+    def row_store(self) -> "RowStore | None":
+        """The external store of the rows (a paged pool), or None when they live in `own_rows`."""
+        return self._row_store
+
+    @property
+    def own_rows(self) -> torch.Tensor | None:
+        """The whole own row tensor [capacity, row_dim] (None with an external row store)."""
+        return self._rows
+
+    @property
+    def input_rings(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K ring, Z ring), each [ring_size, C_in] fp32, slot = position mod ring_size (never reallocated)."""
+        return self._kv, self._score
+
+    def reserve_rows(self, num_rows: int) -> None:
+        """Grow the own row tensor to hold at least num_rows rows (no-op with an external store)."""
+        if self._rows is not None and num_rows > self._rows.shape[0]:
+            self._grow(max(num_rows, 2 * self._rows.shape[0]))
+
+    def _grow(self, capacity: int) -> None:
+        grown = torch.zeros(capacity, self._rows.shape[1], dtype=self._rows.dtype, device=self._rows.device)
+        grown[: self._rows.shape[0]] = self._rows
+        self._rows = grown
+        self.layout_version.bump()
+
+    def mark_written(self, num_tokens: int) -> None:
+        """Advance the counter after a kernel wrote these positions' inputs (and closed rows) in place."""
+        self._counter.advance(num_tokens)
 
     @property
     def num_rows(self) -> int:
@@ -173,11 +231,7 @@ class CompressorStore:
             self._row_store.write(first_row, rows)
             return
         end = first_row + rows.shape[0]
-        if end > self._rows.shape[0]:
-            grown = torch.zeros(max(end, 2 * self._rows.shape[0]), self._rows.shape[1],
-                                dtype=self._rows.dtype, device=self._rows.device)
-            grown[: self._rows.shape[0]] = self._rows
-            self._rows = grown
+        self.reserve_rows(end)
         self._rows[first_row:end] = rows.to(self._rows.dtype)
 
     def read_rows(self) -> torch.Tensor:
@@ -219,6 +273,10 @@ class SequenceState:
 
         self.max_rollback_tokens = max_rollback_tokens
         self.num_tokens = 0
+        self.layout_version = LayoutVersion()
+        self._reserved_tokens = 0  # own row tensors hold at least this many tokens' rows
+        # device address tables of this state's stores, owned by common.kernels.attention_layout
+        self.address_cache: object | None = None
         self.layers: list[LayerState] = []
         for layer, kind in enumerate(config.layer_types):
             window = WindowStore(config.sliding_window, config.head_dim, max_rollback_tokens, dtype, device)
@@ -227,14 +285,17 @@ class SequenceState:
             if kind is AttentionKind.CSA:
                 state.compressor = CompressorStore(ratio, 2 * config.head_dim, config.head_dim, True,
                                                    max_rollback_tokens, dtype, device,
-                                                   row_store=rows(layer, "compressor", config.head_dim))
+                                                   row_store=rows(layer, "compressor", config.head_dim),
+                                                   layout_version=self.layout_version)
                 state.indexer = CompressorStore(ratio, 2 * config.index_head_dim, config.index_head_dim, True,
                                                 max_rollback_tokens, dtype, device,
-                                                row_store=rows(layer, "indexer", config.index_head_dim))
+                                                row_store=rows(layer, "indexer", config.index_head_dim),
+                                                layout_version=self.layout_version)
             elif kind is AttentionKind.HCA:
                 state.compressor = CompressorStore(ratio, config.head_dim, config.head_dim, False,
                                                    max_rollback_tokens, dtype, device,
-                                                   row_store=rows(layer, "compressor", config.head_dim))
+                                                   row_store=rows(layer, "compressor", config.head_dim),
+                                                   layout_version=self.layout_version)
             self.layers.append(state)
 
     def advance(self, num_tokens: int) -> None:
@@ -255,10 +316,32 @@ class SequenceState:
                 store.rollback(num_tokens)
         self.num_tokens -= num_tokens
 
+    def reserve_tokens(self, num_tokens: int) -> None:
+        """Make every own row tensor hold the rows of num_tokens tokens, so writes up to there
+        never reallocate (kernels write through cached addresses)."""
+        if num_tokens <= self._reserved_tokens:
+            return
+        target = max(num_tokens, 2 * self._reserved_tokens, 256)  # doubling: rare reallocations
+        for layer_state in self.layers:
+            for store in (layer_state.compressor, layer_state.indexer):
+                if store is not None:
+                    store.reserve_rows(target // store.ratio)
+        self._reserved_tokens = target
+
     def clone(self) -> "SequenceState":
+        """A deep copy (new tensors, hence no cached addresses: see `__deepcopy__`)."""
         import copy
 
         return copy.deepcopy(self)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        twin = SequenceState.__new__(SequenceState)
+        memo[id(self)] = twin
+        for name, value in self.__dict__.items():
+            setattr(twin, name, None if name == "address_cache" else copy.deepcopy(value, memo))
+        return twin
 
     def live_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the next step can read, by name (for state-equality tests)."""

@@ -37,7 +37,8 @@ Example (every key optional except the model path and one attention and expert w
     [[expert]]
     name = "expert-0"
     device = "cuda:0"
-    placement = "all"              # "all", or a placement file path
+    placement = "all"              # "all", "none" (joins empty; `placement apply` gives it experts), or a file
+    memory_limit = "60GiB"         # optional, any worker: cap on what it may plan on its device (default: free)
 
     [draft]
     enabled = true
@@ -50,7 +51,9 @@ Example (every key optional except the model path and one attention and expert w
 
 Overrides (`--set key=value`, dotted, list entries by index: `expert[1].device=cpu`, or
 without an index when the list has one entry: `attention.device=cuda:0`) are applied to
-the raw table before validation, so every error names the full key that is wrong.
+the raw table before validation, so every error names the full key that is wrong. An index
+one past the end appends an entry: `--set expert[2].name=expert-2 --set expert[2].placement=none`
+starts a worker the file does not list, which registers with the router and joins empty.
 Endpoints are derived in `derive_endpoints` and nowhere else.
 """
 
@@ -120,14 +123,17 @@ class AttentionWorkerConfig:
     name: str
     device: str = "cpu"
     host: str | None = None  # None: the router's host (single-host deployments)
+    memory_limit: str | None = None  # "40GiB": plan within this much of the device (None: its free memory)
 
 
 @dataclass(frozen=True)
 class ExpertWorkerConfig:
     name: str
     device: str = "cpu"
-    placement: str = "all"
+    placement: str = "all"  # "all", "none" or a placement file
     host: str | None = None
+    memory_limit: str | None = None
+    endpoint: str | None = None  # bind here instead of the derived endpoint (a worker added later, other hosts)
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,7 @@ class DraftWorkerConfig:
     device: str = "cpu"
     name: str = "draft"
     host: str | None = None
+    memory_limit: str | None = None
 
 
 @dataclass(frozen=True)
@@ -198,7 +205,7 @@ def derive_endpoints(deployment: Deployment) -> Endpoints:
     return Endpoints(
         supervisor=endpoint_of["supervisor"],
         attention={w.name: endpoint_of[w.name] for w in deployment.attention},
-        expert={w.name: endpoint_of[w.name] for w in deployment.expert},
+        expert={w.name: w.endpoint or endpoint_of[w.name] for w in deployment.expert},
         draft=endpoint_of[deployment.draft.name] if deployment.draft.enabled else None,
     )
 
@@ -282,8 +289,10 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
         following = parts[position + 1]
         where = _render_key(parts[: position + 1])
         if isinstance(part, int):
-            if not isinstance(node, list) or part >= len(node):
+            if not isinstance(node, list) or part > len(node):
                 raise DeploymentError(f"{where}: no such entry")
+            if part == len(node):
+                node.append({})  # one past the end: a new entry (e.g. an expert worker joining)
             node = node[part]
             continue
         child = node.setdefault(part, [] if isinstance(following, int) else {})

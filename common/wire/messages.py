@@ -253,10 +253,14 @@ class LayerRoutingSkew:
 @dataclass(frozen=True)
 class RoutingSummary:
     """The attention worker's routing statistics since it started, reduced to per-layer skew:
-    one entry per (measured phase, layer) plus the ALL phase for every layer."""
+    one entry per (measured phase, layer) plus the ALL phase for every layer. `layer_counts`
+    carries the raw activations per (layer, expert), all phases together, [L][E] (the status
+    page's heat map; L x E ints every few steps is small next to a step's tensors); empty when
+    the sender does not send them."""
 
     num_steps: int
     layers: tuple[LayerRoutingSkew, ...]
+    layer_counts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -379,6 +383,94 @@ class Combine:
 
 
 @dataclass(frozen=True)
+class SharedCudaBuffer:
+    """A CUDA IPC description of one device buffer (torch's `_share_cuda_` fields, plain data):
+    the peer maps it with `common.wire.cuda_ipc.import_buffer`. `num_bytes` uint8 elements from
+    element `tensor_offset` of the shared storage."""
+
+    device_index: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class AttachCudaIpc:
+    """Attention -> expert, once per channel: use these shared device rings for this channel's
+    Dispatches (common/wire/cuda_ipc.py explains the slots and the event protocol). The expert
+    answers CudaIpcAttached; it refuses (accepted False, with the reason) when `host_id` is not its
+    own host, it is not on CUDA, or mapping fails; the sender then stays on ZeroMQ.
+    dispatch_event_handles [S]: the attention side's events, recorded after a slot is written."""
+
+    TYPE: ClassVar[str] = "attach_cuda_ipc"
+    channel_id: str
+    host_id: str
+    num_slots: int
+    max_tokens: int
+    hidden_size: int
+    top_k: int
+    hidden_dtype: str
+    per_expert_outputs: bool
+    dispatch_region: SharedCudaBuffer
+    combine_region: SharedCudaBuffer
+    dispatch_event_handles: tuple[bytes, ...]
+    sync: str = "events"  # "flags" (stream memory operations) or "events"; the expert may answer "events"
+
+
+@dataclass(frozen=True)
+class CudaIpcAttached:
+    """Expert -> attention: whether the rings of `channel_id` are mapped; combine_event_handles [S]
+    are the expert's events, recorded after it wrote a slot's output."""
+
+    TYPE: ClassVar[str] = "cuda_ipc_attached"
+    channel_id: str
+    accepted: bool
+    reason: str = ""
+    combine_event_handles: tuple[bytes, ...] = ()
+    sync: str = "events"  # the ordering both sides use from now on
+
+
+@dataclass(frozen=True)
+class DispatchSlot:
+    """A Dispatch whose tensors are in slot `slot` of the attached rings of `channel_id` (the
+    first num_tokens rows; slot_mask valid iff has_slot_mask). Answered by CombineSlot."""
+
+    TYPE: ClassVar[str] = "dispatch_slot"
+    dispatch_id: int
+    step_id: int
+    layer: int
+    micro_batch: int
+    channel_id: str
+    slot: int
+    num_tokens: int
+    per_expert_outputs: bool = False
+    has_slot_mask: bool = False
+    sequence: int = 0  # this use of the slot (flags: the dispatch flag value to wait for)
+
+
+@dataclass(frozen=True)
+class CombineSlot:
+    """The output of DispatchSlot `dispatch_id` is in combine slot `slot` (valid once the slot's
+    combine event, recorded before this was sent, has completed)."""
+
+    TYPE: ClassVar[str] = "combine_slot"
+    dispatch_id: int
+    step_id: int
+    layer: int
+    micro_batch: int
+    slot: int
+    num_tokens: int
+    per_expert_outputs: bool = False
+    sequence: int = 0
+
+
+@dataclass(frozen=True)
 class FeatureSegment:
     """Rows `row_start ..< row_start + num_rows` of TargetFeatures.features belong to
     `request_id` at positions `start_position ...`, with the target tokens `token_ids`."""
@@ -438,7 +530,8 @@ class QueryInventory:
 
 @dataclass(frozen=True)
 class ExpertInventory:
-    """What an expert worker holds and what memory it uses (bytes)."""
+    """What an expert worker holds and what memory it uses (bytes). The router queries it when
+    a worker announces itself (Ready) to record the worker and what it holds."""
 
     TYPE: ClassVar[str] = "expert_inventory"
     name: str
@@ -448,6 +541,8 @@ class ExpertInventory:
     num_weight_bytes: int
     memory_used_bytes: int
     memory_total_bytes: int | None = None
+    # routed-expert bytes this worker may still load under its startup budget (None: not measured)
+    free_budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -507,7 +602,8 @@ CONTROL_MESSAGES: tuple[type, ...] = (
     Register, Ready, Heartbeat, Drain, Shutdown, Ping, Pong, Ack, ErrorReply,
     StepPlan, StepResult, DraftRequest, DraftTokens,
 )
-DATA_MESSAGES: tuple[type, ...] = (Dispatch, Combine, TargetFeatures)
+DATA_MESSAGES: tuple[type, ...] = (Dispatch, Combine, TargetFeatures, AttachCudaIpc, CudaIpcAttached, DispatchSlot,
+                                   CombineSlot)
 ADMIN_MESSAGES: tuple[type, ...] = (
     LoadExperts, DropExperts, QueryInventory, ExpertInventory, MemoryReport, WriteRoutingStats, RoutingStatsWritten,
     SwitchPlacement,

@@ -41,7 +41,7 @@ import zmq
 
 from common.wire import codec
 from common.wire.errors import ReplyTimeout, WireError
-from common.wire.messages import Combine, ErrorReply
+from common.wire.messages import Combine, CombineSlot, CudaIpcAttached, ErrorReply
 from common.wire.schema import DEFAULT_LIMITS, WireLimits
 from common.wire.staging import SendStagingPool, StagingConfig, send_staged
 from common.wire.transport import Kind, pack_envelope, unpack_envelope
@@ -139,13 +139,34 @@ class ExpertChannel:
                         log.warning("attention.late_reply", endpoint=self.endpoints[worker_index], reply_id=reply_id)
                         continue
                     self._arrived[reply_id] = codec.decode(frames[1:], limits=self.limits,
-                                                           accept=(Combine, ErrorReply))
+                                                           accept=(Combine, CombineSlot, CudaIpcAttached,
+                                                                   ErrorReply))
                 except WireError as error:
                     log.warning("attention.reply_dropped", endpoint=self.endpoints[worker_index],
                                 reason=str(error)[:200])
             return self._arrived.pop(correlation_id)
         finally:
             self._in_flight.pop(correlation_id, None)
+
+    def attach_cuda_ipc(self, worker_index: int, ring: Any, timeout_s: float | None = None) -> bool:
+        """Offer `ring` (a `common.wire.cuda_ipc.DispatchRing`) to worker `worker_index`; True when it
+        mapped the rings (Dispatches to it may then use `DispatchSlot`), False (logged as
+        `attention.data_plane_fallback`) when it refused: another host, a CPU worker, a mapping error."""
+        saved_timeout_s = self.timeout_s
+        self.timeout_s = saved_timeout_s if timeout_s is None else timeout_s
+        try:
+            reply = self.receive(worker_index, self.send(worker_index, ring.attach_message()))
+        finally:
+            self.timeout_s = saved_timeout_s
+        if isinstance(reply, CudaIpcAttached) and reply.accepted and reply.channel_id == ring.channel_id:
+            ring.attached(reply.combine_event_handles, reply.sync)
+            log.info("attention.data_plane", endpoint=self.endpoints[worker_index], data_plane="cuda_ipc",
+                     num_slots=ring.layout.num_slots, max_tokens=ring.layout.max_tokens, sync=str(ring.sync))
+            return True
+        reason = reply.reason if isinstance(reply, CudaIpcAttached) else f"{type(reply).__name__}: {reply}"
+        log.warning("attention.data_plane_fallback", endpoint=self.endpoints[worker_index], data_plane="zmq",
+                    reason=str(reason)[:300])
+        return False
 
     def close(self) -> None:
         self._finalizer()  # idempotent

@@ -22,6 +22,7 @@ class AttentionOptions:
     # a KVPoolConfig only where no router runs (moemesh generate --distributed, its LocalCluster)
     kv: KVPoolConfig | None = field(default_factory=KVPoolConfig)
     routing_stats_out: str | None = None  # Lucebox hotness tables, written on shutdown and on request
+    replica_policy: str = "least_loaded"  # how replicas of an expert share its tokens (replica_routing.py)
 
 
 def add_attention_arguments(parser) -> None:
@@ -38,6 +39,9 @@ def add_attention_arguments(parser) -> None:
     parser.add_argument("--routing-stats-out", default=None, metavar="FILE",
                         help="count expert activations per (layer, expert) and write them as Lucebox hotness tables "
                         "(FILE, FILE.prefill.csv, FILE.decode.csv) on shutdown and on a WriteRoutingStats request")
+    parser.add_argument("--replica-policy", choices=("least_loaded", "round_robin"), default="least_loaded",
+                        help="which copy of a replicated expert gets its tokens: the worker with the least work in "
+                        "flight (default) or each copy in turn")
 
 
 def _kv_from_args(args) -> KVPoolConfig | None:
@@ -62,7 +66,8 @@ def options_from_args(args) -> AttentionOptions:
     return AttentionOptions(
         num_micro_batches=args.micro_batches, placement_invariant=args.placement_invariant,
         kv=_kv_from_args(args),
-        routing_stats_out=getattr(args, "routing_stats_out", None))
+        routing_stats_out=getattr(args, "routing_stats_out", None),
+        replica_policy=getattr(args, "replica_policy", "least_loaded"))
 
 
 def main(deployment: Deployment, name: str | None, log_level: str = "info",
@@ -86,17 +91,39 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
     model_config = ModelConfig.load(deployment.model.path)
     holdings = tuple(holdings_for(w.name, w.placement, model_config.num_hidden_layers, model_config.n_routed_experts)
                      for w in deployment.expert)
+    kv = options.kv or kv_pool_config(deployment)
+    if not _budget_fits(entry, deployment, model_config, kv):
+        return 3  # the plan does not fit the device: the message is on stderr and in the log
     worker = AttentionWorker(AttentionWorkerConfig(
         name=entry.name, checkpoint_path=deployment.model.path,
         expert_endpoints=tuple(endpoints.expert[w.name] for w in deployment.expert), expert_workers=holdings,
         device=entry.device, dtype=deployment.model.dtype, num_micro_batches=options.num_micro_batches,
-        placement_invariant=options.placement_invariant, kv=options.kv or kv_pool_config(deployment), dispatch_timeout_s=deployment.timeouts.dispatch_s,
+        placement_invariant=options.placement_invariant, kv=kv, dispatch_timeout_s=deployment.timeouts.dispatch_s,
         routing_stats=RoutingStatsConfig(out_path=options.routing_stats_out),
         recovery=RecoveryConfig(budget_s=budget_for(deployment.timeouts.step_s, deployment.timeouts.dispatch_s)),
-        security=security, draft_endpoint=endpoints.draft))
+        security=security, draft_endpoint=endpoints.draft, replica_policy=options.replica_policy))
     service_config = ServiceConfig(name=entry.name, role=ServiceRole.ATTENTION,
                                    endpoint=endpoints.attention[entry.name], supervisor_endpoint=endpoints.supervisor,
                                    device=entry.device, heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s,
                                    security=security,
                                    progress_dir=str(progress_dir_for(deployment.paths.run_dir)))
     return run_service(worker, service_config)
+
+
+def _budget_fits(entry, deployment: Deployment, model_config, kv: KVPoolConfig) -> bool:
+    """Log `attention.memory_budget` (weights, KV pools, activations) against the device's free
+    memory before loading anything; False (message on stderr) when it does not fit."""
+    import sys
+
+    from common.placement.worker_budget import attention_worker_budget, check_at_start, measure_free_bytes
+    from services.expert.random_weights import is_random_model
+
+    budget = attention_worker_budget(
+        model_config, service="attention", device=entry.device, dtype=deployment.model.dtype,
+        block_size_tokens=kv.block_size_tokens, num_primary_blocks=kv.num_primary_blocks,
+        num_cpu_blocks=kv.num_cpu_blocks, free_bytes=measure_free_bytes(entry.device, entry.memory_limit),
+        keep_quantized=is_random_model(deployment.model.path))
+    refusal = check_at_start(budget, entry.name)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+    return refusal is None

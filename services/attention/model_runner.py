@@ -7,6 +7,9 @@ its next layer. So with two or more micro-batches, micro-batch B's attention run
 micro-batch A's Dispatch is in flight (ping-pong); with one, every layer waits for its experts.
 Micro-batches never share sequences, and every sequence sees the same per-token computation in
 either schedule (only the batch sizes of the linears change).
+With the CUDA IPC data plane ordered by stream flags, `finish` does not wait on the host at all
+(the stream waits on the device); the replies are confirmed once at the end of the step
+(`dispatcher.confirm_all`), before any state is finished, so a lost expert still fails the step.
 `OverlapStats` counts the attention time spent while another micro-batch had a dispatch in
 flight; it is logged per step (debug) and kept for `bench` and tests. With a `RoutingCounter`,
 every layer's gate ids are counted per (layer, expert) and phase on the device (no host sync).
@@ -77,6 +80,10 @@ class ModelRunner:
                 self._count(index, layer, in_flight, time.perf_counter() - started_s)
         for mb in mbs:
             self._finish_moe(mb)
+        confirm = getattr(self.dispatcher, "confirm_all", None)
+        if confirm is not None:  # deferred CUDA IPC replies: every expert answered well (else it raises)
+            confirm()
+        for mb in mbs:
             mb.batch.finish()
         self.captured = [mb.captured for mb in mbs]
         return [mb.h for mb in mbs]

@@ -14,7 +14,17 @@ Received outputs go to the attention device through a `RecvStagingRing`: on a CU
 lands in a pinned slot and is copied up asynchronously (the slot is reused only after its copy
 finished); on the CPU the received frame is used as it is. An output larger than a slot (rare:
 placement-invariant prefill beyond the slot size) is copied up synchronously instead.
-Replicas: with R owner tables (see `set_owner_tables`) each `start` uses the next one in turn.
+Replicas and down workers: a `ReplicaRouter` (replica_routing.py) holds every pair's holders.
+Layers where no expert has two live copies use a precomputed owner table on the device (one
+host sync per layer and micro-batch, as without replicas); layers with a choice count the
+tokens per expert first (that sync replaces the other) and let the router pick a copy per
+expert, least outstanding work first (`num_slot_tokens_in_flight` per worker) or in turn.
+A worker that times out or refuses raises `ExpertWorkerLost` naming its channel index, so
+recovery can mark it down and retry on the live replicas.
+Data plane: with `data_plane=cuda_ipc` a Dispatch to a worker that mapped this attention worker's
+device rings travels as a `DispatchSlot` (tensors in a shared device slot, ZeroMQ carries the control
+message; dispatch_slots.py, common/wire/cuda_ipc.py); a layer held by a single worker then goes to it
+whole without any host sync. Workers that refused (other host, CPU) stay on ZeroMQ.
 Legend: T tokens, K top-k slots, D hidden, W expert workers, L layers, E routed experts, R tables.
 """
 
@@ -24,24 +34,39 @@ from dataclasses import dataclass
 
 import torch
 
-from common.wire.staging import RecvStagingRing
-
 from common.model.moe import sum_slots_in_order
+from common.wire.cuda_ipc import CudaIpcConfig, DataPlane
+from common.wire.errors import ReplyTimeout
 from common.wire.messages import Combine, Dispatch, ErrorReply
+from common.wire.staging import RecvStagingRing
+from services.attention.dispatch_slots import SlotPlane
 from services.attention.expert_channel import ExpertChannel
+from services.attention.replica_routing import ReplicaPolicy, ReplicaRouter
 
 
 class DispatchError(RuntimeError):
     """An expert worker answered a Dispatch with an error (or with a Combine that does not match)."""
 
 
+class ExpertWorkerLost(DispatchError):
+    """One expert worker did not answer a Dispatch usably (timeout, error reply, wrong reply);
+    `worker_index` is its channel index, so recovery can route around it."""
+
+    def __init__(self, worker_index: int, endpoint: str, cause: str) -> None:
+        super().__init__(f"expert worker {worker_index} ({endpoint}): {cause}")
+        self.worker_index = worker_index
+        self.endpoint = endpoint
+
+
 @dataclass
 class _Sent:
     worker_index: int
     ticket: int
-    token_index: torch.Tensor  # [T_w] rows of the micro-batch sent to this worker
+    token_index: torch.Tensor | slice  # [T_w] rows of the micro-batch sent to this worker (slice: all rows)
     slot_mask: torch.Tensor  # [T_w, K] bool
     dispatch_id: int
+    num_slot_tokens: int  # expert-slot pairs this worker computes (its share of the work)
+    slot: int | None = None  # CUDA IPC ring slot holding this Dispatch (None: sent over ZeroMQ)
 
 
 @dataclass
@@ -58,37 +83,113 @@ class PendingMoE:
 
 class MoEDispatcher:
     def __init__(self, channel: ExpertChannel, owner_table: list[list[int]], *, placement_invariant: bool,
-                 device: torch.device, num_recv_slots: int = 4, recv_slot_bytes: int = 32 << 20) -> None:
+                 device: torch.device, num_recv_slots: int = 4, recv_slot_bytes: int = 32 << 20,
+                 replica_policy: ReplicaPolicy = ReplicaPolicy.LEAST_LOADED,
+                 data_plane: DataPlane = DataPlane.ZMQ, cuda_ipc: CudaIpcConfig = CudaIpcConfig()) -> None:
         self.channel = channel
         self.device = device
-        self.set_owner_tables([owner_table])
+        # CUDA IPC rings per worker (dispatch_slots.py), None: every Dispatch over ZeroMQ
+        self.slot_plane = (SlotPlane(channel, cuda_ipc, device, placement_invariant=placement_invariant,
+                                     on_lost=lambda w, cause: ExpertWorkerLost(w, channel.endpoints[w], cause))
+                           if DataPlane(data_plane) is DataPlane.CUDA_IPC else None)
+        self._single_holders: tuple | None = None  # (router version, router, {layer: sole holder or None})
+        self.replica_policy = ReplicaPolicy(replica_policy)
+        self.set_router(ReplicaRouter([[(owner,) for owner in row] for row in owner_table], self.replica_policy))
         self.placement_invariant = placement_invariant
         self.recv_ring = RecvStagingRing(str(device), num_slots=num_recv_slots, slot_bytes=recv_slot_bytes)
         self.recv_slot_bytes = recv_slot_bytes
         self.num_unstaged_receives = 0
         self._dispatch_ids = 0
+        self.num_slot_tokens_in_flight: list[int] = []  # per worker: sent, Combine not received yet
+        self.num_slot_tokens_sent: list[int] = []  # per worker, cumulative (load-spread statistics)
+
+    def set_router(self, router: ReplicaRouter) -> None:
+        """Replace the routing table (between steps only: nothing may be in flight)."""
+        self.router = router
+        self._uploaded_version: int | None = None
+        self._refresh_tables()
+
+    def set_holders(self, holders: list[list[tuple[int, ...]]]) -> None:
+        """holders [L][E] -> worker indices (primary first); workers marked down stay down."""
+        router = ReplicaRouter(holders, self.replica_policy)
+        for worker in sorted(self.router.down):
+            router.mark_down(worker)
+        self.set_router(router)
 
     def set_owner_tables(self, owner_tables: list[list[list[int]]]) -> None:
-        """Replace the routing table (between steps only: nothing may be in flight). R >= 1 tables
-        [L, E]; with replicas they differ in the pairs held twice, and successive `start` calls
-        take them in turn (round robin), so replicas share an expert's load."""
-        self.owners = torch.tensor(owner_tables, dtype=torch.long, device=self.device)  # [R, L, E] worker index
-        self.owner = self.owners[0]  # [L, E] the primary table
-        self._turn = 0
+        """R >= 1 tables [L, E] (table r: the r-th copy of each pair), as `replica_owner_tables` builds."""
+        self.set_holders(ReplicaRouter.from_owner_tables(owner_tables).holders)
+
+    @property
+    def owners(self) -> torch.Tensor:
+        """[R, L, E] live holders taken in turn (for display and tests; dispatch uses the router)."""
+        return torch.tensor(self.router.round_robin_tables(), dtype=torch.long)
+
+    def _refresh_tables(self) -> None:
+        if self._uploaded_version != self.router.version:
+            self.owner = torch.tensor(self.router.base, dtype=torch.long, device=self.device)  # [L, E]
+            self._uploaded_version = self.router.version
+
+    def _grow_counters(self) -> None:
+        missing = max(self.channel.num_workers, self.router.num_workers) - len(self.num_slot_tokens_in_flight)
+        if missing > 0:
+            self.num_slot_tokens_in_flight += [0] * missing
+            self.num_slot_tokens_sent += [0] * missing
+
+    def reset_in_flight(self) -> None:
+        """Forget outstanding work (recovery dropped the tickets of a failed attempt)."""
+        self.num_slot_tokens_in_flight = [0] * len(self.num_slot_tokens_in_flight)
+        if self.slot_plane is not None:
+            self.slot_plane.reset()
+
+    def confirm_all(self) -> None:
+        """Receive every deferred CUDA IPC reply (the end of a step); raises ExpertWorkerLost like finish."""
+        if self.slot_plane is not None:
+            self.slot_plane.confirm_all()
+
+    def _owner_of_slots(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
+        """ids [T, K] -> (owner [T, K] worker index, {worker: expert-slot tokens} of the workers
+        that get any, ascending). One host sync either way."""
+        self._refresh_tables()
+        if not self.router.has_choice(layer):
+            owner = self.owner[layer][ids]  # [T, K]
+            per_worker = torch.bincount(owner.reshape(-1), minlength=len(self.num_slot_tokens_in_flight)).tolist()
+            return owner, {w: n for w, n in enumerate(per_worker) if n}
+        counts = torch.bincount(ids.reshape(-1), minlength=self.router.num_experts).tolist()  # [E]
+        row = self.router.choose(layer, counts, self.num_slot_tokens_in_flight)  # [E]
+        per_worker: dict[int, int] = {}
+        for expert, count in enumerate(counts):
+            if count:
+                per_worker[row[expert]] = per_worker.get(row[expert], 0) + count
+        return torch.tensor(row, dtype=torch.long, device=ids.device)[ids], dict(sorted(per_worker.items()))
 
     def start(self, step_id: int, micro_batch: int, layer: int, x: torch.Tensor, ids: torch.Tensor,
               weights: torch.Tensor) -> PendingMoE:
         """x [T, D], ids [T, K], weights [T, K] -> a ticket; every Dispatch is sent before returning."""
-        table = self.owners[self._turn % self.owners.shape[0]]  # [L, E]
-        self._turn += 1
-        owner = table[layer][ids]  # [T, K]
-        workers = torch.unique(owner).tolist()  # ascending; one host sync per layer and micro-batch
+        self._grow_counters()
+        whole = self._start_whole(step_id, micro_batch, layer, x, ids, weights)
+        if whole is not None:
+            return whole
+        if self.slot_plane is not None and self.slot_plane.num_unconfirmed:
+            self.slot_plane.confirm_all()  # the host sync below must not wait behind a dead worker's flag
+        owner, slot_tokens = self._owner_of_slots(layer, ids)  # [T, K]
         sent = []
-        for worker_index in workers:
+        for worker_index, num_slot_tokens in slot_tokens.items():
             mask = owner == worker_index  # [T, K]
             token_index = mask.any(dim=1).nonzero().squeeze(1)  # [T_w]
             slot_mask = mask[token_index]
             self._dispatch_ids += 1
+            if self.slot_plane is not None:
+                sent_slot = self.slot_plane.try_send(
+                    worker_index, dispatch_id=self._dispatch_ids, step_id=step_id, layer=layer,
+                    micro_batch=micro_batch, x=x[token_index], ids=ids[token_index], weights=weights[token_index],
+                    slot_mask=slot_mask)
+                if sent_slot is not None:
+                    self.num_slot_tokens_in_flight[worker_index] += num_slot_tokens
+                    self.num_slot_tokens_sent[worker_index] += num_slot_tokens
+                    sent.append(_Sent(worker_index, sent_slot[0], token_index, slot_mask, self._dispatch_ids,
+                                      num_slot_tokens, slot=sent_slot[1]))
+                    continue
             dispatch = Dispatch(
                 dispatch_id=self._dispatch_ids, step_id=step_id, layer=layer, micro_batch=micro_batch,
                 hidden=x[token_index].contiguous(), expert_ids=ids[token_index].to(torch.int32).contiguous(),
@@ -96,8 +197,45 @@ class MoEDispatcher:
                 slot_mask=slot_mask.contiguous(),
             )
             ticket = self.channel.send(worker_index, dispatch)
-            sent.append(_Sent(worker_index, ticket, token_index, slot_mask, self._dispatch_ids))
+            self.num_slot_tokens_in_flight[worker_index] += num_slot_tokens
+            self.num_slot_tokens_sent[worker_index] += num_slot_tokens
+            sent.append(_Sent(worker_index, ticket, token_index, slot_mask, self._dispatch_ids, num_slot_tokens))
         return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
+
+    def _start_whole(self, step_id: int, micro_batch: int, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                     weights: torch.Tensor) -> PendingMoE | None:
+        """CUDA IPC fast path: the layer's only holder gets the whole micro-batch, no host sync
+        (dispatch_slots.py); None when that does not apply."""
+        if self.slot_plane is None or self.router.has_choice(layer):
+            return None
+        worker_index = self._single_holder(layer)
+        if worker_index is None:
+            return None
+        self._dispatch_ids += 1
+        sent_slot = self.slot_plane.try_send(worker_index, dispatch_id=self._dispatch_ids, step_id=step_id,
+                                             layer=layer, micro_batch=micro_batch, x=x, ids=ids, weights=weights,
+                                             slot_mask=None)
+        if sent_slot is None:
+            return None
+        num_slot_tokens = ids.numel()
+        self.num_slot_tokens_in_flight[worker_index] += num_slot_tokens
+        self.num_slot_tokens_sent[worker_index] += num_slot_tokens
+        # [T, K]: read by finish only in placement-invariant mode
+        every_slot = torch.ones(ids.shape, dtype=torch.bool, device=ids.device) if self.placement_invariant else None
+        sent = [_Sent(worker_index, sent_slot[0], slice(None), every_slot, self._dispatch_ids, num_slot_tokens,
+                      slot=sent_slot[1])]
+        return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
+
+    def _single_holder(self, layer: int) -> int | None:
+        """The one worker holding every expert of `layer` (None: several), cached per router version."""
+        cache = self._single_holders
+        if cache is None or cache[0] != self.router.version or cache[1] is not self.router:
+            cache = (self.router.version, self.router, {})
+            self._single_holders = cache
+        if layer not in cache[2]:
+            holders = set(self.router.base[layer])
+            cache[2][layer] = next(iter(holders)) if len(holders) == 1 else None
+        return cache[2][layer]
 
     def finish(self, pending: PendingMoE) -> torch.Tensor:
         """Wait for every answer of `pending` -> routed output [T, D], combined in the fixed order."""
@@ -107,31 +245,60 @@ class MoEDispatcher:
         else:
             routed = torch.zeros(pending.num_tokens, pending.hidden_size, dtype=pending.dtype, device=pending.device)
         for sent in pending.sent:  # ascending worker index
-            output = self._to_device(self._answer(pending, sent)).to(pending.dtype)
+            answer = self._answer(pending, sent)
+            self.num_slot_tokens_in_flight[sent.worker_index] -= sent.num_slot_tokens
+            output = self._to_device(answer).to(pending.dtype)
             if self.placement_invariant:  # [T_w, K, D]: take only our slots from this worker
                 rows = per_slot[sent.token_index]
                 per_slot[sent.token_index] = torch.where(sent.slot_mask[..., None], output, rows)
             else:  # [T_w, D]
                 routed[sent.token_index] += output
+            if sent.slot is not None:  # the ring output was consumed above (stream order): slot reusable
+                self.slot_plane.release(sent.worker_index, sent.slot)
         return sum_slots_in_order(per_slot) if self.placement_invariant else routed
 
     def _to_device(self, received: torch.Tensor) -> torch.Tensor:
         """A received (read-only, host) tensor on the attention device, through the landing ring."""
+        if received.is_cuda:  # a CUDA IPC ring view (ZeroMQ replies are host frames)
+            return received
         if received.numel() * received.element_size() > self.recv_slot_bytes:
             self.num_unstaged_receives += 1
             return received.to(self.recv_ring.device)
         return self.recv_ring.to_device(received)
 
+    def _forget_ring(self, sent: _Sent) -> None:
+        """A worker that failed a slot Dispatch may have restarted without our rings: offer new ones next
+        time (the old slot is never reused: it stays out of the free list)."""
+        if sent.slot is not None:
+            self.slot_plane.forget(sent.worker_index)
+
     def _answer(self, pending: PendingMoE, sent: _Sent) -> torch.Tensor:
-        reply = self.channel.receive(sent.worker_index, sent.ticket)
+        endpoint = self.channel.endpoints[sent.worker_index]
+        if sent.slot is not None and self.slot_plane.defers(sent.worker_index):  # no host wait: confirmed later
+            return self.slot_plane.deferred_output(
+                sent.worker_index, sent.slot, sent.ticket, dispatch_id=sent.dispatch_id, layer=pending.layer,
+                num_tokens=pending.num_tokens if isinstance(sent.token_index, slice) else len(sent.token_index))
+        try:
+            reply = self.channel.receive(sent.worker_index, sent.ticket)
+        except ReplyTimeout as error:
+            self._forget_ring(sent)
+            raise ExpertWorkerLost(sent.worker_index, endpoint, f"layer {pending.layer}: {error}") from error
         if isinstance(reply, ErrorReply):
-            raise DispatchError(f"expert worker {sent.worker_index}, layer {pending.layer}: {reply.code}: "
-                                f"{reply.message}")
+            self._forget_ring(sent)
+            raise ExpertWorkerLost(sent.worker_index, endpoint, f"layer {pending.layer}: {reply.code}: {reply.message}")
+        if sent.slot is not None:
+            num_rows = pending.num_tokens if isinstance(sent.token_index, slice) else len(sent.token_index)
+            output = self.slot_plane.output(sent.worker_index, sent.slot, reply, dispatch_id=sent.dispatch_id,
+                                            layer=pending.layer, num_tokens=num_rows)
+            if isinstance(output, str):
+                raise ExpertWorkerLost(sent.worker_index, endpoint, output)
+            return output
         if not isinstance(reply, Combine) or reply.dispatch_id != sent.dispatch_id or reply.layer != pending.layer:
-            raise DispatchError(f"expert worker {sent.worker_index} answered dispatch {sent.dispatch_id} with "
-                                f"{type(reply).__name__} {getattr(reply, 'dispatch_id', None)}")
+            raise ExpertWorkerLost(sent.worker_index, endpoint, f"answered dispatch {sent.dispatch_id} with "
+                                   f"{type(reply).__name__} {getattr(reply, 'dispatch_id', None)}")
         expected = ((len(sent.token_index), pending.num_slots, pending.hidden_size) if self.placement_invariant
                     else (len(sent.token_index), pending.hidden_size))
         if tuple(reply.output.shape) != expected:
-            raise DispatchError(f"combine output {tuple(reply.output.shape)}, expected {expected}")
+            raise ExpertWorkerLost(sent.worker_index, endpoint,
+                                   f"combine output {tuple(reply.output.shape)}, expected {expected}")
         return reply.output

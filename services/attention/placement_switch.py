@@ -4,7 +4,9 @@ The router's sequence (services.router.placement_admin) guarantees every worker 
 placement already holds its pairs when this message arrives, so the switch itself is cheap:
 - endpoints not yet known are connected on the fly (a DEALER socket appended to the channel;
   sockets of workers that left stay open, idle, so indices already issued stay valid);
-- the owner tables are rebuilt and swapped in `MoEDispatcher.set_owner_tables`.
+- every pair's holders (channel indices, primary first) are swapped in with
+  `MoEDispatcher.set_holders`; replicas then share a pair's load (replica_routing.py), and
+  workers marked down after a failure stay down until they answer again.
 The worker's service loop handles one message at a time and a StepPlan runs to completion
 inside one `handle`, so a switch can only land between two steps: no Dispatch is in flight.
 A placement that leaves a pair without owner is refused (ErrorReply) and the old one stays.
@@ -47,6 +49,15 @@ def replica_owner_tables(workers: Sequence[WorkerHoldings], num_layers: int, num
     return [[[h[turn % len(h)] for h in row] for row in holders] for turn in range(num_tables)]
 
 
+def pair_holders(workers: Sequence[WorkerHoldings], num_layers: int, num_experts: int
+                 ) -> list[list[tuple[int, ...]]]:
+    """[L][E] -> indices into `workers` holding the pair: primary holders first (worker order),
+    then replica holders. PlacementError when a pair has no holder."""
+    tables = replica_owner_tables(workers, num_layers, num_experts)
+    return [[tuple(dict.fromkeys(table[layer][expert] for table in tables)) for expert in range(num_experts)]
+            for layer in range(num_layers)]
+
+
 def connect_endpoint(channel: Any, endpoint: str, context: zmq.Context, security: Any = None) -> int:
     """The channel index of `endpoint`, connecting a new DEALER socket when it is not known yet."""
     if endpoint in channel.endpoints:
@@ -75,15 +86,15 @@ def apply_switch(worker: Any, message: SwitchPlacement) -> Ack | ErrorReply:
     holdings = [WorkerHoldings(entry.name, tuple((k.layer, k.expert) for k in entry.experts),
                                tuple((k.layer, k.expert) for k in entry.replicas)) for entry in message.workers]
     try:
-        tables = replica_owner_tables(holdings, config.num_hidden_layers, config.n_routed_experts)
+        holders = pair_holders(holdings, config.num_hidden_layers, config.n_routed_experts)
     except PlacementError as error:
         return ErrorReply(code=ErrorCode.UNEXPECTED, message=f"placement {message.placement_version}: {error}")
     indices = [connect_endpoint(worker.channel, entry.endpoint, worker._zmq_context, worker.config.security)
                for entry in message.workers]
-    channel_tables = [[[indices[w] for w in row] for row in table] for table in tables]
-    worker.dispatcher.set_owner_tables(channel_tables)
+    worker.dispatcher.set_holders([[tuple(indices[w] for w in copies) for copies in row] for row in holders])
     worker.placement_version = message.placement_version
     log.info("attention.placement_switched", placement_version=message.placement_version,
-             workers=[w.name for w in message.workers], num_owner_tables=len(tables),
-             num_sockets=len(worker.channel.sockets))
+             workers=[w.name for w in message.workers], max_copies=max(len(c) for row in holders for c in row),
+             replica_policy=str(worker.dispatcher.replica_policy), num_sockets=len(worker.channel.sockets),
+             down_workers=sorted(worker.dispatcher.router.down))
     return Ack(detail=f"placement {message.placement_version}")

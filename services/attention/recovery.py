@@ -13,7 +13,10 @@ that hit it is then in an unknown, partial state: some layers' stores advanced, 
             roll every sequence back to its mark   (rollback_slot; KV blocks written this step
                                                      are simply overwritten by the retry)
             forget the channel's in-flight tickets (their late replies are then dropped)
-            probe every expert worker with Ping until all answer (a restarted one included)
+            mark the worker down (failover.py); if every pair it held has a live replica,
+                retry at once: its pairs go to the replicas
+            else wait until the down workers answer again with their pairs loaded (a
+                restarted one), probing every probe_interval_s
     give up: every sequence of the plan ends with an error naming the cause
 
 Invariants and reasons:
@@ -28,28 +31,26 @@ Invariants and reasons:
   (the rest of the step is retried).
 - Sampling happens after the whole forward, so a failed attempt never sampled a token and
   the retry draws exactly what the first attempt would have drawn (same seed, same position).
-- Replicas are not used yet: the retry goes to the same placement, i.e. to the restarted worker.
+- Retrying on replicas needs no wait, so a worker with a live twin costs one dispatch timeout
+  per step that hit it; the dead worker stays out of the tables until a probe finds it back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from common.model.state import RollbackError, SequenceState
-from common.wire.errors import ReplyTimeout, WireError
-from common.wire.messages import ErrorReply, Ping, Pong, SequenceResult, StepPlan, StepResult
+from common.wire.errors import ReplyTimeout
+from common.wire.messages import SequenceResult, StepPlan, StepResult
 from services.attention.moe_dispatch import DispatchError
 
 if TYPE_CHECKING:
-    import zmq
-
-    from common.security.socket_security import SocketSecurity
     from services.attention.slots import SlotTable
 
 log = structlog.get_logger("attention")
@@ -67,11 +68,14 @@ class RecoveryConfig:
     budget_s: float = 20.0
     probe_interval_s: float = 0.2
     probe_timeout_s: float = 0.5
+    readmit_interval_s: float = 2.0  # while a worker is down, probe it before a step at most this often
+    readmit_timeout_s: float = 0.1  # how long that probe waits (a dead endpoint costs this per interval)
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
-        if self.budget_s < 0 or self.probe_interval_s <= 0 or self.probe_timeout_s <= 0:
+        if (self.budget_s < 0 or self.probe_interval_s <= 0 or self.probe_timeout_s <= 0
+                or self.readmit_interval_s <= 0 or self.readmit_timeout_s <= 0):
             raise ValueError("recovery times must be positive")
 
 
@@ -138,49 +142,25 @@ def rollback_slots(slots: SlotTable, plan: StepPlan, marks: dict[int, SlotMark])
     return lost
 
 
-class ExpertProbe:
-    """Ping every expert worker on fresh sockets; True once all of them answered Pong."""
-
-    def __init__(self, endpoints: Sequence[str], context: zmq.Context, security: SocketSecurity | None,
-                 timeout_s: float) -> None:
-        self.endpoints = tuple(endpoints)
-        self.context = context
-        self.security = security
-        self.timeout_s = timeout_s
-        self._nonce = 0
-
-    def all_answer(self) -> bool:
-        from common.wire.transport import SyncClient
-
-        for endpoint in self.endpoints:
-            self._nonce += 1
-            client = SyncClient(endpoint, context=self.context, accept=(Pong, ErrorReply),
-                                default_timeout_s=self.timeout_s, security=self.security)
-            try:
-                reply = client.request(Ping(nonce=self._nonce))
-            except (ReplyTimeout, WireError):
-                return False
-            finally:
-                client.close()
-            if not isinstance(reply, Pong):
-                return False  # e.g. DRAINING: the old process is still on its way out
-        return True
-
-
 class StepRecovery:
     """Runs a step with bounded retries (see the module docstring).
 
     compute(plan) -> (StepResult, logits) is the worker's step without block moves;
-    `forget_in_flight()` drops the channel's outstanding tickets; `probe()` -> bool."""
+    `forget_in_flight()` drops the channel's outstanding tickets; `probe()` -> bool: every
+    pair is served again (all workers answer). `failover` (failover.ExpertFailover, optional)
+    marks a lost worker down and says whether replicas cover it; without it every loss waits."""
 
     def __init__(self, config: RecoveryConfig, slots: SlotTable, compute: Callable[[StepPlan], Any],
-                 forget_in_flight: Callable[[], None], probe: Callable[[], bool]) -> None:
+                 forget_in_flight: Callable[[], None], probe: Callable[[], bool], failover: Any = None) -> None:
         self.config = config
         self.slots = slots
         self.compute = compute
         self.forget_in_flight = forget_in_flight
         self.probe = probe
+        self.failover = failover
         self.num_recovered_steps = 0
+        self.num_replica_retries = 0
+        self.num_waits = 0  # attempts that had to wait for a worker to come back (no live replica)
         self.num_failed_steps = 0
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -188,6 +168,8 @@ class StepRecovery:
         deadline_s = started_s + self.config.budget_s
         lost: dict[str, str] = {}
         current = plan
+        if self.failover is not None:
+            self.failover.readmit_due()
         for attempt in range(1, self.config.max_attempts + 1):
             marks = mark_slots(self.slots, current)
             try:
@@ -200,7 +182,16 @@ class StepRecovery:
                             num_sequences=len(current.sequences), num_unrecoverable=len(lost))
                 current = dataclasses.replace(current, sequences=tuple(
                     s for s in current.sequences if s.request_id not in lost))
-                if attempt == self.config.max_attempts or not self._wait_for_experts(deadline_s):
+                covered = self._replicas_cover(error)  # marks the worker down, last attempt or not
+                if attempt == self.config.max_attempts:
+                    break
+                if covered:
+                    self.num_replica_retries += 1
+                    log.info("attention.step_retry_on_replicas", step_id=plan.step_id, attempt=attempt,
+                             down_workers=sorted(self.failover.router.down))
+                    continue
+                self.num_waits += 1
+                if not self._wait_for_experts(deadline_s):
                     break
                 continue
             if attempt > 1:
@@ -219,6 +210,13 @@ class StepRecovery:
             lost.setdefault(scheduled.request_id, reason)
         return _merge(plan, StepResult(step_id=plan.step_id, sequences=()), lost)
 
+    def _replicas_cover(self, error: BaseException) -> bool:
+        """Mark the worker named by `error` down; True when live replicas serve all its pairs."""
+        worker_index = getattr(error, "worker_index", None)
+        if self.failover is None or worker_index is None:
+            return False
+        return self.failover.mark_lost(worker_index)
+
     def _wait_for_experts(self, deadline_s: float) -> bool:
         while time.monotonic() < deadline_s:
             if self.probe():
@@ -229,16 +227,26 @@ class StepRecovery:
 
 def build_step_recovery(worker: Any) -> StepRecovery:
     """The StepRecovery of a loaded AttentionWorker (its slots, compute_step, channel, config)."""
+    from services.attention.failover import ExpertFailover
+
     config = worker.config
-    probe = ExpertProbe(config.expert_endpoints, worker._zmq_context, config.security, config.recovery.probe_timeout_s)
     channel = worker.channel
+    failover = ExpertFailover(worker.dispatcher, worker._zmq_context, config.security,
+                              probe_timeout_s=config.recovery.probe_timeout_s,
+                              readmit_timeout_s=config.recovery.readmit_timeout_s,
+                              readmit_interval_s=config.recovery.readmit_interval_s)
 
     def forget_in_flight() -> None:
         # Late replies to these tickets are then logged and dropped by ExpertChannel.receive.
         channel._in_flight.clear()
         channel._arrived.clear()
+        worker.dispatcher.reset_in_flight()
 
-    return StepRecovery(config.recovery, worker.slots, worker.compute_step, forget_in_flight, probe.all_answer)
+    def probe() -> bool:
+        # A loss tied to no worker marks nobody down: then wait until every worker answers.
+        return failover.readmit() if failover.router.down else failover.all_answer()
+
+    return StepRecovery(config.recovery, worker.slots, worker.compute_step, forget_in_flight, probe, failover)
 
 
 def _merge(plan: StepPlan, result: StepResult, lost: dict[str, str]) -> StepResult:
@@ -246,4 +254,5 @@ def _merge(plan: StepPlan, result: StepResult, lost: dict[str, str]) -> StepResu
     by_id = {s.request_id: s for s in result.sequences}
     for request_id, reason in lost.items():
         by_id[request_id] = SequenceResult(request_id, (), error=reason[:300])
-    return StepResult(step_id=plan.step_id, sequences=tuple(by_id[s.request_id] for s in plan.sequences))
+    return StepResult(step_id=plan.step_id, sequences=tuple(by_id[s.request_id] for s in plan.sequences),
+                      routing=result.routing)

@@ -6,7 +6,8 @@ decode) and never syncs with the host, so counting costs one small kernel per la
 sees the counts only when asked: `snapshot()` (one device->host copy) builds a
 `common.placement.stats.RoutingStats`, which writes Lucebox hotness tables
 (`write_stats_files`) and computes per-layer skew (`summary()`, sent to the router in a
-`StepResult` every `summary_every_steps` steps for `/metrics`).
+`StepResult` every `summary_every_steps` steps for `/metrics`, with the raw [L][E] counts for
+the status page's heat map).
 
 Phases: a token is a prefill token when it is part of the prompt (scheduled while its sequence
 has no output tokens yet) and a decode token otherwise; the worker decides per sequence and
@@ -84,7 +85,8 @@ class RoutingCounter:
                     layer=skew.layer, phase=_WIRE_PHASES[phase], num_activations=skew.num_activations,
                     max_over_mean=skew.max_over_mean, top8_share=skew.top8_share,
                     effective_experts=skew.effective_experts, num_unused=skew.num_unused))
-        return RoutingSummary(num_steps=self.num_steps, layers=tuple(layers))
+        counts = tuple(tuple(row) for row in stats.counts())  # [L][E], every phase summed (the heat map)
+        return RoutingSummary(num_steps=self.num_steps, layers=tuple(layers), layer_counts=counts)
 
     def write(self, path: str | Path) -> list[Path]:
         """Write the hotness tables (`path` for all phases, `.prefill.csv` / `.decode.csv` beside it)."""

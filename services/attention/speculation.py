@@ -25,6 +25,7 @@ Legend: B drafted requests, W max drafts, W1 = W + 1, V vocab, T tokens, D hidde
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -47,6 +48,18 @@ def capture_layer_ids(config: ModelConfig) -> tuple[int, ...]:
     return layer_ids
 
 
+def attach_feature_sender(worker, sender) -> None:
+    """Make a loaded AttentionWorker capture the drafter's target layers and hand its
+    TargetFeatures to `sender` (anything with send(TargetFeatures) -> bool and close()).
+    The worker does this itself with a `FeatureSender` when it has a draft endpoint; this is the
+    same wiring for a drafter reached another way (in-process tests and tools)."""
+    layer_ids = capture_layer_ids(worker.side.config)
+    if not layer_ids:
+        raise ValueError("the model has no DSpark drafter (no dspark_target_layer_ids)")
+    worker.runner.capture_layer_ids = frozenset(layer_ids)
+    worker.feature_sender = sender
+
+
 @dataclass(frozen=True)
 class DraftedRow:
     """One drafted request of the step: its work item's slot and plan entry, and where its
@@ -62,7 +75,6 @@ def verify_drafted(rows: list[DraftedRow], logits: torch.Tensor) -> tuple[dict[s
     request b score the seed slot and each draft slot. Returns (results by request id,
     rejected drafts by request id). Appends emitted tokens to each slot and rolls back its state."""
     from services.attention.sampling.verify import verify
-    from services.draft.chains import dense_distribution
 
     num_requests = len(rows)
     num_vocab = logits.shape[1]
@@ -77,16 +89,7 @@ def verify_drafted(rows: list[DraftedRow], logits: torch.Tensor) -> tuple[dict[s
         draft_ids[b, :num_drafts[b]] = torch.tensor(row.scheduled.draft_token_ids, dtype=torch.long)
     draft_probs = None
     if any(not row.slot.params.is_greedy for row in rows):
-        draft_probs = torch.zeros(num_requests, max_drafts, num_vocab, dtype=torch.float32, device=device)  # [B, W, V]
-        for b, row in enumerate(rows):
-            if row.slot.params.is_greedy:
-                continue
-            supports = zip(row.scheduled.draft_support_token_ids, row.scheduled.draft_support_probs)
-            for k, (ids, probs) in enumerate(supports):
-                draft_probs[b, k] = dense_distribution(ids, probs, num_vocab, device)
-            if len(row.scheduled.draft_support_token_ids) != num_drafts[b]:
-                raise ValueError(f"{row.scheduled.request_id}: {num_drafts[b]} sampled drafts but "
-                                 f"{len(row.scheduled.draft_support_token_ids)} draft distributions")
+        draft_probs = _dense_draft_probs(rows, num_drafts, max_drafts, num_vocab, device)  # [B, W, V]
     out = verify(target_logits, draft_ids.to(device), draft_probs, [row.slot.params for row in rows],
                  [row.slot.seed for row in rows], [len(row.slot.output_token_ids) for row in rows],
                  [row.slot.prompt_token_ids for row in rows], [row.slot.output_token_ids for row in rows],
@@ -103,6 +106,36 @@ def verify_drafted(rows: list[DraftedRow], logits: torch.Tensor) -> tuple[dict[s
         results[request_id] = SequenceResult(request_id, tuple(emitted), num_draft_accepted=out.num_accepted[b],
                                              logprobs=_logprobs(out, b, row.slot.params.num_logprobs))
     return results, rejected
+
+
+def _dense_draft_probs(rows: list[DraftedRow], num_drafts: list[int], max_drafts: int, num_vocab: int,
+                       device: torch.device) -> torch.Tensor:
+    """The sparse q of every sampled request's drafts, as the dense [B, W, V] fp32 the verifier
+    takes (zeros for greedy rows and padding). One host-to-device copy and one scatter for the
+    whole step (a copy per slot cost ~3 small transfers each on a GPU); the values are the relayed
+    float32s, so q is bit for bit the distribution each draft was drawn from."""
+    index_b, index_k, index_v, values = [], [], [], []
+    for b, row in enumerate(rows):
+        if row.slot.params.is_greedy:
+            continue
+        supports = row.scheduled.draft_support_token_ids
+        if len(supports) != num_drafts[b]:
+            raise ValueError(f"{row.scheduled.request_id}: {num_drafts[b]} sampled drafts but "
+                             f"{len(supports)} draft distributions")
+        for k, (ids, probs) in enumerate(zip(supports, row.scheduled.draft_support_probs)):
+            if len(ids) != len(probs):
+                raise ValueError(f"{row.scheduled.request_id}: draft {k} has {len(ids)} ids, {len(probs)} probs")
+            index_b.extend([b] * len(ids))
+            index_k.extend([k] * len(ids))
+            index_v.extend(ids)
+            values.extend(probs)
+    if index_v and (min(index_v) < 0 or max(index_v) >= num_vocab):  # checked here: on a GPU a bad index
+        raise ValueError(f"draft distribution ids outside [0, {num_vocab})")  # would be a device assert
+    dense = torch.zeros(len(rows), max_drafts, num_vocab, dtype=torch.float32, device=device)
+    if values:
+        index = torch.tensor([index_b, index_k, index_v], dtype=torch.long).to(device)  # [3, N]
+        dense[index[0], index[1], index[2]] = torch.tensor(values, dtype=torch.float32).to(device)
+    return dense
 
 
 def _logprobs(out, b: int, num_logprobs: int | None) -> TokenLogprobs | None:
@@ -165,16 +198,21 @@ class FeatureSender:
         self.endpoint = endpoint
         self.client = SyncClient(endpoint, context=context, default_timeout_s=timeout_s)
         self.num_failures = 0
+        self.num_sent = 0
+        self.send_s_total = 0.0  # send .. Ack, summed: the step time features cost
 
     def send(self, message: TargetFeatures) -> bool:
         from common.wire.errors import ReplyTimeout, WireError
         from common.wire.messages import Ack
 
+        started_s = time.perf_counter()
         try:
             reply = self.client.request(message)
         except (ReplyTimeout, WireError) as error:
             reply = error
+        self.send_s_total += time.perf_counter() - started_s
         if isinstance(reply, Ack):
+            self.num_sent += 1
             return True
         self.num_failures += 1
         log.warning("attention.features_not_delivered", step_id=message.step_id, endpoint=self.endpoint,
@@ -182,4 +220,6 @@ class FeatureSender:
         return False
 
     def close(self) -> None:
+        log.info("attention.feature_send_summary", num_sent=self.num_sent, num_failures=self.num_failures,
+                 send_ms_mean=1e3 * self.send_s_total / max(1, self.num_sent + self.num_failures))
         self.client.close()

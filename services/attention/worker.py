@@ -21,6 +21,7 @@ Legend: B sequences that sample, V vocab, K top logprobs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,9 +58,13 @@ class AttentionWorkerConfig:
     dispatch_timeout_s: float = 30.0
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)  # retries after a lost expert worker
     draft_endpoint: str | None = None  # the draft worker, to send target features to (None: no drafter)
-    draft_timeout_s: float = 10.0
+    draft_timeout_s: float = 3.0  # features -> Ack; the step waits, so a dead drafter costs this once
     routing_stats: RoutingStatsConfig = field(default_factory=RoutingStatsConfig)
     security: Any = None  # common.security.SocketSecurity for the expert sockets (None: plain)
+    # "zmq" (tensor frames via pinned host staging) or "cuda_ipc" (shared device rings + ZeroMQ doorbell, for
+    # expert workers on this host and CUDA; others fall back to zmq with a log event): common/wire/cuda_ipc.py
+    data_plane: str = "zmq"
+    replica_policy: str = "least_loaded"  # how replicas share a pair's tokens: least_loaded | round_robin
 
 
 def split_micro_batches(num_sequences: int, num_micro_batches: int) -> list[range]:
@@ -94,17 +99,26 @@ class AttentionWorker(Service):
         from services.attention.kv_pool import KVPool
         from services.attention.model_runner import ModelRunner
         from services.attention.moe_dispatch import MoEDispatcher
+        from services.attention.placement_switch import pair_holders
         from services.attention.routing_stats import RoutingCounter
         from services.attention.sampling import Sampler
         from services.attention.slots import SlotTable
+        from common.wire.cuda_ipc import DataPlane
         from services.expert.worker import resolve_dtype
 
         dtype = resolve_dtype(self.config.dtype, self.config.device)
-        reader = CheckpointReader(self.config.checkpoint_path, on_progress=self.load_progress)
-        model_config = reader.config
-        numerics = NumericsConfig(dtype=str(dtype).removeprefix("torch."))
-        self.side = AttentionSide.from_state_dict(model_config, reader.load_attention_side(model_config, dtype),
-                                                  numerics, device=self.device)
+        from services.expert.random_weights import is_random_model
+
+        if is_random_model(self.config.checkpoint_path):  # benchmarks: random weights in the checkpoint formats
+            from services.attention.random_weights import random_attention_side_for
+
+            model_config, self.side = random_attention_side_for(self.config.checkpoint_path, dtype, self.device)
+        else:
+            reader = CheckpointReader(self.config.checkpoint_path, on_progress=self.load_progress)
+            model_config = reader.config
+            numerics = NumericsConfig(dtype=str(dtype).removeprefix("torch."))
+            self.side = AttentionSide.from_state_dict(model_config, reader.load_attention_side(model_config, dtype),
+                                                      numerics, device=self.device)
         self.pool = KVPool(model_config, self.config.kv, self.side.dtype, self.device)
         self.slots = SlotTable(model_config, self.pool, self.side.dtype, self.device)
         self._zmq_context = zmq.Context()
@@ -112,7 +126,10 @@ class AttentionWorker(Service):
                                      timeout_s=self.config.dispatch_timeout_s, security=self.config.security)
         owner = owner_table(self.config.expert_workers, model_config.num_hidden_layers, model_config.n_routed_experts)
         self.dispatcher = MoEDispatcher(self.channel, owner, placement_invariant=self.config.placement_invariant,
-                                        device=self.device)
+                                        device=self.device, replica_policy=self.config.replica_policy,
+                                        data_plane=DataPlane(self.config.data_plane))
+        self.dispatcher.set_holders(pair_holders(self.config.expert_workers, model_config.num_hidden_layers,
+                                                 model_config.n_routed_experts))  # replicas share load from the start
         self.routing = RoutingCounter(model_config.num_hidden_layers, model_config.n_routed_experts,
                                       model_config.num_experts_per_tok, self.device,
                                       self.config.routing_stats.summary_every_steps)
@@ -158,7 +175,11 @@ class AttentionWorker(Service):
     def step(self, plan: StepPlan) -> StepResult:
         """run_step, retried within a bound when an expert worker is lost (recovery.StepRecovery)."""
         self.pool.move(plan.swap_out, plan.swap_in)
-        return self.recovery.run(plan)
+        self._step_routing = None
+        result = self.recovery.run(plan)
+        if result.routing is None and self._step_routing is not None:  # recovery rebuilds the result without it
+            result = dataclasses.replace(result, routing=self._step_routing)
+        return result
 
     def run_step(self, plan: StepPlan) -> tuple[StepResult, torch.Tensor | None]:
         """The StepResult and the logits [R, V] of the sequences that sampled (plan order; one row
@@ -182,6 +203,7 @@ class AttentionWorker(Service):
                   num_micro_batches=len(groups), num_overlapped_runs=self.runner.stats.num_overlapped_runs)
         by_id = {**results, **errors}
         routing = self.routing.step_done() if work else None
+        self._step_routing = routing  # for step(): the summary survives recovery's merge
         return StepResult(step_id=plan.step_id, sequences=tuple(by_id[s.request_id] for s in plan.sequences),
                           routing=routing), logits
 

@@ -65,6 +65,8 @@ def run(deployment: Deployment, name: str | None = None, log_level: str = "info"
                                               survival_threshold=options.survival_threshold)
     if block_size is None:
         raise DeploymentError(f"model.path: {deployment.model.path} has no DSpark drafter (no dspark_* keys)")
+    if not _budget_fits(entry, deployment, model_config):
+        return 3  # the drafter does not fit its device: the message is on stderr and in the log
     endpoints = derive_endpoints(deployment)
     worker = DraftWorker(DraftWorkerConfig(name=entry.name, checkpoint_path=deployment.model.path, device=entry.device,
                                            dtype=deployment.model.dtype, speculation=speculation,
@@ -73,3 +75,18 @@ def run(deployment: Deployment, name: str | None = None, log_level: str = "info"
                                    supervisor_endpoint=endpoints.supervisor, device=entry.device,
                                    heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s)
     return run_service(worker, service_config)
+
+
+def _budget_fits(entry, deployment: Deployment, model_config) -> bool:
+    """Log `draft.memory_budget` (drafter weights, activations) against the device's free memory
+    before loading; False (message on stderr) when it does not fit."""
+    import sys
+
+    from common.placement.worker_budget import check_at_start, draft_worker_budget, measure_free_bytes
+
+    budget = draft_worker_budget(model_config, service="draft", device=entry.device, dtype=deployment.model.dtype,
+                                 free_bytes=measure_free_bytes(entry.device, entry.memory_limit))
+    refusal = check_at_start(budget, entry.name)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+    return refusal is None

@@ -8,9 +8,10 @@ Messages (`handle`):
 - `DraftRequest` (from the router): drop the finished requests' rings, then `propose(...)`.
 
 `propose(request)` is the one visible loop: all drafted requests go through the three stages
-in one batched forward (contexts padded to the longest ring, padding masked out), then each
-request gets its Markov chain (greedy, or sampled from a sparse exact q, see chains.py) and its
-width from the confidences (width.py). Every slot of the request gets a proposal, empty when
+in one batched forward (contexts padded to the longest ring, padding masked out), then the
+Markov chains of all of them run together, slot by slot (greedy, or sampled from a sparse exact
+q: chains.batched_chains, one host transfer at the end), and each request gets its width from
+its confidences (width.py). Every slot of the request gets a proposal, empty when
 it asked for no drafts or speculation is off.
 
 Routed experts of the stages run in this process (`RoutedExperts` from `load_mtp`), so a draft
@@ -20,6 +21,7 @@ slots, D hidden, F = L·D raw feature width, V vocab.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +35,7 @@ from common.runtime.service import Service
 from common.wire.messages import (
     Ack, DraftProposal, DraftRequest, DraftSlot, DraftTokens, ErrorCode, ErrorReply, TargetFeatures,
 )
-from services.draft.chains import sparse_sampled_chain
+from services.draft.chains import RowChains, batched_chains
 from services.draft.feature_ring import FeatureRings
 from services.draft.width import SpeculationConfig, SpeculationMode, choose_width
 
@@ -93,6 +95,29 @@ class _Batch:
     seed_positions: list[int] = field(default_factory=list)
 
 
+@dataclass
+class DraftTimings:
+    """Wall time spent inside the drafter (host clock; CUDA work is synchronised by the replies'
+    .tolist()), summed since start: where a speculative step's drafter share goes."""
+
+    num_proposals: int = 0
+    num_drafted_requests: int = 0
+    propose_s_total: float = 0.0
+    forward_s_total: float = 0.0  # the stages and the head (block_hidden + base_logits), device-synchronised
+    chains_s_total: float = 0.0  # Markov chains, confidences, widths, the reply's lists
+    num_feature_messages: int = 0
+    num_feature_rows: int = 0
+    features_s_total: float = 0.0
+
+    def as_log_fields(self) -> dict[str, float | int]:
+        return {"num_proposals": self.num_proposals, "num_drafted_requests": self.num_drafted_requests,
+                "propose_ms_mean": 1e3 * self.propose_s_total / max(1, self.num_proposals),
+                "forward_ms_mean": 1e3 * self.forward_s_total / max(1, self.num_proposals),
+                "chains_ms_mean": 1e3 * self.chains_s_total / max(1, self.num_proposals),
+                "num_feature_messages": self.num_feature_messages, "num_feature_rows": self.num_feature_rows,
+                "features_ms_mean": 1e3 * self.features_s_total / max(1, self.num_feature_messages)}
+
+
 class DraftWorker(Service):
     accepts = (TargetFeatures, DraftRequest)
 
@@ -103,6 +128,7 @@ class DraftWorker(Service):
         self.drafter: DSparkDrafter | None = None
         self.speculation: SpeculationConfig | None = None
         self.rings: FeatureRings | None = None
+        self.timings = DraftTimings()
         if drafter is not None:
             self._install(drafter)
 
@@ -125,14 +151,26 @@ class DraftWorker(Service):
     async def handle(self, message: Any) -> Any:
         match message:
             case TargetFeatures():
+                started_s = time.perf_counter()
                 self.add_features(message)
+                self.timings.num_feature_messages += 1
+                self.timings.num_feature_rows += int(message.features.shape[0])
+                self.timings.features_s_total += time.perf_counter() - started_s
                 return Ack()
             case DraftRequest():
+                started_s = time.perf_counter()
                 try:
-                    return self.propose(message)
+                    reply = self.propose(message)
                 except DraftSlotError as error:
                     return ErrorReply(code=ErrorCode.MALFORMED, message=str(error), request_id=error.request_id)
+                self.timings.num_proposals += 1
+                self.timings.num_drafted_requests += sum(1 for p in reply.proposals if p.token_ids)
+                self.timings.propose_s_total += time.perf_counter() - started_s
+                return reply
         return await super().handle(message)
+
+    async def close(self) -> None:
+        log.info("draft.timing_summary", **self.timings.as_log_fields())
 
     def num_inflight(self) -> int:
         return 0 if self.rings is None else len(self.rings)
@@ -162,11 +200,21 @@ class DraftWorker(Service):
         rows: dict[str, DraftProposal] = {}
         if drafted:
             batch = self._batch_inputs(drafted)
+            started_s = time.perf_counter()
             hidden = self.drafter.block_hidden(batch.main_x, batch.context_positions, batch.context_valid,
                                                batch.block_token_ids, batch.block_positions)  # [A, G, D]
             base_logits = self.drafter.base_logits(hidden)  # [A, G, V]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # one sync per proposal, so the split below is true
+            forward_done_s = time.perf_counter()
+            chains = batched_chains(
+                self.drafter, base_logits, hidden, [slot.last_token_ids[-1] for slot in drafted],
+                [slot.temperature for slot in drafted], [slot.seed for slot in drafted],
+                [slot.first_output_position for slot in drafted], self.config.max_support)
             for index, slot in enumerate(drafted):
-                rows[slot.request_id] = self._proposal(slot, base_logits[index], hidden[index])
+                rows[slot.request_id] = self._proposal(slot, chains, index)
+            self.timings.forward_s_total += forward_done_s - started_s
+            self.timings.chains_s_total += time.perf_counter() - forward_done_s
         return DraftTokens(step_id=request.step_id, proposals=tuple(
             rows.get(slot.request_id) or DraftProposal(slot.request_id, (), (), ()) for slot in request.slots))
 
@@ -203,28 +251,17 @@ class DraftWorker(Service):
         return _Batch(main_x, positions.to(self.device), valid.to(self.device), self.drafter.block_inputs(seeds),
                       block_positions.to(self.device), seed_positions)
 
-    def _proposal(self, slot: DraftSlot, base_logits: torch.Tensor, hidden: torch.Tensor) -> DraftProposal:
-        """One request's chain, cut to the width policy's choice and to slot.num_draft_tokens."""
-        seed_token = slot.last_token_ids[-1]
-        if slot.temperature > 0:
-            num_slots = base_logits.shape[0]
-            chain = sparse_sampled_chain(
-                self.drafter, base_logits, hidden, seed_token, temperature=slot.temperature, seed=slot.seed,
-                output_positions=range(slot.first_output_position, slot.first_output_position + num_slots),
-                max_support=self.config.max_support)
-            chosen_probs = chain.probs
-        else:
-            chain = self.drafter.greedy_chain(base_logits, hidden, seed_token)
-            chosen_probs = chain.probs.gather(1, chain.token_ids[:, None]).squeeze(1)  # [G]
-        confidences = chain.confidences.tolist()
+    def _proposal(self, slot: DraftSlot, chains: RowChains, index: int) -> DraftProposal:
+        """Row `index` of the batch's chains, cut to the width policy's choice and to slot.num_draft_tokens."""
+        confidences = chains.confidences[index]
         width = min(choose_width(confidences, self.speculation), slot.num_draft_tokens)
         support_ids = support_probs = ()
         if slot.temperature > 0:
-            support_ids = tuple(tuple(ids.tolist()) for ids in chain.support_ids[:width])
-            support_probs = tuple(tuple(probs.tolist()) for probs in chain.support_probs[:width])
+            support_ids = tuple(chains.support_ids[index][:width])
+            support_probs = tuple(chains.support_probs[index][:width])
         return DraftProposal(
-            request_id=slot.request_id, token_ids=tuple(chain.token_ids[:width].tolist()),
-            draft_probs=tuple(chosen_probs[:width].tolist()), confidences=tuple(confidences[:width]),
+            request_id=slot.request_id, token_ids=tuple(chains.token_ids[index][:width]),
+            draft_probs=tuple(chains.chosen_probs[index][:width]), confidences=tuple(confidences[:width]),
             support_token_ids=support_ids, support_probs=support_probs)
 
 

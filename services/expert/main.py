@@ -35,11 +35,40 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info") -> i
     model_config = ModelConfig.load(deployment.model.path)
     pairs = holdings_for(entry.name, entry.placement, model_config.num_hidden_layers,
                          model_config.n_routed_experts).held
+    from services.expert.random_weights import is_random_model
+
+    random_model = is_random_model(deployment.model.path)
+    if random_model:  # random weights kept quantized (benchmarks)
+        from services.expert.quantized_worker import QuantizedExpertWorker as ExpertWorker  # noqa: F811
+    budget = _startup_budget(entry, deployment, model_config, len(pairs), keep_quantized=random_model)
+    if budget is None:
+        return 3  # the plan does not fit the device: the message is on stderr and in the log
     worker = ExpertWorker(ExpertWorkerConfig(name=entry.name, checkpoint_path=deployment.model.path,
-                                             device=entry.device, dtype=deployment.model.dtype, pairs=tuple(pairs)),
+                                             device=entry.device, dtype=deployment.model.dtype, pairs=tuple(pairs),
+                                             expert_budget_bytes=budget),
                           model_config)
     service_config = ServiceConfig(name=entry.name, role=ServiceRole.EXPERT, endpoint=endpoints.expert[entry.name],
                                    supervisor_endpoint=endpoints.supervisor, device=entry.device,
                                    heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s, security=security,
                                    progress_dir=str(progress_dir_for(deployment.paths.run_dir)))
     return run_service(worker, service_config)
+
+
+def _startup_budget(entry, deployment: Deployment, model_config, num_pairs: int, keep_quantized: bool) -> int | None:
+    """Log `expert.memory_budget` and check it before loading anything (issue 8 part 3): the
+    bytes left for routed experts after the rest of the plan, or None (message on stderr) when
+    the worker's pairs do not fit its device's free memory (or `memory_limit`)."""
+    import sys
+
+    from common.placement.worker_budget import (
+        check_at_start, expert_headroom_bytes, expert_worker_budget, measure_free_bytes,
+    )
+
+    budget = expert_worker_budget(model_config, service="expert", device=entry.device, dtype=deployment.model.dtype,
+                                  num_pairs=num_pairs, free_bytes=measure_free_bytes(entry.device, entry.memory_limit),
+                                  keep_quantized=keep_quantized)
+    refusal = check_at_start(budget, entry.name)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return None
+    return expert_headroom_bytes(budget)

@@ -1,13 +1,14 @@
 """Which expert worker the attention worker sends each (layer, expert) to, and what a worker loads.
 
 Placements are the files of `common.placement.placement_file` (TOML, primary copies and
-replicas per worker). A deployment's `[[expert]] placement` is "all" or such a file. This module
+replicas per worker). A deployment's `[[expert]] placement` is "all", "none" (a worker that
+joins empty and gets its experts from `moemesh placement apply`) or such a file. This module
 adds what the data path needs:
 - `WorkerHoldings`: per worker (deployment order) its primary and replica pairs;
-- `owner_table`: (layer, expert) -> the worker index that serves it: the first worker (in
-  deployment order) holding it as a primary copy, else the first holding a replica. Every
-  attention worker therefore dispatches identically. Replicas are loaded by their workers but
-  do not share traffic yet (one owner per pair);
+- `owner_table`: (layer, expert) -> the first worker (in deployment order) holding it as a
+  primary copy, else the first holding a replica. The attention worker dispatches by every
+  pair's full list of holders (`placement_switch.pair_holders`), so replicas share the load
+  (services/attention/replica_routing.py); this table is the single-copy view;
 - `round_robin` / `contiguous`: simple placements for `generate --distributed` and tests.
 """
 
@@ -37,9 +38,11 @@ def all_pairs(num_layers: int, num_experts: int) -> tuple[Pair, ...]:
 
 
 def holdings_for(name: str, placement_spec: str, num_layers: int, num_experts: int) -> WorkerHoldings:
-    """From a deployment `placement` key: "all" or a placement file naming this worker."""
+    """From a deployment `placement` key: "all", "none" or a placement file naming this worker."""
     if placement_spec == "all":
         return WorkerHoldings(name, all_pairs(num_layers, num_experts))
+    if placement_spec == "none":
+        return WorkerHoldings(name, ())
     placement = read_placement(placement_spec)
     if (placement.num_layers, placement.num_experts) != (num_layers, num_experts):
         raise PlacementError(f"{placement_spec}: placement is for {placement.num_layers} x {placement.num_experts}, "

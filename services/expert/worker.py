@@ -33,8 +33,10 @@ from common.model.config import ModelConfig
 from common.runtime.service import Service
 from common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
 from common.wire.messages import (
-    Combine, Dispatch, DropExperts, ErrorCode, ErrorReply, ExpertInventory, ExpertKey, LoadExperts, QueryInventory,
+    AttachCudaIpc, Combine, Dispatch, DispatchSlot, DropExperts, ErrorCode, ErrorReply, ExpertInventory, ExpertKey,
+    LoadExperts, QueryInventory,
 )
+from services.expert.ipc_plane import ExpertSlotPlane
 from services.expert.grouping import group_by_expert, slot_outputs
 from common.model.moe import sum_slots_in_order
 
@@ -58,6 +60,9 @@ class ExpertWorkerConfig:
     reply_buffer_bytes: int = 32 << 20
     num_recv_slots: int = 4  # Dispatch landing slots (CUDA devices only)
     recv_slot_bytes: int = 32 << 20
+    # Routed-expert bytes the startup budget leaves this worker (common/placement/worker_budget.py);
+    # LoadExperts beyond it is refused, the inventory reports what is left. None: unchecked.
+    expert_budget_bytes: int | None = None
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -82,7 +87,7 @@ def device_memory(device: torch.device) -> tuple[int, int | None]:
 
 
 class ExpertWorker(Service):
-    accepts = (Dispatch, LoadExperts, DropExperts, QueryInventory)
+    accepts = (Dispatch, LoadExperts, DropExperts, QueryInventory, AttachCudaIpc, DispatchSlot)
 
     def __init__(self, config: ExpertWorkerConfig, model_config: ModelConfig | None = None) -> None:
         self.config = config
@@ -97,6 +102,12 @@ class ExpertWorker(Service):
         self._reply_pool: SendStagingPool | None = None
         self._recv_ring: RecvStagingRing | None = None
         self._last_reply_fits = True
+        self.slot_plane = ExpertSlotPlane(self.device, config.name)  # CUDA IPC rings of attention workers
+        # Optional stacked holder of quantized experts (`QuantizedRoutedExperts`, e.g. random weights
+        # in `bench layers --disaggregated`): when set, Dispatches are computed by its grouped kernels.
+        self.holder: Any = None
+        # CUDA graphs of the holder's per-layer work by token bucket (services/expert/graphs.py); None: eager
+        self.graphs: Any = None
 
     @property
     def reply_staging(self) -> SendStagingPool | None:
@@ -114,6 +125,8 @@ class ExpertWorker(Service):
 
     def _to_device(self, received: torch.Tensor) -> torch.Tensor:
         """A received (read-only, host) tensor on this worker's device, through the landing ring."""
+        if received.is_cuda:  # a CUDA IPC ring view: here already, or a peer copy from the attention GPU
+            return received.to(self.device)
         if self._recv_ring is None or received.numel() * received.element_size() > self.config.recv_slot_bytes:
             return received.to(self.device)
         return self._recv_ring.to_device(received)
@@ -147,6 +160,9 @@ class ExpertWorker(Service):
             case Dispatch():
                 return self.handle_dispatch(message)
             case LoadExperts(placement_version=version, experts=keys, checkpoint_path=path):
+                refusal = self._load_refusal([(k.layer, k.expert) for k in keys])
+                if refusal is not None:
+                    return refusal
                 self.load_pairs([(k.layer, k.expert) for k in keys], path or self.config.checkpoint_path)
                 self.placement_version = version
                 return self.inventory()
@@ -157,6 +173,10 @@ class ExpertWorker(Service):
                 return self.inventory()
             case QueryInventory():
                 return self.inventory()
+            case AttachCudaIpc():
+                return self.slot_plane.attach(message)
+            case DispatchSlot():
+                return self.handle_dispatch_slot(message)
         return ErrorReply(code=ErrorCode.UNEXPECTED, message=f"{type(message).TYPE} not handled")
 
     @torch.inference_mode()
@@ -171,14 +191,9 @@ class ExpertWorker(Service):
                 mask is not None and mask.shape != ids.shape):
             return ErrorReply(code=ErrorCode.MALFORMED, message=f"dispatch shapes disagree: hidden "
                               f"{tuple(hidden.shape)}, ids {tuple(ids.shape)}, weights {tuple(route_weights.shape)}")
-        groups = group_by_expert(ids, mask)
-        missing = [e for e in groups.expert_ids if (dispatch.layer, e) not in self._weights]
-        if missing:
-            return ErrorReply(code=ErrorCode.NOT_FOUND,
-                              message=f"{self.config.name} does not hold layer {dispatch.layer} experts {missing}")
-        per_slot = slot_outputs(self._weights, dispatch.layer, hidden, groups, route_weights, ids.shape[1],
-                                self.swiglu_limit, self.config.route_weight_before_w2)  # [T, K, D]
-        output = per_slot if dispatch.per_expert_outputs else sum_slots_in_order(per_slot)
+        output = self.expert_output(dispatch.layer, hidden, ids, route_weights, mask, dispatch.per_expert_outputs)
+        if isinstance(output, ErrorReply):
+            return output
         self._last_reply_fits = (self._reply_pool is not None and output.numel() * output.element_size() + 64
                                  <= self._reply_pool.config.buffer_bytes)
         if not self._last_reply_fits:
@@ -188,13 +203,94 @@ class ExpertWorker(Service):
                        micro_batch=dispatch.micro_batch, output=output,
                        per_expert_outputs=dispatch.per_expert_outputs)
 
+    def expert_output(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor,
+                      mask: torch.Tensor | None, per_expert_outputs: bool) -> torch.Tensor | ErrorReply:
+        """The routed answer [T, D] (or [T, K, D]) for this worker's slots, whatever the data plane."""
+        if self.holder is not None:
+            from common.model.moe import ExpertNotHeld
+
+            if self.graphs is not None:  # a static graph output, valid until the next Dispatch
+                try:
+                    replayed = self.graphs.run(layer, hidden, ids, route_weights, mask, per_expert_outputs)
+                except RuntimeError as error:  # a capture that fails turns graphs off, never the worker
+                    log.warning("expert.graphs_off", name=self.config.name, reason=str(error)[:300])
+                    self.graphs, replayed = None, None
+                if replayed is not None:
+                    return replayed
+            try:
+                per_slot = self.holder.per_expert_outputs(layer, hidden, ids, route_weights, mask)  # [T, K, D]
+            except ExpertNotHeld as error:
+                return ErrorReply(code=ErrorCode.NOT_FOUND, message=f"{self.config.name}: {error}"[:300])
+        else:
+            groups = group_by_expert(ids, mask)
+            missing = [e for e in groups.expert_ids if (layer, e) not in self._weights]
+            if missing:
+                return ErrorReply(code=ErrorCode.NOT_FOUND,
+                                  message=f"{self.config.name} does not hold layer {layer} experts {missing}")
+            per_slot = slot_outputs(self._weights, layer, hidden, groups, route_weights, ids.shape[1],
+                                    self.swiglu_limit, self.config.route_weight_before_w2)  # [T, K, D]
+        return per_slot if per_expert_outputs else sum_slots_in_order(per_slot)
+
+    @torch.inference_mode()
+    def handle_dispatch_slot(self, message: DispatchSlot) -> Any:
+        """DispatchSlot -> CombineSlot: `handle_dispatch` (a subclass's too) on the ring's device views."""
+        inputs = self.slot_plane.inputs(message)
+        if isinstance(inputs, ErrorReply):
+            return inputs
+        hidden, ids, route_weights, mask = inputs
+        if self.graphs is not None and self.holder is not None and mask is None:  # the lean path: one replay
+            self.num_dispatches += 1
+            try:
+                replayed = self.graphs.run(message.layer, hidden, ids, route_weights, None,
+                                           message.per_expert_outputs)
+            except RuntimeError as error:  # a capture that fails turns graphs off, never the worker
+                log.warning("expert.graphs_off", name=self.config.name, reason=str(error)[:300])
+                self.graphs, replayed = None, None
+            if replayed is not None:
+                return self.slot_plane.reply(message, replayed)
+            self.num_dispatches -= 1  # counted again by handle_dispatch
+        reply = self.handle_dispatch(Dispatch(
+            dispatch_id=message.dispatch_id, step_id=message.step_id, layer=message.layer,
+            micro_batch=message.micro_batch, hidden=hidden, expert_ids=ids, weights=route_weights,
+            per_expert_outputs=message.per_expert_outputs, slot_mask=mask))
+        if not isinstance(reply, Combine):
+            return reply
+        return self.slot_plane.reply(message, reply.output.to(hidden.dtype))
+
     # ------------------------------------------------------------------ reports
     def num_weight_bytes(self) -> int:
         return sum(w.numel() * w.element_size() for weights in self._weights.values() for w in weights)
 
     def inventory(self) -> ExpertInventory:
         used, total = device_memory(self.device)
+        budget = self.config.expert_budget_bytes
         return ExpertInventory(
             name=self.config.name, device=str(self.device), placement_version=self.placement_version,
             experts=tuple(ExpertKey(layer=l, expert=e) for l, e in sorted(self._weights)),
-            num_weight_bytes=self.num_weight_bytes(), memory_used_bytes=used, memory_total_bytes=total)
+            num_weight_bytes=self.num_weight_bytes(), memory_used_bytes=used, memory_total_bytes=total,
+            free_budget_bytes=None if budget is None else budget - self.num_weight_bytes())
+
+    def _load_refusal(self, pairs) -> ErrorReply | None:
+        """ErrorReply naming the device and the shortfall when `pairs` do not fit the budget left."""
+        budget = self.config.expert_budget_bytes
+        new = {(int(l), int(e)) for l, e in pairs} - set(self._weights)
+        if budget is None or not new or self._model_config is None:
+            return None
+        from common.placement.worker_budget import bytes_per_expert
+        from services.expert.random_weights import is_random_model
+
+        if self._weights:  # what the held experts really take (dense, or kept quantized)
+            per_expert = -(-self.num_weight_bytes() // len(self._weights))
+        else:
+            per_expert = bytes_per_expert(self._model_config, torch.empty((), dtype=self.dtype).element_size(),
+                                          keep_quantized=is_random_model(self.config.checkpoint_path))
+        needed = self.num_weight_bytes() + len(new) * per_expert
+        if needed <= budget:
+            return None
+        from common.placement.devices import format_bytes
+
+        log.error("expert.load_refused", name=self.config.name, device=str(self.device), num_new=len(new),
+                  needed_bytes=needed, budget_bytes=budget)
+        return ErrorReply(code=ErrorCode.OVERLOADED, message=(
+            f"{self.config.name} on {self.device}: {len(new)} more experts need {format_bytes(needed)} in all, the "
+            f"budget for experts is {format_bytes(budget)}; short by {format_bytes(needed - budget)}"))

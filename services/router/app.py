@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
+from common.runtime.restart_record import read_restarts
 from services.router.engine_client import EngineClient
 from services.router.gateway import Gateway
 from services.router.gateway_config import GatewayConfig
@@ -46,9 +47,13 @@ def build_app(config: GatewayConfig, engine: EngineClient, tokenizer: Tokenizer,
                  "max_model_len": config.max_model_len} for name in names]
         return JSONResponse({"object": "list", "data": data})
 
-    async def health(_: Request) -> Response:
+    async def health(request: Request) -> Response:
         report = engine.health()
         body = {"status": "ok" if report.ok else "unavailable", "services": report.services}
+        sources = getattr(request.app.state, "status_sources", None)
+        restarts = read_restarts(sources.restarts_file()) if sources is not None else {}
+        if restarts:  # under `moemesh serve`: what it restarted (common.runtime.restart_record)
+            body["restarts"] = {name: record.get("num_restarts", 0) for name, record in restarts.items()}
         return JSONResponse(body, status_code=200 if report.ok else 503)
 
     async def metrics_endpoint(_: Request) -> Response:

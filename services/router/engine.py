@@ -48,7 +48,7 @@ from services.router.engine_drafts import DraftCoordinator
 from services.router.engine_health import HealthTracker
 from services.router.engine_plan import PlanTranslator, ResultMismatch, TranslatedResult, failed_results, translate_result
 from services.router.engine_streams import RequestStream
-from services.router.scheduler import Request, RequestEvent, Scheduler, SchedulerOutput
+from services.router.scheduler import Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
 
 log = structlog.get_logger("router")
 
@@ -80,7 +80,9 @@ class Engine:
         self._last_probe_s = 0.0
         self.num_steps = 0
         self.num_failed_steps = 0
+        self.step_seconds_total = 0.0  # wall time in attention steps (send plan .. StepResult), for benchmarks
         self.routing_summary = None  # the attention worker's latest RoutingSummary (for /metrics skew gauges)
+        self._attention_pid: int | None = None  # the attention worker process the KV bookkeeping describes
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -172,6 +174,8 @@ class Engine:
             "kv_blocks_total": {"gpu": stats.num_gpu_blocks_total, "cpu": stats.num_cpu_blocks_total},
             "prefix_cache_queried_tokens": stats.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+            "num_steps": self.num_steps,
+            "step_seconds_total": self.step_seconds_total,
             **(self.drafts.stats() if self.drafts is not None else {}),
             **({"routing_summary": self.routing_summary} if self.routing_summary is not None else {}),
         }
@@ -183,6 +187,7 @@ class Engine:
         while True:
             await self._wait_for_work(idle)
             self._drain_inbox()
+            self._check_attention_restart()
             if not await self._attention_reachable():
                 continue
             output = self.scheduler.schedule()
@@ -239,6 +244,41 @@ class Engine:
         if aborted_ids:
             log.info("router.requests_aborted", num_aborted=len(aborted_ids))
 
+    def _check_attention_restart(self) -> None:
+        """A new attention worker process (its Ready names another pid) starts with an empty KV
+        pool and no slots, so what the scheduler knows (block tables, the prefix cache) describes
+        memory that no longer exists: a prefix hit would restore garbage. Every request the old
+        worker computed anything for ends with an error and the KV bookkeeping starts afresh (the
+        prefix-cache counters with it); requests that never reached it (still in the inbox, or
+        waiting with nothing computed, e.g. sent right after the new worker's Ready) carry over."""
+        supervisor = self.health_tracker.supervisor
+        ready = supervisor.ready.get(self.config.attention_name) if supervisor is not None else None
+        if ready is None or ready.pid == self._attention_pid:
+            return
+        old_pid, self._attention_pid = self._attention_pid, ready.pid
+        if old_pid is None and self.num_steps == 0 and self.num_failed_steps == 0:
+            return  # the worker this router starts with (a Ready comes once per process, at its start;
+            # a restarted router knows running workers by heartbeats only, so a Ready after its
+            # first steps is a new process)
+        carried = list(self._new_requests)
+        for request_id in self._streams:
+            request = self.scheduler.get_request(request_id)
+            if request is not None and request.status is RequestStatus.WAITING and request.num_computed_tokens == 0 \
+                    and not request.output_token_ids:
+                carried.append(Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                                       sampling_params=request.sampling_params, arrival_time_s=request.arrival_time_s,
+                                       deadline_s=request.deadline_s, eos_token_ids=request.eos_token_ids))
+        kept_streams = {r.request_id: self._streams.pop(r.request_id) for r in carried if r.request_id in self._streams}
+        log.warning("router.attention_restarted", attention=self.config.attention_name, old_pid=old_pid,
+                    new_pid=ready.pid, num_failed_requests=len(self._streams), num_carried_requests=len(carried))
+        self._new_requests = []
+        self._fail_open_requests("the attention worker restarted")
+        self.scheduler = Scheduler(self.scheduler.config, self.scheduler.clock)
+        self.translator = PlanTranslator()
+        self.routing_summary = None
+        self._streams.update(kept_streams)
+        self._new_requests = carried
+
     async def _attention_reachable(self) -> bool:
         """True unless a step failed; then Ping (at most every probe_interval_s) until a Pong."""
         if self.health_tracker.step_failure is None:
@@ -262,11 +302,12 @@ class Engine:
         every scheduled request with the reason."""
         result = TranslatedResult({}, {})
         self.health_tracker.record_step_started()
+        started_s = time.perf_counter()
         try:
             for plan in self.translator.plans_for(output):
                 if self.drafts is not None:
                     plan = self.drafts.decorate(plan)
-                reply = await self._client.request(plan, timeout_s=self.config.step_timeout_s)
+                reply = await self._request_step(plan)
                 match reply:
                     case StepResult():
                         result = translate_result(plan, reply)
@@ -281,10 +322,36 @@ class Engine:
         except (StepFailed, ResultMismatch, WireError) as error:
             return self._step_failed(output, str(error))
         self.num_steps += 1
+        self.step_seconds_total += time.perf_counter() - started_s
         self.health_tracker.record_step_ok()
         log.debug("router.step", step_id=output.step_id, num_sequences=len(output.scheduled),
                   num_tokens=output.num_scheduled_tokens)
         return result
+
+    async def _request_step(self, plan):
+        """The attention worker's reply to one plan. While it is awaited, a Ready from a new
+        attention worker process (another pid: the old one died with the plan) fails the step at
+        once (StepFailed) instead of after the step timeout; checked every 0.25 s, which delays
+        no reply (asyncio.wait returns as soon as the reply is there)."""
+        supervisor = self.health_tracker.supervisor
+        if supervisor is None:
+            return await self._client.request(plan, timeout_s=self.config.step_timeout_s)
+        name = self.config.attention_name
+        known_pid = supervisor.ready[name].pid if name in supervisor.ready else None
+        reply = asyncio.ensure_future(self._client.request(plan, timeout_s=self.config.step_timeout_s))
+        try:
+            while True:
+                done, _ = await asyncio.wait({reply}, timeout=0.25)
+                if done:
+                    return reply.result()
+                ready = supervisor.ready.get(name)
+                if ready is not None and ready.pid != known_pid:
+                    raise StepFailed(f"the attention worker restarted (pid {known_pid} -> {ready.pid}) "
+                                     f"during step {plan.step_id}")
+        finally:
+            if not reply.done():
+                reply.cancel()
+                await asyncio.gather(reply, return_exceptions=True)
 
     def _step_failed(self, output: SchedulerOutput, message: str) -> TranslatedResult:
         self.num_failed_steps += 1

@@ -16,10 +16,17 @@ router picks one per request. Draft noise is independent of the verifier's eithe
 purpose), which is what keeps rejection sampling lossless.
 
 Nothing silent: until the drafter reports Ready, `status()` says "starting"; a failed
-DraftRequest (timeout, error reply) turns speculation off for the rest of the router's life,
-logs `router.drafter_failed` and makes `status()` "down: <reason>", shown in /health's details
-without turning /health to 503 (serving goes on without drafts). Every response's
-usage.speculative says whether its request was verified with drafts.
+DraftRequest (timeout, error reply) or a drafter that stopped beating turns speculation off,
+logs `router.drafter_failed` (or `router.drafter_silent`) and makes `status()` "down: <reason>",
+shown in /health's details without turning /health to 503 (serving goes on without drafts).
+Every response's usage.speculative says whether its request was verified with drafts.
+
+Coming back: a drafter process that reports a new Ready to the supervisor (a restart: another
+pid, or a later Ready) and beats turns speculation back on (`router.drafter_recovered`). Its
+feature rings start empty and fill from the next steps' committed positions, so acceptance
+recovers over a few steps; outputs never depend on it (verification is lossless). Drafts that
+were already handed to the scheduler before a failure keep their distributions and are
+verified normally, so a failure never leaves a sampled draft without its q.
 Plain Python, no torch (the router never imports it).
 """
 
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -37,22 +45,30 @@ from common.wire.messages import DraftRequest, DraftSlot, DraftTokens, ErrorRepl
 
 log = structlog.get_logger("router")
 
+# One DraftRequest is a few ms of drafter work (a first CUDA call: about a second). The engine loop
+# waits for it, so this bounds the stall a dead drafter costs (once: then heartbeats tell).
+DRAFT_TIMEOUT_S = 5.0
+
 
 @dataclass(frozen=True)
 class DraftConfig:
     """draft_name: the draft worker's service name (supervisor records); max_draft_tokens: drafts
     asked per request and step (the drafter's block size; its width policy may return fewer);
-    timeout_s: bound on one DraftRequest round trip."""
+    timeout_s: bound on one DraftRequest round trip (the engine loop waits for it, so a dead
+    drafter costs at most this once); max_heartbeat_silence_s: a drafter silent for longer
+    (no Ready, heartbeat or reply) is treated as gone before a request has to time out."""
 
     draft_name: str = "draft"
     max_draft_tokens: int = 5
     timeout_s: float = 10.0
+    max_heartbeat_silence_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        for name in ("timeout_s", "max_heartbeat_silence_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 ProposeFn = Callable[[DraftRequest], Awaitable[Any]]
@@ -62,11 +78,18 @@ class DraftCoordinator:
     """propose: sends one DraftRequest and returns the reply (DraftTokens or ErrorReply; raises
     on timeout). supervisor: the router's Supervisor (None: the drafter counts as ready)."""
 
-    def __init__(self, config: DraftConfig, propose: ProposeFn, supervisor: Any = None) -> None:
+    def __init__(self, config: DraftConfig, propose: ProposeFn, supervisor: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._propose = propose
         self._supervisor = supervisor
+        self._clock = clock
         self._failure: str | None = None
+        self._failed_ready: Any = None  # the drafter's Ready when a request failed: only a newer one revives it
+        self._failed_silent = False  # failed by heartbeat silence: fresh heartbeats revive it
+        self.num_failures = 0
+        self.num_recoveries = 0
+        self.round_trip_s_total = 0.0  # DraftRequest sent .. reply, summed (benchmarks: where step time goes)
         self._draft_seeds: dict[str, int] = {}
         self._supports: dict[str, tuple[tuple[tuple[int, ...], ...], tuple[tuple[float, ...], ...]]] = {}
         self._known_ids: set[str] = set()
@@ -78,6 +101,7 @@ class DraftCoordinator:
     # -- health ----------------------------------------------------------------------------
     def status(self) -> str:
         """"ok", "starting: ...", or "down: <why>" (shown in /health's details)."""
+        self._maybe_recover()
         if self._failure is not None:
             return f"down: {self._failure}; serving without speculation"
         supervisor = self._supervisor
@@ -88,6 +112,10 @@ class DraftCoordinator:
         if beat is not None and beat.state is ServiceState.STOPPED:
             return "down: stopped; serving without speculation"
         if name in supervisor.ready or (beat is not None and beat.state is ServiceState.READY):
+            silence_s = self._silence_s()
+            if silence_s is not None and silence_s > self.config.max_heartbeat_silence_s:
+                self._fail(f"no heartbeat for {silence_s:.1f} s", silent=True)
+                return f"down: {self._failure}; serving without speculation"
             return "ok"
         return "starting: not ready yet (serving without speculation meanwhile)"
 
@@ -95,17 +123,48 @@ class DraftCoordinator:
     def active(self) -> bool:
         return self.status() == "ok"
 
-    def _fail(self, reason: str) -> None:
+    def _silence_s(self) -> float | None:
+        seen_s = getattr(self._supervisor, "last_seen_s", {}).get(self.config.draft_name)
+        return None if seen_s is None else self._clock() - seen_s
+
+    def _fail(self, reason: str, silent: bool = False) -> None:
+        """Speculation off until the drafter is back (see _maybe_recover). Stored draft
+        distributions stay: drafts already given to the scheduler are verified against them."""
         self._failure = reason
-        self._supports.clear()
-        log.error("router.drafter_failed", reason=reason, action="serving continues without speculation")
+        self._failed_silent = silent
+        self.num_failures += 1
+        supervisor = self._supervisor
+        self._failed_ready = supervisor.ready.get(self.config.draft_name) if supervisor is not None else None
+        log.error("router.drafter_silent" if silent else "router.drafter_failed", reason=reason,
+                  action="serving continues without speculation")
+
+    def _maybe_recover(self) -> None:
+        """The drafter is back when it beats again and, after a failed request, has reported a
+        Ready other than the one it failed with (a restarted process: its sockets and rings are new)."""
+        supervisor = self._supervisor
+        if self._failure is None or supervisor is None:
+            return
+        ready = supervisor.ready.get(self.config.draft_name)
+        if ready is None or (ready is self._failed_ready and not self._failed_silent):
+            return
+        silence_s = self._silence_s()
+        if silence_s is None or silence_s > self.config.max_heartbeat_silence_s:
+            return
+        log.info("router.drafter_recovered", draft=self.config.draft_name, pid=ready.pid, after=self._failure,
+                 action="speculation resumes")
+        self._failure = None
+        self._failed_ready = None
+        self.num_recoveries += 1
 
     # -- the plan --------------------------------------------------------------------------
     def decorate(self, plan: StepPlan) -> StepPlan:
         """The plan as sent: features wanted for every sequence while the drafter is up, and
         each sampled sequence's drafts paired with their distributions (cut to the drafts the
         scheduler kept)."""
-        if not self.active or not plan.sequences:
+        if not plan.sequences:
+            return plan
+        active = self.active
+        if not active and not self._supports:
             return plan
         sequences = []
         for seq in plan.sequences:
@@ -114,8 +173,10 @@ class DraftCoordinator:
             if ids and num_drafts:
                 seq = dataclasses.replace(seq, draft_support_token_ids=ids[:num_drafts],
                                           draft_support_probs=probs[:num_drafts])
-            sequences.append(dataclasses.replace(seq, send_features=True))
-            self._known_ids.add(seq.request_id)
+            if active:
+                seq = dataclasses.replace(seq, send_features=True)
+                self._known_ids.add(seq.request_id)
+            sequences.append(seq)
         return dataclasses.replace(plan, sequences=tuple(sequences))
 
     # -- after a step ----------------------------------------------------------------------
@@ -137,11 +198,13 @@ class DraftCoordinator:
             return
         self._step_ids += 1
         request = DraftRequest(step_id=self._step_ids, slots=tuple(slots), finished_request_ids=tuple(finished))
+        started_s = time.perf_counter()
         try:
             reply = await self._propose(request)
         except Exception as error:  # a timeout or a broken socket: the drafter is gone
             self._fail(f"draft request failed: {type(error).__name__}: {str(error)[:200]}")
             return
+        self.round_trip_s_total += time.perf_counter() - started_s
         self.num_draft_requests += 1
         match reply:
             case DraftTokens():
@@ -192,7 +255,11 @@ class DraftCoordinator:
     def stats(self) -> dict:
         """EngineClient.stats() keys: acceptance by draft position (cumulative)."""
         return {"spec_draft_by_position": list(self.draft_by_position),
-                "spec_accepted_by_position": list(self.accepted_by_position)}
+                "spec_accepted_by_position": list(self.accepted_by_position),
+                "spec_num_draft_requests": self.num_draft_requests,
+                "spec_draft_round_trip_s_total": self.round_trip_s_total,
+                "spec_drafter_failures": self.num_failures,
+                "spec_drafter_recoveries": self.num_recoveries}
 
 
 def draft_block_size(model_dir: str) -> int | None:
@@ -235,7 +302,8 @@ def coordinator_for(deployment: Any, supervisor: Any, context: Any, security: An
         log.warning("router.drafter_unusable", reason="the model has no dspark_block_size")
         return None
     config = DraftConfig(draft_name=deployment.draft.name, max_draft_tokens=block_size,
-                         timeout_s=max(5.0, deployment.timeouts.step_s))
+                         timeout_s=DRAFT_TIMEOUT_S,
+                         max_heartbeat_silence_s=max(3.0, 5 * deployment.timeouts.heartbeat_interval_s))
     client = DraftClient(derive_endpoints(deployment).draft, context, config.timeout_s, security)
     log.info("router.speculation_on", draft=deployment.draft.name, max_draft_tokens=block_size)
     return DraftCoordinator(config, client.propose, supervisor), client

@@ -5,6 +5,11 @@ heartbeats (the router binds the deployment's supervisor endpoint), and the engi
 own step outcomes. A failed step (timeout, error reply) marks the attention worker down
 until a later step or a Ping succeeds, so health reflects reality even while heartbeats
 still arrive from a worker that stopped answering plans.
+
+An expert worker that is down is not needed while replicas on live workers hold every pair it
+held (`replica_cover`, set by the router from the placement): it is then reported as
+`degraded: ...` and `/health` stays 200, because the attention worker routes its pairs to the
+replicas (services/attention/failover.py). Without a cover, a down worker makes `/health` 503.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class HealthTracker:
         # long step: a step in flight (bounded by the step timeout) or a reply counts as life.
         self.step_started_s: float | None = None
         self.last_reply_s: float | None = None
+        # replica_cover(name, down_names) -> True when live replicas hold every pair of worker `name`
+        self.replica_cover: Callable[[str, set[str]], bool] | None = None
 
     def record_step_started(self) -> None:
         self.step_started_s = self.clock()
@@ -71,5 +78,10 @@ class HealthTracker:
             services[self.config.attention_name] = f"down: {self.step_failure}"
         if self.stopping:
             services["router"] = "down: shutting down"
-        ok = all(status == "ok" for status in services.values())
+        if self.replica_cover is not None:
+            down = {name for name, status in services.items() if status != "ok"}
+            for name in sorted(down - {self.config.attention_name, "router"}):
+                if self.replica_cover(name, down):
+                    services[name] = f"degraded: {services[name]}; replicas serve its experts"
+        ok = all(status == "ok" or status.startswith("degraded") for status in services.values())
         return HealthReport(ok=ok, services=services)

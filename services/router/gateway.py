@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from tokenizers import Tokenizer
 
 from common.chat import ChatEncodingError, ChatOutputParser, encode_messages
+from common.chat import tokens as chat_tokens
 from services.router import responses
 from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
 from services.router.engine_client import EngineClient, EngineError, GenerationRequest
@@ -75,6 +76,10 @@ class Gateway:
         self.metrics = metrics
         self.token_bytes = TokenBytes(tokenizer)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # sequence delimiters: past an ignored EOS the model starts a new text with BOS; chat
+        # (which keeps special tokens for its parser) shows neither (see _fan_out)
+        bos_id = tokenizer.token_to_id(chat_tokens.BOS)
+        self.delimiter_token_ids = frozenset((*config.eos_token_ids, *(() if bos_id is None else (bos_id,))))
 
     # --- endpoints ---------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -185,9 +190,12 @@ class Gateway:
             max_tokens = self._max_tokens(len(prompt_ids), options.max_tokens)
             for choice in range(options.num_choices):
                 index = prompt_index * options.num_choices + choice
+                # EOS ends a request in the scheduler unless ignore_eos; as a stop id it would end
+                # it regardless (stop ids are checked first), so it is one only without ignore_eos
+                ignore_eos = bool(options.sampling_fields.get("ignore_eos"))
                 params = options.sampling_params(max_tokens=max_tokens, num_logprobs=plan.num_logprobs,
                                                  seed=derive_seed(options.seed, index),
-                                                 stop_token_ids=self.config.eos_token_ids)
+                                                 stop_token_ids=() if ignore_eos else self.config.eos_token_ids)
                 deadline = time.time() + self.config.request_timeout_s if self.config.request_timeout_s else None
                 requests.append(GenerationRequest(f"{plan.response_id}-{index}", tuple(prompt_ids), params, deadline))
                 parser = None
@@ -196,8 +204,12 @@ class Gateway:
                                               tool_call_id_prefix=f"call_{plan.response_id[-12:]}_{index}_")
                 detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=plan.endpoint != "chat",
                                                      token_bytes=self.token_bytes)
+                # chat keeps special tokens for its parser, which ends the message at EOS: past an
+                # ignored EOS the text goes on, without showing EOS / BOS themselves
+                hidden = self.delimiter_token_ids if ignore_eos and parser is not None else frozenset()
                 outputs.append(SequenceOutput(index, detokenizer=detokenizer, token_bytes=self.token_bytes,
-                                              stop_strings=options.stop_strings, chat_parser=parser))
+                                              stop_strings=options.stop_strings, chat_parser=parser,
+                                              hidden_token_ids=hidden))
         deadline_s = arrival_s + self.config.request_timeout_s if self.config.request_timeout_s else None
         return ChoiceFanOut(self.engine, requests, outputs, self.metrics, arrival_monotonic_s=arrival_s,
                             deadline_monotonic_s=deadline_s)

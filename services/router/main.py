@@ -123,12 +123,17 @@ def main(deployment: Deployment, name: str | None = None, log_level: str = "info
     return uvloop.run(serve_router(deployment, configs, tokenizer, settings.graceful_shutdown_s))
 
 
-def _placement_route(deployment: Deployment, security):
-    """`POST /v1/admin/placement`: load on new owners, switch every attention worker between two
-    steps, drop (services.router.placement_admin). Its blocking clients run in a worker thread."""
+def _placement_route(deployment: Deployment, security, supervisor, max_silence_s: float):
+    """`/v1/admin/placement` and `/v1/admin/experts`: load on new owners, switch every attention
+    worker between two steps, drop (services.router.placement_admin); the registry of expert
+    workers that announced themselves (services.router.expert_registry). Returns (route,
+    registry, admin); the blocking clients run in worker threads."""
     import zmq
 
+    from common.wire.errors import ReplyTimeout, WireError
+    from common.wire.messages import QueryInventory
     from common.wire.transport import SyncClient
+    from services.router.expert_registry import ExpertRegistry
     from services.router.placement_admin import PlacementAdmin, placement_route
 
     endpoints = derive_endpoints(deployment)
@@ -140,9 +145,40 @@ def _placement_route(deployment: Deployment, security):
             expert_clients[(name, endpoint)] = SyncClient(endpoint, context=context, security=security)
         return expert_clients[(name, endpoint)]
 
+    def query_inventory(name: str, endpoint: str):
+        client = SyncClient(endpoint, context=context, security=security)  # fresh: a restarted peer
+        try:
+            return client.request(QueryInventory(), timeout_s=10.0)
+        except (ReplyTimeout, WireError) as error:
+            return error
+        finally:
+            client.close()
+
     attention_clients = [SyncClient(endpoint, context=context, security=security)
                          for endpoint in endpoints.attention.values()]
-    return placement_route(PlacementAdmin(expert_client, attention_clients), dict(endpoints.expert))
+    admin = PlacementAdmin(expert_client, attention_clients)
+    admin.deployment_holdings = _deployment_holdings(deployment)
+    registry = ExpertRegistry(supervisor, query_inventory, max_silence_s=max_silence_s, on_restart=admin.reload_worker)
+    admin.inventory_listener = registry.note_inventory
+    admin.is_gone = lambda name: registry.workers.get(name) is not None and registry.workers[name].state == "gone"
+    route = placement_route(admin, lambda: {**endpoints.expert, **registry.endpoints()}, registry)
+    return route, registry, admin
+
+
+def _deployment_holdings(deployment: Deployment) -> dict[str, set[tuple[int, int]]]:
+    """Expert worker name -> the (layer, expert) pairs the deployment's placement gives it ({} when
+    unreadable: /health then treats every down expert worker as needed, the safe side)."""
+    from services.expert.placement import holdings_for  # torch-free
+
+    try:
+        with open(Path(deployment.model.path) / "config.json", encoding="utf-8") as handle:
+            model = json.load(handle)
+        num_layers, num_experts = int(model["num_hidden_layers"]), int(model["n_routed_experts"])
+        return {w.name: set(holdings_for(w.name, w.placement, num_layers, num_experts).held)
+                for w in deployment.expert}
+    except Exception as error:  # noqa: BLE001 (health detail only: the router serves without it)
+        log.warning("router.deployment_holdings_unavailable", error=str(error)[:200])
+        return {}
 
 
 def _install_api_keys(app, deployment: Deployment) -> None:
@@ -203,8 +239,13 @@ async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer
     engine = Engine(configs.engine, Scheduler(configs.scheduler), supervisor=supervisor, context=context,
                     security=security, drafts=speculation[0] if speculation else None)
     await engine.start()
-    app = build_app(configs.gateway, engine, tokenizer, placement_route=_placement_route(deployment, security))
+    route, registry, admin = _placement_route(deployment, security, supervisor,
+                                              configs.engine.max_heartbeat_silence_s)
+    engine.health_tracker.replica_cover = admin.replica_cover  # a down worker with live twins is not needed
+    registry_task = asyncio.create_task(registry.run(), name="expert-registry")
+    app = build_app(configs.gateway, engine, tokenizer, placement_route=route)
     app.state.status_sources = _status_sources(deployment, supervisor)
+    registry.bind_view(app.state.status_sources.placement)  # the status page shows registered workers live
     _install_api_keys(app, deployment)
     server = _RouterServer(uvicorn.Config(app, host=configs.host, port=configs.port, log_level="warning",
                                           lifespan="off", timeout_graceful_shutdown=graceful_shutdown_s))
@@ -216,6 +257,8 @@ async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer
     try:
         await server.serve()
     finally:
+        registry_task.cancel()
+        await asyncio.gather(registry_task, return_exceptions=True)
         await engine.stop()
         if speculation is not None:
             await speculation[1].close()

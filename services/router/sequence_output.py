@@ -90,8 +90,13 @@ class SequenceOutput:
     caller to abort the engine sequence (the engine does not know about stop strings)."""
 
     def __init__(self, index: int, *, detokenizer: IncrementalDetokenizer, token_bytes: TokenBytes,
-                 stop_strings: tuple[str, ...], chat_parser: ChatOutputParser | None) -> None:
+                 stop_strings: tuple[str, ...], chat_parser: ChatOutputParser | None,
+                 hidden_token_ids: frozenset[int] = frozenset()) -> None:
+        """hidden_token_ids: tokens whose text is never shown (they still count and keep their
+        logprobs): an EOS that `ignore_eos` generated past, in chat, where the detokenizer keeps
+        special tokens and the parser would end the message at EOS."""
         self.index = index
+        self._hidden_token_ids = hidden_token_ids
         self._detokenizer = detokenizer
         self._token_bytes = token_bytes
         self._stop = StopStringMatcher(stop_strings)
@@ -124,7 +129,10 @@ class SequenceOutput:
             self.usage = event.usage
         if event.logprobs is not None:
             delta.logprobs = self._logprobs(event)
-        text = self._stop.feed(self._detokenizer.add(event.new_token_ids))
+        shown_ids = event.new_token_ids
+        if self._hidden_token_ids:
+            shown_ids = [token_id for token_id in shown_ids if token_id not in self._hidden_token_ids]
+        text = self._stop.feed(self._detokenizer.add(shown_ids))
         if self.stop_matched:
             self._finish(delta, text, FinishReason.STOP.value)
         elif event.finish_reason is not None:

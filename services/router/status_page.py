@@ -8,8 +8,12 @@
 - `services`: per worker as the supervisor saw it (role, pid, device, state, seconds since
   its last message), when the router wires a supervisor in (`StatusSources`);
 - `load_progress`: each service's model-loading progress file (`common.runtime.load_progress`);
+- `requests`: HTTP generation requests by outcome (ok, engine_error, ...), from the counter;
+- `restarts`: what `moemesh serve` restarted (common.runtime.restart_record), by service;
 - `placement`: experts per (worker, layer) from the deployment's placement, and
-  `layer_heat`: routed-token counts per (layer, expert) when a routing-statistics file exists.
+  `layer_heat`: activations per (layer, expert), all phases, live from the attention worker's
+  latest RoutingSummary (sent every few steps in a StepResult), else a file's counts
+  (`StatusSources.layer_heat`), else None.
 
 The HTML page is static and fetches `/status.json` every two seconds; it has no third-party
 assets, so it renders offline (and in a headless browser in the tests).
@@ -28,17 +32,26 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from common.runtime.load_progress import read_progress
+from common.runtime.restart_record import read_restarts, restarts_path_for
 
 
 @dataclass(frozen=True)
 class StatusSources:
     """What the router adds beyond the engine: set as `app.state.status_sources`.
-    placement: {worker name: {layer: [expert ids]}}; layer_heat: [[count per expert] per layer]."""
+    placement: {worker name: {layer: [expert ids]}}; layer_heat: [[count per expert] per layer]
+    (a fallback: live counts from the attention worker take precedence); restarts_path: serve's
+    restart record (None: `<run_dir>/serve_restarts.json`, the run dir being the progress dir's parent)."""
 
     supervisor: Any = None  # common.runtime.supervisor.Supervisor
     progress_dir: str | None = None
     placement: dict[str, dict[int, list[int]]] = field(default_factory=dict)
     layer_heat: list[list[int]] | None = None
+    restarts_path: str | None = None
+
+    def restarts_file(self) -> Path | None:
+        if self.restarts_path is not None:
+            return Path(self.restarts_path)
+        return restarts_path_for(Path(self.progress_dir).parent) if self.progress_dir else None
 
 
 class _Rates:
@@ -62,15 +75,38 @@ def _counter(metrics: Any, name: str) -> float:
     return float(value or 0.0)
 
 
+def _requests_by_outcome(metrics: Any) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    if metrics is None:
+        return totals
+    for family in metrics.requests.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                outcome = sample.labels.get("outcome", "unknown")
+                totals[outcome] = totals.get(outcome, 0) + int(sample.value)
+    return totals
+
+
+def _layer_heat(engine_stats: dict, sources: StatusSources) -> list[list[int]] | None:
+    summary = engine_stats.get("routing_summary")
+    counts = getattr(summary, "layer_counts", ()) if summary is not None else ()
+    if counts:
+        return [list(row) for row in counts]
+    return sources.layer_heat
+
+
 def status_snapshot(engine: Any, metrics: Any, sources: StatusSources, rates: _Rates) -> dict:
     report = engine.health()
+    engine_stats = engine.stats()
     generated = _counter(metrics, "moemesh_generation_tokens_total")
     drafted = _counter(metrics, "moemesh_spec_draft_tokens_total")
     accepted = _counter(metrics, "moemesh_spec_accepted_tokens_total")
     snapshot = {
         "time_unix_s": time.time(),
         "health": {"ok": report.ok, "services": dict(report.services)},
-        "engine": engine.stats(),
+        "engine": {key: value for key, value in engine_stats.items() if key != "routing_summary"},
+        "requests": _requests_by_outcome(metrics),
+        "restarts": read_restarts(sources.restarts_file()),
         "throughput": {"generated_tokens": generated, "tokens_per_s": rates.add(generated),
                        "window_s": rates.window_s,
                        "spec_acceptance": accepted / drafted if drafted else None},
@@ -78,7 +114,7 @@ def status_snapshot(engine: Any, metrics: Any, sources: StatusSources, rates: _R
         "load_progress": read_progress(sources.progress_dir) if sources.progress_dir else [],
         "placement": {name: {str(layer): experts for layer, experts in layers.items()}
                       for name, layers in sources.placement.items()},
-        "layer_heat": sources.layer_heat,
+        "layer_heat": _layer_heat(engine_stats, sources),
     }
     return snapshot
 

@@ -1,0 +1,231 @@
+"""`moemesh bench fullsize`: DeepSeek-V4-Flash at true width through moemesh's processes, random weights.
+
+    python -m bench.fullsize --experts-on cpu|cuda:1 --gpu-expert-budget 100GiB --batch 1,8[,64] \
+        --routing uniform,skewed [--layers 43] [--prefill 2048,8192] [--compare CPU_RUN.json] --out-dir DIR
+    python -m bench.fullsize --tiny ...      # a tiny model on the CPU; checks the split run against in-process
+
+What runs (issue 8 item 5; issue 10 with --experts-on cuda:1):
+- a random model directory (config.json + random_weights.json, `services.expert.random_weights`):
+  every service generates its own weights in the checkpoint formats on its own device;
+- two expert worker processes (`bench.fullsize_expert`, the moemesh expert worker with dispatch
+  timing): "near" on cuda:0 with the hottest experts under --gpu-expert-budget, "far" on the CPU or
+  cuda:1 with the rest (placement: `common.placement.plan`, policy hottest, `bench.fullsize_setup`);
+  near shares cuda:0 with the attention worker, so NVIDIA MPS should run (bench/device/fullsize.sh);
+- the attention worker (`services.attention.worker.AttentionWorker`, the real class, attention +
+  shared experts + head on cuda:0) in this process, talking to both over ZeroMQ (the default data
+  plane), driven by `LocalPlanner` plans as `moemesh generate --distributed` drives it.
+Context: a short real prefill of --context random tokens per sequence, then --warmup-steps decode
+steps, then --decode-steps measured decode steps (greedy). "uniform" keeps the random gate bias;
+"skewed" sets bias = -c·ln(1 + rank) (c = --skew) in the running attention worker, between runs.
+Timings and floors: `bench.fullsize_report`. JSON via bench.results_io (name "fullsize").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv: list[str] | None):
+    parser = argparse.ArgumentParser(prog="moemesh bench fullsize", description=__doc__.splitlines()[0])
+    parser.add_argument("--experts-on", default="cpu", help="device of the far expert worker: cpu or cuda:1")
+    parser.add_argument("--gpu-expert-budget", default=None,
+                        help="bytes of experts on cuda:0, e.g. 100GiB (default: 100GiB; --tiny: 60%% of all)")
+    parser.add_argument("--batch", default="1,8", help="decode batch sizes, comma-separated")
+    parser.add_argument("--routing", default="uniform,skewed", help="uniform and/or skewed, comma-separated")
+    parser.add_argument("--layers", type=int, default=None, help="first N layers of V4-Flash (default all 43)")
+    parser.add_argument("--prefill", default="", help="prompt lengths to time as one prefill step, e.g. 2048,8192")
+    parser.add_argument("--context", type=int, default=32, help="prompt tokens per sequence before decoding")
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--decode-steps", type=int, default=5, help="measured decode steps per run")
+    parser.add_argument("--skew", type=float, default=0.1, help="gate bias strength c of the skewed routing")
+    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--data-plane", default="zmq", choices=("zmq", "cuda_ipc"),
+                        help="attention <-> expert tensors: ZeroMQ with host staging, or CUDA IPC rings (CUDA "
+                        "workers on this host; a worker that cannot map them stays on ZeroMQ)")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch threads of the CPU expert worker (default: all cores but 4)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU (tests, rehearsal)")
+    parser.add_argument("--compare", default=None, help="a fullsize JSON (one GPU + CPU) to give ratios against")
+    parser.add_argument("--run-dir", default=None, help="where sockets, placement and logs go (default: a temp dir)")
+    parser.add_argument("--ready-timeout", type=float, default=240.0)
+    parser.add_argument("--dispatch-timeout", type=float, default=300.0)
+    parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--log-level", default="warning")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="moemesh-fullsize-") as temp_dir:
+        run_dir = Path(args.run_dir) if args.run_dir else Path(temp_dir)
+        result = run(args, run_dir)
+    from bench.fullsize_report import print_table
+    from bench.results_io import write_result
+
+    ratios = result.pop("ratios", {})
+    path = write_result("fullsize", result, ratios, out_dir=args.out_dir)
+    print_table(result)
+    print(f"wrote {path}")
+    return 0 if result.get("reference_check", {}).get("ok", True) else 1
+
+
+def run(args, run_dir: Path) -> dict:
+    import torch
+
+    from bench.fullsize_setup import FAR_WORKER, NEAR_WORKER, FullsizeCluster, model_hub_dict, plan_split
+    from bench.fullsize_setup import worker_placement_summary
+    from bench.fullsize_timing import TimedDispatcher, copy_bandwidth
+    from common.model.config import ModelConfig
+    from common.placement.devices import parse_size
+    from common.runtime.logging import configure_logging
+    from services.attention.local_cluster import ClusterSpec
+    from services.expert.random_weights import RandomWeightsSpec, expert_bytes, write_random_model
+
+    configure_logging("fullsize", None, args.log_level)
+    attention_device = "cpu" if args.tiny else "cuda:0"
+    far_device = "cpu" if args.tiny else args.experts_on
+    hub = model_hub_dict(args.layers, args.tiny)
+    config = ModelConfig.from_dict(hub)
+    all_expert_bytes = expert_bytes(config) * config.num_hidden_layers * config.n_routed_experts
+    budget = (parse_size(args.gpu_expert_budget) if args.gpu_expert_budget
+              else int(0.6 * all_expert_bytes) if args.tiny else parse_size("100GiB"))
+    model_dir = run_dir / "model"
+    write_random_model(model_dir, hub, RandomWeightsSpec(seed=args.seed))
+    plan = plan_split(config, attention_device, far_device, budget, args.seed)
+    print(f"placement: {plan.num_near_experts} experts near ({attention_device}), {plan.num_far_experts} far "
+          f"({far_device}), {plan.bytes_per_expert} bytes each", flush=True)
+
+    bandwidth = {"near_bytes_per_s": copy_bandwidth(torch.device(attention_device)),
+                 "far_bytes_per_s": copy_bandwidth(torch.device(far_device)),
+                 "method": "median copy of 1 GiB, bytes read + written per second (CUDA events / host clock)",
+                 "cpu_threads": torch.get_num_threads()}
+    if far_device == "cpu" and attention_device != "cpu":
+        bandwidth["host_bytes_per_s"] = bandwidth["far_bytes_per_s"]
+    ceilings = None
+    if attention_device.startswith("cuda"):
+        from bench.kernels import measure_ceilings
+
+        ceilings = measure_ceilings()
+        torch.cuda.empty_cache()  # the measurement's buffers: cuda:0 memory goes to the experts
+    print(f"bandwidth near {bandwidth['near_bytes_per_s'] / 1e9:.0f} GB/s, far "
+          f"{bandwidth['far_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
+
+    spec = ClusterSpec(model_path=str(model_dir), run_dir=str(run_dir), attention_device=attention_device,
+                       ready_timeout_s=args.ready_timeout, dispatch_timeout_s=args.dispatch_timeout,
+                       step_timeout_s=args.dispatch_timeout, log_level=args.log_level)
+    cpu_threads = args.cpu_threads or (None if args.tiny else max(1, (os.cpu_count() or 8) - 4))
+    cluster = FullsizeCluster(spec, plan, run_dir / "timing", cpu_threads)
+    began_s = time.perf_counter()
+    cluster.launch()
+    worker = None
+    try:
+        worker = _attention_worker(args, cluster, str(model_dir), attention_device)
+        attention_ready_s = time.perf_counter() - began_s
+        cluster.wait_ready()
+        ready_s = time.perf_counter() - began_s
+        print(f"loaded: attention {attention_ready_s:.1f} s, all workers {ready_s:.1f} s", flush=True)
+        worker_dispatcher = worker.runner.dispatcher
+        worker.runner.dispatcher = TimedDispatcher(worker_dispatcher)
+        from bench.fullsize_runs import run_all
+
+        runs = run_all(args, worker, cluster, config, bandwidth, model_dir)
+    finally:
+        if worker is not None:
+            asyncio.run(worker.close())
+        cluster.stop()
+    result = {
+        "model": "tiny V4-like" if args.tiny else "DeepSeek-V4-Flash shapes", "num_layers": config.num_hidden_layers,
+        "weights": ("random, generated on each worker's device in the checkpoint formats (FP8 128x128 attention "
+                    "linears, FP4 e2m1 + ue8m0 1x32 experts); far CPU experts filled by copying one random expert "
+                    "per layer into every expert's own memory (ExpertFill.POOL: real bytes, equal values) when "
+                    "generating them would be slow; GPU experts exact random"),
+        "context": f"real prefill of {args.context} random tokens per sequence, {args.warmup_steps} warm-up "
+                   f"decode steps, then {args.decode_steps} measured decode steps",
+        "attention_device": attention_device, "placement": worker_placement_summary(plan),
+        "gpu_expert_budget_bytes": budget, "skew_strength": args.skew,
+        "near_worker": NEAR_WORKER, "far_worker": FAR_WORKER,
+        "data_plane": ("ZeroMQ ipc with pinned host staging (default)" if args.data_plane == "zmq" else
+                       f"{args.data_plane} (workers that could not map the rings stay on ZeroMQ)"),
+        "data_plane_workers": _data_plane_workers(worker_dispatcher),
+        "gpu_experts_process": "separate expert worker process on cuda:0 (MPS "
+                               + ("on" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "not detected") + ")",
+        "num_micro_batches": args.micro_batches, "load_s": ready_s, "far_cpu_threads": cpu_threads,
+        "bandwidth": bandwidth, "ceilings": ceilings,
+        "cuda_device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        **runs,
+    }
+    if args.compare:
+        result["ratios"] = _compare(result, args.compare)
+    return result
+
+
+def _attention_worker(args, cluster, model_dir: str, device: str):
+    import torch
+
+    from services.attention.kv_config import KVPoolConfig
+    from services.attention.worker import AttentionWorker, AttentionWorkerConfig
+
+    batches = _ints(args.batch)
+    tokens_per_seq = args.context + args.warmup_steps + args.decode_steps + 2
+    blocks = max(max(batches) * -(-tokens_per_seq // 128), max([-(-(n + 2) // 128) for n in _ints(args.prefill)],
+                                                              default=1)) + 8
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    extra = {}
+    if args.data_plane != "zmq":
+        import dataclasses
+
+        if "data_plane" not in {f.name for f in dataclasses.fields(AttentionWorkerConfig)}:
+            raise SystemExit(f"--data-plane {args.data_plane}: this attention worker has only ZeroMQ")
+        extra["data_plane"] = args.data_plane
+    worker = AttentionWorker(AttentionWorkerConfig(
+        name="attention-0", checkpoint_path=model_dir, expert_endpoints=cluster.endpoints(),
+        expert_workers=cluster.holdings(), device=device, num_micro_batches=args.micro_batches,
+        kv=KVPoolConfig(block_size_tokens=128, num_primary_blocks=blocks), dispatch_timeout_s=args.dispatch_timeout,
+        **extra))
+    worker.load_now()
+    return worker
+
+
+def _data_plane_workers(dispatcher) -> dict:
+    """Per expert worker index: "cuda_ipc" when it mapped the rings, else "zmq"; with the slot counts."""
+    plane = getattr(dispatcher, "slot_plane", None)
+    if plane is None:
+        return {"all": "zmq"}
+    rings = getattr(plane, "_rings", {})
+    return {"workers": {str(i): ("cuda_ipc" if ring is not None else "zmq") for i, ring in rings.items()},
+            "num_slot_dispatches": getattr(plane, "num_slot_dispatches", None),
+            "num_zmq_fallbacks": getattr(plane, "num_zmq_fallbacks", None)}
+
+
+def _compare(result: dict, path: str) -> dict:
+    """tok/s of this run over the other run's, per (routing, batch) and prefill length."""
+    import json
+
+    loaded = json.loads(Path(path).read_text(encoding="utf-8"))
+    other = loaded.get("raw", loaded)  # a result file, or a partial one
+    theirs = {(r["routing"], r["batch"]): r.get("tokens_per_s") for r in other.get("decode", [])}
+    out = {"against": path, "against_far_device": other.get("placement", {}).get("far_device"), "decode": {}}
+    for r in result.get("decode", []):
+        key = (r["routing"], r["batch"])
+        if theirs.get(key) and r.get("tokens_per_s"):
+            out["decode"][f"{r['routing']}_b{r['batch']}"] = r["tokens_per_s"] / theirs[key]
+    their_prefill = {p["num_tokens"]: p.get("tokens_per_s") for p in other.get("prefill", [])}
+    out["prefill"] = {str(p["num_tokens"]): p["tokens_per_s"] / their_prefill[p["num_tokens"]]
+                      for p in result.get("prefill", []) if their_prefill.get(p["num_tokens"]) and "tokens_per_s" in p}
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

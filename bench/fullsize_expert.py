@@ -1,0 +1,106 @@
+"""`python -m bench.fullsize_expert --config FILE --name NAME --timing-dir DIR`: a timed expert worker.
+
+The moemesh expert worker of a random-weights model (`QuantizedExpertWorker`), built as
+`services.expert.main` builds it, that also records every Dispatch it answers: step, layer, tokens,
+selected slots, distinct experts touched (so bytes read are counted, not estimated), and the
+monotonic clock at arrival and when the answer is ready (after a device sync on CUDA, so it is the
+compute time). `time.perf_counter` is CLOCK_MONOTONIC on Linux, shared by every process of the host,
+so the benchmark can line these up with the attention worker's own timestamps. On every
+QueryInventory the records are written to DIR/NAME.json and cleared (the benchmark asks after each
+measured run); nothing is written per dispatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from services.expert.quantized_worker import QuantizedExpertWorker
+
+
+class TimedExpertWorker(QuantizedExpertWorker):
+    def __init__(self, config, model_config=None, timing_path: Path | None = None) -> None:
+        super().__init__(config, model_config)
+        self.timing_path = timing_path
+        self.records: list[list[float]] = []
+
+    def handle_dispatch(self, dispatch):
+        began_s = time.perf_counter()
+        reply = super().handle_dispatch(dispatch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        ended_s = time.perf_counter()
+        mask = dispatch.slot_mask
+        ids = dispatch.expert_ids
+        selected = ids[mask] if mask is not None else ids.reshape(-1)
+        num_touched = int(torch.unique(selected).numel()) if selected.numel() else 0
+        self.records.append([dispatch.step_id, dispatch.layer, dispatch.micro_batch, int(ids.shape[0]),
+                             int(selected.numel()), num_touched, began_s, ended_s])
+        return reply
+
+    def inventory(self):
+        if self.timing_path is not None:
+            payload = {"name": self.config.name, "device": str(self.device),
+                       "fields": ["step_id", "layer", "micro_batch", "num_tokens", "num_slots", "num_experts",
+                                  "began_s", "ended_s"],
+                       "bytes_per_expert": self._bytes_per_expert(), "records": self.records,
+                       "num_threads": (self._cpu_runner.num_threads if self._cpu_runner is not None
+                                       else torch.get_num_threads()),
+                       "num_empty_selections": self.num_empty_selections}
+            self.timing_path.write_text(json.dumps(payload), encoding="utf-8")
+            self.records = []
+        return super().inventory()
+
+    def _bytes_per_expert(self) -> int:
+        if self._experts is None or not self._experts._layers:
+            return 0
+        layer = next(iter(self._experts._layers))
+        return self._experts.bytes_per_expert(layer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--timing-dir", required=True)
+    parser.add_argument("--cpu-threads", type=int, default=None, help="torch threads of a CPU worker")
+    args = parser.parse_args(argv)
+
+    from common.model.config import ModelConfig
+    from common.runtime.deployment import derive_endpoints, load_deployment
+    from common.runtime.logging import configure_logging
+    from common.runtime.service import ServiceConfig, run_service
+    from common.wire.messages import ServiceRole
+    from services.expert.main import pick_worker
+    from services.expert.placement import holdings_for
+    from services.expert.worker import ExpertWorkerConfig
+
+    deployment = load_deployment(args.config)
+    entry = pick_worker(deployment.expert, args.name, "expert")
+    configure_logging(entry.name, deployment.paths.log_dir, args.log_level)
+    endpoints = derive_endpoints(deployment)
+    model_config = ModelConfig.load(deployment.model.path)
+    pairs = holdings_for(entry.name, entry.placement, model_config.num_hidden_layers,
+                         model_config.n_routed_experts).held
+    if torch.device(entry.device).type == "cuda":
+        torch.cuda.set_device(torch.device(entry.device))
+    elif args.cpu_threads:  # leave cores to the attention worker and the GPU expert worker
+        torch.set_num_threads(args.cpu_threads)
+    worker = TimedExpertWorker(ExpertWorkerConfig(name=entry.name, checkpoint_path=deployment.model.path,
+                                                  device=entry.device, dtype=deployment.model.dtype,
+                                                  pairs=tuple(pairs)),
+                               model_config, timing_path=Path(args.timing_dir) / f"{entry.name}.json")
+    service_config = ServiceConfig(name=entry.name, role=ServiceRole.EXPERT, endpoint=endpoints.expert[entry.name],
+                                   supervisor_endpoint=endpoints.supervisor, device=entry.device,
+                                   heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s)
+    return run_service(worker, service_config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""What `bench.fullsize` runs: the random model directory, the placement, and the expert processes.
+
+- `model_hub_dict`: V4-Flash's hub config (all 43 layers, or the first N for a rehearsal: 2 window,
+  then CSA/HCA alternating, 3 hash-routed layers, as the real model), or a tiny model of the same
+  structure for the CPU (`--tiny`). No MTP layer. Written with random_weights.json
+  (`services.expert.random_weights`), so every service generates its weights instead of reading.
+- `plan_split`: two expert workers, one on the attention device ("near": the GPU holding attention)
+  and one on the other device ("far": the CPU or cuda:1), planned by `common.placement.plan` with the
+  `hottest` policy under the near device's budget. Shares come from the skew ranks of the gate bias
+  (share ∝ 1/(1 + rank); only the order matters to `hottest`), so under skewed routing the favoured
+  experts are near; under uniform routing every placement is as good as any other, so the same
+  placement serves both routings (one weight generation for the whole run).
+- `FullsizeCluster`: `LocalCluster` with this placement, the deployment written here, and expert
+  processes started as `python -m bench.fullsize_expert` (the moemesh expert worker with per-dispatch
+  timing written on request). The attention worker runs in the benchmark's own process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.placement.placement_file import Placement, WorkerPlacement, write_placement
+from services.attention.local_cluster import ClusterSpec, LocalCluster
+
+NEAR_WORKER = "expert-near"
+FAR_WORKER = "expert-far"
+
+_TINY_SETTINGS = dict(  # common.model.random_init.tiny_flash_like_config, as hub keys
+    vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
+    qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=16, num_experts_per_tok=2,
+    sliding_window=16, index_n_heads=16, index_head_dim=16, index_topk=4, compress_rate_hca=16,
+    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32,
+                  "beta_slow": 1},
+)
+
+
+def model_hub_dict(num_layers: int | None, tiny: bool) -> dict[str, Any]:
+    """Hub config.json of the benchmarked model (see the module docstring)."""
+    from common.placement.presets import v4_flash_hub_dict
+
+    d = v4_flash_hub_dict()
+    full_ratios = d["compress_ratios"][: d["num_hidden_layers"]]
+    layers = d["num_hidden_layers"] if num_layers is None else num_layers
+    if not 1 <= layers <= len(full_ratios):
+        raise ValueError(f"--layers {layers}: must be within 1..{len(full_ratios)}")
+    ratios = full_ratios[:layers]
+    if tiny:
+        d.update(_TINY_SETTINGS)  # compress_rate_hca gives HCA layers (code 128) the tiny rate
+    d.update(num_hidden_layers=layers, compress_ratios=ratios, num_hash_layers=min(d["num_hash_layers"], layers),
+             num_nextn_predict_layers=0)
+    return d
+
+
+def skew_shares(config, seed: int) -> list[list[float]]:
+    """[layer][expert] expected-share order under the skewed bias: ∝ 1/(1 + rank); hash layers uniform."""
+    from common.model.config import RouterKind
+    from services.expert.random_weights import skew_ranks
+
+    shares = []
+    for layer in range(config.num_hidden_layers):
+        if config.mlp_layer_types[layer] is RouterKind.HASH:
+            shares.append([1.0 / config.n_routed_experts] * config.n_routed_experts)
+            continue
+        weights = [1.0 / (1 + r) for r in skew_ranks(config.n_routed_experts, layer, seed)]
+        total = sum(weights)
+        shares.append([w / total for w in weights])
+    return shares
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    placement: Placement
+    near_device: str
+    far_device: str
+    num_near_experts: int
+    num_far_experts: int
+    bytes_per_expert: int
+    expected_near_share: float  # of routed (token, slot) pairs under the skewed shares
+
+
+def plan_split(config, near_device: str, far_device: str, near_budget_bytes: int, seed: int) -> SplitPlan:
+    """Hottest experts on the near device within its budget, the rest on the far device."""
+    from common.placement.cost import CostConfig, ModelCosts
+    from common.placement.devices import DeviceSpec
+    from common.placement.plan import PlanConfig, Policy, plan_placement
+
+    costs = ModelCosts.from_config(config)
+    total = costs.bytes_per_expert * costs.num_layers * costs.num_experts
+    # Planning labels must differ: near is the fast device; far gets a hop cost so it ranks second
+    near_label = "cuda:0"
+    far_label = "cpu" if far_device == "cpu" else "cuda:1"
+    devices = [DeviceSpec(near_label, near_budget_bytes, bytes_per_s=4.3e12),
+               DeviceSpec(far_label, total, bytes_per_s=4.0e12 if far_label != "cpu" else 2e11, hop_s=300e-6)]
+    shares = skew_shares(config, seed)
+    result = plan_placement(costs, devices, shares, PlanConfig(policy=Policy.HOTTEST))
+    by_label = {w.device: w for w in result.placement.workers}  # a device that got nothing may be absent
+    near = dataclasses.replace(by_label.get(near_label, WorkerPlacement(NEAR_WORKER, near_label, ())),
+                               name=NEAR_WORKER, device=near_device)
+    far = dataclasses.replace(by_label.get(far_label, WorkerPlacement(FAR_WORKER, far_label, ())),
+                              name=FAR_WORKER, device=far_device)
+    placement = dataclasses.replace(result.placement, workers=(near, far))
+    near_pairs = set(near.expert_ids)
+    share = sum(shares[l][e] for l, e in near_pairs) / config.num_hidden_layers
+    return SplitPlan(placement, near_device, far_device, len(near.expert_ids), len(far.expert_ids),
+                     costs.bytes_per_expert, share)
+
+
+def _toml_string(text: str) -> str:
+    return json.dumps(text)
+
+
+class FullsizeCluster(LocalCluster):
+    """Expert workers of a `SplitPlan` as processes (`bench.fullsize_expert`); no attention process."""
+
+    def __init__(self, spec: ClusterSpec, plan: SplitPlan, timing_dir: Path, cpu_threads: int | None = None) -> None:
+        super().__init__(spec)
+        self.cpu_threads = cpu_threads  # torch threads of a CPU expert worker (None: torch's default)
+        self.plan = plan
+        self.timing_dir = timing_dir
+        self.expert_names = [w.name for w in plan.placement.workers]
+
+    def write_files(self) -> Path:
+        spec = self.spec
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.timing_dir.mkdir(parents=True, exist_ok=True)
+        placement_path = self.run_dir / "placement.toml"
+        write_placement(placement_path, self.plan.placement)
+        lines = [
+            "[model]", f"path = {_toml_string(str(Path(spec.model_path).resolve()))}",
+            f"dtype = {_toml_string(spec.dtype)}", "",
+            "[paths]", f"run_dir = {_toml_string(str(self.run_dir))}",
+            f"log_dir = {_toml_string(str(self.run_dir / 'logs'))}", "",
+            "[timeouts]", f"dispatch_s = {spec.dispatch_timeout_s}", f"step_s = {spec.step_timeout_s}",
+            "heartbeat_interval_s = 5.0", "",
+            "[[attention]]", f"name = {_toml_string(self.attention_name)}",
+            f"device = {_toml_string(spec.attention_device)}",
+        ]
+        for worker in self.plan.placement.workers:
+            lines += ["", "[[expert]]", f"name = {_toml_string(worker.name)}",
+                      f"device = {_toml_string(worker.device)}", f"placement = {_toml_string(str(placement_path))}"]
+        path = self.run_dir / "deployment.toml"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return path
+
+    def _start(self, role: str, name: str, config_path: Path, extra: list[str]) -> None:
+        import os
+        import subprocess
+
+        from services.attention.local_cluster import _REPO_ROOT, _die_with_parent
+
+        command = [sys.executable, "-m", "bench.fullsize_expert", "--config", str(config_path), "--name", name,
+                   "--log-level", self.spec.log_level, "--timing-dir", str(self.timing_dir)]
+        if self.cpu_threads:
+            command += ["--cpu-threads", str(self.cpu_threads)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
+        stderr_path = self.run_dir / f"{name}.stderr"
+        with open(stderr_path, "ab") as stderr:
+            self.processes[name] = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
+                                                    env=env, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def launch(self) -> None:
+        """Start the expert processes and return at once (weights generate while the caller works)."""
+        config_path = self.write_files()
+        try:
+            for name in self.expert_names:
+                self._start("expert", name, config_path, [])
+        except BaseException:
+            self.stop()
+            raise
+
+    def holdings(self):
+        from services.expert.placement import WorkerHoldings
+
+        return tuple(WorkerHoldings(w.name, w.expert_ids, w.replica_ids) for w in self.plan.placement.workers)
+
+    def endpoints(self) -> tuple[str, ...]:
+        return tuple(self.endpoint_of(name) for name in self.expert_names)
+
+
+def worker_placement_summary(plan: SplitPlan) -> dict[str, Any]:
+    return {"near_device": plan.near_device, "far_device": plan.far_device,
+            "num_near_experts": plan.num_near_experts, "num_far_experts": plan.num_far_experts,
+            "bytes_per_expert": plan.bytes_per_expert,
+            "near_expert_bytes": plan.num_near_experts * plan.bytes_per_expert,
+            "far_expert_bytes": plan.num_far_experts * plan.bytes_per_expert,
+            "expected_near_share_skewed": plan.expected_near_share}
+
+
+__all__ = ["FAR_WORKER", "NEAR_WORKER", "FullsizeCluster", "SplitPlan", "WorkerPlacement", "model_hub_dict",
+           "plan_split", "skew_shares", "worker_placement_summary"]

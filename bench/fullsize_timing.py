@@ -1,0 +1,163 @@
+"""Timing pieces of `bench.fullsize`: timestamps on the attention side, runs of plans, bandwidths.
+
+- `TimedDispatcher` wraps the attention worker's `MoEDispatcher` (the runner calls only `start` and
+  `finish`) and records, per MoE layer and micro-batch, the monotonic clock before the dispatch is
+  built, after it is sent, and before/after waiting for the answers.
+- `run_requests` drives the in-process `AttentionWorker` with `LocalPlanner` plans (the plans
+  `moemesh generate --distributed` sends) and times every step (`worker.step` returns after the
+  sampled tokens reached the host, so a step's wall time includes all its device work).
+- `copy_bandwidth`: bytes read + written per second of a large device-to-device copy (CUDA: events;
+  CPU: all of torch's threads), the denominator of every weight-bandwidth floor.
+Legend: B sequences, L layers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.sampling_params import SamplingParams
+
+
+class TimedDispatcher:
+    """Delegates to a MoEDispatcher; `records` rows: [step_id, layer, micro_batch, start_begin_s,
+    start_end_s, finish_begin_s, finish_end_s] (time.perf_counter)."""
+
+    def __init__(self, inner, step_id_of=None) -> None:
+        self.inner = inner
+        self.records: list[list[float]] = []
+        self._open: dict[int, list[float]] = {}
+
+    def start(self, step_id, micro_batch, layer, x, ids, weights):
+        began_s = time.perf_counter()
+        ticket = self.inner.start(step_id, micro_batch, layer, x, ids, weights)
+        self._open[id(ticket)] = [step_id, layer, micro_batch, began_s, time.perf_counter()]
+        return ticket
+
+    def finish(self, ticket):
+        began_s = time.perf_counter()
+        routed = self.inner.finish(ticket)
+        row = self._open.pop(id(ticket))
+        self.records.append(row + [began_s, time.perf_counter()])
+        return routed
+
+    def __getattr__(self, name):  # everything else (tables, counters) is the real dispatcher's
+        return getattr(self.inner, name)
+
+
+@dataclass
+class StepTiming:
+    step_id: int
+    num_tokens: int
+    num_sequences: int
+    is_decode: bool
+    began_s: float
+    ended_s: float
+
+    @property
+    def wall_s(self) -> float:
+        return self.ended_s - self.began_s
+
+
+@dataclass
+class RunResult:
+    steps: list[StepTiming] = field(default_factory=list)
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # request id -> generated tokens
+    logprobs: dict[str, list[float]] = field(default_factory=dict)  # chosen-token logprobs (when asked)
+
+
+def random_prompts(num_prompts: int, num_tokens: int, vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab_size, (num_prompts, num_tokens), generator=generator).tolist()
+
+
+def run_requests(worker, prompts: list[list[int]], max_tokens: int, *, block_size_tokens: int,
+                 num_primary_blocks: int, max_batched_tokens: int, with_logprobs: bool = False,
+                 prefix: str = "req", on_step=None) -> RunResult:
+    """Greedy-generate `max_tokens` for every prompt through `worker.step`, timing each step."""
+    from common.wire.messages import ErrorReply
+    from services.attention.local_plan import LocalPlanConfig, LocalPlanner, LocalRequest, PlanError
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            num_logprobs=0 if with_logprobs else None)
+    requests = [LocalRequest(f"{prefix}-{i}", list(p), params) for i, p in enumerate(prompts)]
+    plan_config = LocalPlanConfig(block_size_tokens=block_size_tokens, num_primary_blocks=num_primary_blocks,
+                                  max_num_seqs=max(64, len(prompts)), max_num_batched_tokens=max_batched_tokens,
+                                  max_chunk_tokens=max_batched_tokens)
+    planner = LocalPlanner(plan_config, requests)
+    result = RunResult()
+    while not planner.done:
+        plan = planner.next_plan()
+        num_tokens = sum(len(s.token_ids) for s in plan.sequences)
+        is_decode = all(s.start_position >= len(r.prompt_token_ids) for s in plan.sequences
+                        for r in requests if r.request_id == s.request_id)
+        began_s = time.perf_counter()
+        reply = worker.step(plan)
+        ended_s = time.perf_counter()
+        if isinstance(reply, ErrorReply):
+            raise PlanError(f"attention worker: {reply.code}: {reply.message}")
+        planner.update(reply)
+        result.steps.append(StepTiming(plan.step_id, num_tokens, len(plan.sequences), is_decode, began_s, ended_s))
+        if on_step is not None:
+            on_step(result.steps[-1])
+    for request in requests:
+        if request.error is not None:
+            raise PlanError(f"{request.request_id}: {request.error}")
+        result.outputs[request.request_id] = list(request.output_token_ids)
+        result.logprobs[request.request_id] = [entry.logprobs[0] for entry in request.logprobs]
+    return result
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30, reps: int = 5) -> float:
+    """Bytes read + written per second of a `num_bytes` copy on `device` (median of `reps`)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):  # events and the copy on that device's stream
+            return _copy_bandwidth(device, num_bytes, reps)
+    return _copy_bandwidth(device, num_bytes, reps)
+
+
+def _copy_bandwidth(device: torch.device, num_bytes: int, reps: int) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    src.fill_(7)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 1):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+        else:
+            began_s = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - began_s)
+    times = sorted(times[1:])
+    return 2 * num_bytes / times[len(times) // 2]
+
+
+def flush_expert_timings(endpoints: dict[str, str], timing_dir, timeout_s: float = 30.0) -> dict[str, dict]:
+    """Ask every expert worker for its inventory (which writes its dispatch records), read them back."""
+    import json
+
+    import zmq
+
+    from common.wire.messages import QueryInventory
+    from common.wire.transport import SyncClient
+
+    context = zmq.Context()
+    out = {}
+    try:
+        for name, endpoint in endpoints.items():
+            client = SyncClient(endpoint, context=context)
+            try:
+                client.request(QueryInventory(), timeout_s=timeout_s)
+            finally:
+                client.close()
+            out[name] = json.loads((timing_dir / f"{name}.json").read_text(encoding="utf-8"))
+    finally:
+        context.term()
+    return out

@@ -1,0 +1,102 @@
+"""Compile the batched attention kernels for sm_90 without a GPU and summarise their machine code.
+
+Usage: python -m common.kernels.attention_sass [--kernel sparse|indexer|pool|all]
+
+Triton ships ptxas, so the V4-Flash specialisations (head_dim 512, 64 heads, CSA top-k / HCA)
+go through the whole Triton + ptxas pipeline here: a compile error, register spills (stack bytes)
+or a main loop without Hopper wgmma show up before a device run. Counts are static.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from common.kernels.attention_layout import NUM_FIELDS, Field
+
+
+def _compile(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    for name in constexprs:
+        signature[name] = "constexpr"
+    aligned = [i for i, name in enumerate(kernel.arg_names) if name.endswith("_ptr")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    return compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                       "num_stages": num_stages})
+
+
+def compile_sparse(*, block_h: int, block_n: int, num_warps: int, num_stages: int = 2, use_topk: bool = True,
+                   split: bool = False, head_dim: int = 512, paged: bool = False):
+    from common.kernels.sparse_attention import _sparse_attention_kernel
+
+    signature = {"q_ptr": "*bf16", "new_kv_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
+                 "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "topk_ptr": "*i32", "token_seq_ptr": "*i32",
+                 "positions_ptr": "*i64", "seq_info_ptr": "*i64", "fields_ptr": "*i64", "block_ids_ptr": "*i64",
+                 "scale": "fp32", "num_heads": "i32", "topk_stride": "i32", "block_stride": "i32",
+                 "rows_per_block": "i32", "keys_per_split": "i32", "num_splits": "i32"}
+    constexprs = {"WINDOW": 128, "RATIO": 4 if use_topk else 128, "USE_TOPK": use_topk, "NUM_FIELDS_": NUM_FIELDS,
+                  "F_WIN_ADDR": int(Field.WINDOW_ADDR), "F_WIN_RING": int(Field.WINDOW_RING),
+                  "F_ROWS_ADDR": int(Field.ROWS_ADDR), "HEAD_DIM": head_dim, "ELEM_BYTES": 2, "BLOCK_H": block_h,
+                  "BLOCK_N": block_n, "SPLIT": split, "IEEE": False, "PAGED": paged}
+    return _compile(_sparse_attention_kernel, signature, constexprs, num_warps, num_stages)
+
+
+def compile_indexer(*, block_n: int = 64, num_warps: int = 4):
+    from common.kernels.indexer_topk import _indexer_scores_kernel
+
+    signature = {"q_ptr": "*bf16", "weights_ptr": "*fp32", "scores_ptr": "*fp32", "token_seq_ptr": "*i32",
+                 "positions_ptr": "*i64", "fields_ptr": "*i64", "block_ids_ptr": "*i64", "num_heads": "i32",
+                 "num_rows_out": "i32", "block_stride": "i32", "rows_per_block": "i32", "row_scale": "fp32"}
+    constexprs = {"RATIO": 4, "NUM_FIELDS_": NUM_FIELDS, "F_ROWS_ADDR": int(Field.INDEX_ROWS_ADDR), "HEAD_DIM": 128,
+                  "ELEM_BYTES": 2, "BLOCK_HEADS": 64, "BLOCK_N": block_n, "BLOCKS_PER_PROGRAM": 8, "IEEE": False,
+                  "PAGED": False}
+    return _compile(_indexer_scores_kernel, signature, constexprs, num_warps, 2)
+
+
+def compile_pool(*, overlap: bool = True):
+    from common.kernels.kv_write import _pool_windows_kernel
+
+    signature = {"kv_ptr": "*bf16", "score_ptr": "*bf16", "ring_like_ptr": "*fp32", "out_ptr": "*fp32",
+                 "closing_ptr": "*i64", "token_seq_ptr": "*i32", "positions_ptr": "*i64", "seq_info_ptr": "*i64",
+                 "fields_ptr": "*i64", "row_dim": "i32"}
+    ratio = 4 if overlap else 128
+    constexprs = {"RATIO": ratio, "OVERLAP": overlap, "NUM_SLOTS": 2 * ratio if overlap else ratio,
+                  "NUM_FIELDS_": NUM_FIELDS, "F_KV": int(Field.INPUT_KV_ADDR), "F_SCORE": int(Field.INPUT_SCORE_ADDR),
+                  "F_RING": int(Field.INPUT_RING), "BLOCK_D": 256 if overlap else 16}
+    return _compile(_pool_windows_kernel, signature, constexprs, 4, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.kernel_sass import summarise
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", choices=("sparse", "indexer", "pool", "all"), default="all")
+    args = parser.parse_args(argv)
+    jobs = []
+    if args.kernel in ("sparse", "all"):
+        for block_h, block_n, warps, stages in ((16, 32, 8, 1), (32, 32, 8, 1), (16, 16, 4, 1), (64, 32, 8, 1)):
+            jobs.append((f"sparse_h{block_h}_n{block_n}_w{warps}_s{stages}",
+                         lambda h=block_h, n=block_n, w=warps, s=stages: compile_sparse(block_h=h, block_n=n,
+                                                                                         num_warps=w, num_stages=s)))
+        jobs.append(("sparse_hca_split", lambda: compile_sparse(block_h=16, block_n=32, num_warps=8, num_stages=1,
+                                                                use_topk=False, split=True)))
+    if args.kernel in ("indexer", "all"):
+        jobs.append(("indexer_n64", lambda: compile_indexer()))
+    if args.kernel in ("pool", "all"):
+        jobs.append(("pool_csa", lambda: compile_pool(overlap=True)))
+        jobs.append(("pool_hca", lambda: compile_pool(overlap=False)))
+    for name, job in jobs:
+        summary = summarise(job())
+        opcodes = summary.pop("opcodes")
+        summary["HGMMA"] = opcodes.get("HGMMA", 0)
+        summary["HMMA"] = opcodes.get("HMMA", 0)
+        print(json.dumps({"variant": name, **summary}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

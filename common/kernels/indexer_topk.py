@@ -1,0 +1,112 @@
+"""Lightning-indexer scores of every token of a forward in one launch, then one top-k (spec §2.6).
+
+score[t, w] = Σ_h weight[t, h] · ReLU(q[t, h] · k_w) · d^-1/2 for rows w < (p+1)//m visible at t's
+position p, -inf elsewhere (rows of other tokens' sequences differ: each token reads its own
+sequence's indexer rows through the address tables of `common.kernels.attention_layout`).
+One program covers (token, a few consecutive blocks of rows) with all heads at once: per block one
+[H, d] x [d, BN] dot, ReLU, the weighted sum over heads (blocks past the token's visible rows are
+written -inf without loads: half of them in a causal prefill). `torch.topk` (unsorted) on [T, N]
+then picks K rows per token; only tokens that see more than K rows use them, and for those every
+pick is visible (more than K finite scores, invisible ones are -inf). Tokens that see at most K
+rows attend to all of them, so when no token of the forward sees more than K rows the indexer is
+skipped altogether.
+Legend: T tokens, H indexer heads, d indexer head dim, N = most visible rows of any token, BN rows
+per block, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from common.kernels.attention_layout import CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field
+
+
+@triton.jit
+def _indexer_scores_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                           num_heads, num_rows_out, block_stride, rows_per_block, row_scale,
+                           RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, IEEE: tl.constexpr,
+                           PAGED: tl.constexpr):
+    t = tl.program_id(0)
+    group = tl.program_id(1)
+    b = tl.load(token_seq_ptr + t)
+    pos = tl.load(positions_ptr + t)
+    n_visible = (pos + 1) // RATIO
+    rows_addr = tl.load(fields_ptr + b.to(tl.int64) * NUM_FIELDS_ + F_ROWS_ADDR)
+    dims = tl.arange(0, HEAD_DIM)
+    for block_index in range(0, BLOCKS_PER_PROGRAM):  # several row blocks per program: q stays in L1
+        row_block = group * BLOCKS_PER_PROGRAM + block_index
+        rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_mask = rows < num_rows_out
+        score_ptrs = scores_ptr + t.to(tl.int64) * num_rows_out + rows
+        if row_block * BLOCK_N < n_visible:
+            valid = rows < n_visible
+            if PAGED:  # 32-bit division (64-bit division is a slow per-element subroutine)
+                block = tl.load(block_ids_ptr + b.to(tl.int64) * block_stride + rows // rows_per_block, mask=valid,
+                                other=0)
+                row_index = block * rows_per_block + rows % rows_per_block
+            else:
+                row_index = rows.to(tl.int64)
+            addr = tl.multiple_of(rows_addr + row_index * (HEAD_DIM * ELEM_BYTES), 16)
+            row_ptrs = addr.to(tl.pointer_type(q_ptr.dtype.element_ty))
+            keys = tl.load(row_ptrs[:, None] + dims[None, :], mask=valid[:, None], other=0.0)  # [BN, d]
+            total = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for h0 in range(0, num_heads, BLOCK_HEADS):
+                heads = h0 + tl.arange(0, BLOCK_HEADS)
+                head_mask = heads < num_heads
+                q_rows = t.to(tl.int64) * num_heads + heads
+                q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + dims[None, :], mask=head_mask[:, None], other=0.0)
+                if IEEE:
+                    logits = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BHd, BN]
+                else:
+                    logits = tl.dot(q, tl.trans(keys))
+                weights = tl.load(weights_ptr + q_rows, mask=head_mask, other=0.0)  # fp32
+                total += tl.sum(tl.maximum(logits, 0.0) * row_scale * weights[:, None], axis=0)
+            tl.store(score_ptrs, tl.where(valid, total, float("-inf")), mask=out_mask)
+        else:  # a block past every visible row (causal prefill: half of them)
+            tl.store(score_ptrs, tl.full([BLOCK_N], float("-inf"), dtype=tl.float32), mask=out_mask)
+
+
+def indexer_scores(queries: torch.Tensor, head_weights: torch.Tensor, tables: AttentionTables, layer: int, *,
+                   ratio: int, block_n: int = 64, block_heads: int = 64, num_warps: int = 4,
+                   blocks_per_program: int | None = None) -> torch.Tensor:
+    """queries [T, H, d] (the rows' dtype), head_weights [T, H] fp32 -> scores [T, N] fp32 (-inf: not visible)."""
+    num_tokens, num_heads, head_dim = queries.shape
+    num_rows = tables.max_rows_visible(ratio)
+    scores = torch.empty(num_tokens, max(num_rows, 1), dtype=torch.float32, device=queries.device)
+    if num_rows == 0:
+        return scores[:, :0]
+    queries = queries.contiguous()
+    head_weights = head_weights.float().contiguous()
+    block_heads = min(block_heads, triton.next_power_of_2(num_heads))
+    num_blocks = triton.cdiv(num_rows, block_n)
+    if blocks_per_program is None:  # fewer, longer programs once the grid is large enough (q reused)
+        blocks_per_program = max(1, min(8, (num_tokens * num_blocks) // 1024))
+        blocks_per_program = 1 << (blocks_per_program.bit_length() - 1)  # a power of two: few compilations
+    grid = (num_tokens, triton.cdiv(num_blocks, blocks_per_program))
+    rows_per_block = tables.rows_per_block(layer, "indexer")
+    paged = rows_per_block != CONTIGUOUS_ROWS_PER_BLOCK
+    _indexer_scores_kernel[grid](
+        queries, head_weights, scores, tables.token_seq, tables.positions, tables.layer_fields(layer),
+        tables.block_ids, num_heads, num_rows, tables.block_ids.shape[1], rows_per_block if paged else 1,
+        head_dim**-0.5, RATIO=ratio, NUM_FIELDS_=NUM_FIELDS, F_ROWS_ADDR=int(Field.INDEX_ROWS_ADDR),
+        HEAD_DIM=head_dim, ELEM_BYTES=queries.element_size(), BLOCK_HEADS=block_heads, BLOCK_N=block_n,
+        BLOCKS_PER_PROGRAM=blocks_per_program,
+        IEEE=queries.dtype == torch.float32, PAGED=paged, num_warps=num_warps)
+    return scores
+
+
+def indexer_topk(queries: torch.Tensor, head_weights: torch.Tensor, tables: AttentionTables, layer: int, *,
+                 ratio: int, topk: int, block_n: int = 64) -> torch.Tensor:
+    """-> topk_ids [T, topk] int64 (torch.topk's own; no cast launch), the picks in any order; only rows of
+    tokens that see more than
+    `topk` rows are meaningful (the others attend to every visible row, see sparse_attention).
+    When no token sees more than `topk` rows, nothing is computed (an empty [T, topk])."""
+    num_rows = tables.max_rows_visible(ratio)
+    if num_rows <= topk:
+        return torch.empty(queries.shape[0], topk, dtype=torch.int64, device=queries.device)
+    scores = indexer_scores(queries, head_weights, tables, layer, ratio=ratio, block_n=block_n)
+    return scores.topk(topk, dim=-1, sorted=False).indices

@@ -1,0 +1,264 @@
+"""Sparse attention of DeepSeek-V4 over window ∪ compressed rows, every sequence in one launch.
+
+Query token t (position p, sequence b) attends, with one latent K = V row per key (spec §2.3,
+§2.7), over:
+- the window: positions max(0, p-W+1) .. p. A key position at or after the chunk's start is a
+  row of this forward's `new_kv` [T, hd]; an earlier one is read from b's window ring at slot
+  pos mod ring (the ring is written only after this kernel, so no new row overwrites an old
+  one still needed, whatever the chunk length);
+- the compressed rows: HCA every closed window (rows 0 .. (p+1)//m - 1); CSA the K entries of
+  `topk_ids[t]` (the indexer's picks, in any order) when more than K rows are visible, else every
+  visible row (what the indexer would pick: no scores needed, no sentinel ids);
+- the per-head sink: exp(sink_h) joins the softmax denominator with no value.
+Softmax in fp32 with an online maximum (flash-attention style): nothing of size [T, L] is ever
+materialised. One program covers (token, block of heads, split of the keys); with more than one
+split (flash-decoding, for small batches that would leave SMs idle) each split writes an
+unnormalised partial (acc, max, sum) and `_combine_kernel` merges them with the sink.
+
+Every per-token quantity comes from the position and the tables of
+`common.kernels.attention_layout`, so the same kernel serves decode, verification of several
+draft tokens per sequence (each is a query with its own position: causal by construction) and
+chunked prefill. Launches allocate nothing outside torch's allocator and take host integers only
+from the tables' host-side maxima, so a decode step is CUDA-graph capturable.
+Legend: T tokens, H heads, hd head dim, K top-k, S key splits, BH heads per program, BN keys per
+block, B sequences, F fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from common.kernels.attention_layout import CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field
+
+
+@dataclass(frozen=True)
+class SparseAttentionConfig:
+    """Tile sizes; `num_splits` None = chosen from the grid size (`choose_num_splits`)."""
+
+    block_h: int = 16
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+    num_splits: int | None = None
+    target_programs: int = 264  # two waves of 132 SMs
+    max_splits: int = 4  # H200 run 3: 4 splits beat 9-20 at B = 1 / 8 (31 vs 40 µs, 33 vs 36 µs, CSA)
+
+
+# H200 runs 1-2 (bench/NOTES.md): decode B = 64 best with 16 heads per program and cp.async (108 µs
+# CSA, 40 µs HCA; 32 heads: 116 / 48 µs), prefill 8K with 64 (5.0 ms CSA; 32 heads: 1.8x slower in run 1).
+DECODE_CONFIG = SparseAttentionConfig(block_h=16, block_n=32, num_warps=8, num_stages=2)
+PREFILL_CONFIG = SparseAttentionConfig(block_h=64, block_n=32, num_warps=8, num_stages=1)
+PREFILL_MIN_TOKENS = 256
+
+
+def default_config(num_tokens: int) -> SparseAttentionConfig:
+    return PREFILL_CONFIG if num_tokens >= PREFILL_MIN_TOKENS else DECODE_CONFIG
+
+
+@triton.jit
+def _key_pointers(j, valid, t, b, n_win, win_lo, ring_base, use_picks, chunk_start, chunk_offset, ring_addr,
+                  ring_size, rows_addr, topk_ptr, topk_stride, block_ids_ptr, block_stride, rows_per_block,
+                  new_kv_ptr, HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, USE_TOPK: tl.constexpr,
+                  PAGED: tl.constexpr):
+    """Row pointers [BN] (to the first channel of each key) for key indices j of token t.
+
+    No 64-bit division in here (it compiles to a slow subroutine per element): the ring slot of
+    window key j is ring_base + j wrapped once (j < window <= ring), row blocks divide in 32 bits
+    and only for a paged store (contiguous stores: row address = base + row · row_bytes)."""
+    is_win = j < n_win
+    key_pos = win_lo + j
+    from_new = is_win & (key_pos >= chunk_start)
+    new_row = tl.where(from_new, chunk_offset + key_pos - chunk_start, 0)
+    ring_slot = ring_base + j
+    ring_slot = tl.where(ring_slot >= ring_size, ring_slot - ring_size, ring_slot)
+    r = tl.where(is_win, 0, j - n_win)
+    row_mask = valid & (j >= n_win)
+    row_id = r.to(tl.int32)
+    if USE_TOPK:  # more visible rows than K: the picks (any order); else every visible row, in order
+        picked = tl.load(topk_ptr + t.to(tl.int64) * topk_stride + r, mask=row_mask & use_picks, other=0)
+        row_id = tl.where(use_picks, picked.to(tl.int32), row_id)
+    if PAGED:
+        block = tl.load(block_ids_ptr + b.to(tl.int64) * block_stride + row_id // rows_per_block, mask=row_mask,
+                        other=0)
+        row_index = block * rows_per_block + (row_id % rows_per_block)
+    else:
+        row_index = row_id.to(tl.int64)
+    row_addr = rows_addr + row_index * (HEAD_DIM * ELEM_BYTES)
+    win_addr = ring_addr + tl.where(is_win, ring_slot, 0).to(tl.int64) * (HEAD_DIM * ELEM_BYTES)
+    addr = tl.multiple_of(tl.where(is_win, win_addr, row_addr), 16)  # rows start 16-byte aligned
+    ext = addr.to(tl.pointer_type(new_kv_ptr.dtype.element_ty))
+    new = new_kv_ptr + new_row.to(tl.int64) * HEAD_DIM
+    return tl.multiple_of(tl.where(from_new, new, ext), 16)
+
+
+@triton.jit
+def _sparse_attention_kernel(
+        q_ptr, new_kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sink_ptr, topk_ptr,
+        token_seq_ptr, positions_ptr, seq_info_ptr, fields_ptr, block_ids_ptr,
+        scale, num_heads, topk_stride, block_stride, rows_per_block, keys_per_split, num_splits,
+        WINDOW: tl.constexpr, RATIO: tl.constexpr, USE_TOPK: tl.constexpr, NUM_FIELDS_: tl.constexpr,
+        F_WIN_ADDR: tl.constexpr, F_WIN_RING: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
+        HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr):
+    t = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    b = tl.load(token_seq_ptr + t)
+    pos = tl.load(positions_ptr + t)
+    chunk_start = tl.load(seq_info_ptr + b * 3)
+    chunk_offset = tl.load(seq_info_ptr + b * 3 + 1)
+    fields = fields_ptr + b.to(tl.int64) * NUM_FIELDS_
+    ring_addr = tl.load(fields + F_WIN_ADDR)
+    ring_size = tl.load(fields + F_WIN_RING)
+    rows_addr = tl.load(fields + F_ROWS_ADDR)
+    n_win = tl.minimum(pos + 1, WINDOW)
+    win_lo = pos - n_win + 1
+    ring_base = (win_lo % ring_size).to(tl.int32)  # one scalar division per program
+    n_rows = pos * 0
+    use_picks = pos < 0
+    if RATIO > 0:
+        n_rows = (pos + 1) // RATIO
+        if USE_TOPK:
+            use_picks = n_rows > topk_stride
+            n_rows = tl.minimum(n_rows, topk_stride)
+    n_total = n_win + n_rows
+    lo = split.to(tl.int64) * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, n_total)
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < num_heads
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = t.to(tl.int64) * num_heads + heads
+    q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + dims[None, :], mask=head_mask[:, None], other=0.0)  # [BH, hd]
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    for j0 in range(lo, hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        valid = j < hi
+        rows = _key_pointers(j, valid, t, b, n_win, win_lo, ring_base, use_picks, chunk_start, chunk_offset,
+                             ring_addr, ring_size, rows_addr, topk_ptr, topk_stride, block_ids_ptr, block_stride,
+                             rows_per_block, new_kv_ptr, HEAD_DIM, ELEM_BYTES, USE_TOPK, PAGED)
+        keys = tl.load(rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)  # [BN, hd]
+        if IEEE:
+            logits = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        else:
+            logits = tl.dot(q, tl.trans(keys))
+        logits = tl.where(valid[None, :], logits * scale, float("-inf"))  # [BH, BN]
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(logits - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(keys.dtype), keys, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(keys.dtype), keys)
+        m_i = m_new
+    if SPLIT:
+        part = (t.to(tl.int64) * num_splits + split) * num_heads + heads  # [BH]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_mask[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=head_mask)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=head_mask)
+    else:
+        sink = tl.load(sink_ptr + heads, mask=head_mask, other=0.0)
+        denominator = l_i + tl.exp(sink - m_i)
+        out = acc / denominator[:, None]
+        tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=head_mask[:, None])
+
+
+@triton.jit
+def _combine_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, num_heads, num_splits,
+                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t, h] = Σ_s acc_s e^{m_s - M} / (Σ_s l_s e^{m_s - M} + e^{sink_h - M}), M = max_s m_s."""
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < num_heads
+    dims = tl.arange(0, HEAD_DIM)
+    m_all = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    for split in range(0, num_splits):
+        part = (t.to(tl.int64) * num_splits + split) * num_heads + heads
+        m_all = tl.maximum(m_all, tl.load(part_ml_ptr + part * 2, mask=head_mask, other=-1.0e30))
+    sink = tl.load(sink_ptr + heads, mask=head_mask, other=0.0)
+    denominator = tl.exp(sink - m_all)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    for split in range(0, num_splits):
+        part = (t.to(tl.int64) * num_splits + split) * num_heads + heads
+        weight = tl.exp(tl.load(part_ml_ptr + part * 2, mask=head_mask, other=-1.0e30) - m_all)
+        denominator += weight * tl.load(part_ml_ptr + part * 2 + 1, mask=head_mask, other=0.0)
+        acc += weight[:, None] * tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                                         mask=head_mask[:, None], other=0.0)
+    out = acc / denominator[:, None]
+    rows = t.to(tl.int64) * num_heads + heads
+    tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=head_mask[:, None])
+
+
+def choose_num_splits(num_tokens: int, num_head_blocks: int, max_keys: int, config: SparseAttentionConfig) -> int:
+    """Enough key splits that the grid fills `target_programs`, each split at least one key block."""
+    if config.num_splits is not None:
+        return max(1, min(config.num_splits, triton.cdiv(max_keys, config.block_n)))
+    programs = num_tokens * num_head_blocks
+    if programs >= config.target_programs:
+        return 1
+    wanted = min(triton.cdiv(config.target_programs, programs), config.max_splits)
+    return max(1, min(wanted, triton.cdiv(max_keys, config.block_n)))
+
+
+def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, scale: float,
+                     tables: AttentionTables, layer: int, *, window: int, ratio: int,
+                     topk_ids: torch.Tensor | None = None, config: SparseAttentionConfig | None = None
+                     ) -> torch.Tensor:
+    """q [T, H, hd], new_kv [T, hd] (this forward's rows, same dtype as the stores), sink [H] fp32,
+    topk_ids [T, K] int (CSA; any order, read only for tokens seeing more than K rows)
+    -> out [T, H, hd] in q's dtype.
+
+    ratio: 0 for window-only layers; HCA attends every closed row when topk_ids is None."""
+    num_tokens, num_heads, head_dim = q.shape
+    config = config or default_config(num_tokens)
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim} must be a power of two")
+    q = q.contiguous()
+    new_kv = new_kv.contiguous()
+    out = torch.empty_like(q)
+    use_topk = topk_ids is not None
+    if use_topk:
+        topk_ids = topk_ids.contiguous()
+        max_rows = min(topk_ids.shape[1], tables.max_rows_visible(ratio))
+    else:
+        max_rows = tables.max_rows_visible(ratio) if ratio else 0
+        topk_ids = tables.token_seq  # unused placeholder pointer
+    max_keys = min(window, tables.max_position + 1) + max_rows
+    block_h = min(config.block_h, triton.next_power_of_2(num_heads))
+    num_head_blocks = triton.cdiv(num_heads, block_h)
+    num_splits = choose_num_splits(num_tokens, num_head_blocks, max_keys, config)
+    keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), config.block_n) * config.block_n
+    num_splits = triton.cdiv(max_keys, keys_per_split)
+    split = num_splits > 1
+    if split:
+        part_acc = torch.empty(num_tokens, num_splits, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_tokens, num_splits, num_heads, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out
+    rows_per_block = tables.rows_per_block(layer, "compressor") if ratio else 1
+    paged = rows_per_block != CONTIGUOUS_ROWS_PER_BLOCK
+    rows_per_block = rows_per_block if paged else 1
+    grid = (num_tokens, num_head_blocks, num_splits)
+    _sparse_attention_kernel[grid](
+        q, new_kv, out, part_acc, part_ml, sink, topk_ids,
+        tables.token_seq, tables.positions, tables.seq_info, tables.layer_fields(layer), tables.block_ids,
+        scale, num_heads, max(1, topk_ids.shape[1] if use_topk else 1), tables.block_ids.shape[1], rows_per_block,
+        keys_per_split, num_splits,
+        WINDOW=window, RATIO=ratio, USE_TOPK=use_topk, NUM_FIELDS_=NUM_FIELDS,
+        F_WIN_ADDR=int(Field.WINDOW_ADDR), F_WIN_RING=int(Field.WINDOW_RING), F_ROWS_ADDR=int(Field.ROWS_ADDR),
+        HEAD_DIM=head_dim, ELEM_BYTES=new_kv.element_size(), BLOCK_H=block_h, BLOCK_N=config.block_n,
+        SPLIT=split, IEEE=q.dtype == torch.float32, PAGED=paged,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if split:
+        _combine_kernel[(num_tokens, num_head_blocks)](part_acc, part_ml, sink, out, num_heads, num_splits,
+                                                       HEAD_DIM=head_dim, BLOCK_H=block_h, num_warps=4)
+    return out

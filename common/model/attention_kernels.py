@@ -1,0 +1,87 @@
+"""The batched (Triton) path of `Attention`: every sequence of the forward in a handful of launches.
+
+Same mathematics as the per-sequence torch path of `common/model/attention.py`, in this order
+(each step one launch for the whole batch, through the address tables the ForwardBatch built):
+1. compressor (CSA/HCA): pool the windows this forward closes (old inputs from the input rings,
+   new ones from the projections), norm + RoPE at w·m (+ FP8 QAT when set) over all closed rows
+   at once, write the rows into each sequence's row store, then the new inputs into the rings;
+2. indexer (CSA): the same for its own compressor, then scores of every token against its own
+   sequence's indexer rows and one top-k;
+3. sparse attention over window ∪ rows with the sink;
+4. the new kv rows into the window rings (after 3: a long chunk would overwrite rows still read);
+5. advance every store's counter (the data was written in place by the kernels).
+Only host integers known before the forward steer the launches, so a decode step captures into a
+CUDA graph.
+Legend: T tokens, H heads, hd head dim, Nc rows closed in this forward, C compressor input dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.kernels.attention_layout import AttentionTables, Field
+from common.kernels.indexer_topk import indexer_topk
+from common.kernels.kv_write import pool_windows, write_rings, write_rows
+from common.kernels.sparse_attention import sparse_attention
+from common.model.qat import kv_nope_fp8_qat
+from common.model.rope import RotaryTable, rms_norm_rope
+
+
+def _emit_rows(compressor, kv_in: torch.Tensor, score_in: torch.Tensor, tables: AttentionTables, layer: int,
+               rope: RotaryTable, *, indexer: bool) -> None:
+    """Step 1/2: close this forward's windows of one compressor and store rows and inputs."""
+    ratio = compressor.ratio
+    ring_like = kv_in.new_empty(0, dtype=torch.float32)
+    pooled = pool_windows(kv_in, score_in, ring_like, tables, layer, ratio=ratio, overlap=compressor.overlap,
+                          row_dim=compressor.row_dim, indexer=indexer)  # [Nc, d] fp32
+    if pooled.shape[0]:
+        closing, _ = tables.closing_tokens(ratio)
+        row_positions = torch.div(tables.positions[closing], ratio, rounding_mode="floor") * ratio
+        cos, sin = rope.cos_sin(row_positions)
+        rows = rms_norm_rope(pooled.to(kv_in.dtype), cos, sin, compressor.norm.eps, weight=compressor.norm.weight)
+        if compressor.fp8_qat_nope_dim is not None:
+            rows = kv_nope_fp8_qat(rows, compressor.fp8_qat_nope_dim)
+        write_rows(rows, rows.new_empty(0, dtype=tables.state_dtype), tables, layer, ratio=ratio, indexer=indexer)
+    kv_field, score_field, ring_field = (
+        (Field.INDEX_INPUT_KV_ADDR, Field.INDEX_INPUT_SCORE_ADDR, Field.INDEX_INPUT_RING) if indexer else
+        (Field.INPUT_KV_ADDR, Field.INPUT_SCORE_ADDR, Field.INPUT_RING))
+    write_rings(kv_in, ring_like, tables, layer, kv_field, ring_field, second=(score_in, score_field))
+
+
+def batched_attention_core(attn, batch, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, q_lat: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """q [T, H, hd], kv [T, hd] (normed, rotated), x [T, D], q_lat [T, R] -> attention output
+    [T, H, hd] before de-rotation; updates every sequence's stores of this layer."""
+    tables: AttentionTables = batch.attention_tables
+    layer = attn.layer
+    ratio = 0
+    topk_ids = None
+    if attn.compressor is not None:
+        ratio = attn.compressor.ratio
+        kv_in, score_in = attn.compressor.project(x, batch.positions)
+        _emit_rows(attn.compressor, kv_in, score_in, tables, layer, attn.rope, indexer=False)
+    if attn.indexer is not None:
+        ikv_in, iscore_in = attn.indexer.compressor.project(x, batch.positions)
+        _emit_rows(attn.indexer.compressor, ikv_in, iscore_in, tables, layer, attn.rope, indexer=True)
+        if tables.max_rows_visible(ratio) > attn.indexer.topk:  # else every visible row is attended
+            queries, head_weights = attn.indexer.project_queries(q_lat, x, cos, sin)
+            topk_ids = indexer_topk(queries.to(tables.state_dtype), head_weights, tables, layer, ratio=ratio,
+                                    topk=attn.indexer.topk)
+        else:
+            topk_ids = q.new_empty(q.shape[0], attn.indexer.topk, dtype=torch.int64)
+    out = sparse_attention(q, kv, attn.attn_sink, attn.scale, tables, layer, window=attn.config.sliding_window,
+                           ratio=ratio, topk_ids=topk_ids)
+    write_rings(kv, kv, tables, layer, Field.WINDOW_ADDR, Field.WINDOW_RING)
+    for chunk in batch.chunks:
+        layer_state = chunk.state.layers[layer]
+        for store in layer_state.stores():
+            store.mark_written(chunk.num_new_tokens)
+    return out
+
+
+def can_use_kernels(batch, kv: torch.Tensor) -> bool:
+    """The batched path needs tables, rows in the stores' dtype and no autograd (no backward)."""
+    tables = batch.attention_tables
+    if tables is None or kv.dtype != tables.state_dtype:
+        return False
+    return not (torch.is_grad_enabled() and kv.requires_grad)

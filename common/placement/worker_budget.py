@@ -1,0 +1,176 @@
+"""What each worker plans to put on its device, measured before it allocates anything big.
+
+`budget.py` is the arithmetic; this module fills it in for the three workers from the model
+config (the checkpoint inventory gives every tensor's logical shape) and the worker's settings:
+
+- expert worker: its routed experts (held pairs x w1/w2/w3 in the compute dtype, or in their
+  stored FP4/FP8 bytes when the worker keeps them quantized) plus the activations of one full
+  Dispatch (max batched tokens x top-k x hidden, a few copies);
+- attention worker: every non-expert tensor of the main model in the compute dtype (stored
+  bytes for quantized tensors when kept quantized), the KV pools (the device pool; the CPU
+  tier too when the device is the CPU) and the activations of one step (the mHC residual
+  streams and a few [T, D] intermediates per token, plus the sampled rows' logits);
+- draft worker: the `mtp.*` / DSpark tensors plus small activations.
+A reserve (`RESERVE_FRACTION` of the plan + `RESERVE_BYTES`) covers allocator fragmentation and
+the framework's own buffers. CUDA graphs are not captured by the workers yet: 0 bytes.
+
+Free memory: `torch.cuda.mem_get_info` on CUDA devices, `MemAvailable` of /proc/meminfo on the
+CPU, capped by the deployment's `memory_limit` for the worker (an operator's cap when several
+workers share a device, and the knob the tests use to make a start fail). Only
+`measure_free_bytes` touches torch or files; everything else is arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.placement.budget import MemoryBudget
+from common.placement.devices import parse_size
+
+RESERVE_FRACTION = 0.02
+RESERVE_BYTES = 256 << 20
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The largest step a worker must hold activations for."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+
+
+def dtype_bytes(dtype: str, device: str) -> int:
+    """Bytes per element of the compute dtype ("auto": float32 on the CPU, bfloat16 elsewhere)."""
+    if dtype == "auto":
+        return 4 if device.split(":")[0] == "cpu" else 2
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not auto, float32, bfloat16 or float16")
+    return _DTYPE_BYTES[dtype]
+
+
+def measure_free_bytes(device: str, memory_limit: str | None = None) -> int:
+    """Free memory of `device` now, capped by `memory_limit` ("40GiB"; None: no cap)."""
+    if device.split(":")[0] == "cuda":
+        import torch
+
+        free_bytes = int(torch.cuda.mem_get_info(torch.device(device))[0])
+    else:
+        free_bytes = _mem_available_bytes()
+    if memory_limit is not None:
+        free_bytes = min(free_bytes, parse_size(memory_limit))
+    return free_bytes
+
+
+def _mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reserve(planned_bytes: int) -> int:
+    return int(planned_bytes * RESERVE_FRACTION) + RESERVE_BYTES
+
+
+def bytes_per_expert(config, element_bytes: int, keep_quantized: bool = False) -> int:
+    """w1 [I, D], w2 [D, I], w3 [I, D] of one routed expert in the compute dtype (or as stored)."""
+    if keep_quantized:
+        from common.placement.cost import ModelCosts
+
+        return ModelCosts.from_config(config).bytes_per_expert
+    return 3 * config.moe_intermediate_size * config.hidden_size * element_bytes
+
+
+def _tensor_bytes(spec, element_bytes: int, keep_quantized: bool) -> int:
+    return spec.num_bytes if keep_quantized and spec.is_quantized else spec.num_params * element_bytes
+
+
+def expert_worker_budget(config, *, service: str, device: str, dtype: str, num_pairs: int, free_bytes: int,
+                         keep_quantized: bool = False, step: StepShape = StepShape()) -> MemoryBudget:
+    element = dtype_bytes(dtype, device)
+    # hidden in, per-slot outputs and a few grouped intermediates of one Dispatch
+    tokens = step.max_num_batched_tokens
+    activations = tokens * config.num_experts_per_tok * (4 * config.hidden_size + 3 * config.moe_intermediate_size)
+    activation_bytes = activations * element
+    expert_bytes = num_pairs * bytes_per_expert(config, element, keep_quantized)
+    return MemoryBudget(service, device, free_bytes, expert_bytes=expert_bytes, activation_bytes=activation_bytes,
+                        reserve_bytes=_reserve(expert_bytes + activation_bytes))
+
+
+def attention_weight_bytes(config, element_bytes: int, keep_quantized: bool = False) -> int:
+    from common.checkpoint.inventory import tensor_inventory
+
+    return sum(_tensor_bytes(spec, element_bytes, keep_quantized) for spec in tensor_inventory(config).values()
+               if spec.is_attention_side)
+
+
+def draft_weight_bytes(config, element_bytes: int, keep_quantized: bool = False) -> int:
+    from common.checkpoint.inventory import tensor_inventory
+
+    return sum(_tensor_bytes(spec, element_bytes, keep_quantized) for spec in tensor_inventory(config).values()
+               if spec.is_mtp)
+
+
+def kv_block_bytes(config, block_size_tokens: int, element_bytes: int) -> int:
+    """Bytes of one KV block in the pool: compressed and indexer rows plus the boundary snapshot
+    (the same segments services/attention/kv_pool.py allocates; pending compressor state is fp32)."""
+    total = 0
+    for layer, kind in enumerate(config.layer_types):
+        ratio = config.compress_ratio(layer)
+        if ratio:
+            total += (block_size_tokens // ratio) * config.head_dim * element_bytes  # compressed rows
+        if kind.name == "CSA":
+            total += (block_size_tokens // ratio) * config.index_head_dim * element_bytes  # indexer rows
+            for row_dim in (config.head_dim, config.index_head_dim):
+                total += 2 * ratio * 2 * row_dim * 4  # pending kv + score, fp32
+        total += config.sliding_window * config.head_dim * element_bytes  # window snapshot
+    return total
+
+
+def attention_worker_budget(config, *, service: str, device: str, dtype: str, block_size_tokens: int,
+                            num_primary_blocks: int, num_cpu_blocks: int, free_bytes: int,
+                            keep_quantized: bool = False, step: StepShape = StepShape()) -> MemoryBudget:
+    element = dtype_bytes(dtype, device)
+    weights = attention_weight_bytes(config, element, keep_quantized)
+    per_block = kv_block_bytes(config, block_size_tokens, element)
+    on_cpu = device.split(":")[0] == "cpu"
+    kv = per_block * (num_primary_blocks + (num_cpu_blocks if on_cpu else 0))
+    tokens = step.max_num_batched_tokens
+    hc_mult = getattr(config, "hc_mult", 1) or 1
+    activations = tokens * config.hidden_size * (2 * hc_mult + 8) * element  # residual streams + intermediates
+    activations += step.max_num_seqs * config.vocab_size * 4  # fp32 logits of the sampled rows
+    return MemoryBudget(service, device, free_bytes, weights_bytes=weights, kv_pool_bytes=kv,
+                        activation_bytes=activations, reserve_bytes=_reserve(weights + kv + activations))
+
+
+def draft_worker_budget(config, *, service: str, device: str, dtype: str, free_bytes: int,
+                        keep_quantized: bool = False, step: StepShape = StepShape()) -> MemoryBudget:
+    element = dtype_bytes(dtype, device)
+    weights = draft_weight_bytes(config, element, keep_quantized)
+    activations = step.max_num_seqs * (config.hidden_size * 16 * element + config.vocab_size * 4)
+    return MemoryBudget(service, device, free_bytes, weights_bytes=weights, activation_bytes=activations,
+                        reserve_bytes=_reserve(weights + activations))
+
+
+def check_at_start(budget: MemoryBudget, worker_name: str) -> str | None:
+    """Log `<service>.memory_budget` (service = the role); None when the plan fits, else the
+    message the worker exits with (it names the worker, the device and the shortfall)."""
+    from common.placement.budget import BudgetShortfall, report_and_check
+
+    try:
+        report_and_check(budget)
+    except BudgetShortfall as error:
+        return f"{worker_name}: refusing to start: {error}"
+    return None
+
+
+def expert_headroom_bytes(budget: MemoryBudget) -> int:
+    """What is left for routed experts: free memory minus everything else the plan holds."""
+    return budget.free_bytes - (budget.needed_bytes - budget.expert_bytes)

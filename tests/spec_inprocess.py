@@ -1,0 +1,101 @@
+"""The serving loop with speculation, in one process, for distribution tests (no HTTP).
+
+`SpecLoop` runs the router's engine steps 2-7 over real objects: the router's `Scheduler`,
+`PlanTranslator` and `DraftCoordinator`, an in-process `AttentionWorker` (its routed experts in
+an expert worker process), and a `DraftWorker`. Only the two sockets that touch the drafter are
+replaced by direct calls, and every message still goes through the wire codec both ways
+(encode, decode), as it would on the socket:
+- router -> drafter: `DraftCoordinator`'s propose function calls `DraftWorker.handle`;
+- attention worker -> drafter: `InProcessFeatureLink` takes the place of `FeatureSender`.
+So the drafts, their sparse distributions, the scheduler's draft accounting, the worker's causal
+verification and rollback, and the features the drafter conditions on are the serving ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from common.sampling_params import SamplingParams
+from common.wire import codec
+from services.attention.speculation import attach_feature_sender
+from services.router.engine_drafts import DraftConfig, DraftCoordinator
+from services.router.engine_plan import PlanTranslator, translate_result
+from services.router.scheduler import Request, Scheduler, SchedulerConfig
+
+
+def wire_round_trip(message):
+    """The message as the receiver sees it: encoded to frames and decoded, validated."""
+    return codec.decode([bytes(frame) for frame in codec.encode(message)])
+
+
+class InProcessFeatureLink:
+    """The attention worker's feature sender, delivering to an in-process DraftWorker."""
+
+    def __init__(self, draft_worker) -> None:
+        self.draft_worker = draft_worker
+        self.num_sent = 0
+
+    def send(self, message) -> bool:
+        self.draft_worker.add_features(wire_round_trip(message))
+        self.num_sent += 1
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class SpecLoop:
+    """scheduler_config must match the attention worker's KV pool (num_gpu_blocks blocks)."""
+
+    attention: object  # AttentionWorker, loaded
+    draft_worker: object  # DraftWorker, loaded
+    scheduler_config: SchedulerConfig
+    max_draft_tokens: int
+    requests: dict[str, Request] = field(default_factory=dict)
+    first_drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # each request's first proposal
+    num_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.scheduler = Scheduler(self.scheduler_config)
+        self.translator = PlanTranslator()
+        self.drafts = DraftCoordinator(DraftConfig(max_draft_tokens=self.max_draft_tokens, timeout_s=600.0),
+                                       self._propose)
+        attach_feature_sender(self.attention, InProcessFeatureLink(self.draft_worker))
+
+    async def _propose(self, request):
+        reply = wire_round_trip(await self.draft_worker.handle(wire_round_trip(request)))
+        for proposal in getattr(reply, "proposals", ()):
+            if proposal.token_ids:
+                self.first_drafts.setdefault(proposal.request_id, proposal.token_ids)
+        return reply
+
+    def add(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+        request = Request(request_id=request_id, prompt_token_ids=tuple(prompt), sampling_params=params)
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+
+    def run(self) -> None:
+        """Until every added request finished (raises on a failed request)."""
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        while self.scheduler.num_unfinished_requests:
+            output = self.scheduler.schedule()
+            results = {}
+            for plan in self.translator.plans_for(output):
+                plan = self.drafts.decorate(plan)
+                reply = wire_round_trip(self.attention.step(wire_round_trip(plan)))
+                results.update(translate_result(plan, reply).sequence_results)
+            events = self.scheduler.update(output, results)
+            self.num_steps += 1
+            for event in events:
+                if event.error is not None:
+                    raise RuntimeError(f"{event.request_id} failed: {event.error}")
+            self.drafts.record(events)
+            await self.drafts.after_step(self.scheduler, events)
+
+    def outputs(self) -> dict[str, list[int]]:
+        return {request_id: list(request.output_token_ids) for request_id, request in self.requests.items()}

@@ -1,0 +1,126 @@
+"""bench.fullsize: the split run (attention worker + two expert worker processes on random weights)
+equals the in-process reference; the pieces it is built from do what they say.
+
+The end-to-end test runs `python -m bench.fullsize --tiny` (4 layers, CPU) and checks its JSON: the
+greedy tokens of every run equal the in-process run's and logprobs agree to 1e-4, both routings ran,
+skewed routing sends more of the routed slots to the near worker than uniform does, and every figure
+the report needs is there. The unit tests check the CPU FP4 path against the reference dequantisation,
+the random expert source's determinism, and (with CUDA) the GPU kernel path against the CPU one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.model.config import ModelConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tiny_config(num_layers: int = 4) -> ModelConfig:
+    from bench.fullsize_setup import model_hub_dict
+
+    return ModelConfig.from_dict(model_hub_dict(num_layers, tiny=True))
+
+
+def test_cpu_fp4_linear_equals_reference_dequantisation():
+    from common.kernels.reference import dequant_fp4
+    from common.model.random_init import random_fp4_stack
+    from services.expert.cpu_experts import fp4_linear_blocked
+
+    generator = torch.Generator().manual_seed(3)
+    packed, scale = random_fp4_stack(1, 96, 128, generator=generator)
+    x = torch.randn(5, 128, generator=generator)
+    expected = torch.nn.functional.linear(x, dequant_fp4(packed[0], scale[0]))
+    for block_rows in (7, 32, 256):  # ragged, exact and single blocks
+        got = fp4_linear_blocked(x, packed[0], scale[0], block_rows=block_rows)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_random_experts_same_bytes_whoever_holds_them():
+    from services.expert.random_weights import ExpertFill, RandomWeightsSpec, build_random_experts
+
+    config = _tiny_config(2)
+    spec = RandomWeightsSpec(seed=5)
+    everything = build_random_experts(config, [(l, e) for l in range(2) for e in range(16)], "cpu", spec)
+    part = build_random_experts(config, [(1, 3), (1, 9)], "cpu", spec, fill=ExpertFill.EXACT)
+    full_layer, part_layer = everything._layers[1], part._layers[1]
+    for name in ("w1", "s1", "w2", "s2", "w3", "s3"):
+        assert torch.equal(getattr(part_layer, name)[1], getattr(full_layer, name)[9]), name
+    pooled = build_random_experts(config, [(0, 1), (0, 2)], "cpu", spec, fill=ExpertFill.POOL)
+    w1 = pooled._layers[0].w1
+    assert torch.equal(w1[0], w1[1]) and w1[0].data_ptr() != w1[1].data_ptr()  # equal values, own memory
+
+
+def test_skew_concentrates_on_low_ranks():
+    from bench.fullsize_setup import plan_split
+
+    config = _tiny_config(4)
+    budget = 8 * 4 * __import__("services.expert.random_weights", fromlist=["expert_bytes"]).expert_bytes(config)
+    plan = plan_split(config, "cpu", "cpu", budget, seed=0)
+    assert plan.num_near_experts == 32 and plan.num_far_experts == 32
+    assert plan.expected_near_share > 0.5  # the favoured half of every learned layer is near
+
+
+def test_fullsize_tiny_split_equals_in_process(tmp_path):
+    out_dir = tmp_path / "out"
+    command = [sys.executable, "-m", "bench.fullsize", "--tiny", "--layers", "4", "--batch", "3",
+               "--routing", "uniform,skewed", "--skew", "1.0", "--decode-steps", "3", "--warmup-steps", "1",
+               "--context", "6", "--out-dir", str(out_dir), "--run-dir", str(tmp_path / "run")]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (path,) = out_dir.glob("fullsize-2*.json")  # not fullsize-partial.json
+    raw = json.loads(path.read_text())["raw"]
+    check = raw["reference_check"]
+    assert check["ok"] and len(check["runs"]) == 2
+    assert all(run["tokens_equal"] and run["num_tokens"] > 0 for run in check["runs"])
+    runs = {(r["routing"], r["batch"]): r for r in raw["decode"]}
+    assert set(runs) == {("uniform", 3), ("skewed", 3)}
+    for run in runs.values():
+        s = run["summary"]
+        assert s["num_steps"] == 3 and s["step_s"] > 0 and s["floor_s"] > 0
+        assert s["near_expert_s"] > 0 and s["far_expert_s"] >= 0 and s["wait_s"] > 0
+        assert abs(s["near_slot_share"] + s["far_slot_share"] - 1) < 1e-9
+        assert not s["layers_with_wrong_slot_count"]
+        assert s["num_routed_slots"] == s["expected_routed_slots"] == 3 * run["batch"] * 4 * 2  # steps B layers k
+    skewed_share = runs[("skewed", 3)]["summary"]["near_slot_share"]
+    # layers 0-2 are hash-routed (as in V4-Flash: uniform whatever the bias); layer 3 is learned and
+    # strongly skewed towards the near worker's experts
+    assert skewed_share > runs[("uniform", 3)]["summary"]["near_slot_share"] + 0.1
+    assert raw["placement"]["num_near_experts"] + raw["placement"]["num_far_experts"] == 4 * 16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_expert_worker_path_matches_cpu_path():
+    """The QuantizedExpertWorker's kernel path (CUDA, bf16) against the CPU path on the same bytes."""
+    from common.model.random_init import flash_config
+    from common.model.config import AttentionKind
+    from common.model.quantized import QuantizedRoutedExperts
+    from services.expert.cpu_experts import expert_rows
+    from services.expert.random_weights import ExpertFill, RandomWeightsSpec, build_random_experts
+    from services.expert.quantized_worker import QuantizedExpertWorker
+    from services.expert.worker import ExpertWorkerConfig
+
+    config = flash_config([AttentionKind.CSA], hidden_size=512, moe_intermediate_size=256, n_routed_experts=32)
+    spec = RandomWeightsSpec(seed=2)
+    pairs = [(0, e) for e in range(0, 32, 2)]
+    cpu = build_random_experts(config, pairs, "cpu", spec, fill=ExpertFill.EXACT)
+    worker = QuantizedExpertWorker(ExpertWorkerConfig(name="gpu", checkpoint_path="", device="cuda"), config)
+    layer = cpu._layers[0]  # the same bytes on the GPU (CPU and CUDA generators differ)
+    tensors = [getattr(layer, n).cuda() for n in ("w1", "s1", "w2", "s2", "w3", "s3")]
+    worker._experts = QuantizedRoutedExperts({0: (layer.expert_ids, tensors)}, 32, config.swiglu_limit)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(9, 512, generator=generator)
+    ids = torch.stack([torch.randperm(32, generator=generator)[:6] for _ in range(9)]).sort(dim=1).values
+    weights = torch.rand(9, 6, generator=generator)
+    selected = ids % 2 == 0
+    expected = expert_rows(cpu._layers[0], hidden, ids, weights, selected, config.swiglu_limit, False)
+    got = worker._slot_outputs(0, hidden.cuda().bfloat16(), ids.cuda(), weights.cuda(), selected.cuda())
+    assert bool((got.cpu()[~selected] == 0).all())
+    torch.testing.assert_close(got.float().cpu(), expected, rtol=5e-2, atol=5e-2)

@@ -1,0 +1,102 @@
+"""The startup budget on every worker: planned bytes match what the worker allocates, a worker
+whose plan does not fit its device (here: a `memory_limit` below the plan) exits non-zero with a
+message naming the device and the shortfall, and LoadExperts beyond the budget is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from common.checkpoint.tiny import tiny_config
+from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from common.placement.budget import MemoryBudget
+from common.placement.worker_budget import (
+    attention_worker_budget, bytes_per_expert, check_at_start, expert_headroom_bytes, expert_worker_budget,
+    kv_block_bytes, measure_free_bytes,
+)
+from common.wire.messages import ErrorReply, ExpertInventory, ExpertKey, LoadExperts
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_kv_block_bytes_equal_the_pool_the_attention_worker_allocates():
+    from services.attention.kv_config import KVPoolConfig
+    from services.attention.kv_pool import KVPool
+
+    config = tiny_config()
+    pool = KVPool(config, KVPoolConfig(block_size_tokens=128, num_primary_blocks=2, num_cpu_blocks=0), torch.float32,
+                  "cpu")
+    assert kv_block_bytes(config, 128, 4) == pool.num_bytes_per_block()
+
+
+def test_expert_budget_counts_the_held_pairs_and_leaves_the_rest_for_experts():
+    config = tiny_config()
+    per_expert = bytes_per_expert(config, 4)
+    assert per_expert == 3 * config.moe_intermediate_size * config.hidden_size * 4
+    budget = expert_worker_budget(config, service="expert", device="cpu", dtype="auto", num_pairs=10,
+                                  free_bytes=1 << 40)
+    assert budget.expert_bytes == 10 * per_expert and budget.fits
+    assert expert_headroom_bytes(budget) == (1 << 40) - budget.needed_bytes + budget.expert_bytes
+    attention = attention_worker_budget(config, service="attention", device="cuda:0", dtype="auto",
+                                        block_size_tokens=128, num_primary_blocks=4, num_cpu_blocks=100,
+                                        free_bytes=1 << 40)
+    assert attention.kv_pool_bytes == 4 * kv_block_bytes(config, 128, 2)  # the CPU tier is not on the GPU
+    assert attention.weights_bytes > 0 and attention.activation_bytes > 0
+
+
+def test_check_at_start_logs_the_budget_and_names_device_and_shortfall():
+    budget = MemoryBudget("expert", "cuda:3", free_bytes=1 << 30, expert_bytes=3 << 30)
+    with capture_logs() as logs:
+        refusal = check_at_start(budget, "expert-7")
+    assert refusal is not None and "expert-7" in refusal and "cuda:3" in refusal and "short by" in refusal
+    assert logs[0]["event"] == "expert.memory_budget" and logs[0]["fits"] is False
+    assert check_at_start(MemoryBudget("expert", "cpu", free_bytes=1 << 30), "expert-0") is None
+
+
+def test_measured_free_memory_is_capped_by_the_limit():
+    assert 0 < measure_free_bytes("cpu")
+    assert measure_free_bytes("cpu", "1MiB") == 1 << 20
+
+
+def test_load_experts_beyond_the_budget_is_refused(tmp_path):
+    from services.expert.worker import ExpertWorker, ExpertWorkerConfig
+
+    config = tiny_config()
+    path = write_checkpoint(tmp_path / "ckpt", config, random_hub_state_dict(config, seed=3, include_mtp=False))
+    per_expert = bytes_per_expert(config, 4)
+    worker = ExpertWorker(ExpertWorkerConfig(name="expert-b", checkpoint_path=str(path),
+                                             expert_budget_bytes=3 * per_expert), config)
+    fits = asyncio.run(worker.handle(LoadExperts(1, (ExpertKey(0, 0), ExpertKey(0, 1)))))
+    assert isinstance(fits, ExpertInventory) and fits.free_budget_bytes == per_expert
+    refused = asyncio.run(worker.handle(LoadExperts(2, (ExpertKey(1, 0), ExpertKey(1, 1)))))
+    assert isinstance(refused, ErrorReply) and "short by" in refused.message and "cpu" in refused.message
+    assert len(worker.inventory().experts) == 2  # nothing of the refused load was read
+
+
+@pytest.fixture(scope="module")
+def deployment_file(tmp_path_factory) -> Path:
+    config = tiny_config()
+    root = tmp_path_factory.mktemp("budget")
+    path = write_checkpoint(root / "ckpt", config, random_hub_state_dict(config, seed=5, include_mtp=False))
+    text = (f'[model]\npath = "{path}"\n\n[paths]\nrun_dir = "{root / "run"}"\nlog_dir = "{root / "logs"}"\n\n'
+            '[[attention]]\nname = "attention-0"\ndevice = "cpu"\nmemory_limit = "1MiB"\n\n'
+            '[[expert]]\nname = "expert-0"\ndevice = "cpu"\nmemory_limit = "64KiB"\n')
+    config_path = root / "deployment.toml"
+    config_path.write_text(text)
+    return config_path
+
+
+@pytest.mark.parametrize("role, name", [("expert", "expert-0"), ("attention", "attention-0")])
+def test_a_worker_that_cannot_fit_exits_naming_device_and_shortfall(deployment_file, role, name):
+    result = subprocess.run([sys.executable, "-m", "common.cli", role, "--config", str(deployment_file),
+                             "--name", name], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert f"{name}: refusing to start: {role} on cpu: needs" in result.stderr
+    assert "short by" in result.stderr
+    assert f"{role}.memory_budget" in result.stderr  # the structured budget event came first
