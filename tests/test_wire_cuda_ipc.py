@@ -365,3 +365,16 @@ def test_flag_ordered_replies_are_confirmed_at_reuse_and_a_failure_unblocks_and_
             peer.join(5)
             channel.close()
     context.term()
+
+
+def test_the_attention_command_line_selects_the_data_plane():
+    import argparse
+
+    from services.attention.main import add_attention_arguments, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_attention_arguments(parser)
+    assert options_from_args(parser.parse_args([])).data_plane == "zmq"
+    assert options_from_args(parser.parse_args(["--data-plane", "cuda_ipc"])).data_plane == "cuda_ipc"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data-plane", "nccl"])

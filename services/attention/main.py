@@ -23,6 +23,7 @@ class AttentionOptions:
     kv: KVPoolConfig | None = field(default_factory=KVPoolConfig)
     routing_stats_out: str | None = None  # Lucebox hotness tables, written on shutdown and on request
     replica_policy: str = "least_loaded"  # how replicas of an expert share its tokens (replica_routing.py)
+    data_plane: str = "zmq"  # "cuda_ipc": device rings shared with expert workers on the same host (cuda_ipc.py)
 
 
 def add_attention_arguments(parser) -> None:
@@ -42,6 +43,9 @@ def add_attention_arguments(parser) -> None:
     parser.add_argument("--replica-policy", choices=("least_loaded", "round_robin"), default="least_loaded",
                         help="which copy of a replicated expert gets its tokens: the worker with the least work in "
                         "flight (default) or each copy in turn")
+    parser.add_argument("--data-plane", choices=("zmq", "cuda_ipc"), default="zmq",
+                        help="how Dispatch/Combine tensors travel: through ZeroMQ (default), or through CUDA device "
+                        "rings shared by IPC with expert workers on CUDA devices of this host (others stay on ZeroMQ)")
 
 
 def _kv_from_args(args) -> KVPoolConfig | None:
@@ -67,7 +71,8 @@ def options_from_args(args) -> AttentionOptions:
         num_micro_batches=args.micro_batches, placement_invariant=args.placement_invariant,
         kv=_kv_from_args(args),
         routing_stats_out=getattr(args, "routing_stats_out", None),
-        replica_policy=getattr(args, "replica_policy", "least_loaded"))
+        replica_policy=getattr(args, "replica_policy", "least_loaded"),
+        data_plane=getattr(args, "data_plane", "zmq"))
 
 
 def main(deployment: Deployment, name: str | None, log_level: str = "info",
@@ -101,7 +106,8 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
         placement_invariant=options.placement_invariant, kv=kv, dispatch_timeout_s=deployment.timeouts.dispatch_s,
         routing_stats=RoutingStatsConfig(out_path=options.routing_stats_out),
         recovery=RecoveryConfig(budget_s=budget_for(deployment.timeouts.step_s, deployment.timeouts.dispatch_s)),
-        security=security, draft_endpoint=endpoints.draft, replica_policy=options.replica_policy))
+        security=security, draft_endpoint=endpoints.draft, replica_policy=options.replica_policy,
+        data_plane=options.data_plane))
     service_config = ServiceConfig(name=entry.name, role=ServiceRole.ATTENTION,
                                    endpoint=endpoints.attention[entry.name], supervisor_endpoint=endpoints.supervisor,
                                    device=entry.device, heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s,
