@@ -7,7 +7,9 @@ monotonic clock at arrival and when the answer is ready (after a device sync on 
 compute time). `time.perf_counter` is CLOCK_MONOTONIC on Linux, shared by every process of the host,
 so the benchmark can line these up with the attention worker's own timestamps. On every
 QueryInventory the records are written to DIR/NAME.json and cleared (the benchmark asks after each
-measured run); nothing is written per dispatch.
+measured run); nothing is written per dispatch. A refused Dispatch (an ErrorReply, e.g. not_found)
+also keeps what arrived (ids, slot mask; at most `_MAX_REFUSED` of them), so the benchmark can put it
+next to what the attention side sent (`bench.fullsize_verify.explain_refusals`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from pathlib import Path
 
 import torch
 
+from common.wire.messages import ErrorReply
 from services.expert.quantized_worker import QuantizedExpertWorker
+
+_MAX_REFUSED = 20
 
 
 class TimedExpertWorker(QuantizedExpertWorker):
@@ -28,6 +33,7 @@ class TimedExpertWorker(QuantizedExpertWorker):
         super().__init__(config, model_config)
         self.timing_path = timing_path
         self.records: list[list[float]] = []
+        self.refused: list[dict] = []  # received content of refused Dispatches (see the module docstring)
 
     def handle_dispatch(self, dispatch):
         began_s = time.perf_counter()
@@ -38,6 +44,11 @@ class TimedExpertWorker(QuantizedExpertWorker):
         mask = dispatch.slot_mask
         ids = dispatch.expert_ids
         selected = ids[mask] if mask is not None else ids.reshape(-1)
+        if isinstance(reply, ErrorReply) and len(self.refused) < _MAX_REFUSED:
+            self.refused.append({"dispatch_id": dispatch.dispatch_id, "step_id": dispatch.step_id,
+                                 "layer": dispatch.layer, "expert_ids": ids.tolist(),
+                                 "slot_mask": None if mask is None else mask.int().tolist(),
+                                 "code": str(reply.code), "message": reply.message[:300]})
         num_touched = int(torch.unique(selected).numel()) if selected.numel() else 0
         self.records.append([dispatch.step_id, dispatch.layer, dispatch.micro_batch, int(ids.shape[0]),
                              int(selected.numel()), num_touched, began_s, ended_s])
@@ -51,9 +62,10 @@ class TimedExpertWorker(QuantizedExpertWorker):
                        "bytes_per_expert": self._bytes_per_expert(), "records": self.records,
                        "num_threads": (self._cpu_runner.num_threads if self._cpu_runner is not None
                                        else torch.get_num_threads()),
-                       "num_empty_selections": self.num_empty_selections}
+                       "num_empty_selections": self.num_empty_selections, "refused": self.refused}
             self.timing_path.write_text(json.dumps(payload), encoding="utf-8")
             self.records = []
+            self.refused = []
         return super().inventory()
 
     def _bytes_per_expert(self) -> int:

@@ -25,15 +25,19 @@ class TimedDispatcher:
     """Delegates to a MoEDispatcher; `records` rows: [step_id, layer, micro_batch, start_begin_s,
     start_end_s, finish_begin_s, finish_end_s] (time.perf_counter)."""
 
-    def __init__(self, inner, step_id_of=None) -> None:
+    def __init__(self, inner) -> None:
+        from bench.fullsize_verify import DispatchTrace
+
         self.inner = inner
         self.records: list[list[float]] = []
         self._open: dict[int, list[float]] = {}
+        self.trace = DispatchTrace()  # the last tickets, to explain a refused Dispatch
 
     def start(self, step_id, micro_batch, layer, x, ids, weights):
         began_s = time.perf_counter()
         ticket = self.inner.start(step_id, micro_batch, layer, x, ids, weights)
         self._open[id(ticket)] = [step_id, layer, micro_batch, began_s, time.perf_counter()]
+        self.trace.add(step_id, layer, ids, ticket)
         return ticket
 
     def finish(self, ticket):
@@ -64,6 +68,7 @@ class StepTiming:
 @dataclass
 class RunResult:
     steps: list[StepTiming] = field(default_factory=list)
+    stopped_early: bool = False  # `stop_after` ended the decode before max_tokens (outputs are then partial)
     outputs: dict[str, list[int]] = field(default_factory=dict)  # request id -> generated tokens
     logprobs: dict[str, list[float]] = field(default_factory=dict)  # chosen-token logprobs (when asked)
 
@@ -75,8 +80,13 @@ def random_prompts(num_prompts: int, num_tokens: int, vocab_size: int, seed: int
 
 def run_requests(worker, prompts: list[list[int]], max_tokens: int, *, block_size_tokens: int,
                  num_primary_blocks: int, max_batched_tokens: int, with_logprobs: bool = False,
-                 prefix: str = "req", on_step=None) -> RunResult:
-    """Greedy-generate `max_tokens` for every prompt through `worker.step`, timing each step."""
+                 prefix: str = "req", on_step=None, before_decode=None, stop_after=None) -> RunResult:
+    """Greedy-generate `max_tokens` for every prompt through `worker.step`, timing each step.
+
+    before_decode(): called once, right before the first step that is all decode (the context is in
+    the KV cache by then). stop_after(result) -> bool: asked after every decode step; True finishes
+    every request there (their slots are released by one more, empty plan) and marks the result
+    `stopped_early` — a time cap on slow configurations that keeps the steps measured so far."""
     from common.wire.messages import ErrorReply
     from services.attention.local_plan import LocalPlanConfig, LocalPlanner, LocalRequest, PlanError
 
@@ -88,11 +98,14 @@ def run_requests(worker, prompts: list[list[int]], max_tokens: int, *, block_siz
                                   max_chunk_tokens=max_batched_tokens)
     planner = LocalPlanner(plan_config, requests)
     result = RunResult()
+    prompt_lengths = {r.request_id: len(r.prompt_token_ids) for r in requests}
     while not planner.done:
         plan = planner.next_plan()
         num_tokens = sum(len(s.token_ids) for s in plan.sequences)
-        is_decode = all(s.start_position >= len(r.prompt_token_ids) for s in plan.sequences
-                        for r in requests if r.request_id == s.request_id)
+        is_decode = all(s.start_position >= prompt_lengths[s.request_id] for s in plan.sequences)
+        if is_decode and before_decode is not None:
+            before_decode()
+            before_decode = None
         began_s = time.perf_counter()
         reply = worker.step(plan)
         ended_s = time.perf_counter()
@@ -102,12 +115,28 @@ def run_requests(worker, prompts: list[list[int]], max_tokens: int, *, block_siz
         result.steps.append(StepTiming(plan.step_id, num_tokens, len(plan.sequences), is_decode, began_s, ended_s))
         if on_step is not None:
             on_step(result.steps[-1])
+        if is_decode and stop_after is not None and not planner.done and stop_after(result):
+            _stop_all(worker, planner)
+            result.stopped_early = True
+            return result
     for request in requests:
         if request.error is not None:
             raise PlanError(f"{request.request_id}: {request.error}")
         result.outputs[request.request_id] = list(request.output_token_ids)
         result.logprobs[request.request_id] = [entry.logprobs[0] for entry in request.logprobs]
     return result
+
+
+def _stop_all(worker, planner) -> None:
+    """Finish every running request now and send the plan that releases their slots."""
+    from common.wire.messages import ErrorReply
+
+    for request in list(planner.running):
+        planner._finish(request, "length")
+    plan = planner.next_plan()  # no sequences, only free_seq_slots
+    reply = worker.step(plan)
+    if isinstance(reply, ErrorReply):
+        raise RuntimeError(f"attention worker refused the releasing plan: {reply.code}: {reply.message}")
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30, reps: int = 5) -> float:

@@ -165,9 +165,19 @@ class AttentionTables:
         self._max_rows_visible = max_rows_visible
         self.max_position = max_position
 
+    # With True, `closing_tokens` lists every token and the kernels test (pos + 1) mod m == 0 on the device
+    # (static decode tables: services/attention/graph_tables.py); False: exactly the closing tokens.
+    closing_predicated = False
+
     @property
     def num_tokens(self) -> int:
         return self.token_seq.shape[0]
+
+    def device_split_size(self, window: int, ratio: int, topk: int | None) -> torch.Tensor | None:
+        """A one-element int64 device tensor holding sparse attention's keys per split for layers of this
+        (window, ratio, topk), filled by the host before each replay of a captured step; None: the
+        launch plans its splits from this forward's host figures (`max_rows_visible`, `max_position`)."""
+        return None
 
     def layer_fields(self, layer: int) -> torch.Tensor:
         """[B, F] int64 of one layer (a contiguous view)."""

@@ -13,6 +13,10 @@ All three kernels reach each sequence's tensors through the address tables of
   must therefore be written only after the pooling.
 - `write_rows`: row i of `rows` [Nc, d] (already normed, rotated) becomes compressed row
   w = pos // m of its sequence, in the own tensor or the paged pool's block.
+With `tables.closing_predicated` (static decode tables of a captured step, whose positions change
+every replay) the "closing tokens" are every token of the forward and the kernels test (pos + 1)
+mod m == 0 themselves: non-closing tokens pool zeros and write nothing, so the launch shape does
+not depend on which windows close.
 Legend: T tokens, C channels, m ratio, d row dim, Nc closing tokens, B sequences, F fields.
 """
 
@@ -74,13 +78,16 @@ def _pool_windows_kernel(kv_ptr, score_ptr, ring_like_ptr, out_ptr, closing_ptr,
                          seq_info_ptr, fields_ptr, row_dim,
                          RATIO: tl.constexpr, OVERLAP: tl.constexpr, NUM_SLOTS: tl.constexpr,
                          NUM_FIELDS_: tl.constexpr, F_KV: tl.constexpr, F_SCORE: tl.constexpr,
-                         F_RING: tl.constexpr, BLOCK_D: tl.constexpr):
+                         F_RING: tl.constexpr, BLOCK_D: tl.constexpr, PREDICATED: tl.constexpr):
     i = tl.program_id(0)
     channels = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     channel_mask = channels < row_dim
     t = tl.load(closing_ptr + i)
     b = tl.load(token_seq_ptr + t)
-    window = tl.load(positions_ptr + t) // RATIO
+    position = tl.load(positions_ptr + t)
+    window = position // RATIO
+    if PREDICATED:  # every token has a program; only those closing a window pool (others store zeros)
+        channel_mask = channel_mask & ((position + 1) % RATIO == 0)
     chunk_start = tl.load(seq_info_ptr + b * 3)
     chunk_offset = tl.load(seq_info_ptr + b * 3 + 1)
     fields = fields_ptr + b.to(tl.int64) * NUM_FIELDS_
@@ -119,6 +126,9 @@ def _pool_windows_kernel(kv_ptr, score_ptr, ring_like_ptr, out_ptr, closing_ptr,
     z_max = tl.max(z, axis=0)
     e = tl.exp(z - z_max[None, :])
     pooled = tl.sum(e * kv, axis=0) / tl.sum(e, axis=0)
+    if PREDICATED:
+        pooled = tl.where(channel_mask, pooled, 0.0)
+        channel_mask = channels < row_dim
     tl.store(out_ptr + i.to(tl.int64) * row_dim + channels, pooled, mask=channel_mask)
 
 
@@ -127,7 +137,7 @@ def pool_windows(kv: torch.Tensor, score: torch.Tensor, ring_like: torch.Tensor,
                  block_d: int | None = None) -> torch.Tensor:
     """kv, score [T, C] (this forward's projected inputs) -> pooled rows [Nc, d] fp32, in
     `tables.closing_tokens(ratio)` order."""
-    closing, num_closing = tables.closing_tokens(ratio)
+    closing, num_closing = tables.closing_tokens(ratio)  # predicated tables: every token, in order
     out = torch.empty(num_closing, row_dim, dtype=torch.float32, device=kv.device)
     if num_closing == 0:
         return out
@@ -141,20 +151,26 @@ def pool_windows(kv: torch.Tensor, score: torch.Tensor, ring_like: torch.Tensor,
                                tables.positions, tables.seq_info, tables.layer_fields(layer), row_dim,
                                RATIO=ratio, OVERLAP=overlap, NUM_SLOTS=num_slots, NUM_FIELDS_=NUM_FIELDS,
                                F_KV=int(fields[0]), F_SCORE=int(fields[1]), F_RING=int(fields[2]),
-                               BLOCK_D=block_d, num_warps=4)
+                               BLOCK_D=block_d, PREDICATED=tables.closing_predicated, num_warps=4)
     return out
 
 
 @triton.jit
 def _write_rows_kernel(rows_ptr, dst_like_ptr, closing_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
                        row_dim, block_stride, rows_per_block, RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr,
-                       F_ROWS: tl.constexpr, DST_BYTES: tl.constexpr, BLOCK_D: tl.constexpr):
+                       F_ROWS: tl.constexpr, DST_BYTES: tl.constexpr, BLOCK_D: tl.constexpr,
+                       PREDICATED: tl.constexpr):
     i = tl.program_id(0)
     channels = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = channels < row_dim
     t = tl.load(closing_ptr + i)
     b = tl.load(token_seq_ptr + t).to(tl.int64)
-    row = tl.load(positions_ptr + t) // RATIO
+    position = tl.load(positions_ptr + t)
+    row = position // RATIO
+    if PREDICATED:  # only tokens closing a window write; the others look up row 0's block (always in the table)
+        closes = (position + 1) % RATIO == 0
+        mask = mask & closes
+        row = tl.where(closes, row, 0)
     block = tl.load(block_ids_ptr + b * block_stride + row // rows_per_block)
     addr = tl.load(fields_ptr + b * NUM_FIELDS_ + F_ROWS) + (block * rows_per_block + row % rows_per_block) * (
         row_dim * DST_BYTES)
@@ -178,4 +194,5 @@ def write_rows(rows: torch.Tensor, dst_like: torch.Tensor, tables: AttentionTabl
                              tables.block_ids, row_dim, tables.block_ids.shape[1], tables.rows_per_block(layer, which),
                              RATIO=ratio, NUM_FIELDS_=NUM_FIELDS,
                              F_ROWS=int(Field.INDEX_ROWS_ADDR if indexer else Field.ROWS_ADDR),
-                             DST_BYTES=dst_like.element_size(), BLOCK_D=block_d, num_warps=4)
+                             DST_BYTES=dst_like.element_size(), BLOCK_D=block_d,
+                             PREDICATED=tables.closing_predicated, num_warps=4)

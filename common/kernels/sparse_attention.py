@@ -99,11 +99,11 @@ def _key_pointers(j, valid, t, b, n_win, win_lo, ring_base, use_picks, chunk_sta
 def _sparse_attention_kernel(
         q_ptr, new_kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sink_ptr, topk_ptr,
         token_seq_ptr, positions_ptr, seq_info_ptr, fields_ptr, block_ids_ptr,
-        scale, num_heads, topk_stride, block_stride, rows_per_block, keys_per_split, num_splits,
+        scale, num_heads, topk_stride, block_stride, rows_per_block, keys_per_split, num_splits, split_size_ptr,
         WINDOW: tl.constexpr, RATIO: tl.constexpr, USE_TOPK: tl.constexpr, NUM_FIELDS_: tl.constexpr,
         F_WIN_ADDR: tl.constexpr, F_WIN_RING: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
         HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr):
+        SPLIT: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, SPLIT_SIZE_ON_DEVICE: tl.constexpr):
     t = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -126,6 +126,8 @@ def _sparse_attention_kernel(
             use_picks = n_rows > topk_stride
             n_rows = tl.minimum(n_rows, topk_stride)
     n_total = n_win + n_rows
+    if SPLIT_SIZE_ON_DEVICE:  # graph replays: the host writes this step's split size before the replay
+        keys_per_split = tl.load(split_size_ptr)
     lo = split.to(tl.int64) * keys_per_split
     hi = tl.minimum(lo + keys_per_split, n_total)
 
@@ -209,6 +211,40 @@ def choose_num_splits(num_tokens: int, num_head_blocks: int, max_keys: int, conf
     return max(1, min(wanted, triton.cdiv(max_keys, config.block_n)))
 
 
+@dataclass(frozen=True)
+class SplitPlan:
+    """How the keys of one launch are split: `num_splits` programs per (token, head block), each over
+    `keys_per_split` keys (a multiple of block_n); head blocks of `block_h` heads."""
+
+    block_h: int
+    num_head_blocks: int
+    num_splits: int
+    keys_per_split: int
+
+
+def plan_splits(num_tokens: int, num_heads: int, max_keys: int, config: SparseAttentionConfig) -> SplitPlan:
+    """The split plan of `sparse_attention` for a forward whose tokens see at most `max_keys` keys.
+    Static decode tables (services/attention/graph_tables.py) call it on the host with the real
+    step's figures and hand `keys_per_split` to a captured launch through device memory."""
+    block_h = min(config.block_h, triton.next_power_of_2(num_heads))
+    num_head_blocks = triton.cdiv(num_heads, block_h)
+    num_splits = choose_num_splits(num_tokens, num_head_blocks, max_keys, config)
+    keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), config.block_n) * config.block_n
+    return SplitPlan(block_h, num_head_blocks, triton.cdiv(max_keys, keys_per_split), keys_per_split)
+
+
+def max_keys_of(tables: AttentionTables, window: int, ratio: int, topk: int | None) -> int:
+    """Most keys (window + compressed rows) any token of the forward attends to; topk: CSA's K (None: all
+    closed rows, HCA; ratio 0: window only)."""
+    if not ratio:
+        max_rows = 0
+    elif topk is not None:
+        max_rows = min(topk, tables.max_rows_visible(ratio))
+    else:
+        max_rows = tables.max_rows_visible(ratio)
+    return min(window, tables.max_position + 1) + max_rows
+
+
 def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, scale: float,
                      tables: AttentionTables, layer: int, *, window: int, ratio: int,
                      topk_ids: torch.Tensor | None = None, config: SparseAttentionConfig | None = None
@@ -228,16 +264,21 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
     use_topk = topk_ids is not None
     if use_topk:
         topk_ids = topk_ids.contiguous()
-        max_rows = min(topk_ids.shape[1], tables.max_rows_visible(ratio))
-    else:
-        max_rows = tables.max_rows_visible(ratio) if ratio else 0
+    device_split_size = tables.device_split_size(window, ratio, topk_ids.shape[1] if use_topk else None)
+    if device_split_size is None:  # host figures of this forward steer the launch
+        plan = plan_splits(num_tokens, num_heads, max_keys_of(tables, window, ratio,
+                                                              topk_ids.shape[1] if use_topk else None), config)
+        block_h, num_head_blocks, num_splits, keys_per_split = (plan.block_h, plan.num_head_blocks, plan.num_splits,
+                                                                plan.keys_per_split)
+        split_size_ptr = tables.token_seq  # unused placeholder pointer
+    else:  # static tables (a captured decode step): the most splits any step can plan, split size on the device
+        block_h = min(config.block_h, triton.next_power_of_2(num_heads))
+        num_head_blocks = triton.cdiv(num_heads, block_h)
+        num_splits = config.num_splits or config.max_splits
+        keys_per_split = config.block_n  # unused: read from split_size_ptr
+        split_size_ptr = device_split_size
+    if not use_topk:
         topk_ids = tables.token_seq  # unused placeholder pointer
-    max_keys = min(window, tables.max_position + 1) + max_rows
-    block_h = min(config.block_h, triton.next_power_of_2(num_heads))
-    num_head_blocks = triton.cdiv(num_heads, block_h)
-    num_splits = choose_num_splits(num_tokens, num_head_blocks, max_keys, config)
-    keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), config.block_n) * config.block_n
-    num_splits = triton.cdiv(max_keys, keys_per_split)
     split = num_splits > 1
     if split:
         part_acc = torch.empty(num_tokens, num_splits, num_heads, head_dim, dtype=torch.float32, device=q.device)
@@ -252,11 +293,11 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
         q, new_kv, out, part_acc, part_ml, sink, topk_ids,
         tables.token_seq, tables.positions, tables.seq_info, tables.layer_fields(layer), tables.block_ids,
         scale, num_heads, max(1, topk_ids.shape[1] if use_topk else 1), tables.block_ids.shape[1], rows_per_block,
-        keys_per_split, num_splits,
+        keys_per_split, num_splits, split_size_ptr,
         WINDOW=window, RATIO=ratio, USE_TOPK=use_topk, NUM_FIELDS_=NUM_FIELDS,
         F_WIN_ADDR=int(Field.WINDOW_ADDR), F_WIN_RING=int(Field.WINDOW_RING), F_ROWS_ADDR=int(Field.ROWS_ADDR),
         HEAD_DIM=head_dim, ELEM_BYTES=new_kv.element_size(), BLOCK_H=block_h, BLOCK_N=config.block_n,
-        SPLIT=split, IEEE=q.dtype == torch.float32, PAGED=paged,
+        SPLIT=split, IEEE=q.dtype == torch.float32, PAGED=paged, SPLIT_SIZE_ON_DEVICE=device_split_size is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if split:
         _combine_kernel[(num_tokens, num_head_blocks)](part_acc, part_ml, sink, out, num_heads, num_splits,

@@ -307,6 +307,15 @@ class SequenceState:
                     raise RuntimeError(f"layer {layer} store at {store.num_tokens} tokens, expected {target}")
         self.num_tokens = target
 
+    def commit_kernel_writes(self, num_tokens: int) -> None:
+        """Advance every store and the state by num_tokens after kernels wrote them in place outside any
+        forward's bookkeeping (a replayed CUDA graph of a decode step: services/attention/graph_decode.py).
+        Equivalent to `mark_written` on each store, then `advance`."""
+        for state in self.layers:
+            for store in state.stores():
+                store.mark_written(num_tokens)
+        self.num_tokens += num_tokens
+
     def rollback(self, num_tokens: int) -> None:
         """Forget the last num_tokens tokens exactly (speculative verification)."""
         if num_tokens == 0:

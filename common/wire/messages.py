@@ -185,6 +185,10 @@ class ScheduledSequence:
     draft_support_token_ids: tuple[tuple[int, ...], ...] = ()
     draft_support_probs: tuple[tuple[float, ...], ...] = ()
     send_features: bool = False
+    # With `sampling` (a sequence starting in its slot): its tokens before start_position and its
+    # prompt length, so penalties and seeded random streams survive preemption and prefix hits.
+    prior_token_ids: tuple[int, ...] = ()
+    num_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,8 @@ class LocalPlanner:
             request_id=request.request_id, seq_slot=request.seq_slot,
             token_ids=tuple(request.token_ids[start:start + num_new]), start_position=start,
             block_ids=(tuple(request.primary_blocks),), do_sample=start + num_new == len(request.token_ids),
-            sampling=sampling)
+            sampling=sampling, prior_token_ids=tuple(request.token_ids[:start]) if sampling else (),
+            num_prompt_tokens=len(request.prompt_token_ids) if sampling else None)
 
     def _swap_out(self, victim: LocalRequest, swap_out: list) -> None:
         cpu = [self.free_cpu.pop(0) for _ in victim.primary_blocks]

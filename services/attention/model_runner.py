@@ -13,6 +13,9 @@ With the CUDA IPC data plane ordered by stream flags, `finish` does not wait on 
 `OverlapStats` counts the attention time spent while another micro-batch had a dispatch in
 flight; it is logged per step (debug) and kept for `bench` and tests. With a `RoutingCounter`,
 every layer's gate ids are counted per (layer, expert) and phase on the device (no host sync).
+With `graphs` set (a `graph_decode.DecodeGraphs`, worker option `--cuda-graphs on`), decode steps
+(one new token per sequence, at most the largest bucket per micro-batch) replay CUDA graphs of the
+segments between dispatches in this same order; every other step runs the eager loop below.
 Legend: T tokens, N hc streams, D hidden, K top-k, V vocab, B sequences that sample.
 """
 
@@ -58,12 +61,18 @@ class ModelRunner:
         # mean of h [T, D] is kept per micro-batch; `captured[i]` lists them in layer order.
         self.capture_layer_ids: frozenset[int] = frozenset()
         self.captured: list[list[torch.Tensor]] = []
+        self.graphs = None  # services.attention.graph_decode.DecodeGraphs: CUDA graphs of decode steps
 
     @torch.inference_mode()
     def forward(self, step_id: int, micro_batches: list[tuple[torch.Tensor, list[SequenceChunk]]],
                 decode_masks: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """[(token_ids [T_i], chunks_i)] -> final streams h [T_i, N, D] per micro-batch; advances states.
-        decode_masks[i] [T_i] bool marks generated tokens for the routing counts (None: all prompt)."""
+        decode_masks[i] [T_i] bool marks generated tokens for the routing counts (None: all prompt).
+        With graphs, a decode step's outputs are views of static buffers, valid until the next step."""
+        if self.graphs is not None:
+            keys = self.graphs.plan(micro_batches)  # None: this step runs eagerly
+            if keys is not None:
+                return self.graphs.forward(self, step_id, micro_batches, keys, decode_masks)
         mbs = [MicroBatch(ids, ForwardBatch(chunks, ids.device)) for ids, chunks in micro_batches]
         for mb, mask in zip(mbs, decode_masks or ()):
             mb.is_decode = mask

@@ -38,6 +38,41 @@ class Slot:
     seed: int | None  # None for greedy requests
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # Prompt length from the router; None (an older sender): tokens before the first output are the prompt.
+    num_prompt_tokens: int | None = None
+    # Position of prompt_token_ids[0]: 0 once the router sent the history, else where recording began.
+    first_recorded_position: int = 0
+
+    def begin_history(self, start_position: int, prior_token_ids: tuple[int, ...] | list[int],
+                      num_prompt_tokens: int | None) -> None:
+        """A sequence starting in this slot at start_position (0, or a restored boundary) with the
+        tokens before it; prompt and outputs are split by num_prompt_tokens, so the output count (the
+        index of a seeded request's next random stream) and the penalties' history are what they were
+        before a preemption."""
+        if len(prior_token_ids) > start_position:
+            raise SlotError(f"{self.request_id}: {len(prior_token_ids)} prior tokens before position {start_position}")
+        if num_prompt_tokens is not None and num_prompt_tokens < 0:
+            raise SlotError(f"{self.request_id}: negative prompt length {num_prompt_tokens}")
+        self.num_prompt_tokens = num_prompt_tokens
+        self.first_recorded_position = start_position - len(prior_token_ids)
+        self.prompt_token_ids.clear()
+        self.output_token_ids.clear()
+        self.record_tokens(self.first_recorded_position, prior_token_ids)
+
+    def record_tokens(self, start_position: int, token_ids) -> None:
+        """Note the known (non-draft) tokens computed at start_position..; tokens already recorded
+        (the last sampled token, fed back as the next step's input) are skipped."""
+        position = self.first_recorded_position + len(self.prompt_token_ids) + len(self.output_token_ids)
+        skip = position - start_position
+        if skip < 0:
+            raise SlotError(f"{self.request_id}: tokens at {start_position}, history ends at {position}")
+        for token in list(token_ids)[skip:]:
+            if self.num_prompt_tokens is None:
+                is_prompt = not self.output_token_ids
+            else:
+                is_prompt = position < self.num_prompt_tokens
+            (self.prompt_token_ids if is_prompt else self.output_token_ids).append(int(token))
+            position += 1
 
 
 class SlotTable:

@@ -227,8 +227,14 @@ class AttentionWorker(Service):
             except (SlotError, KVPoolError, ValueError) as error:
                 errors[scheduled.request_id] = SequenceResult(scheduled.request_id, (), error=str(error)[:300])
                 continue
-            if not slot.output_token_ids:
-                slot.prompt_token_ids.extend(scheduled.token_ids)
+            try:
+                if scheduled.sampling is not None:  # starts in this slot: its history comes with it
+                    slot.begin_history(scheduled.start_position, scheduled.prior_token_ids, scheduled.num_prompt_tokens)
+                num_known = len(scheduled.token_ids) - len(scheduled.draft_token_ids)
+                slot.record_tokens(scheduled.start_position, scheduled.token_ids[:num_known])
+            except SlotError as error:
+                errors[scheduled.request_id] = SequenceResult(scheduled.request_id, (), error=str(error)[:300])
+                continue
             work.append(_Work(scheduled, slot))
         return work, errors
 

@@ -1,27 +1,36 @@
-"""Quantized routed experts on the CPU: dequantise per expert per call, in row blocks that stay in cache.
+"""Quantized routed experts on the CPU: the native FP4 kernel, or torch dequantisation in cache-sized blocks.
 
-`QuantizedRoutedExperts`' torch path dequantises a whole matrix through several full-size fp32
-temporaries (nibble unpack to int64, a 16-entry lookup, a scale repeat, a multiply) before one matmul;
-on the CPU that costs ~8x the blocked path below (measured: 149 ms vs 18 ms single-threaded for one
-2048x4096 FP4 matrix and one token). Here each matrix is done in blocks of `block_rows` output rows:
-the packed bytes are read two at a time as one 16-bit index into a 65,536 x 4 fp32 table (four e2m1
-values, 1 MiB, cache-resident; each row gathered as one complex128 element), the block is scaled by
-its ue8m0 factors (exact powers of two) and multiplied at once, so the dequantised block stays in cache.
-Values are exactly the reference's (same e2m1 values, same power-of-two scales, multiplication by a
-power of two is exact), and each expert's matmul sees the same rows as `RoutedExperts` would, so
-results equal the reference's up to BLAS blocking (equal to 1e-6 in the tests). torch's intra-op
-threads parallelise every block operation.
+Native path (default): `common.kernels.cpu_fp4` (C, built at first use, OpenMP) decodes e2m1 nibbles
+in vector registers right before the FMAs, so weights stream at memory speed; one call per layer
+runs every selected row through its expert (w1 and w3 fused over the same rows, SwiGLU in the
+epilogue, then w2) in one parallel region with two barriers. `MOEMESH_CPU_KERNEL=torch` forces the
+torch path, which is also used (after one `cpu_fp4.unavailable` warning) when no compiler is found or
+the build fails.
 
+Torch path: `QuantizedRoutedExperts`' own torch path dequantises a whole matrix through several
+full-size fp32 temporaries (nibble unpack to int64, a 16-entry lookup, a scale repeat, a multiply) before
+one matmul; on the CPU that costs ~8x the blocked path below (measured: 149 ms vs 18 ms single-threaded
+for one 2048x4096 FP4 matrix and one token). Here each matrix is done in blocks of `block_rows` output
+rows: the packed bytes are read two at a time as one 16-bit index into a 65,536 x 4 fp32 table (four
+e2m1 values, 1 MiB, cache-resident; each row gathered as one complex128 element), the block is scaled
+by its ue8m0 factors (exact powers of two) and multiplied at once, so the dequantised block stays in cache.
+
+Both paths give exactly the reference's weight values (same e2m1 values, same power-of-two scales,
+multiplication by a power of two is exact), and each expert sees the same rows as `RoutedExperts`
+would, so results equal the reference's up to summation order (1e-5 relative in the tests).
 FP8 experts fall back to `QuantizedRoutedExperts`' own torch path.
 Legend: T tokens, K top-k slots, D hidden, I expert width, R selected rows, B block rows.
 """
 
 from __future__ import annotations
 
+import structlog
 import torch
 import torch.nn.functional as F
 
 from common.kernels.reference import e2m1_lut
+
+log = structlog.get_logger("expert")
 
 DEFAULT_BLOCK_ROWS = 256
 _FP4_PER_INDEX = 4  # one int16 index covers two packed bytes = four e2m1 codes
@@ -97,24 +106,48 @@ def _check_shapes(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) ->
 
 
 class CpuBlockRunner:
-    """Runs FP4 block jobs serially (`num_threads` 1) or on a pool of Python threads, one block per job.
+    """Runs FP4 linears and experts on the CPU with `num_threads` threads: through the native kernel
+    (OpenMP threads, `native` not None) or, as fallback, as torch block jobs serially (`num_threads` 1)
+    or on a pool of Python threads, one block per job.
 
-    With a pool, torch's own intra-op threading should be 1 (the worker sets it): a parallel torch op
-    ends in a barrier that waits for every OpenMP thread, and when the machine is busier than its cores
-    (attention worker, GPU expert worker, this one) a descheduled thread stalls every op for a scheduler
-    quantum (measured on a loaded 2-core host: 2 threads 65x slower than 1). Jobs of ~1 ms release the
-    GIL inside torch, so threads overlap; each job writes its own column block, so results are the serial
-    ones exactly."""
+    Torch path with a pool: torch's own intra-op threading should be 1 (the worker sets it): a parallel
+    torch op ends in a barrier that waits for every OpenMP thread, and when the machine is busier than
+    its cores (attention worker, GPU expert worker, this one) a descheduled thread stalls every op for a
+    scheduler quantum (measured on a loaded 2-core host: 2 threads 65x slower than 1). Jobs of ~1 ms
+    release the GIL inside torch, so threads overlap; each job writes its own column block, so results
+    are the serial ones exactly. The native kernel takes its thread count per call, whatever torch's is.
 
-    def __init__(self, num_threads: int = 1, block_rows: int = DEFAULT_BLOCK_ROWS) -> None:
+    use_native: None = the default (native unless `MOEMESH_CPU_KERNEL=torch` or the build fails),
+    False = torch blocks only, True = native or raise `cpu_fp4.NativeBuildError`."""
+
+    def __init__(self, num_threads: int = 1, block_rows: int = DEFAULT_BLOCK_ROWS,
+                 use_native: bool | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
+
+        from common.kernels import cpu_fp4
 
         self.num_threads = max(1, num_threads)
         self.block_rows = block_rows
-        self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="fp4") if self.num_threads > 1 else None
+        if use_native is None:
+            self.native = cpu_fp4.native_kernel()
+        else:
+            self.native = cpu_fp4.load_native() if use_native else None
+        use_pool = self.native is None and self.num_threads > 1
+        self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="fp4") if use_pool else None
+        log.info("expert.cpu_fp4_path", kernel="native" if self.native else "torch", num_threads=self.num_threads,
+                 isa=self.native.isa if self.native else None,
+                 openmp=self.native.has_openmp if self.native else None)
 
     def linear(self, jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         """jobs: (out [R, N], x [R, K], packed [N, K/2], scale [N, K/32]); fills every out."""
+        if self.native is not None:
+            for out, x, packed, scale in jobs:
+                _check_shapes(x, packed, scale)
+                direct = out.dtype == torch.float32 and out.is_contiguous()
+                result = self.native.linear(x, packed, scale, self.num_threads, out=out if direct else None)
+                if not direct:
+                    out.copy_(result)
+            return
         blocks = []
         for out, x, packed, scale in jobs:
             _check_shapes(x, packed, scale)
@@ -134,11 +167,38 @@ class CpuBlockRunner:
             self._pool.shutdown(wait=False)
 
 
+def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, runner: CpuBlockRunner | None = None
+               ) -> torch.Tensor:
+    """x [R, K] @ dequant(packed [N, K/2], scale [N, K/32])ᵀ -> [R, N] in x's dtype, by `runner`
+    (default: native on torch's thread count, else torch blocks on one thread)."""
+    out = x.new_empty(x.shape[0], packed.shape[0])
+    (runner or _default_runner()).linear([(out, x, packed, scale)])
+    return out
+
+
+_default_runners: dict[int, CpuBlockRunner] = {}
+
+
+def _default_runner() -> CpuBlockRunner:
+    """A runner for callers that pass none: the native kernel on torch.get_num_threads() threads, or the
+    serial torch blocks (one per thread count, kept)."""
+    num_threads = torch.get_num_threads()
+    runner = _default_runners.get(num_threads)
+    if runner is None:
+        from common.kernels import cpu_fp4
+
+        native = cpu_fp4.native_kernel()
+        runner = CpuBlockRunner(num_threads if native else 1, default_block_rows(), use_native=native is not None)
+        _default_runners[num_threads] = runner
+    return runner
+
+
 def fp4_linear_blocked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                        block_rows: int | None = None) -> torch.Tensor:
-    """x [R, K] @ dequant(packed [N, K/2], scale [N, K/32])ᵀ -> [R, N] in x's dtype, block by block."""
+    """x [R, K] @ dequant(packed [N, K/2], scale [N, K/32])ᵀ -> [R, N] in x's dtype, block by block
+    (the torch path, whatever the native kernel's availability)."""
     out = x.new_empty(x.shape[0], packed.shape[0])
-    CpuBlockRunner(1, block_rows or default_block_rows()).linear([(out, x, packed, scale)])
+    CpuBlockRunner(1, block_rows or default_block_rows(), use_native=False).linear([(out, x, packed, scale)])
     return out
 
 
@@ -149,10 +209,13 @@ def expert_rows(held, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Te
 
     held: a layer's stacked experts (`quantized._LayerExperts`: w1/s1/w2/s2/w3/s3, `local`, expert_ids).
     Per expert, the rows are its selected slots in ascending (token, slot) order, as the reference has.
-    Every expert's w1 and w3 blocks run as one batch of jobs, then every expert's w2 blocks."""
+    Native kernel: one call for the whole layer. Torch path: every expert's w1 and w3 blocks run as one
+    batch of jobs, then every expert's w2 blocks."""
     from common.model.moe import _swiglu
 
-    runner = runner or CpuBlockRunner(1, default_block_rows())
+    runner = runner or _default_runner()
+    if runner.native is not None:
+        return _native_expert_rows(runner, held, hidden, ids, weights, slot_mask, swiglu_limit, route_weight_before_w2)
     num_tokens, top_k = ids.shape
     out = hidden.new_zeros(num_tokens * top_k, hidden.shape[1])  # [T·K, D]
     flat_ids = ids.reshape(-1)
@@ -178,3 +241,18 @@ def expert_rows(held, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Te
     for (slots, *_), (y, *_), route in zip(groups, down_jobs, routes):
         out[slots] = y if route_weight_before_w2 else y * route
     return out.view(num_tokens, top_k, -1)
+
+
+def _native_expert_rows(runner: CpuBlockRunner, held, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        slot_mask: torch.Tensor | None, swiglu_limit: float | None,
+                        route_weight_before_w2: bool) -> torch.Tensor:
+    """expert_rows through the native kernel: rows grouped by expert in the reference's order, the
+    kernel writes each selected slot's fp32 row of out [T·K, D] (unselected rows stay zero)."""
+    from common.kernels.cpu_fp4 import ExpertGroups, ExpertStacks
+
+    num_tokens, top_k = ids.shape
+    stacks = ExpertStacks.from_tensors(held.w1, held.s1, held.w3, held.s3, held.w2, held.s2)
+    groups = ExpertGroups.from_routing(ids, weights, slot_mask, held.local)
+    out = torch.zeros(num_tokens * top_k, hidden.shape[1], dtype=torch.float32)  # [T·K, D]
+    runner.native.experts(hidden, groups, stacks, swiglu_limit, route_weight_before_w2, out, runner.num_threads)
+    return out.view(num_tokens, top_k, -1).to(hidden.dtype)

@@ -69,6 +69,8 @@ class PlanTranslator:
                     do_sample=seq.sample_logits,
                     sampling=seq.sampling_params.to_wire() if seq.is_new_sequence else None,
                     draft_token_ids=seq.draft_token_ids,
+                    prior_token_ids=seq.prior_token_ids if seq.is_new_sequence else (),
+                    num_prompt_tokens=seq.num_prompt_tokens if seq.is_new_sequence else None,
                 )
             )
         restores = tuple(

@@ -26,6 +26,12 @@ class ScheduledSequence:
     table (block i holds positions [i * block_size, (i + 1) * block_size)). sample_logits is
     set only when this chunk reaches the end of the known tokens; then the worker returns
     1 + (accepted drafts) sampled tokens.
+
+    A new sequence (is_new_sequence: first schedule, or again after a preemption or a prefix hit)
+    carries its history: prior_token_ids are its tokens at positions 0 .. start_position - 1 (a
+    restored prefix, or nothing), and num_prompt_tokens says which of all its tokens are the prompt.
+    The worker needs both so that penalties see every token and a seeded request's random streams
+    continue at its output count after a preemption, as if it had never been preempted.
     """
 
     request_id: str
@@ -37,6 +43,8 @@ class ScheduledSequence:
     draft_token_ids: tuple[int, ...]
     is_new_sequence: bool
     sampling_params: SamplingParams
+    prior_token_ids: tuple[int, ...] = ()
+    num_prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

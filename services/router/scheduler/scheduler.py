@@ -263,6 +263,8 @@ class Scheduler:
                     draft_token_ids=drafts,
                     is_new_sequence=entry.is_new_sequence,
                     sampling_params=request.sampling_params,
+                    prior_token_ids=tuple(request.token_ids_between(0, start)) if entry.is_new_sequence else (),
+                    num_prompt_tokens=len(request.prompt_token_ids),
                 )
             )
         freed_ids, self._freed_ids = tuple(self._freed_ids), []

@@ -1,0 +1,157 @@
+"""Static decode tables: the attention kernels' per-step metadata in fixed device buffers (issue 7 item 3).
+
+A captured CUDA graph replays kernel launches with the arguments and grid they were captured with.
+The eager `AttentionTables` (common/kernels/attention_layout.py) are rebuilt per forward, and three
+of their host figures change with the positions: the number of tokens closing a compression window
+(grid of the pooling and row writes), the most closed rows any token sees (indexer score width,
+whether the indexer runs at all, the split plan of sparse attention) and the largest position (the
+split plan). `StaticDecodeTables` removes each one for decode steps (one new token per sequence):
+- every table (`fields`, `seq_info`, `positions`, `block_ids`, the token ids, the split sizes) is a
+  view of one flat int64 device buffer, refilled from a pinned host mirror by one copy before each
+  replay (`fill`);
+- the window-closing compression is predicated on the device (`closing_predicated`): every token
+  has a pooling program, the kernels test (pos + 1) mod m == 0 and only closing tokens write rows;
+- sparse attention launches the most splits any step can plan (`SparseAttentionConfig.max_splits`)
+  and reads the split size the host planned for this step from `split_sizes` (the same
+  `plan_splits` the eager launch uses, so the keys each split covers are the eager ones; splits
+  past the keys are empty and contribute exact zeros to the combine);
+- the indexer scores `index_rows` columns, a capacity class fixed per set of graphs (None: no token
+  sees more than top-k rows and the indexer is skipped, as eagerly); the host picks the class per
+  step from the real sequences (`index_rows_class`).
+Rows past the real batch are padding: a scratch sequence at position 0 (it closes no window and
+reads no compressed row; its ring writes land in its own scratch stores).
+Legend: L layers, Tb bucket tokens (= sequences, one token each), F fields, NB block-table width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.kernels.attention_layout import NUM_FIELDS, AttentionTables, sequence_addresses
+from common.model.config import AttentionKind, ModelConfig
+from common.model.state import SequenceState
+
+
+def index_rows_class(max_rows_visible: int, topk: int) -> int | None:
+    """Indexer score width for a step whose tokens see at most `max_rows_visible` CSA rows: None while
+    no token sees more than top-k (the indexer does not run), else a power of two >= the rows (and
+    >= 4·top-k), so that a captured set serves every context length up to it."""
+    if max_rows_visible <= topk:
+        return None
+    width = 1 << (max_rows_visible - 1).bit_length()
+    return max(width, 4 * topk)
+
+
+@dataclass(frozen=True)
+class SplitKey:
+    """The layers sharing one sparse-attention split plan: window, ratio (0: window only), top-k (None: all rows)."""
+
+    window: int
+    ratio: int
+    topk: int | None
+
+
+def split_keys(config: ModelConfig) -> tuple[SplitKey, ...]:
+    keys = []
+    for layer, kind in enumerate(config.layer_types):
+        ratio = config.compress_ratio(layer) if kind is not AttentionKind.WINDOW else 0
+        key = SplitKey(config.sliding_window, ratio, config.index_topk if kind is AttentionKind.CSA else None)
+        if key not in keys:
+            keys.append(key)
+    return tuple(keys)
+
+
+class StaticDecodeTables(AttentionTables):
+    """Tables of a captured decode step over `num_tokens` rows (see the module docstring)."""
+
+    closing_predicated = True
+
+    def __init__(self, config: ModelConfig, num_tokens: int, rows_per_block: dict[tuple[int, str], int],
+                 block_width: int, index_rows: int | None, state_dtype: torch.dtype, device: torch.device) -> None:
+        self.config = config
+        self.index_rows = index_rows
+        self.split_key_order = split_keys(config)
+        num_layers = config.num_hidden_layers
+        block_width = max(1, block_width) + 1  # one spare column: predicated lookups never leave the table
+        sizes = {"fields": num_layers * num_tokens * NUM_FIELDS, "seq_info": num_tokens * 3, "positions": num_tokens,
+                 "block_ids": num_tokens * block_width, "split_sizes": len(self.split_key_order),
+                 "token_ids": num_tokens}
+        self.host = torch.zeros(sum(sizes.values()), dtype=torch.int64,
+                                pin_memory=device.type == "cuda")  # the pinned mirror `fill` writes
+        self.flat = torch.zeros_like(self.host, device=device)  # [sum] int64: every table is a view of it
+        host_views, device_views, offset = {}, {}, 0
+        for name, size in sizes.items():
+            host_views[name], device_views[name] = self.host[offset: offset + size], self.flat[offset: offset + size]
+            offset += size
+        self._host = host_views
+        shape = {"fields": (num_layers, num_tokens, NUM_FIELDS), "seq_info": (num_tokens, 3),
+                 "block_ids": (num_tokens, block_width)}
+        for name, dims in shape.items():
+            host_views[name] = host_views[name].view(*dims)
+            device_views[name] = device_views[name].view(*dims)
+        token_seq = torch.arange(num_tokens, dtype=torch.int32, device=device)  # one token per sequence
+        closing = torch.arange(num_tokens, dtype=torch.int64, device=device)
+        ratios = {config.compress_ratio(layer) for layer, kind in enumerate(config.layer_types)
+                  if kind is not AttentionKind.WINDOW}
+        csa_rows = index_rows if index_rows is not None else config.index_topk
+        super().__init__(device_views["fields"], device_views["seq_info"], token_seq, device_views["positions"],
+                         device_views["block_ids"], rows_per_block, {ratio: (closing, num_tokens) for ratio in ratios},
+                         {ratio: csa_rows for ratio in ratios}, 0, state_dtype)
+        self.token_ids = device_views["token_ids"]  # [Tb] int64: the step's input tokens
+        self.split_sizes = device_views["split_sizes"]  # [keys] int64
+        self._copy_done: torch.cuda.Event | None = None
+
+    def device_split_size(self, window: int, ratio: int, topk: int | None) -> torch.Tensor:
+        index = self.split_key_order.index(SplitKey(window, ratio, topk))
+        return self.split_sizes[index: index + 1]
+
+    def fill(self, states: list[SequenceState], token_ids: torch.Tensor | None, scratch: SequenceState) -> None:
+        """Write one decode step's metadata (`states[i]` gets its next token `token_ids[i]`, a device
+        tensor [T] copied device to device, no host sync; rows past them are the scratch sequence at
+        position 0 with token 0) and copy it to the device buffers, in stream order.
+
+        The caller checked addressability and geometry (`DecodeGraphs._eligible`)."""
+        from common.kernels.sparse_attention import default_config, plan_splits
+
+        if self._copy_done is not None:  # the previous step's copy must have read the mirror
+            self._copy_done.synchronize()
+        host = self._host
+        num_real = len(states)
+        num_tokens = self.token_ids.shape[0]
+        scratch_fields = sequence_addresses(scratch).fields  # [L, F]
+        positions = [state.num_tokens for state in states] + [0] * (num_tokens - num_real)
+        for index in range(num_tokens):
+            addresses = sequence_addresses(states[index]) if index < num_real else None
+            host["fields"][:, index] = addresses.fields if addresses is not None else scratch_fields
+            if addresses is not None and addresses.paged:
+                ids = addresses.block_table.block_ids
+                if ids:
+                    host["block_ids"][index, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        seq_info = torch.tensor([(position, index, 1) for index, position in enumerate(positions)], dtype=torch.int64)
+        host["seq_info"].copy_(seq_info)
+        host["positions"].copy_(torch.tensor(positions, dtype=torch.int64))
+        host["token_ids"].zero_()
+        config = self.config
+        num_heads = config.num_attention_heads
+        plan_tokens = num_real or num_tokens  # (no real rows: the warm-up before a capture)
+        real_positions = positions[:num_real] or [0]
+        max_position = max(real_positions)
+        sparse_config = default_config(plan_tokens)
+        if sparse_config != default_config(num_tokens):
+            raise ValueError(f"{num_real} and {num_tokens} tokens plan sparse attention differently")
+        for index, key in enumerate(self.split_key_order):
+            if key.ratio:
+                max_rows = max((p + 1) // key.ratio for p in real_positions)
+                max_rows = min(max_rows, key.topk) if key.topk is not None else max_rows
+            else:
+                max_rows = 0
+            max_keys = min(key.window, max_position + 1) + max_rows
+            host["split_sizes"][index] = plan_splits(plan_tokens, num_heads, max_keys, sparse_config).keys_per_split
+        self.flat.copy_(self.host, non_blocking=True)
+        if token_ids is not None:
+            self.token_ids[:num_real].copy_(token_ids)
+        if self.flat.is_cuda:
+            self._copy_done = torch.cuda.Event()
+            self._copy_done.record()
