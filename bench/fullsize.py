@@ -1,7 +1,9 @@
 """`moemesh bench fullsize`: DeepSeek-V4-Flash at true width through moemesh's processes, random weights.
 
     python -m bench.fullsize --experts-on cpu|cuda:1 --gpu-expert-budget 100GiB --batch 1,8[,64] \
-        --routing uniform,skewed [--layers 43] [--prefill 2048,8192] [--compare CPU_RUN.json] --out-dir DIR
+        --routing uniform,skewed [--layers 43] [--context 512 --context-routing auto|natural|near] \
+        [--decode-steps 5 --warmup-steps 2 --run-budget-s S] [--prefill 2048,8192] [--data-plane zmq|cuda_ipc] \
+        [--cuda-graphs] [--compare CPU_RUN.json] --out-dir DIR
     python -m bench.fullsize --tiny ...      # a tiny model on the CPU; checks the split run against in-process
 
 What runs (issue 8 item 5; issue 10 with --experts-on cuda:1):
@@ -11,13 +13,19 @@ What runs (issue 8 item 5; issue 10 with --experts-on cuda:1):
   timing): "near" on cuda:0 with the hottest experts under --gpu-expert-budget, "far" on the CPU or
   cuda:1 with the rest (placement: `common.placement.plan`, policy hottest, `bench.fullsize_setup`);
   near shares cuda:0 with the attention worker, so NVIDIA MPS should run (bench/device/fullsize.sh);
+  with --data-plane cuda_ipc both CUDA workers map the attention worker's device rings (the cuda:1
+  worker reads them and writes its answers over NVLink: peer copies; common/wire/cuda_ipc.py);
 - the attention worker (`services.attention.worker.AttentionWorker`, the real class, attention +
   shared experts + head on cuda:0) in this process, talking to both over ZeroMQ (the default data
   plane), driven by `LocalPlanner` plans as `moemesh generate --distributed` drives it.
-Context: a short real prefill of --context random tokens per sequence, then --warmup-steps decode
-steps, then --decode-steps measured decode steps (greedy). "uniform" keeps the random gate bias;
-"skewed" sets bias = -c·ln(1 + rank) (c = --skew) in the running attention worker, between runs.
-Timings and floors: `bench.fullsize_report`. JSON via bench.results_io (name "fullsize").
+Before anything is timed, every (layer, expert) pair is checked to be served by exactly the worker
+the plan gives it (`bench.fullsize_verify`; a mismatch ends the run, exit status 2, naming the pair).
+Context: one real prefill step of --context random tokens per sequence (--context-routing near:
+routed to the GPU experts only, see `bench.fullsize_runs`), then --warmup-steps decode steps, then
+up to --decode-steps measured decode steps (greedy; --run-budget-s caps a slow run, >= 1 step).
+"uniform" keeps the random gate bias; "skewed" sets bias = -c·ln(1 + rank) (c = --skew) in the
+running attention worker, between runs. A refused Dispatch is explained (sent vs received) in the
+run's JSON. Timings and floors: `bench.fullsize_report`. JSON via bench.results_io ("fullsize").
 """
 
 from __future__ import annotations
@@ -45,6 +53,16 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--layers", type=int, default=None, help="first N layers of V4-Flash (default all 43)")
     parser.add_argument("--prefill", default="", help="prompt lengths to time as one prefill step, e.g. 2048,8192")
     parser.add_argument("--context", type=int, default=32, help="prompt tokens per sequence before decoding")
+    parser.add_argument("--max-context-tokens", type=int, default=None,
+                        help="cap on B x --context per decode run: large batches get a shorter context each")
+    parser.add_argument("--context-routing", default="auto", choices=("auto", "natural", "near"),
+                        help="route the context prefill as the decode (natural) or to the near experts only "
+                        "(near); auto: near when the far experts are on the CPU (not --tiny), else natural")
+    parser.add_argument("--run-budget-s", type=float, default=None,
+                        help="stop measuring a decode run after this many seconds of decode (>= 1 step kept)")
+    parser.add_argument("--dispatch-staging", default="on", choices=("on", "off"),
+                        help="off: the attention worker sends Dispatches from their own host tensors instead of "
+                        "the pinned staging pool (a diagnostic A/B for the data plane)")
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--decode-steps", type=int, default=5, help="measured decode steps per run")
     parser.add_argument("--skew", type=float, default=0.1, help="gate bias strength c of the skewed routing")
@@ -52,6 +70,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--data-plane", default="zmq", choices=("zmq", "cuda_ipc"),
                         help="attention <-> expert tensors: ZeroMQ with host staging, or CUDA IPC rings (CUDA "
                         "workers on this host; a worker that cannot map them stays on ZeroMQ)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="the attention worker replays CUDA graphs of its decode segments (when it has them)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch threads of the CPU expert worker (default: all cores but 4)")
     parser.add_argument("--seed", type=int, default=0)
@@ -67,9 +87,23 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.context_routing == "auto":
+        args.context_routing = "near" if args.experts_on == "cpu" and not args.tiny else "natural"
+    from bench.fullsize_verify import PairVerificationError
+
     with tempfile.TemporaryDirectory(prefix="moemesh-fullsize-") as temp_dir:
         run_dir = Path(args.run_dir) if args.run_dir else Path(temp_dir)
-        result = run(args, run_dir)
+        try:
+            result = run(args, run_dir)
+        except PairVerificationError as error:
+            print(f"PAIR CHECK FAILED: {error}", flush=True)
+            if args.out_dir is not None:
+                import json
+
+                args.out_dir.mkdir(parents=True, exist_ok=True)
+                (args.out_dir / "fullsize-partial.json").write_text(json.dumps(
+                    {"partial": True, "pair_check": {"ok": False, "error": str(error)}}, indent=1))
+            return 2
     from bench.fullsize_report import print_table
     from bench.results_io import write_result
 
@@ -137,9 +171,16 @@ def run(args, run_dir: Path) -> dict:
         print(f"loaded: attention {attention_ready_s:.1f} s, all workers {ready_s:.1f} s", flush=True)
         worker_dispatcher = worker.runner.dispatcher
         worker.runner.dispatcher = TimedDispatcher(worker_dispatcher)
+        if args.dispatch_staging == "off":
+            worker.channel.staging = None  # ExpertChannel then sends each Dispatch from its own host tensors
         from bench.fullsize_runs import run_all
+        from bench.fullsize_verify import verify_pairs_served
 
-        runs = run_all(args, worker, cluster, config, bandwidth, model_dir)
+        endpoints = {name: cluster.endpoint_of(name) for name in cluster.expert_names}
+        pair_check = verify_pairs_served(worker_dispatcher, plan, endpoints, list(cluster.expert_names))
+        print(f"pair check: every one of {pair_check['num_pairs']} pairs served by its planned worker "
+              f"{pair_check['num_held']}", flush=True)
+        runs = run_all(args, worker, cluster, config, bandwidth, model_dir, plan)
     finally:
         if worker is not None:
             asyncio.run(worker.close())
@@ -150,8 +191,13 @@ def run(args, run_dir: Path) -> dict:
                     "linears, FP4 e2m1 + ue8m0 1x32 experts); far CPU experts filled by copying one random expert "
                     "per layer into every expert's own memory (ExpertFill.POOL: real bytes, equal values) when "
                     "generating them would be slow; GPU experts exact random"),
-        "context": f"real prefill of {args.context} random tokens per sequence, {args.warmup_steps} warm-up "
-                   f"decode steps, then {args.decode_steps} measured decode steps",
+        "context": f"real prefill of {args.context} random tokens per sequence (routing: "
+                   f"{runs.get('context_method', {}).get('routing')}), {args.warmup_steps} warm-up decode steps, "
+                   f"then up to {args.decode_steps} measured decode steps"
+                   + (f" (at most {args.run_budget_s} s of decode per run)" if args.run_budget_s else ""),
+        "pair_check": pair_check, "dispatch_staging": args.dispatch_staging,
+        "speculation": ("not run: the DSpark drafter (services/draft) loads its weights from a checkpoint only and "
+                        "has no random-weights source, so the drafter's shapes cannot be run here"),
         "attention_device": attention_device, "placement": worker_placement_summary(plan),
         "gpu_expert_budget_bytes": budget, "skew_strength": args.skew,
         "near_worker": NEAR_WORKER, "far_worker": FAR_WORKER,
@@ -160,7 +206,8 @@ def run(args, run_dir: Path) -> dict:
         "data_plane_workers": _data_plane_workers(worker_dispatcher),
         "gpu_experts_process": "separate expert worker process on cuda:0 (MPS "
                                + ("on" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "not detected") + ")",
-        "num_micro_batches": args.micro_batches, "load_s": ready_s, "far_cpu_threads": cpu_threads,
+        "num_micro_batches": args.micro_batches, "attention_cuda_graphs": args.cuda_graphs, "load_s": ready_s,
+        "far_cpu_threads": cpu_threads,
         "bandwidth": bandwidth, "ceilings": ceilings,
         "cuda_device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         **runs,
@@ -174,18 +221,23 @@ def _attention_worker(args, cluster, model_dir: str, device: str):
     import torch
 
     from services.attention.kv_config import KVPoolConfig
+    from services.attention.recovery import RecoveryConfig
     from services.attention.worker import AttentionWorker, AttentionWorkerConfig
 
     batches = _ints(args.batch)
     tokens_per_seq = args.context + args.warmup_steps + args.decode_steps + 2
-    blocks = max(max(batches) * -(-tokens_per_seq // 128), max([-(-(n + 2) // 128) for n in _ints(args.prefill)],
+    blocks = max(max(batches, default=1) * -(-tokens_per_seq // 128), max([-(-(n + 2) // 128) for n in _ints(args.prefill)],
                                                               default=1)) + 8
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    extra = {}
-    if args.data_plane != "zmq":
-        import dataclasses
+    import dataclasses
 
+    extra = {}
+    if args.cuda_graphs:
+        if "cuda_graphs" not in {f.name for f in dataclasses.fields(AttentionWorkerConfig)}:
+            raise SystemExit("--cuda-graphs: this attention worker has no decode graphs")
+        extra["cuda_graphs"] = True
+    if args.data_plane != "zmq":
         if "data_plane" not in {f.name for f in dataclasses.fields(AttentionWorkerConfig)}:
             raise SystemExit(f"--data-plane {args.data_plane}: this attention worker has only ZeroMQ")
         extra["data_plane"] = args.data_plane
@@ -193,6 +245,7 @@ def _attention_worker(args, cluster, model_dir: str, device: str):
         name="attention-0", checkpoint_path=model_dir, expert_endpoints=cluster.endpoints(),
         expert_workers=cluster.holdings(), device=device, num_micro_batches=args.micro_batches,
         kv=KVPoolConfig(block_size_tokens=128, num_primary_blocks=blocks), dispatch_timeout_s=args.dispatch_timeout,
+        recovery=RecoveryConfig(max_attempts=1),  # a benchmark fails fast and explains (no retries to time)
         **extra))
     worker.load_now()
     return worker

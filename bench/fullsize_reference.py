@@ -1,11 +1,15 @@
 """The in-process run `bench.fullsize --tiny` compares its split run against.
 
-Same random model directory, same gate bias, every expert in one `QuantizedRoutedExperts` (torch
-path: whole-matrix dequantisation, as the single-process reference computes), driven through
-`ReferenceModel.forward` with the batches `LocalPlanner` gives the attention worker when every prompt
-fits one step (all prompts in one forward, then one token per sequence per step), so the linears see
-the same batch sizes and each expert the same rows as in the split run.
-Legend: B sequences, V vocab.
+Same random model directory, same gate bias, every expert in one process, computed by the code the
+CPU expert workers run (`services.expert.cpu_experts.expert_rows`, `ExpertPathExperts`), driven
+through `ReferenceModel.forward` with the batches `LocalPlanner` gives the attention worker when
+every prompt fits one step (all prompts in one forward, then one token per sequence per step). So
+the linears see the same batch sizes and each expert the same rows, in the same order, as in the
+split run, and with top-k = 2 (the tiny model) the per-worker partial sums add up in the reference's
+order: the split run must equal this one exactly, bit for bit (what tests/test_bench_fullsize.py
+checks). Why not `QuantizedRoutedExperts`' own torch path: it dequantises whole matrices and sums in
+another order (agreement to ~1e-6 only), which would hide a transport bug that changes a few bits.
+Legend: B sequences, V vocab, T tokens, K top-k, D hidden.
 """
 
 from __future__ import annotations
@@ -27,13 +31,36 @@ def build_reference(model_dir: str, skew: float):
     experts = build_random_experts(ModelConfig.load(model_dir), all_pairs(config.num_hidden_layers,
                                                                           config.n_routed_experts),
                                    "cpu", spec, fill=ExpertFill.EXACT)
-    return ReferenceModel(side, experts), config
+    return ReferenceModel(side, ExpertPathExperts(experts)), config
+
+
+class ExpertPathExperts:
+    """experts_fn(layer, x [T, D], ids [T, K], weights [T, K]) -> [T, D] through `expert_rows` (the CPU
+    expert worker's path, on its own `CpuBlockRunner`), slots added in order as the workers add them."""
+
+    def __init__(self, experts) -> None:
+        from services.expert.cpu_experts import CpuBlockRunner
+
+        self.experts = experts  # QuantizedRoutedExperts holding every pair
+        self.runner = CpuBlockRunner(torch.get_num_threads())
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from common.model.moe import sum_slots_in_order
+        from services.expert.cpu_experts import expert_rows
+
+        experts = self.experts
+        per_slot = expert_rows(experts._layers[layer], x, ids, weights, None, experts.swiglu_limit,
+                               experts.route_weight_before_w2, self.runner)  # [T, K, D]
+        return sum_slots_in_order(per_slot)
 
 
 @torch.inference_mode()
-def reference_generate(model, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Greedy tokens and their logprobs per prompt, batched as described in the module docstring."""
+def reference_generate(model, prompts: list[list[int]], max_tokens: int, before_decode=None
+                       ) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and their logprobs per prompt, batched as described in the module docstring;
+    before_decode() runs once between the prompt forward and the first decode forward."""
     from common.model.batch import SequenceChunk
+    from services.attention.sampling.logprobs import chosen_logprobs
 
     states = [model.new_sequence() for _ in prompts]
     token_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
@@ -44,12 +71,14 @@ def reference_generate(model, prompts: list[list[int]], max_tokens: int) -> tupl
     logprobs: list[list[float]] = [[] for _ in prompts]
     for step in range(max_tokens):
         chosen = logits.argmax(dim=-1)  # [B]
-        values = torch.log_softmax(logits.float(), dim=-1).gather(1, chosen[:, None])[:, 0]
+        values = chosen_logprobs(logits.float(), chosen)  # as the worker's sampler reports them
         for i, (token, value) in enumerate(zip(chosen.tolist(), values.tolist())):
             outputs[i].append(token)
             logprobs[i].append(value)
         if step + 1 == max_tokens:
             break
+        if step == 0 and before_decode is not None:
+            before_decode()
         chunks = [SequenceChunk(state, 1) for state in states]
         logits = model.forward(chosen, chunks)  # [B, V]
     return outputs, logprobs

@@ -9,7 +9,10 @@ Per measured step (all from timestamps taken during the run, none modelled):
 - `expert_s[worker]`: Σ over its Dispatches of arrival -> answer ready (device-synchronised);
 - `transfer_and_queue_s`: Σ over layers of (round trip from building the Dispatch to the last answer)
   minus the slowest worker's compute for that layer: serialisation, ZeroMQ, host<->device copies,
-  queueing (the shared expert runs inside this window, overlapped).
+  queueing (the shared expert runs inside this window, overlapped); split along the hop of the worker
+  that answered last: `dispatch_build_s` (routing tables, masks, staging copies, sends), `inbound_s`
+  (sends done -> its arrival in the worker, after decoding), `outbound_s` (its answer ready, or the
+  attention side reaching `finish` if later -> the routed output on the attention device).
 Floor: each layer must read its attention-side weights and the near experts it touched on the
 attention device, and the far experts it touched on the far device, in parallel:
 Σ_layers max(near_bytes / near_bw, far_bytes / far_bw) + head / near_bw, with the experts touched
@@ -34,9 +37,27 @@ def analyse_steps(steps, dispatch_records: list[list[float]], expert_timings: di
     """Breakdown, token shares and floors of `steps` (StepTiming list); see the module docstring."""
     step_ids = {s.step_id for s in steps}
     rounds = defaultdict(list)  # step -> [(layer, start_begin, finish_end, finish_begin)]
-    for step_id, layer, _mb, start_begin, _start_end, finish_begin, finish_end in dispatch_records:
+    sent_at = {}  # (step, layer, micro-batch) -> (start_begin, start_end, finish_begin, finish_end)
+    for step_id, layer, mb, start_begin, start_end, finish_begin, finish_end in dispatch_records:
         if step_id in step_ids:
             rounds[step_id].append((int(layer), start_begin, finish_end, finish_begin))
+            sent_at[(step_id, int(layer), int(mb))] = (start_begin, start_end, finish_begin, finish_end)
+    # the hop of the worker that answered last, per (step, layer, micro-batch): (began, ended) on its clock
+    last_hop: dict[tuple[int, int, int], tuple[float, float]] = {}
+    for timing in expert_timings.values():
+        for step_id, layer, mb, _tokens, _slots, _experts, began, ended in timing["records"]:
+            key = (step_id, int(layer), int(mb))
+            if key in sent_at and (key not in last_hop or ended > last_hop[key][1]):
+                last_hop[key] = (began, ended)
+    hops = defaultdict(lambda: [0.0, 0.0, 0.0])  # step -> [build_and_send, inbound, outbound] seconds
+    for key, (start_begin, start_end, finish_begin, finish_end) in sent_at.items():
+        if key not in last_hop:
+            continue
+        began, ended = last_hop[key]
+        totals = hops[key[0]]
+        totals[0] += start_end - start_begin
+        totals[1] += max(0.0, began - start_end)
+        totals[2] += max(0.0, finish_end - max(ended, finish_begin))
     compute = defaultdict(float)  # (step, worker) -> s
     layer_compute = defaultdict(float)  # (step, layer, worker) -> s
     touched = defaultdict(int)  # (step, layer, worker) -> experts
@@ -73,6 +94,8 @@ def analyse_steps(steps, dispatch_records: list[list[float]], expert_timings: di
                          "wait_s": wait_s, "attention_side_s": step.wall_s - wait_s,
                          "expert_s": {w: compute.get((step.step_id, w), 0.0) for w in (near_worker, far_worker)},
                          "transfer_and_queue_s": transfer_s, "near_bytes": near_bytes + head_bytes,
+                         "dispatch_build_s": hops[step.step_id][0], "inbound_s": hops[step.step_id][1],
+                         "outbound_s": hops[step.step_id][2],
                          "far_bytes": far_bytes, "floor_s": floor_s,
                          "experts_touched": {w: sum(touched.get((step.step_id, l, w), 0)
                                                     for l in range(len(layer_bytes)))
@@ -91,6 +114,12 @@ def analyse_steps(steps, dispatch_records: list[list[float]], expert_timings: di
         "near_expert_s": _median([s["expert_s"][near_worker] for s in per_step]),
         "far_expert_s": _median([s["expert_s"][far_worker] for s in per_step]),
         "transfer_and_queue_s": _median([s["transfer_and_queue_s"] for s in per_step]),
+        # the slowest worker's hop per layer, summed over layers: building + sending the Dispatches (routing
+        # tables, masks, staging copies), send end -> its arrival (wire + queue + decode), its answer ready
+        # (or the attention side at finish, whichever is later) -> routed output on the attention device
+        "dispatch_build_s": _median([s["dispatch_build_s"] for s in per_step]),
+        "inbound_s": _median([s["inbound_s"] for s in per_step]),
+        "outbound_s": _median([s["outbound_s"] for s in per_step]),
         "floor_s": _median([s["floor_s"] for s in per_step]),
         "near_bytes": _median([s["near_bytes"] for s in per_step]),
         "far_bytes": _median([s["far_bytes"] for s in per_step]),
@@ -114,6 +143,11 @@ def analyse_steps(steps, dispatch_records: list[list[float]], expert_timings: di
     return {"summary": summary, "steps": per_step}
 
 
+def _hops_ms(summary: dict[str, Any]) -> str:
+    parts = [summary.get(k) for k in ("dispatch_build_s", "inbound_s", "outbound_s")]
+    return "/".join("-" if p is None else f"{p * 1e3:.0f}" for p in parts)
+
+
 def print_table(result: dict[str, Any]) -> None:
     placement = result["placement"]
     print(f"\nfullsize: {result['num_layers']} layers, experts near={placement['near_device']} "
@@ -121,7 +155,7 @@ def print_table(result: dict[str, Any]) -> None:
           f"bandwidth near {result['bandwidth']['near_bytes_per_s'] / 1e9:.0f} GB/s, far "
           f"{result['bandwidth']['far_bytes_per_s'] / 1e9:.0f} GB/s")
     header = (f"{'routing':8} {'B':>3} {'tok/s':>8} {'step ms':>9} {'attn ms':>8} {'near ms':>8} {'far ms':>8} "
-              f"{'xfer ms':>8} {'floor ms':>9} {'x floor':>8} {'near %':>7}")
+              f"{'xfer ms':>8} {'bld/in/out ms':>15} {'floor ms':>9} {'x floor':>8} {'near %':>7} {'steps':>5}")
     print(header)
     for run in result["decode"]:
         if "error" in run:
@@ -131,8 +165,9 @@ def print_table(result: dict[str, Any]) -> None:
         share = 100 * s["near_slot_share"] if s["near_slot_share"] is not None else float("nan")
         print(f"{run['routing']:8} {run['batch']:>3} {run['tokens_per_s']:>8.2f} {s['step_s'] * 1e3:>9.1f} "
               f"{s['attention_side_s'] * 1e3:>8.1f} {s['near_expert_s'] * 1e3:>8.1f} {s['far_expert_s'] * 1e3:>8.1f} "
-              f"{s['transfer_and_queue_s'] * 1e3:>8.1f} {s['floor_s'] * 1e3:>9.2f} "
-              f"{s.get('ratio_to_floor', float('nan')):>8.1f} {share:>7.1f}")
+              f"{s['transfer_and_queue_s'] * 1e3:>8.1f} "
+              f"{_hops_ms(s):>15} {s['floor_s'] * 1e3:>9.2f} "
+              f"{s.get('ratio_to_floor', float('nan')):>8.1f} {share:>7.1f} {s['num_steps']:>5}")
     for run in result.get("prefill", []):
         if "error" in run:
             print(f"prefill {run['num_tokens']}: {run['error'][:200]}")
@@ -141,3 +176,53 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"prefill {run['num_tokens']:>5} tokens ({run['routing']}): {s['step_s']:.2f} s, "
               f"{run['tokens_per_s']:.0f} tok/s, attention side {s['attention_side_s']:.2f} s, near experts "
               f"{s['near_expert_s']:.2f} s, far experts {s['far_expert_s']:.2f} s")
+
+
+def markdown_rows(result: dict[str, Any], label: str) -> list[str]:
+    """One markdown table row per decode run and prefill of a (possibly partial) fullsize result."""
+    rows = []
+    for run in result.get("decode", []):
+        if "error" in run:
+            rows.append(f"| {label} | {run['routing']} | {run['batch']} | failed: {run['error'][:120]} |||||||")
+            continue
+        s = run["summary"]
+        rows.append(
+            f"| {label} | {run['routing']} | {run['batch']} | {run['tokens_per_s']:.2f} | {s['step_s'] * 1e3:.1f} | "
+            f"{s['attention_side_s'] * 1e3:.1f} / {s['near_expert_s'] * 1e3:.1f} / {s['far_expert_s'] * 1e3:.1f} / "
+            f"{s['transfer_and_queue_s'] * 1e3:.1f} ({_hops_ms(s)}) | {s['floor_s'] * 1e3:.2f} | "
+            f"{s.get('ratio_to_floor', 0):.1f} | "
+            f"{100 * (s['near_slot_share'] or 0):.1f} / {100 * (s['far_slot_share'] or 0):.1f} | {s['num_steps']} |")
+    for run in result.get("prefill", []):
+        if "error" in run:
+            rows.append(f"| {label} | prefill {run['num_tokens']} | 1 | failed: {run['error'][:120]} |||||||")
+            continue
+        s = run["summary"]
+        rows.append(f"| {label} | prefill {run['num_tokens']} ({run['routing']}) | 1 | {run['tokens_per_s']:.0f} | "
+                    f"{s['step_s'] * 1e3:.0f} | {s['attention_side_s'] * 1e3:.0f} / {s['near_expert_s'] * 1e3:.0f} / "
+                    f"{s['far_expert_s'] * 1e3:.0f} / {s['transfer_and_queue_s'] * 1e3:.0f} | "
+                    f"{s['floor_s'] * 1e3:.2f} | "
+                    f"{s.get('ratio_to_floor', 0):.1f} | {100 * (s['near_slot_share'] or 0):.1f} / "
+                    f"{100 * (s['far_slot_share'] or 0):.1f} | {run['num_steps']} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.fullsize_report LABEL=FILE ...`: the markdown rows of bench/NOTES.md."""
+    import json
+    import sys
+    from pathlib import Path
+
+    print("| config | routing | B | tok/s | step ms | attention / near / far / transfer (build/in/out) ms | floor ms "
+          "| x floor "
+          "| near / far slot % | steps |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for item in (sys.argv[1:] if argv is None else argv):
+        label, _, path = item.partition("=")
+        loaded = json.loads(Path(path).read_text(encoding="utf-8"))
+        for row in markdown_rows(loaded.get("raw", loaded), label):
+            print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -118,7 +118,7 @@ def run_requests(worker, prompts: list[list[int]], max_tokens: int, *, block_siz
         if is_decode and stop_after is not None and not planner.done and stop_after(result):
             _stop_all(worker, planner)
             result.stopped_early = True
-            return result
+            break
     for request in requests:
         if request.error is not None:
             raise PlanError(f"{request.request_id}: {request.error}")

@@ -14,8 +14,8 @@ Why: run 3 of 2026-11-29 failed with `expert-near does not hold layer 42 experts
 timing had started; with this check a placement mismatch fails at once, naming the pair, and a
 failure that still happens afterwards is a data-plane problem, which `DispatchTrace` then shows.
 
-`DispatchTrace` keeps the last Dispatches the attention side sent (ids and slot mask per worker,
-device tensors referenced, nothing copied on the hot path); when an expert worker refuses a
+`DispatchTrace` keeps the last Dispatches the attention side sent (ids and slot mask per worker;
+one small device clone of the routing ids per layer, no host copy on the hot path); when an expert worker refuses a
 Dispatch, `explain_refusals` puts what was sent next to what that worker says it received
 (`bench.fullsize_expert` records the received ids and mask of every refused Dispatch).
 Legend: L layers, E routed experts, T tokens, K top-k.
@@ -124,7 +124,9 @@ class DispatchTrace:
         self._tickets: deque = deque(maxlen=max_tickets)
 
     def add(self, step_id: int, layer: int, ids, ticket) -> None:
-        self._tickets.append((step_id, layer, ids, ticket))
+        """ids [T, K] is cloned (one small device copy): with decode graphs it is a static buffer that
+        the next replay overwrites."""
+        self._tickets.append((step_id, layer, ids.clone(), ticket))
 
     def sent(self, dispatch_id: int) -> dict[str, Any] | None:
         """What the attention side sent as `dispatch_id`: worker index, ids [T_w, K], mask [T_w, K]."""

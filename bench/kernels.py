@@ -217,6 +217,9 @@ def fp4_sweep_configs(num_tokens: int, sweep: str) -> list:
     if sweep == "none":
         return []
     q = D.ASM_QUAD
+    if sweep == "prefill":  # session 3: taller row tiles once experts see ~100+ rows (8K-token prefill)
+        return [C(128, 128, 64, 8, 3, 1, q), C(128, 64, 64, 8, 3, 1, q), C(128, 128, 64, 8, 4, 1, q),
+                C(128, 64, 128, 8, 3, 1, q)]
     if num_tokens <= 64:
         configs = [C(16, 64, 128, 4, 3, 1, q), C(16, 64, 256, 4, 3, 1, q), C(16, 128, 128, 4, 3, 1, q),
                    C(16, 64, 128, 4, 4, 1, q), C(16, 64, 128, 4, 2, 1, q), C(16, 256, 128, 8, 3, 1, q),
@@ -273,7 +276,8 @@ def bench_fp4_experts(ceilings: dict, quick: bool, no_baselines: bool = False, s
         gate_up_times, down_times, errors = {}, {}, {}
         # None = the default each launch chooses itself; then session 1's default (JOIN), then the sweep.
         session1 = C(64, 128, 64, 8, 3) if num_rows >= 32 * NUM_EXPERTS else C(16, 64, 128, 4, 3)
-        for config in [None, session1, *fp4_sweep_configs(num_tokens, "none" if quick else sweep)]:
+        reference_configs = [] if sweep == "prefill" else [session1]
+        for config in [None, *reference_configs, *fp4_sweep_configs(num_tokens, "none" if quick else sweep)]:
             label = "default" if config is None else config.short()
             for launch, table, fn in (
                 ("gate_up", gate_up_times,
@@ -328,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=None, help="where the JSON goes (default bench/results)")
     parser.add_argument("--quick", action="store_true", help="heuristic configs only, no sweep")
     parser.add_argument("--only", choices=("all", "fp8", "fp4"), default="all")
-    parser.add_argument("--sweep", choices=("none", "small", "full"), default="full", help="fp4 variant sweep")
+    parser.add_argument("--sweep", choices=("none", "small", "full", "prefill"), default="full",
+                        help="fp4 variant sweep (prefill: the default against taller row tiles only)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 2048], help="token counts")
     parser.add_argument("--fp8-tokens", type=int, nargs="+", default=None, help="fp8 token counts (default --tokens)")
     parser.add_argument("--no-baselines", action="store_true", help="skip the torch dequantise+matmul baselines")

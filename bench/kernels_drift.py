@@ -20,12 +20,24 @@ Legend: T tokens, N hc streams, D hidden, V vocab, K top-k.
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict, dataclass
+import json
 import sys
 
 import torch
 
-NUM_PREFILL = 72
-NUM_DECODE = 8
+
+
+@dataclass(frozen=True)
+class DriftCase:
+    """One model comparison. hash_routing: every layer routes by token id (`tid2eid`), so no top-k
+    selection can flip between runs and the comparison sees only rounding; learned routing is the
+    shape of the CUDA model test, where one flipped token out of 72 moves a layer's output by ~5 %."""
+
+    seed: int = 3
+    num_prefill: int = 72
+    num_decode: int = 8
+    hash_routing: bool = False
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -33,13 +45,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def test_model_config(index_topk: int = 64):
-    """The 3-layer (window, CSA, HCA) model of the CUDA model test."""
+def drift_model_config(hash_routing: bool = False, index_topk: int = 64):
+    """The 3-layer (window, CSA, HCA) model of the CUDA model test; index_topk above the row count,
+    so the CSA indexer never selects."""
     from common.model.config import AttentionKind
     from common.model.random_init import tiny_flash_like_config
 
-    return tiny_flash_like_config([AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA],
-                                  kernel_friendly=True, index_topk=index_topk)
+    kinds = [AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA]
+    return tiny_flash_like_config(kinds, kernel_friendly=True, index_topk=index_topk,
+                                  num_hash_layers=len(kinds) if hash_routing else 0)
 
 
 def build_pair(config, device: str, seed: int = 3):
@@ -90,16 +104,16 @@ def traced_forward(side, experts, token_ids: torch.Tensor, chunks
     return points, side.logits(h).float(), picks
 
 
-def run_trace(side, experts, token_ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-    """Prefill of NUM_PREFILL tokens, then NUM_DECODE single-token steps: per point, prefill and
-    decode streams concatenated over tokens."""
+def run_trace(side, experts, token_ids: torch.Tensor, num_prefill: int) -> dict[str, list[torch.Tensor]]:
+    """Prefill of num_prefill tokens, then one single-token step per remaining token: per point,
+    prefill and decode streams concatenated over tokens."""
     from common.model.batch import SequenceChunk
     from common.model.reference import ReferenceModel
 
     state = ReferenceModel(side, experts).new_sequence()
-    pre_points, pre_logits, pre_picks = traced_forward(side, experts, token_ids[:NUM_PREFILL], [SequenceChunk(state, NUM_PREFILL)])
+    pre_points, pre_logits, pre_picks = traced_forward(side, experts, token_ids[:num_prefill], [SequenceChunk(state, num_prefill)])
     dec = [traced_forward(side, experts, token_ids[t:t + 1], [SequenceChunk(state, 1)])
-           for t in range(NUM_PREFILL, NUM_PREFILL + NUM_DECODE)]
+           for t in range(num_prefill, token_ids.shape[0])]
     dec_points = [torch.cat([d[0][i] for d in dec]) for i in range(len(pre_points))]
     dec_picks = [torch.cat([d[2][i] for d in dec]) for i in range(len(pre_picks))]
     return {"prefill": pre_points + [pre_logits], "decode": dec_points + [torch.cat([d[1] for d in dec])],
@@ -118,20 +132,21 @@ def point_names(num_layers: int) -> list[str]:
     return names + ["logits"]
 
 
-def model_drift(device: str, seed: int = 3) -> dict:
-    """Per point and phase: rel errors torch_bf16/kernel_bf16 vs fp32 and kernel vs torch."""
+def model_drift(device: str, case: DriftCase = DriftCase()) -> dict:
+    """Per point and phase: rel errors torch_bf16/kernel_bf16 vs fp32 and kernel vs torch, plus the
+    tokens each bf16 run routed differently from fp32, per layer."""
     from common.model.quantized import KernelBackend
 
-    config = test_model_config()
-    side16, side32, experts = build_pair(config, device, seed)
-    tokens = torch.randint(0, config.vocab_size, (NUM_PREFILL + NUM_DECODE,),
-                           generator=torch.Generator().manual_seed(seed)).to(device)
+    config = drift_model_config(case.hash_routing)
+    side16, side32, experts = build_pair(config, device, case.seed)
+    tokens = torch.randint(0, config.vocab_size, (case.num_prefill + case.num_decode,),
+                           generator=torch.Generator().manual_seed(case.seed)).to(device)
     set_backend(side32, experts, KernelBackend.TORCH)
-    ref = run_trace(side32, experts, tokens)
+    ref = run_trace(side32, experts, tokens, case.num_prefill)
     set_backend(side16, experts, KernelBackend.TORCH)
-    torch_run = run_trace(side16, experts, tokens)
+    torch_run = run_trace(side16, experts, tokens, case.num_prefill)
     set_backend(side16, experts, KernelBackend.KERNEL)
-    kernel_run = run_trace(side16, experts, tokens)
+    kernel_run = run_trace(side16, experts, tokens, case.num_prefill)
     rows = []
     for phase in ("prefill", "decode"):
         for name, r, t, k in zip(point_names(config.num_hidden_layers), ref[phase], torch_run[phase],
@@ -140,7 +155,7 @@ def model_drift(device: str, seed: int = 3) -> dict:
                          "kernel_vs_fp32": rel_err(k, r), "kernel_vs_torch": rel_err(k, t)})
     flips = {f"{run}_{phase}": num_flipped_tokens(out[f"{phase}_picks"], ref[f"{phase}_picks"])
              for run, out in (("torch", torch_run), ("kernel", kernel_run)) for phase in ("prefill", "decode")}
-    return {"rows": rows, "routing_flips_vs_fp32": flips}
+    return {"case": asdict(case), "rows": rows, "routing_flips_vs_fp32": flips}
 
 
 def op_drift(device: str, seed: int = 0) -> list[dict]:
@@ -176,13 +191,26 @@ def op_drift(device: str, seed: int = 0) -> list[dict]:
     return out
 
 
-def print_table(result: dict) -> None:
+def store_rounding_agreement(device: str) -> float:
+    """Share of an FP8 linear's bf16 outputs equal to its fp32 outputs rounded to nearest even by torch
+    (1.0 on the GPU and under the patched interpreter; ~0.5 when the interpreter truncates)."""
+    from common.kernels.fp8_linear import fp8_linear
+    from common.model.random_init import random_fp8_linear
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    weight, scale = random_fp8_linear(256, 256, generator=gen, device=device)
+    x = torch.randn(20, 256, generator=gen, device=device).to(torch.bfloat16)
+    wide = fp8_linear(x, weight, scale, out_dtype=torch.float32)
+    return (fp8_linear(x, weight, scale) == wide.to(torch.bfloat16)).float().mean().item()
+
+
+def print_table(model: dict, ops: list[dict]) -> None:
     print(f"{'phase':8} {'point':14} {'torch-fp32':>11} {'kernel-fp32':>12} {'kernel-torch':>13}")
-    for row in result["model"]["rows"]:
+    for row in model["rows"]:
         print(f"{row['phase']:8} {row['point']:14} {row['torch_vs_fp32']:11.4f} {row['kernel_vs_fp32']:12.4f} "
               f"{row['kernel_vs_torch']:13.4f}")
-    print("tokens routed differently from fp32, per layer:", result["model"]["routing_flips_vs_fp32"])
-    for row in result["ops"]:
+    print("tokens routed differently from fp32, per layer:", model["routing_flips_vs_fp32"])
+    for row in ops:
         print(f"op {row['op']:32} {row['torch_vs_fp32']:9.5f} {row['kernel_vs_fp32']:9.5f} {row['kernel_vs_torch']:9.5f}")
 
 
@@ -190,7 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seeds", default="3", help="comma-separated model seeds")
+    parser.add_argument("--routing", default="learned,hash", help="comma-separated: learned, hash")
     parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--num-prefill", type=int, default=DriftCase.num_prefill)
+    parser.add_argument("--num-decode", type=int, default=DriftCase.num_decode)
+    parser.add_argument("--skip-ops", action="store_true", help="only the model comparison")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line at the end")
     parser.add_argument("--truncating-interpreter", action="store_true",
                         help="keep Triton's interpreter casting fp32 -> bf16 by truncation (its default)")
     args = parser.parse_args(argv)
@@ -199,12 +232,18 @@ def main(argv: list[str] | None = None) -> int:
     patch_interpreter_bf16_dot()  # both no-ops unless TRITON_INTERPRET=1
     if not args.truncating_interpreter:
         patch_interpreter_bf16_rounding()
-    result = {"device": args.device, "ops": op_drift(args.device), "models": {}}
-    for seed in (int(s) for s in args.seeds.split(",")):
-        result["model"] = model_drift(args.device, seed)
-        result["models"][str(seed)] = result["model"]
-        print(f"--- model seed {seed}")
-        print_table(result)
+    result = {"device": args.device, "ops": [] if args.skip_ops else op_drift(args.device), "models": {},
+              "bf16_store_rounding_agreement": store_rounding_agreement(args.device)}
+    print(f"bf16 stores equal to round-to-nearest-even of fp32: {result['bf16_store_rounding_agreement']:.4f}")
+    for routing in args.routing.split(","):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            model = model_drift(args.device, DriftCase(
+                seed=seed, num_prefill=args.num_prefill, num_decode=args.num_decode, hash_routing=routing == "hash"))
+            result["models"][f"{routing}-{seed}"] = model
+            print(f"--- model seed {seed}, {routing} routing")
+            print_table(model, result["ops"])
+    if args.json:
+        print(json.dumps(result))
     if args.out_dir:
         from bench.results_io import write_result
 

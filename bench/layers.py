@@ -23,12 +23,28 @@ the in-process steps of the same run. Prints a table and writes bench/results/la
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
 
 GOALS = {"decode_b1_max_ratio": 1.3, "decode_b64_max_ratio": 1.5, "prefill_8k_min_fraction_of_bf16": 0.5,
          "single_stream_min_tok_s": 300.0, "prefill_min_tok_s": 15000.0,
          "disaggregated_max_ratio": {1: 2.0, 8: 1.3, 64: 1.15}}
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """Set one environment variable for the block (the expert path is read per call)."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def _int_list(text: str) -> list[int]:
@@ -44,6 +60,13 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--device", default=None, help="torch device (default cuda:0 if available, else cpu)")
     parser.add_argument("--steps", type=int, default=10, help="timed repetitions (median), >= 10 on CUDA")
     parser.add_argument("--prefill-reps", type=int, default=3)
+    parser.add_argument("--prefill-expert-paths", type=lambda text: [v.strip() for v in text.split(",") if v.strip()],
+                        default=None, help="routed-expert paths timed at prefill: fused, dequant, auto "
+                        "(common/kernels/fp4_prefill.py; default: the module's default only)")
+    parser.add_argument("--prefill-fp8-paths", type=lambda text: [v.strip() for v in text.split(",") if v.strip()],
+                        default=None, help="FP8-linear paths timed at prefill: kernel, dequant, auto "
+                        "(common/kernels/fp8_dequant.py; default: the module's default only); every combination "
+                        "with --prefill-expert-paths is timed")
     parser.add_argument("--graph-steps", type=int, default=4, help="consecutive decode steps captured")
     parser.add_argument("--no-graphs", action="store_true", help="time decode eagerly")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
@@ -138,17 +161,28 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    for num_tokens in [] if args.no_in_process else args.prefill:
-        print(f"prefill {num_tokens} ...", flush=True)
+    from common.kernels import fp8_dequant
+    from common.kernels.fp4_prefill import DEFAULT_PREFILL_PATH, PREFILL_PATH_ENV
+
+    expert_paths = args.prefill_expert_paths or [DEFAULT_PREFILL_PATH.value]
+    fp8_paths = args.prefill_fp8_paths or [fp8_dequant.fp8_prefill_path().value]
+    prefill_runs = [(path, fp8_path, n) for path in expert_paths for fp8_path in fp8_paths
+                    for n in ([] if args.no_in_process else args.prefill)]
+    for expert_path, fp8_path, num_tokens in prefill_runs:
+        print(f"prefill {num_tokens} (experts: {expert_path}, fp8 linears: {fp8_path}) ...", flush=True)
         try:
-            timed = timing.time_prefill(side, experts, config, num_tokens, num_reps=args.prefill_reps, seed=args.seed)
+            with _env(PREFILL_PATH_ENV, expert_path), _env(fp8_dequant.PATH_ENV, fp8_path):
+                timed = timing.time_prefill(side, experts, config, num_tokens, num_reps=args.prefill_reps,
+                                            seed=args.seed)
         except RuntimeError as error:  # out of memory at long prompts: record it, keep the run
             raw.setdefault("prefill_errors", {})[str(num_tokens)] = f"{type(error).__name__}: {error}"[:2000]
             print(f"  prefill {num_tokens} failed: {str(error)[:300]}", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             continue
-        raw["prefill"].append({"num_tokens": num_tokens, "piece_s": timed.piece_s, "step_s": timed.step_s,
+        raw["prefill"].append({"num_tokens": num_tokens, "expert_path": expert_path, "fp8_path": fp8_path,
+                               "attention_path": timed.attention_path,
+                               "piece_s": timed.piece_s, "step_s": timed.step_s,
                                "layer_flops": [floors.prefill_layer_flops(config, i, num_tokens)
                                                for i in range(len(kinds))],
                                "head_flops": 2.0 * config.vocab_size * config.hidden_size})

@@ -66,6 +66,9 @@ def _prefill_summary(entry: dict, raw: dict, config, kinds: list[AttentionKind])
     floor43, _ = floors.extrapolate(_per_kind(layer_floor, kinds), head_floor)
     return {
         "num_tokens": entry["num_tokens"],
+        "expert_path": entry.get("expert_path", "fused"),
+        "fp8_path": entry.get("fp8_path", "kernel"),
+        "attention_path": entry.get("attention_path"),
         "layer_s": layer_s,
         "layer_floor_s": layer_floor,
         "layer_ratio": [t / f for t, f in zip(layer_s, layer_floor)],
@@ -141,11 +144,12 @@ def _goals(decode: list[dict], prefill: list[dict], goals: dict) -> dict:
     b1, b64 = by_batch.get(1), by_batch.get(64)
     check("decode_b1_layer_ratio", max(b1["layer_ratio"]) if b1 else None, goals["decode_b1_max_ratio"], True)
     check("decode_b64_layer_ratio", max(b64["layer_ratio"]) if b64 else None, goals["decode_b64_max_ratio"], True)
-    p8 = next((p for p in prefill if p["num_tokens"] == 8192), None)
+    # several routed-expert paths may be timed per length: the goals take the fastest
+    p8 = min((p for p in prefill if p["num_tokens"] == 8192), key=lambda p: sum(p["layer_s"]), default=None)
     check("prefill_8k_fraction_of_bf16", p8["fraction_of_bf16"] if p8 else None,
           goals["prefill_8k_min_fraction_of_bf16"], False)
     check("single_stream_tok_s", b1["model43_tok_s"] if b1 else None, goals["single_stream_min_tok_s"], False)
-    longest = max(prefill, key=lambda p: p["num_tokens"]) if prefill else None
+    longest = max(prefill, key=lambda p: (p["num_tokens"], p["model43_tok_s"])) if prefill else None
     check("prefill_tok_s", longest["model43_tok_s"] if longest else None, goals["prefill_min_tok_s"], False)
     return out
 
@@ -170,7 +174,8 @@ def print_table(raw: dict, ratios: dict) -> None:
     for p in ratios["prefill"]:
         layers = " ".join(f"{t * 1e3:.1f}/{f * 1e3:.1f}/{r:.1f}x" for t, f, r in zip(p["layer_s"], p["layer_floor_s"],
                                                                                  p["layer_ratio"]))
-        print(f"  P={p['num_tokens']:<5} {layers} | {p['fraction_of_bf16']:.2f} | "
+        print(f"  P={p['num_tokens']:<5} {p['expert_path']:>7}/{p['fp8_path']:<7} attn {p['attention_path']} "
+              f"{layers} | {p['fraction_of_bf16']:.2f} | "
               f"{p['model43_tok_s']:,.0f} ({p['model43_floor_tok_s']:,.0f})")
     hf = raw.get("transformers", {})
     if ratios["transformers"]:

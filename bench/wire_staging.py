@@ -10,8 +10,14 @@ decodes it and reads every byte of `hidden` (a sum). Two timings per size:
 The receiver's checksum is compared with the sender's, so a reused-while-queued buffer shows up
 as `num_corrupt` (the bug fixed in session 3) instead of a fast number.
 
-    python -m bench.wire_staging                      # 8 KB, 1 MB, 16 MB
-    python -m bench.wire_staging --sizes 8K,1M --repeats 5 --out-dir bench/results
+Variants (`--variants`, alternated run by run so that load on the host hits both alike):
+- `fixed`: `send_staged` as it is (every zero-copy frame tracked, common/wire/tracked_send.py);
+- `last_tracker`: the pre-fix send, kept here only as the baseline of the cost: one
+  `send_multipart(copy=False, track=True)` whose returned tracker (the last frame's) releases the
+  buffer -- too early when the last frame is small.
+
+    python -m bench.wire_staging                      # 8 KB, 1 MB, 16 MB, both variants
+    python -m bench.wire_staging --sizes 8K,1M --repeats 5 --variants fixed --out-dir bench/results
 """
 
 from __future__ import annotations
@@ -69,11 +75,26 @@ def _receiver(context: Any, address: str, num_messages: int, answer: bool, sums:
     socket.close(0)
 
 
-def run_case(num_bytes: int, num_messages: int, pingpong: bool) -> dict[str, Any]:
+def _send_last_tracker(socket: Any, pool: Any, frames_for: Any) -> None:
+    """The pre-fix staged send (baseline only): releases the buffer on the LAST frame's tracker."""
+    lease = pool.acquire()
+    try:
+        frames = frames_for(lease.write)
+        lease.seal()
+        tracker = socket.send_multipart(frames, copy=False, track=True)
+    except BaseException:
+        lease.release_after(None)
+        raise
+    lease.release_after(tracker)
+
+
+def run_case(num_bytes: int, num_messages: int, pingpong: bool, variant: str) -> dict[str, Any]:
     import zmq
 
     from common.wire import codec
     from common.wire.staging import SendStagingPool, StagingConfig, send_staged
+
+    send = send_staged if variant == "fixed" else _send_last_tracker
 
     messages = [_message(num_bytes, seed) for seed in range(4)]
     expected = [float(message.hidden.double().sum()) for message in messages]
@@ -91,7 +112,7 @@ def run_case(num_bytes: int, num_messages: int, pingpong: bool) -> dict[str, Any
         started = time.perf_counter()
         for index in range(num_messages):
             message = messages[index % len(messages)]
-            send_staged(sender, pool, lambda writer, message=message: codec.encode(message, tensor_writer=writer))
+            send(sender, pool, lambda writer, message=message: codec.encode(message, tensor_writer=writer))
             if pingpong and not sender.poll(30_000, zmq.POLLIN):
                 break
             if pingpong:
@@ -101,31 +122,39 @@ def run_case(num_bytes: int, num_messages: int, pingpong: bool) -> dict[str, Any
         sender.close(0)
     context.term()
     num_corrupt = sum(got != expected[index % len(messages)] for index, got in enumerate(sums))
-    return {"num_bytes": num_bytes, "mode": "pingpong" if pingpong else "stream", "num_messages": num_messages,
-            "num_received": len(sums), "num_corrupt": num_corrupt, "us_per_message": 1e6 * elapsed_s / num_messages}
+    return {"variant": variant, "num_bytes": num_bytes, "mode": "pingpong" if pingpong else "stream",
+            "num_messages": num_messages, "num_received": len(sums), "num_corrupt": num_corrupt,
+            "us_per_message": 1e6 * elapsed_s / num_messages}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help="hidden bytes per message, e.g. 8K,1M,16M")
-    parser.add_argument("--repeats", type=int, default=5, help="runs per case; the median is reported")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per case and variant; the median is reported")
+    parser.add_argument("--variants", default="fixed,last_tracker", help="fixed, last_tracker (the pre-fix baseline)")
     parser.add_argument("--out-dir", default=None, help="write a JSON result there (bench.results_io)")
     args = parser.parse_args(argv)
+    variants = [name.strip() for name in args.variants.split(",") if name.strip()]
+    if not variants or any(name not in ("fixed", "last_tracker") for name in variants):
+        parser.error("--variants takes fixed and/or last_tracker")
     rows = []
     for size_text in args.sizes.split(","):
         num_bytes = parse_size(size_text)
         num_messages = max(20, min(2000, (64 << 20) // num_bytes))
         for pingpong in (False, True):
-            case_started_s = time.perf_counter()
-            runs = [run_case(num_bytes, num_messages, pingpong) for _ in range(args.repeats)]
-            row = dict(runs[0])
-            row["us_per_message"] = statistics.median(run["us_per_message"] for run in runs)
-            row["us_per_message_runs"] = [round(run["us_per_message"], 1) for run in runs]
-            row["num_corrupt"] = sum(run["num_corrupt"] for run in runs)
-            row["seconds"] = round(time.perf_counter() - case_started_s, 2)
-            rows.append(row)
-            print(f"{size_text:>5} {row['mode']:>8}: {row['us_per_message']:9.1f} us/message "
-                  f"(runs {row['us_per_message_runs']}), corrupt {row['num_corrupt']}/{num_messages * args.repeats}, {row['seconds']} s")
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+            for _ in range(args.repeats):
+                for name in variants:
+                    runs[name].append(run_case(num_bytes, num_messages, pingpong, name))
+            for name in variants:
+                row = dict(runs[name][0])
+                row["us_per_message"] = statistics.median(run["us_per_message"] for run in runs[name])
+                row["us_per_message_runs"] = [round(run["us_per_message"], 1) for run in runs[name]]
+                row["num_corrupt"] = sum(run["num_corrupt"] for run in runs[name])
+                rows.append(row)
+                print(f"{size_text:>5} {row['mode']:>8} {name:>12}: {row['us_per_message']:9.1f} us/message "
+                      f"(runs {row['us_per_message_runs']}), "
+                      f"corrupt {row['num_corrupt']}/{num_messages * args.repeats}", flush=True)
     if args.out_dir:
         from bench import results_io
 

@@ -2,10 +2,15 @@
 equals the in-process reference; the pieces it is built from do what they say.
 
 The end-to-end test runs `python -m bench.fullsize --tiny` (4 layers, CPU) and checks its JSON: the
-greedy tokens of every run equal the in-process run's and logprobs agree to 1e-4, both routings ran,
-skewed routing sends more of the routed slots to the near worker than uniform does, and every figure
-the report needs is there. The unit tests check the CPU FP4 path against the reference dequantisation,
-the random expert source's determinism, and (with CUDA) the GPU kernel path against the CPU one.
+pair check passed, the greedy tokens of every run equal the in-process run's and the chosen-token
+logprobs are bit-identical (the reference computes experts with the CPU worker's code on the same
+rows; bench/fullsize_reference.py), both routings ran, the context prefill routed "near" touched no far expert, skewed
+routing sends more of the routed slots to the near worker than uniform does, and every figure the
+report needs is there. The pair-check test starts real expert workers and an attention worker that
+believes one pair lives elsewhere: the check names that pair, and the Dispatch the worker then
+refuses is explained as "sent wrong". The unit tests check the CPU FP4 path against the reference
+dequantisation, the random expert source's determinism, and (with CUDA) the GPU kernel path against
+the CPU one.
 """
 
 from __future__ import annotations
@@ -72,14 +77,18 @@ def test_fullsize_tiny_split_equals_in_process(tmp_path):
     out_dir = tmp_path / "out"
     command = [sys.executable, "-m", "bench.fullsize", "--tiny", "--layers", "4", "--batch", "3",
                "--routing", "uniform,skewed", "--skew", "1.0", "--decode-steps", "3", "--warmup-steps", "1",
-               "--context", "6", "--out-dir", str(out_dir), "--run-dir", str(tmp_path / "run")]
+               "--context", "6", "--context-routing", "near", "--out-dir", str(out_dir),
+               "--run-dir", str(tmp_path / "run")]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (path,) = out_dir.glob("fullsize-2*.json")  # not fullsize-partial.json
     raw = json.loads(path.read_text())["raw"]
+    assert raw["pair_check"]["ok"] and raw["pair_check"]["num_pairs"] == 4 * 16
+    assert raw["context_method"]["routing"] == "near"
     check = raw["reference_check"]
     assert check["ok"] and len(check["runs"]) == 2
     assert all(run["tokens_equal"] and run["num_tokens"] > 0 for run in check["runs"])
+    assert all(run["max_abs_logprob_diff"] == 0.0 for run in check["runs"])  # exact, not close
     runs = {(r["routing"], r["batch"]): r for r in raw["decode"]}
     assert set(runs) == {("uniform", 3), ("skewed", 3)}
     for run in runs.values():
@@ -89,11 +98,95 @@ def test_fullsize_tiny_split_equals_in_process(tmp_path):
         assert abs(s["near_slot_share"] + s["far_slot_share"] - 1) < 1e-9
         assert not s["layers_with_wrong_slot_count"]
         assert s["num_routed_slots"] == s["expected_routed_slots"] == 3 * run["batch"] * 4 * 2  # steps B layers k
+        # the context (3 x 6 tokens) went to the near worker only: every slot of every layer
+        assert run["context_routed_slots"] == {"expert-near": 3 * 6 * 4 * 2, "expert-far": 0}
     skewed_share = runs[("skewed", 3)]["summary"]["near_slot_share"]
     # layers 0-2 are hash-routed (as in V4-Flash: uniform whatever the bias); layer 3 is learned and
     # strongly skewed towards the near worker's experts
     assert skewed_share > runs[("uniform", 3)]["summary"]["near_slot_share"] + 0.1
     assert raw["placement"]["num_near_experts"] + raw["placement"]["num_far_experts"] == 4 * 16
+
+
+def test_check_pairs_names_the_first_broken_pair():
+    from bench.fullsize_verify import PairVerificationError, check_pairs
+
+    planned = {"near": {(0, 0), (0, 1)}, "far": {(0, 2), (0, 3)}}
+    holders = [[(0,), (0,), (1,), (1,)]]
+    args = dict(worker_names=["near", "far"], router_holders=holders, down_workers=set(),
+                device_owner=[[0, 0, 1, 1]], num_layers=1, num_experts=4)
+    assert check_pairs(planned, planned, **args)["ok"]
+    with pytest.raises(PairVerificationError, match=r"layer 0, expert 1\) is planned on near"):
+        check_pairs(planned, {"near": {(0, 0)}, "far": {(0, 2), (0, 3)}}, **args)  # near dropped one
+    with pytest.raises(PairVerificationError, match=r"layer 0, expert 2\) is held by \['near', 'far'\]"):
+        check_pairs(planned, {"near": {(0, 0), (0, 1), (0, 2)}, "far": {(0, 2), (0, 3)}}, **args)
+    with pytest.raises(PairVerificationError, match="owner table on the attention device says far"):
+        check_pairs(planned, planned, **{**args, "device_owner": [[0, 1, 1, 1]]})
+    with pytest.raises(PairVerificationError, match="marked down"):
+        check_pairs(planned, planned, **{**args, "down_workers": {1}})
+
+
+def test_pair_check_and_refusal_explained_with_live_workers(tmp_path):
+    """Expert workers load the plan; an attention worker that routes one far pair to the near worker is
+    caught by the pair check, and the Dispatch it then sends is refused and explained as "sent wrong"."""
+    import dataclasses
+
+    from bench.fullsize_setup import FullsizeCluster, model_hub_dict, plan_split
+    from bench.fullsize_timing import TimedDispatcher, flush_expert_timings, run_requests
+    from bench.fullsize_verify import PairVerificationError, explain_refusals, planned_pairs, verify_pairs_served
+    from services.attention.kv_config import KVPoolConfig
+    from services.attention.local_cluster import ClusterSpec
+    from services.attention.recovery import RecoveryConfig
+    from services.attention.worker import AttentionWorker, AttentionWorkerConfig
+    from services.expert.random_weights import RandomWeightsSpec, expert_bytes, write_random_model
+
+    hub = model_hub_dict(2, tiny=True)  # two hash-routed layers: token ids decide the experts
+    config = ModelConfig.from_dict(hub)
+    model_dir = write_random_model(tmp_path / "model", hub, RandomWeightsSpec(seed=0))
+    plan = plan_split(config, "cpu", "cpu", 16 * expert_bytes(config), seed=0)
+    near, far = plan.placement.workers
+    moved = sorted(far.expert_ids)[0]
+    wrong = dataclasses.replace(plan, placement=dataclasses.replace(plan.placement, workers=(
+        dataclasses.replace(near, expert_ids=tuple(sorted([*near.expert_ids, moved]))),
+        dataclasses.replace(far, expert_ids=tuple(p for p in far.expert_ids if p != moved)))))
+    spec = ClusterSpec(model_path=str(model_dir), run_dir=str(tmp_path / "run"), ready_timeout_s=60.0)
+    cluster = FullsizeCluster(spec, plan, tmp_path / "timing")
+    cluster.launch()
+    worker = None
+    try:
+        cluster.wait_ready()
+        endpoints = {name: cluster.endpoint_of(name) for name in cluster.expert_names}
+        names = list(cluster.expert_names)
+        worker = AttentionWorker(AttentionWorkerConfig(
+            name="attention-0", checkpoint_path=str(model_dir), expert_endpoints=cluster.endpoints(),
+            expert_workers=FullsizeCluster(spec, wrong, tmp_path / "t2").holdings(),
+            kv=KVPoolConfig(block_size_tokens=128, num_primary_blocks=4), dispatch_timeout_s=30.0,
+            recovery=RecoveryConfig(max_attempts=1)))
+        worker.load_now()
+        layer, expert = moved
+        with pytest.raises(PairVerificationError, match=rf"layer {layer}, expert {expert}\): the attention worker "
+                           rf"routes it to \['expert-near'\], the plan to expert-far"):
+            verify_pairs_served(worker.runner.dispatcher, plan, endpoints, names)
+        with pytest.raises(PairVerificationError, match=rf"layer {layer}, expert {expert}\) is planned on "
+                           "expert-near but expert-near does not hold it"):
+            verify_pairs_served(worker.runner.dispatcher, wrong, endpoints, names)  # the workers hold `plan`
+        table = worker.side.layers[layer].ffn.gate.tid2eid  # [V, K]
+        token = int((table == expert).any(dim=1).nonzero()[0, 0])  # a token routed to the moved expert
+        dispatcher = TimedDispatcher(worker.runner.dispatcher)
+        worker.runner.dispatcher = dispatcher
+        flush_expert_timings(endpoints, cluster.timing_dir)
+        with pytest.raises(Exception, match="not_found"):
+            run_requests(worker, [[token]], 1, block_size_tokens=128, num_primary_blocks=4, max_batched_tokens=8)
+        explained = explain_refusals(dispatcher.trace, flush_expert_timings(endpoints, cluster.timing_dir), names,
+                                     planned_pairs(plan))
+        assert explained and explained[0]["worker"] == "expert-near", explained
+        assert explained[0]["verdict"].startswith(f"sent wrong: the mask selects experts [{expert}]"), explained
+        assert explained[0]["sent"]["expert_ids"] == explained[0]["received"]["expert_ids"]
+    finally:
+        if worker is not None:
+            import asyncio
+
+            asyncio.run(worker.close())
+        cluster.stop()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -9,6 +9,8 @@ released it; the steady path allocates nothing; received outputs go through the 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import zmq
@@ -175,6 +177,9 @@ def test_a_buffer_is_reused_only_after_zeromq_released_it(checkpoint, tmp_path):
             received.append(codec.decode(frames, accept=(Dispatch,)).hidden)
         for got, want in zip(received, sent):
             assert torch.equal(got, want)
+        deadline = time.monotonic() + 5.0  # pyzmq's gc thread marks a send done a moment after delivery
+        while channel.staging.num_free < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
         assert channel.staging.num_free == 2  # released by ZeroMQ, back in the pool
     finally:
         if peer is not None:

@@ -58,26 +58,47 @@ def test_routed_experts_kernel_matches_torch_at_flash_width(num_tokens):
     assert _rel(out, reference) < 2e-2
 
 
-@pytest.mark.parametrize("dtype, backend, tolerance", [("float32", KernelBackend.AUTO, 1e-2),
-                                                       ("bfloat16", KernelBackend.KERNEL, 5e-2)])
-def test_model_kernels_match_torch_path(dtype, backend, tolerance):
+def test_model_float32_auto_matches_torch_path():
     """index_topk above the row count: no indexer selection can flip between the two paths.
     float32 AUTO must fall back to torch on CUDA (the kernels' prefill tiles exceed shared memory)."""
     config = tiny_flash_like_config([AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA],
                                     kernel_friendly=True, index_topk=64)
-    side, experts = random_model(config, "cuda", numerics=NumericsConfig(dtype=dtype), seed=3)
-    assert side.dtype == getattr(torch, dtype)
+    side, experts = random_model(config, "cuda", numerics=NumericsConfig(dtype="float32"), seed=3)
+    assert side.dtype == torch.float32
     tokens = torch.randint(0, config.vocab_size, (80,), device="cuda")
     outputs = []
-    for chosen in (backend, KernelBackend.TORCH):
+    for chosen in (KernelBackend.AUTO, KernelBackend.TORCH):
         _set_backend(side, experts, chosen)
         model = ReferenceModel(side, experts)
         state = model.new_sequence()
         prefill = model.forward(tokens[:72], [SequenceChunk(state, 72)])
         decode = torch.cat([model.forward(tokens[t:t + 1], [SequenceChunk(state, 1)]) for t in range(72, 80)])
         outputs.append((prefill, decode))
-    assert _rel(outputs[0][0], outputs[1][0]) < tolerance
-    assert _rel(outputs[0][1], outputs[1][1]) < tolerance
+    assert _rel(outputs[0][0], outputs[1][0]) < 1e-2
+    assert _rel(outputs[0][1], outputs[1][1]) < 1e-2
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_model_bf16_kernels_drift_no_more_than_torch_bf16(seed):
+    """bf16 kernels against an fp32 run of the same weights, bounded by the torch bf16 path's own drift.
+
+    Session 2 compared kernels-bf16 with torch-bf16 directly (bound 0.05) and failed at 0.058: with
+    learned routing one token out of 72 picking a different expert moves a layer's output by ~5 %, and
+    both bf16 runs flip a few tokens against each other (`bench/kernels_drift.py`; on the CPU under the
+    interpreter the torch bf16 path itself is 0.06-0.28 from fp32 with 1-8 flipped tokens per layer).
+    Hash routing (`tid2eid`, every layer) takes the discontinuity out, so what is left is rounding: per
+    op the kernels round less often than the torch path (fp32 SwiGLU, one rounding per GEMM), hence
+    kernel-vs-fp32 <= 1.25 x torch-vs-fp32 (+1e-3 for summation order) at every sub-layer."""
+    from bench.kernels_drift import DriftCase, model_drift
+
+    result = model_drift("cuda", DriftCase(seed=seed, hash_routing=True))
+    for row in result["rows"]:  # shown with -s (the device script), for bench/NOTES.md
+        print(f"drift seed {seed} {row['phase']:8} {row['point']:12} torch-fp32 {row['torch_vs_fp32']:.4f} "
+              f"kernel-fp32 {row['kernel_vs_fp32']:.4f} kernel-torch {row['kernel_vs_torch']:.4f}")
+    assert all(count == 0 for counts in result["routing_flips_vs_fp32"].values() for count in counts)
+    for row in result["rows"]:
+        assert row["kernel_vs_fp32"] <= 1.25 * row["torch_vs_fp32"] + 1e-3, row
+        assert row["torch_vs_fp32"] < 0.05, row  # bf16 over 3 layers: ~1.5 % measured on the CPU
 
 
 @pytest.mark.parametrize("num_tokens", [1, 64, 300])

@@ -374,7 +374,7 @@ def test_the_attention_command_line_selects_the_data_plane():
 
     parser = argparse.ArgumentParser()
     add_attention_arguments(parser)
-    assert options_from_args(parser.parse_args([])).data_plane == "zmq"
+    assert options_from_args(parser.parse_args([])).data_plane is None  # None: the deployment file's key
     assert options_from_args(parser.parse_args(["--data-plane", "cuda_ipc"])).data_plane == "cuda_ipc"
     with pytest.raises(SystemExit):
         parser.parse_args(["--data-plane", "nccl"])

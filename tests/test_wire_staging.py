@@ -4,6 +4,7 @@ reported after a bounded wait, never papered over by allocating."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -120,4 +121,100 @@ def test_recv_ring_cuda_copies_through_pinned_slots():
     tensors = [torch.full((1024,), float(i)) for i in range(5)]
     on_device = [ring.to_device(t) for t in tensors]
     torch.cuda.synchronize()
+    assert all(torch.equal(d.cpu(), t) for d, t in zip(on_device, tensors))
+
+
+# ----------------------------------------------------------------------------- CUDA: copies still in flight
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+_BUSY_CYCLES = int(2e8)  # ~0.1 s of GPU clock queued on a stream before the tensors exist
+
+
+def _junk_filled_pool(max_sync_copy_bytes: int = StagingConfig.max_sync_copy_bytes) -> SendStagingPool:
+    pool = SendStagingPool(StagingConfig(num_buffers=1, buffer_bytes=1 << 20, pin_memory=True,
+                                         max_sync_copy_bytes=max_sync_copy_bytes))
+    pool.storages[0].fill_(0xAB)  # what a stale read would see
+    return pool
+
+
+def _dispatch_on(device: torch.device, num_tokens: int) -> tuple[m.Dispatch, m.Dispatch]:
+    """(the message on `device`, produced behind a busy stream; the same message on the CPU)."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    expected = m.Dispatch(dispatch_id=1, step_id=0, layer=0, micro_batch=0,
+                          hidden=torch.randn(num_tokens, 1024, generator=generator).bfloat16(),  # [T, D]
+                          expert_ids=torch.randint(0, 256, (num_tokens, 6), dtype=torch.int32, generator=generator),
+                          weights=torch.rand(num_tokens, 6, generator=generator),  # [T, K]
+                          slot_mask=torch.rand(num_tokens, 6, generator=generator) > 0.5)
+    sources = {name: getattr(expected, name).to(device) for name in ("hidden", "expert_ids", "weights", "slot_mask")}
+    torch.cuda.synchronize(device)
+    with torch.cuda.device(device):
+        torch.cuda._sleep(_BUSY_CYCLES)
+        produced = {name: tensor.clone() for name, tensor in sources.items()}  # written only after the sleep
+    return dataclasses.replace(expected, **produced), expected
+
+
+def _sent_and_received(outgoing) -> list:
+    """The frames of a staged message after a trip through an inproc PAIR (bounded wait)."""
+    context = zmq.Context()
+    address = f"inproc://staging-{time.monotonic_ns()}"
+    receiver, sender = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    try:
+        receiver.bind(address)
+        sender.connect(address)
+        outgoing.send(sender)
+        assert receiver.poll(5000, zmq.POLLIN)
+        return [frame.bytes for frame in receiver.recv_multipart(copy=False)]
+    finally:
+        sender.close(0)
+        receiver.close(0)
+        context.term()
+
+
+def _assert_same(received: m.Dispatch, expected: m.Dispatch) -> None:
+    for name in ("hidden", "expert_ids", "weights", "slot_mask"):
+        assert torch.equal(getattr(received, name), getattr(expected, name)), name
+
+
+@cuda
+@pytest.mark.parametrize("max_sync_copy_bytes", [StagingConfig.max_sync_copy_bytes, 0])
+def test_inline_device_tensors_are_read_only_after_their_copy_landed(max_sync_copy_bytes):
+    """ids, weights and mask of 4 tokens travel inside the header: the codec reads them as soon as
+    the writer returns, while the stream is still busy (the stale-ids corruption of session 3).
+    With max_sync_copy_bytes=0 (every copy asynchronous, the old behaviour) the stale bytes must
+    show: the control that this test sees the race at all."""
+    pool = _junk_filled_pool(max_sync_copy_bytes)
+    device = torch.device("cuda", torch.cuda.current_device())
+    message, expected = _dispatch_on(device, num_tokens=4)
+    outgoing = pool.stage(lambda writer: codec.encode(message, tensor_writer=writer))
+    frames = _sent_and_received(outgoing)
+    assert len(frames) == 2  # header (ids, weights, mask inline) + hidden
+    received = codec.decode(frames)
+    if max_sync_copy_bytes:
+        _assert_same(received, expected)
+    else:
+        assert not torch.equal(received.expert_ids, expected.expert_ids)
+        assert torch.equal(received.hidden, expected.hidden)  # a frame: read after seal
+
+
+@cuda
+@two_gpus
+def test_seal_waits_for_copies_from_a_device_that_is_not_current():
+    pool = _junk_filled_pool()
+    torch.cuda.set_device(0)
+    # 256 tokens: every tensor (hidden 512 KiB, ids, weights, mask 1.5 KiB and more) is copied asynchronously
+    message, expected = _dispatch_on(torch.device("cuda", 1), num_tokens=256)
+    outgoing = pool.stage(lambda writer: codec.encode(message, tensor_writer=writer))
+    _assert_same(codec.decode(_sent_and_received(outgoing)), expected)
+
+
+@cuda
+@two_gpus
+def test_recv_ring_reuses_a_slot_only_after_its_copy_to_another_device():
+    torch.cuda.set_device(0)
+    ring = RecvStagingRing("cuda:1", num_slots=1, slot_bytes=1 << 20)
+    tensors = [torch.full((1 << 16,), float(i)) for i in range(3)]
+    with torch.cuda.device(1):
+        torch.cuda._sleep(_BUSY_CYCLES)  # the first copy waits behind this on cuda:1's stream
+    on_device = [ring.to_device(t) for t in tensors]
+    torch.cuda.synchronize(1)
     assert all(torch.equal(d.cpu(), t) for d, t in zip(on_device, tensors))

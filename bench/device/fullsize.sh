@@ -1,39 +1,87 @@
 #!/usr/bin/env bash
 # Full-size V4-Flash through moemesh's processes with random weights (issue 8 item 5, issue 10):
-# attention worker + near expert worker on cuda:0 (MPS), far expert worker on the CPU, then on cuda:1.
+# attention worker + near expert worker on cuda:0 (MPS), far expert worker on the CPU ("cpu"), then on
+# cuda:1 over ZeroMQ ("gpu1") and over the CUDA IPC data plane ("gpu1ipc": the cuda:1 worker maps cuda:0's
+# rings and reads / writes them over NVLink).
 # Run from the repo root by bench/device/run_all.sh with PYTHONPATH and RESULTS_DIR set.
-# FULLSIZE_LAYERS (default 43) and FULLSIZE_BUDGET_GIB (default 100 GiB x layers / 43) scale the run;
-# FULLSIZE_CPU_S / FULLSIZE_GPU1_S cap each configuration (each writes fullsize-partial.json as it goes).
+# Knobs (environment): FULLSIZE_LAYERS (default 43), FULLSIZE_BUDGET_GIB (default 100 GiB x layers / 43),
+# FULLSIZE_CONTEXT (tokens per sequence, default 256; FULLSIZE_MAX_CONTEXT caps B x context, default 8192),
+# FULLSIZE_CONFIGS (default "gpu1ipc gpu1prefill gpu1graphs", what call 2 at 00:05 left out; call 2 ran
+# "cpu cpugraphs gpu1 gpu1ipcgraphs"; also gpu1ipcgraphs, cpugraphs, gpu1nostage; the
+# first configuration also pays the Triton compiles, which later ones find in the cache), FULLSIZE_TEST=1
+# runs the CUDA test first,
+# FULLSIZE_CPU_S / FULLSIZE_GPU1_S / FULLSIZE_IPC_S (cap of each configuration; each writes
+# fullsize-partial.json as it goes, copied as <config>-fullsize-partial.json).
 set -u
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/moemesh-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/moemesh-mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d && echo "MPS started" || echo "MPS did not start"
-trap 'echo quit | nvidia-cuda-mps-control; echo "MPS stopped"' EXIT
+collect() {  # every configuration's JSON so far (also when run_all.sh's cap ends this script mid-run)
+  for d in /tmp/fs-*-out; do
+    [ -d "$d" ] || continue
+    name=$(basename "$d" -out); name=${name#fs-}
+    for f in "$d"/*.json; do [ -e "$f" ] && cp "$f" "$RESULTS_DIR/$name-$(basename "$f")"; done
+  done
+}
+rm -rf /tmp/fs-*-out
+trap 'collect; echo quit | nvidia-cuda-mps-control; echo "MPS stopped"' EXIT
+trap 'exit 143' TERM  # a cap from run_all.sh still runs the EXIT trap (MPS stopped)
 LAYERS="${FULLSIZE_LAYERS:-43}"
 BUDGET="${FULLSIZE_BUDGET_GIB:-$(( 100 * LAYERS / 43 ))}"
+CONTEXT="${FULLSIZE_CONTEXT:-256}"
+CONFIGS="${FULLSIZE_CONFIGS:-gpu1ipc gpu1prefill gpu1graphs}"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 NCPU=$(nproc)
-echo "torch devices: $NGPU; cpus: $NCPU; mem: $(free -g | awk '/Mem:/ {print $2}') GiB; layers $LAYERS budget ${BUDGET}GiB"
+echo "torch devices: $NGPU; cpus: $NCPU; mem: $(free -g | awk '/Mem:/ {print $2}') GiB; layers $LAYERS budget ${BUDGET}GiB context $CONTEXT"
+python3 -c "import zmq; print('pyzmq', zmq.__version__, 'libzmq', zmq.zmq_version())"
 SECONDS=0
-echo "--- fullsize: $(date -u +%H:%M:%S) CUDA test"
-timeout -k 5 20 python3 -m pytest -x -q -p no:cacheprovider tests/test_bench_fullsize.py -k gpu 2>&1 | tail -n 15
-echo "--- fullsize: $(date -u +%H:%M:%S) CPU expert path throughput (${SECONDS}s used)"
-timeout -k 5 "${FULLSIZE_CPUBENCH_S:-25}" python3 -m bench.fullsize_cpu --threads "1,16,$(( NCPU - 4 ))" --reps 2 \
-  --out-dir "$RESULTS_DIR" 2>&1 | tail -n 12
+if [ "${FULLSIZE_TEST:-0}" = 1 ]; then
+  echo "--- fullsize: $(date -u +%H:%M:%S) CUDA test"
+  timeout -k 5 25 python3 -m pytest -x -q -p no:cacheprovider tests/test_bench_fullsize.py -k gpu 2>&1 | tail -n 15
+fi
 run_config() {  # NAME FAR_DEVICE CAP_S EXTRA...
   local name="$1" far="$2" cap="$3"; shift 3
   echo "--- fullsize: $(date -u +%H:%M:%S) $name (${SECONDS}s used, cap ${cap}s)"
-  rm -rf "/tmp/fs-$name"; mkdir -p "/tmp/fs-$name-out"
+  rm -rf "/tmp/fs-$name" "/tmp/fs-$name-out"; mkdir -p "/tmp/fs-$name-out"
   timeout -k 5 "$cap" python3 -m bench.fullsize --experts-on "$far" --layers "$LAYERS" \
-    --gpu-expert-budget "${BUDGET}GiB" --routing uniform,skewed --decode-steps 3 --warmup-steps 1 \
-    --run-dir "/tmp/fs-$name" --out-dir "/tmp/fs-$name-out" "$@" 2>&1 | cut -c1-400 | tail -n 60
+    --gpu-expert-budget "${BUDGET}GiB" --routing uniform,skewed --decode-steps 5 --warmup-steps 2 \
+    --context "$CONTEXT" --max-context-tokens "${FULLSIZE_MAX_CONTEXT:-8192}" --run-dir "/tmp/fs-$name" --out-dir "/tmp/fs-$name-out" "$@" 2>&1 \
+    | grep -v '^  step' | cut -c1-600 | tail -n 40
   for f in "/tmp/fs-$name-out"/*.json; do [ -e "$f" ] && cp "$f" "$RESULTS_DIR/$name-$(basename "$f")"; done
-  for f in "/tmp/fs-$name"/*.stderr; do echo "== $f"; grep -v '"level": "info"' "$f" | tail -n 4 | cut -c1-500; done
+  for f in "/tmp/fs-$name"/*.stderr; do
+    [ -e "$f" ] || continue
+    echo "== $f"; grep -v '"level": "info"' "$f" | tail -n 4 | cut -c1-500
+  done
 }
-run_config cpu cpu "${FULLSIZE_CPU_S:-120}" --batch 1,8 --context 16
-if [ "$NGPU" -ge 2 ]; then
-  CMP=$(ls /tmp/fs-cpu-out/fullsize-2*.json /tmp/fs-cpu-out/fullsize-partial.json 2>/dev/null | head -n 1)
-  run_config gpu1 cuda:1 "${FULLSIZE_GPU1_S:-110}" --batch 1,8,64 --context 16 --prefill 2048,8192 \
-    ${CMP:+--compare "$CMP"}
-fi
+cpu_result() {  # NAME: the one-GPU-plus-CPU result to compare with (graphs runs with the graphs one)
+  ls "/tmp/fs-$1-out"/fullsize-2*.json "/tmp/fs-$1-out/fullsize-partial.json" 2>/dev/null | head -n 1
+}
+for config in $CONFIGS; do
+  graphs=""; case "$config" in *graphs) graphs="--cuda-graphs" ;; esac
+  case "$config" in
+    cpu|cpugraphs)
+      run_config "$config" cpu "${FULLSIZE_CPU_S:-70}" --batch "${FULLSIZE_CPU_BATCH:-1,8}" \
+        --run-budget-s "${FULLSIZE_RUN_BUDGET_S:-8}" \
+        --cpu-threads "${FULLSIZE_CPU_THREADS:-16}" $graphs ;;
+    gpu1|gpu1ipc|gpu1graphs|gpu1ipcgraphs)
+      if [ "$NGPU" -lt 2 ]; then echo "$config: needs two GPUs, this machine has $NGPU"; continue; fi
+      CMP=$(cpu_result cpu${graphs:+graphs})
+      case "$config" in
+        gpu1ipc*) plane=cuda_ipc; cap="${FULLSIZE_IPC_S:-130}" ;;
+        *) plane=zmq; cap="${FULLSIZE_GPU1_S:-100}" ;;
+      esac
+      prefill="${FULLSIZE_PREFILL:-2048,8192}"
+      case "$config" in gpu1graphs) prefill="" ;; esac  # prefill runs eagerly: gpu1 / gpu1prefill measure it
+      case "$config" in *graphs) cap="${FULLSIZE_GRAPHS_S:-$cap}" ;; esac
+      run_config "$config" cuda:1 "$cap" --data-plane "$plane" --batch "${FULLSIZE_GPU1_BATCH:-1,8,64}" \
+        --prefill "$prefill" ${CMP:+--compare "$CMP"} $graphs ;;
+    gpu1prefill)  # the 8K prefill over ZeroMQ (call 2 ran out of time before it)
+      if [ "$NGPU" -lt 2 ]; then continue; fi
+      run_config gpu1prefill cuda:1 "${FULLSIZE_PREFILL_S:-70}" --data-plane zmq --batch "" --prefill 8192 ;;
+    gpu1nostage)  # diagnostic: the attention side's Dispatches sent from their own host tensors (no staging pool)
+      if [ "$NGPU" -lt 2 ]; then continue; fi
+      run_config gpu1nostage cuda:1 "${FULLSIZE_NOSTAGE_S:-25}" --batch 1,8 --dispatch-staging off ;;
+    *) echo "unknown configuration $config" ;;
+  esac
+done
 echo "--- fullsize: $(date -u +%H:%M:%S) done (${SECONDS}s)"

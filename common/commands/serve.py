@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="DSpark speculative decoding (default: adaptive when the checkpoint has a drafter)")
     parser.add_argument("--spec-width", type=int, default=None,
                         help="drafts per request (fixed) or their cap (adaptive); at most dspark_block_size")
+    parser.add_argument("--data-plane", choices=("zmq", "cuda_ipc"), default="zmq",
+                        help="how Dispatch/Combine tensors reach expert workers: ZeroMQ (default) or CUDA device rings "
+                        "shared by IPC (every worker on a CUDA device of this host; refused otherwise)")
+    parser.add_argument("--cuda-graphs", choices=("on", "off"), default="off",
+                        help="the attention worker replays decode steps as CUDA graphs per batch bucket (CUDA only)")
     parser.add_argument("--max-restarts", type=int, default=5,
                         help="restarts in a row of a service that keeps dying within --restart-stable-s "
                              "before serve gives up (default 5; 0: stop serving when any service exits)")
@@ -131,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     placement_path = _write_placement(model_dir, run_dir, args.expert_workers, devices)
     layout = ServeLayout(model_path=str(model_dir.resolve()), run_dir=str(run_dir), log_dir=str(log_dir),
                          host=args.host, port=args.port, num_expert_workers=args.expert_workers, devices=devices,
-                         dtype=args.dtype, placement_path=placement_path, with_drafter=speculation.enabled)
+                         dtype=args.dtype, placement_path=placement_path, with_drafter=speculation.enabled,
+                         data_plane=args.data_plane, cuda_graphs=args.cuda_graphs == "on")
     try:
         config_path, deployment = write_deployment(layout)
     except DeploymentError as error:

@@ -8,12 +8,14 @@ exactly the same, validated config. Torch-free.
 
 from __future__ import annotations
 
+import enum
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.runtime.deployment import Deployment, load_deployment
+from common.runtime.deployment import Deployment, DeploymentError, load_deployment
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "kjv-dsv4-mini"
 
@@ -46,6 +48,89 @@ class ServeLayout:
     dtype: str = "auto"
     placement_path: str | None = None  # a placement file when several expert workers split the experts
     with_drafter: bool = False  # run the DSpark draft worker (on devices[0])
+    data_plane: str = "zmq"  # "cuda_ipc": Dispatch/Combine tensors through shared device rings (DataPlane)
+    cuda_graphs: bool = False  # the attention worker replays decode steps as CUDA graphs
+
+
+class DataPlane(enum.Enum):
+    """How the attention worker's Dispatch/Combine tensors reach the expert workers (README "Fast
+    disaggregated path"): through ZeroMQ frames with pinned host staging, or through CUDA device rings
+    shared once by CUDA IPC, with ZeroMQ carrying only the control message."""
+
+    ZMQ = "zmq"
+    CUDA_IPC = "cuda_ipc"
+
+
+class DataPlaneRefused(DeploymentError):
+    """The deployment asks for a data plane its worker placement cannot use."""
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where a worker runs: its torch device and host (None: the router's host)."""
+
+    name: str
+    device: str
+    host: str | None = None
+
+
+def _is_cuda(device: str) -> bool:
+    return device == "cuda" or device.startswith("cuda:")
+
+
+def parse_data_plane(data_plane: str | DataPlane) -> DataPlane:
+    try:
+        return DataPlane(data_plane)
+    except ValueError:
+        choices = ", ".join(p.value for p in DataPlane)
+        raise DataPlaneRefused(f"data plane {data_plane!r} is not one of {choices}") from None
+
+
+def check_data_plane(data_plane: str | DataPlane, attention: WorkerPlace, experts: Sequence[WorkerPlace]) -> DataPlane:
+    """The data plane, or DataPlaneRefused saying why it cannot run.
+
+    cuda_ipc maps device memory between processes, which CUDA allows only on one host: the attention
+    worker and every expert worker must run on CUDA devices of the same host (different GPUs of that
+    host are fine). The worker itself would fall back to ZeroMQ per worker at run time
+    (`attention.data_plane_fallback`); refusing here turns a silent slow path into a clear error at
+    start. A mixed deployment (a CPU or remote expert worker next to local GPU ones) can still pass
+    `moemesh attention --data-plane cuda_ipc` to its attention worker and accept the fallback."""
+    plane = parse_data_plane(data_plane)
+    if plane is DataPlane.ZMQ:
+        return plane
+    if not _is_cuda(attention.device):
+        raise DataPlaneRefused(f"data plane cuda_ipc needs the attention worker on a CUDA device: "
+                               f"{attention.name} is on {attention.device!r}")
+    for expert in experts:
+        if expert.host != attention.host:
+            raise DataPlaneRefused(
+                f"data plane cuda_ipc needs every expert worker on the attention worker's host: {expert.name} "
+                f"is on host {expert.host or 'of the router'}, {attention.name} on {attention.host or 'of the router'}")
+        if not _is_cuda(expert.device):
+            raise DataPlaneRefused(f"data plane cuda_ipc needs every expert worker on a CUDA device: {expert.name} "
+                                   f"is on {expert.device!r} (use zmq, or give it a GPU)")
+    return plane
+
+
+def check_deployment_data_plane(deployment: Deployment, data_plane: str | DataPlane) -> DataPlane:
+    """`check_data_plane` for every attention worker of a deployment file against all its expert workers."""
+    router_host = deployment.router.host  # a worker without a host runs on the router's
+
+    def place(worker) -> WorkerPlace:
+        return WorkerPlace(worker.name, worker.device, worker.host or router_host)
+
+    plane = parse_data_plane(data_plane)
+    experts = [place(w) for w in deployment.expert]
+    for worker in deployment.attention:
+        check_data_plane(plane, place(worker), experts)
+    return plane
+
+
+def check_layout_data_plane(layout: ServeLayout) -> DataPlane:
+    """The layout's data plane; `moemesh serve` runs every worker on this host."""
+    experts = [WorkerPlace(f"expert-{index}", device)
+               for index, device in enumerate(expert_devices(layout.devices, layout.num_expert_workers))]
+    return check_data_plane(layout.data_plane, WorkerPlace("attention-0", layout.devices[0]), experts)
 
 
 def check_model_dir(path: str | Path) -> Path:
@@ -76,7 +161,9 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
         "model": {"path": layout.model_path, "dtype": layout.dtype},
         "paths": {"run_dir": layout.run_dir, "log_dir": layout.log_dir},
         "router": {"host": layout.host, "port": layout.port},
-        "attention": [{"name": "attention-0", "device": layout.devices[0]}],
+        "attention": [{"name": "attention-0", "device": layout.devices[0],
+                       **({"data_plane": layout.data_plane} if layout.data_plane != "zmq" else {}),
+                       **({"cuda_graphs": True} if layout.cuda_graphs else {})}],
         "expert": experts,
         **({"draft": {"enabled": True, "name": DRAFT_NAME, "device": layout.devices[0]}} if layout.with_drafter else {}),
     }
@@ -112,7 +199,9 @@ def _scalar(value: Any) -> str:
 
 
 def write_deployment(layout: ServeLayout) -> tuple[Path, Deployment]:
-    """Write `<run_dir>/deployment.toml` and load it back (validation included)."""
+    """Write `<run_dir>/deployment.toml` and load it back (validation included). Raises
+    DataPlaneRefused (a DeploymentError) before writing when the data plane cannot run."""
+    check_layout_data_plane(layout)
     path = Path(layout.run_dir) / "deployment.toml"
     path.write_text(render_toml(deployment_table(layout)), encoding="utf-8")
     return path, load_deployment(path)

@@ -168,6 +168,8 @@ class AttentionTables:
     # With True, `closing_tokens` lists every token and the kernels test (pos + 1) mod m == 0 on the device
     # (static decode tables: services/attention/graph_tables.py); False: exactly the closing tokens.
     closing_predicated = False
+    # static decode tables: the fewest real tokens a step over them has (sizes sparse attention's split grid)
+    min_real_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -5,13 +5,15 @@ the weights at ~0.7 GB/s on 16 threads of the H200 host, ~100x under its memory 
 nibbles in registers right before the FMAs (as llama.cpp's Q4 paths do) costs a few vector ops per
 32 weights, so the kernel can stream weights at memory speed.
 
-Build: the C source is compiled once per (source, flags, compiler, host CPU) into
-`$MOEMESH_CACHE_DIR/kernels/` (default `~/.cache/moemesh/kernels/`) as `cpu_fp4-<hash>.so`, written to a
-temporary name and renamed into place, so concurrent workers never load a half-written library. The
-hash covers the host CPU because `-march=native` code built on one machine may not run on another
-that shares the cache directory. Failing to build raises `NativeBuildError` with the compiler's
-output; `native_kernel()` turns that into None plus one warning event (`cpu_fp4.unavailable`), so
-callers fall back to torch. `MOEMESH_CPU_KERNEL=torch` forces the fallback.
+Build (`cpu_fp4_build.py`): compiled once per (sources, flags, compiler, host CPU) into a cache
+directory, installed atomically. Failing to build raises `NativeBuildError` with the compiler's output;
+`native_kernel()` turns that into None plus one warning event (`cpu_fp4.unavailable`), so callers fall
+back to torch. `MOEMESH_CPU_KERNEL=torch` forces the fallback.
+
+Threads: `Executor.POOL` (default; `cpu_fp4_pool.h`, pthreads) or `Executor.OPENMP`
+(`MOEMESH_CPU_KERNEL_EXECUTOR=openmp`); the thread count is an argument of every call (the expert
+worker passes `CpuBlockRunner.num_threads`, i.e. torch.get_num_threads() when the worker loaded).
+Without OpenMP support the library is rebuilt without -fopenmp (the pool needs only pthreads).
 
 Values equal the torch references below up to fp32 summation order (every weight decodes to the
 reference's exact fp32 value). Tensors are passed by data pointer and must stay alive during a call
@@ -22,11 +24,9 @@ Legend: T tokens, K inputs, N outputs, R selected rows, D hidden, I expert width
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import enum
 import os
 import shutil
-import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,101 +34,40 @@ from pathlib import Path
 import structlog
 import torch
 
+from common.kernels.cpu_fp4_build import (BuildConfig, NativeBuildError, build_library, default_cache_dir,
+                                          find_compiler)
 from common.kernels.reference import FP4_BLOCK_SIZE, dequant_fp4, scale_bytes, swiglu_reference
+
+__all__ = ["BuildConfig", "Executor", "ExpertGroups", "ExpertStacks", "NativeBuildError", "NativeFp4", "build_library",
+           "default_cache_dir", "find_compiler", "fp4_expert_reference", "fp4_linear_reference", "load_native",
+           "native_kernel", "unavailable_reason"]
 
 log = structlog.get_logger("cpu_fp4")
 
-SOURCE_PATH = Path(__file__).with_name("cpu_fp4.c")
-BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 KERNEL_ENV = "MOEMESH_CPU_KERNEL"  # "torch" forces the torch fallback; anything else (or unset): native if it builds
-CACHE_ENV = "MOEMESH_CACHE_DIR"
-CC_ENV = "CC"
+EXECUTOR_ENV = "MOEMESH_CPU_KERNEL_EXECUTOR"  # "pool" (default) or "openmp"
+SPIN_ENV = "MOEMESH_CPU_KERNEL_SPIN_US"  # how long idle pool workers poll before sleeping (default 50)
+DEFAULT_SPIN_US = 50.0
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 
 
-class NativeBuildError(RuntimeError):
-    """The kernel could not be built or loaded; the message says why (compiler output included)."""
+class Executor(enum.Enum):
+    """Who runs the kernel's chunks. POOL: the work-claiming thread pool of cpu_fp4_pool.h, where the
+    caller waits only for chunks in progress, never for idle or descheduled threads (the default: the
+    CPU expert worker shares its host with busy processes). OPENMP: `omp for` per phase, each ending in
+    a barrier over every thread (kept to measure against; serial when built without OpenMP)."""
 
+    POOL = 0
+    OPENMP = 1
 
-@dataclass(frozen=True)
-class BuildConfig:
-    """How the library is built. `extra_flags` are appended (tests use `-mno-avx512f` etc. to build the
-    AVX2 and scalar variants on an AVX-512 host)."""
-
-    compiler: str
-    extra_flags: tuple[str, ...] = ()
-    cache_dir: Path | None = None
-
-    def flags(self) -> tuple[str, ...]:
-        return BASE_FLAGS + self.extra_flags
-
-
-def find_compiler() -> str | None:
-    """$CC, else the first of cc / gcc / clang on PATH."""
-    if os.environ.get(CC_ENV):
-        return os.environ[CC_ENV]
-    for name in ("cc", "gcc", "clang"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get(CACHE_ENV)
-    return (Path(root) if root else Path.home() / ".cache" / "moemesh") / "kernels"
-
-
-def _host_cpu_id() -> str:
-    """Model name and ISA flags of this host's CPU (what -march=native depends on)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return os.uname().machine
-    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags", "vendor_id"))]
-    return "\n".join(dict.fromkeys(keep))  # one copy of each distinct line
-
-
-def _compiler_id(compiler: str) -> str:
-    try:
-        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        raise NativeBuildError(f"compiler {compiler!r} does not run: {error}") from error
-
-
-def build_library(config: BuildConfig) -> Path:
-    """Compile cpu_fp4.c (once; later calls find the cached file) and return the library's path."""
-    source = SOURCE_PATH.read_bytes()
-    digest = hashlib.sha256()
-    for part in (source, " ".join(config.flags()).encode(), _compiler_id(config.compiler).encode(),
-                 _host_cpu_id().encode()):
-        digest.update(part)
-        digest.update(b"\0")
-    cache_dir = config.cache_dir or default_cache_dir()
-    target = cache_dir / f"cpu_fp4-{digest.hexdigest()[:20]}.so"
-    if target.exists():
-        return target
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise NativeBuildError(f"cache directory {cache_dir} not writable: {error}") from error
-    handle, temp_name = tempfile.mkstemp(prefix=".cpu_fp4-", suffix=".so", dir=cache_dir)
-    os.close(handle)
-    command = [config.compiler, *config.flags(), "-o", temp_name, str(SOURCE_PATH), "-lm"]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise NativeBuildError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-2000:]}")
-        os.replace(temp_name, target)  # atomic: another worker either sees no file or the whole one
-    except (OSError, subprocess.SubprocessError) as error:
-        raise NativeBuildError(f"{' '.join(command)}: {error}") from error
-    finally:
-        if os.path.exists(temp_name):
-            os.unlink(temp_name)
-    log.info("cpu_fp4.built", path=str(target), flags=" ".join(config.flags()))
-    return target
+    @classmethod
+    def from_env(cls) -> Executor:
+        value = os.environ.get(EXECUTOR_ENV, "pool").strip().lower()
+        if value not in ("pool", "openmp"):
+            raise ValueError(f"{EXECUTOR_ENV} must be 'pool' or 'openmp', got {value!r}")
+        return cls.OPENMP if value == "openmp" else cls.POOL
 
 
 class NativeFp4:
@@ -144,46 +83,64 @@ class NativeFp4:
         lib.moemesh_fp4_isa.restype = ctypes.c_char_p
         lib.moemesh_fp4_has_openmp.restype = ctypes.c_int
         lib.moemesh_fp4_linear.restype = ctypes.c_int
-        lib.moemesh_fp4_linear.argtypes = [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
+        lib.moemesh_fp4_linear.argtypes = [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_int,
+                                           ctypes.c_int]
         lib.moemesh_fp4_experts.restype = ctypes.c_int
         lib.moemesh_fp4_experts.argtypes = (
             [_ptr, ctypes.c_int, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
             + [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64]
-            + [ctypes.c_int, ctypes.c_float, ctypes.c_int, _ptr, ctypes.c_int])
+            + [ctypes.c_int, ctypes.c_float, ctypes.c_int, _ptr, ctypes.c_int, ctypes.c_int])
+        lib.moemesh_fp4_experts_routed.restype = ctypes.c_int
+        lib.moemesh_fp4_experts_routed.argtypes = (
+            [_ptr, ctypes.c_int, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64]
+            + [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64]
+            + [ctypes.c_int, ctypes.c_float, ctypes.c_int, _ptr, ctypes.c_int, ctypes.c_int])
         self._lib = lib
         self.path = path
         self.isa: str = lib.moemesh_fp4_isa().decode()
         self.has_openmp = bool(lib.moemesh_fp4_has_openmp())
+        self.executor = Executor.from_env()  # the default of linear() / experts()
+        lib.moemesh_fp4_set_idle_ns.restype = None
+        lib.moemesh_fp4_set_idle_ns.argtypes = [_i64]
+        self.set_idle_spin_us(float(os.environ.get(SPIN_ENV, DEFAULT_SPIN_US)))
+
+    def set_idle_spin_us(self, spin_us: float) -> None:
+        """How long idle pool workers poll for the next call before sleeping (process-wide)."""
+        self._lib.moemesh_fp4_set_idle_ns(int(spin_us * 1e3))
+        self.idle_spin_us = spin_us
 
     def _threads(self, num_threads: int | None) -> int:
         return max(1, num_threads if num_threads is not None else torch.get_num_threads())
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, num_threads: int | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, executor: Executor | None = None) -> torch.Tensor:
         """x [T, K] (fp32 or bf16) @ dequant(packed [N, K/2], scale [N, K/32])ᵀ -> fp32 [T, N] (into `out`)."""
         x = _activations(x)
         packed, scale = _weight_bytes(packed), scale_bytes(scale).contiguous()
         num_tokens, num_in = x.shape
         num_out = packed.shape[0]
         if packed.shape[1] * 2 != num_in or scale.shape != (num_out, num_in // FP4_BLOCK_SIZE) or num_in % 32:
-            raise ValueError(f"FP4 weight {tuple(packed.shape)} / scale {tuple(scale.shape)} for input {tuple(x.shape)}")
+            raise ValueError(f"FP4 weight {tuple(packed.shape)} / scale {tuple(scale.shape)} for input "
+                             f"{tuple(x.shape)}")
         if out is None:
             out = torch.empty(num_tokens, num_out, dtype=torch.float32)
         if out.shape != (num_tokens, num_out) or out.dtype != torch.float32 or not out.is_contiguous():
             raise ValueError(f"out must be contiguous fp32 [{num_tokens}, {num_out}]")
         status = self._lib.moemesh_fp4_linear(x.data_ptr(), int(x.dtype == torch.bfloat16), num_tokens, num_in,
                                               packed.data_ptr(), scale.data_ptr(), num_out, out.data_ptr(),
-                                              self._threads(num_threads))
+                                              self._threads(num_threads), (executor or self.executor).value)
         _check_status(status)
         return out
 
     def experts(self, hidden: torch.Tensor, groups: ExpertGroups, stacks: ExpertStacks, swiglu_limit: float | None,
-                route_before_w2: bool, out: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+                route_before_w2: bool, out: torch.Tensor, num_threads: int | None = None,
+                executor: Executor | None = None) -> torch.Tensor:
         """Every row of `groups` through its expert; writes fp32 rows of `out` [*, D] (rows not named are
         left alone). hidden [T, D] fp32 or bf16; `swiglu_limit` None (or 0) means no clamp, as `_swiglu`."""
         hidden = _activations(hidden)
         num_in = hidden.shape[1]
-        if stacks.hidden_size != num_in or out.shape[1] != num_in or out.dtype != torch.float32 or not out.is_contiguous():
+        if (stacks.hidden_size != num_in or out.shape[1] != num_in or out.dtype != torch.float32
+                or not out.is_contiguous()):
             raise ValueError(f"hidden {tuple(hidden.shape)} / out {tuple(out.shape)} {out.dtype} do not fit the "
                              f"experts' width {stacks.hidden_size}")
         num_groups = groups.stack_ids.numel()
@@ -197,7 +154,40 @@ class NativeFp4:
             stacks.w1.data_ptr(), stacks.s1.data_ptr(), stacks.w3.data_ptr(), stacks.s3.data_ptr(),
             stacks.w1.stride(0), stacks.s1.stride(0), stacks.w2.data_ptr(), stacks.s2.data_ptr(),
             stacks.w2.stride(0), stacks.s2.stride(0), int(has_limit), float(swiglu_limit or 0.0),
-            int(route_before_w2), out.data_ptr(), self._threads(num_threads))
+            int(route_before_w2), out.data_ptr(), self._threads(num_threads), (executor or self.executor).value)
+        _check_status(status)
+        return out
+
+
+    def routed_experts(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       slot_mask: torch.Tensor | None, local: torch.Tensor, stacks: ExpertStacks,
+                       swiglu_limit: float | None, route_before_w2: bool, out: torch.Tensor,
+                       num_threads: int | None = None, executor: Executor | None = None) -> torch.Tensor:
+        """`experts` with the grouping done in C from the routing: ids / weights / slot_mask [T, K],
+        local [num routed experts] (global id -> stack index); writes row t·K + k of out [T·K, D] fp32
+        for every selected slot (others left alone). Same rows, order and values as
+        `experts(hidden, ExpertGroups.from_routing(ids, weights, slot_mask, local), ...)`."""
+        hidden = _activations(hidden)
+        num_tokens, top_k = ids.shape
+        num_in = hidden.shape[1]
+        if (stacks.hidden_size != num_in or out.shape != (num_tokens * top_k, num_in) or out.dtype != torch.float32
+                or not out.is_contiguous() or weights.shape != ids.shape or hidden.shape[0] != num_tokens
+                or (slot_mask is not None and slot_mask.shape != ids.shape)):
+            raise ValueError(f"hidden {tuple(hidden.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, "
+                             f"out {tuple(out.shape)} {out.dtype} do not fit experts of width {stacks.hidden_size}")
+        ids = ids.to(torch.int64).contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        mask = None if slot_mask is None else slot_mask.to(torch.bool).contiguous().view(torch.uint8)
+        local = local.to(torch.int64).contiguous()
+        status = self._lib.moemesh_fp4_experts_routed(
+            hidden.data_ptr(), int(hidden.dtype == torch.bfloat16), num_in, stacks.inter_size, num_tokens, top_k,
+            ids.data_ptr(), weights.data_ptr(), None if mask is None else mask.data_ptr(), local.data_ptr(),
+            local.numel(), stacks.w1.data_ptr(), stacks.s1.data_ptr(), stacks.w3.data_ptr(), stacks.s3.data_ptr(),
+            stacks.w1.stride(0), stacks.s1.stride(0), stacks.w2.data_ptr(), stacks.s2.data_ptr(),
+            stacks.w2.stride(0), stacks.s2.stride(0), int(bool(swiglu_limit)), float(swiglu_limit or 0.0),
+            int(route_before_w2), out.data_ptr(), self._threads(num_threads), (executor or self.executor).value)
+        if status == 4:
+            raise ValueError(f"expert ids outside 0..{local.numel() - 1}")
         _check_status(status)
         return out
 
@@ -302,12 +292,19 @@ _warned = False
 
 
 def load_native(config: BuildConfig | None = None) -> NativeFp4:
-    """The library for `config` (default: the system compiler, no extra flags); raises NativeBuildError."""
+    """The library for `config` (default: the system compiler, no extra flags, with OpenMP if that
+    builds, else without); raises NativeBuildError."""
     if config is None:
         compiler = find_compiler()
         if compiler is None:
             raise NativeBuildError("no C compiler found ($CC, cc, gcc, clang)")
-        config = BuildConfig(compiler)
+        if shutil.which(compiler) is None:
+            raise NativeBuildError(f"C compiler {compiler!r} not found")
+        try:
+            return load_native(BuildConfig(compiler))
+        except NativeBuildError as error:
+            log.warning("cpu_fp4.openmp_build_failed", reason=str(error)[-500:], retry="without -fopenmp")
+            return load_native(BuildConfig(compiler, openmp=False))
     with _lock:
         native = _loaded.get(config)
         if native is None:

@@ -117,6 +117,7 @@ def validate(config: GroupedGemmConfig, *, in_features: int, is_fp4: bool, x_is_
 
 DEFAULT_NUM_SMS = 132  # H200 / H100 SXM
 SPLIT_K_MAX_PROGRAMS = 2 * DEFAULT_NUM_SMS
+TALL_TILE_MIN_MEAN_ROWS = 96  # prefill: 128-row tiles from this many rows per expert (see choose_grouped_config)
 
 
 def choose_grouped_config(num_rows: int, num_experts: int, *, out_features: int = 2048, x_is_bf16: bool = True,
@@ -131,6 +132,7 @@ def choose_grouped_config(num_rows: int, num_experts: int, *, out_features: int 
     | 6 (1 token)       | 89.2 / 35.7   | 78.3 / 34.7   | 51.3 (S2) / 29.0 |
     | 384 (64 tokens)   | 1627 / 800    | 1462 / 778    | 1132 / 596       |
     | 12288 (2048 tok.) | 2566 / 1254   | 2637 / 1430   | 2199 / 1160      |
+    | 49152 (8192 tok.) |               |               | 7643 / 4056 (64-row tiles); 6307 / 3181 (128-row, default) |
 
     ASM_QUAD needs bf16 activations and compiled kernels, and is exact for scale bytes 18..144
     (a byte above 144 would overflow bf16; below 18 the weight, < 6 * 2^-109, underflows towards
@@ -144,7 +146,13 @@ def choose_grouped_config(num_rows: int, num_experts: int, *, out_features: int 
     mean_rows_per_expert = num_rows / max(1, num_experts)
     if mean_rows_per_expert >= 32:  # prefill
         decode = Fp4Decode.ASM_QUAD if gpu_decode else Fp4Decode.JOIN
-        return GroupedGemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3, fp4_decode=decode)
+        # 128-row tiles decode each weight tile for twice the rows: at 49,152 rows (8K tokens, ~192 per
+        # expert) gate-up / down 7643 / 4056 -> 6307 / 3181 µs; at 12,288 rows (~48 per expert, tiles mostly
+        # empty) 2187 / 1154 -> 3206 / 1573 µs (session 3 call 1, session 2 run 2). The switch point between
+        # the two measured sizes is an interpolation: one 128-row tile costs ~1.4 64-row tiles.
+        block_m = 128 if mean_rows_per_expert >= TALL_TILE_MIN_MEAN_ROWS and gpu_decode else 64
+        return GroupedGemmConfig(block_m=block_m, block_n=128, block_k=64, num_warps=8, num_stages=3,
+                                 fp4_decode=decode)
     block_m = 16 if mean_rows_per_expert <= 4 else 32
     block_n, block_k = 64, 128
     decode = Fp4Decode.ASM_QUAD if gpu_decode else Fp4Decode.HALVES

@@ -271,10 +271,11 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
         block_h, num_head_blocks, num_splits, keys_per_split = (plan.block_h, plan.num_head_blocks, plan.num_splits,
                                                                 plan.keys_per_split)
         split_size_ptr = tables.token_seq  # unused placeholder pointer
-    else:  # static tables (a captured decode step): the most splits any step can plan, split size on the device
+    else:  # static tables (a captured decode step): the most splits any step of >= min_real_tokens tokens can
+        # plan (fewer tokens plan more splits; the key count never bounds it here), split size on the device
         block_h = min(config.block_h, triton.next_power_of_2(num_heads))
         num_head_blocks = triton.cdiv(num_heads, block_h)
-        num_splits = config.num_splits or config.max_splits
+        num_splits = choose_num_splits(tables.min_real_tokens, num_head_blocks, 1 << 40, config)
         keys_per_split = config.block_n  # unused: read from split_size_ptr
         split_size_ptr = device_split_size
     if not use_topk:

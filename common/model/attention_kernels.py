@@ -11,7 +11,10 @@ Same mathematics as the per-sequence torch path of `common/model/attention.py`, 
 4. the new kv rows into the window rings (after 3: a long chunk would overwrite rows still read);
 5. advance every store's counter (the data was written in place by the kernels).
 Only host integers known before the forward steer the launches, so a decode step captures into a
-CUDA graph.
+CUDA graph; over per-forward tables those integers (closing-token count, visible-row maxima) depend on
+the positions, so a replay is valid only at the captured positions. Over the static tables of
+services/attention/graph_tables.py (window closes predicated on the device, split sizes and indexer
+width from device memory or a fixed class) the same launches replay at any position.
 Legend: T tokens, H heads, hd head dim, Nc rows closed in this forward, C compressor input dim.
 """
 
@@ -25,6 +28,18 @@ from common.kernels.kv_write import pool_windows, write_rings, write_rows
 from common.kernels.sparse_attention import sparse_attention
 from common.model.qat import kv_nope_fp8_qat
 from common.model.rope import RotaryTable, rms_norm_rope
+
+
+def _record_writes(batch, layer: int, which: str, *tensors: torch.Tensor) -> None:
+    """Before the ring writes: stores that record block-end snapshots (prefix cache, swap-in;
+    services/attention/boundary.py) see each sequence's new rows while they are all still at hand."""
+    if not batch.chunks:  # a CUDA-graph capture (graph_decode): commit_kernel_writes records after replay
+        return
+    for chunk, rows in zip(batch.chunks, batch.slices):
+        store = getattr(chunk.state.layers[layer], which)
+        record = getattr(store, "record_write", None)
+        if record is not None:
+            record(*(tensor[rows] for tensor in tensors))
 
 
 def _emit_rows(compressor, kv_in: torch.Tensor, score_in: torch.Tensor, tables: AttentionTables, layer: int,
@@ -59,9 +74,11 @@ def batched_attention_core(attn, batch, q: torch.Tensor, kv: torch.Tensor, x: to
     if attn.compressor is not None:
         ratio = attn.compressor.ratio
         kv_in, score_in = attn.compressor.project(x, batch.positions)
+        _record_writes(batch, layer, "compressor", kv_in, score_in)
         _emit_rows(attn.compressor, kv_in, score_in, tables, layer, attn.rope, indexer=False)
     if attn.indexer is not None:
         ikv_in, iscore_in = attn.indexer.compressor.project(x, batch.positions)
+        _record_writes(batch, layer, "indexer", ikv_in, iscore_in)
         _emit_rows(attn.indexer.compressor, ikv_in, iscore_in, tables, layer, attn.rope, indexer=True)
         if tables.max_rows_visible(ratio) > attn.indexer.topk:  # else every visible row is attended
             queries, head_weights = attn.indexer.project_queries(q_lat, x, cos, sin)
@@ -71,6 +88,7 @@ def batched_attention_core(attn, batch, q: torch.Tensor, kv: torch.Tensor, x: to
             topk_ids = q.new_empty(q.shape[0], attn.indexer.topk, dtype=torch.int64)
     out = sparse_attention(q, kv, attn.attn_sink, attn.scale, tables, layer, window=attn.config.sliding_window,
                            ratio=ratio, topk_ids=topk_ids)
+    _record_writes(batch, layer, "window", kv)
     write_rings(kv, kv, tables, layer, Field.WINDOW_ADDR, Field.WINDOW_RING)
     for chunk in batch.chunks:
         layer_state = chunk.state.layers[layer]

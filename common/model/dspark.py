@@ -41,10 +41,10 @@ from torch import nn
 from common.model.attention import Attention, attend_with_sink
 from common.model.attention_side import Block
 from common.model.config import AttentionKind, ModelConfig, NumericsConfig, RouterKind
-from common.model.hyper import hc_head, hc_post, hc_pre
-from common.model.linear import Embedding, Linear, RMSNorm, parameter, unweighted_rms_norm
+from common.model.hyper import hc_head, hc_post, hc_pre_normed
+from common.model.linear import Embedding, Linear, RMSNorm, parameter
 from common.model.moe import ExpertsFn, RoutedExperts
-from common.model.rope import apply_rope
+from common.model.rope import inverse_rope, rms_norm_rope
 
 NUM_DSPARK_STAGES = 3
 MTP_PREFIX = "mtp."
@@ -198,23 +198,27 @@ class DSparkDrafter(nn.Module):
                          context_valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [A·G, D] (after attn_norm), main_x [A, C, D] -> [A·G, D]. Same math as `Attention.forward`
         (query low rank, per-head RMS, interleaved RoPE, K = V latent, sink, de-rotation, grouped output),
-        over context ring ∪ block keys."""
+        over context ring ∪ block keys. Norm + RoPE and the de-rotation go through the fused glue
+        (`rms_norm_rope`, `inverse_rope`: one launch each on CUDA, the two-step torch code elsewhere)."""
         num_blocks, num_slots = positions.shape
         num_context = main_x.shape[1]
         eps = self.config.rms_norm_eps
         cos, sin = attn.rope.cos_sin(positions.reshape(-1))
         q = attn.wq_b(attn.q_norm(attn.wq_a(x))).view(num_blocks * num_slots, attn.num_heads, attn.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)  # [A·G, H, hd]
-        block_kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin).view(num_blocks, num_slots, -1)  # [A, G, hd]
+        q = rms_norm_rope(q, cos, sin, eps)  # per-head unweighted norm, then RoPE: [A·G, H, hd]
+        kv_norm_eps, kv_norm_weight = attn.kv_norm.eps, attn.kv_norm.weight
+        block_kv = rms_norm_rope(attn.wkv(x), cos, sin, kv_norm_eps, weight=kv_norm_weight
+                                 ).view(num_blocks, num_slots, -1)  # [A, G, hd]
         context_cos, context_sin = attn.rope.cos_sin(context_positions.reshape(-1).clamp_min(0))
-        context_kv = apply_rope(attn.kv_norm(attn.wkv(main_x.reshape(num_blocks * num_context, main_x.shape[-1]))),
-                                context_cos, context_sin).view(num_blocks, num_context, attn.head_dim)  # [A, C, hd]
+        context_kv = rms_norm_rope(attn.wkv(main_x.reshape(num_blocks * num_context, main_x.shape[-1])),
+                                   context_cos, context_sin, kv_norm_eps, weight=kv_norm_weight
+                                   ).view(num_blocks, num_context, attn.head_dim)  # [A, C, hd]
         keys = torch.cat([context_kv, block_kv.to(context_kv.dtype)], dim=1)  # [A, C + G, hd]
         visible = torch.cat([context_valid[:, None, :].expand(-1, num_slots, -1),
                              torch.ones(num_blocks, num_slots, num_slots, dtype=torch.bool, device=x.device)], dim=-1)
         out = _attend_blocks(q.view(num_blocks, num_slots, attn.num_heads, -1), keys, visible, attn.attn_sink,
                              attn.scale).reshape(num_blocks * num_slots, attn.num_heads, -1)
-        out = apply_rope(out, cos, -sin)  # values carried rotated dims: rotate back at the query position
+        out = inverse_rope(out, cos, sin)  # values carried rotated dims: rotate back at the query position
         grouped = out.reshape(num_blocks * num_slots, self.config.o_groups, -1)  # [A·G, groups, H/groups·hd]
         return attn.wo_b(attn.wo_a(grouped))
 
@@ -225,6 +229,9 @@ class DSparkDrafter(nn.Module):
         main_x [A, C, D]; context_positions [A, C] int; context_valid [A, C] bool (False = no such
         position, e.g. before the start of the sequence); block_token_ids / block_positions [A, G].
         Returns the pre-norm hidden state of every slot [A, G, D] (after the last stage's hc_head).
+        Each site's hc_pre and its block norm run as `hc_pre_normed` (the norm inside hc_pre's finish
+        launch on CUDA). The final hc_head stays unfused: the confidence head needs its pre-norm
+        output, and `base_logits` applies the norm.
         """
         if self.experts_fn is None:
             raise RuntimeError("DSparkDrafter.experts_fn is not set (routed experts of the mtp.* stages)")
@@ -234,14 +241,14 @@ class DSparkDrafter(nn.Module):
         e = self.embed(flat_ids)
         h = e.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [A·G, N, D]
         for j, stage in enumerate(self.mtp):
-            x, post, comb = hc_pre(h, stage.hc_attn_fn, stage.hc_attn_base, stage.hc_attn_scale, c.hc_sinkhorn_iters,
-                                   c.hc_eps, c.rms_norm_eps)
-            y = self._stage_attention(stage.attn, stage.attn_norm(x), main_x, context_positions, context_valid,
-                                      block_positions)
+            x, post, comb = hc_pre_normed(h, stage.hc_attn_fn, stage.hc_attn_base, stage.hc_attn_scale,
+                                          c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, stage.attn_norm.weight,
+                                          stage.attn_norm.eps)
+            y = self._stage_attention(stage.attn, x, main_x, context_positions, context_valid, block_positions)
             h = hc_post(y, h, post, comb)
-            x, post, comb = hc_pre(h, stage.hc_ffn_fn, stage.hc_ffn_base, stage.hc_ffn_scale, c.hc_sinkhorn_iters,
-                                   c.hc_eps, c.rms_norm_eps)
-            x = stage.ffn_norm(x)
+            x, post, comb = hc_pre_normed(h, stage.hc_ffn_fn, stage.hc_ffn_base, stage.hc_ffn_scale,
+                                          c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, stage.ffn_norm.weight,
+                                          stage.ffn_norm.eps)
             ids, weights = stage.ffn.gate(x, flat_ids)
             y = self.experts_fn(j, x, ids, weights) + stage.ffn.shared_experts(x)
             h = hc_post(y, h, post, comb)

@@ -277,6 +277,7 @@ class SequenceState:
         self._reserved_tokens = 0  # own row tensors hold at least this many tokens' rows
         # device address tables of this state's stores, owned by common.kernels.attention_layout
         self.address_cache: object | None = None
+        self._store_counters: list | None = None  # every store's counter, for commit_kernel_writes
         self.layers: list[LayerState] = []
         for layer, kind in enumerate(config.layer_types):
             window = WindowStore(config.sliding_window, config.head_dim, max_rollback_tokens, dtype, device)
@@ -310,10 +311,21 @@ class SequenceState:
     def commit_kernel_writes(self, num_tokens: int) -> None:
         """Advance every store and the state by num_tokens after kernels wrote them in place outside any
         forward's bookkeeping (a replayed CUDA graph of a decode step: services/attention/graph_decode.py).
-        Equivalent to `mark_written` on each store, then `advance`."""
-        for state in self.layers:
-            for store in state.stores():
-                store.mark_written(num_tokens)
+        Equivalent to `mark_written` on each store, then `advance`, in one pass over the stores' counters
+        (a decode step of 64 sequences over 43 layers touches ~7,000 of them: this runs on the host per step).
+        Stores whose class overrides `mark_written` (a hook, e.g. snapshots at block ends) get the call."""
+        if self._store_counters is None:
+            plain = {WindowStore.mark_written, CompressorStore.mark_written}
+            stores = [store for state in self.layers for store in state.stores()]
+            self._store_counters = ([store._counter for store in stores if type(store).mark_written in plain],
+                                    [store for store in stores if type(store).mark_written not in plain])
+        counters, hooked = self._store_counters
+        for counter in counters:
+            counter.num_tokens += num_tokens
+            if counter.num_tokens > counter.high_water:
+                counter.high_water = counter.num_tokens
+        for store in hooked:
+            store.mark_written(num_tokens)
         self.num_tokens += num_tokens
 
     def rollback(self, num_tokens: int) -> None:
@@ -349,7 +361,7 @@ class SequenceState:
         twin = SequenceState.__new__(SequenceState)
         memo[id(self)] = twin
         for name, value in self.__dict__.items():
-            setattr(twin, name, None if name == "address_cache" else copy.deepcopy(value, memo))
+            setattr(twin, name, None if name in ("address_cache", "_store_counters") else copy.deepcopy(value, memo))
         return twin
 
     def live_tensors(self) -> dict[str, torch.Tensor]:

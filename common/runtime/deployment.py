@@ -124,6 +124,8 @@ class AttentionWorkerConfig:
     device: str = "cpu"
     host: str | None = None  # None: the router's host (single-host deployments)
     memory_limit: str | None = None  # "40GiB": plan within this much of the device (None: its free memory)
+    data_plane: str = "zmq"  # "cuda_ipc": Dispatch/Combine tensors through device rings shared by CUDA IPC
+    cuda_graphs: bool = False  # replay decode steps as CUDA graphs per batch bucket (CUDA devices)
 
 
 @dataclass(frozen=True)

@@ -237,10 +237,20 @@ def event_handles(events: list) -> tuple[bytes, ...]:
     return tuple(bytes(event.ipc_handle()) for event in events)
 
 
-def import_events(device_index: int, handles: tuple[bytes, ...]) -> list:
+def import_events(device_index: int, handles: tuple[bytes, ...], other_device_indices: tuple[int, ...] = ()) -> list:
+    """The peer's events, opened with `device_index` current (the device whose streams wait on them).
+    Across two GPUs the peer created them on its own device; should the driver refuse to open an
+    event handle under another device, each of `other_device_indices` is tried in turn (a stream may
+    wait on an event of any device either way)."""
     import torch
 
-    return [torch.cuda.Event.from_ipc_handle(torch.device("cuda", device_index), handle) for handle in handles]
+    tried = []
+    for index in (device_index, *other_device_indices):
+        try:
+            return [torch.cuda.Event.from_ipc_handle(torch.device("cuda", index), handle) for handle in handles]
+        except RuntimeError as error:  # torch raises RuntimeError for CUDA errors
+            tried.append(f"cuda:{index}: {error}"[:200])
+    raise RuntimeError(f"cannot open the peer's CUDA IPC events: {'; '.join(tried)}")
 
 
 def layout_of(message: AttachCudaIpc) -> RingLayout:

@@ -88,11 +88,14 @@ class DispatchRing:
 
     def attached(self, combine_event_handles: tuple[bytes, ...], sync: str = "events") -> None:
         """The expert mapped the rings; adopt its ordering (it may only downgrade flags to events)."""
+        import torch
+
         if RingSync(sync) is RingSync.EVENTS:
             self.sync = RingSync.EVENTS
         if len(combine_event_handles) != self.layout.num_slots:
             raise ValueError(f"{len(combine_event_handles)} combine events for {self.layout.num_slots} slots")
-        self.combine_events = import_events(self.device.index, combine_event_handles)
+        others = tuple(i for i in range(torch.cuda.device_count()) if i != self.device.index)  # the expert's GPU
+        self.combine_events = import_events(self.device.index, combine_event_handles, others)
 
     @property
     def num_free(self) -> int:
@@ -179,7 +182,8 @@ class AttachedRing:
             raise ValueError(f"shared regions of {have} bytes, the layout needs {need}")
         self.views = _Views(self.layout, self.dispatch_region, self.combine_region)
         # imported on this (the waiting) device: a stream may wait on an event of any device
-        self.dispatch_events = import_events(self.device.index, message.dispatch_event_handles)
+        self.dispatch_events = import_events(self.device.index, message.dispatch_event_handles,
+                                             (message.dispatch_region.device_index,))
         self.combine_events = new_ipc_events(self.device, self.layout.num_slots)
         torch.cuda.synchronize(self.device)
 

@@ -16,6 +16,11 @@ clients take `security=` (a `SocketSecurity`): with keys it makes every socket C
 (authenticated, encrypted); without it binding tcp beyond loopback is refused unless the
 deployment is explicitly insecure (architecture §3). The default (None) is plain sockets
 and the same bind refusal.
+
+Sends are zero-copy. With `staging=` (a SendStagingPool) the message's tensors are first copied
+into a leased buffer and sent as a `TrackedMessage` (common/wire/tracked_send.py), whose one
+tracker covers every frame of the buffer; without it the frames view the message's own
+tensors, which the caller must not write until the peer has them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from common.wire import codec
 from common.wire.errors import ReplyTimeout, WireError
 from common.wire.messages import ErrorCode, ErrorReply
 from common.wire.schema import DEFAULT_LIMITS, WireLimits
+from common.wire.tracked_send import TrackedMessage
 
 if TYPE_CHECKING:
     from common.security.socket_security import SocketSecurity
@@ -93,18 +99,21 @@ def _secure_or_close(socket: zmq.Socket, secure: Any, endpoint: str) -> None:
         raise
 
 
-def _encode_frames(message: Any, limits: WireLimits, staging: Any) -> tuple[list, Any]:
-    """(frames, lease): with a staging pool the tensor bytes are copied into a leased buffer."""
+def _outgoing(prefix: list[bytes], message: Any, limits: WireLimits, staging: Any) -> list | TrackedMessage:
+    """The parts to send. Without a staging pool: a plain list whose tensor frames view the
+    message's own tensors (zero-copy; the caller keeps them unchanged). With one: a
+    TrackedMessage over a leased buffer, whose lease returns once every frame was released."""
     if staging is None:
-        return codec.encode(message, limits=limits), None
-    lease = staging.acquire()
-    try:
-        frames = codec.encode(message, limits=limits, tensor_writer=lease.write)
-        lease.seal()
-    except BaseException:
-        lease.release_after(None)
-        raise
-    return frames, lease
+        return [*prefix, *codec.encode(message, limits=limits)]
+    return staging.stage(lambda tensor_writer: codec.encode(message, limits=limits, tensor_writer=tensor_writer),
+                         tuple(prefix))
+
+
+async def _send_async(socket: zmq.asyncio.Socket, outgoing: list | TrackedMessage) -> None:
+    if isinstance(outgoing, TrackedMessage):
+        await outgoing.send_async(socket)
+    else:
+        await socket.send_multipart(outgoing, copy=False)
 
 
 @dataclass(frozen=True)
@@ -189,17 +198,8 @@ class AsyncServer:
         await self._send(incoming.peer, Kind.REPLY, incoming.correlation_id, message, staging)
 
     async def _send(self, peer: bytes, kind: Kind, correlation_id: int, message: Any, staging: Any) -> None:
-        frames, lease = _encode_frames(message, self.limits, staging)
         prefix = [peer, pack_envelope(kind, correlation_id)]
-        if lease is None:
-            await self.socket.send_multipart(prefix + frames, copy=False)
-            return
-        try:
-            tracker = await self.socket.send_multipart(prefix + frames, copy=False, track=True)
-        except BaseException:
-            lease.release_after(None)
-            raise
-        lease.release_after(tracker)
+        await _send_async(self.socket, _outgoing(prefix, message, self.limits, staging))
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -264,17 +264,8 @@ class AsyncClient:
             raise ReplyTimeout(self.endpoint, type(message).TYPE, bound_s) from None
 
     async def _send(self, kind: Kind, correlation_id: int, message: Any, staging: Any) -> None:
-        frames, lease = _encode_frames(message, self.limits, staging)
-        envelope = pack_envelope(kind, correlation_id)
-        if lease is None:
-            await self.socket.send_multipart([envelope, *frames], copy=False)
-            return
-        try:
-            tracker = await self.socket.send_multipart([envelope, *frames], copy=False, track=True)
-        except BaseException:
-            lease.release_after(None)
-            raise
-        lease.release_after(tracker)
+        prefix = [pack_envelope(kind, correlation_id)]
+        await _send_async(self.socket, _outgoing(prefix, message, self.limits, staging))
 
     async def _read_replies(self) -> None:
         while True:
@@ -332,12 +323,11 @@ class SyncClient:
         correlation_id = next(self._ids)
         if not self.socket.poll(int(bound_s * 1000), zmq.POLLOUT):
             raise ReplyTimeout(self.endpoint, type(message).TYPE, bound_s)
-        frames, lease = _encode_frames(message, self.limits, staging)
-        envelope = pack_envelope(Kind.REQUEST, correlation_id)
-        if lease is None:
-            self.socket.send_multipart([envelope, *frames], copy=False)
+        outgoing = _outgoing([pack_envelope(Kind.REQUEST, correlation_id)], message, self.limits, staging)
+        if isinstance(outgoing, TrackedMessage):
+            outgoing.send(self.socket)
         else:
-            lease.release_after(self.socket.send_multipart([envelope, *frames], copy=False, track=True))
+            self.socket.send_multipart(outgoing, copy=False)
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not self.socket.poll(remaining_ms, zmq.POLLIN):

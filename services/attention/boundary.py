@@ -11,6 +11,20 @@ prefill chunk; `restore_state` rebuilds a fresh `SequenceState` at b from them.
 Why capture on append: after a chunk that runs past b the window ring no longer holds
 b-W .. b-1, and nothing else can recompute those rows without the layer inputs.
 
+The Triton kernel path (common/model/attention_kernels.py, and CUDA-graph replays through
+`SequenceState.commit_kernel_writes`) never calls `append`: it writes the rings in place and then
+calls `mark_written(n)`. The recording stores override `mark_written` to copy each crossed block
+end's snapshot FROM THE RINGS, on the device (no host sync, so safe right after a graph replay).
+Reach: after a kernel write ending at e, a ring of S rows still holds positions >= max(e, high
+water) - S. The window snapshot at b needs b-W, so it is in the ring iff e - b <= S - W; the
+pending inputs of an overlapping compressor need b-m, in the ring iff e - b <= S_c - m. With the
+default rings (S = W + R, S_c >= R + 2m - 1 rounded up to m) a block end up to R tokens before the
+write's end is always captured: every decode step and every verification of <= R drafts. A block
+end deeper inside a long prefill chunk is captured only when the rings are sized for the chunk
+(`recording_state(max_chunk_tokens=...)`: S = W + max(R, chunk)); otherwise its snapshot is
+poisoned with NaN (and a `attention.boundary_snapshot_lost` warning is logged) so that
+`restore_state` refuses it with a KVPoolError instead of resuming from garbage.
+
 Invariants:
 - A snapshot at b depends only on tokens before b, so one written while drafts were in
   flight is right whenever those tokens are later confirmed, and is rewritten when the
@@ -25,11 +39,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from common.model.config import AttentionKind, ModelConfig
-from common.model.state import DEFAULT_MAX_ROLLBACK_TOKENS, CompressorStore, SequenceState, WindowStore
+from common.model.state import DEFAULT_MAX_ROLLBACK_TOKENS, CompressorStore, SequenceState, WindowStore, _read_ring
 from services.attention.kv_pool import BlockTable, KVPool, KVPoolError
+
+log = structlog.get_logger("attention")
 
 
 @dataclass
@@ -61,6 +78,10 @@ class Recorder:
         target = self.pool.primary[key][self.block_of_boundary(boundary)]  # [S, C]
         target[target.shape[0] - rows.shape[0]:] = rows.to(target.dtype)
 
+    def poison(self, key: tuple[int, str], boundary: int) -> None:
+        """Mark a snapshot that could not be captured (NaN), so a restore from it is refused."""
+        self.pool.primary[key][self.block_of_boundary(boundary)].fill_(float("nan"))
+
     def read(self, key: tuple[int, str], block_id: int, num_rows: int) -> torch.Tensor:
         """The last num_rows rows of a block's snapshot -> [num_rows, C]."""
         snapshot = self.pool.primary[key][block_id]
@@ -76,8 +97,17 @@ class RecordingWindowStore(WindowStore):
         self.recorder = recorder
         self.layer = layer
         self.sliding_window = sliding_window
+        self._recorded_write: tuple[int, int] | None = None  # (start, tokens) snapshotted by record_write
 
     def append(self, rows: torch.Tensor) -> None:
+        self.record_write(rows)
+        self._recorded_write = None
+        super().append(rows)
+
+    def record_write(self, rows: torch.Tensor) -> None:
+        """Snapshot every block end that writing rows [n, C] (positions num_tokens ..) crosses, from
+        the ring and the rows themselves; called before a kernel overwrites the ring, so block ends
+        deep inside a long prefill chunk are captured too (mark_written then skips this write)."""
         start = self.num_tokens
         boundaries = self.recorder.boundaries(start, start + rows.shape[0])
         if boundaries:
@@ -86,7 +116,25 @@ class RecordingWindowStore(WindowStore):
             for boundary in boundaries:
                 low = max(0, boundary - self.sliding_window)
                 self.recorder.write((self.layer, "window_snapshot"), boundary, combined[low - first: boundary - first])
-        super().append(rows)
+        self._recorded_write = (start, rows.shape[0])
+
+    def mark_written(self, num_tokens: int) -> None:
+        """A kernel wrote positions start .. start+n-1 into the ring: snapshot each crossed block end
+        b from the ring (rows b-W .. b-1), or poison it when the write already overwrote b-W."""
+        start = self.num_tokens
+        recorded, self._recorded_write = self._recorded_write == (start, num_tokens), None
+        super().mark_written(num_tokens)
+        if recorded:  # record_write saw these rows before the kernel wrote them
+            return
+        oldest_retained = self._counter.high_water - self.ring_size
+        for boundary in self.recorder.boundaries(start, start + num_tokens):
+            low = max(0, boundary - self.sliding_window)
+            key = (self.layer, "window_snapshot")
+            if low < oldest_retained:
+                _log_lost(self.layer, "window", boundary, start, num_tokens, self.ring_size)
+                self.recorder.poison(key, boundary)
+                continue
+            self.recorder.write(key, boundary, _read_ring(self._rows, low, boundary))  # [b-low, C]
 
     def load_boundary(self, num_tokens: int, rows: torch.Tensor) -> None:
         """Stand at num_tokens with rows [n, C] as positions num_tokens-n .. num_tokens-1 (fresh store)."""
@@ -105,12 +153,20 @@ class RecordingCompressorStore(CompressorStore):
         self.recorder = recorder
         self.layer = layer
         self.which = which
+        self._recorded_write: tuple[int, int] | None = None  # (start, tokens) snapshotted by record_write
 
     def num_pending_at_boundary(self) -> int:
         """Inputs still needed at a block end (a multiple of the ratio): the previous window with overlap."""
         return self.ratio if self.overlap else 0
 
     def append_inputs(self, kv: torch.Tensor, score: torch.Tensor) -> None:
+        self.record_write(kv, score)
+        self._recorded_write = None
+        super().append_inputs(kv, score)
+
+    def record_write(self, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """Snapshot the pending inputs of every block end that writing kv / score [n, C_in]
+        (positions num_tokens ..) crosses, before a kernel overwrites the rings (see the window's)."""
         start = self.num_tokens
         num_pending = self.num_pending_at_boundary()
         boundaries = self.recorder.boundaries(start, start + kv.shape[0]) if num_pending else range(0)
@@ -124,7 +180,28 @@ class RecordingCompressorStore(CompressorStore):
                                     all_kv[low - first: boundary - first])
                 self.recorder.write((self.layer, f"{self.which}_pending_score"), boundary,
                                     all_score[low - first: boundary - first])
-        super().append_inputs(kv, score)
+        self._recorded_write = (start, kv.shape[0])
+
+    def mark_written(self, num_tokens: int) -> None:
+        """A kernel wrote these positions' inputs into the rings: snapshot the pending inputs
+        b-m .. b-1 of each crossed block end b from the rings, or poison them when overwritten."""
+        start = self.num_tokens
+        recorded, self._recorded_write = self._recorded_write == (start, num_tokens), None
+        super().mark_written(num_tokens)
+        num_pending = self.num_pending_at_boundary()
+        if not num_pending or recorded:
+            return
+        oldest_retained = self._counter.high_water - self.ring_size
+        kv_key, score_key = (self.layer, f"{self.which}_pending_kv"), (self.layer, f"{self.which}_pending_score")
+        for boundary in self.recorder.boundaries(start, start + num_tokens):
+            low = boundary - num_pending
+            if low < oldest_retained:
+                _log_lost(self.layer, self.which, boundary, start, num_tokens, self.ring_size)
+                self.recorder.poison(kv_key, boundary)
+                self.recorder.poison(score_key, boundary)
+                continue
+            self.recorder.write(kv_key, boundary, _read_ring(self._kv, low, boundary))  # [m, C_in]
+            self.recorder.write(score_key, boundary, _read_ring(self._score, low, boundary))
 
     def load_boundary(self, num_tokens: int, kv: torch.Tensor | None, score: torch.Tensor | None) -> None:
         """Stand at num_tokens with pending inputs [n, C] of positions num_tokens-n .. (None: no
@@ -137,16 +214,32 @@ class RecordingCompressorStore(CompressorStore):
             super().append_inputs(kv, score)
 
 
+def _log_lost(layer: int, which: str, boundary: int, start: int, num_tokens: int, ring_size: int) -> None:
+    """One event per lost block end: every layer has the same geometry and the window reach is the
+    shortest (compressor rings reach at least as far), so layer 0's window speaks for all."""
+    if layer != 0 or which != "window":
+        return
+    log.warning("attention.boundary_snapshot_lost", layer=layer, store=which, boundary=boundary,
+                first_position=start, num_tokens=num_tokens, ring_size=ring_size)
+
+
 def recording_state(config: ModelConfig, pool: KVPool, table: BlockTable, recorder: Recorder,
                     dtype: torch.dtype, device: torch.device,
-                    max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS) -> SequenceState:
+                    max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS,
+                    max_chunk_tokens: int | None = None) -> SequenceState:
     """A SequenceState whose rows live in the pool (through table) and which records snapshots.
 
-    The stores are built with the same geometry SequenceState gives its own (same ring sizes,
-    input widths and overlap), then replace them."""
+    The stores are built with the same geometry SequenceState gives its own (same input widths
+    and overlap), then replace them. max_chunk_tokens: the longest kernel-path write (prefill
+    chunk) whose inner block ends must be captured; the stores' rings then hold
+    max(max_rollback_tokens, max_chunk_tokens) positions beyond what they need (see the module
+    docstring: "Reach"). None keeps the plain rings (kernel-path block ends deeper than
+    max_rollback_tokens inside a chunk are poisoned, not captured)."""
     state = SequenceState(config, max_rollback_tokens=max_rollback_tokens, dtype=dtype, device=device,
                           row_store_factory=pool.row_store_factory(table))
     rows_of = pool.row_store_factory(table)
+    # the stores' ring reach (their own rollback bound may exceed the state's: the ring is bigger)
+    max_rollback_tokens = max(max_rollback_tokens, max_chunk_tokens or 0)
     for layer, layer_state in enumerate(state.layers):
         layer_state.window = RecordingWindowStore(recorder, layer, config.sliding_window, config.head_dim,
                                                   max_rollback_tokens, dtype, device)
@@ -165,6 +258,19 @@ def recording_state(config: ModelConfig, pool: KVPool, table: BlockTable, record
     return state
 
 
+def _check_captured(recorder: Recorder, state: SequenceState, block_id: int, num_tokens: int) -> None:
+    """Refuse a snapshot poisoned by `mark_written` (one host sync; restores are rare)."""
+    for layer, layer_state in enumerate(state.layers):
+        keys = [((layer, "window_snapshot"), min(num_tokens, layer_state.window.sliding_window))]
+        for store in (layer_state.compressor, layer_state.indexer):
+            if store is not None and store.num_pending_at_boundary():
+                keys.append(((layer, f"{store.which}_pending_kv"), store.num_pending_at_boundary()))
+        for key, num_rows in keys:
+            if not bool(torch.isfinite(recorder.read(key, block_id, num_rows)).all()):
+                raise KVPoolError(f"block {block_id} (boundary {num_tokens}) has no snapshot of {key}: it was "
+                                  f"crossed deep inside a kernel-path chunk longer than the ring reach")
+
+
 def restore_state(state: SequenceState, recorder: Recorder, num_tokens: int) -> None:
     """Position a fresh recording state at the block boundary num_tokens from its last block's snapshot.
 
@@ -180,6 +286,7 @@ def restore_state(state: SequenceState, recorder: Recorder, num_tokens: int) -> 
         raise KVPoolError(f"restore from blocks {recorder.table.block_ids}: outside the primary tier "
                           f"({num_blocks} blocks)")
     last_block = recorder.block_of_boundary(num_tokens)
+    _check_captured(recorder, state, last_block, num_tokens)
     for layer, layer_state in enumerate(state.layers):
         window = layer_state.window
         num_window_rows = min(num_tokens, window.sliding_window)

@@ -13,8 +13,10 @@ closes, block tables, split sizes and the set of sequences are written before ea
 static tables of `graph_tables.StaticDecodeTables` and read by the kernels from device memory.
 A graph set is keyed by (micro-batch index, bucket, indexer width class, row-store geometry) and
 captured lazily on first use: one eager warm-up of every segment over scratch-only tables (Triton
-compiles outside the capture), then the captures, all in the set's own memory pool. Sets of
-different keys never share a pool (two micro-batches of one step interleave their replays).
+compiles outside the capture), then the captures. Sets of one micro-batch index share a memory pool:
+a step replays exactly one of them, and what a set keeps between its graphs (per-layer outputs) stays
+referenced, so another set can only reuse memory that is dead outside its own step. Different
+micro-batch indices never share a pool (their replays interleave within a step).
 
 A step runs eagerly instead (ModelRunner's path; logged once per reason) when any micro-batch has a
 sequence with more than one new token (prefill chunks, speculative verification), more sequences
@@ -36,6 +38,7 @@ import structlog
 import torch
 
 from common.kernels.attention_layout import CONTIGUOUS_ROWS_PER_BLOCK, sequence_addresses
+from common.kernels.sparse_attention import default_config
 from common.model.batch import AttentionBackend, SequenceChunk, default_attention_backend
 from common.model.state import SequenceState
 from services.attention.graph_tables import StaticDecodeTables, index_rows_class
@@ -112,6 +115,7 @@ class DecodeGraphs:
         move_rope_tables(side, self.device)  # no host-to-device copy inside a captured segment
         self.scratch = SequenceState(side.config, dtype=side.dtype, device=self.device)  # padding rows write here
         self._sets: dict[tuple, _GraphSet] = {}
+        self._pools: dict[int, Any] = {}  # micro-batch index -> graph memory pool
         self._logged: set[str] = set()
         self.stats = GraphStats()
 
@@ -145,6 +149,8 @@ class DecodeGraphs:
         bucket = self.bucket_for(len(chunks))
         if bucket is None:
             return None, "batch_above_buckets"
+        if default_config(len(chunks)) != default_config(bucket):  # tile configs must not change with padding
+            return None, "bucket_changes_attention_config"
         config = self.side.config
         geometry = None
         max_csa_rows = 0
@@ -231,8 +237,9 @@ class DecodeGraphs:
         block_width = self.config.max_blocks_per_sequence if paged else 1
         if not paged:
             rows_per_block = {k: CONTIGUOUS_ROWS_PER_BLOCK for k in rows_per_block}
+        smaller = [b for b in self.buckets if b < bucket]
         tables = StaticDecodeTables(side.config, bucket, rows_per_block, block_width, index_rows, side.dtype,
-                                    self.device)
+                                    self.device, min_real_tokens=(max(smaller) + 1) if smaller else 1)
         routed_in = torch.zeros(bucket, side.config.hidden_size, dtype=side.dtype, device=self.device)
         graph_set = _GraphSet(tables, GraphBatch(tables), routed_in)
         segments, shared = self._functions(graph_set)
@@ -250,7 +257,9 @@ class DecodeGraphs:
                     shared[layer]()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        graph_set.pool = torch.cuda.graph_pool_handle()
+        if key[0] not in self._pools:
+            self._pools[key[0]] = torch.cuda.graph_pool_handle()
+        graph_set.pool = self._pools[key[0]]
         with torch.inference_mode():
             for layer in range(self.num_layers + 1):
                 graph_set.segments.append(self._capture(graph_set, segments[layer]))
@@ -263,7 +272,7 @@ class DecodeGraphs:
 
     def _capture(self, graph_set: _GraphSet, fn: Callable[[], None]) -> Callable[[], None]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_set.pool):
+        with torch.cuda.graph(graph, pool=graph_set.pool, capture_error_mode="thread_local"):
             fn()
         graph_set.graphs.append(graph)
         return graph.replay

@@ -69,8 +69,11 @@ class StaticDecodeTables(AttentionTables):
     closing_predicated = True
 
     def __init__(self, config: ModelConfig, num_tokens: int, rows_per_block: dict[tuple[int, str], int],
-                 block_width: int, index_rows: int | None, state_dtype: torch.dtype, device: torch.device) -> None:
+                 block_width: int, index_rows: int | None, state_dtype: torch.dtype, device: torch.device,
+                 min_real_tokens: int = 1) -> None:
+        """min_real_tokens: the fewest sequences a step over these tables has (the previous bucket + 1)."""
         self.config = config
+        self.min_real_tokens = min_real_tokens
         self.index_rows = index_rows
         self.split_key_order = split_keys(config)
         num_layers = config.num_hidden_layers
@@ -102,6 +105,7 @@ class StaticDecodeTables(AttentionTables):
         self.token_ids = device_views["token_ids"]  # [Tb] int64: the step's input tokens
         self.split_sizes = device_views["split_sizes"]  # [keys] int64
         self._copy_done: torch.cuda.Event | None = None
+        self._row_signatures: list[tuple | None] = [None] * num_tokens  # what each mirror row holds
 
     def device_split_size(self, window: int, ratio: int, topk: int | None) -> torch.Tensor:
         index = self.split_key_order.index(SplitKey(window, ratio, topk))
@@ -113,7 +117,7 @@ class StaticDecodeTables(AttentionTables):
         position 0 with token 0) and copy it to the device buffers, in stream order.
 
         The caller checked addressability and geometry (`DecodeGraphs._eligible`)."""
-        from common.kernels.sparse_attention import default_config, plan_splits
+        from common.kernels.sparse_attention import choose_num_splits, default_config, plan_splits
 
         if self._copy_done is not None:  # the previous step's copy must have read the mirror
             self._copy_done.synchronize()
@@ -124,18 +128,22 @@ class StaticDecodeTables(AttentionTables):
         positions = [state.num_tokens for state in states] + [0] * (num_tokens - num_real)
         for index in range(num_tokens):
             addresses = sequence_addresses(states[index]) if index < num_real else None
+            ids = addresses.block_table.block_ids if addresses is not None and addresses.paged else ()
+            # the mirror keeps the last step's rows: rewrite only what changed (same sequence, layout, blocks)
+            last = self._row_signatures[index]  # (fields tensor, block ids): holding the tensor keeps `is` sound
+            if addresses is not None and last is not None and last[0] is addresses.fields and last[1] == ids:
+                continue
+            self._row_signatures[index] = (addresses.fields, ids) if addresses is not None else None
             host["fields"][:, index] = addresses.fields if addresses is not None else scratch_fields
-            if addresses is not None and addresses.paged:
-                ids = addresses.block_table.block_ids
-                if ids:
-                    host["block_ids"][index, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            if ids:
+                host["block_ids"][index, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
         seq_info = torch.tensor([(position, index, 1) for index, position in enumerate(positions)], dtype=torch.int64)
         host["seq_info"].copy_(seq_info)
         host["positions"].copy_(torch.tensor(positions, dtype=torch.int64))
         host["token_ids"].zero_()
         config = self.config
         num_heads = config.num_attention_heads
-        plan_tokens = num_real or num_tokens  # (no real rows: the warm-up before a capture)
+        plan_tokens = num_real or self.min_real_tokens  # (no real rows: the warm-up before a capture)
         real_positions = positions[:num_real] or [0]
         max_position = max(real_positions)
         sparse_config = default_config(plan_tokens)
@@ -148,7 +156,11 @@ class StaticDecodeTables(AttentionTables):
             else:
                 max_rows = 0
             max_keys = min(key.window, max_position + 1) + max_rows
-            host["split_sizes"][index] = plan_splits(plan_tokens, num_heads, max_keys, sparse_config).keys_per_split
+            plan = plan_splits(plan_tokens, num_heads, max_keys, sparse_config)
+            capacity = choose_num_splits(self.min_real_tokens, plan.num_head_blocks, 1 << 40, sparse_config)
+            if plan.num_splits > capacity:  # cannot happen for num_real >= min_real_tokens
+                raise ValueError(f"{plan.num_splits} splits planned for {plan_tokens} tokens, the graph has {capacity}")
+            host["split_sizes"][index] = plan.keys_per_split
         self.flat.copy_(self.host, non_blocking=True)
         if token_ids is not None:
             self.token_ids[:num_real].copy_(token_ids)

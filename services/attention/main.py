@@ -23,7 +23,9 @@ class AttentionOptions:
     kv: KVPoolConfig | None = field(default_factory=KVPoolConfig)
     routing_stats_out: str | None = None  # Lucebox hotness tables, written on shutdown and on request
     replica_policy: str = "least_loaded"  # how replicas of an expert share its tokens (replica_routing.py)
-    data_plane: str = "zmq"  # "cuda_ipc": device rings shared with expert workers on the same host (cuda_ipc.py)
+    # None: the deployment's [[attention]] keys (data_plane, cuda_graphs); a value given here overrides them
+    data_plane: str | None = None  # "cuda_ipc": device rings shared with expert workers on the same host (cuda_ipc.py)
+    cuda_graphs: bool | None = None  # decode steps replayed as CUDA graphs per batch bucket (graph_decode.py)
 
 
 def add_attention_arguments(parser) -> None:
@@ -43,9 +45,12 @@ def add_attention_arguments(parser) -> None:
     parser.add_argument("--replica-policy", choices=("least_loaded", "round_robin"), default="least_loaded",
                         help="which copy of a replicated expert gets its tokens: the worker with the least work in "
                         "flight (default) or each copy in turn")
-    parser.add_argument("--data-plane", choices=("zmq", "cuda_ipc"), default="zmq",
+    parser.add_argument("--data-plane", choices=("zmq", "cuda_ipc"), default=None,
                         help="how Dispatch/Combine tensors travel: through ZeroMQ (default), or through CUDA device "
                         "rings shared by IPC with expert workers on CUDA devices of this host (others stay on ZeroMQ)")
+    parser.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
+                        help="replay decode steps as CUDA graphs captured per batch-size bucket (CUDA devices only; "
+                        "prefill, verification and steps that fit no bucket stay eager)")
 
 
 def _kv_from_args(args) -> KVPoolConfig | None:
@@ -72,7 +77,8 @@ def options_from_args(args) -> AttentionOptions:
         kv=_kv_from_args(args),
         routing_stats_out=getattr(args, "routing_stats_out", None),
         replica_policy=getattr(args, "replica_policy", "least_loaded"),
-        data_plane=getattr(args, "data_plane", "zmq"))
+        data_plane=getattr(args, "data_plane", None),
+        cuda_graphs=None if getattr(args, "cuda_graphs", None) is None else args.cuda_graphs == "on")
 
 
 def main(deployment: Deployment, name: str | None, log_level: str = "info",
@@ -97,6 +103,20 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
     holdings = tuple(holdings_for(w.name, w.placement, model_config.num_hidden_layers, model_config.n_routed_experts)
                      for w in deployment.expert)
     kv = options.kv or kv_pool_config(deployment)
+    data_plane = options.data_plane if options.data_plane is not None else entry.data_plane
+    cuda_graphs = options.cuda_graphs if options.cuda_graphs is not None else entry.cuda_graphs
+    if options.data_plane is None and data_plane != "zmq":  # from the file: refuse a plane that cannot work
+        import sys
+
+        import structlog
+
+        from common.commands.serve_config import DataPlaneRefused, check_deployment_data_plane
+        try:
+            check_deployment_data_plane(deployment, data_plane)
+        except DataPlaneRefused as error:
+            structlog.get_logger().error("attention.data_plane_refused", error=str(error))
+            print(f"moemesh attention: {error}", file=sys.stderr)
+            return 2
     if not _budget_fits(entry, deployment, model_config, kv):
         return 3  # the plan does not fit the device: the message is on stderr and in the log
     worker = AttentionWorker(AttentionWorkerConfig(
@@ -107,7 +127,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
         routing_stats=RoutingStatsConfig(out_path=options.routing_stats_out),
         recovery=RecoveryConfig(budget_s=budget_for(deployment.timeouts.step_s, deployment.timeouts.dispatch_s)),
         security=security, draft_endpoint=endpoints.draft, replica_policy=options.replica_policy,
-        data_plane=options.data_plane))
+        data_plane=data_plane, cuda_graphs=cuda_graphs))
     service_config = ServiceConfig(name=entry.name, role=ServiceRole.ATTENTION,
                                    endpoint=endpoints.attention[entry.name], supervisor_endpoint=endpoints.supervisor,
                                    device=entry.device, heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s,

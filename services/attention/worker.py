@@ -65,6 +65,9 @@ class AttentionWorkerConfig:
     # expert workers on this host and CUDA; others fall back to zmq with a log event): common/wire/cuda_ipc.py
     data_plane: str = "zmq"
     replica_policy: str = "least_loaded"  # how replicas share a pair's tokens: least_loaded | round_robin
+    # CUDA graphs of decode steps by batch-size bucket (services/attention/graph_decode.py; CUDA devices only;
+    # prefill, verification and steps that do not fit a bucket run eagerly)
+    cuda_graphs: bool = False
 
 
 def split_micro_batches(num_sequences: int, num_micro_batches: int) -> list[range]:
@@ -134,12 +137,18 @@ class AttentionWorker(Service):
                                       model_config.num_experts_per_tok, self.device,
                                       self.config.routing_stats.summary_every_steps)
         self.runner = ModelRunner(self.side, self.dispatcher, self.routing)
+        if self.config.cuda_graphs and self.device.type == "cuda":
+            from services.attention.graph_decode import DecodeGraphConfig, DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(
+                self.side, DecodeGraphConfig(max_blocks_per_sequence=self.config.kv.num_primary_blocks), self.device)
         self.sampler = Sampler()
         self.recovery = build_step_recovery(self)
         self._install_speculation(model_config)
         log.info("attention.loaded", name=self.config.name, device=str(self.device), dtype=str(dtype),
                  num_expert_workers=len(self.config.expert_endpoints), num_micro_batches=self.config.num_micro_batches,
-                 placement_invariant=self.config.placement_invariant, kv_bytes_per_block=self.pool.num_bytes_per_block())
+                 placement_invariant=self.config.placement_invariant, kv_bytes_per_block=self.pool.num_bytes_per_block(),
+                 cuda_graphs=self.runner.graphs is not None)
 
     async def handle(self, message: Any) -> Any:
         match message:

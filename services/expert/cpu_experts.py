@@ -24,6 +24,8 @@ Legend: T tokens, K top-k slots, D hidden, I expert width, R selected rows, B bl
 
 from __future__ import annotations
 
+import weakref
+
 import structlog
 import torch
 import torch.nn.functional as F
@@ -243,16 +245,27 @@ def expert_rows(held, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Te
     return out.view(num_tokens, top_k, -1)
 
 
+_stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # held layer -> its cpu_fp4.ExpertStacks
+
+
+def _layer_stacks(held):
+    """The byte views of a held layer's stacks, made once per layer object (views cost ~20 us a call)."""
+    from common.kernels.cpu_fp4 import ExpertStacks
+
+    stacks = _stacks.get(held)
+    if stacks is None or stacks.w1.data_ptr() != held.w1.data_ptr():
+        stacks = _stacks[held] = ExpertStacks.from_tensors(held.w1, held.s1, held.w3, held.s3, held.w2, held.s2)
+    return stacks
+
+
 def _native_expert_rows(runner: CpuBlockRunner, held, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                         slot_mask: torch.Tensor | None, swiglu_limit: float | None,
                         route_weight_before_w2: bool) -> torch.Tensor:
-    """expert_rows through the native kernel: rows grouped by expert in the reference's order, the
-    kernel writes each selected slot's fp32 row of out [T·K, D] (unselected rows stay zero)."""
-    from common.kernels.cpu_fp4 import ExpertGroups, ExpertStacks
-
+    """expert_rows through the native kernel, grouped in C in the reference's order (ascending expert,
+    each expert's slots ascending); it writes each selected slot's fp32 row of out [T·K, D] (unselected
+    rows stay zero)."""
     num_tokens, top_k = ids.shape
-    stacks = ExpertStacks.from_tensors(held.w1, held.s1, held.w3, held.s3, held.w2, held.s2)
-    groups = ExpertGroups.from_routing(ids, weights, slot_mask, held.local)
     out = torch.zeros(num_tokens * top_k, hidden.shape[1], dtype=torch.float32)  # [T·K, D]
-    runner.native.experts(hidden, groups, stacks, swiglu_limit, route_weight_before_w2, out, runner.num_threads)
+    runner.native.routed_experts(hidden, ids, weights, slot_mask, held.local, _layer_stacks(held), swiglu_limit,
+                                 route_weight_before_w2, out, runner.num_threads)
     return out.view(num_tokens, top_k, -1).to(hidden.dtype)

@@ -83,8 +83,10 @@ class QuantizedExpertWorker(ExpertWorker):
         """A received host tensor on this worker's device by a synchronous copy (CUDA), not through
         ExpertWorker's landing ring. Why: on the H200 runs of 2026-11-29 CUDA workers behind the ring
         saw Dispatches whose slot masks / expert ids did not match what the sender routed to them
-        (empty selections; NOT_FOUND for experts owned by the other worker) at random layers; the
-        cause is not found yet, so this worker stays off the ring (cost: one blocking copy per tensor)."""
+        (empty selections; NOT_FOUND for experts owned by the other worker) at random layers. The
+        cause was on the send side (staging buffers reused while ZeroMQ still held their frames, fixed in
+        session 3: common/wire/tracked_send.py), not the ring; this worker stays off the ring until a run
+        measures it back on (cost: one blocking copy per tensor)."""
         if received.is_cuda or self.device.type != "cuda":
             return super()._to_device(received)
         return received.to(self.device)
