@@ -33,13 +33,28 @@ from common.model.rope import RotaryTable, rms_norm_rope
 def _record_writes(batch, layer: int, which: str, *tensors: torch.Tensor) -> None:
     """Before the ring writes: stores that record block-end snapshots (prefix cache, swap-in;
     services/attention/boundary.py) see each sequence's new rows while they are all still at hand."""
-    if not batch.chunks:  # a CUDA-graph capture (graph_decode): commit_kernel_writes records after replay
-        return
-    for chunk, rows in zip(batch.chunks, batch.slices):
+    for chunk, rows in _chunks_crossing_block_ends(batch):
         store = getattr(chunk.state.layers[layer], which)
-        record = getattr(store, "record_write", None)
-        if record is not None:
-            record(*(tensor[rows] for tensor in tensors))
+        store.record_write(*(tensor[rows] for tensor in tensors))
+
+
+def _chunks_crossing_block_ends(batch) -> list:
+    """(chunk, token slice) of the sequences whose new tokens cross a KV block end in a recording
+    state, found once per forward (every layer has the same positions; the sequence's own count
+    advances only after the forward), so a forward that crosses none costs one check per sequence, not per layer and store.
+    A CUDA-graph capture has no chunks (commit_kernel_writes records after each replay)."""
+    if not batch.chunks:
+        return []
+    found = getattr(batch, "_chunks_crossing_block_ends", None)
+    if found is None:
+        found = []
+        for chunk, rows in zip(batch.chunks, batch.slices):
+            start = chunk.state.num_tokens
+            recorder = getattr(chunk.state.layers[0].window, "recorder", None)
+            if recorder is not None and recorder.boundaries(start, start + chunk.num_new_tokens):
+                found.append((chunk, rows))
+        batch._chunks_crossing_block_ends = found
+    return found
 
 
 def _emit_rows(compressor, kv_in: torch.Tensor, score_in: torch.Tensor, tables: AttentionTables, layer: int,

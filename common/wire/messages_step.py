@@ -1,0 +1,132 @@
+"""Control channel messages between the router and an attention worker: one step's plan and result.
+
+Part of the wire vocabulary registered in `common/wire/messages.py` (see its docstring for the
+field types the codec understands); imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from common.wire.message_enums import RoutingPhase
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's share of a step.
+
+    Invariants: `token_ids` are the tokens to compute this step, at positions
+    `start_position ..< start_position + len(token_ids)`; the last `len(draft_token_ids)`
+    of them are drafts to verify. `block_ids` holds the full block table per tier
+    (index 0 = GPU pool). `sampling` is `SamplingParams.to_wire()`, sent at least the
+    first time a sequence is scheduled (None afterwards: the worker keeps it per slot).
+
+    Speculation (services/router/engine_drafts.py): a sampled request's drafts come with the
+    sparse distribution each was drawn from (`draft_support_*[i]` for draft i, as in
+    DraftProposal; empty for greedy requests). `send_features`: send this sequence's
+    committed target features to the draft worker after the step.
+    """
+
+    request_id: str
+    seq_slot: int
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_ids: tuple[tuple[int, ...], ...]
+    do_sample: bool
+    sampling: dict[str, Any] | None = None
+    draft_token_ids: tuple[int, ...] = ()
+    draft_support_token_ids: tuple[tuple[int, ...], ...] = ()
+    draft_support_probs: tuple[tuple[float, ...], ...] = ()
+    send_features: bool = False
+    # With `sampling` (a sequence starting in its slot): its tokens before start_position and its
+    # prompt length, so penalties and seeded random streams survive preemption and prefix hits.
+    prior_token_ids: tuple[int, ...] = ()
+    num_prompt_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class PrefixRestore:
+    """Resume `seq_slot` from cached prefix blocks holding its first `num_tokens` tokens."""
+
+    request_id: str
+    seq_slot: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Router -> attention worker: everything one step computes and every block move it needs.
+
+    Block moves run before the step's compute: swap_out pairs are (gpu_block, cpu_block),
+    swap_in pairs are (cpu_block, gpu_block). `free_seq_slots` are released after the step.
+    Plain integers only, so the router's scheduler output maps onto it without torch.
+    """
+
+    TYPE: ClassVar[str] = "step_plan"
+    step_id: int
+    sequences: tuple[ScheduledSequence, ...]
+    swap_out: tuple[tuple[int, int], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
+    free_seq_slots: tuple[int, ...] = ()
+    prefix_restores: tuple[PrefixRestore, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprob of each emitted token and, if asked, its top alternatives (same length lists)."""
+
+    logprobs: tuple[float, ...]
+    top_token_ids: tuple[tuple[int, ...], ...] = ()
+    top_logprobs: tuple[tuple[float, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class SequenceResult:
+    """One sequence's outcome of a step: the tokens it gained (accepted drafts + sampled)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_draft_accepted: int = 0
+    logprobs: TokenLogprobs | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class LayerRoutingSkew:
+    """How unevenly one MoE layer's routed activations spread over its experts in one phase
+    (see `common.placement.stats.LayerSkew`: max_over_mean 1.0 = uniform, top8_share of the
+    8 hottest experts, effective_experts = exp(entropy), num_unused never selected)."""
+
+    layer: int
+    phase: RoutingPhase
+    num_activations: int
+    max_over_mean: float
+    top8_share: float
+    effective_experts: float
+    num_unused: int
+
+
+@dataclass(frozen=True)
+class RoutingSummary:
+    """The attention worker's routing statistics since it started, reduced to per-layer skew:
+    one entry per (measured phase, layer) plus the ALL phase for every layer. `layer_counts`
+    carries the raw activations per (layer, expert), all phases together, [L][E] (the status
+    page's heat map; L x E ints every few steps is small next to a step's tensors); empty when
+    the sender does not send them."""
+
+    num_steps: int
+    layers: tuple[LayerRoutingSkew, ...]
+    layer_counts: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Attention worker -> router, the answer to one StepPlan (same step_id). `routing` is
+    attached every few steps (the worker's `summary_every_steps`), None otherwise."""
+
+    TYPE: ClassVar[str] = "step_result"
+    step_id: int
+    sequences: tuple[SequenceResult, ...]
+    routing: RoutingSummary | None = None
