@@ -95,15 +95,10 @@ class QuantizedExpertWorker(ExpertWorker):
     @torch.inference_mode()
     def handle_dispatch(self, dispatch: Dispatch) -> Combine | ErrorReply:
         """Dispatch -> Combine, as ExpertWorker.handle_dispatch, with the experts kept quantized."""
-        self.num_dispatches += 1
-        hidden = self._to_device(dispatch.hidden).to(self.dtype)  # [T, D]
-        ids = self._to_device(dispatch.expert_ids).long()  # [T, K]
-        route_weights = self._to_device(dispatch.weights)  # [T, K] f32
-        mask = None if dispatch.slot_mask is None else self._to_device(dispatch.slot_mask)  # [T, K] bool
-        if ids.shape != route_weights.shape or ids.shape[0] != hidden.shape[0] or (
-                mask is not None and mask.shape != ids.shape):
-            return ErrorReply(code=ErrorCode.MALFORMED, message=f"dispatch shapes disagree: hidden "
-                              f"{tuple(hidden.shape)}, ids {tuple(ids.shape)}, weights {tuple(route_weights.shape)}")
+        inputs = self._dispatch_inputs(dispatch)
+        if isinstance(inputs, ErrorReply):
+            return inputs
+        hidden, ids, route_weights, mask = inputs
         selected = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask  # [T, K]
         missing = selected & ~self._experts.held_mask(dispatch.layer, ids)
         if bool(missing.any()):
@@ -111,14 +106,7 @@ class QuantizedExpertWorker(ExpertWorker):
                               f"{dispatch.layer} experts {sorted(set(ids[missing].tolist()))}")
         per_slot = self._slot_outputs(dispatch.layer, hidden, ids, route_weights, selected)  # [T, K, D]
         output = per_slot if dispatch.per_expert_outputs else sum_slots_in_order(per_slot)
-        self._last_reply_fits = (self._reply_pool is not None and output.numel() * output.element_size() + 64
-                                 <= self._reply_pool.config.buffer_bytes)
-        if not self._last_reply_fits:
-            self.num_unstaged_replies += self._reply_pool is not None
-            output = output.cpu()  # sent zero-copy from this fresh host tensor
-        return Combine(dispatch_id=dispatch.dispatch_id, step_id=dispatch.step_id, layer=dispatch.layer,
-                       micro_batch=dispatch.micro_batch, output=output,
-                       per_expert_outputs=dispatch.per_expert_outputs)
+        return self._combine_reply(dispatch, output)
 
     def _slot_outputs(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor,
                       selected: torch.Tensor) -> torch.Tensor:

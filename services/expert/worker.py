@@ -182,6 +182,17 @@ class ExpertWorker(Service):
     @torch.inference_mode()
     def handle_dispatch(self, dispatch: Dispatch) -> Combine | ErrorReply:
         """Dispatch -> Combine: grouped expert compute on this worker's slots, in a fixed order."""
+        inputs = self._dispatch_inputs(dispatch)
+        if isinstance(inputs, ErrorReply):
+            return inputs
+        output = self.expert_output(dispatch.layer, *inputs, dispatch.per_expert_outputs)
+        if isinstance(output, ErrorReply):
+            return output
+        return self._combine_reply(dispatch, output)
+
+    def _dispatch_inputs(self, dispatch: Dispatch):
+        """The Dispatch's tensors on this worker's device -> (hidden [T, D], ids [T, K] long,
+        route weights [T, K] f32, slot mask [T, K] bool or None), or MALFORMED when shapes disagree."""
         self.num_dispatches += 1
         hidden = self._to_device(dispatch.hidden).to(self.dtype)  # [T, D]
         ids = self._to_device(dispatch.expert_ids).long()  # [T, K]
@@ -191,9 +202,10 @@ class ExpertWorker(Service):
                 mask is not None and mask.shape != ids.shape):
             return ErrorReply(code=ErrorCode.MALFORMED, message=f"dispatch shapes disagree: hidden "
                               f"{tuple(hidden.shape)}, ids {tuple(ids.shape)}, weights {tuple(route_weights.shape)}")
-        output = self.expert_output(dispatch.layer, hidden, ids, route_weights, mask, dispatch.per_expert_outputs)
-        if isinstance(output, ErrorReply):
-            return output
+        return hidden, ids, route_weights, mask
+
+    def _combine_reply(self, dispatch: Dispatch, output: torch.Tensor) -> Combine:
+        """The Combine answering dispatch; output leaves from a staging buffer when it fits one."""
         self._last_reply_fits = (self._reply_pool is not None and output.numel() * output.element_size() + 64
                                  <= self._reply_pool.config.buffer_bytes)
         if not self._last_reply_fits:
