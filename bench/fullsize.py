@@ -3,7 +3,8 @@
     python -m bench.fullsize --experts-on cpu|cuda:1 --gpu-expert-budget 100GiB --batch 1,8[,64] \
         --routing uniform,skewed [--layers 43] [--context 512 --context-routing auto|natural|near] \
         [--decode-steps 5 --warmup-steps 2 --run-budget-s S] [--prefill 2048,8192] [--data-plane zmq|cuda_ipc] \
-        [--cuda-graphs] [--compare CPU_RUN.json] --out-dir DIR
+        [--cuda-graphs] [--compare CPU_RUN.json] [--speculation oracle,drafter --spec-width 5
+        --draft-device cuda:1] --out-dir DIR
     python -m bench.fullsize --tiny ...      # a tiny model on the CPU; checks the split run against in-process
 
 What runs (issue 8 item 5; issue 10 with --experts-on cuda:1):
@@ -26,6 +27,11 @@ up to --decode-steps measured decode steps (greedy; --run-budget-s caps a slow r
 "uniform" keeps the random gate bias; "skewed" sets bias = -c·ln(1 + rank) (c = --skew) in the
 running attention worker, between runs. A refused Dispatch is explained (sent vs received) in the
 run's JSON. Timings and floors: `bench.fullsize_report`. JSON via bench.results_io ("fullsize").
+Speculation (--speculation, issue 10 item 2; `bench.fullsize_spec`): after each plain decode run, the
+same prompts again with drafts from the oracle (the plain run's own greedy continuation: full
+acceptance, and output must equal the plain run's) and/or the DSpark draft worker process on the
+random model (V4-Flash drafter shapes; --draft-device, default the far expert device, else the
+attention device), verified --spec-width drafts per step; rows under "speculative" in the JSON.
 """
 
 from __future__ import annotations
@@ -74,6 +80,15 @@ def parse_args(argv: list[str] | None):
                         help="the attention worker replays CUDA graphs of its decode segments (when it has them)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch threads of the CPU expert worker (default: all cores but 4)")
+    parser.add_argument("--speculation", default="off",
+                        help="off, or draft sources run after each plain decode run: oracle,drafter")
+    parser.add_argument("--spec-width", type=int, default=5, help="drafts per request and step (the block size 5)")
+    parser.add_argument("--spec-diagnose", action="store_true",
+                        help="plain and speculative runs keep top-2 logprobs; each speculative row says how far the "
+                        "two paths' logprobs differ and how close the plain top-2 were where the outputs part")
+    parser.add_argument("--draft-device", default=None,
+                        help="device of the draft worker (default: the far expert device if a GPU, else the "
+                        "attention device)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU (tests, rehearsal)")
     parser.add_argument("--compare", default=None, help="a fullsize JSON (one GPU + CPU) to give ratios against")
@@ -87,6 +102,10 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from bench.fullsize_spec import SpecConfig, parse_sources
+
+    sources = parse_sources(args.speculation)
+    args.spec = SpecConfig(sources, args.spec_width) if sources else None
     if args.context_routing == "auto":
         args.context_routing = "near" if args.experts_on == "cpu" and not args.tiny else "natural"
     from bench.fullsize_verify import PairVerificationError
@@ -130,6 +149,11 @@ def run(args, run_dir: Path) -> dict:
     attention_device = "cpu" if args.tiny else "cuda:0"
     far_device = "cpu" if args.tiny else args.experts_on
     hub = model_hub_dict(args.layers, args.tiny)
+    draft = _draft_process(args, attention_device, far_device)
+    if draft is not None:
+        from services.draft.random_weights import with_dspark
+
+        hub = with_dspark(hub)  # the drafter's keys: the draft worker generates V4-Flash drafter shapes
     config = ModelConfig.from_dict(hub)
     all_expert_bytes = expert_bytes(config) * config.num_hidden_layers * config.n_routed_experts
     budget = (parse_size(args.gpu_expert_budget) if args.gpu_expert_budget
@@ -159,7 +183,7 @@ def run(args, run_dir: Path) -> dict:
                        ready_timeout_s=args.ready_timeout, dispatch_timeout_s=args.dispatch_timeout,
                        step_timeout_s=args.dispatch_timeout, log_level=args.log_level)
     cpu_threads = args.cpu_threads or (None if args.tiny else max(1, (os.cpu_count() or 8) - 4))
-    cluster = FullsizeCluster(spec, plan, run_dir / "timing", cpu_threads)
+    cluster = FullsizeCluster(spec, plan, run_dir / "timing", cpu_threads, draft)
     began_s = time.perf_counter()
     cluster.launch()
     worker = None
@@ -196,8 +220,10 @@ def run(args, run_dir: Path) -> dict:
                    f"then up to {args.decode_steps} measured decode steps"
                    + (f" (at most {args.run_budget_s} s of decode per run)" if args.run_budget_s else ""),
         "pair_check": pair_check, "dispatch_staging": args.dispatch_staging,
-        "speculation": ("not run: the DSpark drafter (services/draft) loads its weights from a checkpoint only and "
-                        "has no random-weights source, so the drafter's shapes cannot be run here"),
+        "speculation": "off (--speculation oracle,drafter runs it)",
+        "draft_worker": None if draft is None else {"device": draft.device, "width": draft.width, "mode": "fixed",
+                                                    "weights": "random, V4-Flash drafter shapes",
+                                                    "error": cluster.draft_error},
         "attention_device": attention_device, "placement": worker_placement_summary(plan),
         "gpu_expert_budget_bytes": budget, "skew_strength": args.skew,
         "near_worker": NEAR_WORKER, "far_worker": FAR_WORKER,
@@ -225,7 +251,10 @@ def _attention_worker(args, cluster, model_dir: str, device: str):
     from services.attention.worker import AttentionWorker, AttentionWorkerConfig
 
     batches = _ints(args.batch)
-    tokens_per_seq = args.context + args.warmup_steps + args.decode_steps + 2
+    num_steps = args.warmup_steps + args.decode_steps
+    tokens_per_seq = args.context + num_steps + 2
+    if args.spec is not None:  # the plain run feeding the oracle, and the widest verify step after it
+        tokens_per_seq = args.context + args.spec.num_plain_tokens(num_steps) + args.spec.width + 1
     blocks = max(max(batches, default=1) * -(-tokens_per_seq // 128), max([-(-(n + 2) // 128) for n in _ints(args.prefill)],
                                                               default=1)) + 8
     if device.startswith("cuda"):
@@ -241,6 +270,9 @@ def _attention_worker(args, cluster, model_dir: str, device: str):
         if "data_plane" not in {f.name for f in dataclasses.fields(AttentionWorkerConfig)}:
             raise SystemExit(f"--data-plane {args.data_plane}: this attention worker has only ZeroMQ")
         extra["data_plane"] = args.data_plane
+    if cluster.draft_endpoint is not None:
+        extra["draft_endpoint"] = cluster.draft_endpoint
+        extra["draft_timeout_s"] = 120.0  # the first feature message may wait for a drafter still compiling
     worker = AttentionWorker(AttentionWorkerConfig(
         name="attention-0", checkpoint_path=model_dir, expert_endpoints=cluster.endpoints(),
         expert_workers=cluster.holdings(), device=device, num_micro_batches=args.micro_batches,
@@ -249,6 +281,16 @@ def _attention_worker(args, cluster, model_dir: str, device: str):
         **extra))
     worker.load_now()
     return worker
+
+
+def _draft_process(args, attention_device: str, far_device: str):
+    """The draft worker to start (--speculation with drafter), or None."""
+    from bench.fullsize_setup import DraftProcess
+
+    if args.spec is None or not args.spec.uses_drafter:
+        return None
+    device = args.draft_device or (far_device if far_device.startswith("cuda") else attention_device)
+    return DraftProcess(device=device, width=args.spec.width)
 
 
 def _data_plane_workers(dispatcher) -> dict:

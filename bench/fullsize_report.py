@@ -176,6 +176,12 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"prefill {run['num_tokens']:>5} tokens ({run['routing']}): {s['step_s']:.2f} s, "
               f"{run['tokens_per_s']:.0f} tok/s, attention side {s['attention_side_s']:.2f} s, near experts "
               f"{s['near_expert_s']:.2f} s, far experts {s['far_expert_s']:.2f} s")
+    if result.get("speculative"):
+        from bench.fullsize_spec import print_spec_rows
+
+        print("speculation (tok/s = tokens gained / (verify step + drafter round trip); tau = tokens per sequence "
+              "per verify step)")
+        print_spec_rows(result["speculative"])
 
 
 def markdown_rows(result: dict[str, Any], label: str) -> list[str]:
@@ -207,19 +213,30 @@ def markdown_rows(result: dict[str, Any], label: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.fullsize_report LABEL=FILE ...`: the markdown rows of bench/NOTES.md."""
+    """`python -m bench.fullsize_report LABEL=FILE ...`: the markdown rows of bench/NOTES.md (the decode
+    and prefill table, then the speculative runs' table when any file has them)."""
     import json
     import sys
     from pathlib import Path
+
+    from bench.fullsize_spec import markdown_spec_rows
 
     print("| config | routing | B | tok/s | step ms | attention / near / far / transfer (build/in/out) ms | floor ms "
           "| x floor "
           "| near / far slot % | steps |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    spec_rows = []
     for item in (sys.argv[1:] if argv is None else argv):
         label, _, path = item.partition("=")
         loaded = json.loads(Path(path).read_text(encoding="utf-8"))
         for row in markdown_rows(loaded.get("raw", loaded), label):
+            print(row)
+        spec_rows += markdown_spec_rows(loaded.get("raw", loaded), label)
+    if spec_rows:
+        print("\n| config | routing | B | drafts (width) | tok/s | tau | verify step ms (x plain step ms) | verify "
+              "attention / wait ms | drafter round trip ms | x plain tok/s | output = plain |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for row in spec_rows:
             print(row)
     return 0
 

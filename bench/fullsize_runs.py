@@ -120,7 +120,9 @@ def run_all(args, worker, cluster, config, bandwidth: dict, model_dir, plan=None
         else:
             context["routing"] = "natural (too few token ids route near in every hash layer)"
             near = None
-    decode, prefill, checks = [], [], []
+    decode, prefill, checks, speculative = [], [], [], []
+    spec = getattr(args, "spec", None)  # bench.fullsize_spec.SpecConfig when --speculation is on
+    worker.runner.capture_layer_ids = frozenset()  # target features only in drafter runs (fullsize_spec_runs)
     routings = [r for r in args.routing.split(",") if r]
     for routing in routings:
         for batch in _ints(args.batch):
@@ -128,6 +130,8 @@ def run_all(args, worker, cluster, config, bandwidth: dict, model_dir, plan=None
                 1, min(args.context, args.max_context_tokens // batch))
             prompts = _context_prompts(batch, context_len, context_vocab, args.seed + batch)
             num_tokens = args.warmup_steps + args.decode_steps + 1  # the first comes from the prefill step
+            if spec is not None:  # the oracle drafts come from this run: enough for every verify step
+                num_tokens = max(num_tokens, spec.num_plain_tokens(args.warmup_steps + args.decode_steps))
             began_s = time.perf_counter()
             flush_expert_timings(endpoints, cluster.timing_dir)  # drop anything recorded before this run
             dispatcher.records.clear()
@@ -148,12 +152,14 @@ def run_all(args, worker, cluster, config, bandwidth: dict, model_dir, plan=None
                 return time.perf_counter() - began_s > args.run_budget_s
 
             step_tokens = min(max(2048, batch * context_len), _MAX_STEP_TOKENS)
+            run_kwargs = dict(block_size_tokens=128, num_primary_blocks=blocks, max_batched_tokens=step_tokens,
+                              with_logprobs=args.tiny, on_step=None if args.tiny else _print_step,
+                              before_decode=before_decode)
+            if spec is not None and getattr(args, "spec_diagnose", False):
+                run_kwargs["num_top_logprobs"] = 2  # bench.fullsize_spec.logprob_diagnosis
             try:
-                result = run_requests(worker, prompts, num_tokens, block_size_tokens=128,
-                                      num_primary_blocks=blocks, max_batched_tokens=step_tokens,
-                                      with_logprobs=args.tiny, prefix=f"{routing}-b{batch}",
-                                      on_step=None if args.tiny else _print_step, before_decode=before_decode,
-                                      stop_after=stop_after if args.run_budget_s is not None else None)
+                result = run_requests(worker, prompts, num_tokens, prefix=f"{routing}-b{batch}",
+                                      stop_after=stop_after if args.run_budget_s is not None else None, **run_kwargs)
             except Exception as error:  # a failed run is recorded; the next one still runs
                 _set_routing(worker, config, routing, original, args.seed, args.skew)
                 failed = {"routing": routing, "batch": batch, "error": f"{type(error).__name__}: {error}"[:2000],
@@ -164,12 +170,13 @@ def run_all(args, worker, cluster, config, bandwidth: dict, model_dir, plan=None
                 for item in failed["refusals"]:
                     print(f"  refused at {item['worker']}: {item['verdict']}; sent {item['sent']}; received "
                           f"{ {k: item['received'][k] for k in ('layer', 'expert_ids', 'slot_mask')} }", flush=True)
-                _save_partial(args, decode, prefill, context)
+                _save_partial(args, decode, prefill, context, speculative)
                 if args.tiny:
                     raise
                 continue
             timings = flush_expert_timings(endpoints, cluster.timing_dir)
-            decode_steps = [s for s in result.steps if s.is_decode][args.warmup_steps:]
+            decode_steps = [s for s in result.steps if s.is_decode][args.warmup_steps:
+                                                                      args.warmup_steps + args.decode_steps]
             analysis = analyse_steps(decode_steps, dispatcher.records, timings, **common)
             summary = analysis["summary"]
             prefill_steps = [s for s in result.steps if not s.is_decode]
@@ -194,9 +201,37 @@ def run_all(args, worker, cluster, config, bandwidth: dict, model_dir, plan=None
             print(f"{routing} B={batch}: {decode[-1]['tokens_per_s']:.2f} tok/s over {summary['num_steps']} steps "
                   f"(floor {decode[-1]['floor_tokens_per_s']:.1f}), near share {summary['near_slot_share']}",
                   flush=True)
+            reference = None
             if args.tiny and not result.stopped_early:  # a stopped run has partial outputs: nothing to compare
-                checks.append(_reference_check(model_dir, routing, args, prompts, num_tokens, result, batch, near))
-            _save_partial(args, decode, prefill, context)
+                check, reference = _reference_check(model_dir, routing, args, prompts, num_tokens, result, batch, near)
+                checks.append(check)
+            if spec is not None:
+                from bench.fullsize_spec_runs import run_speculative
+
+                def prepare_routing(routing=routing):
+                    if near is not None:
+                        _route_near(worker, config, near, original)
+                    else:
+                        _set_routing(worker, config, routing, original, args.seed, args.skew)
+
+                def reset_timing():
+                    flush_expert_timings(endpoints, cluster.timing_dir)
+                    dispatcher.records.clear()
+
+                def analyse(steps):
+                    timings = flush_expert_timings(endpoints, cluster.timing_dir)
+                    return analyse_steps(steps, dispatcher.records, timings, **common)["summary"]
+
+                def on_row(row, routing=routing):  # kept at once: a wall-clock cap may end the run mid-way
+                    speculative.append({"routing": routing, **row})
+                    _save_partial(args, decode, prefill, context, speculative)
+
+                _save_partial(args, decode, prefill, context, speculative)
+                run_speculative(args, worker, spec, getattr(cluster, "draft_endpoint", None), prompts, num_tokens,
+                                result, f"{routing}-b{batch}", summary, run_kwargs, prepare_routing, reference,
+                                (reset_timing, analyse), on_row)
+                _set_routing(worker, config, routing, original, args.seed, args.skew)
+            _save_partial(args, decode, prefill, context, speculative)
     for num_tokens in _ints(args.prefill):
         routing = routings[-1]
         _set_routing(worker, config, routing, original, args.seed, args.skew)
@@ -224,8 +259,21 @@ def run_all(args, worker, cluster, config, bandwidth: dict, model_dir, plan=None
         prefill.append({"num_tokens": num_tokens, "routing": routing, "tokens_per_s": num_tokens / step_s,
                         "summary": analysis["summary"], "num_steps": len(steps), "first_run_s": first_s})
         print(f"prefill {num_tokens}: {step_s:.2f} s, {num_tokens / step_s:.0f} tok/s", flush=True)
-        _save_partial(args, decode, prefill, context)
+        _save_partial(args, decode, prefill, context, speculative)
     out = {"decode": decode, "prefill": prefill, "context_method": context}
+    if spec is not None:
+        out["speculative"] = speculative
+        out["speculation"] = {"sources": [s.value for s in spec.sources], "width": spec.width,
+                              "method": "after each plain decode run, the same prompts once per draft source "
+                                        "(bench/fullsize_spec.py)"}
+        spec_checks = [row["reference_check"] for row in speculative if "reference_check" in row]
+        if args.tiny:
+            out["spec_reference_check"] = {
+                "ok": bool(spec_checks) and len(spec_checks) == len(speculative)
+                and all(c["tokens_equal"] for c in spec_checks)
+                and all(row.get("outputs_equal_plain") for row in speculative),
+                "criterion": "greedy speculative tokens equal the in-process plain run's, every token",
+                "runs": spec_checks}
     if checks:
         # exact: same expert code, same rows, same summation order (bench.fullsize_reference)
         out["reference_check"] = {"ok": all(c["tokens_equal"] and c["max_abs_logprob_diff"] == 0.0 for c in checks),
@@ -271,7 +319,7 @@ def _print_step(step) -> None:
           f"{'decode' if step.is_decode else 'prefill'} {step.wall_s * 1e3:.0f} ms", flush=True)
 
 
-def _save_partial(args, decode: list, prefill: list, context: dict) -> None:
+def _save_partial(args, decode: list, prefill: list, context: dict, speculative: list | None = None) -> None:
     """The runs so far, in case a wall-clock cap ends the benchmark before its result file."""
     import json
 
@@ -281,13 +329,15 @@ def _save_partial(args, decode: list, prefill: list, context: dict) -> None:
     summaries = [{k: v for k, v in run.items() if k != "steps"} for run in decode]  # per-step rows left out
     (args.out_dir / "fullsize-partial.json").write_text(json.dumps({"partial": True, "decode": summaries,
                                                                      "prefill": prefill, "context_method": context,
+                                                                     "speculative": speculative or [],
                                                                      "placement_far_device": args.experts_on},
                                                                     indent=1))
 
 
 def _reference_check(model_dir, routing: str, args, prompts, num_tokens: int, result, batch: int,
-                     near: torch.Tensor | None) -> dict:
-    """The in-process reference with the same gate biases at the same steps (near context routing too)."""
+                     near: torch.Tensor | None) -> tuple[dict, dict[str, list[int]]]:
+    """The in-process reference with the same gate biases at the same steps (near context routing too):
+    (the check, the reference's outputs by the split run's request ids)."""
     from bench.fullsize_reference import build_reference, compare, reference_generate
 
     model, config = build_reference(str(model_dir), 0.0)
@@ -303,7 +353,8 @@ def _reference_check(model_dir, routing: str, args, prompts, num_tokens: int, re
     ref_outputs, ref_logprobs = reference_generate(
         model, prompts, num_tokens,
         before_decode=lambda: _set_routing(_Side, config, routing, original, args.seed, args.skew))
-    check = compare(result.outputs, result.logprobs, ref_outputs, ref_logprobs, f"{routing}-b{batch}")
+    prefix = f"{routing}-b{batch}"
+    check = compare(result.outputs, result.logprobs, ref_outputs, ref_logprobs, prefix)
     check.update(routing=routing, batch=batch)
     print(f"reference check {routing} B={batch}: {check}", flush=True)
-    return check
+    return check, {f"{prefix}-{i}": tokens for i, tokens in enumerate(ref_outputs)}

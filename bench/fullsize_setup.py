@@ -12,7 +12,11 @@
   placement serves both routings (one weight generation for the whole run).
 - `FullsizeCluster`: `LocalCluster` with this placement, the deployment written here, and expert
   processes started as `python -m bench.fullsize_expert` (the moemesh expert worker with per-dispatch
-  timing written on request). The attention worker runs in the benchmark's own process.
+  timing written on request). The attention worker runs in the benchmark's own process. With a
+  `DraftProcess` (--speculation drafter) it also starts the DSpark draft worker (`moemesh draft`,
+  fixed width) on its device; the model directory then carries the drafter's keys
+  (`services.draft.random_weights.with_dspark`) and the draft worker generates random weights at
+  V4-Flash drafter shapes, with the target's embed and head equal to the attention worker's.
 """
 
 from __future__ import annotations
@@ -114,15 +118,57 @@ def _toml_string(text: str) -> str:
     return json.dumps(text)
 
 
+@dataclass(frozen=True)
+class DraftProcess:
+    """The draft worker of a speculative run: its device and fixed width (drafts per request and step)."""
+
+    device: str
+    width: int
+    name: str = "draft"
+
+
 class FullsizeCluster(LocalCluster):
     """Expert workers of a `SplitPlan` as processes (`bench.fullsize_expert`); no attention process."""
 
-    def __init__(self, spec: ClusterSpec, plan: SplitPlan, timing_dir: Path, cpu_threads: int | None = None) -> None:
+    def __init__(self, spec: ClusterSpec, plan: SplitPlan, timing_dir: Path, cpu_threads: int | None = None,
+                 draft: DraftProcess | None = None) -> None:
         super().__init__(spec)
         self.cpu_threads = cpu_threads  # torch threads of a CPU expert worker (None: torch's default)
         self.plan = plan
         self.timing_dir = timing_dir
         self.expert_names = [w.name for w in plan.placement.workers]
+        self.draft = draft
+        self.draft_error: str | None = None  # why the draft worker did not come up (its runs then fail alone)
+
+    @property
+    def draft_endpoint(self) -> str | None:
+        return None if self.draft is None or self.draft_error is not None else self.endpoint_of(self.draft.name)
+
+    def wait_ready(self) -> None:
+        """The expert workers as LocalCluster waits for them; then the draft worker, whose failure to
+        start is recorded in `draft_error` (and its process stopped) instead of ending the run: the
+        plain and oracle runs need no drafter."""
+        from services.attention.local_cluster import ClusterError
+
+        process = self.processes.pop(self.draft.name, None) if self.draft is not None else None
+        try:
+            super().wait_ready()
+        finally:
+            if process is not None:
+                self.processes[self.draft.name] = process
+        if process is None:
+            return
+        experts = {name: self.processes.pop(name) for name in self.expert_names if name in self.processes}
+        try:
+            super().wait_ready()  # now only the draft worker is in `processes`
+        except ClusterError as error:
+            self.draft_error = str(error)[:2000]
+            print(f"draft worker did not start: {self.draft_error[:600]}", flush=True)
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        finally:
+            self.processes.update(experts)
 
     def write_files(self) -> Path:
         spec = self.spec
@@ -143,6 +189,9 @@ class FullsizeCluster(LocalCluster):
         for worker in self.plan.placement.workers:
             lines += ["", "[[expert]]", f"name = {_toml_string(worker.name)}",
                       f"device = {_toml_string(worker.device)}", f"placement = {_toml_string(str(placement_path))}"]
+        if self.draft is not None:
+            lines += ["", "[draft]", "enabled = true", f"name = {_toml_string(self.draft.name)}",
+                      f"device = {_toml_string(self.draft.device)}"]
         path = self.run_dir / "deployment.toml"
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return path
@@ -153,9 +202,13 @@ class FullsizeCluster(LocalCluster):
 
         from services.attention.local_cluster import _REPO_ROOT, _die_with_parent
 
-        command = [sys.executable, "-m", "bench.fullsize_expert", "--config", str(config_path), "--name", name,
-                   "--log-level", self.spec.log_level, "--timing-dir", str(self.timing_dir)]
-        if self.cpu_threads:
+        if role == "draft":
+            command = [sys.executable, "-m", "common.cli", "draft", "--config", str(config_path), "--name", name,
+                       "--log-level", self.spec.log_level, *extra]
+        else:
+            command = [sys.executable, "-m", "bench.fullsize_expert", "--config", str(config_path), "--name", name,
+                       "--log-level", self.spec.log_level, "--timing-dir", str(self.timing_dir)]
+        if self.cpu_threads and role != "draft":
             command += ["--cpu-threads", str(self.cpu_threads)]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
@@ -170,9 +223,30 @@ class FullsizeCluster(LocalCluster):
         try:
             for name in self.expert_names:
                 self._start("expert", name, config_path, [])
+            if self.draft is not None:
+                self._start("draft", self.draft.name, config_path,
+                            ["--speculation", "fixed", "--spec-width", str(self.draft.width)])
         except BaseException:
             self.stop()
             raise
+
+    def stop(self) -> dict[str, int]:
+        """The draft worker first (SIGTERM, then SIGKILL after the bound), then the expert workers."""
+        import signal
+        import subprocess
+
+        codes = {}
+        process = self.processes.get(self.draft.name) if self.draft is not None else None
+        if process is not None:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=self.spec.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            codes[self.draft.name] = process.returncode
+        return {**codes, **super().stop()}
 
     def holdings(self):
         from services.expert.placement import WorkerHoldings
@@ -192,5 +266,5 @@ def worker_placement_summary(plan: SplitPlan) -> dict[str, Any]:
             "expected_near_share_skewed": plan.expected_near_share}
 
 
-__all__ = ["FAR_WORKER", "NEAR_WORKER", "FullsizeCluster", "SplitPlan", "WorkerPlacement", "model_hub_dict",
+__all__ = ["FAR_WORKER", "NEAR_WORKER", "DraftProcess", "FullsizeCluster", "SplitPlan", "WorkerPlacement", "model_hub_dict",
            "plan_split", "skew_shares", "worker_placement_summary"]

@@ -59,6 +59,12 @@ class StepTiming:
     is_decode: bool
     began_s: float
     ended_s: float
+    # speculation (zero in plain runs): drafts verified, accepted, tokens the sequences gained, and the
+    # drafter round trip that produced this step's drafts (taken right before the step's plan)
+    num_drafts: int = 0
+    num_accepted: int = 0
+    num_tokens_gained: int = 0
+    draft_s: float = 0.0
 
     @property
     def wall_s(self) -> float:
@@ -71,6 +77,8 @@ class RunResult:
     stopped_early: bool = False  # `stop_after` ended the decode before max_tokens (outputs are then partial)
     outputs: dict[str, list[int]] = field(default_factory=dict)  # request id -> generated tokens
     logprobs: dict[str, list[float]] = field(default_factory=dict)  # chosen-token logprobs (when asked)
+    # per token: (top token ids, their logprobs), when num_top_logprobs was asked
+    top_logprobs: dict[str, list[tuple[tuple[int, ...], tuple[float, ...]]]] = field(default_factory=dict)
 
 
 def random_prompts(num_prompts: int, num_tokens: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -80,8 +88,15 @@ def random_prompts(num_prompts: int, num_tokens: int, vocab_size: int, seed: int
 
 def run_requests(worker, prompts: list[list[int]], max_tokens: int, *, block_size_tokens: int,
                  num_primary_blocks: int, max_batched_tokens: int, with_logprobs: bool = False,
-                 prefix: str = "req", on_step=None, before_decode=None, stop_after=None) -> RunResult:
+                 prefix: str = "req", on_step=None, before_decode=None, stop_after=None, drafts=None,
+                 send_features: bool = False, num_top_logprobs: int | None = None) -> RunResult:
     """Greedy-generate `max_tokens` for every prompt through `worker.step`, timing each step.
+
+    drafts: a draft source (`bench.fullsize_spec`): `drafts.propose(planner) -> seconds` is called
+    before every plan and gives caught-up requests their drafts (`LocalPlanner.set_drafts`);
+    `drafts.finish(planner)` at the end. send_features: every step asks the attention worker to send
+    the requests' target features to its draft worker. num_top_logprobs: also keep each token's top
+    alternatives (and its logprob), a diagnostic of speculative runs (`bench.fullsize_spec`).
 
     before_decode(): called once, right before the first step that is all decode (the context is in
     the KV cache by then). stop_after(result) -> bool: asked after every decode step; True finishes
@@ -90,9 +105,10 @@ def run_requests(worker, prompts: list[list[int]], max_tokens: int, *, block_siz
     from common.wire.messages import ErrorReply
     from services.attention.local_plan import LocalPlanConfig, LocalPlanner, LocalRequest, PlanError
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            num_logprobs=0 if with_logprobs else None)
-    requests = [LocalRequest(f"{prefix}-{i}", list(p), params) for i, p in enumerate(prompts)]
+    num_logprobs = num_top_logprobs if num_top_logprobs is not None else (0 if with_logprobs else None)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, num_logprobs=num_logprobs)
+    requests = [LocalRequest(f"{prefix}-{i}", list(p), params, send_features=send_features)
+                for i, p in enumerate(prompts)]
     plan_config = LocalPlanConfig(block_size_tokens=block_size_tokens, num_primary_blocks=num_primary_blocks,
                                   max_num_seqs=max(64, len(prompts)), max_num_batched_tokens=max_batched_tokens,
                                   max_chunk_tokens=max_batched_tokens)
@@ -100,6 +116,7 @@ def run_requests(worker, prompts: list[list[int]], max_tokens: int, *, block_siz
     result = RunResult()
     prompt_lengths = {r.request_id: len(r.prompt_token_ids) for r in requests}
     while not planner.done:
+        draft_s = drafts.propose(planner) if drafts is not None else 0.0
         plan = planner.next_plan()
         num_tokens = sum(len(s.token_ids) for s in plan.sequences)
         is_decode = all(s.start_position >= prompt_lengths[s.request_id] for s in plan.sequences)
@@ -112,18 +129,28 @@ def run_requests(worker, prompts: list[list[int]], max_tokens: int, *, block_siz
         if isinstance(reply, ErrorReply):
             raise PlanError(f"attention worker: {reply.code}: {reply.message}")
         planner.update(reply)
-        result.steps.append(StepTiming(plan.step_id, num_tokens, len(plan.sequences), is_decode, began_s, ended_s))
+        result.steps.append(StepTiming(
+            plan.step_id, num_tokens, len(plan.sequences), is_decode, began_s, ended_s,
+            num_drafts=sum(len(s.draft_token_ids) for s in plan.sequences),
+            num_accepted=sum(s.num_draft_accepted for s in reply.sequences),
+            num_tokens_gained=sum(len(s.token_ids) for s in reply.sequences), draft_s=draft_s))
         if on_step is not None:
             on_step(result.steps[-1])
         if is_decode and stop_after is not None and not planner.done and stop_after(result):
             _stop_all(worker, planner)
             result.stopped_early = True
             break
+    if drafts is not None:
+        drafts.finish(planner)
     for request in requests:
         if request.error is not None:
             raise PlanError(f"{request.request_id}: {request.error}")
         result.outputs[request.request_id] = list(request.output_token_ids)
         result.logprobs[request.request_id] = [entry.logprobs[0] for entry in request.logprobs]
+        if num_top_logprobs:
+            result.top_logprobs[request.request_id] = [
+                (tuple(entry.top_token_ids[0]), tuple(entry.top_logprobs[0])) if entry.top_token_ids else ((), ())
+                for entry in request.logprobs]
     return result
 
 

@@ -53,7 +53,8 @@ def write_result(
     command: str | None = None,
     out_dir: Path | None = None,
 ) -> Path:
-    """Write `bench/results/<name>-<utc timestamp>.json` and return its path."""
+    """Write `bench/results/<name>-<utc timestamp>.json` (and its plot beside it, bench.plots) and
+    return the JSON's path."""
     now = _dt.datetime.now(_dt.timezone.utc)
     record = {
         "benchmark": name,
@@ -68,4 +69,7 @@ def write_result(
     target_dir.mkdir(parents=True, exist_ok=True)
     path = target_dir / f"{name}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
+    from bench.plots import render_beside
+
+    render_beside(path)  # `<name>-<time>.png` beside the JSON; nothing (and a note) without matplotlib
     return path

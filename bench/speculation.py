@@ -22,9 +22,18 @@ when any holds:
 - a run had zero throughput;
 - greedy outputs (sha256 over every request's text) differ between a speculative mode and off;
 - speculation did not run in a speculative run (no request with usage.speculative.ran).
+  In adaptive mode the router's cost-aware policy may legitimately verify nothing (a plain step pays
+  better); such a run passes when the router's counters show the drafter was consulted or steps
+  were skipped by the policy (the counters are in the run's `policy` entry).
 Prompts carry a per-run nonce so no run reuses another's prefix. Writes
-`speculation-<time>.json` (bench.results_io) under --out-dir (default bench/results/).
+`speculation-<time>.json` (bench.results_io) under --out-dir (default bench/results/), also when a
+configuration fails, a server does not start, --time-budget-s runs out, or SIGTERM / SIGINT stops the
+run (the JSON then holds the runs finished so far, and `problems` says why it stopped).
 Speed is printed, never asserted.
+
+Modes: off, fixed, adaptive (the confidence rule and the router's cost-aware widths:
+MOEMESH_SPEC_WIDTH_POLICY=cost for that server's router), and `confidence` (adaptive with the
+confidence rule alone: the router keeps the drafter's widths), for comparing the two in one run.
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.speculation_checks import run_problems, speedups
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Running text of the chapters the default model memorised (its training format `Book C:V text`), so
 # decodes run long and drafts have something to get right, as on code or maths for a real model.
@@ -52,7 +63,11 @@ PROMPTS = [  # the first one alone is the single-stream run: Psalms 119 is long,
     "John 3:16 For God so loved the world,", "1 Corinthians 13:4 Charity suffereth long,",
     "Matthew 6:9 After this manner therefore pray ye:",
 ]
-MODES = ("off", "fixed", "adaptive")
+MODES = ("off", "fixed", "adaptive", "confidence")
+DEFAULT_MODES = ("off", "fixed", "adaptive")
+SERVE_MODE = {"off": "off", "fixed": "fixed", "adaptive": "adaptive", "confidence": "adaptive"}
+# the router's width policy per bench mode (services/router/engine_drafts.py: width_policy_from_env)
+WIDTH_POLICY = {"off": "drafter", "fixed": "drafter", "adaptive": "cost", "confidence": "drafter"}
 
 
 @dataclass
@@ -82,7 +97,7 @@ def _free_port() -> int:
 def _serve_args(mode: str, spec_width: int | None) -> list[str]:
     if mode == "off":
         return ["--speculation", "off"]
-    return ["--speculation", mode] + (["--spec-width", str(spec_width)] if spec_width else [])
+    return ["--speculation", SERVE_MODE[mode]] + (["--spec-width", str(spec_width)] if spec_width else [])
 
 
 def _launch(model: str, mode: str, extra: list[str]) -> Server:
@@ -90,7 +105,8 @@ def _launch(model: str, mode: str, extra: list[str]) -> Server:
     port = _free_port()
     command = [sys.executable, "-m", "common.cli", "serve", "--model", model, "--port", str(port), "--run-dir",
                str(run_dir), *extra]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+               MOEMESH_SPEC_WIDTH_POLICY=WIDTH_POLICY[mode])
     with open(run_dir / "serve.stderr", "wb") as stderr:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
                                    preexec_fn=_die_with_parent)
@@ -104,11 +120,15 @@ def _await_ready(server: Server) -> None:
         raise RuntimeError(f"serve ({server.mode}) did not start: {server.first_line!r}\n{tail}")
 
 
-def _stop(server: Server) -> None:
-    if server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
+def _stop_all(servers: list[Server], timeout_s: float) -> None:
+    """SIGTERM every server at once, wait up to timeout_s in all, then kill what is left."""
+    for server in servers:
+        if server.process.poll() is None:
+            server.process.send_signal(signal.SIGTERM)
+    deadline_s = time.monotonic() + timeout_s
+    for server in servers:
         try:
-            server.process.wait(timeout=30)
+            server.process.wait(timeout=max(0.1, deadline_s - time.monotonic()))
         except subprocess.TimeoutExpired:
             server.process.kill()
             server.process.wait()
@@ -148,6 +168,8 @@ async def _run(base_url: str, prompts: list[str], temperature: float, max_tokens
     step_s = _counter_delta(before, after, "step_seconds_total")
     num_draft_requests = _counter_delta(before, after, "spec_num_draft_requests")
     draft_s = _counter_delta(before, after, "spec_draft_round_trip_s_total")
+    policy = {key.removeprefix("spec_policy_"): _counter_delta(before, after, key)
+              for key in after if key.startswith("spec_policy_num_")}
     return {
         "num_requests": len(prompts), "num_output_tokens": num_tokens, "elapsed_s": elapsed_s,
         "tokens_per_s": num_tokens / elapsed_s if elapsed_s > 0 else 0.0,
@@ -167,23 +189,8 @@ async def _run(base_url: str, prompts: list[str], temperature: float, max_tokens
         "draft_round_trip_ms_mean": 1e3 * draft_s / num_draft_requests if num_draft_requests else 0.0,
         "other_ms_per_step": 1e3 * (elapsed_s - step_s - draft_s) / num_steps if num_steps else 0.0,
         "tokens_per_step": num_tokens / num_steps if num_steps else 0.0,
+        "policy": policy,  # the router's cost-aware width policy in this run (adaptive mode)
     }
-
-
-def _checks(name: str, run: dict, max_tokens: int, speculative: bool, ignore_eos: bool) -> list[str]:
-    problems = []
-    for reason, count in zip(run["finish_reasons"], run["completion_tokens"]):
-        if count == 0 or (reason == "length" and count != max_tokens) or (ignore_eos and count != max_tokens):
-            problems.append(f"{name}: short request ({count} tokens, finish {reason})")
-    if any(reason not in ("length", "stop") for reason in run["finish_reasons"]):
-        problems.append(f"{name}: finish reasons {run['finish_reasons']}")
-    if run["cached_tokens"]:
-        problems.append(f"{name}: hit a cached prefix ({run['cached_tokens']} tokens)")
-    if run["tokens_per_s"] <= 0:
-        problems.append(f"{name}: zero throughput")
-    if speculative and not run["speculation_ran"]:
-        problems.append(f"{name}: speculation did not run")
-    return problems
 
 
 def _log_summaries(run_dir: Path) -> dict:
@@ -218,7 +225,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default=str(REPO_ROOT / "models" / "kjv-dsv4-mini"))
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=8, help="the multi-stream runs' concurrency")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of off,fixed,adaptive")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help="comma-separated subset of off,fixed,adaptive,confidence (must include off)")
     parser.add_argument("--speculation", default=None, choices=("fixed", "adaptive"),
                         help="shorthand for --modes off,<mode> (the previous interface)")
     parser.add_argument("--spec-width", type=int, default=None, help="width of the speculative modes")
@@ -231,6 +239,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="runs per configuration and mode (median kept)")
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
     parser.add_argument("--keep-logs", default=None, help="copy the servers' service logs here at the end")
+    parser.add_argument("--time-budget-s", type=float, default=None,
+                        help="start no run after this many seconds from launch (the JSON lists what was skipped)")
     args = parser.parse_args(argv)
     if args.speculation:
         args.modes = f"off,{args.speculation}"
@@ -240,17 +250,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _measure(servers: list[Server], args: argparse.Namespace, ignore_eos: bool,
-             problems: list[str]) -> dict[str, dict]:
+def _measure(servers: list[Server], args: argparse.Namespace, ignore_eos: bool, problems: list[str],
+             runs: dict[str, list[dict]], deadline_s: float | None = None) -> None:
     """Every (temperature, streams) configuration on every server, interleaved (off, fixed,
-    adaptive, then again in rotated order) so slow drifts of the host hit every mode alike; the
-    run kept per key is the median by tokens/s, with every repeat's tokens/s beside it."""
+    adaptive, then again in rotated order) so slow drifts of the host hit every mode alike. Appends
+    each finished run to runs[key] as it goes (so a stop keeps them); `_summarise` picks the median.
+    deadline_s (time.monotonic): no run starts after it."""
     temperatures = [float(t) for t in args.temperatures.split(",")]
     stream_counts = sorted({1, args.streams})
     for server in servers:  # first-step costs out of the figures: greedy and sampled, long enough to draft
         asyncio.run(_run(server.base_url, ["Warm up", "Warm up again"], 0.0, 16, 0, ignore_eos, args.request_timeout_s))
         asyncio.run(_run(server.base_url, ["Warm up sampled"], 1.0, 16, 0, ignore_eos, args.request_timeout_s))
-    runs: dict[str, list[dict]] = {}
     for temperature in temperatures:
         for num_streams in stream_counts:
             for repeat in range(args.repeats):
@@ -261,6 +271,10 @@ def _measure(servers: list[Server], args: argparse.Namespace, ignore_eos: bool,
                 order = servers[repeat % len(servers):] + servers[:repeat % len(servers)]
                 for server in order:
                     key = f"{server.mode}/temperature={temperature:g}/streams={num_streams}"
+                    if deadline_s is not None and time.monotonic() > deadline_s:
+                        problems.append(f"{key} repeat {repeat}: not run (time budget {args.time_budget_s:g} s spent)")
+                        print(f"SKIP {problems[-1]}", flush=True)
+                        continue
                     print(f"run {key} repeat {repeat}", flush=True)
                     try:
                         run = asyncio.run(_run(server.base_url, prompts, temperature, args.max_tokens, 7, ignore_eos,
@@ -269,35 +283,36 @@ def _measure(servers: list[Server], args: argparse.Namespace, ignore_eos: bool,
                         problems.append(f"{key} repeat {repeat}: {type(error).__name__}: {str(error)[:200]}")
                         print(f"FAIL {problems[-1]}", flush=True)
                         continue
-                    problems += _checks(key, run, args.max_tokens, server.mode != "off", ignore_eos)
-                    runs.setdefault(key, []).append(run)
+                    problems += run_problems(key, run, args.max_tokens, server.mode != "off", ignore_eos)
+                    runs.setdefault(key, []).append({**run, "repeat": repeat})
                     _print_run(key, run)
+
+
+def _summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per key the median run by tokens/s, with every repeat's tokens/s, texts and hashes beside it."""
     results = {}
     for key, repeats in runs.items():  # repeats in repeat order (same prompts across modes per repeat)
         ordered = sorted(repeats, key=lambda run: run["tokens_per_s"])
         results[key] = {**ordered[len(ordered) // 2], "repeat_tokens_per_s": [r["tokens_per_s"] for r in repeats],
-                        "repeat_texts": [r["texts"] for r in repeats],
+                        "repeat_texts": [r["texts"] for r in repeats], "repeat_ids": [r["repeat"] for r in repeats],
                         "repeat_hashes": [r["output_hash"] for r in repeats]}
     return results
 
 
-def _ratios(results: dict[str, dict], modes: list[str], problems: list[str]) -> dict[str, float]:
-    ratios = {}
-    for key, spec in results.items():
-        mode, suffix = key.split("/", 1)
-        plain = results.get(f"off/{suffix}")
-        if mode == "off" or plain is None:
+def _cost_models(servers: list[Server]) -> dict[str, dict]:
+    """What each adaptive server's router learned (spec_cost_model from /status.json), best effort."""
+    import httpx
+
+    models = {}
+    for server in servers:
+        try:
+            engine = httpx.get(f"{server.base_url}/status.json", timeout=5).json().get("engine", {})
+        except Exception:  # a server that died: nothing to read
             continue
-        ratios[f"speedup/{mode}/{suffix}"] = spec["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
-        if not suffix.startswith("temperature=0/"):
-            continue
-        for repeat, (plain_texts, spec_texts) in enumerate(zip(plain["repeat_texts"], spec["repeat_texts"])):
-            if plain_texts == spec_texts:  # same prompts (the repeat's nonce) on both servers
-                continue
-            first = next(i for i, (a, b) in enumerate(zip(plain_texts, spec_texts)) if a != b)
-            problems.append(f"greedy output hash differs with speculation {mode} ({suffix}, repeat {repeat}): "
-                            f"request {first}, off {plain_texts[first][-80:]!r} vs {mode} {spec_texts[first][-80:]!r}")
-    return ratios
+        if "spec_cost_model" in engine:
+            models[server.mode] = {"cost_model": engine["spec_cost_model"],
+                                   "mean_survival": engine.get("spec_policy_mean_survival")}
+    return models
 
 
 def _keep_logs(servers: list[Server], target: Path) -> None:
@@ -316,32 +331,48 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ignore_eos = args.ignore_eos
     common = ["--devices", args.devices, "--dtype", args.dtype, "--drain-timeout", "5"]
-    signal.signal(signal.SIGTERM, _terminate)  # a wall-clock cap still stops the servers (finally below)
-    servers = [_launch(args.model, mode, _serve_args(mode, args.spec_width) + common) for mode in args.mode_list]
+    signal.signal(signal.SIGTERM, _terminate)  # a wall-clock cap still stops the servers and writes the JSON
+    start_s = time.monotonic()
+    deadline_s = start_s + args.time_budget_s if args.time_budget_s else None
+    servers: list[Server] = []
     problems: list[str] = []
-    results: dict[str, dict] = {}
-    start_s = time.perf_counter()
+    runs: dict[str, list[dict]] = {}
+    cost_models: dict[str, dict] = {}
     try:
-        for server in servers:
-            _await_ready(server)
-        print(f"servers ready after {time.perf_counter() - start_s:.1f} s: "
-              + "; ".join(s.first_line.strip() for s in servers), flush=True)
-        results = _measure(servers, args, ignore_eos, problems)
-    finally:
-        for server in servers:
-            _stop(server)
-        if args.keep_logs:
-            _keep_logs(servers, Path(args.keep_logs))
+        try:
+            servers = [_launch(args.model, mode, _serve_args(mode, args.spec_width) + common)
+                       for mode in args.mode_list]
+            for server in servers:
+                _await_ready(server)
+            print(f"servers ready after {time.monotonic() - start_s:.1f} s: "
+                  + "; ".join(s.first_line.strip() for s in servers), flush=True)
+            _measure(servers, args, ignore_eos, problems, runs, deadline_s)
+            cost_models = _cost_models(servers)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the clean-up and the JSON must not be cut again
+            _stop_all(servers, timeout_s=8.0)
+            if args.keep_logs:
+                _keep_logs(servers, Path(args.keep_logs))
+    except (SystemExit, KeyboardInterrupt) as error:
+        problems.append(f"stopped early ({error or type(error).__name__}) after {time.monotonic() - start_s:.0f} s: "
+                        "the runs finished so far are in this file")
+    except RuntimeError as error:  # a server did not start
+        problems.append(str(error)[:3000])
+    results = _summarise(runs)
     summaries = {server.mode: _log_summaries(server.run_dir) for server in servers}
     for mode, summary in summaries.items():
         if summary:
             print(f"{mode:10s} inside the workers: {json.dumps(summary, sort_keys=True)}")
-    ratios = _ratios(results, args.mode_list, problems)
+    for mode, model in cost_models.items():
+        print(f"{mode:10s} cost model learned by the router: {json.dumps(model, sort_keys=True)}")
+    ratios = speedups(results, problems)
     for key, value in ratios.items():
         print(f"{key:44s} {value:.2f}x")
     raw = {"runs": results, "problems": problems, "max_tokens": args.max_tokens, "ignore_eos": ignore_eos,
            "modes": args.mode_list, "spec_width": args.spec_width, "repeats": args.repeats,
-           "worker_timings": summaries, "serve_lines": {s.mode: s.first_line.strip() for s in servers}}
+           "width_policies": {mode: WIDTH_POLICY[mode] for mode in args.mode_list},
+           "worker_timings": summaries, "cost_models": cost_models,
+           "serve_lines": {s.mode: s.first_line.strip() for s in servers}}
     path = write_result("speculation", raw, ratios, device=f"{describe_device()}; serve --devices {args.devices}",
                         command="moemesh bench speculation " + " ".join(argv if argv is not None else sys.argv[1:]),
                         out_dir=Path(args.out_dir) if args.out_dir else None)
@@ -352,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _terminate(signum, _frame) -> None:
-    raise SystemExit(f"bench speculation: stopped by signal {signum}")
+    raise SystemExit(f"stopped by signal {signum}")
 
 
 if __name__ == "__main__":

@@ -5,56 +5,26 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import zmq
-import zmq.asyncio
 
-from common.runtime.deployment import derive_endpoints, load_deployment
-from common.runtime.supervisor import Supervisor
 from common.wire import messages as m
-from common.wire.transport import AsyncClient, Kind, pack_envelope
+from common.wire.transport import Kind, pack_envelope
+from draft_support import REPO_ROOT, running_draft_worker, write_draft_deployment
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "models" / "kjv-dsv4-mini"
-CHILD = ("import sys; from common.runtime.deployment import load_deployment; from services.draft.main import run; "
-         "sys.exit(run(load_deployment(sys.argv[1]), None, 'info'))")
+MODEL = REPO_ROOT / "models" / "kjv-dsv4-mini"
 
 
 @pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="default model not present")
 def test_draft_process_answers_requests_and_survives_garbage(tmp_path):
-    config_path = tmp_path / "deploy.toml"
-    config_path.write_text(f"""
-[model]
-path = "{MODEL}"
-[paths]
-run_dir = "{tmp_path}"
-log_dir = "{tmp_path / 'logs'}"
-[[attention]]
-name = "attention-0"
-[[expert]]
-name = "expert-0"
-[draft]
-enabled = true
-name = "draft"
-""")
-    endpoints = derive_endpoints(load_deployment(config_path))
+    config_path = write_draft_deployment(tmp_path, MODEL)
     hidden = 256  # kjv-dsv4-mini hidden_size; 3 target layers
     features = torch.randn(12, 3 * hidden, generator=torch.Generator().manual_seed(0))
 
     async def scenario():
-        context = zmq.asyncio.Context()
-        supervisor = Supervisor(endpoints.supervisor, context=context)
-        supervisor_task = asyncio.create_task(supervisor.run())
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(config_path)], cwd=ROOT,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        client = AsyncClient(endpoints.draft, context=context, default_timeout_s=20)
-        try:
-            ready = await supervisor.wait_ready(["draft"], timeout_s=60)
+        async with running_draft_worker(config_path) as (context, endpoints, client, ready, child):
             assert ready["draft"].role is m.ServiceRole.DRAFT and ready["draft"].pid == child.pid
             segment = m.FeatureSegment("r1", 0, 12, 0, tuple(range(12)))
             assert await client.request(m.TargetFeatures(step_id=0, segments=(segment,), features=features)) == m.Ack()
@@ -83,14 +53,6 @@ name = "draft"
             child.send_signal(signal.SIGTERM)
             exit_code = await asyncio.to_thread(child.wait, 20)
             assert exit_code == 0, child.stderr.read().decode()[-2000:]
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait(5)
-            await client.close()
-            supervisor_task.cancel()
-            supervisor.close()
-            context.term()
 
     asyncio.run(scenario())
     log_text = (tmp_path / "logs" / "draft.log").read_text()

@@ -1,9 +1,16 @@
 """Fault recovery with real processes: router, attention worker and two expert workers started
-from one deployment file (the test plays supervisor). An expert worker is SIGKILLed while a
-streamed completion is generating and restarted; the attention worker rolls the step back and
-retries it on the restarted worker, so the stream completes with the reference tokens (or,
-should the budget run out, ends with finish_reason "error"); nothing hangs, `/health` says 503
-while the worker is gone and 200 afterwards, and later requests match the reference.
+from one deployment file (the test plays supervisor; no replicas, so a lost worker's pairs can
+only come back with it). In order:
+- an expert worker SIGKILLed while a streamed completion is generating, and restarted: the
+  attention worker rolls the step back and retries it on the restarted worker, so the stream
+  completes with the reference tokens (or, should the budget run out, ends with finish_reason
+  "error"); `/health` says 503 while the worker is gone and 200 afterwards, and later requests
+  match the reference;
+- an expert worker frozen (SIGSTOP) and thawed within the budget: detected by the dispatch
+  timeout and the heartbeat silence, waited for, and the stream completes with the reference;
+- an expert worker SIGKILLed and not restarted: after the recovery budget the stream ends with
+  finish_reason "error" and a non-streaming request gets HTTP 503, nothing stays allocated, and
+  after a restart the router and attention worker reconnect and serve again.
 """
 
 from __future__ import annotations
@@ -21,11 +28,14 @@ import pytest
 
 from common.commands.serve_config import ServeLayout, deployment_table, render_toml
 from common.commands.serve_processes import start_service, stop_services, wait_until
+from services.attention.recovery import budget_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO_ROOT / "models" / "kjv-dsv4-mini"
 EOS_ID = 1
 PROMPT = "And God said, Let there be light: and there was light."
+DISPATCH_S, STEP_S = 1.5, 24.0
+RECOVERY_BUDGET_S = budget_for(STEP_S, DISPATCH_S)  # what the attention worker derives (17 s)
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -80,7 +90,7 @@ class Cluster:
                              num_expert_workers=2,
                              placement_path=_write_placement(checkpoint, run_dir, 2, ("cpu",)))
         table = deployment_table(layout)
-        table["timeouts"] = {"dispatch_s": 1.5, "step_s": 40.0, "heartbeat_interval_s": 0.25}
+        table["timeouts"] = {"dispatch_s": DISPATCH_S, "step_s": STEP_S, "heartbeat_interval_s": 0.25}
         self.config_path = run_dir / "deployment.toml"
         self.config_path.write_text(render_toml(table), encoding="utf-8")
         self.services = {}
@@ -119,6 +129,15 @@ def cluster(checkpoint, tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+
+
+def _streamed_choices(cluster: Cluster, body: dict):
+    """The choices of one streamed /v1/completions request (status 200 asserted), as they arrive."""
+    with httpx.stream("POST", f"{cluster.base_url}/v1/completions", json=body, timeout=120) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[len("data: "):])["choices"][0]
 
 
 def _complete(cluster: Cluster, prompt: str, max_tokens: int) -> httpx.Response:
@@ -172,20 +191,15 @@ def test_expert_killed_mid_stream_is_recovered(cluster, checkpoint):
     pieces, finish_reason = [], None
     killed_at = None
     body = {"model": "kjv-tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{cluster.base_url}/v1/completions", json=body, timeout=120) as reply:
-        assert reply.status_code == 200
-        for line in reply.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[len("data: "):])["choices"][0]
-            pieces.append(choice["text"])
-            finish_reason = choice.get("finish_reason") or finish_reason
-            if killed_at is None and len(pieces) == 3:
-                os.kill(cluster.services["expert-1"].process.pid, signal.SIGKILL)
-                cluster.services["expert-1"].process.wait(10)
-                killed_at = time.monotonic()
-                time.sleep(4.0)  # long enough for the heartbeat silence to show in /health
-                cluster.restart("expert-1")
+    for choice in _streamed_choices(cluster, body):
+        pieces.append(choice["text"])
+        finish_reason = choice.get("finish_reason") or finish_reason
+        if killed_at is None and len(pieces) == 3:
+            os.kill(cluster.services["expert-1"].process.pid, signal.SIGKILL)
+            cluster.services["expert-1"].process.wait(10)
+            killed_at = time.monotonic()
+            time.sleep(4.0)  # long enough for the heartbeat silence to show in /health
+            cluster.restart("expert-1")
     assert killed_at is not None, "the stream ended before the kill"
     assert cluster.wait_healthy(60), cluster.logs()
     stop_polling.set()
@@ -201,5 +215,100 @@ def test_expert_killed_mid_stream_is_recovered(cluster, checkpoint):
     assert finish_reason == "error" or "attention.step_recovered" in attention_log
 
     later = _complete(cluster, PROMPT, 16)  # later requests succeed, with the reference output
+    assert later.status_code == 200, later.text
+    assert later.json()["choices"][0]["text"] == _reference_text(checkpoint, PROMPT, 16)
+
+
+def test_expert_that_stops_answering_is_waited_for_and_the_stream_completes(cluster, checkpoint):
+    """An expert worker frozen (SIGSTOP) mid-stream answers no dispatch and sends no heartbeat:
+    the dispatch times out, /health turns 503, the attention worker rolls the step back and
+    probes; once the worker runs again (SIGCONT) within the budget the step is retried on it
+    and the stream completes with exactly the reference tokens."""
+    max_tokens = 48
+    expected = _reference_text(checkpoint, PROMPT, max_tokens)
+    statuses: list[tuple[float, int]] = []
+    pieces, finish_reason, frozen_at = [], None, None
+    pid = cluster.services["expert-1"].process.pid
+    recovered_before = _num_events(cluster, "attention.step_recovered")
+    body = {"model": "kjv-tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    try:
+        for choice in _streamed_choices(cluster, body):
+            pieces.append(choice["text"])
+            finish_reason = choice.get("finish_reason") or finish_reason
+            if frozen_at is None and len(pieces) == 3:
+                os.kill(pid, signal.SIGSTOP)
+                frozen_at = time.monotonic()
+                while time.monotonic() - frozen_at < 5.0:  # past the heartbeat silence bound
+                    statuses.append((time.monotonic(), cluster.health()[0]))
+                    time.sleep(0.2)
+                os.kill(pid, signal.SIGCONT)
+    finally:
+        os.kill(pid, signal.SIGCONT)  # never leave it frozen for the tests after this one
+    assert frozen_at is not None, "the stream ended before the freeze"
+    print(f"frozen expert: finish_reason={finish_reason}, /health during the freeze {sorted({c for _, c in statuses})}")
+    assert 503 in {code for _, code in statuses}, "health never showed the silent worker"
+    assert finish_reason in ("length", "stop") and "".join(pieces) == expected
+    assert cluster.wait_healthy(30), cluster.logs()
+    assert _num_events(cluster, "attention.step_recovered") > recovered_before
+
+
+def _num_events(cluster: Cluster, event: str) -> int:
+    return sum(1 for line in (cluster.log_dir / "attention-0.log").read_text().splitlines()
+               if line.startswith("{") and json.loads(line).get("event") == event)
+
+
+def _idle_engine(cluster: Cluster) -> dict:
+    """/status.json's engine figures once nothing runs (every request ended)."""
+    engine: dict = {}
+
+    def idle() -> bool:
+        engine.update(httpx.get(f"{cluster.base_url}/status.json", timeout=10).json()["engine"])
+        return engine["num_running"] == 0 and engine["num_waiting"] == 0
+
+    assert wait_until(idle, 10, poll_s=0.2), engine
+    return engine
+
+
+def test_expert_that_stays_dead_fails_requests_after_the_budget_then_serving_resumes(cluster, checkpoint):
+    """(Runs last: it leaves expert-1 dead until it restarts it.) Without a replica and without a
+    restart, the attention worker retries within its budget and then gives up: the stream ends with
+    finish_reason "error", the non-streaming request in the same steps gets HTTP 503 with a clear
+    message, both within budget + dispatch timeout + a margin; nothing is left running or holding a
+    KV block; /health is 503 until the worker is back, and serving then resumes."""
+    assert _idle_engine(cluster)["kv_blocks_used"] == {"gpu": 0, "cpu": 0}
+    outcome: dict = {}
+
+    def non_streaming():
+        outcome["reply"] = _complete(cluster, "In the beginning God created", 48)
+
+    body = {"model": "kjv-tiny", "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "stream": True}
+    pieces, finish_reason, killed_at, other = [], None, None, threading.Thread(target=non_streaming, daemon=True)
+    for choice in _streamed_choices(cluster, body):
+        if not pieces:
+            other.start()  # joins the running batch
+        pieces.append(choice["text"])
+        finish_reason = choice.get("finish_reason") or finish_reason
+        if killed_at is None and len(pieces) == 3:
+            os.kill(cluster.services["expert-1"].process.pid, signal.SIGKILL)
+            cluster.services["expert-1"].process.wait(10)
+            killed_at = time.monotonic()
+    ended_s = time.monotonic() - killed_at
+    other.join(120)
+    assert not other.is_alive(), "the non-streaming request hung"
+    print(f"gave up after {ended_s:.1f} s (budget {RECOVERY_BUDGET_S:.0f} s); stream: {finish_reason}, "
+          f"non-streaming: HTTP {outcome['reply'].status_code}")
+    assert finish_reason == "error"
+    assert ended_s < RECOVERY_BUDGET_S + DISPATCH_S + 10.0
+    assert outcome["reply"].status_code == 503, outcome["reply"].text
+    error = outcome["reply"].json()["error"]
+    assert error["type"] == "service_unavailable_error" and "expert worker unavailable" in error["message"], error
+    assert cluster.health()[0] == 503
+    assert _idle_engine(cluster)["kv_blocks_used"] == {"gpu": 0, "cpu": 0}  # everything freed
+    attention_log = (cluster.log_dir / "attention-0.log").read_text()
+    assert "attention.step_abandoned" in attention_log
+
+    cluster.restart("expert-1")  # the router and attention worker reconnect to it, no restart of their own
+    assert cluster.wait_healthy(90), cluster.logs()
+    later = _complete(cluster, PROMPT, 16)
     assert later.status_code == 200, later.text
     assert later.json()["choices"][0]["text"] == _reference_text(checkpoint, PROMPT, 16)

@@ -2,14 +2,19 @@
 ZeroMQ messages (random frames, plausible headers with wrong fields, valid encodings with one
 byte flipped or cut short, valid messages with hostile contents) go to the ROUTER socket of a
 real expert worker process and of a real attention worker process (`LocalCluster`, tiny random
-checkpoint). Neither may crash; each still answers a valid Ping afterwards, and then still stops
-cleanly (exit code 0) on SIGTERM.
+checkpoint), and of a real draft worker process (the default model's drafter). None may crash;
+each still answers a valid Ping afterwards, and then still stops cleanly (exit code 0) on SIGTERM.
 
 Drain and Shutdown are left out: a valid one is an operator's order, and obeying it is not a
 crash. WriteRoutingStats is left out too: a valid one writes files at the path it names.
 """
 
 from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -23,6 +28,8 @@ from common.wire.transport import Kind, SyncClient, pack_envelope
 from wire_support import sample_messages
 
 pytestmark = pytest.mark.timeout(240)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO_ROOT / "models" / "kjv-dsv4-mini"
 
 CONTROL_TAGS = {"Drain", "Shutdown", "WriteRoutingStats"}
 SAFE_SAMPLES = [message for message in sample_messages() if type(message).__name__ not in CONTROL_TAGS]
@@ -89,6 +96,58 @@ def cluster(tmp_path_factory):
     assert running.exit_codes == {"attention-0": 0, "expert-0": 0}, running.exit_codes
 
 
+class DraftProcess:
+    """The draft worker (`moemesh draft`) on the default model, whose `mtp.*` blocks it serves,
+    run alone from a small deployment file (no supervisor listens: its Ready goes nowhere)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        from draft_support import write_draft_deployment
+
+        from common.runtime.deployment import derive_endpoints, load_deployment
+
+        config_path = write_draft_deployment(run_dir, DEFAULT_MODEL)
+        self.endpoint = derive_endpoints(load_deployment(config_path)).draft
+        self.stderr_path = run_dir / "draft.stderr"
+        with self.stderr_path.open("wb") as stderr:
+            self.process = subprocess.Popen([sys.executable, "-m", "common.cli", "draft", "--config", str(config_path)],
+                                            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+
+    def check_alive(self) -> None:
+        assert self.process.poll() is None, self.stderr_path.read_text(errors="replace")[-2000:]
+
+    def endpoint_of(self, name: str) -> str:
+        return self.endpoint
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+            return -signal.SIGKILL
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    if not any(DEFAULT_MODEL.glob("*.safetensors")):
+        pytest.skip("default model weights missing (the draft worker serves its mtp.* blocks)")
+    running = DraftProcess(tmp_path_factory.mktemp("fuzz_draft"))
+    context = zmq.Context()
+    client = SyncClient(running.endpoint, context=context)
+    try:
+        reply = client.request(m.Ping(nonce=1), timeout_s=120)  # answers once loaded and bound
+        assert isinstance(reply, m.Pong), reply
+    except BaseException:
+        running.stop()
+        raise
+    finally:
+        client.close()
+        context.term()
+    yield running
+    assert running.stop() == 0, running.stderr_path.read_text(errors="replace")[-2000:]
+
+
 @pytest.fixture(scope="module")
 def raw_sockets(cluster):
     context = zmq.Context()
@@ -124,14 +183,35 @@ def test_fuzzed_messages_to_the_attention_worker(cluster, raw_sockets, envelope,
     cluster.check_alive()
 
 
-@pytest.mark.parametrize("name", ["expert-0", "attention-0"])
-def test_workers_still_answer_ping_after_fuzzing(cluster, raw_sockets, name):
-    socket = raw_sockets[name]
+@pytest.fixture(scope="module")
+def draft_socket(draft):
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(draft.endpoint)
+    yield socket
+    socket.close(0)
+    context.term()
+
+
+@FUZZ_SETTINGS
+@given(envelope=envelopes, frames=message_frames)
+def test_fuzzed_messages_to_the_draft_worker(draft, draft_socket, envelope, frames):
+    _send_and_drain(draft_socket, envelope, frames)
+    draft.check_alive()
+
+
+@pytest.mark.parametrize("name", ["expert-0", "attention-0", "draft"])
+def test_workers_still_answer_ping_after_fuzzing(request, name):
+    if name == "draft":
+        owner, socket = request.getfixturevalue("draft"), request.getfixturevalue("draft_socket")
+    else:
+        owner, socket = request.getfixturevalue("cluster"), request.getfixturevalue("raw_sockets")[name]
     while socket.poll(500):
         socket.recv_multipart()
-    cluster.check_alive()
+    owner.check_alive()
     context = zmq.Context()
-    client = SyncClient(cluster.endpoint_of(name), context=context)
+    client = SyncClient(owner.endpoint_of(name), context=context)
     try:
         reply = client.request(m.Ping(nonce=4242), timeout_s=30)
     finally:

@@ -179,6 +179,10 @@ def test_sigkilled_attention_worker_fails_fast_and_prefix_cache_starts_afresh(se
     old_pid = _pid(server, "attention-0")
     outcomes = asyncio.run(_streams_with_kill(server, PROMPTS[:1], old_pid, max_tokens=200))
     assert outcomes[0][1] == "error"  # the attention worker's state died with it
+    engine = httpx.get(f"{server.base_url}/status.json", timeout=10).json()["engine"]
+    # its requests failed cleanly and freed everything: nothing running or queued, no KV block held
+    assert engine["num_running"] == 0 and engine["num_waiting"] == 0, engine
+    assert engine["kv_blocks_used"] == {"gpu": 0, "cpu": 0}, engine
     _wait_restarted(server, "attention-0", old_pid, timeout_s=180)
     after = _complete(server, LONG_PROMPT, 12)
     assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # no hit on blocks the new worker lacks

@@ -10,6 +10,8 @@ The gateway is the real app (build_app) over the scripted engine of router_suppo
 
 from __future__ import annotations
 
+import os
+
 import torch
 from router_support import ScriptedEngine, tiny_tokenizer
 from starlette.testclient import TestClient
@@ -69,6 +71,7 @@ def test_status_json_heat_map_requests_and_restarts(tmp_path):
     status = client.get("/status.json").json()
     assert status["layer_heat"] == [[9, 9, 9, 9]]  # no live counts yet: the file's fallback
     assert status["requests"] == {} and status["restarts"] == {}
+    assert status["router"]["pid"] == os.getpid() and status["router"]["uptime_s"] >= 0  # TestClient: in-process
     assert "restarts" not in client.get("/health").json()
 
     engine.routing_summary = _summary()

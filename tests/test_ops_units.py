@@ -4,6 +4,7 @@ files, the status snapshot, and the benchmark plots."""
 from __future__ import annotations
 
 import json
+import struct
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from common.runtime.load_progress import LoadProgress, read_progress
 from common.wire.errors import ReplyTimeout
 from common.wire.messages import ScheduledSequence, SequenceResult, StepPlan, StepResult
 from services.attention.recovery import RecoveryConfig, StepRecovery, rollback_state
-from bench.plots import numeric_leaves
+from bench.plots import MAX_BARS_PER_PANEL, numeric_leaves, panels
 
 
 def _advance_stores(state: SequenceState, layers: int, num_tokens: int) -> None:
@@ -107,13 +108,46 @@ def test_numeric_leaves_of_a_bench_result():
                                             ("decode.sizes[1]", 8.0)]
 
 
+def test_leaves_are_grouped_into_panels_of_one_kind():
+    leaves = [("raw.ttft_ms.mean", 12.0), ("raw.output_tok_s", 5000.0), ("raw.num_completed", 200.0),
+              ("ratios.step_over_floor", 7.1), ("raw.duration_s", 60.0), ("raw.decode.b1.step_us", 3.0),
+              ("raw.fraction_exact", 0.25), ("raw.layer", 3.0)]
+    assert {title: [path for path, _ in bars] for title, bars in panels(leaves).items()} == {
+        "milliseconds": ["raw.ttft_ms.mean"], "per second (rates)": ["raw.output_tok_s"],
+        "counts": ["raw.num_completed"], "ratios and fractions": ["ratios.step_over_floor", "raw.fraction_exact"],
+        "seconds": ["raw.duration_s"], "microseconds": ["raw.decode.b1.step_us"], "other values": ["raw.layer"]}
+    many = panels([(f"raw.case{index}_ms", float(index)) for index in range(MAX_BARS_PER_PANEL + 5)])
+    assert len(many["milliseconds"]) == MAX_BARS_PER_PANEL
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
 def test_plots_render_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     from bench.plots import render_all
 
     (tmp_path / "serve-1.json").write_text(json.dumps({"ttft_ms": {"mean": 12.0, "p99": 30.0}}))
     (written,) = render_all(tmp_path)
-    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert written == tmp_path / "serve-1.png" and _png_size(written)[0] > 0
+    assert render_all(tmp_path) == []  # a PNG newer than its JSON is not redrawn
+
+
+def test_a_written_bench_result_gets_its_plot_beside_it(tmp_path):
+    """What `moemesh bench NAME` leaves: the JSON and, with matplotlib, its PNG (one panel per kind,
+    so a result with two kinds of figures draws a taller picture than one with a single kind)."""
+    pytest.importorskip("matplotlib")
+    from bench.results_io import write_result
+
+    one_kind = write_result("probe", {"step_ms": {"b1": 2.0, "b8": 3.5}}, out_dir=tmp_path / "a", command="probe")
+    two_kinds = write_result("probe", {"step_ms": {"b1": 2.0, "b8": 3.5}, "tok_s": 4000.0},
+                             {"b8_over_b1": 1.75}, out_dir=tmp_path / "b", command="probe")
+    assert one_kind.with_suffix(".png").exists() and two_kinds.with_suffix(".png").exists()
+    (_, short), (_, tall) = _png_size(one_kind.with_suffix(".png")), _png_size(two_kinds.with_suffix(".png"))
+    assert tall > short
 
 
 def test_serve_progress_bar_reads_the_progress_files(tmp_path):
@@ -125,3 +159,30 @@ def test_serve_progress_bar_reads_the_progress_files(tmp_path):
     done.finish()
     line = load_progress_bar(tmp_path, ["attention-0", "expert-0", "expert-1"], width=4)
     assert line == "attention-0 [####] 0.0 MiB ready  expert-0 [....] 3.0 MiB  expert-1 [....] starting"
+    line = load_progress_bar(tmp_path, ["expert-0"], width=4, expected_bytes={"expert-0": 6 * 2**20})
+    assert line == "expert-0 [##..] 3.0 / 6.0 MiB"  # half of its share read: half a bar
+
+
+def test_expected_load_bytes_split_the_checkpoint_by_service(tmp_path):
+    """Attention side + every routed expert pair + drafter = the whole inventory; an expert worker's
+    share follows its pairs, and progress records get a fraction clamped to [0, 1]."""
+    from common.checkpoint.inventory import tensor_inventory
+    from services.router.status_page_progress import load_sizes_for_config, with_expected
+
+    config = tiny_config()
+    sizes = load_sizes_for_config(config)
+    total = sum(spec.num_bytes for spec in tensor_inventory(config).values())
+    assert sizes.attention_bytes + sizes.draft_bytes + sum(sizes.expert_pair_bytes.values()) == total
+    assert len(sizes.expert_pair_bytes) == config.num_hidden_layers * config.n_routed_experts
+    placement = {"expert-0": {0: [0, 1]}, "expert-1": {layer: list(range(config.n_routed_experts))
+                                                       for layer in range(config.num_hidden_layers)}}
+    one_pair = sizes.expert_pair_bytes[(0, 0)]
+    assert sizes.expected_for("expert", "expert-0", placement) == 2 * one_pair
+    assert sizes.expected_for("expert", "expert-1", placement) == sum(sizes.expert_pair_bytes.values())
+    assert sizes.expected_for("expert", "expert-9", placement) is None
+    records = [{"name": "expert-0", "role": "expert", "num_bytes": one_pair, "done": False},
+               {"name": "attention-0", "role": "attention", "num_bytes": 10 * sizes.attention_bytes, "done": False},
+               {"name": "expert-9", "role": "expert", "num_bytes": 5, "done": False},
+               {"name": "draft", "role": "draft", "num_bytes": 1, "done": True}]
+    fractions = {r["name"]: r["fraction"] for r in with_expected(records, sizes, placement)}
+    assert fractions == {"expert-0": 0.5, "attention-0": 1.0, "expert-9": None, "draft": 1.0}

@@ -153,3 +153,16 @@ def test_drafts_handed_out_before_a_failure_keep_their_distributions():
     assert sampled.draft_token_ids == (50, 51, 52, 53, 54)
     assert len(sampled.draft_support_token_ids) == 5  # verifiable: q travels with its drafts
     assert not any(seq.send_features for seq in plan.sequences)  # nobody to send features to
+
+
+def test_a_drafter_that_never_reports_ready_is_down_after_the_start_bound():
+    clock, drafter = Clock(), Drafter()
+    records = Records(clock)
+    drafts = DraftCoordinator(DraftConfig(max_start_s=60.0), drafter, records, clock=clock)
+    clock.now_s += 59.0
+    assert drafts.status().startswith("starting: not ready yet")
+    clock.now_s += 2.0  # it crashed while loading: no Ready, no heartbeat ever
+    assert drafts.status() == ("down: no Ready from the draft worker within 60 s; serving without speculation")
+    assert not drafts.active
+    records.report_ready("draft", pid=11)  # a slow load that finally made it
+    assert drafts.status() == "ok"

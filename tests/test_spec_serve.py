@@ -1,7 +1,7 @@
 """Speculative decoding inside `moemesh serve` on the default model (real drafter, real processes).
 
-Greedy outputs with speculation (adaptive, and fixed width 3) must equal the single-process
-reference token for token, for concurrent requests whose decode crosses CSA (every 4 tokens)
+Greedy outputs with speculation (adaptive, adaptive with the router's cost-aware widths, and fixed
+width 3) must equal the single-process reference token for token, for concurrent requests whose decode crosses CSA (every 4 tokens)
 and window / HCA (128) boundaries; a sampled request must run speculation and be reproducible
 from its seed; a width above dspark_block_size must be refused before anything starts.
 """
@@ -65,7 +65,12 @@ def _serve(tmp_path_factory, *args):
 
 @pytest.fixture(scope="module")
 def adaptive(tmp_path_factory):
-    server = _serve(tmp_path_factory)  # default: adaptive, width = block size
+    """The default (adaptive, width = block size) with the confidence rule alone: the router keeps the
+    drafter's widths, so the sampled test's drafts (and its seeded texts) do not depend on this host's
+    timings. The cost-aware router has its own test below."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MOEMESH_SPEC_WIDTH_POLICY", "drafter")  # serve's processes inherit it
+        server = _serve(tmp_path_factory)
     yield server
     assert server.stop() == 0
 
@@ -84,20 +89,23 @@ def _text(reply: dict) -> str:
     return reply["choices"][0]["text"]
 
 
-def _check_greedy(server, reference):
+def _check_greedy_texts(server, reference):
     outputs, long_prompt_len = reference
     assert long_prompt_len + MAX_TOKENS > 128 > long_prompt_len, long_prompt_len
     replies = asyncio.run(_complete_all(server.base_url, PROMPTS, temperature=0))
-    num_drafts = 0
     for prompt, reply in zip(PROMPTS, replies):
         assert _text(reply) == outputs[prompt], prompt
-        speculative = reply["usage"]["speculative"]
-        num_drafts += speculative["draft_tokens"]
-    assert num_drafts > 0  # speculation ran on this workload
+    return replies
+
+
+def _check_greedy(server, reference):
+    replies = _check_greedy_texts(server, reference)
+    assert sum(reply["usage"]["speculative"]["draft_tokens"] for reply in replies) > 0  # speculation ran
     return replies
 
 
 def test_greedy_adaptive_equals_reference_with_concurrent_requests(adaptive, reference):
+    assert "speculation adaptive, width 5" in adaptive.first_line  # the default with a drafter: adaptive, width γ
     replies = _check_greedy(adaptive, reference)
     assert any(reply["usage"]["speculative"]["accepted_tokens"] > 0 for reply in replies)
 
@@ -131,6 +139,23 @@ def test_greedy_fixed_width_equals_reference(tmp_path_factory, reference):
             speculative = reply["usage"]["speculative"]
             if speculative["ran"]:  # every verify step carried at most 3 drafts
                 assert speculative["mean_accepted_length"] <= 4.0
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.slow  # a second serve (~20 s)
+def test_greedy_adaptive_with_the_cost_aware_router_equals_reference(tmp_path_factory, reference):
+    """The router's cost-aware widths (MOEMESH_SPEC_WIDTH_POLICY=cost, costs learned online from this
+    host's step timings, so the widths vary from run to run) never change greedy outputs."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MOEMESH_SPEC_WIDTH_POLICY", "cost")  # serve's processes inherit it
+        server = _serve(tmp_path_factory)
+    try:
+        _check_greedy_texts(server, reference)
+        engine = httpx.get(f"{server.base_url}/status.json", timeout=10).json()["engine"]
+        assert engine["spec_width_policy"] == "cost"
+        assert engine["spec_num_draft_requests"] > 0 and engine["spec_policy_num_proposed_drafts"] > 0, engine
+        assert "spec_cost_model" in engine
     finally:
         assert server.stop() == 0
 

@@ -12,6 +12,16 @@
 # runs the CUDA test first,
 # FULLSIZE_CPU_S / FULLSIZE_GPU1_S / FULLSIZE_IPC_S (cap of each configuration; each writes
 # fullsize-partial.json as it goes, copied as <config>-fullsize-partial.json).
+# Session 4 (issue 10 item 2), the default FULLSIZE_CONFIGS "gpu1spec gpu1ipcspec" (about 220 s):
+#   gpu1spec / gpu1ipcspec: cuda:1 experts over ZeroMQ / CUDA IPC, uniform routing, batch
+#     FULLSIZE_SPEC_BATCH (1,8), each plain decode run repeated with speculation: oracle drafts (the
+#     plain run's own greedy continuation) and the real draft worker (random weights at V4-Flash
+#     drafter shapes, on cuda:1 beside the far expert worker, under MPS), sources FULLSIZE_SPEC_SOURCES,
+#     width FULLSIZE_SPEC_WIDTH (5); caps FULLSIZE_SPEC_S and FULLSIZE_IPCSPEC_S (110 s each);
+#   gpu1spec3 / gpu1spec6: the same with oracle drafts on the first 3 / 6 layers, with --spec-diagnose
+#     (plain and verify top-2 logprobs: where outputs part, and by what margin); caps
+#     FULLSIZE_SPEC3_S (60 s) and FULLSIZE_SPEC6_S (45 s);
+#   gpu1ipcprefill: the 8K prefill over CUDA IPC (cap FULLSIZE_IPCPREFILL_S, default 80 s).
 set -u
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/moemesh-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/moemesh-mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -29,7 +39,7 @@ trap 'exit 143' TERM  # a cap from run_all.sh still runs the EXIT trap (MPS stop
 LAYERS="${FULLSIZE_LAYERS:-43}"
 BUDGET="${FULLSIZE_BUDGET_GIB:-$(( 100 * LAYERS / 43 ))}"
 CONTEXT="${FULLSIZE_CONTEXT:-256}"
-CONFIGS="${FULLSIZE_CONFIGS:-gpu1ipc gpu1prefill gpu1graphs}"
+CONFIGS="${FULLSIZE_CONFIGS:-gpu1spec gpu1ipcspec}"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 NCPU=$(nproc)
 echo "torch devices: $NGPU; cpus: $NCPU; mem: $(free -g | awk '/Mem:/ {print $2}') GiB; layers $LAYERS budget ${BUDGET}GiB context $CONTEXT"
@@ -78,6 +88,25 @@ for config in $CONFIGS; do
     gpu1prefill)  # the 8K prefill over ZeroMQ (call 2 ran out of time before it)
       if [ "$NGPU" -lt 2 ]; then continue; fi
       run_config gpu1prefill cuda:1 "${FULLSIZE_PREFILL_S:-70}" --data-plane zmq --batch "" --prefill 8192 ;;
+    gpu1spec|gpu1ipcspec)  # speculation: oracle (full acceptance, output = plain) and the real draft worker
+      if [ "$NGPU" -lt 2 ]; then echo "$config: needs two GPUs, this machine has $NGPU"; continue; fi
+      case "$config" in
+        gpu1ipcspec) plane=cuda_ipc; cap="${FULLSIZE_IPCSPEC_S:-110}" ;;
+        *) plane=zmq; cap="${FULLSIZE_SPEC_S:-110}" ;;
+      esac
+      run_config "$config" cuda:1 "$cap" --data-plane "$plane" --batch "${FULLSIZE_SPEC_BATCH:-1,8}" \
+        --routing uniform --warmup-steps 1 --decode-steps 5 --speculation "${FULLSIZE_SPEC_SOURCES:-oracle,drafter}" \
+        --spec-width "${FULLSIZE_SPEC_WIDTH:-5}" --draft-device cuda:1 ;;
+    gpu1spec3|gpu1spec6)  # oracle drafts at reduced depth, with the logprob diagnosis
+      if [ "$NGPU" -lt 2 ]; then continue; fi
+      depth=${config#gpu1spec}
+      case "$depth" in 3) cap="${FULLSIZE_SPEC3_S:-60}" ;; *) cap="${FULLSIZE_SPEC6_S:-45}" ;; esac
+      run_config "$config" cuda:1 "$cap" --layers "$depth" --gpu-expert-budget "$(( 100 * depth / 43 + 1 ))GiB" \
+        --data-plane zmq --batch 1,8 --routing uniform --warmup-steps 1 --decode-steps 5 \
+        --speculation oracle --spec-width "${FULLSIZE_SPEC_WIDTH:-5}" --spec-diagnose ;;
+    gpu1ipcprefill)  # the 8K prefill over CUDA IPC (session 3 ran out of time before it)
+      if [ "$NGPU" -lt 2 ]; then continue; fi
+      run_config gpu1ipcprefill cuda:1 "${FULLSIZE_IPCPREFILL_S:-80}" --data-plane cuda_ipc --batch "" --prefill 8192 ;;
     gpu1nostage)  # diagnostic: the attention side's Dispatches sent from their own host tensors (no staging pool)
       if [ "$NGPU" -lt 2 ]; then continue; fi
       run_config gpu1nostage cuda:1 "${FULLSIZE_NOSTAGE_S:-25}" --batch 1,8 --dispatch-staging off ;;

@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     services = []
     drafter = None
     watched = None  # after readiness: every service serve restarts (the list the restarter updates)
+    _set_router_width_policy(speculation)
     try:
         services.append(start_service("router", "router", config_path, log_dir))
         services += [start_service("attention", w.name, config_path, log_dir) for w in deployment.attention]
@@ -158,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
             drafter = _DrafterWatch(start_service("draft", DRAFT_NAME, config_path, log_dir, extra_args=(
                 "--speculation", speculation.mode.value, "--spec-width", str(speculation.width))))
         base_url = f"http://{args.host}:{args.port}"
-        outcome = _wait_ready(f"{base_url}/health", services, stop, args.ready_timeout, drafter, run_dir)
+        outcome = _wait_ready(f"{base_url}/health", services, stop, args.ready_timeout, drafter, run_dir,
+                              _expected_load_bytes(deployment))
         if outcome == "ready":
             print(f"moemesh serving {model_dir.name} at {base_url}/v1 (logs: {log_dir}; speculation "
                   f"{_speculation_text(speculation, drafter)})", flush=True)
@@ -196,10 +198,11 @@ def _write_placement(model_dir: Path, run_dir: Path, num_workers: int, devices: 
 
 
 def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: float, drafter=None,
-                run_dir: Path | None = None) -> str:
+                run_dir: Path | None = None, expected_bytes: dict[str, int] | None = None) -> str:
     """"ready", "stopped" or why not, after printing a progress line while waiting. With a
     drafter, ready also waits for it to come up, unless it exits (then serving goes on without it).
-    With `run_dir`, the line also carries a load progress bar per worker (the router loads no weights)."""
+    With `run_dir`, the line also carries a load progress bar per worker (the router loads no
+    weights), filled by the bytes each is expected to read (`expected_bytes`)."""
     from common.commands.serve_processes import first_exited, load_progress_bar
 
     loading_names = [service.name for service in services if service.name != "router"]
@@ -226,7 +229,8 @@ def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: floa
             return f"not ready after {timeout_s:.0f}s: {statuses}"
         line = _progress(statuses, elapsed_s)
         if run_dir is not None:
-            line = line.rstrip() + "  " + load_progress_bar(run_dir, loading_names) + " " * 8
+            line = line.rstrip() + "  " + load_progress_bar(run_dir, loading_names,
+                                                            expected_bytes=expected_bytes) + " " * 8
         if line != last_line:
             print(line, end="", file=sys.stderr, flush=True)
             last_line = line
@@ -282,6 +286,32 @@ class _DrafterWatch:
                                             action="serving continues without speculation")
         print(f"\nmoemesh serve: the draft worker exited with code {self.service.exit_code}; serving continues "
               f"without speculation:\n{self.service.stderr_tail()}", file=sys.stderr, flush=True)
+
+
+def _expected_load_bytes(deployment) -> dict[str, int] | None:
+    """What each service will read (for the progress bars); None when it cannot be told."""
+    from services.router.status_page_progress import expected_bytes_for_deployment
+
+    try:
+        return expected_bytes_for_deployment(deployment)
+    except (OSError, ValueError) as error:
+        print(f"moemesh serve: load progress without totals ({error})", file=sys.stderr)
+        return None
+
+
+def _set_router_width_policy(speculation) -> None:
+    """The router's width policy (services/router/engine_drafts.py: width_policy_from_env), inherited
+    by the router process: the cost-aware widths with adaptive mode (unless the caller chose
+    `drafter`, the confidence rule alone); fixed and off keep the drafter's widths, always."""
+    import os
+
+    from services.draft.width import SpeculationMode
+    from services.router.engine_drafts import WIDTH_POLICY_ENV
+
+    if speculation.mode is SpeculationMode.ADAPTIVE:
+        os.environ.setdefault(WIDTH_POLICY_ENV, "cost")
+    else:
+        os.environ[WIDTH_POLICY_ENV] = "drafter"
 
 
 def _speculation_text(speculation, drafter) -> str:

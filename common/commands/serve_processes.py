@@ -115,10 +115,12 @@ def wait_until(predicate, timeout_s: float, poll_s: float = 0.2) -> bool:
     return predicate()
 
 
-def load_progress_bar(run_dir: Path, names: list[str], width: int = 20) -> str:
+def load_progress_bar(run_dir: Path, names: list[str], width: int = 20,
+                      expected_bytes: dict[str, int] | None = None) -> str:
     """One line for the terminal: per service, a bar that fills as it loads (full when done) and
-    the MiB read so far, from `<run_dir>/progress/*.json` (common.runtime.load_progress). Totals
-    are not known before loading, so a service still loading shows an empty bar and its bytes."""
+    the MiB read so far, from `<run_dir>/progress/*.json` (common.runtime.load_progress).
+    `expected_bytes` (services.router.status_page_progress) sizes each service's share of the
+    checkpoint; without an entry a service still loading shows an empty bar and its bytes."""
     from common.runtime.load_progress import progress_dir_for, read_progress
 
     records = {record["name"]: record for record in read_progress(progress_dir_for(run_dir))}
@@ -128,8 +130,13 @@ def load_progress_bar(run_dir: Path, names: list[str], width: int = 20) -> str:
         if record is None:
             parts.append(f"{name} [{'.' * width}] starting")
             continue
-        filled = width if record.get("done") else 0
-        mib = float(record.get("num_bytes", 0)) / 2**20
-        parts.append(f"{name} [{'#' * filled}{'.' * (width - filled)}] {mib:.1f} MiB"
+        num_bytes = float(record.get("num_bytes", 0))
+        expected = (expected_bytes or {}).get(name)
+        if record.get("done"):
+            filled = width
+        else:
+            filled = min(width, int(width * num_bytes / expected)) if expected else 0
+        of_total = f" / {expected / 2**20:.1f}" if expected else ""
+        parts.append(f"{name} [{'#' * filled}{'.' * (width - filled)}] {num_bytes / 2**20:.1f}{of_total} MiB"
                      f"{' ready' if record.get('done') else ''}")
     return "  ".join(parts)

@@ -17,8 +17,8 @@ raises the dispatcher's `ExpertWorkerLost` (built by `on_lost`), exactly as an u
 With events every reply is received in `finish`, as on ZeroMQ.
 
 Whole-layer fast path (`MoEDispatcher._start_whole`): when one worker holds every expert of a layer,
-the micro-batch goes to it whole, with no slot mask and no host sync; on the ZeroMQ path the owner
-lookup, bincount and nonzero are three host syncs per layer. The expert computes exactly the rows
+the micro-batch goes to it whole, with no slot mask and no host sync; otherwise the split costs one
+host sync per layer (the routing read-back of `MoEDispatcher.start`). The expert computes exactly the rows
 the ZeroMQ path sends it (all of them, every slot its own), so outputs are identical.
 Legend: T tokens, K top-k, D hidden.
 """

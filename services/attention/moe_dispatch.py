@@ -14,10 +14,14 @@ Received outputs go to the attention device through a `RecvStagingRing`: on a CU
 lands in a pinned slot and is copied up asynchronously (the slot is reused only after its copy
 finished); on the CPU the received frame is used as it is. An output larger than a slot (rare:
 placement-invariant prefill beyond the slot size) is copied up synchronously instead.
+Host work of `start`: with CUDA IPC, one device->host read-back per layer and micro-batch
+(`_routing_on_host`: ids and route weights in one transfer, the only host sync); owners, per-worker
+counts, token rows and slot masks are then computed on the host and each worker's rows and mask go
+up asynchronously (same rows, same masks, same order as the device split). Over ZeroMQ the split
+stays on the device (`_start_zmq`: a read-back per count and per worker's rows), see its docstring.
 Replicas and down workers: a `ReplicaRouter` (replica_routing.py) holds every pair's holders.
-Layers where no expert has two live copies use a precomputed owner table on the device (one
-host sync per layer and micro-batch, as without replicas); layers with a choice count the
-tokens per expert first (that sync replaces the other) and let the router pick a copy per
+Layers where no expert has two live copies use a precomputed owner table (`owner_host`); layers
+with a choice count the tokens per expert (on the host) and let the router pick a copy per
 expert, least outstanding work first (`num_slot_tokens_in_flight` per worker) or in turn.
 A worker that times out or refuses raises `ExpertWorkerLost` naming its channel index, so
 recovery can mark it down and retry on the live replicas.
@@ -58,12 +62,20 @@ class ExpertWorkerLost(DispatchError):
         self.endpoint = endpoint
 
 
+@dataclass(frozen=True)
+class HostRouting:
+    """One layer's routing read back to the host: ids [T, K] int64, weights [T, K]."""
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+
 @dataclass
 class _Sent:
     worker_index: int
     ticket: int
-    token_index: torch.Tensor | slice  # [T_w] rows of the micro-batch sent to this worker (slice: all rows)
-    slot_mask: torch.Tensor  # [T_w, K] bool
+    token_index: torch.Tensor | slice  # [T_w] rows (on the attention device) sent to this worker (slice: all rows)
+    slot_mask: torch.Tensor  # [T_w, K] bool, on the attention device where finish or the ring reads it, else host
     dispatch_id: int
     num_slot_tokens: int  # expert-slot pairs this worker computes (its share of the work)
     slot: int | None = None  # CUDA IPC ring slot holding this Dispatch (None: sent over ZeroMQ)
@@ -93,6 +105,9 @@ class MoEDispatcher:
                                      on_lost=lambda w, cause: ExpertWorkerLost(w, channel.endpoints[w], cause))
                            if DataPlane(data_plane) is DataPlane.CUDA_IPC else None)
         self._single_holders: tuple | None = None  # (router version, router, {layer: sole holder or None})
+        self._counted_router: ReplicaRouter | None = None  # the router (and version) _num_router_workers is of
+        self._counted_version = 0
+        self._num_router_workers = 0
         self.replica_policy = ReplicaPolicy(replica_policy)
         self.set_router(ReplicaRouter([[(owner,) for owner in row] for row in owner_table], self.replica_policy))
         self.placement_invariant = placement_invariant
@@ -126,12 +141,20 @@ class MoEDispatcher:
         return torch.tensor(self.router.round_robin_tables(), dtype=torch.long)
 
     def _refresh_tables(self) -> None:
+        """`owner_host` [L, E] (what start indexes) and `owner` [L, E] on the device (what the pair check reads)."""
         if self._uploaded_version != self.router.version:
-            self.owner = torch.tensor(self.router.base, dtype=torch.long, device=self.device)  # [L, E]
+            self.owner_host = torch.tensor(self.router.base, dtype=torch.long)  # [L, E]
+            self.owner = self.owner_host.to(self.device)  # [L, E]
             self._uploaded_version = self.router.version
 
     def _grow_counters(self) -> None:
-        missing = max(self.channel.num_workers, self.router.num_workers) - len(self.num_slot_tokens_in_flight)
+        """Per-worker counters for every worker the channel or the router names. `router.num_workers` walks
+        every (layer, expert) holder list (11,008 at V4-Flash size: ~0.5 ms), so it is read once per router
+        and version, not once per layer."""
+        if self._counted_router is not self.router or self._counted_version != self.router.version:
+            self._counted_router, self._counted_version = self.router, self.router.version
+            self._num_router_workers = self.router.num_workers
+        missing = max(self.channel.num_workers, self._num_router_workers) - len(self.num_slot_tokens_in_flight)
         if missing > 0:
             self.num_slot_tokens_in_flight += [0] * missing
             self.num_slot_tokens_sent += [0] * missing
@@ -147,49 +170,115 @@ class MoEDispatcher:
         if self.slot_plane is not None:
             self.slot_plane.confirm_all()
 
-    def _owner_of_slots(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
-        """ids [T, K] -> (owner [T, K] worker index, {worker: expert-slot tokens} of the workers
-        that get any, ascending). One host sync either way."""
+    def _owner_of_slots(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:  # CUDA IPC
+        """ids [T, K] int64 on the host -> (owner [T, K] worker index on the host, {worker: expert-slot
+        tokens} of the workers that get any, ascending). Host work only (no device, no sync)."""
         self._refresh_tables()
         if not self.router.has_choice(layer):
-            owner = self.owner[layer][ids]  # [T, K]
+            owner = self.owner_host[layer][ids]  # [T, K]
             per_worker = torch.bincount(owner.reshape(-1), minlength=len(self.num_slot_tokens_in_flight)).tolist()
             return owner, {w: n for w, n in enumerate(per_worker) if n}
+        row, per_worker = self._choose_replicas(layer, ids)
+        return torch.tensor(row, dtype=torch.long)[ids], per_worker
+
+    def _choose_replicas(self, layer: int, ids: torch.Tensor) -> tuple[list[int], dict[int, int]]:
+        """A layer with replicas: (row [E] worker index per expert, chosen least-loaded for this batch;
+        {worker: expert-slot tokens} of the workers that get any, ascending). One read-back of the
+        per-expert counts."""
         counts = torch.bincount(ids.reshape(-1), minlength=self.router.num_experts).tolist()  # [E]
         row = self.router.choose(layer, counts, self.num_slot_tokens_in_flight)  # [E]
         per_worker: dict[int, int] = {}
         for expert, count in enumerate(counts):
             if count:
                 per_worker[row[expert]] = per_worker.get(row[expert], 0) + count
-        return torch.tensor(row, dtype=torch.long, device=ids.device)[ids], dict(sorted(per_worker.items()))
+        return row, dict(sorted(per_worker.items()))
+
+    def _routing_on_host(self, ids: torch.Tensor, weights: torch.Tensor) -> HostRouting:
+        """The layer's routing on the host in one device->host transfer: the only host sync of the CUDA
+        IPC split (it waits for the layer's device work, as any read-back must)."""
+        if ids.device.type != "cuda":
+            return HostRouting(ids.long(), weights)
+        pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (ids, weights)]
+        for target, source in zip(pinned, (ids, weights)):
+            target.copy_(source, non_blocking=True)
+        torch.cuda.current_stream(ids.device).synchronize()
+        return HostRouting(pinned[0].long(), pinned[1])
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the attention device without a host sync (pinned, asynchronous)."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def start(self, step_id: int, micro_batch: int, layer: int, x: torch.Tensor, ids: torch.Tensor,
               weights: torch.Tensor) -> PendingMoE:
-        """x [T, D], ids [T, K], weights [T, K] -> a ticket; every Dispatch is sent before returning."""
+        """x [T, D], ids [T, K], weights [T, K] -> a ticket; every Dispatch is sent before returning.
+        CUDA IPC: one host sync (the routing read-back), none when one worker holds the whole layer."""
         self._grow_counters()
         whole = self._start_whole(step_id, micro_batch, layer, x, ids, weights)
         if whole is not None:
             return whole
-        if self.slot_plane is not None and self.slot_plane.num_unconfirmed:
+        if self.slot_plane is None:
+            return self._start_zmq(step_id, micro_batch, layer, x, ids, weights)
+        if self.slot_plane.num_unconfirmed:
             self.slot_plane.confirm_all()  # the host sync below must not wait behind a dead worker's flag
-        owner, slot_tokens = self._owner_of_slots(layer, ids)  # [T, K]
+        routing = self._routing_on_host(ids, weights)
+        owner, slot_tokens = self._owner_of_slots(layer, routing.ids)  # [T, K] host
+        sent = []
+        for worker_index, num_slot_tokens in slot_tokens.items():
+            mask = owner == worker_index  # [T, K] host
+            token_index = mask.any(dim=1).nonzero().squeeze(1)  # [T_w] host
+            slot_mask = mask[token_index]  # [T_w, K] host
+            device_index = self._upload(token_index)  # finish adds the answer at these rows
+            self._dispatch_ids += 1
+            if self.slot_plane is not None:
+                device_mask = self._upload(slot_mask)
+                sent_slot = self.slot_plane.try_send(
+                    worker_index, dispatch_id=self._dispatch_ids, step_id=step_id, layer=layer,
+                    micro_batch=micro_batch, x=x[device_index], ids=ids[device_index], weights=weights[device_index],
+                    slot_mask=device_mask)
+                if sent_slot is not None:
+                    self.num_slot_tokens_in_flight[worker_index] += num_slot_tokens
+                    self.num_slot_tokens_sent[worker_index] += num_slot_tokens
+                    sent.append(_Sent(worker_index, sent_slot[0], device_index, device_mask, self._dispatch_ids,
+                                      num_slot_tokens, slot=sent_slot[1]))
+                    continue
+            dispatch = Dispatch(  # this worker refused the rings or has no free slot: over ZeroMQ
+                dispatch_id=self._dispatch_ids, step_id=step_id, layer=layer, micro_batch=micro_batch,
+                hidden=x[device_index].contiguous(), expert_ids=routing.ids[token_index].to(torch.int32),
+                weights=routing.weights[token_index].float(), per_expert_outputs=self.placement_invariant,
+                slot_mask=slot_mask,
+            )
+            ticket = self.channel.send(worker_index, dispatch)
+            self.num_slot_tokens_in_flight[worker_index] += num_slot_tokens
+            self.num_slot_tokens_sent[worker_index] += num_slot_tokens
+            sent.append(_Sent(worker_index, ticket, device_index,
+                              self._upload(slot_mask) if self.placement_invariant else slot_mask,
+                              self._dispatch_ids, num_slot_tokens))
+        return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
+
+    def _start_zmq(self, step_id: int, micro_batch: int, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor) -> PendingMoE:
+        """The ZeroMQ data plane's split, on the device: owner lookup, per-worker counts and rows read back
+        (a host sync per read), Dispatches of device tensors staged by the channel. Why not the host split
+        of the CUDA IPC path: on the full-size two-GPU run of session 4 (call 2) the host split made ZeroMQ
+        steps slower (B = 1: dispatch build 84 -> 154 ms, inbound 25 -> 124 ms a step) while it made CUDA IPC
+        steps faster (build 55 -> 25 ms). The cause is not identified yet, so this path stays as it was
+        measured before (plus the worker count read once per router version, `_grow_counters`)."""
+        self._refresh_tables()
+        if self.router.has_choice(layer):
+            row, slot_tokens = self._choose_replicas(layer, ids)
+            owner = torch.tensor(row, dtype=torch.long, device=ids.device)[ids]  # [T, K]
+        else:
+            owner = self.owner[layer][ids]  # [T, K] on the device
+            counts = torch.bincount(owner.reshape(-1), minlength=len(self.num_slot_tokens_in_flight)).tolist()
+            slot_tokens = {w: n for w, n in enumerate(counts) if n}
         sent = []
         for worker_index, num_slot_tokens in slot_tokens.items():
             mask = owner == worker_index  # [T, K]
             token_index = mask.any(dim=1).nonzero().squeeze(1)  # [T_w]
             slot_mask = mask[token_index]
             self._dispatch_ids += 1
-            if self.slot_plane is not None:
-                sent_slot = self.slot_plane.try_send(
-                    worker_index, dispatch_id=self._dispatch_ids, step_id=step_id, layer=layer,
-                    micro_batch=micro_batch, x=x[token_index], ids=ids[token_index], weights=weights[token_index],
-                    slot_mask=slot_mask)
-                if sent_slot is not None:
-                    self.num_slot_tokens_in_flight[worker_index] += num_slot_tokens
-                    self.num_slot_tokens_sent[worker_index] += num_slot_tokens
-                    sent.append(_Sent(worker_index, sent_slot[0], token_index, slot_mask, self._dispatch_ids,
-                                      num_slot_tokens, slot=sent_slot[1]))
-                    continue
             dispatch = Dispatch(
                 dispatch_id=self._dispatch_ids, step_id=step_id, layer=layer, micro_batch=micro_batch,
                 hidden=x[token_index].contiguous(), expert_ids=ids[token_index].to(torch.int32).contiguous(),

@@ -47,6 +47,7 @@ def run(deployment: Deployment, name: str | None = None, log_level: str = "info"
         options: DraftOptions = DraftOptions()) -> int:
     """Load the drafter named by the deployment's `[draft]` entry and serve until drained."""
     from common.model.config import ModelConfig
+    from common.runtime.load_progress import progress_dir_for
     from common.runtime.logging import configure_logging
     from common.runtime.service import ServiceConfig, run_service
     from common.wire.messages import ServiceRole
@@ -73,19 +74,23 @@ def run(deployment: Deployment, name: str | None = None, log_level: str = "info"
                                            max_support=options.max_support))
     service_config = ServiceConfig(name=entry.name, role=ServiceRole.DRAFT, endpoint=endpoints.draft,
                                    supervisor_endpoint=endpoints.supervisor, device=entry.device,
-                                   heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s)
+                                   heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s,
+                                   progress_dir=str(progress_dir_for(deployment.paths.run_dir)))
     return run_service(worker, service_config)
 
 
 def _budget_fits(entry, deployment: Deployment, model_config) -> bool:
     """Log `draft.memory_budget` (drafter weights, activations) against the device's free memory
-    before loading; False (message on stderr) when it does not fit."""
+    before loading; False (message on stderr) when it does not fit. A random model directory keeps
+    its FP8/FP4 weights quantized (services/draft/random_weights.py), so it is budgeted that way."""
     import sys
 
     from common.placement.worker_budget import check_at_start, draft_worker_budget, measure_free_bytes
+    from services.expert.random_weights import is_random_model
 
     budget = draft_worker_budget(model_config, service="draft", device=entry.device, dtype=deployment.model.dtype,
-                                 free_bytes=measure_free_bytes(entry.device, entry.memory_limit))
+                                 free_bytes=measure_free_bytes(entry.device, entry.memory_limit),
+                                 keep_quantized=is_random_model(deployment.model.path))
     refusal = check_at_start(budget, entry.name)
     if refusal is not None:
         print(refusal, file=sys.stderr)

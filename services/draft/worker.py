@@ -46,7 +46,8 @@ DEFAULT_MAX_SUPPORT = 64
 
 @dataclass(frozen=True)
 class DraftWorkerConfig:
-    """name: service name; checkpoint_path: model directory (config.json + safetensors);
+    """name: service name; checkpoint_path: model directory (config.json + safetensors, or a random
+    model directory: config.json + random_weights.json);
     dtype: "auto" (float32 on CPU, bfloat16 elsewhere) or a dtype name; speculation: the width
     policy (None: the model's default, adaptive up to dspark_block_size); max_support: tokens
     kept in a sampled slot's proposal distribution (None: the full vocabulary, large on the wire)."""
@@ -65,12 +66,21 @@ def resolve_numerics(dtype: str, device: str) -> NumericsConfig:
     return NumericsConfig(dtype)
 
 
-def load_drafter(checkpoint_path: str, device: str, numerics: NumericsConfig) -> DSparkDrafter:
+def load_drafter(checkpoint_path: str, device: str, numerics: NumericsConfig, *,
+                 on_progress=None) -> DSparkDrafter:
     """`mtp.*` (stages, heads, routed experts) plus the target's embed and head; nothing else of
-    the target is read."""
+    the target is read. A random model directory (`is_random_model`: config.json +
+    random_weights.json, no safetensors) gets random weights in the checkpoint formats instead,
+    generated on `device` with the spec's seed (services/draft/random_weights.py). on_progress: the
+    runner's load-progress callback (bytes and tensors read, for the log and the status page)."""
     from common.checkpoint.reader import CheckpointReader
+    from services.expert.random_weights import is_random_model
 
-    reader = CheckpointReader(checkpoint_path)
+    if is_random_model(checkpoint_path):
+        from services.draft.random_weights import random_drafter_for
+
+        return random_drafter_for(checkpoint_path, device, numerics)
+    reader = CheckpointReader(checkpoint_path, on_progress=on_progress)
     config = reader.config
     torch_dtype = numerics.torch_dtype()
     embed = Embedding(config.vocab_size, config.hidden_size, dtype=torch_dtype, device="meta")
@@ -144,7 +154,8 @@ class DraftWorker(Service):
     async def load(self) -> None:
         if self.drafter is None:
             numerics = resolve_numerics(self.config.dtype, self.config.device)
-            self._install(load_drafter(self.config.checkpoint_path, self.config.device, numerics))
+            self._install(load_drafter(self.config.checkpoint_path, self.config.device, numerics,
+                                      on_progress=self.load_progress))
         log.info("draft.loaded", block_size=self.drafter.dspark.block_size, mode=self.speculation.mode.value,
                  width=self.speculation.width, device=str(self.device))
 

@@ -26,9 +26,15 @@ class ExpertGroups:
     expert_ids: list[int]  # [G] host ints, ascending
     offsets: list[int]  # [G + 1] host ints
 
+    def moved(self, to_device) -> "ExpertGroups":
+        """The same groups with both index tensors moved by `to_device` (one upload of [2, P])."""
+        both = to_device(torch.stack([self.token_index, self.slot_index]))  # [2, P]
+        return ExpertGroups(both[0], both[1], self.expert_ids, self.offsets)
+
 
 def group_by_expert(ids: torch.Tensor, slot_mask: torch.Tensor | None) -> ExpertGroups:
-    """ids [T, K] int, slot_mask [T, K] bool (None: all) -> groups (one host sync for the counts)."""
+    """ids [T, K] int, slot_mask [T, K] bool (None: all) -> groups (one host sync for the counts when
+    ids are on a device; none for host ids, which the expert worker groups before uploading)."""
     num_slots = ids.shape[1]
     flat_ids = ids.reshape(-1).long()  # [T·K]
     flat_pairs = torch.arange(flat_ids.shape[0], device=ids.device)

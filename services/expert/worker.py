@@ -37,7 +37,7 @@ from common.wire.messages import (
     LoadExperts, QueryInventory,
 )
 from services.expert.ipc_plane import ExpertSlotPlane
-from services.expert.grouping import group_by_expert, slot_outputs
+from services.expert.grouping import ExpertGroups, group_by_expert, slot_outputs
 from common.model.moe import sum_slots_in_order
 
 log = structlog.get_logger("expert")
@@ -185,7 +185,10 @@ class ExpertWorker(Service):
         inputs = self._dispatch_inputs(dispatch)
         if isinstance(inputs, ErrorReply):
             return inputs
-        output = self.expert_output(dispatch.layer, *inputs, dispatch.per_expert_outputs)
+        groups = None
+        if self.holder is None and not dispatch.expert_ids.is_cuda:  # host ids (ZeroMQ): group them here, no sync
+            groups = group_by_expert(dispatch.expert_ids.long(), dispatch.slot_mask).moved(self._to_device)
+        output = self.expert_output(dispatch.layer, *inputs, dispatch.per_expert_outputs, groups=groups)
         if isinstance(output, ErrorReply):
             return output
         return self._combine_reply(dispatch, output)
@@ -216,8 +219,10 @@ class ExpertWorker(Service):
                        per_expert_outputs=dispatch.per_expert_outputs)
 
     def expert_output(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor,
-                      mask: torch.Tensor | None, per_expert_outputs: bool) -> torch.Tensor | ErrorReply:
-        """The routed answer [T, D] (or [T, K, D]) for this worker's slots, whatever the data plane."""
+                      mask: torch.Tensor | None, per_expert_outputs: bool,
+                      groups: ExpertGroups | None = None) -> torch.Tensor | ErrorReply:
+        """The routed answer [T, D] (or [T, K, D]) for this worker's slots, whatever the data plane.
+        groups: `group_by_expert(ids, mask)` when the caller has it (from host ids: no device sync)."""
         if self.holder is not None:
             from common.model.moe import ExpertNotHeld
 
@@ -234,7 +239,7 @@ class ExpertWorker(Service):
             except ExpertNotHeld as error:
                 return ErrorReply(code=ErrorCode.NOT_FOUND, message=f"{self.config.name}: {error}"[:300])
         else:
-            groups = group_by_expert(ids, mask)
+            groups = groups if groups is not None else group_by_expert(ids, mask)
             missing = [e for e in groups.expert_ids if (layer, e) not in self._weights]
             if missing:
                 return ErrorReply(code=ErrorCode.NOT_FOUND,

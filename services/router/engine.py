@@ -322,7 +322,10 @@ class Engine:
         except (StepFailed, ResultMismatch, WireError) as error:
             return self._step_failed(output, str(error))
         self.num_steps += 1
-        self.step_seconds_total += time.perf_counter() - started_s
+        step_s = time.perf_counter() - started_s
+        self.step_seconds_total += step_s
+        if self.drafts is not None:  # the cost-aware width policy learns the step cost from it
+            self.drafts.observe_step(output, step_s)
         self.health_tracker.record_step_ok()
         log.debug("router.step", step_id=output.step_id, num_sequences=len(output.scheduled),
                   num_tokens=output.num_scheduled_tokens)

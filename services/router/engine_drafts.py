@@ -27,21 +27,30 @@ feature rings start empty and fill from the next steps' committed positions, so 
 recovers over a few steps; outputs never depend on it (verification is lossless). Drafts that
 were already handed to the scheduler before a failure keep their distributions and are
 verified normally, so a failure never leaves a sampled draft without its q.
+Width (services/router/spec_policy.py): with `width_policy` DRAFTER the router verifies what the
+drafter proposed (fixed mode; adaptive mode's confidence rule). With COST (adaptive mode's
+cost-aware part, dspark.md §2.4) it learns from the engine's own step timings what a cycle costs
+(`observe_step`, called by the engine after every attention step) and, per cycle, skips the
+DraftRequest when drafting is not expected to pay, and otherwise cuts each request's proposal to
+the widths that maximise the batch's expected committed tokens per second.
 Plain Python, no torch (the router never imports it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from common.wire.messages import DraftRequest, DraftSlot, DraftTokens, ErrorReply, ServiceState, StepPlan
+from services.router.spec_cost import StepCostModel
+from services.router.spec_policy import CostAwareWidths, CostPolicyConfig, WidthPolicyKind
 
 log = structlog.get_logger("router")
 
@@ -56,17 +65,25 @@ class DraftConfig:
     asked per request and step (the drafter's block size; its width policy may return fewer);
     timeout_s: bound on one DraftRequest round trip (the engine loop waits for it, so a dead
     drafter costs at most this once); max_heartbeat_silence_s: a drafter silent for longer
-    (no Ready, heartbeat or reply) is treated as gone before a request has to time out."""
+    (no Ready, heartbeat or reply) is treated as gone before a request has to time out;
+    width_policy: DRAFTER keeps the drafter's widths, COST adds the cost-aware cut (spec_policy.py);
+    max_start_s: a drafter with no Ready this long after the router started is reported down
+    instead of starting (one that crashed while loading never beats, so nothing else would tell)."""
 
     draft_name: str = "draft"
     max_draft_tokens: int = 5
     timeout_s: float = 10.0
     max_heartbeat_silence_s: float = 5.0
+    width_policy: WidthPolicyKind = WidthPolicyKind.DRAFTER
+    cost_policy: CostPolicyConfig = CostPolicyConfig()
+    max_start_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.width_policy, WidthPolicyKind):
+            raise ValueError(f"width_policy must be a WidthPolicyKind, got {self.width_policy!r}")
         if self.max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
-        for name in ("timeout_s", "max_heartbeat_silence_s"):
+        for name in ("timeout_s", "max_heartbeat_silence_s", "max_start_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -76,14 +93,19 @@ ProposeFn = Callable[[DraftRequest], Awaitable[Any]]
 
 class DraftCoordinator:
     """propose: sends one DraftRequest and returns the reply (DraftTokens or ErrorReply; raises
-    on timeout). supervisor: the router's Supervisor (None: the drafter counts as ready)."""
+    on timeout). supervisor: the router's Supervisor (None: the drafter counts as ready).
+    cost: the cost model of the COST width policy (None: learned online from the engine's steps;
+    a spec_cost.FixedStepCost makes the policy deterministic)."""
 
     def __init__(self, config: DraftConfig, propose: ProposeFn, supervisor: Any = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, cost: StepCostModel | None = None) -> None:
         self.config = config
+        self.widths = (CostAwareWidths(config.cost_policy, cost)
+                       if config.width_policy is WidthPolicyKind.COST else None)
         self._propose = propose
         self._supervisor = supervisor
         self._clock = clock
+        self._created_s = clock()
         self._failure: str | None = None
         self._failed_ready: Any = None  # the drafter's Ready when a request failed: only a newer one revives it
         self._failed_silent = False  # failed by heartbeat silence: fresh heartbeats revive it
@@ -117,6 +139,10 @@ class DraftCoordinator:
                 self._fail(f"no heartbeat for {silence_s:.1f} s", silent=True)
                 return f"down: {self._failure}; serving without speculation"
             return "ok"
+        waited_s = self._clock() - self._created_s
+        if waited_s > self.config.max_start_s:  # it died while loading (serve says so) or never started
+            return (f"down: no Ready from the draft worker within {self.config.max_start_s:.0f} s; "
+                    "serving without speculation")
         return "starting: not ready yet (serving without speculation meanwhile)"
 
     @property
@@ -158,14 +184,17 @@ class DraftCoordinator:
 
     # -- the plan --------------------------------------------------------------------------
     def decorate(self, plan: StepPlan) -> StepPlan:
-        """The plan as sent: features wanted for every sequence while the drafter is up, and
-        each sampled sequence's drafts paired with their distributions (cut to the drafts the
+        """The plan as sent: features wanted for every sequence while the drafter is up (except
+        while the cost policy runs plain steps far from its next probe: CostAwareWidths.wants_features),
+        and each sampled sequence's drafts paired with their distributions (cut to the drafts the
         scheduler kept)."""
         if not plan.sequences:
             return plan
         active = self.active
         if not active and not self._supports:
             return plan
+        # the cost policy in a long run of plain steps wants no features until shortly before its probe
+        send_features = active and (self.widths is None or self.widths.wants_features())
         sequences = []
         for seq in plan.sequences:
             ids, probs = self._supports.pop(seq.request_id, ((), ()))
@@ -173,26 +202,39 @@ class DraftCoordinator:
             if ids and num_drafts:
                 seq = dataclasses.replace(seq, draft_support_token_ids=ids[:num_drafts],
                                           draft_support_probs=probs[:num_drafts])
-            if active:
+            if send_features:
                 seq = dataclasses.replace(seq, send_features=True)
+            if active:
                 self._known_ids.add(seq.request_id)
             sequences.append(seq)
         return dataclasses.replace(plan, sequences=tuple(sequences))
 
     # -- after a step ----------------------------------------------------------------------
     def record(self, events: Iterable[Any]) -> None:
-        """Acceptance by draft position from the step's RequestEvents."""
+        """Acceptance by draft position from the step's RequestEvents (and the cost policy's calibration)."""
+        events = list(events)
+        if self.widths is not None:
+            self.widths.observe_acceptance(events)
         for event in events:
             for position in range(min(event.num_draft_tokens, len(self.draft_by_position))):
                 self.draft_by_position[position] += 1
                 if position < event.num_accepted_drafts:
                     self.accepted_by_position[position] += 1
 
+    def observe_step(self, output: Any, attention_s: float) -> None:
+        """The engine's timing of one attention step (its SchedulerOutput): the cost policy learns from it."""
+        if self.widths is not None:
+            self.widths.observe_step(output.scheduled, attention_s, time.perf_counter())
+
     async def after_step(self, scheduler: Any, events: Iterable[Any]) -> None:
         """Ask for the next block of every running request in decode; set_draft_tokens."""
         if not self.active:
             return
+        events = list(events)
         slots = [slot for slot in (self._slot(scheduler, event) for event in events) if slot is not None]
+        num_sequences = sum(1 for event in events if not event.is_finished)
+        if slots and self.widths is not None and not self.widths.should_draft(num_sequences, len(slots)):
+            return  # a plain step pays better; finished requests are reported with the next request
         finished = self._finished_ids(scheduler)
         if not slots and not finished:
             return
@@ -204,15 +246,26 @@ class DraftCoordinator:
         except Exception as error:  # a timeout or a broken socket: the drafter is gone
             self._fail(f"draft request failed: {type(error).__name__}: {str(error)[:200]}")
             return
-        self.round_trip_s_total += time.perf_counter() - started_s
+        round_trip_s = time.perf_counter() - started_s
+        self.round_trip_s_total += round_trip_s
         self.num_draft_requests += 1
         match reply:
             case DraftTokens():
-                for proposal in reply.proposals:
-                    if proposal.token_ids and scheduler.get_request(proposal.request_id) is not None:
-                        scheduler.set_draft_tokens(proposal.request_id, list(proposal.token_ids))
-                        if proposal.support_token_ids:
-                            self._supports[proposal.request_id] = (proposal.support_token_ids, proposal.support_probs)
+                asked = {slot.request_id: slot.num_draft_tokens for slot in slots}  # <= the block size
+                proposals = [p for p in reply.proposals if p.token_ids and p.request_id in asked
+                             and scheduler.get_request(p.request_id) is not None]
+                caps = [min(len(p.token_ids), asked[p.request_id]) for p in proposals]  # never more than asked
+                widths = caps
+                if self.widths is not None and slots:
+                    self.widths.observe_draft(len(slots), round_trip_s)
+                    widths = self.widths.choose_widths([p.confidences[:cap] for p, cap in zip(proposals, caps)],
+                                                       num_sequences, [p.request_id for p in proposals])
+                for proposal, width in zip(proposals, widths):
+                    if width < 1:
+                        continue
+                    scheduler.set_draft_tokens(proposal.request_id, list(proposal.token_ids[:width]))
+                    if proposal.support_token_ids:
+                        self._supports[proposal.request_id] = (proposal.support_token_ids, proposal.support_probs)
             case ErrorReply(code=code, message=message):
                 self._fail(f"drafter refused: {code.value}: {message[:200]}")
             case _:
@@ -249,6 +302,8 @@ class DraftCoordinator:
                 self._known_ids.discard(request_id)
                 self._draft_seeds.pop(request_id, None)
                 self._supports.pop(request_id, None)
+                if self.widths is not None:
+                    self.widths.forget(request_id)
         return finished
 
     # -- counters --------------------------------------------------------------------------
@@ -259,7 +314,9 @@ class DraftCoordinator:
                 "spec_num_draft_requests": self.num_draft_requests,
                 "spec_draft_round_trip_s_total": self.round_trip_s_total,
                 "spec_drafter_failures": self.num_failures,
-                "spec_drafter_recoveries": self.num_recoveries}
+                "spec_drafter_recoveries": self.num_recoveries,
+                "spec_width_policy": self.config.width_policy.value,
+                **(self.widths.stats() if self.widths is not None else {})}
 
 
 def draft_block_size(model_dir: str) -> int | None:
@@ -290,6 +347,24 @@ class DraftClient:
         await self.client.close()
 
 
+WIDTH_POLICY_ENV = "MOEMESH_SPEC_WIDTH_POLICY"
+
+
+def width_policy_from_env(environ: Mapping[str, str] = os.environ) -> WidthPolicyKind:
+    """The router's width policy, from MOEMESH_SPEC_WIDTH_POLICY (`drafter` or `cost`; unset:
+    `drafter`). Whoever starts the router sets it: `cost` goes with a drafter in adaptive mode,
+    `drafter` with fixed mode (or to serve the confidence rule alone); bench/speculation.py sets it
+    per server. It comes from the environment because the router's command line carries no
+    speculation options and the drafter's mode is not on the wire. Unset keeps the drafter's
+    widths, which is right for every mode (fixed mode must never be cut)."""
+    value = environ.get(WIDTH_POLICY_ENV, "").strip().lower() or WidthPolicyKind.DRAFTER.value
+    try:
+        return WidthPolicyKind(value)
+    except ValueError:
+        raise ValueError(f"{WIDTH_POLICY_ENV}={value!r}: choose one of "
+                         f"{', '.join(kind.value for kind in WidthPolicyKind)}") from None
+
+
 def coordinator_for(deployment: Any, supervisor: Any, context: Any, security: Any = None
                     ) -> tuple[DraftCoordinator, DraftClient] | None:
     """The coordinator and its client when the deployment runs a draft worker, else None."""
@@ -303,7 +378,9 @@ def coordinator_for(deployment: Any, supervisor: Any, context: Any, security: An
         return None
     config = DraftConfig(draft_name=deployment.draft.name, max_draft_tokens=block_size,
                          timeout_s=DRAFT_TIMEOUT_S,
-                         max_heartbeat_silence_s=max(3.0, 5 * deployment.timeouts.heartbeat_interval_s))
+                         max_heartbeat_silence_s=max(3.0, 5 * deployment.timeouts.heartbeat_interval_s),
+                         width_policy=width_policy_from_env(), max_start_s=deployment.timeouts.ready_s)
     client = DraftClient(derive_endpoints(deployment).draft, context, config.timeout_s, security)
-    log.info("router.speculation_on", draft=deployment.draft.name, max_draft_tokens=block_size)
+    log.info("router.speculation_on", draft=deployment.draft.name, max_draft_tokens=block_size,
+             width_policy=config.width_policy.value)
     return DraftCoordinator(config, client.propose, supervisor), client

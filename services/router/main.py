@@ -213,7 +213,7 @@ def _status_sources(deployment: Deployment, supervisor):
     except Exception as error:  # display only: the router serves without it
         log.warning("router.status_placement_unavailable", error=str(error)[:200])
     return StatusSources(supervisor=supervisor, progress_dir=str(progress_dir_for(deployment.paths.run_dir)),
-                         placement=placement)
+                         placement=placement, model_path=str(deployment.model.path))
 
 
 run = main  # `services.router.main.run(deployment)` is the name the CLI brief asks for

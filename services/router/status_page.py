@@ -2,12 +2,15 @@
 
 `/status.json` is one snapshot, built from what the router already has, torch-free:
 - `health`: `engine.health()` (ok + one status per service, the same truth as `/health`);
+- `router`: the gateway process itself (pid, seconds since its routes were built);
 - `engine`: `engine.stats()` (running and queued requests, KV blocks used / total per tier);
 - `throughput`: generated tokens per second over the last `window_s`, from the gateway's
   Prometheus counter, sampled on every snapshot; speculative acceptance from its counters;
 - `services`: per worker as the supervisor saw it (role, pid, device, state, seconds since
   its last message), when the router wires a supervisor in (`StatusSources`);
-- `load_progress`: each service's model-loading progress file (`common.runtime.load_progress`);
+- `load_progress`: each service's model-loading progress file (`common.runtime.load_progress`),
+  with the bytes it is expected to read and the fraction done (`status_page_progress`) when
+  the model directory is known;
 - `requests`: HTTP generation requests by outcome (ok, engine_error, ...), from the counter;
 - `restarts`: what `moemesh serve` restarted (common.runtime.restart_record), by service;
 - `placement`: experts per (worker, layer) from the deployment's placement, and
@@ -21,18 +24,23 @@ assets, so it renders offline (and in a headless browser in the tests).
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from common.runtime.load_progress import read_progress
 from common.runtime.restart_record import read_restarts, restarts_path_for
+from services.router.status_page_progress import load_sizes, with_expected
+
+log = structlog.get_logger("router")
 
 
 @dataclass(frozen=True)
@@ -40,10 +48,12 @@ class StatusSources:
     """What the router adds beyond the engine: set as `app.state.status_sources`.
     placement: {worker name: {layer: [expert ids]}}; layer_heat: [[count per expert] per layer]
     (a fallback: live counts from the attention worker take precedence); restarts_path: serve's
-    restart record (None: `<run_dir>/serve_restarts.json`, the run dir being the progress dir's parent)."""
+    restart record (None: `<run_dir>/serve_restarts.json`, the run dir being the progress dir's parent);
+    model_path: the checkpoint directory, whose config sizes each service's load (None: no fractions)."""
 
     supervisor: Any = None  # common.runtime.supervisor.Supervisor
     progress_dir: str | None = None
+    model_path: str | None = None
     placement: dict[str, dict[int, list[int]]] = field(default_factory=dict)
     layer_heat: list[list[int]] | None = None
     restarts_path: str | None = None
@@ -95,7 +105,8 @@ def _layer_heat(engine_stats: dict, sources: StatusSources) -> list[list[int]] |
     return sources.layer_heat
 
 
-def status_snapshot(engine: Any, metrics: Any, sources: StatusSources, rates: _Rates) -> dict:
+def status_snapshot(engine: Any, metrics: Any, sources: StatusSources, rates: _Rates,
+                    started_monotonic_s: float | None = None) -> dict:
     report = engine.health()
     engine_stats = engine.stats()
     generated = _counter(metrics, "moemesh_generation_tokens_total")
@@ -104,6 +115,9 @@ def status_snapshot(engine: Any, metrics: Any, sources: StatusSources, rates: _R
     snapshot = {
         "time_unix_s": time.time(),
         "health": {"ok": report.ok, "services": dict(report.services)},
+        # the gateway itself (this process): health["services"] names it only while it stops
+        "router": {"pid": os.getpid(), "uptime_s": None if started_monotonic_s is None
+                   else round(time.monotonic() - started_monotonic_s, 1)},
         "engine": {key: value for key, value in engine_stats.items() if key != "routing_summary"},
         "requests": _requests_by_outcome(metrics),
         "restarts": read_restarts(sources.restarts_file()),
@@ -111,12 +125,23 @@ def status_snapshot(engine: Any, metrics: Any, sources: StatusSources, rates: _R
                        "window_s": rates.window_s,
                        "spec_acceptance": accepted / drafted if drafted else None},
         "services": _services(sources.supervisor),
-        "load_progress": read_progress(sources.progress_dir) if sources.progress_dir else [],
+        "load_progress": _load_progress(sources),
         "placement": {name: {str(layer): experts for layer, experts in layers.items()}
                       for name, layers in sources.placement.items()},
         "layer_heat": _layer_heat(engine_stats, sources),
     }
     return snapshot
+
+
+def _load_progress(sources: StatusSources) -> list[dict]:
+    records = read_progress(sources.progress_dir) if sources.progress_dir else []
+    sizes = None
+    if sources.model_path is not None:
+        try:
+            sizes = load_sizes(str(sources.model_path))
+        except (OSError, ValueError) as error:  # display only: progress without fractions
+            log.warning("router.status_load_sizes_unavailable", error=str(error)[:200])
+    return with_expected(records, sizes, sources.placement)
 
 
 def _services(supervisor: Any) -> list[dict]:
@@ -143,10 +168,11 @@ def _services(supervisor: Any) -> list[dict]:
 def status_routes(engine: Any, metrics: Any) -> list[Route]:
     """`/` and `/status.json`; the sources come from `request.app.state.status_sources`."""
     rates = _Rates()
+    started_monotonic_s = time.monotonic()
 
     async def status_json(request: Request) -> Response:
         sources = getattr(request.app.state, "status_sources", None) or StatusSources()
-        return JSONResponse(status_snapshot(engine, metrics, sources, rates))
+        return JSONResponse(status_snapshot(engine, metrics, sources, rates, started_monotonic_s))
 
     async def status_html(_: Request) -> Response:
         return HTMLResponse(_page_html())

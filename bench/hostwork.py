@@ -1,0 +1,443 @@
+"""`python -m bench.hostwork [--device cuda:0] [--out-dir DIR]`: per-Dispatch host work, before and after.
+
+Issue 10's full-size figures put a decode step's time in per-layer host work, not in bytes. This
+benchmark measures that work in isolation, at true width (hidden 4096, top-6 of 256 experts) with a
+tiny expert intermediate size (`--intermediate`, default 256) so that compute does not hide it:
+- expert side: the quantized expert worker (`QuantizedExpertWorker`, holding 3/4 of one layer's
+  experts, as the full-size "near" worker does) answering Dispatches that arrive as host tensors
+  (ZeroMQ), including the reply's device->host copy into the worker's staging pool (what the
+  service runner does before sending);
+- attention side: `MoEDispatcher.start` splitting a layer's routing between two expert workers (3/4 and
+  1/4 of the experts; tables of 43 layers) and sending both Dispatches over real ZeroMQ sockets
+  (drained by a child process). Over ZeroMQ the split itself is the device split of before (see
+  `MoEDispatcher._start_zmq`); "after" differs by the worker count no longer walked per layer, and the
+  host pieces of the CUDA IPC split (routing read-back, owner split) are timed as components.
+Each is run as the services do it now ("after") and as they did before session 4 ("before":
+`bench/hostwork_legacy.py`, the old code kept only here), for T = 1, 8, 64 tokens. Both are checked to
+give identical results (expert outputs bit for bit; the same Dispatch tensors) before anything is timed.
+Figures: µs per Dispatch (expert side) or per layer (attention side, two Dispatches), medians over
+`--iterations` after a warm-up with the variants interleaved (plus the mean total), split into stages by
+host time (stages that synchronise include the wait); on CUDA also the number of synchronising calls
+torch reports (`torch.cuda.set_sync_debug_mode`) per Dispatch / layer, the CUDA API calls per call at T = 8
+(torch.profiler), and the expert worker with the full-size harness's extra timing synchronise
+(`bench/fullsize_expert.py` synchronises after each Dispatch to time it) against without it.
+Legend: T tokens, K top-k slots, D hidden, E routed experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+NUM_EXPERTS = 256
+TOP_K = 6
+HIDDEN = 4096
+NUM_LAYERS = 43  # the dispatcher's tables are full depth (some per-layer host work scales with L x E)
+
+
+def _tick(stages: dict[str, float], name: str, began: float) -> float:
+    now = time.perf_counter()
+    stages[name] = stages.get(name, 0.0) + (now - began) * 1e6
+    return now
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SyncCounter:
+    """Counts torch's synchronising calls (sync debug mode "warn") inside `with` blocks; CPU: always 0."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.enabled = device.type == "cuda"
+        self.count = 0
+
+    def __enter__(self):
+        if self.enabled:
+            self._catcher = warnings.catch_warnings(record=True)
+            self._records = self._catcher.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            torch.cuda.set_sync_debug_mode("default")
+            self.count += sum("synchroniz" in str(r.message) for r in self._records)
+            self._catcher.__exit__(*exc)
+
+
+def profile_calls(device: torch.device, run, num_calls: int = 10) -> dict[str, float]:
+    """CUDA runtime / driver API calls per call of `run()` (torch.profiler): launches, copies, syncs."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_calls):
+            run()
+        torch.cuda.synchronize(device)
+    counts: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.key.startswith("cu") and not event.key.startswith("cudaDeviceSynchronize"):
+            counts[event.key] = event.count / num_calls
+    return dict(sorted(counts.items()))
+
+
+class Samples:
+    """Per-iteration stage times (µs) of one variant -> medians (robust to a shared machine's spikes),
+    the mean total, and synchronising calls per iteration."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.counter = SyncCounter(device)
+        self.rows: list[dict[str, float]] = []
+
+    def add(self, stages: dict[str, float], warm: bool) -> None:
+        if warm:
+            self.rows.append(stages)
+        else:
+            self.counter.count = 0
+
+    def summary(self) -> dict[str, float]:
+        names = list(dict.fromkeys(name for row in self.rows for name in row))
+        out = {name: statistics.median(row.get(name, 0.0) for row in self.rows) for name in names}
+        out["mean_total"] = statistics.fmean(row["total"] for row in self.rows)
+        out["syncs"] = self.counter.count / max(len(self.rows), 1)
+        return out
+
+
+# ------------------------------------------------------------------------------------------- expert side
+def build_expert_worker(device: str, intermediate: int, held_experts: list[int]):
+    """A QuantizedExpertWorker holding `held_experts` of layer 0 (random FP4 weights), staging allocated."""
+    from common.model.config import AttentionKind
+    from common.model.random_init import flash_config
+    from services.expert.quantized_worker import QuantizedExpertWorker
+    from services.expert.random_weights import ExpertFill, RandomWeightsSpec, build_random_experts
+    from services.expert.worker import ExpertWorkerConfig
+
+    config = flash_config([AttentionKind.CSA], hidden_size=HIDDEN, moe_intermediate_size=intermediate,
+                          n_routed_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)
+    pairs = [(0, e) for e in held_experts]
+    worker = QuantizedExpertWorker(ExpertWorkerConfig(name="hostwork", checkpoint_path="", device=device), config)
+    worker.allocate_staging()
+    worker._experts = build_random_experts(config, pairs, device, RandomWeightsSpec(seed=3), fill=ExpertFill.EXACT)
+    worker._weights = {pair: () for pair in pairs}
+    return worker
+
+
+def make_dispatch(num_tokens: int, held: torch.Tensor, dtype: torch.dtype, seed: int):
+    """A Dispatch as the attention side sends it over ZeroMQ (host tensors): every token has >= 1 held slot."""
+    from common.wire.messages import Dispatch
+
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    while len(rows) < num_tokens:
+        row = torch.randperm(NUM_EXPERTS, generator=generator)[:TOP_K]
+        if bool(held[row].any()):
+            rows.append(row)
+    ids = torch.stack(rows)  # [T, K]
+    return Dispatch(dispatch_id=seed, step_id=seed, layer=0, micro_batch=0,
+                    hidden=torch.randn(num_tokens, HIDDEN, generator=generator).to(dtype),
+                    expert_ids=ids.to(torch.int32), weights=torch.rand(num_tokens, TOP_K, generator=generator),
+                    per_expert_outputs=False, slot_mask=held[ids])
+
+
+def reply_copy(worker, output: torch.Tensor) -> None:
+    """What the service runner does with a Combine: copy its output into a staging buffer (and wait)."""
+    lease = worker._reply_pool.acquire()
+    lease.write(output)
+    lease.seal()
+    lease.release_after(None)
+
+
+def after_expert_stages(worker, dispatch, stages: dict[str, float]) -> torch.Tensor:
+    """`QuantizedExpertWorker.handle_dispatch` piece by piece (the same calls, timed between them)."""
+    from common.model.moe import sum_slots_in_order
+
+    began = time.perf_counter()
+    selection = worker._select(dispatch)
+    began = _tick(stages, "select", began)
+    hidden = worker._to_device(dispatch.hidden).to(worker.dtype)
+    began = _tick(stages, "to_device", began)
+    per_slot = worker._selected_outputs(dispatch.layer, hidden, dispatch.weights, selection)
+    began = _tick(stages, "compute", began)
+    output = sum_slots_in_order(per_slot)
+    _tick(stages, "sum", began)
+    return output
+
+
+def bench_expert(device: torch.device, intermediate: int, token_counts: list[int], iterations: int,
+                 profile_tokens: int | None = 8) -> dict:
+    from bench.hostwork_legacy import legacy_expert_stages
+
+    generator = torch.Generator().manual_seed(1)
+    held_experts = sorted(torch.randperm(NUM_EXPERTS, generator=generator)[: NUM_EXPERTS * 3 // 4].tolist())
+    held = torch.zeros(NUM_EXPERTS, dtype=torch.bool)
+    held[held_experts] = True
+    worker = build_expert_worker(str(device), intermediate, held_experts)
+    dtype = worker.dtype
+    results = {}
+    for num_tokens in token_counts:
+        dispatches = [make_dispatch(num_tokens, held, dtype, seed=100 * num_tokens + i) for i in range(4)]
+        identical = True
+        for dispatch in dispatches:  # identical outputs (recorded; the tests assert it)
+            new = worker.handle_dispatch(dispatch).output
+            identical &= torch.equal(new, legacy_expert_stages(worker, dispatch, {}))
+        if not identical:
+            print(f"expert T={num_tokens}: OUTPUTS DIFFER from the legacy path", flush=True)
+        row = {"identical_to_before": identical}
+        samples = {variant: Samples(device) for variant in ("before", "after", "after_timing_sync")}
+        _sync(device)
+        for i in range(iterations + 5):  # variants interleaved: machine noise hits each alike
+            dispatch = dispatches[i % len(dispatches)]
+            for variant, sample in samples.items():
+                stages: dict[str, float] = {}
+                with sample.counter:
+                    began = time.perf_counter()
+                    if variant == "before":
+                        output = legacy_expert_stages(worker, dispatch, stages)
+                    else:
+                        output = after_expert_stages(worker, dispatch, stages)
+                    if variant == "after_timing_sync":
+                        began_sync = time.perf_counter()
+                        _sync(device)
+                        _tick(stages, "timing_sync", began_sync)
+                    began_reply = time.perf_counter()
+                    reply_copy(worker, output)
+                    _tick(stages, "reply_copy", began_reply)
+                    _tick(stages, "total", began)
+                sample.add(stages, warm=i >= 5)
+        row.update({variant: sample.summary() for variant, sample in samples.items()})
+        # the worker's own entry point, end to end (must match "after" within noise)
+        _sync(device)
+        began = time.perf_counter()
+        for i in range(iterations):
+            reply_copy(worker, worker.handle_dispatch(dispatches[i % len(dispatches)]).output)
+        row["after_handle_dispatch_us"] = (time.perf_counter() - began) * 1e6 / iterations
+        row["num_selected_slots"] = sum(int(d.slot_mask.sum()) for d in dispatches) / len(dispatches)
+        if num_tokens == profile_tokens:  # API calls per Dispatch (reply copy included), both ways
+            row["api_calls_before"] = profile_calls(device, lambda: reply_copy(
+                worker, legacy_expert_stages(worker, dispatches[0], {})))
+            row["api_calls_after"] = profile_calls(device, lambda: reply_copy(
+                worker, worker.handle_dispatch(dispatches[0]).output))
+        results[str(num_tokens)] = row
+    return results
+
+
+# ------------------------------------------------------------------------------------------- attention side
+_DRAIN_CODE = """
+import sys, zmq
+context = zmq.Context()
+poller = zmq.Poller()
+for endpoint in sys.argv[1:]:
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind(endpoint)
+    poller.register(socket, zmq.POLLIN)
+print("bound", flush=True)
+while True:
+    for socket, _ in poller.poll(1000):
+        socket.recv_multipart(copy=False)
+"""
+
+
+class Drain:
+    """ROUTER sockets at `endpoints` whose messages are received and dropped (the expert workers' end):
+    by a thread (tests), or by a child process (timings: a draining thread would take the GIL from the
+    timed thread at random)."""
+
+    def __init__(self, context, endpoints: list[str], *, in_process: bool = True) -> None:
+        import zmq
+
+        self.sockets = []
+        self._process = None
+        self._stop = threading.Event()
+        if not in_process:
+            import subprocess
+
+            self._process = subprocess.Popen([sys.executable, "-c", _DRAIN_CODE, *endpoints],
+                                             stdout=subprocess.PIPE, text=True)
+            if self._process.stdout.readline().strip() != "bound":
+                raise RuntimeError("the drain process did not bind its sockets")
+            return
+        for endpoint in endpoints:
+            socket = context.socket(zmq.ROUTER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.bind(endpoint)
+            self.sockets.append(socket)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        for socket in self.sockets:
+            poller.register(socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            for socket, _ in poller.poll(20):
+                socket.recv_multipart(copy=False)
+
+    def close(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait(5)
+            return
+        self._stop.set()
+        self._thread.join(5)
+        for socket in self.sockets:
+            socket.close(linger=0)
+
+
+class RecordingChannel:
+    """Wraps an ExpertChannel; keeps host copies of what `send` was given while `recording`."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.recording = False
+        self.sent: list[tuple[int, tuple]] = []
+        self.send_s = 0.0  # host time inside the channel's send (encode, staging copies, ZeroMQ)
+
+    def send(self, worker_index: int, message):
+        if self.recording:
+            self.sent.append((worker_index, tuple(None if t is None else t.detach().cpu().clone() for t in (
+                message.hidden, message.expert_ids, message.weights, message.slot_mask))))
+        began = time.perf_counter()
+        ticket = self.inner.send(worker_index, message)
+        self.send_s += time.perf_counter() - began
+        return ticket
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _routing(num_tokens: int, device: torch.device, dtype: torch.dtype, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=generator).to(device=device, dtype=dtype)  # [T, D]
+    scores = torch.rand(num_tokens, NUM_EXPERTS, generator=generator).to(device)  # [T, E]
+    weights, ids = scores.topk(TOP_K, dim=1)  # [T, K]
+    return x, ids, weights
+
+
+def bench_start(device: torch.device, token_counts: list[int], iterations: int, run_dir: Path,
+                profile_tokens: int | None = 8) -> dict:
+    import zmq
+
+    from bench.hostwork_legacy import legacy_start_stages
+    from services.attention.expert_channel import ExpertChannel
+    from services.attention.moe_dispatch import MoEDispatcher
+
+    generator = torch.Generator().manual_seed(2)
+    near = set(torch.randperm(NUM_EXPERTS, generator=generator)[: NUM_EXPERTS * 3 // 4].tolist())
+    owner_table = [[0 if e in near else 1 for e in range(NUM_EXPERTS)]] * NUM_LAYERS  # [L, E]: V4-Flash's 43
+    endpoints = [f"ipc://{run_dir}/hostwork-{i}.sock" for i in range(2)]
+    context = zmq.Context()
+    drain = Drain(context, endpoints, in_process=False)
+    channel = RecordingChannel(ExpertChannel(endpoints, context=context))
+    dispatcher = MoEDispatcher(channel, owner_table, placement_invariant=False, device=device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    results = {}
+    try:
+        for num_tokens in token_counts:
+            layers = [_routing(num_tokens, device, dtype, seed=10 * num_tokens + i) for i in range(4)]
+            identical = True
+            for x, ids, weights in layers:  # the same Dispatch tensors both ways (recorded; the tests assert it)
+                channel.recording, channel.sent = True, []
+                dispatcher.start(0, 0, 0, x, ids, weights)
+                new, channel.sent = channel.sent, []
+                legacy_start_stages(dispatcher, 0, 0, x, ids, weights, {})
+                old, channel.recording = channel.sent, False
+                identical &= len(new) == len(old) and all(
+                    a[0] == b[0] and all(torch.equal(p, q) for p, q in zip(a[1], b[1])) for a, b in zip(new, old))
+            if not identical:
+                print(f"start T={num_tokens}: DISPATCHES DIFFER from the legacy split", flush=True)
+            row = {"identical_to_before": identical}
+            samples = {variant: Samples(device) for variant in ("before", "after")}
+            for i in range(iterations + 5):  # variants interleaved: machine noise hits each alike
+                x, ids, weights = layers[i % len(layers)]
+                for variant, sample in samples.items():
+                    stages: dict[str, float] = {}
+                    _sync(device)
+                    with sample.counter:
+                        began = time.perf_counter()
+                        if variant == "before":
+                            legacy_start_stages(dispatcher, i, 0, x, ids, weights, stages)
+                        else:
+                            channel.send_s = 0.0
+                            pending = dispatcher.start(i, 0, 0, x, ids, weights)
+                            stages["component_send"] = channel.send_s * 1e6
+                            dispatcher.num_slot_tokens_in_flight = [0] * len(dispatcher.num_slot_tokens_in_flight)
+                            del pending
+                        _tick(stages, "total", began)
+                    if variant == "after":  # the CUDA IPC split's host pieces, timed separately
+                        began = time.perf_counter()
+                        routing = dispatcher._routing_on_host(ids, weights)
+                        began = _tick(stages, "ipc_routing_readback", began)
+                        dispatcher._owner_of_slots(0, routing.ids)
+                        _tick(stages, "ipc_owner_split", began)
+                    sample.add(stages, warm=i >= 5)
+            row.update({variant: sample.summary() for variant, sample in samples.items()})
+            if num_tokens == profile_tokens:  # API calls per layer, both ways
+                x, ids, weights = layers[0]
+                row["api_calls_before"] = profile_calls(device, lambda: legacy_start_stages(
+                    dispatcher, 0, 0, x, ids, weights, {}))
+                row["api_calls_after"] = profile_calls(device, lambda: dispatcher.start(0, 0, 0, x, ids, weights))
+                dispatcher.num_slot_tokens_in_flight = [0] * len(dispatcher.num_slot_tokens_in_flight)
+            results[str(num_tokens)] = row
+    finally:
+        drain.close()
+        channel.inner.close()
+        context.term()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens", default="1,8,64", help="comma-separated T values")
+    parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--intermediate", type=int, default=256, help="expert intermediate size (tiny)")
+    parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--run-dir", type=Path, default=Path("/tmp"), help="where the ipc sockets go")
+    args = parser.parse_args(argv)
+
+    from bench.results_io import write_result
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    raw = {"device": str(device), "hidden": HIDDEN, "num_experts": NUM_EXPERTS, "top_k": TOP_K,
+           "intermediate": args.intermediate, "iterations": args.iterations, "token_counts": token_counts,
+           "expert": bench_expert(device, args.intermediate, token_counts, args.iterations),
+           "start": bench_start(device, token_counts, args.iterations, args.run_dir)}
+    ratios = {}
+    for side in ("expert", "start"):
+        for tokens, row in raw[side].items():
+            print(f"{side} T={tokens}:")
+            for variant in ("before", "after", "after_timing_sync"):
+                if variant in row:
+                    stages = "  ".join(f"{k} {v:.1f}" for k, v in row[variant].items())
+                    print(f"  {variant:>17}: {stages}  (µs; syncs per call)")
+            for key in ("api_calls_before", "api_calls_after"):
+                if row.get(key):
+                    print(f"  {key}: " + "  ".join(f"{k} {v:.1f}" for k, v in row[key].items()))
+            ratios[f"{side}_T{tokens}_before_over_after"] = row["before"]["total"] / row["after"]["total"]
+            print(f"  before / after: {ratios[f'{side}_T{tokens}_before_over_after']:.2f}x")
+    path = write_result("hostwork", raw, ratios, out_dir=args.out_dir)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
