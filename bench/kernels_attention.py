@@ -62,9 +62,12 @@ def _graph_time(fn, num_replays: int = 20) -> float:
 
 
 def _event_time(fn, reps: int = 3) -> float:
+    """Median seconds of `fn` over `reps` runs timed with CUDA events, after one warm-up run
+    (compiles, allocations) that is waited for."""
     import torch
 
     fn()
+    torch.cuda.synchronize()
     samples = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

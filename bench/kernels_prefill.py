@@ -15,29 +15,13 @@ Legend: T tokens, R = 6T rows, E experts.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 from bench.kernels import (
     EXPERT_WIDTH, FP8_SHAPES, HIDDEN, NUM_EXPERTS, TOP_K, _bench_graph, _routed_rows, measure_ceilings,
 )
-
-
-def _event_median(fn, reps: int) -> float:
-    import torch
-
-    fn()  # warm-up (compiles, allocates)
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3)
-    return statistics.median(samples)
+from bench.kernels_attention import _event_time
 
 
 def bench_prefill_experts(ceilings: dict, token_counts, reps: int) -> list[dict]:
@@ -75,7 +59,7 @@ def bench_prefill_experts(ceilings: dict, token_counts, reps: int) -> list[dict]
         print(f"experts T={num_tokens}: fused {fused_s * 1e3:.2f} ms "
               f"({100 * flops / ceilings['bf16_flops_per_s'] / fused_s:.0f} % bf16)", flush=True)
         try:
-            dequant_s = _event_median(dequant_path, reps)
+            dequant_s = _event_time(dequant_path, reps)
         except RuntimeError as error:  # e.g. no grouped GEMM for this device in this torch: keep the fused row
             rows.append({"num_tokens": num_tokens, "num_rows": num_rows, "flops": flops, "fused_s": fused_s,
                          "dequant_path_error": f"{type(error).__name__}: {error}"[:1000]})
@@ -95,7 +79,7 @@ def bench_prefill_experts(ceilings: dict, token_counts, reps: int) -> list[dict]
                 dequant_fp4_experts(w3[first:last], s3[first:last], gate_up_w[:, EXPERT_WIDTH:])
                 dequant_fp4_experts(w2[first:last], s2[first:last], down_w)
 
-        dequant_all_s = _event_median(dequant_all, reps)
+        dequant_all_s = _event_time(dequant_all, reps)
         bounds = offsets.tolist()
         chunk_rows = x[:bounds[chunk]]
         ends = offsets[1:chunk + 1].to(torch.int32)
@@ -104,7 +88,7 @@ def bench_prefill_experts(ceilings: dict, token_counts, reps: int) -> list[dict]
             h = _swiglu_bf16(torch._grouped_mm(chunk_rows, gate_up_w.transpose(1, 2), offs=ends), 10.0)
             return torch._grouped_mm(h, down_w.transpose(1, 2), offs=ends)
 
-        gemm_chunk_s = _event_median(gemms_one_chunk, reps)
+        gemm_chunk_s = _event_time(gemms_one_chunk, reps)
         gemm_s = gemm_chunk_s * num_rows / max(1, bounds[chunk])
         row = {"num_tokens": num_tokens, "num_rows": num_rows, "flops": flops, "fused_s": fused_s,
                "dequant_path_s": dequant_s, "dequant_all_experts_s": dequant_all_s,

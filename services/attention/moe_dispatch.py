@@ -170,16 +170,17 @@ class MoEDispatcher:
         if self.slot_plane is not None:
             self.slot_plane.confirm_all()
 
-    def _owner_of_slots(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:  # CUDA IPC
-        """ids [T, K] int64 on the host -> (owner [T, K] worker index on the host, {worker: expert-slot
-        tokens} of the workers that get any, ascending). Host work only (no device, no sync)."""
+    def _owner_of_slots(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
+        """ids [T, K] int64 -> (owner [T, K] worker index, on the device of ids; {worker: expert-slot
+        tokens} of the workers that get any, ascending). Host ids (the CUDA IPC split): host work only;
+        device ids (ZeroMQ): one read-back of the counts."""
         self._refresh_tables()
         if not self.router.has_choice(layer):
-            owner = self.owner_host[layer][ids]  # [T, K]
+            owner = (self.owner_host if ids.device.type == "cpu" else self.owner)[layer][ids]  # [T, K]
             per_worker = torch.bincount(owner.reshape(-1), minlength=len(self.num_slot_tokens_in_flight)).tolist()
             return owner, {w: n for w, n in enumerate(per_worker) if n}
         row, per_worker = self._choose_replicas(layer, ids)
-        return torch.tensor(row, dtype=torch.long)[ids], per_worker
+        return torch.tensor(row, dtype=torch.long, device=ids.device)[ids], per_worker
 
     def _choose_replicas(self, layer: int, ids: torch.Tensor) -> tuple[list[int], dict[int, int]]:
         """A layer with replicas: (row [E] worker index per expert, chosen least-loaded for this batch;
@@ -243,19 +244,29 @@ class MoEDispatcher:
                     sent.append(_Sent(worker_index, sent_slot[0], device_index, device_mask, self._dispatch_ids,
                                       num_slot_tokens, slot=sent_slot[1]))
                     continue
-            dispatch = Dispatch(  # this worker refused the rings or has no free slot: over ZeroMQ
-                dispatch_id=self._dispatch_ids, step_id=step_id, layer=layer, micro_batch=micro_batch,
-                hidden=x[device_index].contiguous(), expert_ids=routing.ids[token_index].to(torch.int32),
-                weights=routing.weights[token_index].float(), per_expert_outputs=self.placement_invariant,
-                slot_mask=slot_mask,
-            )
-            ticket = self.channel.send(worker_index, dispatch)
-            self.num_slot_tokens_in_flight[worker_index] += num_slot_tokens
-            self.num_slot_tokens_sent[worker_index] += num_slot_tokens
-            sent.append(_Sent(worker_index, ticket, device_index,
-                              self._upload(slot_mask) if self.placement_invariant else slot_mask,
-                              self._dispatch_ids, num_slot_tokens))
+            # this worker refused the rings or has no free slot: over ZeroMQ
+            sent.append(self._send_over_channel(
+                worker_index, num_slot_tokens, step_id, layer, micro_batch, x[device_index],
+                routing.ids[token_index], routing.weights[token_index], slot_mask, device_index,
+                self._upload(slot_mask) if self.placement_invariant else slot_mask))
         return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
+
+    def _send_over_channel(self, worker_index: int, num_slot_tokens: int, step_id: int, layer: int,
+                           micro_batch: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                           slot_mask: torch.Tensor, token_index: torch.Tensor, finish_mask: torch.Tensor) -> _Sent:
+        """One Dispatch (id `self._dispatch_ids`) of a worker's rows over the ZeroMQ channel, counted in
+        flight. hidden [T_w, D], expert_ids / weights / slot_mask [T_w, K]; token_index [T_w] and
+        finish_mask [T_w, K]: where `finish` adds the answer."""
+        dispatch = Dispatch(
+            dispatch_id=self._dispatch_ids, step_id=step_id, layer=layer, micro_batch=micro_batch,
+            hidden=hidden.contiguous(), expert_ids=expert_ids.to(torch.int32).contiguous(),
+            weights=weights.float().contiguous(), per_expert_outputs=self.placement_invariant,
+            slot_mask=slot_mask.contiguous(),
+        )
+        ticket = self.channel.send(worker_index, dispatch)
+        self.num_slot_tokens_in_flight[worker_index] += num_slot_tokens
+        self.num_slot_tokens_sent[worker_index] += num_slot_tokens
+        return _Sent(worker_index, ticket, token_index, finish_mask, self._dispatch_ids, num_slot_tokens)
 
     def _start_zmq(self, step_id: int, micro_batch: int, layer: int, x: torch.Tensor, ids: torch.Tensor,
                    weights: torch.Tensor) -> PendingMoE:
@@ -265,30 +276,16 @@ class MoEDispatcher:
         steps slower (B = 1: dispatch build 84 -> 154 ms, inbound 25 -> 124 ms a step) while it made CUDA IPC
         steps faster (build 55 -> 25 ms). The cause is not identified yet, so this path stays as it was
         measured before (plus the worker count read once per router version, `_grow_counters`)."""
-        self._refresh_tables()
-        if self.router.has_choice(layer):
-            row, slot_tokens = self._choose_replicas(layer, ids)
-            owner = torch.tensor(row, dtype=torch.long, device=ids.device)[ids]  # [T, K]
-        else:
-            owner = self.owner[layer][ids]  # [T, K] on the device
-            counts = torch.bincount(owner.reshape(-1), minlength=len(self.num_slot_tokens_in_flight)).tolist()
-            slot_tokens = {w: n for w, n in enumerate(counts) if n}
+        owner, slot_tokens = self._owner_of_slots(layer, ids)  # [T, K] on the device
         sent = []
         for worker_index, num_slot_tokens in slot_tokens.items():
             mask = owner == worker_index  # [T, K]
             token_index = mask.any(dim=1).nonzero().squeeze(1)  # [T_w]
             slot_mask = mask[token_index]
             self._dispatch_ids += 1
-            dispatch = Dispatch(
-                dispatch_id=self._dispatch_ids, step_id=step_id, layer=layer, micro_batch=micro_batch,
-                hidden=x[token_index].contiguous(), expert_ids=ids[token_index].to(torch.int32).contiguous(),
-                weights=weights[token_index].float().contiguous(), per_expert_outputs=self.placement_invariant,
-                slot_mask=slot_mask.contiguous(),
-            )
-            ticket = self.channel.send(worker_index, dispatch)
-            self.num_slot_tokens_in_flight[worker_index] += num_slot_tokens
-            self.num_slot_tokens_sent[worker_index] += num_slot_tokens
-            sent.append(_Sent(worker_index, ticket, token_index, slot_mask, self._dispatch_ids, num_slot_tokens))
+            sent.append(self._send_over_channel(worker_index, num_slot_tokens, step_id, layer, micro_batch,
+                                                x[token_index], ids[token_index], weights[token_index], slot_mask,
+                                                token_index, slot_mask))
         return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
 
     def _start_whole(self, step_id: int, micro_batch: int, layer: int, x: torch.Tensor, ids: torch.Tensor,

@@ -35,6 +35,11 @@ log = structlog.get_logger("expert")
 
 
 class QuantizedExpertWorker(ExpertWorker):
+    # Received host tensors go up by plain copies, not through the landing ring: with the ring
+    # (several small tensors per Dispatch) the two-GPU ZeroMQ run at B = 64 took 12 ms per Dispatch
+    # in these workers (session 4, call 4; 2.6 ms without it); the cause in the ring is not identified.
+    uses_landing_ring = False
+
     def __init__(self, config: ExpertWorkerConfig, model_config=None) -> None:
         super().__init__(config, model_config)
         self._experts = None  # QuantizedRoutedExperts over every held pair
@@ -98,7 +103,7 @@ class QuantizedExpertWorker(ExpertWorker):
         """Dispatch -> Combine, as ExpertWorker.handle_dispatch, with the experts kept quantized.
 
         Host syncs on CUDA: no stream synchronise before the reply's device->host copy for a Dispatch of
-        host tensors (ZeroMQ; their uploads are plain copies, see `_to_device`); one read-back of ids and
+        host tensors (ZeroMQ; their uploads are plain copies: no landing ring); one read-back of ids and
         mask for device tensors (CUDA IPC). Checks and row selection run on the host (selection.py).
         A malformed Dispatch (shapes, expert ids out of range) is logged and answered MALFORMED."""
         self.num_dispatches += 1
@@ -109,14 +114,6 @@ class QuantizedExpertWorker(ExpertWorker):
         per_slot = self._selected_outputs(dispatch.layer, hidden, dispatch.weights, selection)  # [T, K, D]
         output = per_slot if dispatch.per_expert_outputs else sum_slots_in_order(per_slot)
         return self._combine_reply(dispatch, output)
-
-    def _to_device(self, received: torch.Tensor) -> torch.Tensor:
-        """Host tensors go up with a plain copy, not through the landing ring: with the ring (several
-        small tensors per Dispatch) the two-GPU ZeroMQ run at B = 64 took 12 ms per Dispatch in the
-        expert workers (session 4, call 4; 2.6 ms before), cause not yet identified."""
-        if received.is_cuda or self.device.type != "cuda":
-            return super()._to_device(received)
-        return received.to(self.device)
 
     def _select(self, dispatch: Dispatch) -> RowSelection | ErrorReply:
         """The Dispatch's selected rows (host), or the ErrorReply refusing it (MALFORMED, NOT_FOUND)."""

@@ -88,6 +88,7 @@ def device_memory(device: torch.device) -> tuple[int, int | None]:
 
 class ExpertWorker(Service):
     accepts = (Dispatch, LoadExperts, DropExperts, QueryInventory, AttachCudaIpc, DispatchSlot)
+    uses_landing_ring = True  # received host tensors go up through RecvStagingRing (CUDA devices)
 
     def __init__(self, config: ExpertWorkerConfig, model_config: ModelConfig | None = None) -> None:
         self.config = config
@@ -116,15 +117,18 @@ class ExpertWorker(Service):
         return self._reply_pool if self._last_reply_fits else None
 
     def allocate_staging(self) -> None:
-        """The reply pool and the landing ring (done by `load`; call it when driving the worker directly)."""
+        """The reply pool and, where the class uses one, the landing ring (done by `load`; call it when
+        driving the worker directly)."""
         if self._reply_pool is None:
             self._reply_pool = SendStagingPool(StagingConfig(num_buffers=self.config.num_reply_buffers,
                                                              buffer_bytes=self.config.reply_buffer_bytes))
-            self._recv_ring = RecvStagingRing(str(self.device), num_slots=self.config.num_recv_slots,
-                                              slot_bytes=self.config.recv_slot_bytes)
+            if self.uses_landing_ring:
+                self._recv_ring = RecvStagingRing(str(self.device), num_slots=self.config.num_recv_slots,
+                                                  slot_bytes=self.config.recv_slot_bytes)
 
     def _to_device(self, received: torch.Tensor) -> torch.Tensor:
-        """A received (read-only, host) tensor on this worker's device, through the landing ring."""
+        """A received (read-only, host) tensor on this worker's device, through the landing ring when
+        there is one, else by a plain copy."""
         if received.is_cuda:  # a CUDA IPC ring view: here already, or a peer copy from the attention GPU
             return received.to(self.device)
         if self._recv_ring is None or received.numel() * received.element_size() > self.config.recv_slot_bytes:

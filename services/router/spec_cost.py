@@ -144,15 +144,21 @@ class RecentMedian:
 
     maxlen: int = 15
     min_count: int = 3
-    _values: deque = field(default_factory=deque)
+    _values: deque = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._values = deque(maxlen=self.maxlen)
 
     def add(self, value: float) -> None:
         self._values.append(value)
-        while len(self._values) > self.maxlen:
-            self._values.popleft()
 
     def value(self) -> float | None:
         return median(self._values) if len(self._values) >= self.min_count else None
+
+
+def _nearest_first(buckets, own: int) -> list[int]:
+    """The buckets ordered by distance (in powers of two) from `own`, the smaller first on a tie."""
+    return sorted(buckets, key=lambda b: (abs(b.bit_length() - own.bit_length()), b))
 
 
 @dataclass
@@ -171,8 +177,7 @@ class OnlineStepCost:
     def attention_line(self, num_sequences: int) -> tuple[float, float] | None:
         """The bucket's own line; while it has none, the line of the nearest bucket that has one
         (the smaller on a tie: a batch shrinking as requests finish should not explore again)."""
-        own = bucket_of(num_sequences)
-        for bucket in sorted(self._lines, key=lambda b: (abs(b.bit_length() - own.bit_length()), b)):
+        for bucket in _nearest_first(self._lines, bucket_of(num_sequences)):
             line = self._lines[bucket]
             fit = line.fit(self.min_token_spread) if line.num_observations >= self.min_observations else None
             if fit is not None:
@@ -186,8 +191,7 @@ class OnlineStepCost:
 
     def draft_round_trip_s(self, num_drafted: int) -> float | None:
         """The bucket's median round trip; while it has none, the nearest bucket's (as for lines)."""
-        own = bucket_of(max(1, num_drafted))
-        for bucket in sorted(self._drafts, key=lambda b: (abs(b.bit_length() - own.bit_length()), b)):
+        for bucket in _nearest_first(self._drafts, bucket_of(max(1, num_drafted))):
             value = self._drafts[bucket].value()
             if value is not None:
                 return value
