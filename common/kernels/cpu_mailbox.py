@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from common.kernels.cpu_fp4 import ExpertStacks, Executor
+from common.kernels.cpu_fp4 import ExpertStacks, Executor, NativeFp4
 from common.kernels.cpu_fp4_build import BuildConfig, NativeBuildError, find_compiler
 from common.kernels.mailbox_layout import CombineMode, MailboxLayout, MailboxSegment, Word, abi_constants
 from common.kernels.native_build import build_native
@@ -85,6 +85,7 @@ class MailboxLibrary:
         lib.moemesh_mailbox_stop.argtypes = [_ptr, _i64p]
         self._lib = lib
         self.path = path
+        self._fp4: NativeFp4 | None = None
         self._check_abi()
 
     def _check_abi(self) -> None:
@@ -101,6 +102,12 @@ class MailboxLibrary:
                                              int(layout.combine is CombineMode.SLOTS), out)
             if tuple(out) != layout.regions:
                 raise NativeBuildError(f"{self.path}: regions {tuple(out)} of {layout} differ from {layout.regions}")
+
+    def fp4_kernel(self) -> NativeFp4:
+        """The FP4 kernel of this library (the worker's machine code), for in-process shares."""
+        if self._fp4 is None:
+            self._fp4 = NativeFp4(self.path)
+        return self._fp4
 
     # ---------------------------------------------------------------- flag operations
 
@@ -226,8 +233,8 @@ def serve_until_stopped(library: MailboxLibrary, segment: MailboxSegment, stacks
     """A worker process's body: start the native loop and block (GIL released) until someone sets the
     segment's stop word; returns (layers served, layers failed)."""
     worker = MailboxWorker(library, segment, stacks, local, math, num_threads, wait, pin_cpu)
-    library.wait(segment.word_address(Word.STOP), 1, -1.0, _IDLE_WAIT)
+    library.wait(segment.word_address(Word.STOP), 1, -1.0, IDLE_WAIT)
     return worker.stop()
 
 
-_IDLE_WAIT = WaitConfig(spin_us=0.0, sleep_min_us=1000.0, sleep_max_us=50_000.0)  # a control word: no hurry
+IDLE_WAIT = WaitConfig(spin_us=0.0, sleep_min_us=1000.0, sleep_max_us=50_000.0)  # a control word: no hurry
