@@ -132,7 +132,7 @@ class MailboxDriver:
         seq = make_seq(self.epoch, layer)
         remote = [i for i in range(len(self.segments)) if i not in replacements]
         for index in remote:
-            self._write_slot(self.segments[index], hidden, ids, weights)
+            self.write_slot(self.segments[index], hidden, ids, weights)
             self.library.post(self.segments[index], seq, num_rows)
         shares: dict[int, torch.Tensor] = {}
         for index, share_fn in sorted(replacements.items()):  # overlaps the remote workers' compute
@@ -140,7 +140,7 @@ class MailboxDriver:
         for index in remote:  # ascending worker index
             if index in failed:  # an earlier layer of this step failed: do not wait again
                 continue
-            failure = self._await(index, layer, seq)
+            failure = self.await_worker(index, layer, seq)
             if failure is not None:
                 failed.add(index)
                 failures.append(failure)
@@ -162,7 +162,7 @@ class MailboxDriver:
             per_slot = torch.where((slot_owner == index)[..., None], shares[index], per_slot)
         return sum_slots_in_order(per_slot)
 
-    def _write_slot(self, segment: MailboxSegment, hidden: torch.Tensor, ids: torch.Tensor,
+    def write_slot(self, segment: MailboxSegment, hidden: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor) -> None:
         num_rows = hidden.shape[0]
         if self.layout.hidden_bf16:
@@ -172,7 +172,7 @@ class MailboxDriver:
         segment.ids[:num_rows] = ids.to(torch.int32).numpy()
         segment.weights[:num_rows] = weights.to(torch.float32).numpy()
 
-    def _await(self, index: int, layer: int, seq: int) -> WorkerFailure | None:
+    def await_worker(self, index: int, layer: int, seq: int) -> WorkerFailure | None:
         """Waits for worker `index` to complete `seq`; a failure (timeout, or the worker's error word)."""
         segment = self.segments[index]
         status, seen = self.library.wait(segment.word_address(Word.DONE_SEQ), seq, self.timeout_s, self.wait_config)

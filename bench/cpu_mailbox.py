@@ -1,0 +1,150 @@
+"""Round trip and hop cost per layer of the CPU expert mailbox (cpu_mailbox.c) on this host.
+
+A worker process (`common.kernels.mailbox_process`, the native loop) serves one segment at V4-Flash
+activation shapes (D 4096, top-6, t_max 64, partial-sum combine); this process plays the device side
+with `MailboxDriver`'s pieces, one layer at a time, L layers a step:
+  write slot (hidden [T, D] fp32, ids, weights) | post (T, release dispatch_seq) | wait for done_seq |
+  read the combine slot and add it (fixed order).
+Modes: `echo` (the worker owns no expert of the layer: it checks the slot, zeroes the rows and
+answers; the pure mailbox round trip) and `experts` (it owns all E small FP4 experts, width I; the
+hop beside real compute). Waits: `backoff` (spin 20 us, then sleeps 2 us doubling to 200 us: the
+default, for hosts whose cores are shared) and `spin` (both sides spin; a core each is assumed).
+Per (mode, wait, T), medians over every measured layer, microseconds:
+  round_trip_us  post + wait (flag to the worker, its work, flag back)
+  worker_us      the worker's own time per layer (its busy counter)
+  hop_us         round_trip - worker: both one-way flag latencies and wake-ups
+  layer_us       the whole layer on this side (slot write, round trip, combine) ; step_ms = L x that
+The device side here is Python (a CPU stand-in); on the GPU host a CUDA graph does the same steps.
+
+    python -m bench.cpu_mailbox                      # T 1,8,64; echo and experts; backoff and spin
+    python -m bench.cpu_mailbox --T 1 --modes echo --waits spin --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.results_io import write_result
+from common.kernels.cpu_mailbox import WaitConfig, load_mailbox
+from common.kernels.mailbox_driver import MailboxDriver, wait_until_attached
+from common.kernels.mailbox_layout import CombineMode, MailboxLayout, MailboxSegment, Word, make_seq
+from common.kernels.mailbox_process import WorkerSpec, spawn_worker
+
+HIDDEN, TOP_K, T_MAX = 4096, 6, 64
+WAITS = {"backoff": WaitConfig(), "spin": WaitConfig(spin_us=10_000_000.0)}
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def run_case(library, mode: str, wait_name: str, num_tokens_list: list[int], args) -> list[dict]:
+    wait = WAITS[wait_name]
+    layout = MailboxLayout(T_MAX, HIDDEN, TOP_K, False, CombineMode.PARTIAL)
+    segment = MailboxSegment.create(layout, 0)
+    num_experts = args.experts
+    owned_by = 0 if mode == "experts" else 1  # echo: the worker (index 0) owns nothing
+    owner_rows = tuple(tuple([owned_by] * num_experts) for _ in range(args.layers))
+    spec = WorkerSpec(((str(segment.path), owner_rows),), 0, seed=3, hidden_size=HIDDEN, inter_size=args.inter,
+                      swiglu_limit=10.0, num_threads=args.threads, spin_us=wait.spin_us,
+                      sleep_min_us=wait.sleep_min_us, sleep_max_us=wait.sleep_max_us)
+    process = spawn_worker(spec)
+    records = []
+    try:
+        wait_until_attached(segment, process.pid, 300.0)
+        driver = MailboxDriver(library, [segment], torch.zeros(args.layers, num_experts, dtype=torch.int64),
+                               timeout_s=10.0, wait=wait)
+        generator = torch.Generator().manual_seed(1)
+        for num_tokens in num_tokens_list:
+            hidden = torch.randn(num_tokens, HIDDEN, generator=generator)
+            ids = torch.stack([torch.randperm(num_experts, generator=generator)[:TOP_K] for _ in range(num_tokens)])
+            weights = torch.rand(num_tokens, TOP_K, generator=generator)
+            steps = args.steps if mode == "echo" else max(2, args.steps // 4)
+            samples = {"round_trip": [], "layer": [], "write": [], "combine": []}
+            busy0 = served0 = 0
+            step_ms = []
+            for step in range(args.warmup + steps):
+                if step == args.warmup:
+                    busy0, served0 = segment.word(Word.BUSY_NS), segment.word(Word.SERVED)
+                    for values in samples.values():
+                        values.clear()
+                    step_ms.clear()
+                driver.epoch += 1
+                step_start = time.perf_counter_ns()
+                for layer in range(args.layers):
+                    seq = make_seq(driver.epoch, layer)
+                    t0 = time.perf_counter_ns()
+                    driver.write_slot(segment, hidden, ids, weights)
+                    t1 = time.perf_counter_ns()
+                    library.post(segment, seq, num_tokens)
+                    failure = driver.await_worker(0, layer, seq)
+                    t2 = time.perf_counter_ns()
+                    if failure is not None:
+                        raise RuntimeError(failure.describe())
+                    share = torch.from_numpy(segment.combine[:num_tokens]).clone()
+                    driver.combine(layer, ids, {0: share}, num_tokens, HIDDEN)
+                    t3 = time.perf_counter_ns()
+                    samples["write"].append((t1 - t0) / 1e3)
+                    samples["round_trip"].append((t2 - t1) / 1e3)
+                    samples["combine"].append((t3 - t2) / 1e3)
+                    samples["layer"].append((t3 - t0) / 1e3)
+                step_ms.append((time.perf_counter_ns() - step_start) / 1e6)
+            served = segment.word(Word.SERVED) - served0
+            worker_us = (segment.word(Word.BUSY_NS) - busy0) / max(1, served) / 1e3
+            record = {"mode": mode, "wait": wait_name, "T": num_tokens, "layers": args.layers, "steps": steps,
+                      "experts_owned": num_experts if mode == "experts" else 0, "inter": args.inter,
+                      "worker_threads": args.threads, "layers_served": served,
+                      "round_trip_us": _median(samples["round_trip"]),
+                      "round_trip_p90_us": sorted(samples["round_trip"])[int(0.9 * (len(samples["round_trip"]) - 1))],
+                      "worker_us": worker_us, "hop_us": _median(samples["round_trip"]) - worker_us,
+                      "write_us": _median(samples["write"]), "combine_us": _median(samples["combine"]),
+                      "layer_us": _median(samples["layer"]), "step_ms": _median(step_ms)}
+            records.append(record)
+            print(f"{mode:8s} {wait_name:8s} T={num_tokens:3d}: round trip {record['round_trip_us']:8.1f} us "
+                  f"(p90 {record['round_trip_p90_us']:8.1f}), worker {worker_us:8.1f}, hop {record['hop_us']:7.1f}, "
+                  f"layer {record['layer_us']:8.1f} us, step {record['step_ms']:7.2f} ms", flush=True)
+    finally:
+        segment.set_word(Word.STOP, 1)
+        try:
+            process.communicate(timeout=60)
+        except Exception:
+            process.kill()
+            process.communicate()
+        segment.close()
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--T", default="1,8,64", help="rows per step, comma separated (at most 64)")
+    parser.add_argument("--modes", default="echo,experts")
+    parser.add_argument("--waits", default="backoff,spin")
+    parser.add_argument("--layers", type=int, default=43)
+    parser.add_argument("--steps", type=int, default=20, help="measured steps (experts mode: a quarter)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=8, help="experts per layer (experts mode: all owned)")
+    parser.add_argument("--inter", type=int, default=64, help="expert width I of the experts mode")
+    parser.add_argument("--threads", type=int, default=1, help="the worker's kernel threads")
+    parser.add_argument("--out-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    num_tokens_list = [int(t) for t in args.T.split(",") if t]
+    library = load_mailbox()
+    records = []
+    for mode in args.modes.split(","):
+        for wait_name in args.waits.split(","):
+            records += run_case(library, mode, wait_name, num_tokens_list, args)
+    ratios = {f"{r['mode']}/{r['wait']}/T{r['T']}/hop_share_of_round_trip": r["hop_us"] / r["round_trip_us"]
+              for r in records if r["round_trip_us"] > 0}
+    path = write_result("cpu-mailbox-cpu", {"hidden": HIDDEN, "top_k": TOP_K, "t_max": T_MAX, "records": records},
+                        ratios, out_dir=args.out_dir)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
