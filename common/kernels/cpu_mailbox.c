@@ -29,6 +29,9 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define MB_PAUSE() _mm_pause()
@@ -129,15 +132,43 @@ typedef struct {
     backoff config;
     int64_t start_ns, sleep_ns;
     unsigned spins;
-    int spinning;
+    int spinning, manage_slack;
+    long saved_slack; /* -1: not changed */
 } backoff_state;
 
-static void backoff_begin(backoff_state *state, backoff config) {
+/* Linux lets a sleep end up to the thread's timer slack (default 50 us) late, which would make every
+ * short sleep of the backoff a 50 us one; the sleeping phase runs with a 1 ns slack. */
+static void timer_slack_fine(long *saved) {
+#if defined(__linux__)
+    if (saved) *saved = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+#else
+    if (saved) *saved = -1;
+#endif
+}
+
+static void timer_slack_restore(long saved) {
+#if defined(__linux__)
+    if (saved > 0) prctl(PR_SET_TIMERSLACK, (unsigned long)saved, 0, 0, 0);
+#else
+    (void)saved;
+#endif
+}
+
+/* manage_slack: set a fine timer slack at the first sleep and restore it in backoff_end (a caller's
+ * thread); the worker thread sets its own once instead. */
+static void backoff_begin(backoff_state *state, backoff config, int manage_slack) {
     state->config = config;
     state->start_ns = now_ns();
     state->sleep_ns = config.sleep_min_ns;
     state->spins = 0;
     state->spinning = 1;
+    state->manage_slack = manage_slack;
+    state->saved_slack = -1;
+}
+
+static void backoff_end(backoff_state *state) {
+    if (state->saved_slack > 0) timer_slack_restore(state->saved_slack);
 }
 
 /* One idle step; returns the time waited so far when it looked at the clock, else -1. */
@@ -149,6 +180,7 @@ static int64_t backoff_step(backoff_state *state) {
         if (waited >= state->config.spin_ns) state->spinning = 0;
         return waited;
     }
+    if (state->manage_slack && state->saved_slack < 0) timer_slack_fine(&state->saved_slack);
     sleep_ns(state->sleep_ns);
     const int64_t next = state->sleep_ns * 2;
     state->sleep_ns = next < state->config.sleep_max_ns ? next : state->config.sleep_max_ns;
@@ -160,19 +192,24 @@ static int64_t backoff_step(backoff_state *state) {
 int moemesh_mailbox_wait(const int64_t *word, int64_t target, int64_t timeout_ns, int64_t spin_ns,
                          int64_t sleep_min_ns, int64_t sleep_max_ns, int64_t *seen) {
     backoff_state state;
-    backoff_begin(&state, (backoff){spin_ns, sleep_min_ns, sleep_max_ns});
+    backoff_begin(&state, (backoff){spin_ns, sleep_min_ns, sleep_max_ns}, 1);
+    int status;
     for (;;) {
         const int64_t value = atomic_load_explicit((atomic_word *)word, memory_order_acquire);
         if (value >= target) {
             *seen = value;
-            return value == target ? 0 : 2;
+            status = value == target ? 0 : 2;
+            break;
         }
         const int64_t waited = backoff_step(&state);
         if (timeout_ns >= 0 && waited >= timeout_ns) {
             *seen = atomic_load_explicit((atomic_word *)word, memory_order_acquire);
-            return *seen >= target ? (*seen == target ? 0 : 2) : 1;
+            status = *seen >= target ? (*seen == target ? 0 : 2) : 1;
+            break;
         }
     }
+    backoff_end(&state);
+    return status;
 }
 
 /* ------------------------------------------------------------------ the worker */
@@ -285,7 +322,7 @@ static int serve_layer(mb_worker *w, int64_t seq, int64_t *detail) {
 /* Waits for a dispatch seq past `last`; returns 0 when the stop word is set instead. */
 static int wait_dispatch(mb_worker *w, int64_t last, int64_t *seq) {
     backoff_state state;
-    backoff_begin(&state, w->wait);
+    backoff_begin(&state, w->wait, 0);
     for (;;) {
         const int64_t value = atomic_load_explicit(word_at(w->segment, MB_OFF_DISPATCH_SEQ), memory_order_acquire);
         if (value > last) {
@@ -306,6 +343,7 @@ static void *worker_main(void *arg) {
         CPU_SET(w->pin_cpu, &set);
         pthread_setaffinity_np(pthread_self(), sizeof set, &set);
     }
+    timer_slack_fine(NULL);
     uint8_t *seg = w->segment;
     int64_t last = w->attach_seq, seq;
     while (wait_dispatch(w, last, &seq)) {
