@@ -165,6 +165,34 @@ def test_in_process_reference_equals_torch_reference(library, layers, gates):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+class _HeldLayer:
+    """The attributes `cpu_experts.expert_rows` reads of a held layer."""
+
+    def __init__(self, tensors, num_experts: int) -> None:
+        self.w1, self.s1, self.w3, self.s3, self.w2, self.s2 = tensors
+        self.local = torch.arange(num_experts)
+
+
+def test_mailbox_equals_cpu_expert_worker_path(library, layers, gates, fleet):
+    """The expert worker's CPU path (`cpu_experts.expert_rows` on the native kernel) on the same layer
+    gives the mailbox's routed output bit for bit."""
+    from services.expert.cpu_experts import CpuBlockRunner, expert_rows
+
+    segments, _ = fleet
+    driver = MailboxDriver(library, segments[(CombineMode.SLOTS, "alternate")], SPLITS["alternate"], timeout_s=10.0)
+    route = _route(gates)
+    x = _inputs(5, 6)
+    result = driver.run_step(x, route)
+    assert result.failures == []
+    runner = CpuBlockRunner(1, use_native=True)
+    hidden = x
+    for layer in range(NUM_LAYERS):
+        ids, weights = route(layer, hidden)
+        rows = expert_rows(_HeldLayer(layers[layer], NUM_EXPERTS), hidden, ids, weights, None, LIMIT, False, runner)
+        assert torch.equal(result.routed[layer], sum_slots_in_order(rows)), layer
+        hidden = hidden + result.routed[layer]
+
+
 def test_worker_that_never_answers_times_out_and_failover_is_exact(library, layers, gates, fleet, tmp_path):
     """Worker 1's segment has no worker: the step ends within the bound, the wait-error word names
     worker 1, and the step re-run with worker 1's share computed in process is exact."""

@@ -9,8 +9,10 @@ Legend: L layers, E routed experts, D hidden, I expert width.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -20,6 +22,7 @@ import torch
 
 from common.kernels.cpu_fp4 import ExpertStacks
 
+_PR_SET_PDEATHSIG = 1
 FP4Layer = tuple[torch.Tensor, ...]  # w1, s1, w3, s3, w2, s2 stacked over E experts
 
 
@@ -60,6 +63,7 @@ class WorkerSpec:
     sleep_min_us: float = 2.0
     sleep_max_us: float = 200.0
     pin_cpu: int | None = None
+    die_with_parent: bool = True  # Linux: the kernel kills this process when its parent exits
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -85,6 +89,8 @@ def main(argv: list[str]) -> int:
     from common.kernels.mailbox_layout import MailboxSegment, Word
 
     spec = WorkerSpec.from_json(argv[0])
+    if spec.die_with_parent and sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     torch.set_num_threads(1)
     owners = [torch.tensor(owner, dtype=torch.int64) for _, owner in spec.mailboxes]
     layers = random_layers(spec.seed, owners[0].shape[0], owners[0].shape[1], spec.hidden_size, spec.inter_size)
