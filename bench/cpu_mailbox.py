@@ -15,6 +15,7 @@ Per (mode, wait, T), medians over every measured layer, microseconds:
   hop_us         round_trip - worker: both one-way flag latencies and wake-ups
   layer_us       the whole layer on this side (slot write, round trip, combine) ; step_ms = L x that
 The device side here is Python (a CPU stand-in); on the GPU host a CUDA graph does the same steps.
+Figures depend on what else runs on the host: the JSON records the load average before and after.
 
     python -m bench.cpu_mailbox                      # T 1,8,64; echo and experts; backoff and spin
     python -m bench.cpu_mailbox --T 1 --modes echo --waits spin --steps 5
@@ -23,6 +24,7 @@ The device side here is Python (a CPU stand-in); on the GPU host a CUDA graph do
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -134,13 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     num_tokens_list = [int(t) for t in args.T.split(",") if t]
     library = load_mailbox()
+    load_before = os.getloadavg()
     records = []
     for mode in args.modes.split(","):
         for wait_name in args.waits.split(","):
             records += run_case(library, mode, wait_name, num_tokens_list, args)
     ratios = {f"{r['mode']}/{r['wait']}/T{r['T']}/hop_share_of_round_trip": r["hop_us"] / r["round_trip_us"]
               for r in records if r["round_trip_us"] > 0}
-    path = write_result("cpu-mailbox-cpu", {"hidden": HIDDEN, "top_k": TOP_K, "t_max": T_MAX, "records": records},
+    raw = {"hidden": HIDDEN, "top_k": TOP_K, "t_max": T_MAX, "cpu_count": os.cpu_count(),
+           "load_average_1_5_15_before": load_before, "load_average_1_5_15_after": os.getloadavg(), "records": records}
+    path = write_result("cpu-mailbox-cpu", raw,
                         ratios, out_dir=args.out_dir)
     print(f"wrote {path}")
     return 0

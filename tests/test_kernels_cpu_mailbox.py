@@ -380,3 +380,17 @@ def test_wait_bounds(library, tmp_path):
         assert 0.05 <= time.monotonic() - started < 1.0
     finally:
         segment.close()
+
+
+def test_bench_runs(tmp_path):
+    """`python -m bench.cpu_mailbox` end to end at a tiny size: one JSON with a record per T."""
+    import json
+
+    from bench import cpu_mailbox
+
+    assert cpu_mailbox.main(["--T", "1,3", "--modes", "echo", "--waits", "backoff", "--layers", "2", "--steps", "2",
+                             "--warmup", "0", "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("cpu-mailbox-cpu-*.json")
+    records = json.loads(path.read_text())["raw"]["records"]
+    assert [(r["mode"], r["T"], r["layers_served"]) for r in records] == [("echo", 1, 4), ("echo", 3, 4)]
+    assert all(r["round_trip_us"] > 0 for r in records)
