@@ -11,8 +11,8 @@ hop beside real compute). Waits: `backoff` (spin 20 us, then sleeps 2 us doublin
 default, for hosts whose cores are shared) and `spin` (both sides spin; a core each is assumed).
 Per (mode, wait, T), medians over every measured layer, microseconds:
   round_trip_us  post + wait (flag to the worker, its work, flag back)
-  worker_us      the worker's own time per layer (its busy counter)
-  hop_us         round_trip - worker: both one-way flag latencies and wake-ups
+  worker_us      the worker's own time on the layer (its last-layer word, read after done_seq)
+  hop_us         round_trip - worker, per layer: both one-way flag latencies and wake-ups
   layer_us       the whole layer on this side (slot write, round trip, combine) ; step_ms = L x that
 The device side here is Python (a CPU stand-in); on the GPU host a CUDA graph does the same steps.
 Figures depend on what else runs on the host: the JSON records the load average before and after.
@@ -45,6 +45,10 @@ def _median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
+def _p90(values: list[float]) -> float:
+    return sorted(values)[int(0.9 * (len(values) - 1))] if values else float("nan")
+
+
 def run_case(library, mode: str, wait_name: str, num_tokens_list: list[int], args) -> list[dict]:
     wait = WAITS[wait_name]
     layout = MailboxLayout(T_MAX, HIDDEN, TOP_K, False, CombineMode.PARTIAL)
@@ -67,12 +71,12 @@ def run_case(library, mode: str, wait_name: str, num_tokens_list: list[int], arg
             ids = torch.stack([torch.randperm(num_experts, generator=generator)[:TOP_K] for _ in range(num_tokens)])
             weights = torch.rand(num_tokens, TOP_K, generator=generator)
             steps = args.steps if mode == "echo" else max(2, args.steps // 4)
-            samples = {"round_trip": [], "layer": [], "write": [], "combine": []}
-            busy0 = served0 = 0
+            samples = {"round_trip": [], "worker": [], "hop": [], "layer": [], "write": [], "combine": []}
+            served0 = 0
             step_ms = []
             for step in range(args.warmup + steps):
                 if step == args.warmup:
-                    busy0, served0 = segment.word(Word.BUSY_NS), segment.word(Word.SERVED)
+                    served0 = segment.word(Word.SERVED)
                     for values in samples.values():
                         values.clear()
                     step_ms.clear()
@@ -88,27 +92,30 @@ def run_case(library, mode: str, wait_name: str, num_tokens_list: list[int], arg
                     t2 = time.perf_counter_ns()
                     if failure is not None:
                         raise RuntimeError(failure.describe())
+                    worker_ns = segment.word(Word.LAST_BUSY_NS)  # written before done_seq: this layer's
                     share = torch.from_numpy(segment.combine[:num_tokens]).clone()
                     driver.combine(layer, ids, {0: share}, num_tokens, HIDDEN)
                     t3 = time.perf_counter_ns()
                     samples["write"].append((t1 - t0) / 1e3)
                     samples["round_trip"].append((t2 - t1) / 1e3)
+                    samples["worker"].append(worker_ns / 1e3)
+                    samples["hop"].append((t2 - t1 - worker_ns) / 1e3)
                     samples["combine"].append((t3 - t2) / 1e3)
                     samples["layer"].append((t3 - t0) / 1e3)
                 step_ms.append((time.perf_counter_ns() - step_start) / 1e6)
             served = segment.word(Word.SERVED) - served0
-            worker_us = (segment.word(Word.BUSY_NS) - busy0) / max(1, served) / 1e3
             record = {"mode": mode, "wait": wait_name, "T": num_tokens, "layers": args.layers, "steps": steps,
                       "experts_owned": num_experts if mode == "experts" else 0, "inter": args.inter,
                       "worker_threads": args.threads, "layers_served": served,
                       "round_trip_us": _median(samples["round_trip"]),
-                      "round_trip_p90_us": sorted(samples["round_trip"])[int(0.9 * (len(samples["round_trip"]) - 1))],
-                      "worker_us": worker_us, "hop_us": _median(samples["round_trip"]) - worker_us,
+                      "round_trip_p90_us": _p90(samples["round_trip"]),
+                      "worker_us": _median(samples["worker"]), "hop_us": _median(samples["hop"]),
+                      "hop_p90_us": _p90(samples["hop"]),
                       "write_us": _median(samples["write"]), "combine_us": _median(samples["combine"]),
                       "layer_us": _median(samples["layer"]), "step_ms": _median(step_ms)}
             records.append(record)
             print(f"{mode:8s} {wait_name:8s} T={num_tokens:3d}: round trip {record['round_trip_us']:8.1f} us "
-                  f"(p90 {record['round_trip_p90_us']:8.1f}), worker {worker_us:8.1f}, hop {record['hop_us']:7.1f}, "
+                  f"(p90 {record['round_trip_p90_us']:8.1f}), worker {record['worker_us']:8.1f}, hop {record['hop_us']:7.1f}, "
                   f"layer {record['layer_us']:8.1f} us, step {record['step_ms']:7.2f} ms", flush=True)
     finally:
         segment.set_word(Word.STOP, 1)

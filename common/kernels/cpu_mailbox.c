@@ -79,7 +79,7 @@ static const int64_t kAbi[] = {
     MB_OFF_REGION_COMBINE, MB_OFF_WORKER_INDEX, MB_OFF_DISPATCH_SEQ, MB_OFF_NUM_ROWS, MB_OFF_DONE_SEQ,
     MB_OFF_WORKER_ERROR, MB_OFF_WORKER_ERROR_SEQ, MB_OFF_WORKER_ERROR_DETAIL, MB_OFF_WAIT_ERROR,
     MB_OFF_WAIT_ERROR_SEQ, MB_OFF_WAIT_ERROR_SEEN, MB_OFF_WAIT_ERROR_WORKER, MB_OFF_STOP, MB_OFF_WORKER_PID,
-    MB_OFF_WORKER_STATE, MB_OFF_ATTACH_SEQ, MB_OFF_SERVED, MB_OFF_BUSY_NS,
+    MB_OFF_WORKER_STATE, MB_OFF_ATTACH_SEQ, MB_OFF_SERVED, MB_OFF_BUSY_NS, MB_OFF_LAST_BUSY_NS,
     MB_OK, MB_ERR_TIMEOUT, MB_ERR_BAD_LAYER, MB_ERR_BAD_ROWS, MB_ERR_BAD_EXPERT, MB_ERR_KERNEL, MB_ERR_PROTOCOL,
     MB_STATE_DETACHED, MB_STATE_WAITING, MB_STATE_COMPUTING, MB_STATE_STOPPED,
 };
@@ -357,7 +357,9 @@ static void *worker_main(void *arg) {
             store_relaxed(seg, MB_OFF_WORKER_ERROR_DETAIL, detail);
             ++w->failed;
         }
-        store_relaxed(seg, MB_OFF_BUSY_NS, load_relaxed(seg, MB_OFF_BUSY_NS) + now_ns() - start);
+        const int64_t busy_ns = now_ns() - start;
+        store_relaxed(seg, MB_OFF_LAST_BUSY_NS, busy_ns);
+        store_relaxed(seg, MB_OFF_BUSY_NS, load_relaxed(seg, MB_OFF_BUSY_NS) + busy_ns);
         store_relaxed(seg, MB_OFF_SERVED, ++w->served);
         store_relaxed(seg, MB_OFF_WORKER_STATE, MB_STATE_WAITING);
         atomic_store_explicit(word_at(seg, MB_OFF_DONE_SEQ), seq, memory_order_release);
@@ -440,6 +442,7 @@ void *moemesh_mailbox_start(uint8_t *segment, int64_t segment_bytes, int64_t num
     store_relaxed(segment, MB_OFF_ATTACH_SEQ, w->attach_seq);
     store_relaxed(segment, MB_OFF_SERVED, 0);
     store_relaxed(segment, MB_OFF_BUSY_NS, 0);
+    store_relaxed(segment, MB_OFF_LAST_BUSY_NS, 0);
     store_relaxed(segment, MB_OFF_WORKER_PID, (int64_t)getpid());
     atomic_store_explicit(word_at(segment, MB_OFF_WORKER_STATE), MB_STATE_WAITING, memory_order_release);
     if (pthread_create(&w->thread, NULL, worker_main, w) != 0) {

@@ -13,7 +13,7 @@
  *   completion line (worker):     done_seq (release store), error code / seq / detail (plain, before it)
  *   wait-error line (waiting side): code / seq / done value seen / worker index of a wait that timed out
  *   control line:                 stop word (any nonzero value stops the worker loop)
- *   status line (worker):         pid, state, attach seq, layers served, time spent serving
+ *   status line (worker):         pid, state, attach seq, layers served, time spent serving (all, last layer)
  * Data regions (page aligned): hidden [t_max, hidden] fp32 or bf16 | ids [t_max, top_k] int32 |
  *   weights [t_max, top_k] fp32 | combine: partial sums [t_max, hidden] fp32, or per-slot outputs
  *   [t_max, top_k, hidden] fp32 (combine_slots = 1).
@@ -67,6 +67,7 @@
 #define MB_OFF_ATTACH_SEQ 656
 #define MB_OFF_SERVED 664
 #define MB_OFF_BUSY_NS 672 /* total time spent serving layers (ns) */
+#define MB_OFF_LAST_BUSY_NS 680 /* time spent serving the last layer (ns), written before done_seq */
 
 /* error codes (worker error word and wait-error word) */
 enum {

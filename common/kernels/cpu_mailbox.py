@@ -171,7 +171,7 @@ class MailboxWorker:
     stacks: per layer, the FP4 stacks of the experts this worker owns, in the order `local` numbers
     them (None for a layer it owns none of); local [L, E] int64: stack index or -1. The tensors stay
     referenced here while the thread runs. `stop()` sets the stop word and joins (the thread ends
-    between layers)."""
+    between layers); stop the worker before closing its segment."""
 
     def __init__(self, library: MailboxLibrary, segment: MailboxSegment, stacks: list[ExpertStacks | None],
                  local: torch.Tensor, math: ExpertMath, num_threads: int = 1, wait: WaitConfig = WaitConfig(),
@@ -216,6 +216,16 @@ class MailboxWorker:
     @property
     def running(self) -> bool:
         return self._handle is not None
+
+    def __enter__(self) -> MailboxWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __del__(self) -> None:  # the thread reads the stacks this object keeps alive: never outlive them
+        if getattr(self, "_handle", None) is not None:
+            self.stop()
 
     def stop(self) -> tuple[int, int]:
         """Stops the thread (between layers) -> (layers served, layers failed)."""

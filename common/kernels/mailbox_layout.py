@@ -63,7 +63,8 @@ class Word(enum.IntEnum):
     WORKER_STATE = 648
     ATTACH_SEQ = 656
     SERVED = 664
-    BUSY_NS = 672
+    BUSY_NS = 672  # all layers served (ns)
+    LAST_BUSY_NS = 680  # the last layer served (ns), written before done_seq
 
 
 class MailboxError(enum.IntEnum):
