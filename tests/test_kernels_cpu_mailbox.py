@@ -366,6 +366,14 @@ def test_layout_and_header_checks(library, layers, tmp_path):
     assert not segment.path.exists()
 
 
+def test_missing_compiler_is_a_build_error(monkeypatch):
+    from common.kernels.cpu_fp4_build import NativeBuildError
+
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(NativeBuildError, match="no C compiler"):
+        load_mailbox()
+
+
 def test_sequence_numbers_grow_along_steps():
     seqs = [make_seq(epoch, layer) for epoch in (1, 2, 3) for layer in range(NUM_LAYERS)]
     assert seqs == sorted(set(seqs)) and seqs[0] > 0

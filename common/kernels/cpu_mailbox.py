@@ -20,12 +20,15 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
 
 from common.kernels.cpu_fp4 import ExpertStacks, Executor, NativeFp4
 from common.kernels.cpu_fp4_build import BuildConfig, NativeBuildError, find_compiler
 from common.kernels.mailbox_layout import CombineMode, MailboxLayout, MailboxSegment, Word, abi_constants
 from common.kernels.native_build import build_native
+
+log = structlog.get_logger("mailbox")
 
 _KERNELS = Path(__file__).parent
 SOURCES = (_KERNELS / "cpu_mailbox.c", _KERNELS / "cpu_fp4.c")
@@ -212,6 +215,9 @@ class MailboxWorker:
         if not handle:
             raise ValueError(f"mailbox worker on {segment.path}: {message.value.decode()}")
         self._handle = handle
+        log.info("mailbox.worker_started", segment=str(segment.path), worker_index=segment.worker_index,
+                 layers=num_layers, experts_owned=int((self.local >= 0).sum()), num_threads=num_threads,
+                 spin_us=wait.spin_us, sleep_max_us=wait.sleep_max_us)
 
     @property
     def running(self) -> bool:
@@ -234,6 +240,7 @@ class MailboxWorker:
         out = (ctypes.c_int64 * 2)()
         self.library._lib.moemesh_mailbox_stop(self._handle, out)
         self._handle = None
+        log.info("mailbox.worker_stopped", segment=str(self.segment.path), layers_served=out[0], layers_failed=out[1])
         return out[0], out[1]
 
 
