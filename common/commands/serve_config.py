@@ -50,6 +50,8 @@ class ServeLayout:
     with_drafter: bool = False  # run the DSpark draft worker (on devices[0])
     data_plane: str = "zmq"  # "cuda_ipc": Dispatch/Combine tensors through shared device rings (DataPlane)
     cuda_graphs: bool = False  # the attention worker replays decode steps as CUDA graphs
+    api_key_file: str | None = None  # the gateway's Bearer keys (serve writes them to <run_dir>/api_keys)
+    recovery_timeout_s: float | None = None  # timeouts.recovery_s; None: the deployment default
 
 
 class DataPlane(enum.Enum):
@@ -166,6 +168,9 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
                        **({"cuda_graphs": True} if layout.cuda_graphs else {})}],
         "expert": experts,
         **({"draft": {"enabled": True, "name": DRAFT_NAME, "device": layout.devices[0]}} if layout.with_drafter else {}),
+        **({"security": {"api_key_file": layout.api_key_file}} if layout.api_key_file is not None else {}),
+        **({"timeouts": {"recovery_s": float(layout.recovery_timeout_s)}}
+           if layout.recovery_timeout_s is not None else {}),
     }
 
 

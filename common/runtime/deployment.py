@@ -23,6 +23,7 @@ Example (every key optional except the model path and one attention and expert w
     ready_s = 600.0
     drain_s = 30.0
     heartbeat_interval_s = 1.0
+    recovery_s = 90.0              # a request waits this long for a restarting worker, then 503
 
     [kv]                           # KV pool geometry: the router's scheduler and every attention worker
     block_size_tokens = 128        # a multiple of every compression ratio (128 for DeepSeek-V4)
@@ -105,6 +106,8 @@ class TimeoutsConfig:
     ready_s: float = 600.0
     drain_s: float = 30.0
     heartbeat_interval_s: float = 1.0
+    recovery_s: float = 90.0  # how long a request waits for a restarting worker before a 503
+
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,8 @@ def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
         raise DeploymentError("expert: at least one expert worker is required")
     if deployment.timeouts.heartbeat_interval_s <= 0:
         raise DeploymentError("timeouts.heartbeat_interval_s: must be > 0")
+    if deployment.timeouts.recovery_s <= 0:
+        raise DeploymentError("timeouts.recovery_s: must be > 0")
     if deployment.kv.block_size_tokens < 1:
         raise DeploymentError("kv.block_size_tokens: must be >= 1")
     if deployment.kv.num_primary_blocks < 1:

@@ -2,9 +2,10 @@
 
 With API keys configured, every HTTP request must carry `Authorization: Bearer <key>`;
 otherwise it is answered 401 with an OpenAI-style error body and `WWW-Authenticate: Bearer`,
-before any body is read or any work is queued. Paths in `open_paths` (default `/health` and
-`/metrics`, which load balancers and Prometheus poll without credentials) pass through.
-Matching is on the exact path. Without keys the gateway is open: `install_bearer_auth` is
+before any body is read or any work is queued. Paths in `open_paths` (default `/health`
+only, which load balancers poll without credentials) pass through; `/metrics`, the status
+page and the admin endpoints need a key like the API (Prometheus sends one with its
+`authorization` scrape setting). Matching is on the exact path. Without keys the gateway is open: `install_bearer_auth` is
 then simply not called (the router's main decides, from the deployment's `[security]`).
 
 Usage, before the app starts serving:
@@ -26,7 +27,7 @@ from common.security.api_keys import ApiKeys, bearer_token
 
 log = structlog.get_logger("router")
 
-DEFAULT_OPEN_PATHS = ("/health", "/metrics")
+DEFAULT_OPEN_PATHS = ("/health",)
 
 
 @dataclass(frozen=True)
