@@ -102,6 +102,7 @@ class TranslatedResult:
     sequence_results: dict[str, SequenceResult]
     logprobs: dict[str, TokenLogprobs]
     failure: str | None = None  # set when the step was not executed; every request in it failed
+    worker_lost: bool = False  # with failure: the worker did not answer or restarted (not a refusal)
 
 
 class ResultMismatch(Exception):

@@ -35,6 +35,8 @@ class RequestStream:
         self.num_draft_tokens = 0
         self.num_accepted_drafts = 0
         self.num_verify_steps = 0
+        self.num_tokens_pushed = 0  # tokens the gateway has been given: none, and a failed step may run it again
+        self.recovery_deadline_s: float | None = None  # set when a failure first caught it (engine.py)
         self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
     def push(self, event: TokenEvent) -> bool:
@@ -42,6 +44,7 @@ class RequestStream:
         if self.finished:
             return False
         self.finished = event.finished
+        self.num_tokens_pushed += len(event.new_token_ids)
         self._queue.put_nowait(event)
         return True
 
