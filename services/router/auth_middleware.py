@@ -20,6 +20,7 @@ from typing import Any
 
 import structlog
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -73,6 +74,10 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 def install_bearer_auth(app: Starlette, config: GatewayAuthConfig) -> None:
-    """Wrap `app` in BearerAuthMiddleware; call before the app starts serving."""
-    app.add_middleware(BearerAuthMiddleware, config=config)
+    """Wrap `app` in BearerAuthMiddleware; call before the app starts serving. It goes just inside
+    the X-Request-Id middleware (request_id.py), so a refused request still has and logs its id."""
+    from services.router.request_id import RequestIdMiddleware
+
+    outer = [index for index, middleware in enumerate(app.user_middleware) if middleware.cls is RequestIdMiddleware]
+    app.user_middleware.insert(outer[0] + 1 if outer else 0, Middleware(BearerAuthMiddleware, config=config))
     log.info("router.auth_enabled", num_keys=config.api_keys.num_keys, open_paths=list(config.open_paths))

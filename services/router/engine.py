@@ -58,6 +58,16 @@ from services.router.scheduler import Request, RequestEvent, Scheduler, Schedule
 log = structlog.get_logger("router")
 
 
+def _fault_ids(client_of: dict[str, str | None], **groups: list[str]) -> dict[str, list[str]]:
+    """For a fault event: per group (failed, carried), the sequence ids and the HTTP request ids."""
+    fields = {}
+    for name, sequence_ids in groups.items():
+        fields[f"{name}_sequence_ids"] = sequence_ids[:32]
+        fields[f"{name}_request_ids"] = list(dict.fromkeys(
+            client_of[i] for i in sequence_ids if client_of.get(i) is not None))[:32]
+    return fields
+
+
 def _problems(report: HealthReport) -> str:
     return ", ".join(f"{name}: {status}" for name, status in report.services.items() if status != "ok")
 
@@ -81,7 +91,7 @@ class Engine:
         self._security = security
         self.scheduler = scheduler
         self.health_tracker = HealthTracker(config, supervisor)
-        self.translator = PlanTranslator()
+        self.translator = PlanTranslator(self._client_request_id)
         self._context = context
         self._owns_context = context is None
         self._client: AsyncClient | None = None
@@ -147,11 +157,21 @@ class Engine:
             deadline_s=deadline_s,
             eos_token_ids=self.config.eos_token_ids,
         )
-        stream = RequestStream(scheduled)
+        # the HTTP request's id, bound by services/router/request_id.py in the task calling submit
+        stream = RequestStream(scheduled, structlog.contextvars.get_contextvars().get("request_id"))
         self._streams[request.request_id] = stream
         self._new_requests.append(scheduled)
         self._wake.set()
         return stream.events()
+
+    def _client_request_id(self, sequence_id: str) -> str | None:
+        stream = self._streams.get(sequence_id)
+        return stream.client_request_id if stream is not None else None
+
+    def _client_ids(self, sequence_ids) -> list[str]:
+        """The HTTP request ids (X-Request-Id) of these sequences, each once, for fault events."""
+        ids = (self._client_request_id(sequence_id) for sequence_id in sequence_ids)
+        return list(dict.fromkeys(client_id for client_id in ids if client_id is not None))[:32]
 
     async def _await_recovery(self, request_id: str, report: HealthReport) -> None:
         """Wait until health is ok again (a worker restarting, the router starting), at most
@@ -159,19 +179,19 @@ class Engine:
         engine cannot recover (shutting down, loop stopped)."""
         started_s = time.monotonic()
         retry_after_s = self.config.unavailable_retry_after_s
-        log.info("router.request_awaits_recovery", request_id=request_id, problems=_problems(report),
+        log.info("router.request_awaits_recovery", sequence_id=request_id, problems=_problems(report),
                  recovery_timeout_s=self.config.recovery_timeout_s)
         while not report.ok:
             if self.health_tracker.stopping or self._task is None or self._task.done():
                 raise EngineError(f"not serving: {_problems(report)}", retry_after_s=retry_after_s)
             if time.monotonic() - started_s >= self.config.recovery_timeout_s:
-                log.warning("router.recovery_timed_out", request_id=request_id, problems=_problems(report),
+                log.warning("router.recovery_timed_out", sequence_id=request_id, problems=_problems(report),
                             recovery_timeout_s=self.config.recovery_timeout_s)
                 raise EngineError(f"not serving after waiting {self.config.recovery_timeout_s:.0f} s for "
                                   f"recovery: {_problems(report)}", retry_after_s=retry_after_s)
             await asyncio.sleep(self.config.recovery_poll_s)
             report = self.health()
-        log.info("router.request_recovered", request_id=request_id,
+        log.info("router.request_recovered", sequence_id=request_id,
                  waited_s=round(time.monotonic() - started_s, 3))
 
     async def abort(self, request_id: str) -> None:
@@ -277,11 +297,12 @@ class Engine:
                 if stream is not None:
                     stream.push(stream.final_event(FinishReason.ERROR, str(error)))
         aborted_ids, self._aborted_ids = self._aborted_ids, []
+        if aborted_ids:
+            log.info("router.requests_aborted", num_aborted=len(aborted_ids), sequence_ids=aborted_ids[:32],
+                     request_ids=self._client_ids(aborted_ids))
         for request_id in aborted_ids:
             self.scheduler.abort(request_id)  # None when it finished meanwhile: harmless
             self._streams.pop(request_id, None)
-        if aborted_ids:
-            log.info("router.requests_aborted", num_aborted=len(aborted_ids))
 
     def _check_attention_restart(self) -> None:
         """A new attention worker process (its Ready names another pid) starts with an empty KV
@@ -299,14 +320,15 @@ class Engine:
             return  # the worker this router starts with (a Ready comes once per process, at its start;
             # a restarted router knows running workers by heartbeats only, so a Ready after its
             # first steps is a new process)
+        client_of = {request_id: stream.client_request_id for request_id, stream in self._streams.items()}
         carried_ids, failed_ids = self._carry_or_fail(
             f"the attention worker {self.config.attention_name} restarted (pid {old_pid} -> {ready.pid})",
             log_event=None)
         log.warning("router.attention_restarted", attention=self.config.attention_name, old_pid=old_pid,
                     new_pid=ready.pid, num_failed_requests=len(failed_ids), num_carried_requests=len(carried_ids),
-                    failed_request_ids=failed_ids[:32], carried_request_ids=carried_ids[:32])
+                    **_fault_ids(client_of, failed=failed_ids, carried=carried_ids))
         self.scheduler = Scheduler(self.scheduler.config, self.scheduler.clock)
-        self.translator = PlanTranslator()
+        self.translator = PlanTranslator(self._client_request_id)
         self.routing_summary = None
 
     def _carry_or_fail(self, reason: str, log_event: str | None = "router.requests_recovering",
@@ -319,6 +341,7 @@ class Engine:
         refused plan, which running again would not cure). Requests still in the inbox stay
         there. Returns (carried, failed) ids."""
         now_s = time.monotonic()
+        client_of = {request_id: stream.client_request_id for request_id, stream in self._streams.items()}
         in_inbox = {request.request_id for request in self._new_requests}
         carried: list[Request] = []
         failed_ids: list[str] = []
@@ -342,8 +365,8 @@ class Engine:
         carried_ids = [request.request_id for request in carried]
         if log_event is not None and (carried_ids or failed_ids):
             log.warning(log_event, attention=self.config.attention_name, reason=reason,
-                        carried_request_ids=carried_ids[:32], failed_request_ids=failed_ids[:32],
-                        recovery_timeout_s=self.config.recovery_timeout_s)
+                        recovery_timeout_s=self.config.recovery_timeout_s,
+                        **_fault_ids(client_of, failed=failed_ids, carried=carried_ids))
         return carried_ids, failed_ids
 
     def _expire_carried(self) -> None:
@@ -358,12 +381,12 @@ class Engine:
                   f"{self.health_tracker.step_failure or 'not answering'}")
         expired_set = set(expired)
         self._new_requests = [r for r in self._new_requests if r.request_id not in expired_set]
+        log.warning("router.recovery_timed_out", attention=self.config.attention_name, reason=reason,
+                    sequence_ids=expired[:32], request_ids=self._client_ids(expired))
         for request_id in expired:
             self.scheduler.abort(request_id)
             stream = self._streams.pop(request_id)
             stream.push(stream.final_event(FinishReason.ERROR, reason))
-        log.warning("router.recovery_timed_out", attention=self.config.attention_name, request_ids=expired[:32],
-                    reason=reason)
 
     async def _reconnect(self) -> None:
         """A fresh socket to the attention worker: what the old one still queues for a dead
@@ -432,10 +455,10 @@ class Engine:
         return result
 
     async def _request_step(self, plan):
-        """The attention worker's reply to one plan. While it is awaited, a Ready from a new
-        attention worker process (another pid: the old one died with the plan) fails the step at
-        once (StepFailed) instead of after the step timeout; checked every 0.25 s, which delays
-        no reply (asyncio.wait returns as soon as the reply is there)."""
+        """The attention worker's reply to one plan. While it is awaited, and when it comes, a
+        Ready from a new attention worker process (another pid: the old one died with the plan)
+        fails the step (WorkerRestarted) instead of the step timeout; checked every 0.25 s, which
+        delays no reply (asyncio.wait returns as soon as the reply is there)."""
         supervisor = self.health_tracker.supervisor
         if supervisor is None:
             return await self._client.request(plan, timeout_s=self.config.step_timeout_s)
@@ -445,12 +468,14 @@ class Engine:
         try:
             while True:
                 done, _ = await asyncio.wait({reply}, timeout=0.25)
-                if done:
-                    return reply.result()
                 ready = supervisor.ready.get(name)
+                # a reply with a new Ready is discarded too: ZeroMQ may have handed the plan, queued for
+                # the dead process, to its successor, which knows nothing of the slots it names
                 if ready is not None and ready.pid != known_pid:
                     raise WorkerRestarted(f"the attention worker restarted (pid {known_pid} -> {ready.pid}) "
                                           f"during step {plan.step_id}")
+                if done:
+                    return reply.result()
         finally:
             if not reply.done():
                 reply.cancel()
@@ -461,7 +486,8 @@ class Engine:
         self.health_tracker.record_step_failure(message)
         log.warning("router.step_failed", attention=self.config.attention_name, step_id=output.step_id,
                     reason=message, worker_lost=worker_lost,
-                    request_ids=[seq.request_id for seq in output.scheduled][:32])
+                    sequence_ids=[seq.request_id for seq in output.scheduled][:32],
+                    request_ids=self._client_ids(seq.request_id for seq in output.scheduled))
         return TranslatedResult(dict(failed_results(output, message)), {}, failure=message, worker_lost=worker_lost)
 
     def _publish(self, events: list[RequestEvent], result: TranslatedResult) -> None:

@@ -29,8 +29,9 @@ _FINISH_REASONS = {
 class RequestStream:
     """The queue between the engine loop (producer) and one gateway pump (consumer)."""
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, client_request_id: str | None = None) -> None:
         self.request = request
+        self.client_request_id = client_request_id  # the HTTP request's X-Request-Id (request_id.py)
         self.finished = False
         self.num_draft_tokens = 0
         self.num_accepted_drafts = 0
