@@ -150,13 +150,14 @@ def run(args: argparse.Namespace) -> int:
     from services.draft.width import SpeculationConfig
     from common.commands.serve_processes import start_service, stop_services
     from common.commands.serve_restarts import RestartPolicy
-    from common.commands.serve_model import HubModelMissing, resolve_model
+    from common.commands.serve_model import HubModelMissing, is_hub_id, resolve_model
     from common.runtime.deployment import DeploymentError
     from common.runtime.logging import configure_logging
     from common.security.api_keys import ApiKeyError, collect_api_keys
 
     try:
         model_dir = check_model_dir(resolve_model(args.model, args.revision))
+        model_name = args.model if is_hub_id(args.model) else None  # clients name it as they asked for it
         devices = _parse_devices(args.devices)
         num_expert_workers = len(devices) if args.expert_workers is None else args.expert_workers
         if num_expert_workers < 1:
@@ -182,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
                          host=args.host, port=args.port, num_expert_workers=num_expert_workers, devices=devices,
                          dtype=args.dtype, placement_path=placement_path, with_drafter=speculation.enabled,
                          data_plane=args.data_plane, cuda_graphs=args.cuda_graphs == "on",
-                         api_key_file=api_key_file, recovery_timeout_s=args.recovery_timeout)
+                         api_key_file=api_key_file, recovery_timeout_s=args.recovery_timeout,
+                         model_name=model_name)
     try:
         config_path, deployment = write_deployment(layout)
     except DeploymentError as error:
@@ -207,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         outcome = _wait_ready(f"{base_url}/health", services, stop, args.ready_timeout, drafter, run_dir,
                               _expected_load_bytes(deployment))
         if outcome == "ready":
-            print(f"moemesh serving {model_dir.name} at {base_url}/v1 (logs: {log_dir}; speculation "
+            print(f"moemesh serving {model_name or model_dir.name} at {base_url}/v1 (logs: {log_dir}; speculation "
                   f"{_speculation_text(speculation, drafter)})", flush=True)
             watched = services + ([drafter.service] if drafter is not None and not drafter.exited else [])
             outcome = _wait_for_stop(watched, stop, restart_policy, run_dir)

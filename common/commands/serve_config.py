@@ -51,6 +51,7 @@ class ServeLayout:
     data_plane: str = "zmq"  # "cuda_ipc": Dispatch/Combine tensors through shared device rings (DataPlane)
     cuda_graphs: bool = False  # the attention worker replays decode steps as CUDA graphs
     api_key_file: str | None = None  # the gateway's Bearer keys (serve writes them to <run_dir>/api_keys)
+    model_name: str | None = None  # the served model name (a hub id); None: the directory's name
     recovery_timeout_s: float | None = None  # timeouts.recovery_s; None: the deployment default
 
 
@@ -160,7 +161,8 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
         placement = "all" if layout.placement_path is None else layout.placement_path
         experts.append({"name": f"expert-{index}", "device": device, "placement": placement})
     return {
-        "model": {"path": layout.model_path, "dtype": layout.dtype},
+        "model": {"path": layout.model_path, "dtype": layout.dtype,
+                  **({"name": layout.model_name} if layout.model_name else {})},
         "paths": {"run_dir": layout.run_dir, "log_dir": layout.log_dir},
         "router": {"host": layout.host, "port": layout.port},
         "attention": [{"name": "attention-0", "device": layout.devices[0],

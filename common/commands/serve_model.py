@@ -31,6 +31,11 @@ def looks_like_hub_id(text: str) -> bool:
     return bool(_HUB_ID.match(text)) and ".." not in text and not text.endswith((".", "-"))
 
 
+def is_hub_id(model: str) -> bool:
+    """Whether `--model` names a hub repository rather than a local directory."""
+    return not Path(model).expanduser().is_dir() and looks_like_hub_id(model) and not model.startswith(("/", ".", "~"))
+
+
 def resolve_model(model: str, revision: str | None = None) -> Path:
     """The checkpoint directory to serve for `--model` (see the module docstring)."""
     path = Path(model).expanduser()
@@ -38,9 +43,12 @@ def resolve_model(model: str, revision: str | None = None) -> Path:
         if revision is not None:
             raise HubModelMissing(f"--revision {revision} applies to a hub id, but {model} is a local directory")
         return path
-    if not looks_like_hub_id(model) or model.startswith(("/", ".", "~")):
+    if not is_hub_id(model):
         return path  # not a hub id: check_model_dir names the missing directory
-    return Path(_snapshot(model, revision))
+    try:
+        return Path(_snapshot(model, revision))
+    except HubModelMissing as error:
+        raise HubModelMissing(f"no checkpoint directory {model}; as a hub id: {error}") from None
 
 
 def _snapshot(repo_id: str, revision: str | None) -> str:

@@ -5,6 +5,7 @@ Example (every key optional except the model path and one attention and expert w
     [model]
     path = "models/tiny-dsv4"
     dtype = "auto"                 # auto: float32 on CPU, bfloat16 on GPUs
+    name = "org/tiny-dsv4"         # optional: the served model name (default: the directory's name)
 
     [paths]
     run_dir = "/tmp/moemesh"       # ipc sockets live here
@@ -80,6 +81,7 @@ class DeploymentError(ValueError):
 class ModelConfig:
     path: str
     dtype: str = "auto"
+    name: str | None = None  # the model name clients send; None: the checkpoint directory's name
 
 
 @dataclass(frozen=True)
