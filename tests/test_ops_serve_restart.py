@@ -94,13 +94,15 @@ def _wait_restarted(server, name: str, old_pid: int, timeout_s: float = 180.0) -
 
 
 async def _stream(client: httpx.AsyncClient, server, prompt: str, first_chunk: asyncio.Event,
-                  max_tokens: int, errors: list[str] | None = None) -> tuple[str, str]:
+                  max_tokens: int, errors: list[str] | None = None, request_id: str | None = None) -> tuple[str, str]:
     """(text, finish_reason) of one greedy stream; error events' messages go to `errors`."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     pieces, finish_reason = [], None
-    async with client.stream("POST", f"{server.base_url}/v1/completions", json=body) as reply:
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    async with client.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers) as reply:
         assert reply.status_code == 200
+        assert request_id is None or reply.headers["x-request-id"] == request_id
         async for line in reply.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -119,10 +121,11 @@ async def _stream(client: httpx.AsyncClient, server, prompt: str, first_chunk: a
 
 async def _streams_with_kill(server, prompts, pid: int, max_tokens: int = STREAM_TOKENS,
                              errors: list[str] | None = None) -> list[tuple[str, str]]:
+    """Stream `prompts` (X-Request-Id `kill-<pid>-<index>`), SIGKILL `pid` once each sent a chunk."""
     started = [asyncio.Event() for _ in prompts]
     async with httpx.AsyncClient(timeout=300) as client:
-        tasks = [asyncio.create_task(_stream(client, server, prompt, event, max_tokens, errors))
-                 for prompt, event in zip(prompts, started)]
+        tasks = [asyncio.create_task(_stream(client, server, prompt, event, max_tokens, errors, f"kill-{pid}-{index}"))
+                 for index, (prompt, event) in enumerate(zip(prompts, started))]
         waiting = asyncio.gather(*(event.wait() for event in started))
         done, _ = await asyncio.wait([waiting, *tasks], timeout=240, return_when=asyncio.FIRST_COMPLETED)
         assert waiting in done, [task.result() for task in tasks if task in done]  # a stream ended early
@@ -130,8 +133,8 @@ async def _streams_with_kill(server, prompts, pid: int, max_tokens: int = STREAM
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)  # none may hang
 
 
-def _serve_events(server) -> list[dict]:
-    path = server.run_dir / "logs" / "serve.log"
+def _serve_events(server, name: str = "serve") -> list[dict]:
+    path = server.run_dir / "logs" / f"{name}.log"
     return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
 
@@ -167,6 +170,10 @@ def test_sigkilled_expert_worker_is_restarted_and_streams_end_cleanly(server):
         assert finish_reason in ("length", "error"), finish_reason
         if finish_reason == "length":
             assert text == reference[prompt]  # the lost step was retried exactly
+    # the attention worker's warning names the lost worker and the HTTP requests (X-Request-Id) it touched
+    lost = [e for e in _serve_events(server, "attention-0") if e["event"] == "attention.step_lost_expert"]
+    assert lost and lost[0]["level"] == "warning" and "expert-0" in lost[0]["worker"], lost[:1]
+    assert {f"kill-{old_pid}-{index}" for index in range(len(PROMPTS))} & set(lost[0]["request_ids"]), lost[0]
     health = _wait_restarted(server, "expert-0", old_pid)
     assert health["restarts"] == {"expert-0": 1}
     status = httpx.get(f"{server.base_url}/status.json", timeout=10).json()

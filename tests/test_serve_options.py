@@ -138,7 +138,7 @@ def test_request_ids_on_responses_and_in_the_logs(server):
     # the refusal's own event and the key check's carry the request id too
     assert any(e["event"] == "router.request_refused" and e.get("request_id") == "trace-refused-01" for e in events)
     assert any(e["event"] == "router.auth_rejected" and e.get("request_id") == "trace-401-01" for e in events)
-    assert any(e["event"] == "router.requests_aborted" and "trace-aborted-01" in e["request_ids"] for e in events)
+    _wait_for_event(server, lambda e: e["event"] == "router.requests_aborted" and "trace-aborted-01" in e["request_ids"])
     assert any(e["event"] == "router.request_id_refused" for e in events)
 
 
