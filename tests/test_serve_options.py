@@ -24,6 +24,7 @@ import tomllib
 import httpx
 import pytest
 
+from common.commands.devices import auto_devices
 from hub_cache_support import COMMIT, fill_hub_cache
 from spec_support import DEFAULT_MODEL, REPO_ROOT, start_serve
 
@@ -51,7 +52,7 @@ def server(tmp_path_factory):
     key_file.chmod(0o600)
     server = start_serve(root / "run", "--api-key", FLAG_KEY, "--api-key-file", str(key_file),
                          "--recovery-timeout", "45", "--speculation", "off", "--revision", "main",
-                         model=HUB_ID, env={**_hub_env(root), "MOEMESH_API_KEY": ENV_KEY})
+                         model=HUB_ID, env={**_hub_env(root), "MOEMESH_API_KEY": ENV_KEY}, devices=None)
     if "moemesh serving" not in server.first_line:
         server.stop()
         pytest.fail(f"serve did not start: {server.first_line!r}\n{server.logs()}")
@@ -83,7 +84,9 @@ def test_hub_id_from_the_local_cache_with_default_devices(server):
     deployment = tomllib.loads((server.run_dir / "deployment.toml").read_text())
     assert deployment["model"]["path"].endswith(f"/models--moemesh-test--kjv-mini/snapshots/{COMMIT}")
     assert deployment["model"]["name"] == HUB_ID
-    assert [w["device"] for w in deployment["attention"]] == ["cpu"]  # --devices auto without a GPU
+    auto = auto_devices()  # the default, --devices auto: every CUDA GPU, else the CPU
+    assert [w["device"] for w in deployment["attention"]] == [auto[0]]
+    assert [w["device"] for w in deployment["expert"]] == list(auto)  # one expert worker per device
     assert deployment["timeouts"]["recovery_s"] == 45.0
     assert "api_keys" not in deployment.get("security", {})  # the keys live in a 0600 file, not the TOML
     assert (server.run_dir / "api_keys").stat().st_mode & 0o077 == 0
