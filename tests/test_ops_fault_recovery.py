@@ -140,8 +140,8 @@ def _streamed_choices(cluster: Cluster, body: dict, errors: list[str] | None = N
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[len("data: "):])
                 if "error" in chunk:
-                    assert errors is not None, chunk
-                    errors.append(chunk["error"]["message"])
+                    if errors is not None:
+                        errors.append(chunk["error"]["message"])
                     continue
                 yield chunk["choices"][0]
 
