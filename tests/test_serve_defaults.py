@@ -4,6 +4,7 @@ X-Request-Id middleware's rules."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -34,9 +35,19 @@ def test_devices_command_shows_what_auto_picks():
     chosen = [entry["device"] for entry in entries if entry["serve_auto"]]
     cuda = [entry["device"] for entry in entries if entry["device"].startswith("cuda:")]
     assert chosen == (cuda or ["cpu"])
-    table = subprocess.run([sys.executable, "-m", "common.cli", "devices"], cwd=REPO_ROOT, capture_output=True,
-                           text=True, timeout=120).stdout
-    assert f"moemesh serve --devices auto uses: {','.join(chosen)}" in table
+
+
+def test_devices_table_names_the_auto_choice(monkeypatch, capsys):
+    from common.commands import devices
+
+    monkeypatch.setattr(devices, "list_devices", lambda: [
+        {"device": "cuda:0", "name": "GPU", "total_bytes": 2**30, "free_bytes": 2**30},
+        {"device": "cuda:1", "name": "GPU", "total_bytes": 2**30, "free_bytes": 2**30},
+        {"device": "cpu", "name": "host CPU", "total_bytes": None, "free_bytes": None}])
+    assert devices.run(argparse.Namespace(json=False)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "moemesh serve --devices auto uses: cuda:0,cuda:1"
+    assert lines[1].endswith("(serve --devices auto)") and not lines[3].endswith("(serve --devices auto)")
 
 
 def test_api_keys_from_flags_file_and_environment(tmp_path):
