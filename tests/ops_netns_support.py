@@ -148,7 +148,10 @@ def parse_stream(text: str) -> tuple[str, str | None]:
     for line in text.splitlines():
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
-        choice = json.loads(line[len("data: "):])["choices"][0]
+        chunk = json.loads(line[len("data: "):])
+        if "error" in chunk:  # the cause of a finish_reason "error", as its own event
+            continue
+        choice = chunk["choices"][0]
         pieces.append(choice.get("text", ""))
         finish_reason = choice.get("finish_reason") or finish_reason
     return "".join(pieces), finish_reason

@@ -77,7 +77,7 @@ class ScriptedEngine:
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if self.fail:
-            raise EngineError("attention worker 0 is down")
+            raise EngineError("attention worker 0 is down", retry_after_s=5.0)
         self.submitted.append(request)
         return self._run(request)
 

@@ -47,13 +47,18 @@ class ServeProcess:
         return "\n".join(parts)
 
 
-def start_serve(run_dir: Path, *args: str, model: Path = DEFAULT_MODEL, timeout_s: float = 240.0) -> ServeProcess:
-    """Start `moemesh serve` and wait for its first stdout line (the URL, or nothing if it failed)."""
+def start_serve(run_dir: Path, *args: str, model: Path | str = DEFAULT_MODEL, timeout_s: float = 240.0,
+                env: dict[str, str] | None = None, devices: str | None = "cpu") -> ServeProcess:
+    """Start `moemesh serve` and wait for its first stdout line (the URL, or nothing if it failed).
+    `env`: variables added to this process's environment for serve and its services. `devices`:
+    cpu unless a test asks for others (the references the tests compare with are float32 CPU
+    ones); None: serve's default, auto; a `--devices` in `args` comes later and wins."""
     port = free_port()
     run_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "common.cli", "serve", "--model", str(model), "--port", str(port),
-               "--run-dir", str(run_dir), "--ready-timeout", str(int(timeout_s)), "--drain-timeout", "20", *args]
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+               "--run-dir", str(run_dir), "--ready-timeout", str(int(timeout_s)), "--drain-timeout", "20",
+               *(("--devices", devices) if devices else ()), *args]
+    env = dict(os.environ, **(env or {}), PYTHONPATH=str(REPO_ROOT))
     with open(run_dir / "serve.stderr", "wb") as stderr:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()

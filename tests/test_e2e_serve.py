@@ -139,7 +139,8 @@ def server(checkpoint, tmp_path_factory):
     port = _free_port()
     run_dir = tmp_path_factory.mktemp("run")
     command = [sys.executable, "-m", "common.cli", "serve", "--model", str(checkpoint), "--port", str(port),
-               "--expert-workers", "2", "--run-dir", str(run_dir), "--ready-timeout", "240", "--drain-timeout", "20"]
+               "--expert-workers", "2", "--devices", "cpu", "--run-dir", str(run_dir), "--ready-timeout", "240",
+               "--drain-timeout", "20"]
     stderr = open(run_dir / "serve.stderr", "wb")
     process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
     lines: queue.Queue[str] = queue.Queue()

@@ -51,7 +51,7 @@ def server(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("live-placement")
     port = _free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "serve", "--model", str(MODEL), "--expert-workers", "2",
+        [sys.executable, "-m", "common.cli", "serve", "--model", str(MODEL), "--expert-workers", "2", "--devices", "cpu",
          "--port", str(port), "--run-dir", str(run_dir / "run"), "--speculation", "off"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"

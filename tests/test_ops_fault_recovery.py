@@ -131,13 +131,19 @@ def cluster(checkpoint, tmp_path_factory):
         cluster.stop()
 
 
-def _streamed_choices(cluster: Cluster, body: dict):
-    """The choices of one streamed /v1/completions request (status 200 asserted), as they arrive."""
+def _streamed_choices(cluster: Cluster, body: dict, errors: list[str] | None = None):
+    """The choices of one streamed /v1/completions request (status 200 asserted), as they arrive;
+    the messages of error events go to `errors`."""
     with httpx.stream("POST", f"{cluster.base_url}/v1/completions", json=body, timeout=120) as reply:
         assert reply.status_code == 200
         for line in reply.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                yield json.loads(line[len("data: "):])["choices"][0]
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    if errors is not None:
+                        errors.append(chunk["error"]["message"])
+                    continue
+                yield chunk["choices"][0]
 
 
 def _complete(cluster: Cluster, prompt: str, max_tokens: int) -> httpx.Response:
@@ -283,7 +289,8 @@ def test_expert_that_stays_dead_fails_requests_after_the_budget_then_serving_res
 
     body = {"model": "kjv-tiny", "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "stream": True}
     pieces, finish_reason, killed_at, other = [], None, None, threading.Thread(target=non_streaming, daemon=True)
-    for choice in _streamed_choices(cluster, body):
+    errors: list[str] = []
+    for choice in _streamed_choices(cluster, body, errors):
         if not pieces:
             other.start()  # joins the running batch
         pieces.append(choice["text"])
@@ -298,6 +305,7 @@ def test_expert_that_stays_dead_fails_requests_after_the_budget_then_serving_res
     print(f"gave up after {ended_s:.1f} s (budget {RECOVERY_BUDGET_S:.0f} s); stream: {finish_reason}, "
           f"non-streaming: HTTP {outcome['reply'].status_code}")
     assert finish_reason == "error"
+    assert len(errors) == 1 and "expert worker unavailable" in errors[0], errors  # the cause, in the stream
     assert ended_s < RECOVERY_BUDGET_S + DISPATCH_S + 10.0
     assert outcome["reply"].status_code == 503, outcome["reply"].text
     error = outcome["reply"].json()["error"]

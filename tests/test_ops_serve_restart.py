@@ -6,10 +6,12 @@
   the lost step on the restarted worker) or with finish_reason "error"; a later request returns
   the reference text.
 - attention worker SIGKILLed mid-stream: the stream fails as soon as the new worker's Ready
-  arrives (the router does not wait out the step timeout), the router starts its KV bookkeeping
-  afresh, so a prompt that was a prefix-cache hit before is computed again (cached_tokens 0) and
-  its text equals the reference;
-- the router SIGKILLed: restarted, it serves again, and still notices a later attention restart;
+  arrives (the router does not wait out the step timeout) with an error event naming the
+  restart, the router starts its KV bookkeeping afresh, so a prompt that was a prefix-cache hit
+  before is computed again (cached_tokens 0) and its text equals the reference;
+- the router SIGKILLed: restarted, it serves again; then the attention worker SIGKILLed and a
+  request sent at once: it waits for the restarted worker and returns 200 (within 120 s), so
+  does the next, and the restarted router still notices the attention restart (cache afresh);
 - a service dying more often than `--max-restarts` allows stops serve with exit code 1.
 References come from the same server before any kill (greedy, ignore_eos: deterministic).
 """
@@ -92,17 +94,24 @@ def _wait_restarted(server, name: str, old_pid: int, timeout_s: float = 180.0) -
 
 
 async def _stream(client: httpx.AsyncClient, server, prompt: str, first_chunk: asyncio.Event,
-                  max_tokens: int) -> tuple[str, str]:
-    """(text, finish_reason) of one greedy stream."""
+                  max_tokens: int, errors: list[str] | None = None, request_id: str | None = None) -> tuple[str, str]:
+    """(text, finish_reason) of one greedy stream; error events' messages go to `errors`."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     pieces, finish_reason = [], None
-    async with client.stream("POST", f"{server.base_url}/v1/completions", json=body) as reply:
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    async with client.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers) as reply:
         assert reply.status_code == 200
+        assert request_id is None or reply.headers["x-request-id"] == request_id
         async for line in reply.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choice = json.loads(line[len("data: "):])["choices"][0]
+            payload = json.loads(line[len("data: "):])
+            if "error" in payload:
+                if errors is not None:
+                    errors.append(payload["error"]["message"])
+                continue
+            choice = payload["choices"][0]
             pieces.append(choice["text"])
             finish_reason = choice.get("finish_reason") or finish_reason
             if len(pieces) >= 2:
@@ -110,10 +119,13 @@ async def _stream(client: httpx.AsyncClient, server, prompt: str, first_chunk: a
     return "".join(pieces), finish_reason
 
 
-async def _streams_with_kill(server, prompts, pid: int, max_tokens: int = STREAM_TOKENS) -> list[tuple[str, str]]:
+async def _streams_with_kill(server, prompts, pid: int, max_tokens: int = STREAM_TOKENS,
+                             errors: list[str] | None = None) -> list[tuple[str, str]]:
+    """Stream `prompts` (X-Request-Id `kill-<pid>-<index>`), SIGKILL `pid` once each sent a chunk."""
     started = [asyncio.Event() for _ in prompts]
     async with httpx.AsyncClient(timeout=300) as client:
-        tasks = [asyncio.create_task(_stream(client, server, prompt, event, max_tokens)) for prompt, event in zip(prompts, started)]
+        tasks = [asyncio.create_task(_stream(client, server, prompt, event, max_tokens, errors, f"kill-{pid}-{index}"))
+                 for index, (prompt, event) in enumerate(zip(prompts, started))]
         waiting = asyncio.gather(*(event.wait() for event in started))
         done, _ = await asyncio.wait([waiting, *tasks], timeout=240, return_when=asyncio.FIRST_COMPLETED)
         assert waiting in done, [task.result() for task in tasks if task in done]  # a stream ended early
@@ -121,8 +133,8 @@ async def _streams_with_kill(server, prompts, pid: int, max_tokens: int = STREAM
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)  # none may hang
 
 
-def _serve_events(server) -> list[dict]:
-    path = server.run_dir / "logs" / "serve.log"
+def _serve_events(server, name: str = "serve") -> list[dict]:
+    path = server.run_dir / "logs" / f"{name}.log"
     return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
 
@@ -158,6 +170,10 @@ def test_sigkilled_expert_worker_is_restarted_and_streams_end_cleanly(server):
         assert finish_reason in ("length", "error"), finish_reason
         if finish_reason == "length":
             assert text == reference[prompt]  # the lost step was retried exactly
+    # the attention worker's warning names the lost worker and the HTTP requests (X-Request-Id) it touched
+    lost = [e for e in _serve_events(server, "attention-0") if e["event"] == "attention.step_lost_expert"]
+    assert lost and lost[0]["level"] == "warning" and "expert-0" in lost[0]["worker"], lost[:1]
+    assert {f"kill-{old_pid}-{index}" for index in range(len(PROMPTS))} & set(lost[0]["request_ids"]), lost[0]
     health = _wait_restarted(server, "expert-0", old_pid)
     assert health["restarts"] == {"expert-0": 1}
     status = httpx.get(f"{server.base_url}/status.json", timeout=10).json()
@@ -177,8 +193,10 @@ def test_sigkilled_attention_worker_fails_fast_and_prefix_cache_starts_afresh(se
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the premise: a prefix hit
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     old_pid = _pid(server, "attention-0")
-    outcomes = asyncio.run(_streams_with_kill(server, PROMPTS[:1], old_pid, max_tokens=200))
+    errors: list[str] = []
+    outcomes = asyncio.run(_streams_with_kill(server, PROMPTS[:1], old_pid, max_tokens=200, errors=errors))
     assert outcomes[0][1] == "error"  # the attention worker's state died with it
+    assert len(errors) == 1 and "the attention worker restarted" in errors[0], errors  # the cause, in the stream
     engine = httpx.get(f"{server.base_url}/status.json", timeout=10).json()["engine"]
     # its requests failed cleanly and freed everything: nothing running or queued, no KV block held
     assert engine["num_running"] == 0 and engine["num_waiting"] == 0, engine
@@ -195,9 +213,12 @@ def test_sigkilled_attention_worker_fails_fast_and_prefix_cache_starts_afresh(se
     assert not any(e["event"] == "router.step_failed" and "did not answer within" in e["reason"] for e in events)
 
 
-def test_restarted_router_serves_and_still_notices_an_attention_restart(server):
-    """A restarted router knows the running workers only from heartbeats (a Ready comes once per
-    process); a Ready after its first steps is a new attention worker, so the cache resets."""
+def test_restarted_router_serves_and_waits_for_an_attention_restart(server):
+    """Router SIGKILL, wait for /health, attention-worker SIGKILL, then a request at once: it waits
+    for the restarted worker (bounded by the recovery timeout) and returns 200 within 120 s, and so
+    does the next. A restarted router knows the running workers only from heartbeats (a Ready
+    comes once per process); a Ready after its first steps is a new attention worker, so the
+    prefix cache starts afresh."""
     old_router = _pid(server, "router")
     os.kill(old_router, signal.SIGKILL)
     _wait_restarted(server, "router", old_router)
@@ -205,10 +226,15 @@ def test_restarted_router_serves_and_still_notices_an_attention_restart(server):
     assert _complete(server, LONG_PROMPT, 12)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     old_pid = _pid(server, "attention-0")
     os.kill(old_pid, signal.SIGKILL)
-    _wait_restarted(server, "attention-0", old_pid)
+    sent_s = time.monotonic()
     after = _complete(server, LONG_PROMPT, 12)
-    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    waited_s = time.monotonic() - sent_s
+    print(f"request sent at the attention worker's SIGKILL: 200 after {waited_s:.1f} s")
+    assert waited_s < 120.0
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the new worker's pool is empty
     assert after["choices"][0]["text"] == first["choices"][0]["text"]
+    assert _complete(server, PROMPTS[0], 8)["usage"]["completion_tokens"] == 8
+    assert _pid(server, "attention-0") not in (None, old_pid)
     assert httpx.get(f"{server.base_url}/health", timeout=10).json()["restarts"]["router"] == 1
 
 

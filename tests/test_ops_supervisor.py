@@ -200,7 +200,10 @@ def test_sigkilled_expert_is_restarted_and_the_stream_ends_cleanly(supervised, c
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choice = json.loads(line[len("data: "):])["choices"][0]
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:  # the cause of a finish_reason "error", as its own event
+                continue
+            choice = chunk["choices"][0]
             pieces.append(choice["text"])
             finish_reason = choice.get("finish_reason") or finish_reason
             if not killed and len(pieces) == 3:

@@ -262,6 +262,7 @@ def test_engine_error_is_503_non_streaming():
     engine.fail = True
     response = client.post("/v1/chat/completions", json=chat_body())
     assert response.status_code == 503 and "down" in response.json()["error"]["message"]
+    assert response.headers["retry-after"] == "5"
     engine.fail, engine.fail_in_stream = False, True
     assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 503
 
@@ -270,7 +271,10 @@ def test_engine_error_mid_stream_is_finish_reason_error():
     engine, client = make()
     engine.fail_in_stream = True
     chunks, _ = sse_events(client, "/v1/chat/completions", chat_body(stream=True))
-    assert chunks[-1]["choices"][0]["finish_reason"] == "error"
+    finished = [chunk for chunk in chunks if chunk.get("choices") and chunk["choices"][0].get("finish_reason")]
+    assert finished[-1]["choices"][0]["finish_reason"] == "error"
+    error = chunks[-1]["error"]  # then the cause, as an OpenAI error event, before [DONE]
+    assert error["type"] == "service_unavailable_error" and error["message"] == "engine error: expert worker lost"
 
 
 def test_deadline_aborts_and_answers_504():

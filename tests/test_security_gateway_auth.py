@@ -64,10 +64,13 @@ def test_right_token_is_served():
     assert chat.json()["choices"][0]["message"]["content"] == "Hello there."
 
 
-def test_health_and_metrics_stay_open_unless_configured():
+def test_only_health_stays_open_unless_configured():
     _, client = _client()
     assert client.get("/health").status_code == 200  # the scripted engine is healthy
-    assert client.get("/metrics").status_code == 200
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    _, scraped = _client(open_paths=("/health", "/metrics"))
+    assert scraped.get("/metrics").status_code == 200
     _, closed = _client(open_paths=())
     assert closed.get("/health").status_code == 401
     assert closed.get("/metrics").status_code == 401

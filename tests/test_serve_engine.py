@@ -107,7 +107,7 @@ class ContractPeer:
 def run_engine(tmp_path):
     """run_engine(scenario, **scheduler overrides): scenario(engine, peer) runs inside one loop."""
 
-    def run(scenario, step_timeout_s: float = 5.0, **overrides):
+    def run(scenario, step_timeout_s: float = 5.0, recovery_timeout_s: float = 90.0, **overrides):
         async def main():
             context = zmq.asyncio.Context()
             endpoint = f"ipc://{tmp_path}/attention.sock"
@@ -117,7 +117,8 @@ def run_engine(tmp_path):
                           max_num_batched_tokens=64, long_prefill_token_threshold=24)
             config.update(overrides)
             engine = Engine(EngineConfig(attention_endpoint=endpoint, step_timeout_s=step_timeout_s,
-                                         probe_interval_s=0.05, probe_timeout_s=0.5, eos_token_ids=(EOS,)),
+                                         probe_interval_s=0.05, probe_timeout_s=0.5, eos_token_ids=(EOS,),
+                                         recovery_timeout_s=recovery_timeout_s, recovery_poll_s=0.02),
                             Scheduler(SchedulerConfig(**config)), context=context)
             await engine.start()
             try:
@@ -205,27 +206,70 @@ def test_abort_ends_stream_and_frees_blocks(run_engine):
     assert tokens_of(after) == expected_output([4, 5], 3)
 
 
-def test_step_timeout_fails_requests_and_health_recovers(run_engine):
+async def _until(predicate, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def test_step_timeout_carries_requests_until_the_worker_answers(run_engine):
+    """A step lost to a silent worker: its request (no token given out yet) runs again once the
+    worker answers Pings; one submitted meanwhile waits in submit and completes too."""
     async def scenario(engine, peer):
         assert engine.health().ok
         peer.silent = True
-        events = await collect(engine, [1, 2, 3], max_tokens=4)
+        first = asyncio.create_task(collect(engine, [1, 2, 3], max_tokens=4))
+        await _until(lambda: engine.num_failed_steps >= 1)
         health_down = engine.health()
-        with pytest.raises(EngineError):
+        second = asyncio.create_task(collect(engine, [4, 5], max_tokens=3))  # waits for recovery
+        await asyncio.sleep(0.3)
+        assert not first.done() and not second.done()
+        peer.silent = False
+        return await first, await second, health_down
+
+    first, second, health_down = run_engine(scenario, step_timeout_s=0.3)
+    assert not health_down.ok and health_down.services["attention-0"].startswith("down")
+    assert tokens_of(first) == expected_output([1, 2, 3], 4) and first[-1].finish_reason is FinishReason.LENGTH
+    assert tokens_of(second) == expected_output([4, 5], 3) and second[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_recovery_timeout_ends_waiting_requests_with_the_cause(run_engine):
+    """A worker that stays silent: a carried request ends with an error naming the recovery timeout
+    and the failure; a new submission waits the same bound and is refused with a Retry-After;
+    serving resumes when the worker answers again."""
+    async def scenario(engine, peer):
+        peer.silent = True
+        carried = await collect(engine, [1, 2, 3], max_tokens=4)
+        with pytest.raises(EngineError) as refused:
             await engine.submit(GenerationRequest("refused", (1,), SamplingParams()))
         peer.silent = False
-        for _ in range(100):
-            if engine.health().ok:
-                break
-            await asyncio.sleep(0.02)
         after = await collect(engine, [1, 2, 3], max_tokens=4)
-        return events, health_down, after
+        return carried, refused.value, after
 
-    events, health_down, after = run_engine(scenario, step_timeout_s=0.3)
-    assert events[-1].finish_reason is FinishReason.ERROR
-    assert "did not answer" in events[-1].error_message
-    assert not health_down.ok and health_down.services["attention-0"].startswith("down")
+    carried, refused, after = run_engine(scenario, step_timeout_s=0.3, recovery_timeout_s=0.8)
+    assert carried[-1].finish_reason is FinishReason.ERROR
+    assert "recovery timeout" in carried[-1].error_message and "did not answer" in carried[-1].error_message
+    assert "after waiting" in str(refused) and refused.retry_after_s > 0
     assert tokens_of(after) == expected_output([1, 2, 3], 4)
+
+
+def test_a_stream_with_tokens_out_ends_with_the_cause(run_engine):
+    """Tokens already given to the gateway cannot be taken back: such a request ends with an error
+    naming the failure, the others carry on."""
+    async def scenario(engine, peer):
+        request = GenerationRequest("streamed", (1, 2), SamplingParams(max_tokens=40))
+        events = []
+        async for event in await engine.submit(request):
+            events.append(event)
+            if len(events) == 2:
+                peer.silent = True
+        peer.silent = False
+        return events
+
+    events = run_engine(scenario, step_timeout_s=0.3)
+    assert tokens_of(events) == expected_output([1, 2], 40)[:len(tokens_of(events))] and tokens_of(events)
+    assert events[-1].finish_reason is FinishReason.ERROR
+    assert "attention worker failed" in events[-1].error_message and "did not answer" in events[-1].error_message
 
 
 def test_refused_step_fails_only_with_a_clear_error(run_engine):

@@ -1,13 +1,43 @@
-"""`moemesh devices`: the torch devices this host offers, with their memory."""
+"""`moemesh devices`: the torch devices this host offers, with their memory, and what
+`moemesh serve --devices auto` (its default) picks: every CUDA GPU when there are some, else
+the CPU."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+from collections.abc import Callable
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _nvidia_driver_present() -> bool:
+    """Whether this host may have an NVIDIA GPU at all (no torch import needed to say no)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return (gpus.is_dir() and any(gpus.iterdir())) or any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def _torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def auto_devices(cuda_count: Callable[[], int] | None = None) -> tuple[str, ...]:
+    """`--devices auto`: ("cuda:0", ..., "cuda:N-1") for the N CUDA GPUs torch sees, else ("cpu",).
+    torch is imported only where an NVIDIA driver is present. `cuda_count`: how many GPUs (tests)."""
+    if cuda_count is None:
+        if not _nvidia_driver_present():
+            return ("cpu",)
+        cuda_count = _torch_cuda_count
+    count = cuda_count()
+    return tuple(f"cuda:{index}" for index in range(count)) or ("cpu",)
 
 
 def list_devices() -> list[dict]:
@@ -54,10 +84,16 @@ def _gib(num_bytes: int | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     devices = list_devices()
+    chosen = auto_devices(lambda: sum(entry["device"].startswith("cuda:") for entry in devices))
+    for entry in devices:
+        entry["serve_auto"] = entry["device"] in chosen
     if args.json:
         print(json.dumps(devices))
         return 0
     print(f"{'device':<8} {'total':>11} {'free':>11}  name")
     for entry in devices:
-        print(f"{entry['device']:<8} {_gib(entry['total_bytes']):>11} {_gib(entry['free_bytes']):>11}  {entry['name']}")
+        marker = "  (serve --devices auto)" if entry["serve_auto"] else ""
+        print(f"{entry['device']:<8} {_gib(entry['total_bytes']):>11} {_gib(entry['free_bytes']):>11}  "
+              f"{entry['name']}{marker}")
+    print(f"moemesh serve --devices auto uses: {','.join(chosen)}")
     return 0

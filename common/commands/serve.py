@@ -33,18 +33,32 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR),
-                        help=f"checkpoint directory (default: the embedded {DEFAULT_MODEL_DIR.name})")
+                        help="checkpoint directory, or a Hugging Face hub id (org/name) resolved through the "
+                             f"local hub cache (HF_HOME; HF_HUB_OFFLINE=1: never download) (default: the "
+                             f"embedded {DEFAULT_MODEL_DIR.name})")
+    parser.add_argument("--revision", default=None,
+                        help="with a hub id: the branch, tag or commit to serve (default: main)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    parser.add_argument("--expert-workers", type=int, default=1, help="expert worker processes (default 1)")
-    parser.add_argument("--devices", default="cpu",
+    parser.add_argument("--expert-workers", type=int, default=None,
+                        help="expert worker processes (default: one per device)")
+    parser.add_argument("--devices", default="auto",
                         help="comma-separated torch devices: the attention worker uses the first, expert "
-                             "worker i uses device i mod count (default cpu)")
+                             "worker i uses device i mod count; auto (default): every CUDA GPU when there "
+                             "are some, else cpu (`moemesh devices` shows the choice)")
     parser.add_argument("--dtype", default="auto", choices=_DTYPES, help="compute dtype (auto: f32 on CPU, bf16 on GPU)")
     parser.add_argument("--run-dir", default=None, help="sockets and the deployment file (default: a new temp dir)")
     parser.add_argument("--log-dir", default=None, help="service logs (default: <run-dir>/logs)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds each service gets to stop")
+    parser.add_argument("--recovery-timeout", type=float, default=None,
+                        help="seconds a request waits for a restarting worker before a 503 with Retry-After "
+                             "(default: the deployment's timeouts.recovery_s, 90)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health (repeatable; "
+                             "visible in `ps`: prefer --api-key-file or MOEMESH_API_KEY)")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="file of accepted API keys, one per line (# comments)")
     parser.add_argument("--speculation", choices=("off", "fixed", "adaptive"), default=None,
                         help="DSpark speculative decoding (default: adaptive when the checkpoint has a drafter)")
     parser.add_argument("--spec-width", type=int, default=None,
@@ -66,10 +80,33 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def _parse_devices(text: str) -> tuple[str, ...]:
+    """The devices of `--devices`; `auto`: every CUDA GPU, else the CPU (common/commands/devices.py)."""
+    if text.strip() == "auto":
+        from common.commands.devices import auto_devices
+
+        return auto_devices()
     devices = tuple(part.strip() for part in text.split(",") if part.strip())
     if not devices:
         raise ValueError("--devices names no device")
     return devices
+
+
+def _write_api_key_file(args: argparse.Namespace, run_dir: Path) -> str | None:
+    """The keys of --api-key, --api-key-file and MOEMESH_API_KEY in `<run_dir>/api_keys` (mode 0600),
+    the file the router reads (a restarted router too); None when no key is given (the API is open)."""
+    import os
+
+    from common.security.api_keys import collect_api_keys
+
+    keys = collect_api_keys(args.api_key, args.api_key_file)
+    if not keys:
+        return None
+    path = run_dir / "api_keys"
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # a reused run dir: the file may exist with wider permissions
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write("".join(f"{key}\n" for key in keys))
+    return str(path)
 
 
 class _StopRequested:
@@ -113,31 +150,41 @@ def run(args: argparse.Namespace) -> int:
     from services.draft.width import SpeculationConfig
     from common.commands.serve_processes import start_service, stop_services
     from common.commands.serve_restarts import RestartPolicy
+    from common.commands.serve_model import HubModelMissing, is_hub_id, resolve_model
     from common.runtime.deployment import DeploymentError
     from common.runtime.logging import configure_logging
+    from common.security.api_keys import ApiKeyError, collect_api_keys
 
     try:
-        model_dir = check_model_dir(args.model)
+        model_dir = check_model_dir(resolve_model(args.model, args.revision))
+        model_name = args.model if is_hub_id(args.model) else None  # clients name it as they asked for it
         devices = _parse_devices(args.devices)
-        if args.expert_workers < 1:
-            raise ValueError(f"--expert-workers must be >= 1, got {args.expert_workers}")
+        num_expert_workers = len(devices) if args.expert_workers is None else args.expert_workers
+        if num_expert_workers < 1:
+            raise ValueError(f"--expert-workers must be >= 1, got {num_expert_workers}")
+        if args.recovery_timeout is not None and not args.recovery_timeout > 0:
+            raise ValueError(f"--recovery-timeout must be > 0, got {args.recovery_timeout}")
+        collect_api_keys(args.api_key, args.api_key_file)  # a bad key or key file fails before anything starts
         # refuses a width above dspark_block_size (or speculation without a drafter) before anything starts
         speculation = SpeculationConfig.for_model(args.speculation, args.spec_width, draft_block_size(model_dir))
         restart_policy = RestartPolicy(initial_backoff_s=args.restart_backoff_s,
                                        max_backoff_s=max(30.0, args.restart_backoff_s),
                                        max_restarts=args.max_restarts, stable_after_s=args.restart_stable_s)
-    except (ModelMissing, ValueError) as error:
+    except (ModelMissing, HubModelMissing, ApiKeyError, ValueError) as error:
         print(f"moemesh serve: {error}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="moemesh-")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    api_key_file = _write_api_key_file(args, run_dir)
     log_dir = Path(args.log_dir).resolve() if args.log_dir else run_dir / "logs"
     configure_logging("serve", log_dir, "warning")
-    placement_path = _write_placement(model_dir, run_dir, args.expert_workers, devices)
+    placement_path = _write_placement(model_dir, run_dir, num_expert_workers, devices)
     layout = ServeLayout(model_path=str(model_dir.resolve()), run_dir=str(run_dir), log_dir=str(log_dir),
-                         host=args.host, port=args.port, num_expert_workers=args.expert_workers, devices=devices,
+                         host=args.host, port=args.port, num_expert_workers=num_expert_workers, devices=devices,
                          dtype=args.dtype, placement_path=placement_path, with_drafter=speculation.enabled,
-                         data_plane=args.data_plane, cuda_graphs=args.cuda_graphs == "on")
+                         data_plane=args.data_plane, cuda_graphs=args.cuda_graphs == "on",
+                         api_key_file=api_key_file, recovery_timeout_s=args.recovery_timeout,
+                         model_name=model_name)
     try:
         config_path, deployment = write_deployment(layout)
     except DeploymentError as error:
@@ -162,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         outcome = _wait_ready(f"{base_url}/health", services, stop, args.ready_timeout, drafter, run_dir,
                               _expected_load_bytes(deployment))
         if outcome == "ready":
-            print(f"moemesh serving {model_dir.name} at {base_url}/v1 (logs: {log_dir}; speculation "
+            print(f"moemesh serving {model_name or model_dir.name} at {base_url}/v1 (logs: {log_dir}; speculation "
                   f"{_speculation_text(speculation, drafter)})", flush=True)
             watched = services + ([drafter.service] if drafter is not None and not drafter.exited else [])
             outcome = _wait_for_stop(watched, stop, restart_policy, run_dir)

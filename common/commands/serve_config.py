@@ -50,6 +50,9 @@ class ServeLayout:
     with_drafter: bool = False  # run the DSpark draft worker (on devices[0])
     data_plane: str = "zmq"  # "cuda_ipc": Dispatch/Combine tensors through shared device rings (DataPlane)
     cuda_graphs: bool = False  # the attention worker replays decode steps as CUDA graphs
+    api_key_file: str | None = None  # the gateway's Bearer keys (serve writes them to <run_dir>/api_keys)
+    model_name: str | None = None  # the served model name (a hub id); None: the directory's name
+    recovery_timeout_s: float | None = None  # timeouts.recovery_s; None: the deployment default
 
 
 class DataPlane(enum.Enum):
@@ -158,7 +161,8 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
         placement = "all" if layout.placement_path is None else layout.placement_path
         experts.append({"name": f"expert-{index}", "device": device, "placement": placement})
     return {
-        "model": {"path": layout.model_path, "dtype": layout.dtype},
+        "model": {"path": layout.model_path, "dtype": layout.dtype,
+                  **({"name": layout.model_name} if layout.model_name else {})},
         "paths": {"run_dir": layout.run_dir, "log_dir": layout.log_dir},
         "router": {"host": layout.host, "port": layout.port},
         "attention": [{"name": "attention-0", "device": layout.devices[0],
@@ -166,6 +170,9 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
                        **({"cuda_graphs": True} if layout.cuda_graphs else {})}],
         "expert": experts,
         **({"draft": {"enabled": True, "name": DRAFT_NAME, "device": layout.devices[0]}} if layout.with_drafter else {}),
+        **({"security": {"api_key_file": layout.api_key_file}} if layout.api_key_file is not None else {}),
+        **({"timeouts": {"recovery_s": float(layout.recovery_timeout_s)}}
+           if layout.recovery_timeout_s is not None else {}),
     }
 
 

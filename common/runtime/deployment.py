@@ -5,6 +5,7 @@ Example (every key optional except the model path and one attention and expert w
     [model]
     path = "models/tiny-dsv4"
     dtype = "auto"                 # auto: float32 on CPU, bfloat16 on GPUs
+    name = "org/tiny-dsv4"         # optional: the served model name (default: the directory's name)
 
     [paths]
     run_dir = "/tmp/moemesh"       # ipc sockets live here
@@ -23,6 +24,7 @@ Example (every key optional except the model path and one attention and expert w
     ready_s = 600.0
     drain_s = 30.0
     heartbeat_interval_s = 1.0
+    recovery_s = 90.0              # a request waits this long for a restarting worker, then 503
 
     [kv]                           # KV pool geometry: the router's scheduler and every attention worker
     block_size_tokens = 128        # a multiple of every compression ratio (128 for DeepSeek-V4)
@@ -79,6 +81,7 @@ class DeploymentError(ValueError):
 class ModelConfig:
     path: str
     dtype: str = "auto"
+    name: str | None = None  # the model name clients send; None: the checkpoint directory's name
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ class TimeoutsConfig:
     ready_s: float = 600.0
     drain_s: float = 30.0
     heartbeat_interval_s: float = 1.0
+    recovery_s: float = 90.0  # how long a request waits for a restarting worker before a 503
+
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,8 @@ def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
         raise DeploymentError("expert: at least one expert worker is required")
     if deployment.timeouts.heartbeat_interval_s <= 0:
         raise DeploymentError("timeouts.heartbeat_interval_s: must be > 0")
+    if deployment.timeouts.recovery_s <= 0:
+        raise DeploymentError("timeouts.recovery_s: must be > 0")
     if deployment.kv.block_size_tokens < 1:
         raise DeploymentError("kv.block_size_tokens: must be >= 1")
     if deployment.kv.num_primary_blocks < 1:

@@ -1,8 +1,8 @@
 """The gateway's API keys: where they come from and how a Bearer token is checked.
 
-Keys come from `security.api_keys` (`--api-key KEY`, repeatable) and/or
-`security.api_key_file` (`--api-key-file PATH`: one key per line; blank lines and lines
-starting with `#` are ignored). A key file is preferred: a key on the command line is
+Keys come from `security.api_keys` (`--api-key KEY`, repeatable), `security.api_key_file`
+(`--api-key-file PATH`: one key per line; blank lines and lines starting with `#` are
+ignored) and the `MOEMESH_API_KEY` environment variable (one key), all of them together. A key file is preferred: a key on the command line is
 visible to every user through `ps`. A key file readable by group or others is accepted
 but logged (`security.api_key_file_readable`), since secret managers often mount files
 0644 in containers.
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("security")
 
 MIN_RECOMMENDED_KEY_LENGTH = 16
+API_KEY_ENV = "MOEMESH_API_KEY"
 
 
 class ApiKeyError(ValueError):
@@ -103,21 +105,38 @@ def read_api_key_file(path: str | Path) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def load_api_keys(keys: Iterable[str] = (), key_file: str | Path | None = None) -> ApiKeys | None:
-    """ApiKeys from explicit keys and/or a key file; None when neither gives any (auth off)."""
-    collected = list(keys)
+def env_api_keys(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The key in `MOEMESH_API_KEY` (surrounding whitespace stripped), or () when unset or empty."""
+    value = (os.environ if environ is None else environ).get(API_KEY_ENV, "").strip()
+    return (check_api_key(value, API_KEY_ENV),) if value else ()
+
+
+def collect_api_keys(keys: Iterable[str] = (), key_file: str | Path | None = None,
+                     environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """Every key the flags, the key file and `MOEMESH_API_KEY` give, checked, first seen first."""
+    collected = [check_api_key(key, "--api-key") for key in keys]
     if key_file is not None:
         collected.extend(read_api_key_file(key_file))
+    collected.extend(env_api_keys(environ))
+    return tuple(dict.fromkeys(collected))
+
+
+def load_api_keys(keys: Iterable[str] = (), key_file: str | Path | None = None,
+                  environ: Mapping[str, str] | None = None) -> ApiKeys | None:
+    """ApiKeys from explicit keys, a key file and `MOEMESH_API_KEY`; None when none gives any (auth off)."""
+    collected = collect_api_keys(keys, key_file, environ)
     if not collected:
         return None
     api_keys = ApiKeys.from_keys(collected)
-    log.info("security.api_keys_loaded", num_keys=api_keys.num_keys, from_file=key_file is not None)
+    log.info("security.api_keys_loaded", num_keys=api_keys.num_keys, from_file=key_file is not None,
+             from_env=bool(env_api_keys(environ)))
     return api_keys
 
 
-def api_keys_from_config(security: SecurityConfig) -> ApiKeys | None:
-    """The gateway's keys from a deployment's `[security]` table (flags were folded in as overrides)."""
-    return load_api_keys(security.api_keys, security.api_key_file)
+def api_keys_from_config(security: SecurityConfig, environ: Mapping[str, str] | None = None) -> ApiKeys | None:
+    """The gateway's keys from a deployment's `[security]` table (flags were folded in as
+    overrides) and the `MOEMESH_API_KEY` environment variable."""
+    return load_api_keys(security.api_keys, security.api_key_file, environ)
 
 
 def bearer_token(authorization: str | None) -> str | None:

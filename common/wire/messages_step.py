@@ -43,6 +43,8 @@ class ScheduledSequence:
     # prompt length, so penalties and seeded random streams survive preemption and prefix hits.
     prior_token_ids: tuple[int, ...] = ()
     num_prompt_tokens: int | None = None
+    # With `sampling`: the id of the HTTP request it belongs to (X-Request-Id), for the worker's logs.
+    client_request_id: str | None = None
 
 
 @dataclass(frozen=True)

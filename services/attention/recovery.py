@@ -176,10 +176,13 @@ class StepRecovery:
                 result = self.compute(current)[0]
             except LOST_EXPERT_ERRORS as error:
                 cause = f"{type(error).__name__}: {error}"
+                worker = _lost_worker(error)
                 self.forget_in_flight()
                 lost.update(rollback_slots(self.slots, current, marks))
                 log.warning("attention.step_lost_expert", step_id=plan.step_id, attempt=attempt, cause=cause[:300],
-                            num_sequences=len(current.sequences), num_unrecoverable=len(lost))
+                            worker=worker, num_sequences=len(current.sequences),
+                            num_unrecoverable=len(lost), request_ids=self._request_ids(current),
+                            unrecoverable_request_ids=self._request_ids(current, only=lost))
                 current = dataclasses.replace(current, sequences=tuple(
                     s for s in current.sequences if s.request_id not in lost))
                 covered = self._replicas_cover(error)  # marks the worker down, last attempt or not
@@ -187,8 +190,8 @@ class StepRecovery:
                     break
                 if covered:
                     self.num_replica_retries += 1
-                    log.info("attention.step_retry_on_replicas", step_id=plan.step_id, attempt=attempt,
-                             down_workers=sorted(self.failover.router.down))
+                    log.warning("attention.step_retry_on_replicas", step_id=plan.step_id, attempt=attempt,
+                                down_workers=sorted(self.failover.router.down), request_ids=self._request_ids(current))
                     continue
                 self.num_waits += 1
                 if not self._wait_for_experts(deadline_s):
@@ -196,19 +199,31 @@ class StepRecovery:
                 continue
             if attempt > 1:
                 self.num_recovered_steps += 1
-                log.info("attention.step_recovered", step_id=plan.step_id, attempts=attempt,
-                         elapsed_s=round(time.monotonic() - started_s, 3), num_unrecoverable=len(lost))
+                log.warning("attention.step_recovered", step_id=plan.step_id, attempts=attempt,
+                            elapsed_s=round(time.monotonic() - started_s, 3), num_unrecoverable=len(lost),
+                            request_ids=self._request_ids(plan))
             return _merge(plan, result, lost)
         self.num_failed_steps += 1
         elapsed_s = time.monotonic() - started_s
         reason = (f"expert worker unavailable: {cause[:200]} (gave up after {attempt} attempt(s) in "
                   f"{elapsed_s:.1f}s)")
         log.error("attention.step_abandoned", step_id=plan.step_id, attempts=attempt, elapsed_s=round(elapsed_s, 3),
-                  cause=cause[:300])
+                  cause=cause[:300], worker=worker, request_ids=self._request_ids(plan))
         self.slots.free(plan.free_seq_slots)
         for scheduled in current.sequences:
             lost.setdefault(scheduled.request_id, reason)
         return _merge(plan, StepResult(step_id=plan.step_id, sequences=()), lost)
+
+    def _request_ids(self, plan: StepPlan, only: dict[str, str] | None = None) -> list[str]:
+        """The HTTP request ids (X-Request-Id, else the router's sequence ids) of a plan's sequences."""
+        ids = []
+        for scheduled in plan.sequences:
+            if only is not None and scheduled.request_id not in only:
+                continue
+            slot = self.slots.slots.get(scheduled.seq_slot)
+            client_id = scheduled.client_request_id or (slot.client_request_id if slot is not None else None)
+            ids.append(client_id or scheduled.request_id)
+        return list(dict.fromkeys(ids))[:32]
 
     def _replicas_cover(self, error: BaseException) -> bool:
         """Mark the worker named by `error` down; True when live replicas serve all its pairs."""
@@ -247,6 +262,13 @@ def build_step_recovery(worker: Any) -> StepRecovery:
         return failover.readmit() if failover.router.down else failover.all_answer()
 
     return StepRecovery(config.recovery, worker.slots, worker.compute_step, forget_in_flight, probe, failover)
+
+
+def _lost_worker(error: BaseException) -> str:
+    """Which expert worker a lost dispatch names: its channel index and endpoint, as far as known."""
+    index = getattr(error, "worker_index", None)
+    endpoint = getattr(error, "endpoint", None)
+    return " ".join(part for part in (None if index is None else f"#{index}", endpoint) if part) or "unknown"
 
 
 def _merge(plan: StepPlan, result: StepResult, lost: dict[str, str]) -> StepResult:

@@ -42,6 +42,8 @@ class Slot:
     num_prompt_tokens: int | None = None
     # Position of prompt_token_ids[0]: 0 once the router sent the history, else where recording began.
     first_recorded_position: int = 0
+    # The HTTP request (X-Request-Id) the sequence belongs to, for log events; None: not sent.
+    client_request_id: str | None = None
 
     def begin_history(self, start_position: int, prior_token_ids: tuple[int, ...] | list[int],
                       num_prompt_tokens: int | None) -> None:

@@ -239,6 +239,7 @@ class AttentionWorker(Service):
             try:
                 if scheduled.sampling is not None:  # starts in this slot: its history comes with it
                     slot.begin_history(scheduled.start_position, scheduled.prior_token_ids, scheduled.num_prompt_tokens)
+                    slot.client_request_id = scheduled.client_request_id
                 num_known = len(scheduled.token_ids) - len(scheduled.draft_token_ids)
                 slot.record_tokens(scheduled.start_position, scheduled.token_ids[:num_known])
             except SlotError as error:

@@ -24,6 +24,7 @@ from services.router.gateway_config import GatewayConfig
 from services.router.metrics import CONTENT_TYPE, RouterMetrics
 from services.router.openapi import openapi_document
 from services.router.protocol import ProtocolError
+from services.router.request_id import install_request_ids
 from services.router.status_page import status_routes
 
 log = structlog.get_logger("router")
@@ -79,6 +80,7 @@ def build_app(config: GatewayConfig, engine: EngineClient, tokenizer: Tokenizer,
     if placement_route is not None:
         routes.append(placement_route)  # guarded by the API key middleware like every non-open path
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    install_request_ids(app)  # X-Request-Id on every response and log event (request_id.py)
     app.state.gateway = gateway
     app.state.metrics = metrics
     return app

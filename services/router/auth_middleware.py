@@ -2,9 +2,10 @@
 
 With API keys configured, every HTTP request must carry `Authorization: Bearer <key>`;
 otherwise it is answered 401 with an OpenAI-style error body and `WWW-Authenticate: Bearer`,
-before any body is read or any work is queued. Paths in `open_paths` (default `/health` and
-`/metrics`, which load balancers and Prometheus poll without credentials) pass through.
-Matching is on the exact path. Without keys the gateway is open: `install_bearer_auth` is
+before any body is read or any work is queued. Paths in `open_paths` (default `/health`
+only, which load balancers poll without credentials) pass through; `/metrics`, the status
+page and the admin endpoints need a key like the API (Prometheus sends one with its
+`authorization` scrape setting). Matching is on the exact path. Without keys the gateway is open: `install_bearer_auth` is
 then simply not called (the router's main decides, from the deployment's `[security]`).
 
 Usage, before the app starts serving:
@@ -19,6 +20,7 @@ from typing import Any
 
 import structlog
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -26,7 +28,7 @@ from common.security.api_keys import ApiKeys, bearer_token
 
 log = structlog.get_logger("router")
 
-DEFAULT_OPEN_PATHS = ("/health", "/metrics")
+DEFAULT_OPEN_PATHS = ("/health",)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,10 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 def install_bearer_auth(app: Starlette, config: GatewayAuthConfig) -> None:
-    """Wrap `app` in BearerAuthMiddleware; call before the app starts serving."""
-    app.add_middleware(BearerAuthMiddleware, config=config)
+    """Wrap `app` in BearerAuthMiddleware; call before the app starts serving. It goes just inside
+    the X-Request-Id middleware (request_id.py), so a refused request still has and logs its id."""
+    from services.router.request_id import RequestIdMiddleware
+
+    outer = [index for index, middleware in enumerate(app.user_middleware) if middleware.cls is RequestIdMiddleware]
+    app.user_middleware.insert(outer[0] + 1 if outer else 0, Middleware(BearerAuthMiddleware, config=config))
     log.info("router.auth_enabled", num_keys=config.api_keys.num_keys, open_paths=list(config.open_paths))

@@ -15,10 +15,15 @@ awaits and needs no lock: the HTTP handlers only append to the inbox and read co
 
 Failure model: a sequence the worker reports as failed (SequenceResult.error) ends alone.
 A whole step that times out or is refused leaves the worker's state unknown (a dispatch may
-have died mid-layer), so every open request ends with a final ERROR event naming the reason,
-their blocks and slots are freed, health turns 503 and new submissions are refused with
-EngineError until the attention worker answers a Ping again. A crash of the loop itself
-fails every open stream, so no request ever hangs. Imports no torch.
+have died mid-layer), and a new attention worker process (a restart) has none of it: the
+requests that have given the gateway no token yet are carried over (they run again from
+their prompt once the worker answers), the others end with a final ERROR event naming the
+cause; blocks and slots are freed, health turns 503 until the attention worker answers a
+Ping again, and the socket to it is opened afresh so nothing queued for a dead process
+reaches its successor. A request that arrives while a worker is down waits in `submit` for
+it, and a carried one in the loop, both bounded by `recovery_timeout_s`; past it, EngineError
+(the gateway's 503 with Retry-After) or an ERROR event. A crash of the loop itself fails
+every open stream, so no request ever hangs. Imports no torch.
 """
 
 from __future__ import annotations
@@ -48,13 +53,31 @@ from services.router.engine_drafts import DraftCoordinator
 from services.router.engine_health import HealthTracker
 from services.router.engine_plan import PlanTranslator, ResultMismatch, TranslatedResult, failed_results, translate_result
 from services.router.engine_streams import RequestStream
-from services.router.scheduler import Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
+from services.router.scheduler import Request, RequestEvent, Scheduler, SchedulerOutput
 
 log = structlog.get_logger("router")
 
 
+def _fault_ids(client_of: dict[str, str | None], **groups: list[str]) -> dict[str, list[str]]:
+    """For a fault event: per group (failed, carried), the sequence ids and the HTTP request ids."""
+    fields = {}
+    for name, sequence_ids in groups.items():
+        fields[f"{name}_sequence_ids"] = sequence_ids[:32]
+        fields[f"{name}_request_ids"] = list(dict.fromkeys(
+            client_of[i] for i in sequence_ids if client_of.get(i) is not None))[:32]
+    return fields
+
+
+def _problems(report: HealthReport) -> str:
+    return ", ".join(f"{name}: {status}" for name, status in report.services.items() if status != "ok")
+
+
 class StepFailed(Exception):
     """The attention worker did not execute a plan (refusal, wrong reply, timeout)."""
+
+
+class WorkerRestarted(StepFailed):
+    """A new attention worker process announced itself while a plan was in flight."""
 
 
 class Engine:
@@ -68,7 +91,7 @@ class Engine:
         self._security = security
         self.scheduler = scheduler
         self.health_tracker = HealthTracker(config, supervisor)
-        self.translator = PlanTranslator()
+        self.translator = PlanTranslator(self._client_request_id)
         self._context = context
         self._owns_context = context is None
         self._client: AsyncClient | None = None
@@ -115,8 +138,7 @@ class Engine:
     async def submit(self, request: GenerationRequest) -> AsyncIterator:
         report = self.health()
         if not report.ok:
-            problems = ", ".join(f"{name}: {status}" for name, status in report.services.items() if status != "ok")
-            raise EngineError(f"not serving: {problems}")
+            await self._await_recovery(request.request_id, report)
         if request.request_id in self._streams:
             raise EngineError(f"duplicate request id {request.request_id!r}")
         max_model_len = self.scheduler.config.max_model_len
@@ -135,11 +157,42 @@ class Engine:
             deadline_s=deadline_s,
             eos_token_ids=self.config.eos_token_ids,
         )
-        stream = RequestStream(scheduled)
+        # the HTTP request's id, bound by services/router/request_id.py in the task calling submit
+        stream = RequestStream(scheduled, structlog.contextvars.get_contextvars().get("request_id"))
         self._streams[request.request_id] = stream
         self._new_requests.append(scheduled)
         self._wake.set()
         return stream.events()
+
+    def _client_request_id(self, sequence_id: str) -> str | None:
+        stream = self._streams.get(sequence_id)
+        return stream.client_request_id if stream is not None else None
+
+    def _client_ids(self, sequence_ids) -> list[str]:
+        """The HTTP request ids (X-Request-Id) of these sequences, each once, for fault events."""
+        ids = (self._client_request_id(sequence_id) for sequence_id in sequence_ids)
+        return list(dict.fromkeys(client_id for client_id in ids if client_id is not None))[:32]
+
+    async def _await_recovery(self, request_id: str, report: HealthReport) -> None:
+        """Wait until health is ok again (a worker restarting, the router starting), at most
+        recovery_timeout_s; EngineError with a Retry-After past it, or at once when the
+        engine cannot recover (shutting down, loop stopped)."""
+        started_s = time.monotonic()
+        retry_after_s = self.config.unavailable_retry_after_s
+        log.info("router.request_awaits_recovery", sequence_id=request_id, problems=_problems(report),
+                 recovery_timeout_s=self.config.recovery_timeout_s)
+        while not report.ok:
+            if self.health_tracker.stopping or self._task is None or self._task.done():
+                raise EngineError(f"not serving: {_problems(report)}", retry_after_s=retry_after_s)
+            if time.monotonic() - started_s >= self.config.recovery_timeout_s:
+                log.warning("router.recovery_timed_out", sequence_id=request_id, problems=_problems(report),
+                            recovery_timeout_s=self.config.recovery_timeout_s)
+                raise EngineError(f"not serving after waiting {self.config.recovery_timeout_s:.0f} s for "
+                                  f"recovery: {_problems(report)}", retry_after_s=retry_after_s)
+            await asyncio.sleep(self.config.recovery_poll_s)
+            report = self.health()
+        log.info("router.request_recovered", sequence_id=request_id,
+                 waited_s=round(time.monotonic() - started_s, 3))
 
     async def abort(self, request_id: str) -> None:
         """End the stream now (ABORT); the scheduler frees its blocks at the next loop turn."""
@@ -189,6 +242,7 @@ class Engine:
             self._drain_inbox()
             self._check_attention_restart()
             if not await self._attention_reachable():
+                self._expire_carried()
                 continue
             output = self.scheduler.schedule()
             idle = output.is_empty
@@ -196,11 +250,16 @@ class Engine:
                 self._publish(self.scheduler.update(output, {}), TranslatedResult({}, {}))
                 continue
             result = await self._execute(output)
+            if result.failure is not None:
+                # the step's outcome is unknown: its events are not published; each open request is
+                # carried over or ends with the cause (_carry_or_fail)
+                self.scheduler.update(output, result.sequence_results)
+                self._carry_or_fail(f"attention worker failed: {result.failure}", carry=result.worker_lost)
+                await self._reconnect()
+                continue
             events = self.scheduler.update(output, result.sequence_results)
             self._publish(events, result)
-            if result.failure is not None:
-                self._fail_open_requests(result.failure)
-            elif self.drafts is not None:  # step 7: the next block per request, before schedule()
+            if self.drafts is not None:  # step 7: the next block per request, before schedule()
                 self.drafts.record(events)
                 await self.drafts.after_step(self.scheduler, events)
 
@@ -238,19 +297,20 @@ class Engine:
                 if stream is not None:
                     stream.push(stream.final_event(FinishReason.ERROR, str(error)))
         aborted_ids, self._aborted_ids = self._aborted_ids, []
+        if aborted_ids:
+            log.info("router.requests_aborted", num_aborted=len(aborted_ids), sequence_ids=aborted_ids[:32],
+                     request_ids=self._client_ids(aborted_ids))
         for request_id in aborted_ids:
             self.scheduler.abort(request_id)  # None when it finished meanwhile: harmless
             self._streams.pop(request_id, None)
-        if aborted_ids:
-            log.info("router.requests_aborted", num_aborted=len(aborted_ids))
 
     def _check_attention_restart(self) -> None:
         """A new attention worker process (its Ready names another pid) starts with an empty KV
         pool and no slots, so what the scheduler knows (block tables, the prefix cache) describes
-        memory that no longer exists: a prefix hit would restore garbage. Every request the old
-        worker computed anything for ends with an error and the KV bookkeeping starts afresh (the
-        prefix-cache counters with it); requests that never reached it (still in the inbox, or
-        waiting with nothing computed, e.g. sent right after the new worker's Ready) carry over."""
+        memory that no longer exists: a prefix hit would restore garbage. The KV bookkeeping
+        starts afresh (the prefix-cache counters with it); requests that have given the gateway
+        no token yet carry over and run again from their prompt, the others end with an error
+        naming the restart (_carry_or_fail)."""
         supervisor = self.health_tracker.supervisor
         ready = supervisor.ready.get(self.config.attention_name) if supervisor is not None else None
         if ready is None or ready.pid == self._attention_pid:
@@ -260,24 +320,83 @@ class Engine:
             return  # the worker this router starts with (a Ready comes once per process, at its start;
             # a restarted router knows running workers by heartbeats only, so a Ready after its
             # first steps is a new process)
-        carried = list(self._new_requests)
-        for request_id in self._streams:
-            request = self.scheduler.get_request(request_id)
-            if request is not None and request.status is RequestStatus.WAITING and request.num_computed_tokens == 0 \
-                    and not request.output_token_ids:
-                carried.append(Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                                       sampling_params=request.sampling_params, arrival_time_s=request.arrival_time_s,
-                                       deadline_s=request.deadline_s, eos_token_ids=request.eos_token_ids))
-        kept_streams = {r.request_id: self._streams.pop(r.request_id) for r in carried if r.request_id in self._streams}
+        client_of = {request_id: stream.client_request_id for request_id, stream in self._streams.items()}
+        carried_ids, failed_ids = self._carry_or_fail(
+            f"the attention worker {self.config.attention_name} restarted (pid {old_pid} -> {ready.pid})",
+            log_event=None)
         log.warning("router.attention_restarted", attention=self.config.attention_name, old_pid=old_pid,
-                    new_pid=ready.pid, num_failed_requests=len(self._streams), num_carried_requests=len(carried))
-        self._new_requests = []
-        self._fail_open_requests("the attention worker restarted")
+                    new_pid=ready.pid, num_failed_requests=len(failed_ids), num_carried_requests=len(carried_ids),
+                    **_fault_ids(client_of, failed=failed_ids, carried=carried_ids))
         self.scheduler = Scheduler(self.scheduler.config, self.scheduler.clock)
-        self.translator = PlanTranslator()
+        self.translator = PlanTranslator(self._client_request_id)
         self.routing_summary = None
-        self._streams.update(kept_streams)
-        self._new_requests = carried
+
+    def _carry_or_fail(self, reason: str, log_event: str | None = "router.requests_recovering",
+                       carry: bool = True) -> tuple[list[str], list[str]]:
+        """After a failed step or an attention restart: every open request leaves the scheduler
+        (blocks and slots freed). With `carry` (the worker was lost: a timeout, a restart), one
+        that has given the gateway no token yet, within its recovery deadline (set by the first
+        failure that catches it), is queued again as a fresh request: the client sees nothing of
+        it but the wait. The others end with an ERROR event naming `reason` (all of them after a
+        refused plan, which running again would not cure). Requests still in the inbox stay
+        there. Returns (carried, failed) ids."""
+        now_s = time.monotonic()
+        client_of = {request_id: stream.client_request_id for request_id, stream in self._streams.items()}
+        in_inbox = {request.request_id for request in self._new_requests}
+        carried: list[Request] = []
+        failed_ids: list[str] = []
+        for request_id, stream in list(self._streams.items()):
+            if request_id in in_inbox:
+                continue
+            self.scheduler.abort(request_id)  # None when the failed step already ended it
+            if stream.recovery_deadline_s is None:
+                stream.recovery_deadline_s = now_s + self.config.recovery_timeout_s
+            if carry and stream.num_tokens_pushed == 0 and now_s < stream.recovery_deadline_s:
+                old = stream.request
+                stream.request = Request(request_id=old.request_id, prompt_token_ids=old.prompt_token_ids,
+                                         sampling_params=old.sampling_params, arrival_time_s=old.arrival_time_s,
+                                         deadline_s=old.deadline_s, eos_token_ids=old.eos_token_ids)
+                carried.append(stream.request)
+            else:
+                stream.push(stream.final_event(FinishReason.ERROR, reason))
+                del self._streams[request_id]
+                failed_ids.append(request_id)
+        self._new_requests = [*carried, *self._new_requests]
+        carried_ids = [request.request_id for request in carried]
+        if log_event is not None and (carried_ids or failed_ids):
+            log.warning(log_event, attention=self.config.attention_name, reason=reason,
+                        recovery_timeout_s=self.config.recovery_timeout_s,
+                        **_fault_ids(client_of, failed=failed_ids, carried=carried_ids))
+        return carried_ids, failed_ids
+
+    def _expire_carried(self) -> None:
+        """While the attention worker does not answer: carried requests past their recovery
+        deadline end with an ERROR event naming why (health's view of the worker)."""
+        now_s = time.monotonic()
+        expired = [request_id for request_id, stream in self._streams.items()
+                   if stream.recovery_deadline_s is not None and now_s >= stream.recovery_deadline_s]
+        if not expired:
+            return
+        reason = (f"no attention worker within the recovery timeout of {self.config.recovery_timeout_s:.0f} s: "
+                  f"{self.health_tracker.step_failure or 'not answering'}")
+        expired_set = set(expired)
+        self._new_requests = [r for r in self._new_requests if r.request_id not in expired_set]
+        log.warning("router.recovery_timed_out", attention=self.config.attention_name, reason=reason,
+                    sequence_ids=expired[:32], request_ids=self._client_ids(expired))
+        for request_id in expired:
+            self.scheduler.abort(request_id)
+            stream = self._streams.pop(request_id)
+            stream.push(stream.final_event(FinishReason.ERROR, reason))
+
+    async def _reconnect(self) -> None:
+        """A fresh socket to the attention worker: what the old one still queues for a dead
+        process (a plan, Pings) is dropped instead of reaching its successor, and late replies
+        to the old socket are never read."""
+        old, self._client = self._client, AsyncClient(
+            self.config.attention_endpoint, context=self._context, accept=TORCH_FREE_MESSAGES,
+            default_timeout_s=self.config.step_timeout_s, security=self._security)
+        if old is not None:
+            await old.close()
 
     async def _attention_reachable(self) -> bool:
         """True unless a step failed; then Ping (at most every probe_interval_s) until a Pong."""
@@ -290,6 +409,7 @@ class Engine:
         try:
             reply = await self._client.request(Ping(nonce=self.num_steps), timeout_s=self.config.probe_timeout_s)
         except ReplyTimeout:
+            await self._reconnect()  # no Pings pile up for a worker that is not there yet
             return False
         if isinstance(reply, Pong):
             log.info("router.attention_recovered", attention=self.config.attention_name)
@@ -318,7 +438,10 @@ class Engine:
                     case _:
                         raise StepFailed(f"attention worker answered {type(reply).TYPE} to a step_plan")
         except ReplyTimeout:
-            return self._step_failed(output, f"attention worker did not answer within {self.config.step_timeout_s:.1f}s")
+            return self._step_failed(output, f"attention worker did not answer within {self.config.step_timeout_s:.1f}s",
+                                     worker_lost=True)
+        except WorkerRestarted as error:
+            return self._step_failed(output, str(error), worker_lost=True)
         except (StepFailed, ResultMismatch, WireError) as error:
             return self._step_failed(output, str(error))
         self.num_steps += 1
@@ -332,10 +455,10 @@ class Engine:
         return result
 
     async def _request_step(self, plan):
-        """The attention worker's reply to one plan. While it is awaited, a Ready from a new
-        attention worker process (another pid: the old one died with the plan) fails the step at
-        once (StepFailed) instead of after the step timeout; checked every 0.25 s, which delays
-        no reply (asyncio.wait returns as soon as the reply is there)."""
+        """The attention worker's reply to one plan. While it is awaited, and when it comes, a
+        Ready from a new attention worker process (another pid: the old one died with the plan)
+        fails the step (WorkerRestarted) instead of the step timeout; checked every 0.25 s, which
+        delays no reply (asyncio.wait returns as soon as the reply is there)."""
         supervisor = self.health_tracker.supervisor
         if supervisor is None:
             return await self._client.request(plan, timeout_s=self.config.step_timeout_s)
@@ -345,23 +468,27 @@ class Engine:
         try:
             while True:
                 done, _ = await asyncio.wait({reply}, timeout=0.25)
+                ready = supervisor.ready.get(name)
+                # a reply with a new Ready is discarded too: ZeroMQ may have handed the plan, queued for
+                # the dead process, to its successor, which knows nothing of the slots it names
+                if ready is not None and ready.pid != known_pid:
+                    raise WorkerRestarted(f"the attention worker restarted (pid {known_pid} -> {ready.pid}) "
+                                          f"during step {plan.step_id}")
                 if done:
                     return reply.result()
-                ready = supervisor.ready.get(name)
-                if ready is not None and ready.pid != known_pid:
-                    raise StepFailed(f"the attention worker restarted (pid {known_pid} -> {ready.pid}) "
-                                     f"during step {plan.step_id}")
         finally:
             if not reply.done():
                 reply.cancel()
                 await asyncio.gather(reply, return_exceptions=True)
 
-    def _step_failed(self, output: SchedulerOutput, message: str) -> TranslatedResult:
+    def _step_failed(self, output: SchedulerOutput, message: str, worker_lost: bool = False) -> TranslatedResult:
         self.num_failed_steps += 1
         self.health_tracker.record_step_failure(message)
-        log.warning("router.step_failed", step_id=output.step_id, reason=message,
-                    request_ids=[seq.request_id for seq in output.scheduled][:16])
-        return TranslatedResult(dict(failed_results(output, message)), {}, failure=message)
+        log.warning("router.step_failed", attention=self.config.attention_name, step_id=output.step_id,
+                    reason=message, worker_lost=worker_lost,
+                    sequence_ids=[seq.request_id for seq in output.scheduled][:32],
+                    request_ids=self._client_ids(seq.request_id for seq in output.scheduled))
+        return TranslatedResult(dict(failed_results(output, message)), {}, failure=message, worker_lost=worker_lost)
 
     def _publish(self, events: list[RequestEvent], result: TranslatedResult) -> None:
         """Push each event to its stream at once; finished streams leave the table."""
@@ -372,16 +499,6 @@ class Engine:
             stream.push(stream.token_event(event, result.logprobs.get(event.request_id)))
             if event.is_finished:
                 del self._streams[event.request_id]
-
-    def _fail_open_requests(self, reason: str) -> None:
-        """After a failed step the worker's state is unknown: end every open request with
-        the reason (their blocks and slots are freed; the next plan releases the slots)."""
-        for request_id, stream in list(self._streams.items()):
-            self.scheduler.abort(request_id)
-            stream.push(stream.final_event(FinishReason.ERROR, f"attention worker failed: {reason}"))
-        self._streams.clear()
-        self._new_requests.clear()
-        self._aborted_ids.clear()
 
     def _fail_all_streams(self, reason: str) -> None:
         for stream in self._streams.values():

@@ -112,7 +112,12 @@ class Rejection:
 
 
 class EngineError(RuntimeError):
-    """The engine could not serve a request (worker down, retries exhausted, ...)."""
+    """The engine could not serve a request (worker down, retries exhausted, ...).
+    `retry_after_s`: when the client may try again (the gateway's Retry-After), None: not said."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class EngineClient(Protocol):

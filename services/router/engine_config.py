@@ -19,6 +19,12 @@ class EngineConfig:
         worker is pinged to bring health back.
     idle_wait_s: longest sleep of an idle loop (bounds how late deadlines expire).
     eos_token_ids: end a request unless its sampling params say ignore_eos.
+    recovery_timeout_s: how long a request waits for a worker that is down (restarting): one
+        that arrives meanwhile waits in `submit`, one caught by a failed step before any of its
+        tokens went out runs again once the worker answers; past it, EngineError (HTTP 503
+        with Retry-After) or an error event naming the cause.
+    recovery_poll_s: how often a waiting `submit` reads the health again.
+    unavailable_retry_after_s: the Retry-After a client gets with a 503 for a worker that is down.
     """
 
     attention_endpoint: str
@@ -30,9 +36,12 @@ class EngineConfig:
     probe_timeout_s: float = 2.0
     idle_wait_s: float = 0.25
     eos_token_ids: tuple[int, ...] = ()
+    recovery_timeout_s: float = 90.0
+    recovery_poll_s: float = 0.1
+    unavailable_retry_after_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("step_timeout_s", "max_heartbeat_silence_s", "probe_interval_s", "probe_timeout_s",
-                     "idle_wait_s"):
+                     "idle_wait_s", "recovery_timeout_s", "recovery_poll_s", "unavailable_retry_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

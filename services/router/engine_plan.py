@@ -21,7 +21,7 @@ Pure Python over integers, no I/O: tested without any worker.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from common.wire.messages import PrefixRestore, StepPlan, StepResult, TokenLogprobs
@@ -37,9 +37,12 @@ class PlanTranslator:
     its own counter, because one scheduler step may need two plans.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, client_request_id: Callable[[str], str | None] | None = None) -> None:
+        """client_request_id: the HTTP request id (X-Request-Id) of a sequence, sent with its first
+        schedule so the worker's log events name it; None: not sent."""
         self._slot_of: dict[str, int] = {}
         self._step_ids = itertools.count(1)
+        self._client_request_id = client_request_id
 
     @property
     def num_slots_held(self) -> int:
@@ -71,6 +74,8 @@ class PlanTranslator:
                     draft_token_ids=seq.draft_token_ids,
                     prior_token_ids=seq.prior_token_ids if seq.is_new_sequence else (),
                     num_prompt_tokens=seq.num_prompt_tokens if seq.is_new_sequence else None,
+                    client_request_id=(self._client_request_id(seq.request_id)
+                                       if seq.is_new_sequence and self._client_request_id is not None else None),
                 )
             )
         restores = tuple(
@@ -102,6 +107,7 @@ class TranslatedResult:
     sequence_results: dict[str, SequenceResult]
     logprobs: dict[str, TokenLogprobs]
     failure: str | None = None  # set when the step was not executed; every request in it failed
+    worker_lost: bool = False  # with failure: the worker did not answer or restarted (not a refusal)
 
 
 class ResultMismatch(Exception):

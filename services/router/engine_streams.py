@@ -29,12 +29,15 @@ _FINISH_REASONS = {
 class RequestStream:
     """The queue between the engine loop (producer) and one gateway pump (consumer)."""
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, client_request_id: str | None = None) -> None:
         self.request = request
+        self.client_request_id = client_request_id  # the HTTP request's X-Request-Id (request_id.py)
         self.finished = False
         self.num_draft_tokens = 0
         self.num_accepted_drafts = 0
         self.num_verify_steps = 0
+        self.num_tokens_pushed = 0  # tokens the gateway has been given: none, and a failed step may run it again
+        self.recovery_deadline_s: float | None = None  # set when a failure first caught it (engine.py)
         self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
     def push(self, event: TokenEvent) -> bool:
@@ -42,6 +45,7 @@ class RequestStream:
         if self.finished:
             return False
         self.finished = event.finished
+        self.num_tokens_pushed += len(event.new_token_ids)
         self._queue.put_nowait(event)
         return True
 

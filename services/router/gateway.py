@@ -224,8 +224,10 @@ class Gateway:
             await fanout.start()
         except EngineError as error:
             self.metrics.requests.labels(plan.endpoint, "engine_error").inc()
+            retry_after = getattr(error, "retry_after_s", None)
             return error_response(ProtocolError(f"engine unavailable: {error}", status=503,
-                                                error_type="service_unavailable_error"))
+                                                error_type="service_unavailable_error"),
+                                  headers=None if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))})
         if plan.options.stream:
             return SSEResponse(self._stream(plan, fanout))
         try:
@@ -290,6 +292,9 @@ class Gateway:
                     chunk = responses.completion_chunk(plan.response_id, created, plan.model, delta,
                                                        with_logprobs=with_logprobs, text_offset=offset)
                 yield sse_data(chunk)
+                if delta.finish_reason == "error":  # the cause, as OpenAI streams an error
+                    yield sse_data(ProtocolError(f"engine error: {delta.error_message or 'generation failed'}",
+                                                 status=503, error_type="service_unavailable_error").body())
             usage = self._usage(plan, fanout.outputs)
             if plan.options.include_usage:
                 yield sse_data(responses.usage_chunk(plan.response_id, created, plan.model, usage, chat=chat))

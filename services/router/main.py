@@ -101,9 +101,12 @@ def build_configs(deployment: Deployment, tokenizer, settings: RouterSettings = 
         step_timeout_s=timeouts.step_s,
         max_heartbeat_silence_s=max(3.0, 5 * timeouts.heartbeat_interval_s),
         eos_token_ids=eos_token_ids,
+        recovery_timeout_s=timeouts.recovery_s,
     )
-    gateway = GatewayConfig(model_name=model_dir.name, max_model_len=max_model_len, eos_token_ids=eos_token_ids,
-                            model_aliases=("moemesh",) if model_dir.name != "moemesh" else ())
+    model_name = deployment.model.name or model_dir.name
+    aliases = tuple(dict.fromkeys(name for name in (model_dir.name, "moemesh") if name != model_name))
+    gateway = GatewayConfig(model_name=model_name, max_model_len=max_model_len, eos_token_ids=eos_token_ids,
+                            model_aliases=aliases)
     return RouterConfigs(scheduler, engine, gateway, deployment.router.host, deployment.router.port)
 
 
