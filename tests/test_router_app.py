@@ -270,7 +270,8 @@ def test_engine_error_mid_stream_is_finish_reason_error():
     engine, client = make()
     engine.fail_in_stream = True
     chunks, _ = sse_events(client, "/v1/chat/completions", chat_body(stream=True))
-    assert chunks[-1]["choices"][0]["finish_reason"] == "error"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "error"
+    assert chunks[-1]["error"]["message"] == "expert worker lost"  # what ended it, then [DONE]
 
 
 def test_deadline_aborts_and_answers_504():
