@@ -50,6 +50,8 @@ class ServeLayout:
     with_drafter: bool = False  # run the DSpark draft worker (on devices[0])
     data_plane: str = "zmq"  # "cuda_ipc": Dispatch/Combine tensors through shared device rings (DataPlane)
     cuda_graphs: bool = False  # the attention worker replays decode steps as CUDA graphs
+    drain_s: float = 30.0  # the router lets open requests finish this long on SIGTERM
+    router_limits: tuple[tuple[str, int], ...] = ()  # [router] request limits: (key, value), e.g. max_json_depth
 
 
 class DataPlane(enum.Enum):
@@ -160,7 +162,8 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
     return {
         "model": {"path": layout.model_path, "dtype": layout.dtype},
         "paths": {"run_dir": layout.run_dir, "log_dir": layout.log_dir},
-        "router": {"host": layout.host, "port": layout.port},
+        "router": {"host": layout.host, "port": layout.port, **dict(layout.router_limits)},
+        "timeouts": {"drain_s": float(layout.drain_s)},
         "attention": [{"name": "attention-0", "device": layout.devices[0],
                        **({"data_plane": layout.data_plane} if layout.data_plane != "zmq" else {}),
                        **({"cuda_graphs": True} if layout.cuda_graphs else {})}],

@@ -42,8 +42,9 @@ class GatewayConfig:
             raise ValueError("keep_alive_interval_s must be > 0")
         if self.max_num_choices < 1:
             raise ValueError("max_num_choices must be >= 1")
-        if self.max_body_bytes < 1024 or self.max_json_depth < 2 or self.max_concurrent_tokenizations < 1:
-            raise ValueError("max_body_bytes must be >= 1024, max_json_depth >= 2, max_concurrent_tokenizations >= 1")
+        if self.max_body_bytes < 1024 or not 2 <= self.max_json_depth <= 512 or self.max_concurrent_tokenizations < 1:
+            raise ValueError("max_body_bytes must be >= 1024, max_json_depth in [2, 512] (Python's own JSON "
+                             "recursion stays below its limit), max_concurrent_tokenizations >= 1")
 
     def serves(self, model: str | None) -> bool:
         return model is None or model == self.model_name or model in self.model_aliases
