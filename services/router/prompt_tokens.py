@@ -67,7 +67,10 @@ class PromptTokens:
         return math.ceil(num_bytes / self.bound.max_bytes_per_token(text)) + num_special
 
     def encode(self, tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        """The ids of `text`. The batch entry point releases the GIL while it tokenizes (the
+        single-text `encode` holds it throughout), so a long text tokenized in a worker thread
+        leaves the event loop running."""
+        ids = tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
         if add_special_tokens and (self.prefix_ids or self.suffix_ids):
             return [*self.prefix_ids, *ids, *self.suffix_ids]
         return ids

@@ -151,12 +151,16 @@ def nesting_exceeds(raw: bytes, max_depth: int) -> bool:
     brackets = _JSON_STRING.sub(b"", raw).translate(_TO_PARENS, _NOT_BRACKETS)
     if b"(" * (max_depth + 1) in brackets:
         return True
-    for _ in range(2):  # drop innermost pairs: lists of short lists (token ids, parts) vanish here
+    num_levels_removed = 0
+    for _ in range(2):  # drop innermost pairs (one level each): lists of short lists vanish here
         shorter = brackets.replace(b"()", b"")
         if len(shorter) == len(brackets):
             break
         brackets = shorter
-    depth = 0
+        num_levels_removed += 1
+    if num_levels_removed > max_depth:
+        return True
+    depth = num_levels_removed
     for start in range(0, len(brackets), _DEPTH_CHUNK):
         chunk = np.frombuffer(brackets, np.uint8, count=min(_DEPTH_CHUNK, len(brackets) - start), offset=start)
         running = np.cumsum(81 - 2 * chunk.astype(np.int32)) + depth  # "(" is 40 -> +1, ")" is 41 -> -1
