@@ -93,6 +93,17 @@ def test_bodies_over_the_limit_are_413_before_they_are_read():
     assert response.status_code == 413
 
 
+@pytest.mark.parametrize("extra", [
+    {"stop": ["a"] * 300_000},  # strings
+    {"metadata": [[]] * 70_000},  # arrays (an unknown field still counts: the scan runs before parsing)
+    {"prompt": [7] * 2_200_000},  # values
+])
+def test_bodies_with_too_many_values_are_400_before_parsing(extra):
+    _, client = make()  # the default limits
+    response = client.post("/v1/completions", json={"prompt": "hi", **extra})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "too_many_values", response.text[:300]
+
+
 @pytest.mark.parametrize("raw", [
     b"", b"null", b"[]", b'"text"', b"{", b'{"prompt": "\\ud800"}', b'{"prompt": 1e999999}',
     b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", b"\xff\xfe", b'{"prompt": NaN}',
@@ -147,17 +158,20 @@ def test_health_answers_within_a_second_while_20_mib_requests_are_refused(gatewa
     big_prompt = json.dumps({"prompt": words * (20 * 2**20 // len(words)), "max_tokens": 4}).encode()
     deep = b'{"prompt": ' + b"[" * (20 * 2**20) + b"]" * 10 + b"}"
     tokenized = json.dumps({"prompt": words * (2**20 // len(words)), "max_tokens": 4}).encode()
+    message = {"role": "user", "content": "The quick brown fox"}
+    many_messages = json.dumps({"messages": [message] * (20 * 2**20 // len(json.dumps(message)))}).encode()
     results: dict[str, tuple[int, dict, float]] = {}
 
-    def send(name: str, raw: bytes) -> None:
+    def send(name: str, raw: bytes, path: str = "/v1/completions") -> None:
         start = time.monotonic()
-        response = httpx.post(f"{base_url}/v1/completions", content=raw, timeout=120,
+        response = httpx.post(f"{base_url}{path}", content=raw, timeout=120,
                               headers={"content-type": "application/json"})
         results[name] = (response.status_code, response.json(), time.monotonic() - start)
 
     with _HealthProbe(base_url) as probe:
         senders = [threading.Thread(target=send, args=item) for item in
-                   (("20 MiB prompt", big_prompt), ("20 MiB nesting", deep), ("1 MiB prompt", tokenized))]
+                   (("20 MiB prompt", big_prompt), ("20 MiB nesting", deep), ("1 MiB prompt", tokenized),
+                    ("20 MiB of messages", many_messages, "/v1/chat/completions"))]
         for sender in senders:
             sender.start()
         for sender in senders:
@@ -169,5 +183,6 @@ def test_health_answers_within_a_second_while_20_mib_requests_are_refused(gatewa
     assert "at least" in results["20 MiB prompt"][1]["error"]["message"]  # refused before tokenizing
     assert results["20 MiB nesting"][0] == 400 and results["20 MiB nesting"][1]["error"]["code"] == "nesting_too_deep"
     assert results["1 MiB prompt"][0] in (200, 400), results["1 MiB prompt"]  # tokenized in a worker thread
+    assert results["20 MiB of messages"][0] == 400, results["20 MiB of messages"]  # parsed in a worker thread
     assert probe.statuses == {200} and len(probe.latencies_s) >= 3
     assert max(probe.latencies_s) < MAX_HEALTH_LATENCY_S, sorted(probe.latencies_s)[-5:]

@@ -120,6 +120,11 @@ def test_tool_names_and_tool_choice_are_checked():
         "tools[0].function.name"
 
 
+def test_too_many_prompts_in_one_request_are_refused():
+    error = error_of(CLIENT.post("/v1/completions", json={"prompt": ["hi"] * 257, "max_tokens": 1}))
+    assert error["param"] == "prompt" and "at most 256" in error["message"]
+
+
 def test_context_errors_name_the_field_the_client_sent():
     long_ids = list(range(10, 80)) * 30  # 2,100 tokens, context 2,048
     error = error_of(CLIENT.post("/v1/completions", json={"prompt": long_ids}))

@@ -76,7 +76,7 @@ def test_tokenizer_config_decides_over_the_post_processor(tmp_path):
         {"add_bos_token": True, "add_eos_token": True, "bos_token": {"content": tk.BOS}, "eos_token": tk.EOS}))
     rules = prompt_tokens_for(tokenizer, tmp_path)
     assert (rules.prefix_ids, rules.suffix_ids) == ((bos,), (eos,))
-    assert rules.encode(tokenizer, "Hello", True) == [bos, *tokenizer.encode("Hello").ids, eos]
+    assert rules.encode(tokenizer, ["Hello", "a b"], True) == [[bos, *tokenizer.encode(t).ids, eos] for t in ("Hello", "a b")]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
     assert prompt_tokens_for(_bos_tokenizer(), tmp_path).prefix_ids == ()
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<nope>"}))
@@ -90,9 +90,9 @@ def test_embedded_tokenizer_adds_bos_as_transformers_does():
     tokenizer = Tokenizer.from_file(str(KJV_DIR / "tokenizer.json"))
     rules = prompt_tokens_for(tokenizer, KJV_DIR)
     theirs = transformers.AutoTokenizer.from_pretrained(str(KJV_DIR))
-    for text in ("In the beginning", " leading space", "héllo 😀", f"{tk.BOS}twice"):
-        assert rules.encode(tokenizer, text, True) == theirs(text).input_ids, text
-        assert rules.encode(tokenizer, text, False) == theirs(text, add_special_tokens=False).input_ids, text
+    texts = ["In the beginning", " leading space", "héllo 😀", f"{tk.BOS}twice"]
+    assert rules.encode(tokenizer, texts, True) == theirs(texts).input_ids
+    assert rules.encode(tokenizer, texts, False) == theirs(texts, add_special_tokens=False).input_ids
 
 
 # ------------------------------------------------------------------ the byte bound

@@ -42,7 +42,12 @@ from services.router.gateway_config import GatewayConfig
 from services.router.metrics import RouterMetrics
 from services.router.prompt_tokens import prompt_tokens_for
 from services.router.protocol import CommonOptions, ProtocolError, decode_body
-from services.router.request_parsing import parse_chat_request, parse_completion_request
+from services.router.request_parsing import (
+    ChatRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
 from services.router.sequence_output import ChoiceDelta, SequenceOutput
 from services.router.streaming import DONE, KEEP_ALIVE, ClientDisconnected, SSEResponse, run_until_disconnect, sse_data
 
@@ -108,18 +113,11 @@ class Gateway:
         if self.draining:
             return self._draining_response("chat")
         try:
-            body, num_body_bytes = await self._read_json(request)
-            parsed = parse_chat_request(body, max_num_choices=self.config.max_num_choices,
-                                        default_temperature=self.config.default_temperature,
-                                        default_thinking=self.config.default_thinking)
+            raw = await self._read_body(request)
+            parsed, prompt = await self._off_loop(len(raw), self._prepare_chat, raw)
             model = self._check_model(parsed.options.model)
-            self._admit(num_body_bytes)
-            try:
-                prompt = encode_messages(parsed.messages, tools=parsed.tools, thinking=parsed.thinking,
-                                         reasoning_effort=parsed.reasoning_effort)
-            except ChatEncodingError as error:
-                raise ProtocolError(str(error), param="messages") from None
-            prompt_ids = [await self._tokenize(prompt, parsed.add_special_tokens, param="messages")]
+            self._admit(len(raw))
+            prompt_ids = await self._tokenize([prompt], parsed.add_special_tokens, param="messages")
             plan = _Plan("chat", f"chatcmpl-{uuid.uuid4().hex}", model, parsed.options, prompt_ids,
                          parsed.num_logprobs, parsed.thinking, parsed.tools is not None)
         except _Overloaded as overload:
@@ -133,13 +131,13 @@ class Gateway:
         if self.draining:
             return self._draining_response("completions")
         try:
-            body, num_body_bytes = await self._read_json(request)
-            parsed = parse_completion_request(body, max_num_choices=self.config.max_num_choices,
-                                              default_temperature=self.config.default_temperature)
+            raw = await self._read_body(request)
+            parsed = await self._off_loop(len(raw), self._prepare_completion, raw)
             model = self._check_model(parsed.options.model)
-            self._admit(num_body_bytes)
-            prompt_ids = [await self._tokenize(p, parsed.add_special_tokens, param="prompt") if isinstance(p, str)
-                          else self._check_ids(p) for p in parsed.prompts]
+            self._admit(len(raw))
+            texts = [p for p in parsed.prompts if isinstance(p, str)]
+            text_ids = iter(await self._tokenize(texts, parsed.add_special_tokens, param="prompt"))
+            prompt_ids = [next(text_ids) if isinstance(p, str) else self._check_ids(p) for p in parsed.prompts]
             echo_texts = None
             if parsed.echo:
                 echo_texts = tuple(p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=True)
@@ -153,9 +151,36 @@ class Gateway:
         return await self._generate(request, plan, arrival_s)
 
     # --- validation helpers ------------------------------------------------------------
-    async def _read_json(self, request: Request) -> tuple[dict, int]:
-        """The body as a JSON object and its size; the size limit holds before any byte is
-        read when Content-Length is given, and while reading otherwise."""
+    def _prepare_chat(self, raw: bytes) -> tuple[ChatRequest, str]:
+        """Bytes -> parsed request and the encoded prompt text (pure: runs in a worker thread
+        for large bodies)."""
+        body = decode_body(raw, max_depth=self.config.max_json_depth)
+        parsed = parse_chat_request(body, max_num_choices=self.config.max_num_choices,
+                                    default_temperature=self.config.default_temperature,
+                                    default_thinking=self.config.default_thinking)
+        try:
+            prompt = encode_messages(parsed.messages, tools=parsed.tools, thinking=parsed.thinking,
+                                     reasoning_effort=parsed.reasoning_effort)
+        except ChatEncodingError as error:
+            raise ProtocolError(str(error), param="messages") from None
+        return parsed, prompt
+
+    def _prepare_completion(self, raw: bytes) -> CompletionRequest:
+        body = decode_body(raw, max_depth=self.config.max_json_depth)
+        return parse_completion_request(body, max_num_choices=self.config.max_num_choices,
+                                        default_temperature=self.config.default_temperature,
+                                        max_num_prompts=self.config.max_num_prompts)
+
+    async def _off_loop(self, num_bytes: int, work, *args):
+        """`work(*args)` inline for a small body, else in a worker thread (bounded in number), so
+        parsing and encoding a large body does not stall the event loop."""
+        if num_bytes <= self.config.num_bytes_parsed_inline:
+            return work(*args)
+        return await anyio.to_thread.run_sync(work, *args, limiter=self._limiter())
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The size limit holds before any byte is read when Content-Length is given, and while
+        reading otherwise."""
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -168,12 +193,7 @@ class Gateway:
                 raise ProtocolError(f"request body exceeds the limit of {limit} bytes", status=413,
                                     code="body_too_large")
             chunks.append(chunk)
-        raw = b"".join(chunks)
-        if len(raw) <= self.config.num_bytes_parsed_inline:
-            return decode_body(raw, max_depth=self.config.max_json_depth), len(raw)
-        body = await anyio.to_thread.run_sync(lambda: decode_body(raw, max_depth=self.config.max_json_depth),
-                                              limiter=self._limiter())
-        return body, len(raw)
+        return b"".join(chunks)
 
     def _limiter(self) -> anyio.CapacityLimiter:
         if self._work_limiter is None:
@@ -192,17 +212,21 @@ class Gateway:
         if rejection is not None:
             raise _Overloaded(rejection.reason, rejection.retry_after_s)
 
-    async def _tokenize(self, text: str, add_special_tokens: bool, *, param: str) -> list[int]:
-        """Token ids of a text prompt; refused from its byte count first when that already
-        shows it cannot fit the context (prompt_tokens.py says when that bound holds)."""
+    async def _tokenize(self, texts: list[str], add_special_tokens: bool, *, param: str) -> list[list[int]]:
+        """Token ids of text prompts; each is refused from its byte count first when that
+        already shows it cannot fit the context (prompt_tokens.py says when that bound holds).
+        Long texts are tokenized in a worker thread."""
         limit = self.config.max_model_len
-        at_least = self.prompt_tokens.min_num_tokens(text, add_special_tokens)
-        if at_least is not None and at_least >= limit:
-            raise ProtocolError(f"the prompt has at least {at_least} tokens; this model's context is {limit} tokens",
-                                param=param, code="context_length_exceeded")
-        if len(text) <= self.config.num_chars_tokenized_inline:
-            return self.prompt_tokens.encode(self.tokenizer, text, add_special_tokens)
-        return await anyio.to_thread.run_sync(self.prompt_tokens.encode, self.tokenizer, text, add_special_tokens,
+        for text in texts:
+            at_least = self.prompt_tokens.min_num_tokens(text, add_special_tokens)
+            if at_least is not None and at_least >= limit:
+                raise ProtocolError(f"the prompt has at least {at_least} tokens; this model's context is {limit} "
+                                    f"tokens", param=param, code="context_length_exceeded")
+        if not texts:
+            return []
+        if sum(len(text) for text in texts) <= self.config.num_chars_tokenized_inline:
+            return self.prompt_tokens.encode(self.tokenizer, texts, add_special_tokens)
+        return await anyio.to_thread.run_sync(self.prompt_tokens.encode, self.tokenizer, texts, add_special_tokens,
                                               limiter=self._limiter())
 
     def _check_ids(self, ids: list[int]) -> list[int]:

@@ -23,6 +23,7 @@ class GatewayConfig:
     eos_token_ids: tuple[int, ...] = ()
     default_max_tokens: int | None = None  # None: up to the context length
     max_num_choices: int = 16
+    max_num_prompts: int = 256  # prompts in one /v1/completions request
     default_temperature: float = 1.0
     default_thinking: bool = False
     keep_alive_interval_s: float = 5.0

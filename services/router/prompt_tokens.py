@@ -66,14 +66,14 @@ class PromptTokens:
         num_special = self.num_special_tokens if add_special_tokens else 0
         return math.ceil(num_bytes / self.bound.max_bytes_per_token(text)) + num_special
 
-    def encode(self, tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-        """The ids of `text`. The batch entry point releases the GIL while it tokenizes (the
-        single-text `encode` holds it throughout), so a long text tokenized in a worker thread
-        leaves the event loop running."""
-        ids = tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+    def encode(self, tokenizer: Tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """The ids of each text. The batch entry point releases the GIL while it tokenizes (the
+        single-text `encode` holds it throughout), so long texts tokenized in a worker thread
+        leave the event loop running."""
+        encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         if add_special_tokens and (self.prefix_ids or self.suffix_ids):
-            return [*self.prefix_ids, *ids, *self.suffix_ids]
-        return ids
+            return [[*self.prefix_ids, *encoding.ids, *self.suffix_ids] for encoding in encodings]
+        return [encoding.ids for encoding in encodings]
 
 
 def prompt_tokens_for(tokenizer: Tokenizer, checkpoint_dir: str | Path | None = None) -> PromptTokens:

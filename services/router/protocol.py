@@ -143,12 +143,41 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 _DEPTH_CHUNK = 1 << 22
 
 
-def nesting_exceeds(raw: bytes, max_depth: int) -> bool:
-    """Whether the arrays / objects of a JSON text nest deeper than `max_depth`, found without
+MAX_JSON_CONTAINERS = 65_536  # arrays + objects in one body
+MAX_JSON_STRINGS = 262_144  # strings (keys included) in one body
+MAX_JSON_VALUES = 2_097_152  # values of all kinds in one body: room for two 1M-token id prompts
+
+
+@dataclass(frozen=True)
+class JsonShape:
+    """What a scan of the raw bytes tells about a JSON text before it is parsed."""
+
+    too_deep: bool
+    num_containers: int
+    num_strings: int
+    num_values_at_least: int  # one more than the commas between values
+
+
+def json_shape(raw: bytes, max_depth: int) -> JsonShape:
+    """Nesting beyond `max_depth` and the number of arrays / objects and strings, found without
     parsing: strings are cut out (a bracket inside one is text), the rest is reduced to its
     brackets, and the running depth of those is scanned in C (bytes and numpy), a few MiB at a
-    time. Unbalanced brackets may read as deep; such a body is not valid JSON either way."""
-    brackets = _JSON_STRING.sub(b"", raw).translate(_TO_PARENS, _NOT_BRACKETS)
+    time. Unbalanced brackets may read as deep; such a body is not valid JSON either way.
+    The counts bound what parsing costs: `json.loads` holds the GIL for its whole run, and its
+    time grows with the number of values, not with the length of a long string."""
+    without_strings, num_strings = _JSON_STRING.subn(b"", raw)
+    brackets = without_strings.translate(_TO_PARENS, _NOT_BRACKETS)
+    num_containers = brackets.count(b"(")
+    return JsonShape(_nests_deeper(brackets, max_depth), num_containers, num_strings,
+                     without_strings.count(b",") + 1)
+
+
+def nesting_exceeds(raw: bytes, max_depth: int) -> bool:
+    return json_shape(raw, max_depth).too_deep
+
+
+def _nests_deeper(brackets: bytes, max_depth: int) -> bool:
+    """Whether a string of ( and ) reaches a running depth above `max_depth`."""
     if b"(" * (max_depth + 1) in brackets:
         return True
     num_levels_removed = 0
@@ -171,15 +200,28 @@ def nesting_exceeds(raw: bytes, max_depth: int) -> bool:
 
 
 def decode_body(raw: bytes, *, max_depth: int) -> dict:
-    """Bytes -> JSON object; invalid UTF-8 (including lone surrogates), bad JSON and nesting
-    deeper than `max_depth` (checked before parsing) are 400s."""
+    """Bytes -> JSON object; invalid UTF-8 (including lone surrogates), bad JSON, nesting
+    deeper than `max_depth` and more values than MAX_JSON_CONTAINERS / _STRINGS / _VALUES
+    (both checked before parsing) are 400s."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ProtocolError(f"request body is not valid UTF-8: {error.reason} at byte {error.start}") from None
-    if nesting_exceeds(raw, max_depth):
+    # every unescaped quote opens or closes a string: a lower bound on the strings, counted in C
+    # before the scan below, whose regular expression holds the GIL for as long as it runs
+    num_strings_at_least = (raw.count(b'"') - raw.count(b'\\"')) // 2
+    if num_strings_at_least > MAX_JSON_STRINGS:
+        raise ProtocolError(f"request body holds at least {num_strings_at_least} strings; at most {MAX_JSON_STRINGS}",
+                            code="too_many_values")
+    shape = json_shape(raw, max_depth)
+    if shape.too_deep:
         raise ProtocolError(f"request body nests arrays and objects deeper than {max_depth} levels",
                             code="nesting_too_deep")
+    if (shape.num_containers > MAX_JSON_CONTAINERS or shape.num_strings > MAX_JSON_STRINGS
+            or shape.num_values_at_least > MAX_JSON_VALUES):
+        raise ProtocolError(f"request body holds {shape.num_containers} arrays / objects, {shape.num_strings} strings "
+                            f"and at least {shape.num_values_at_least} values; at most {MAX_JSON_CONTAINERS}, "
+                            f"{MAX_JSON_STRINGS} and {MAX_JSON_VALUES}", code="too_many_values")
     try:
         body = json.loads(text)
     except (ValueError, RecursionError) as error:

@@ -217,11 +217,15 @@ def _check_prompt(prompt: Any) -> list[str | list[int]]:
     return prompts
 
 
-def parse_completion_request(body: dict, *, max_num_choices: int, default_temperature: float) -> CompletionRequest:
+def parse_completion_request(body: dict, *, max_num_choices: int, default_temperature: float,
+                             max_num_prompts: int = 256) -> CompletionRequest:
     check_fields(body, COMPLETION_FIELDS, endpoint="completions")
     if "prompt" not in body:
         raise ProtocolError("'prompt' is required", param="prompt")
     prompts = _check_prompt(body["prompt"])
+    if len(prompts) > max_num_prompts:
+        raise ProtocolError(f"'prompt' holds {len(prompts)} prompts; at most {max_num_prompts} per request",
+                            param="prompt")
     options = parse_common(body, max_num_choices=max_num_choices, default_temperature=default_temperature,
                            max_tokens_field=None)
     if body.get("suffix"):
