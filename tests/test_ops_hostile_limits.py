@@ -115,6 +115,34 @@ def test_malformed_bodies_are_400(raw):
         assert response.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_limits_and_drain_timeout_reach_the_router_from_the_command_line(tmp_path):
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from common.cli import build_parser
+    from common.commands.serve import request_limits
+    from common.commands.serve_config import ServeLayout, write_deployment
+    from common.commands.service import deployment_overrides
+    from common.runtime.deployment import load_deployment
+    from services.router.main import build_configs
+
+    model_dir = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"
+    parser, _ = build_parser()
+    args = parser.parse_args(["serve", "--max-body-bytes", "4096", "--max-json-depth", "8",
+                              "--max-concurrent-tokenizations", "3", "--drain-timeout", "7"])
+    config_path, deployment = write_deployment(ServeLayout(
+        model_path=str(model_dir), run_dir=str(tmp_path), log_dir=str(tmp_path / "logs"), drain_s=args.drain_timeout,
+        router_limits=request_limits(args)))
+    assert deployment.timeouts.drain_s == 7.0
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    gateway = build_configs(deployment, tokenizer).gateway
+    assert (gateway.max_body_bytes, gateway.max_json_depth, gateway.max_concurrent_tokenizations) == (4096, 8, 3)
+    assert gateway.prompt_tokens.prefix_ids == (tokenizer.token_to_id(tk.BOS),)  # tokenizer_config.json: add_bos_token
+    router_args = parser.parse_args(["router", "--config", str(config_path), "--max-json-depth", "12"])
+    assert load_deployment(config_path, deployment_overrides(router_args)).router.max_json_depth == 12
+
+
 # ------------------------------------------------------------------ a real server under a 20 MiB body
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):

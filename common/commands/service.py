@@ -32,16 +32,21 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         add_draft_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
-    from common.runtime.deployment import DeploymentError, load_deployment
-
+def deployment_overrides(args: argparse.Namespace) -> list[str]:
+    """`--set` overrides, and for the router its request-limit flags as `[router]` keys."""
     overrides = list(args.overrides)
-    if args.command_name == "router":  # --max-body-bytes etc.: the deployment's [router] keys
+    if args.command_name == "router":
         from common.commands.serve import request_limits
 
         overrides += [f"router.{key}={value}" for key, value in request_limits(args)]
+    return overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    from common.runtime.deployment import DeploymentError, load_deployment
+
     try:
-        deployment = load_deployment(args.config, overrides)
+        deployment = load_deployment(args.config, deployment_overrides(args))
     except DeploymentError as error:
         print(f"moemesh {args.command_name}: {error}", file=sys.stderr)
         return 2
