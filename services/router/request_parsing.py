@@ -80,7 +80,7 @@ def _check_tools(tools: list[dict]) -> list[str]:
         if not _FUNCTION_NAME.match(name) or name in names:
             raise ProtocolError(f"tools[{index}].function.name must be 1 to 64 letters, digits, _ or - and unique",
                                 param=f"tools[{index}].function.name")
-        if not isinstance(function.get("description", ""), str):
+        if not isinstance(function.get("description") or "", str):
             raise ProtocolError(f"tools[{index}].function.description must be a string",
                                 param=f"tools[{index}].function.description")
         parameters = function.get("parameters")
