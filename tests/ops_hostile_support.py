@@ -1,5 +1,6 @@
-"""The gateway with a bookkeeping in-test engine, run as a child process for the connection
-flood test: `python tests/ops_hostile_support.py PORT`.
+"""The gateway with a bookkeeping in-test engine, run as a child process for the hostile
+connection and input tests: `python tests/ops_hostile_support.py PORT [MAX_MODEL_LEN]`
+(`ledger_gateway` starts one and waits for its /health).
 
 `LedgerEngine` is `router_support.ScriptedEngine` plus the resources a real engine holds per
 request: KV "blocks" taken from a fixed pool when a request is admitted and returned when its
@@ -10,8 +11,12 @@ flood of dropped connections leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import subprocess
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # router_support, when run as a script
@@ -58,7 +63,7 @@ class LedgerEngine(ScriptedEngine):
                 "num_aborted": len(self.aborted)}
 
 
-def build_ledger_app(step_delay_s: float):
+def build_ledger_app(step_delay_s: float, max_model_len: int = 512):
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
@@ -70,7 +75,7 @@ def build_ledger_app(step_delay_s: float):
     eos = tokenizer.token_to_id(tk.EOS)
     script = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4, add_special_tokens=False).ids
     engine = LedgerEngine(script, eos_id=eos, step_delay_s=step_delay_s)
-    config = GatewayConfig(model_name="dsv4-flash", max_model_len=512, eos_token_ids=(eos,),
+    config = GatewayConfig(model_name="dsv4-flash", max_model_len=max_model_len, eos_token_ids=(eos,),
                            keep_alive_interval_s=0.5)
     app = build_app(config, engine, tokenizer)
 
@@ -81,13 +86,46 @@ def build_ledger_app(step_delay_s: float):
     return app
 
 
-def _main(port: int) -> int:
+@contextlib.contextmanager
+def ledger_gateway(stderr_path: Path, max_model_len: int = 512) -> Iterator[tuple[subprocess.Popen, str]]:
+    """(process, base URL) of a ledger gateway child process, once its /health answers."""
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with stderr_path.open("wb") as stderr:
+        process = subprocess.Popen([sys.executable, __file__, str(port), str(max_model_len)],
+                                   stdout=stderr, stderr=stderr)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None, stderr_path.read_text()
+            assert time.monotonic() < deadline, "gateway did not come up"
+            time.sleep(0.1)
+        yield process, base_url
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
+def _main(port: int, max_model_len: int) -> int:
     import uvicorn
 
-    uvicorn.run(build_ledger_app(step_delay_s=0.05), host="127.0.0.1", port=port, loop="uvloop",
-                log_level="warning", timeout_keep_alive=2, backlog=4096)
+    uvicorn.run(build_ledger_app(step_delay_s=0.05, max_model_len=max_model_len), host="127.0.0.1", port=port,
+                loop="uvloop", log_level="warning", timeout_keep_alive=2, backlog=4096)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_main(int(sys.argv[1])))
+    sys.exit(_main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 512))

@@ -2,8 +2,11 @@
 processes on a tiny random checkpoint (KJV tokenizer, fp32 CPU), the `openai` package as client.
 
 Every generated token is compared with the single-process reference model
-(`common.model.generate.generate_batch`, greedy). The services start once for the module;
-the last test stops `serve` with SIGTERM and checks that every child process is gone.
+(`common.model.generate.generate_batch`, greedy), and text completions also with transformers
+(its tokenizer adds BOS to a text prompt, as the checkpoint's tokenizer says). The services
+start once for the module; the last test stops `serve` with SIGTERM while streams are open:
+the short one finishes, the long one is cut at the drain timeout with an error event and
+`[DONE]`, new requests get 503, and every child process is gone afterwards.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO_ROOT / "models" / "kjv-dsv4-mini"
 MODEL_NAME = "kjv-tiny"
 EOS_ID = 1
+DRAIN_TIMEOUT_S = 6
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -74,7 +78,12 @@ class Reference:
         return self._cache[key]
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """A completion prompt as the model sees it: with the tokenizer's special tokens (BOS)."""
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def encode_chat(self, prompt: str) -> list[int]:
+        """An encoded chat prompt: it carries its own BOS."""
+        return self.tokenizer.encode(prompt, add_special_tokens=False).ids
 
     def completion_text(self, token_ids: list[int]) -> str:
         """What the gateway's completions endpoint shows for these tokens."""
@@ -140,7 +149,7 @@ def server(checkpoint, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     command = [sys.executable, "-m", "common.cli", "serve", "--model", str(checkpoint), "--port", str(port),
                "--expert-workers", "2", "--devices", "cpu", "--run-dir", str(run_dir), "--ready-timeout", "240",
-               "--drain-timeout", "20"]
+               "--drain-timeout", str(DRAIN_TIMEOUT_S)]
     stderr = open(run_dir / "serve.stderr", "wb")
     process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
     lines: queue.Queue[str] = queue.Queue()
@@ -228,6 +237,33 @@ def test_concurrent_completions_streaming_and_not_match_reference(async_client, 
         assert finish == ("stop" if tokens[-1] == EOS_ID else "length")
 
 
+def test_text_completions_equal_transformers_greedy(client, checkpoint, reference):
+    """The hub-format checkpoint's tokenizer adds BOS (tokenizer_config.json: add_bos_token): a
+    text prompt gets it through the server as through transformers, so the greedy tokens and the
+    prompt token count are transformers' own."""
+    pytest.importorskip("accelerate", reason="transformers' FP8 loader needs accelerate")
+    import torch
+    from transformers import AutoTokenizer, DeepseekV4ForCausalLM, FineGrainedFP8Config
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    model = DeepseekV4ForCausalLM.from_pretrained(checkpoint, quantization_config=FineGrainedFP8Config(dequantize=True),
+                                                  attn_implementation="eager").float().eval()
+    max_tokens = 5
+    for prompt in PROMPTS[:2]:
+        prompt_ids = hf_tokenizer(prompt).input_ids
+        assert prompt_ids[0] == hf_tokenizer.bos_token_id
+        tokens = list(prompt_ids)
+        with torch.no_grad():
+            while len(tokens) - len(prompt_ids) < max_tokens and tokens[-1] != EOS_ID:
+                tokens.append(int(model(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax()))
+        expected = tokens[len(prompt_ids):]
+        answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           logprobs=0)
+        assert answer.usage.prompt_tokens == len(prompt_ids), prompt
+        assert answer.choices[0].logprobs.tokens == reference.token_strings(expected), prompt
+        assert answer.choices[0].text == reference.completion_text(expected)
+
+
 def test_completion_logprobs_are_the_reference_tokens(client, reference):
     prompt = PROMPTS[1]
     tokens = reference.generate(reference.encode(prompt), 8)
@@ -244,7 +280,7 @@ def test_chat_streaming_and_not_match_reference(client, reference):
     from common.chat.encoding import encode_messages
 
     messages = [{"role": "user", "content": "Who made the heaven and the earth?"}]
-    tokens = reference.generate(reference.encode(encode_messages(messages)), 10)
+    tokens = reference.generate(reference.encode_chat(encode_messages(messages)), 10)
     expected_bytes = [list(reference.token_bytes(t)) for t in tokens]
     answer = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
                                             logprobs=True, top_logprobs=1)
@@ -395,9 +431,75 @@ def test_tiny_primary_pool_preempts_by_swap_and_returns_reference_outputs(checkp
         stop_services(services, 20)
 
 
-def test_serve_stops_cleanly_on_sigterm(server):
+def test_health_answers_within_a_second_while_a_20_mib_prompt_is_refused(server):
+    words = "And God said, Let there be light: and there was light. "
+    body = json.dumps({"model": MODEL_NAME, "prompt": words * (20 * 2**20 // len(words))}).encode()
+    answer: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: answer.append(httpx.post(
+        f"{server.base_url}/v1/completions", content=body, headers={"content-type": "application/json"},
+        timeout=120)), daemon=True)
+    latencies = []
+    sender.start()
+    with httpx.Client(timeout=30) as http:
+        while sender.is_alive() or not latencies:
+            start = time.monotonic()
+            assert http.get(f"{server.base_url}/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.05)
+    sender.join()
+    assert answer[0].status_code == 400 and answer[0].json()["error"]["param"] == "prompt"
+    assert answer[0].json()["error"]["code"] == "context_length_exceeded"
+    assert max(latencies) < 1.0, sorted(latencies)[-3:]
+
+
+def _stream_lines(base_url: str, body: dict, first_data: threading.Event, lines: list[str]) -> None:
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[len("data: "):])
+                    first_data.set()
+    lines.append("<closed>")
+
+
+def test_serve_drains_on_sigterm_and_stops_cleanly(server):
+    """SIGTERM with two streams open: new requests get 503 with Retry-After while the short
+    stream finishes; the long one is ended at the drain timeout by a chunk with finish_reason
+    "error", an error event and [DONE]; then serve exits 0 and leaves no process behind."""
     assert server.child_pids and all(_alive(pid) for pid in server.child_pids)
+    max_model_len = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    base = {"model": MODEL_NAME, "prompt": PROMPTS[0], "temperature": 0, "stream": True, "ignore_eos": True}
+    streams = {"short": ({**base, "max_tokens": 2}, threading.Event(), []),  # one token left at the signal
+               "long": ({**base, "max_tokens": max_model_len - 16}, threading.Event(), [])}
+    threads = [threading.Thread(target=_stream_lines, args=(server.base_url, *spec), daemon=True)
+               for spec in streams.values()]
+    for thread in threads:
+        thread.start()
+    assert all(started.wait(120) for _, started, _ in streams.values())
     server.process.send_signal(signal.SIGTERM)
+    signalled_s = time.monotonic()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.base_url}/health", timeout=10).json().get("status") != "draining":
+        assert time.monotonic() < deadline, "the router did not start draining"
+        time.sleep(0.05)
+    refused = httpx.post(f"{server.base_url}/v1/completions", json={**base, "stream": False, "max_tokens": 2},
+                         timeout=10)
+    assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["code"] == "shutting_down"
+    for thread in threads:
+        thread.join(DRAIN_TIMEOUT_S + 60)
+    cut_after_s = time.monotonic() - signalled_s
+
+    short = streams["short"][2]
+    assert short[-2:] == ["[DONE]", "<closed>"], short
+    assert json.loads(short[-3]).get("choices", [{}])[0].get("finish_reason") == "length", short
+    long = streams["long"][2]
+    assert long[-2:] == ["[DONE]", "<closed>"], long[-4:]
+    error_event = json.loads(long[-3])
+    assert "shutting down" in error_event["error"]["message"], error_event
+    assert json.loads(long[-4])["choices"][0]["finish_reason"] == "error"
+    assert cut_after_s >= DRAIN_TIMEOUT_S - 1  # it was let run for the drain timeout
+
     assert server.process.wait(timeout=90) == 0
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(pid) for pid in server.child_pids):

@@ -17,8 +17,6 @@ import json
 import os
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +24,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-TESTS_DIR = Path(__file__).resolve().parent
 NUM_CONNECTIONS = 1000
 MAX_FD_GROWTH = 16  # listening socket churn, log handles: anything per-connection would be hundreds
 MAX_RSS_GROWTH_BYTES = 64 * 2**20
@@ -36,12 +33,6 @@ pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs /proc to count descriptors")]
 
 CHAT = {"model": "dsv4-flash", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 64}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _request_bytes(body: dict) -> bytes:
@@ -64,31 +55,10 @@ def _rss_bytes(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    port = _free_port()
-    stderr_path = tmp_path_factory.mktemp("gateway") / "gateway.stderr"
-    with stderr_path.open("wb") as stderr:
-        process = subprocess.Popen([sys.executable, str(TESTS_DIR / "ops_hostile_support.py"), str(port)],
-                                   stdout=stderr, stderr=stderr)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert process.poll() is None, stderr_path.read_text()
-            assert time.monotonic() < deadline, "gateway did not come up"
-            time.sleep(0.1)
+    from ops_hostile_support import ledger_gateway
+
+    with ledger_gateway(tmp_path_factory.mktemp("gateway") / "gateway.stderr") as (process, base_url):
         yield process, base_url
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
 
 
 async def _one_connection(port: int, index: int, hold: asyncio.Event, ready: list[int], chat: dict) -> None:

@@ -61,7 +61,7 @@ def _reference_text(checkpoint: Path, prompt: str, max_tokens: int) -> str:
 
     model, _ = _load_model(str(checkpoint), "float32", "cpu")
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=True).ids  # as the server: BOS first
     token_ids = generate_batch(model, [prompt_ids], GenerationConfig(max_new_tokens=max_tokens,
                                                                      stop_token_ids=(EOS_ID,)))[0]
     detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True, token_bytes=TokenBytes(tokenizer))

@@ -273,8 +273,7 @@ def test_engine_error_mid_stream_is_finish_reason_error():
     chunks, _ = sse_events(client, "/v1/chat/completions", chat_body(stream=True))
     finished = [chunk for chunk in chunks if chunk.get("choices") and chunk["choices"][0].get("finish_reason")]
     assert finished[-1]["choices"][0]["finish_reason"] == "error"
-    error = chunks[-1]["error"]  # then the cause, as an OpenAI error event, before [DONE]
-    assert error["type"] == "service_unavailable_error" and error["message"] == "engine error: expert worker lost"
+    assert chunks[-1]["error"]["message"] == "expert worker lost"  # what ended it, then [DONE]
 
 
 def test_deadline_aborts_and_answers_504():

@@ -50,7 +50,7 @@ def reference():
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
     texts = {}
     for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+        ids = tokenizer.encode(prompt, add_special_tokens=True).ids  # as the server: BOS first
         tokens = generate_batch(model, [ids], GenerationConfig(max_new_tokens=MAX_TOKENS, stop_token_ids=(EOS_ID,)))[0]
         detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True, token_bytes=TokenBytes(tokenizer))
         texts[prompt] = detokenizer.add(tokens) + detokenizer.finish()

@@ -48,11 +48,11 @@ def reference():
 
     outputs = {}
     for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+        ids = tokenizer.encode(prompt, add_special_tokens=True).ids  # as the server: BOS first
         tokens = generate_batch(model, [ids], GenerationConfig(max_new_tokens=MAX_TOKENS, stop_token_ids=(EOS_ID,)))[0]
         detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True, token_bytes=TokenBytes(tokenizer))
         outputs[prompt] = detokenizer.add(tokens) + detokenizer.finish()
-    return outputs, len(tokenizer.encode(VERSE * 5, add_special_tokens=False).ids)
+    return outputs, len(tokenizer.encode(VERSE * 5, add_special_tokens=True).ids)
 
 
 def _serve(tmp_path_factory, *args):

@@ -50,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--run-dir", default=None, help="sockets and the deployment file (default: a new temp dir)")
     parser.add_argument("--log-dir", default=None, help="service logs (default: <run-dir>/logs)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds each service gets to stop")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds open requests get to finish (new ones get 503) before the rest "
+                             "end with an error; each service then gets this long to stop (default 30)")
     parser.add_argument("--recovery-timeout", type=float, default=None,
                         help="seconds a request waits for a restarting worker before a 503 with Retry-After "
                              "(default: the deployment's timeouts.recovery_s, 90)")
@@ -59,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                              "visible in `ps`: prefer --api-key-file or MOEMESH_API_KEY)")
     parser.add_argument("--api-key-file", default=None, metavar="PATH",
                         help="file of accepted API keys, one per line (# comments)")
+    add_request_limit_arguments(parser)
     parser.add_argument("--speculation", choices=("off", "fixed", "adaptive"), default=None,
                         help="DSpark speculative decoding (default: adaptive when the checkpoint has a drafter)")
     parser.add_argument("--spec-width", type=int, default=None,
@@ -77,6 +80,22 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--restart-backoff-s", type=float, default=0.5,
                         help="first restart delay; doubles per quick death in a row, capped at 30 s "
                              "(default 0.5)")
+
+
+def add_request_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The gateway's limits on hostile input (`[router]` keys of the deployment), for serve and router."""
+    parser.add_argument("--max-body-bytes", type=int, default=None,
+                        help="largest request body; larger ones get 413 before being read (default 32 MiB)")
+    parser.add_argument("--max-json-depth", type=int, default=None,
+                        help="deepest JSON nesting of a request body, checked before parsing (default 64)")
+    parser.add_argument("--max-concurrent-tokenizations", type=int, default=None,
+                        help="worker threads parsing large bodies and tokenizing long prompts at once (default 2)")
+
+
+def request_limits(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
+    """The limits given on the command line, as (router key, value) pairs."""
+    keys = ("max_body_bytes", "max_json_depth", "max_concurrent_tokenizations")
+    return tuple((key, getattr(args, key)) for key in keys if getattr(args, key, None) is not None)
 
 
 def _parse_devices(text: str) -> tuple[str, ...]:
@@ -184,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
                          dtype=args.dtype, placement_path=placement_path, with_drafter=speculation.enabled,
                          data_plane=args.data_plane, cuda_graphs=args.cuda_graphs == "on",
                          api_key_file=api_key_file, recovery_timeout_s=args.recovery_timeout,
-                         model_name=model_name)
+                         model_name=model_name, drain_s=args.drain_timeout,
+                         router_limits=request_limits(args))
     try:
         config_path, deployment = write_deployment(layout)
     except DeploymentError as error:

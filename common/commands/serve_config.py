@@ -53,6 +53,8 @@ class ServeLayout:
     api_key_file: str | None = None  # the gateway's Bearer keys (serve writes them to <run_dir>/api_keys)
     model_name: str | None = None  # the served model name (a hub id); None: the directory's name
     recovery_timeout_s: float | None = None  # timeouts.recovery_s; None: the deployment default
+    drain_s: float = 30.0  # the router lets open requests finish this long on SIGTERM
+    router_limits: tuple[tuple[str, int], ...] = ()  # [router] request limits: (key, value), e.g. max_json_depth
 
 
 class DataPlane(enum.Enum):
@@ -164,15 +166,15 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
         "model": {"path": layout.model_path, "dtype": layout.dtype,
                   **({"name": layout.model_name} if layout.model_name else {})},
         "paths": {"run_dir": layout.run_dir, "log_dir": layout.log_dir},
-        "router": {"host": layout.host, "port": layout.port},
+        "router": {"host": layout.host, "port": layout.port, **dict(layout.router_limits)},
+        "timeouts": {"drain_s": float(layout.drain_s),
+                     **({"recovery_s": float(layout.recovery_timeout_s)} if layout.recovery_timeout_s is not None else {})},
         "attention": [{"name": "attention-0", "device": layout.devices[0],
                        **({"data_plane": layout.data_plane} if layout.data_plane != "zmq" else {}),
                        **({"cuda_graphs": True} if layout.cuda_graphs else {})}],
         "expert": experts,
         **({"draft": {"enabled": True, "name": DRAFT_NAME, "device": layout.devices[0]}} if layout.with_drafter else {}),
         **({"security": {"api_key_file": layout.api_key_file}} if layout.api_key_file is not None else {}),
-        **({"timeouts": {"recovery_s": float(layout.recovery_timeout_s)}}
-           if layout.recovery_timeout_s is not None else {}),
     }
 
 

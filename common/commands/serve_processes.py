@@ -8,7 +8,8 @@ leaves no orphans). Its stderr goes to `<log_dir>/<name>.stderr` (the structured
 
 Stop order matters: the router first (it stops taking HTTP requests and lets the open ones
 finish while the workers are still up), then the attention worker, then the expert
-workers. Each gets SIGTERM and `drain_s` seconds to exit; then SIGKILL.
+workers. Each gets SIGTERM and `drain_s` + STOP_MARGIN_S seconds to exit (the router drains
+for up to `drain_s`, then cuts what is open and stops its engine); then SIGKILL.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import structlog
 log = structlog.get_logger("serve")
 
 _PR_SET_PDEATHSIG = 1
+STOP_MARGIN_S = 15.0  # beyond the drain: cutting open streams, closing connections, stopping the engine
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -83,15 +85,15 @@ def restart_service(service: ServiceProcess) -> ServiceProcess:
 
 
 def stop_services(services: list[ServiceProcess], drain_s: float) -> dict[str, int]:
-    """Stop in the given order: SIGTERM, wait up to drain_s, SIGKILL. Returns exit codes."""
+    """Stop in the given order: SIGTERM, wait up to drain_s + STOP_MARGIN_S, SIGKILL. Returns exit codes."""
     codes: dict[str, int] = {}
     for service in services:
         if service.exit_code is None:
             service.process.send_signal(signal.SIGTERM)
             try:
-                service.process.wait(timeout=drain_s)
+                service.process.wait(timeout=drain_s + STOP_MARGIN_S)
             except subprocess.TimeoutExpired:
-                log.warning("serve.service_killed", name=service.name, after_s=drain_s)
+                log.warning("serve.service_killed", name=service.name, after_s=drain_s + STOP_MARGIN_S)
                 service.process.kill()
                 service.process.wait()
         codes[service.name] = service.process.returncode

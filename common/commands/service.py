@@ -18,6 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--name", default=None, help="this worker's name in the deployment (needed when the "
                         "role has several workers)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    if name == "router":
+        from common.commands.serve import add_request_limit_arguments
+
+        add_request_limit_arguments(parser)
     if name == "attention":
         from services.attention.main import add_attention_arguments
 
@@ -28,11 +32,21 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         add_draft_arguments(parser)
 
 
+def deployment_overrides(args: argparse.Namespace) -> list[str]:
+    """`--set` overrides, and for the router its request-limit flags as `[router]` keys."""
+    overrides = list(args.overrides)
+    if args.command_name == "router":
+        from common.commands.serve import request_limits
+
+        overrides += [f"router.{key}={value}" for key, value in request_limits(args)]
+    return overrides
+
+
 def run(args: argparse.Namespace) -> int:
     from common.runtime.deployment import DeploymentError, load_deployment
 
     try:
-        deployment = load_deployment(args.config, args.overrides)
+        deployment = load_deployment(args.config, deployment_overrides(args))
     except DeploymentError as error:
         print(f"moemesh {args.command_name}: {error}", file=sys.stderr)
         return 2

@@ -14,6 +14,9 @@ Example (every key optional except the model path and one attention and expert w
     [router]
     host = "127.0.0.1"
     port = 8000
+    max_body_bytes = 33554432      # larger request bodies: 413
+    max_json_depth = 64            # deeper JSON nesting: 400, found before parsing
+    max_concurrent_tokenizations = 2   # worker threads parsing large bodies and tokenizing long prompts
 
     [network]
     base_port = 5600               # tcp ports for the internal endpoints (multi-host only)
@@ -22,7 +25,7 @@ Example (every key optional except the model path and one attention and expert w
     dispatch_s = 5.0
     step_s = 30.0
     ready_s = 600.0
-    drain_s = 30.0
+    drain_s = 30.0                 # the router lets open requests finish this long on SIGTERM
     heartbeat_interval_s = 1.0
     recovery_s = 90.0              # a request waits this long for a restarting worker, then 503
 
@@ -94,6 +97,9 @@ class PathsConfig:
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_json_depth: int = 64
+    max_concurrent_tokenizations: int = 2
 
 
 @dataclass(frozen=True)
@@ -243,6 +249,14 @@ def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
         raise DeploymentError("timeouts.heartbeat_interval_s: must be > 0")
     if deployment.timeouts.recovery_s <= 0:
         raise DeploymentError("timeouts.recovery_s: must be > 0")
+    if deployment.timeouts.drain_s < 0:
+        raise DeploymentError("timeouts.drain_s: must be >= 0")
+    if deployment.router.max_body_bytes < 1024:
+        raise DeploymentError("router.max_body_bytes: must be >= 1024")
+    if not 2 <= deployment.router.max_json_depth <= 512:
+        raise DeploymentError("router.max_json_depth: must be in [2, 512]")
+    if deployment.router.max_concurrent_tokenizations < 1:
+        raise DeploymentError("router.max_concurrent_tokenizations: must be >= 1")
     if deployment.kv.block_size_tokens < 1:
         raise DeploymentError("kv.block_size_tokens: must be >= 1")
     if deployment.kv.num_primary_blocks < 1:

@@ -50,6 +50,8 @@ def build_app(config: GatewayConfig, engine: EngineClient, tokenizer: Tokenizer,
 
     async def health(request: Request) -> Response:
         report = engine.health()
+        if gateway.draining:  # a load balancer stops sending here; open requests still finish
+            return JSONResponse({"status": "draining", "services": report.services}, status_code=503)
         body = {"status": "ok" if report.ok else "unavailable", "services": report.services}
         sources = getattr(request.app.state, "status_sources", None)
         restarts = read_restarts(sources.restarts_file()) if sources is not None else {}

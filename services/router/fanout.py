@@ -2,7 +2,8 @@
 
 Each sequence is pumped by its own task into one queue, so choices stream in the order
 their tokens arrive. Every exit path ends every engine sequence: a stop string or the
-deadline aborts it, `close()` (client gone, handler done) aborts whatever is unfinished.
+deadline aborts it, `cut()` (the server stopping) ends it with an error, `close()` (client
+gone, handler done) aborts whatever is unfinished.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class ChoiceFanOut:
         self._queue: asyncio.Queue[ChoiceDelta] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._streams: list[AsyncIterator[TokenEvent]] = []
+        self._cut_message: str | None = None
+        self._woken = asyncio.Event()
 
     @property
     def outputs(self) -> list[SequenceOutput]:
@@ -56,23 +59,48 @@ class ChoiceFanOut:
         """
         num_unfinished = len(self._outputs)
         while num_unfinished:
+            if self._cut_message is not None:
+                for delta in await self._end_all(FinishReason.ERROR, self._cut_message):
+                    yield delta
+                return
             timeout = tick_s
             if self._deadline_s is not None:
                 remaining = self._deadline_s - time.monotonic()
                 if remaining <= 0:
-                    for delta in await self._expire():
+                    log.info("router.deadline_exceeded", request_ids=[r.request_id for r in self._requests])
+                    for delta in await self._end_all(FinishReason.ABORT, "deadline exceeded"):
                         yield delta
                     return
                 timeout = remaining if timeout is None else min(timeout, remaining)
-            try:
-                delta = await asyncio.wait_for(self._queue.get(), timeout)
-            except TimeoutError:
-                if tick_s is not None:
+            delta = await self._next_delta(timeout)
+            if delta is None:
+                if tick_s is not None and self._cut_message is None:
                     yield None
                 continue
             if delta.finish_reason is not None:
                 num_unfinished -= 1
             yield delta
+
+    async def _next_delta(self, timeout_s: float | None) -> ChoiceDelta | None:
+        """The next queued delta, or None after `timeout_s` or when `cut()` wakes the consumer."""
+        if not self._queue.empty():
+            return self._queue.get_nowait()
+        getter = asyncio.ensure_future(self._queue.get())
+        woken = asyncio.ensure_future(self._woken.wait())
+        try:
+            await asyncio.wait((getter, woken), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        return None
+
+    def cut(self, message: str) -> None:
+        """End every unfinished sequence with an error (`message`) at the consumer's next step."""
+        self._cut_message = message
+        self._woken.set()
 
     async def run_to_end(self) -> list[SequenceOutput]:
         async for _ in self.deltas(tick_s=None):
@@ -103,13 +131,14 @@ class ChoiceFanOut:
         except Exception as error:  # noqa: BLE001 - abort must not mask the original outcome
             log.warning("router.abort_failed", request_id=request_id, error=str(error))
 
-    async def _expire(self) -> list[ChoiceDelta]:
-        log.info("router.deadline_exceeded", request_ids=[r.request_id for r in self._requests])
+    async def _end_all(self, reason: FinishReason, message: str) -> list[ChoiceDelta]:
+        """Close (aborting the engine sequences), then what was queued and a final delta for
+        every sequence still unfinished."""
         await self.close()
         deltas = []
         while not self._queue.empty():
             deltas.append(self._queue.get_nowait())
-        deltas += [o.fail(FinishReason.ABORT, "deadline exceeded") for o in self._outputs if not o.finished]
+        deltas += [o.fail(reason, message) for o in self._outputs if not o.finished]
         return deltas
 
     async def _pump(self, index: int, stream: AsyncIterator[TokenEvent]) -> None:

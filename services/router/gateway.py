@@ -3,10 +3,22 @@
 `Gateway.chat_completions` and `Gateway.completions` are step 1 of the hot path
 (architecture §2): validate the body, refuse overload before tokenizing, tokenize, hand
 `GenerationRequest`s to the engine and stream or collect what comes back.
+
+Hostile input costs little: a body over `max_body_bytes` is refused from its Content-Length
+(or as it streams in), nesting deeper than `max_json_depth` before parsing, a prompt that
+cannot fit the context from its byte count before tokenizing (prompt_tokens.py: only where
+the tokenizer bounds the bytes per token). Large bodies are parsed and long prompts tokenized
+in worker threads, at most `max_concurrent_tokenizations` at once, so the event loop (and
+`/health`) stays responsive.
+
+Stopping (`begin_drain`, `cut_open_requests`): new requests get 503 with Retry-After while
+open ones finish; what is still open at the drain timeout ends with an error (a final error
+chunk and `[DONE]` for streams).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import time
@@ -28,9 +40,15 @@ from services.router.engine_client import EngineClient, EngineError, GenerationR
 from services.router.fanout import ChoiceFanOut
 from services.router.gateway_config import GatewayConfig
 from services.router.metrics import RouterMetrics
+from services.router.prompt_tokens import prompt_tokens_for
 from services.router.protocol import CommonOptions, ProtocolError, decode_body
-from services.router.request_parsing import parse_chat_request, parse_completion_request
-from services.router.sequence_output import SequenceOutput
+from services.router.request_parsing import (
+    ChatRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
+from services.router.sequence_output import ChoiceDelta, SequenceOutput
 from services.router.streaming import DONE, KEEP_ALIVE, ClientDisconnected, SSEResponse, run_until_disconnect, sse_data
 
 log = structlog.get_logger("router")
@@ -60,6 +78,8 @@ class _Plan:
     num_logprobs: int | None
     thinking: bool = False
     tools_enabled: bool = False
+    prompt_param: str = "messages"  # the field the prompt came in, for errors
+    echo_texts: tuple[str, ...] | None = None  # completions with echo: each prompt's text
 
 
 class _Overloaded(Exception):
@@ -80,24 +100,24 @@ class Gateway:
         # (which keeps special tokens for its parser) shows neither (see _fan_out)
         bos_id = tokenizer.token_to_id(chat_tokens.BOS)
         self.delimiter_token_ids = frozenset((*config.eos_token_ids, *(() if bos_id is None else (bos_id,))))
+        self.prompt_tokens = config.prompt_tokens or prompt_tokens_for(tokenizer)
+        self._work_limiter: anyio.CapacityLimiter | None = None  # made on the event loop, at first use
+        self.draining = False
+        self._open_fanouts: set[ChoiceFanOut] = set()
+        self._all_closed = asyncio.Event()
+        self._all_closed.set()
 
     # --- endpoints ---------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
         arrival_s = time.monotonic()
+        if self.draining:
+            return self._draining_response("chat")
         try:
             raw = await self._read_body(request)
-            body = decode_body(raw)
-            parsed = parse_chat_request(body, max_num_choices=self.config.max_num_choices,
-                                        default_temperature=self.config.default_temperature,
-                                        default_thinking=self.config.default_thinking)
+            parsed, prompt = await self._off_loop(len(raw), self._prepare_chat, raw)
             model = self._check_model(parsed.options.model)
             self._admit(len(raw))
-            try:
-                prompt = encode_messages(parsed.messages, tools=parsed.tools, thinking=parsed.thinking,
-                                         reasoning_effort=parsed.reasoning_effort)
-            except ChatEncodingError as error:
-                raise ProtocolError(str(error), param="messages") from None
-            prompt_ids = [await self._tokenize(prompt)]
+            prompt_ids = await self._tokenize([prompt], parsed.add_special_tokens, param="messages")
             plan = _Plan("chat", f"chatcmpl-{uuid.uuid4().hex}", model, parsed.options, prompt_ids,
                          parsed.num_logprobs, parsed.thinking, parsed.tools is not None)
         except _Overloaded as overload:
@@ -108,16 +128,22 @@ class Gateway:
 
     async def completions(self, request: Request) -> Response:
         arrival_s = time.monotonic()
+        if self.draining:
+            return self._draining_response("completions")
         try:
             raw = await self._read_body(request)
-            body = decode_body(raw)
-            parsed = parse_completion_request(body, max_num_choices=self.config.max_num_choices,
-                                              default_temperature=self.config.default_temperature)
+            parsed = await self._off_loop(len(raw), self._prepare_completion, raw)
             model = self._check_model(parsed.options.model)
             self._admit(len(raw))
-            prompt_ids = [await self._tokenize(p) if isinstance(p, str) else self._check_ids(p) for p in parsed.prompts]
+            texts = [p for p in parsed.prompts if isinstance(p, str)]
+            text_ids = iter(await self._tokenize(texts, parsed.add_special_tokens, param="prompt"))
+            prompt_ids = [next(text_ids) if isinstance(p, str) else self._check_ids(p) for p in parsed.prompts]
+            echo_texts = None
+            if parsed.echo:
+                echo_texts = tuple(p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=True)
+                                   for p in parsed.prompts)
             plan = _Plan("completions", f"cmpl-{uuid.uuid4().hex}", model, parsed.options, prompt_ids,
-                         parsed.num_logprobs)
+                         parsed.num_logprobs, prompt_param="prompt", echo_texts=echo_texts)
         except _Overloaded as overload:
             return self._overloaded("completions", overload)
         except ProtocolError as error:
@@ -125,14 +151,54 @@ class Gateway:
         return await self._generate(request, plan, arrival_s)
 
     # --- validation helpers ------------------------------------------------------------
+    def _prepare_chat(self, raw: bytes) -> tuple[ChatRequest, str]:
+        """Bytes -> parsed request and the encoded prompt text (pure: runs in a worker thread
+        for large bodies)."""
+        body = decode_body(raw, max_depth=self.config.max_json_depth)
+        parsed = parse_chat_request(body, max_num_choices=self.config.max_num_choices,
+                                    default_temperature=self.config.default_temperature,
+                                    default_thinking=self.config.default_thinking)
+        try:
+            prompt = encode_messages(parsed.messages, tools=parsed.tools, thinking=parsed.thinking,
+                                     reasoning_effort=parsed.reasoning_effort)
+        except ChatEncodingError as error:
+            raise ProtocolError(str(error), param="messages") from None
+        return parsed, prompt
+
+    def _prepare_completion(self, raw: bytes) -> CompletionRequest:
+        body = decode_body(raw, max_depth=self.config.max_json_depth)
+        return parse_completion_request(body, max_num_choices=self.config.max_num_choices,
+                                        default_temperature=self.config.default_temperature,
+                                        max_num_prompts=self.config.max_num_prompts)
+
+    async def _off_loop(self, num_bytes: int, work, *args):
+        """`work(*args)` inline for a small body, else in a worker thread (bounded in number), so
+        parsing and encoding a large body does not stall the event loop."""
+        if num_bytes <= self.config.num_bytes_parsed_inline:
+            return work(*args)
+        return await anyio.to_thread.run_sync(work, *args, limiter=self._limiter())
+
     async def _read_body(self, request: Request) -> bytes:
+        """The size limit holds before any byte is read when Content-Length is given, and while
+        reading otherwise."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ProtocolError(f"request body of {declared} bytes exceeds the limit of {limit} bytes", status=413,
+                                code="body_too_large")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > self.config.max_body_bytes:
-                raise ProtocolError(f"request body exceeds {self.config.max_body_bytes} bytes", status=413)
+            if size > limit:
+                raise ProtocolError(f"request body exceeds the limit of {limit} bytes", status=413,
+                                    code="body_too_large")
             chunks.append(chunk)
         return b"".join(chunks)
+
+    def _limiter(self) -> anyio.CapacityLimiter:
+        if self._work_limiter is None:
+            self._work_limiter = anyio.CapacityLimiter(self.config.max_concurrent_tokenizations)
+        return self._work_limiter
 
     def _check_model(self, model: str | None) -> str:
         if not self.config.serves(model):
@@ -146,28 +212,41 @@ class Gateway:
         if rejection is not None:
             raise _Overloaded(rejection.reason, rejection.retry_after_s)
 
-    async def _tokenize(self, text: str) -> list[int]:
-        if len(text) <= self.config.num_chars_tokenized_inline:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-        encoding = await anyio.to_thread.run_sync(lambda: self.tokenizer.encode(text, add_special_tokens=False))
-        return encoding.ids
+    async def _tokenize(self, texts: list[str], add_special_tokens: bool, *, param: str) -> list[list[int]]:
+        """Token ids of text prompts; each is refused from its byte count first when that
+        already shows it cannot fit the context (prompt_tokens.py says when that bound holds).
+        Long texts are tokenized in a worker thread."""
+        limit = self.config.max_model_len
+        for text in texts:
+            at_least = self.prompt_tokens.min_num_tokens(text, add_special_tokens)
+            if at_least is not None and at_least >= limit:
+                raise ProtocolError(f"the prompt has at least {at_least} tokens; this model's context is {limit} "
+                                    f"tokens", param=param, code="context_length_exceeded")
+        if not texts:
+            return []
+        if sum(len(text) for text in texts) <= self.config.num_chars_tokenized_inline:
+            return self.prompt_tokens.encode(self.tokenizer, texts, add_special_tokens)
+        return await anyio.to_thread.run_sync(self.prompt_tokens.encode, self.tokenizer, texts, add_special_tokens,
+                                              limiter=self._limiter())
 
     def _check_ids(self, ids: list[int]) -> list[int]:
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise ProtocolError(f"token ids must be in [0, {self.vocab_size})", param="prompt")
         return list(ids)
 
-    def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+    def _max_tokens(self, num_prompt_tokens: int, options: CommonOptions, prompt_param: str) -> int:
         limit = self.config.max_model_len
         if num_prompt_tokens >= limit:
             raise ProtocolError(f"the prompt has {num_prompt_tokens} tokens; this model's context is {limit} tokens",
-                                param="messages", code="context_length_exceeded")
+                                param=prompt_param, code="context_length_exceeded")
         room = limit - num_prompt_tokens
+        requested = options.max_tokens
         if requested is None:
             return min(room, self.config.default_max_tokens or room)
         if requested > room:
-            raise ProtocolError(f"max_tokens {requested} + prompt {num_prompt_tokens} tokens exceeds the context "
-                                f"of {limit} tokens", param="max_tokens", code="context_length_exceeded")
+            raise ProtocolError(f"{options.max_tokens_param} {requested} + prompt {num_prompt_tokens} tokens exceeds "
+                                f"the context of {limit} tokens", param=options.max_tokens_param,
+                                code="context_length_exceeded")
         return requested
 
     def _client_error(self, endpoint: str, error: ProtocolError) -> Response:
@@ -175,6 +254,41 @@ class Gateway:
         self.metrics.requests.labels(endpoint, outcome).inc()
         log.info("router.request_refused", endpoint=endpoint, status=error.status, error=error.message)
         return error_response(error)
+
+    def _draining_response(self, endpoint: str) -> Response:
+        self.metrics.requests.labels(endpoint, "rejected").inc()
+        error = ProtocolError("the server is shutting down; retry on another replica or later", status=503,
+                              error_type="service_unavailable_error", code="shutting_down")
+        return error_response(error, headers={"Retry-After": str(self.config.retry_after_draining_s)})
+
+    # --- stopping ----------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """Refuse new generation requests (503); open ones go on."""
+        self.draining = True
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._open_fanouts)
+
+    async def wait_closed(self, timeout_s: float) -> bool:
+        """Whether every open request ended within `timeout_s`."""
+        with anyio.move_on_after(timeout_s):
+            await self._all_closed.wait()
+        return self._all_closed.is_set()
+
+    def cut_open_requests(self, message: str) -> None:
+        """End every open request with an error: streams send a final error chunk and [DONE]."""
+        for fanout in list(self._open_fanouts):
+            fanout.cut(message)
+
+    def _track(self, fanout: ChoiceFanOut) -> None:
+        self._open_fanouts.add(fanout)
+        self._all_closed.clear()
+
+    def _untrack(self, fanout: ChoiceFanOut) -> None:
+        self._open_fanouts.discard(fanout)
+        if not self._open_fanouts:
+            self._all_closed.set()
 
     def _overloaded(self, endpoint: str, overload: _Overloaded) -> Response:
         self.metrics.requests.labels(endpoint, "rejected").inc()
@@ -187,7 +301,7 @@ class Gateway:
         options = plan.options
         requests, outputs = [], []
         for prompt_index, prompt_ids in enumerate(plan.prompt_ids):
-            max_tokens = self._max_tokens(len(prompt_ids), options.max_tokens)
+            max_tokens = self._max_tokens(len(prompt_ids), options, plan.prompt_param)
             for choice in range(options.num_choices):
                 index = prompt_index * options.num_choices + choice
                 # EOS ends a request in the scheduler unless ignore_eos; as a stop id it would end
@@ -219,25 +333,34 @@ class Gateway:
             fanout = self._fan_out(plan, arrival_s)
         except ProtocolError as error:
             return self._client_error(plan.endpoint, error)
+        if self.draining:  # the drain began while this request was being tokenized
+            return self._draining_response(plan.endpoint)
         self.metrics.prompt_tokens.inc(sum(len(p) for p in plan.prompt_ids))
+        self._track(fanout)
         try:
             await fanout.start()
         except EngineError as error:
+            self._untrack(fanout)
             self.metrics.requests.labels(plan.endpoint, "engine_error").inc()
             retry_after = getattr(error, "retry_after_s", None)
             return error_response(ProtocolError(f"engine unavailable: {error}", status=503,
                                                 error_type="service_unavailable_error"),
                                   headers=None if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))})
         if plan.options.stream:
-            return SSEResponse(self._stream(plan, fanout))
+            return SSEResponse(self._stream(plan, fanout), finalize=lambda: self._release(fanout))
         try:
             outputs = await run_until_disconnect(request, fanout.run_to_end())
         except ClientDisconnected:
             self.metrics.requests.labels(plan.endpoint, "client_disconnected").inc()
             return Response(status_code=499)
         finally:
-            await fanout.close()
+            await self._release(fanout)
         return self._complete(plan, outputs)
+
+    async def _release(self, fanout: ChoiceFanOut) -> None:
+        """Abort what is unfinished and stop counting the request as open (safe twice)."""
+        await fanout.close()
+        self._untrack(fanout)
 
     def _usage(self, plan: _Plan, outputs: list[SequenceOutput]) -> responses.UsageTotals:
         usage = responses.combine_usage(outputs, [len(p) for p in plan.prompt_ids], plan.options.num_choices)
@@ -256,16 +379,27 @@ class Gateway:
         self.metrics.requests.labels(plan.endpoint, outcome).inc()
         if outcome == "engine_error":
             message = next(o for o in outputs if o.finish_reason == "error")
-            log.warning("router.request_failed", response_id=plan.response_id)
+            log.warning("router.request_failed", response_id=plan.response_id, error=message.error_message)
             return error_response(ProtocolError(f"engine error: {message.error_message or 'generation failed'}",
-                                                status=503, error_type="service_unavailable_error"))
+                                                status=503, error_type="service_unavailable_error"),
+                                  headers={"Retry-After": str(self.config.retry_after_draining_s)} if self.draining
+                                  else None)
         if outcome == "timeout":
             return error_response(ProtocolError("request deadline exceeded", status=504, error_type="timeout_error"))
         usage = self._usage(plan, outputs)
         created = int(time.time())
         with_logprobs = plan.num_logprobs is not None
-        build = responses.chat_completion if plan.endpoint == "chat" else responses.completion
-        return JSONResponse(build(plan.response_id, created, plan.model, outputs, usage, with_logprobs))
+        if plan.endpoint == "chat":
+            return JSONResponse(responses.chat_completion(plan.response_id, created, plan.model, outputs, usage,
+                                                          with_logprobs))
+        return JSONResponse(responses.completion(plan.response_id, created, plan.model, outputs, usage, with_logprobs,
+                                                 echo_texts=self._echo_per_choice(plan)))
+
+    @staticmethod
+    def _echo_per_choice(plan: _Plan) -> list[str] | None:
+        if plan.echo_texts is None:
+            return None
+        return [text for text in plan.echo_texts for _ in range(plan.options.num_choices)]
 
     async def _stream(self, plan: _Plan, fanout: ChoiceFanOut) -> AsyncIterator[bytes]:
         created = int(time.time())
@@ -274,7 +408,13 @@ class Gateway:
         started: set[int] = set()
         text_offsets: dict[int, int] = {}
         outcome = "client_disconnected"
+        error_message: str | None = None
         try:
+            for index, text in enumerate(self._echo_per_choice(plan) or ()):
+                text_offsets[index] = len(text)
+                yield sse_data(responses.completion_chunk(plan.response_id, created, plan.model,
+                                                          ChoiceDelta(index, text=text), with_logprobs=False,
+                                                          text_offset=0))
             async for delta in fanout.deltas(tick_s=self.config.keep_alive_interval_s):
                 if delta is None:
                     yield KEEP_ALIVE
@@ -292,14 +432,15 @@ class Gateway:
                     chunk = responses.completion_chunk(plan.response_id, created, plan.model, delta,
                                                        with_logprobs=with_logprobs, text_offset=offset)
                 yield sse_data(chunk)
-                if delta.finish_reason == "error":  # the cause, as OpenAI streams an error
-                    yield sse_data(ProtocolError(f"engine error: {delta.error_message or 'generation failed'}",
-                                                 status=503, error_type="service_unavailable_error").body())
+                if delta.finish_reason == "error":
+                    error_message = error_message or delta.error_message or "generation failed"
             usage = self._usage(plan, fanout.outputs)
             if plan.options.include_usage:
                 yield sse_data(responses.usage_chunk(plan.response_id, created, plan.model, usage, chat=chat))
+            if error_message is not None:  # after the choices' final chunks: what ended them
+                yield sse_data(responses.stream_error(error_message))
             yield DONE
             outcome = self._outcome(fanout.outputs)
         finally:
             self.metrics.requests.labels(plan.endpoint, outcome).inc()
-            await fanout.close()
+            await self._release(fanout)

@@ -4,8 +4,13 @@
     -> build SchedulerConfig, EngineConfig, GatewayConfig (frozen, once, here)
     -> on one uvloop event loop: bind the supervisor endpoint (Ready + heartbeats of every
        worker), start the engine loop, serve the Starlette app with uvicorn
-    -> SIGTERM / SIGINT: uvicorn stops accepting and lets open requests finish (bounded),
-       then the engine stops (anything still open ends with an error), sockets close, exit 0.
+    -> SIGTERM / SIGINT: drain (below), then the engine stops, sockets close, exit 0.
+
+Drain: the gateway answers new generation requests 503 with Retry-After (the listener stays
+open, so clients get an answer rather than a refused connection) while open requests finish,
+for at most `[timeouts] drain_s` (`moemesh serve --drain-timeout`). What is still open then
+ends with an error: streams get a final chunk with finish_reason "error", an error event and
+`[DONE]`; other requests a 503. uvicorn then closes the connections. A second signal cuts at once.
 
 The router binds the deployment's supervisor endpoint, so `/health` reflects every worker's
 readiness and liveness; `moemesh serve` waits on that `/health`.
@@ -31,7 +36,11 @@ import uvicorn
 from common.runtime.deployment import Deployment, derive_endpoints
 from services.router.engine_config import EngineConfig
 from services.router.gateway_config import GatewayConfig
+from services.router.prompt_tokens import prompt_tokens_for
 from services.router.scheduler import SchedulerConfig
+
+CUT_GRACE_S = 5.0  # after the drain timeout: for cut streams to send their last chunks
+CLOSE_GRACE_S = 2.0  # uvicorn's wait for connections to close once nothing is open
 
 log = structlog.get_logger("router")
 
@@ -51,7 +60,6 @@ class RouterSettings:
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 1024
     enable_prefix_caching: bool | None = None
-    graceful_shutdown_s: float = 5.0
 
 
 def _or(value, default):
@@ -105,8 +113,12 @@ def build_configs(deployment: Deployment, tokenizer, settings: RouterSettings = 
     )
     model_name = deployment.model.name or model_dir.name
     aliases = tuple(dict.fromkeys(name for name in (model_dir.name, "moemesh") if name != model_name))
+    limits = deployment.router
     gateway = GatewayConfig(model_name=model_name, max_model_len=max_model_len, eos_token_ids=eos_token_ids,
-                            model_aliases=aliases)
+                            model_aliases=aliases,
+                            max_body_bytes=limits.max_body_bytes, max_json_depth=limits.max_json_depth,
+                            max_concurrent_tokenizations=limits.max_concurrent_tokenizations,
+                            prompt_tokens=prompt_tokens_for(tokenizer, model_dir))
     return RouterConfigs(scheduler, engine, gateway, deployment.router.host, deployment.router.port)
 
 
@@ -123,7 +135,7 @@ def main(deployment: Deployment, name: str | None = None, log_level: str = "info
     Path(deployment.paths.run_dir).mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(deployment.model.path)
     configs = build_configs(deployment, tokenizer, settings)
-    return uvloop.run(serve_router(deployment, configs, tokenizer, settings.graceful_shutdown_s))
+    return uvloop.run(serve_router(deployment, configs, tokenizer, deployment.timeouts.drain_s))
 
 
 def _placement_route(deployment: Deployment, security, supervisor, max_silence_s: float):
@@ -222,7 +234,7 @@ def _status_sources(deployment: Deployment, supervisor):
 run = main  # `services.router.main.run(deployment)` is the name the CLI brief asks for
 
 
-async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer, graceful_shutdown_s: float) -> int:
+async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer, drain_s: float) -> int:
     import zmq.asyncio
 
     from common.runtime.supervisor import Supervisor
@@ -251,10 +263,11 @@ async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer
     registry.bind_view(app.state.status_sources.placement)  # the status page shows registered workers live
     _install_api_keys(app, deployment)
     server = _RouterServer(uvicorn.Config(app, host=configs.host, port=configs.port, log_level="warning",
-                                          lifespan="off", timeout_graceful_shutdown=graceful_shutdown_s))
+                                          lifespan="off", timeout_graceful_shutdown=CLOSE_GRACE_S),
+                           app.state.gateway, drain_s)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, server.request_exit, signal.Signals(signum).name)
+        loop.add_signal_handler(signum, server.request_stop, signal.Signals(signum).name)
     log.info("router.http_listening", host=configs.host, port=configs.port, model=configs.gateway.model_name,
              max_model_len=configs.gateway.max_model_len)
     try:
@@ -276,14 +289,35 @@ async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer
 class _RouterServer(uvicorn.Server):
     """uvicorn's Server without its own signal capture: it re-raises captured signals when
     serve() returns, which would kill the process before the engine drained. The router's
-    handlers call `request_exit` instead."""
+    handlers call `request_stop`, which drains the gateway before uvicorn stops."""
+
+    def __init__(self, config: uvicorn.Config, gateway, drain_s: float) -> None:
+        super().__init__(config)
+        self._gateway = gateway
+        self._drain_s = drain_s
+        self._drain_task: asyncio.Task | None = None
 
     @contextlib.contextmanager
     def capture_signals(self):
         yield
 
-    def request_exit(self, signal_name: str) -> None:
+    def request_stop(self, signal_name: str) -> None:
+        if self._drain_task is None:
+            log.info("router.draining", signal=signal_name, drain_s=self._drain_s,
+                     num_open_requests=self._gateway.num_open_requests)
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain(), name="drain")
+            return
+        log.warning("router.drain_cut_short", signal=signal_name, num_open_requests=self._gateway.num_open_requests)
+        self._gateway.cut_open_requests("the server is shutting down")
         if self.should_exit:
-            self.force_exit = True  # second signal: stop waiting for open connections
+            self.force_exit = True  # stop waiting for open connections
         self.should_exit = True
-        log.info("router.draining", signal=signal_name)
+
+    async def _drain(self) -> None:
+        self._gateway.begin_drain()
+        if not await self._gateway.wait_closed(self._drain_s):
+            log.warning("router.drain_timeout", drain_s=self._drain_s, num_open_requests=self._gateway.num_open_requests)
+            self._gateway.cut_open_requests(f"the server is shutting down (open requests had {self._drain_s:g} s "
+                                            f"to finish)")
+            await self._gateway.wait_closed(CUT_GRACE_S)
+        self.should_exit = True

@@ -8,9 +8,11 @@ logged); a known field with a wrong type or range is a 400 with `param` naming i
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import structlog
 
 from common.sampling_params import SamplingParams
@@ -77,17 +79,35 @@ CHAT_FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("top_logprobs", ("integer", "null"), "Alternatives per position (needs logprobs).", 0, MAX_NUM_TOP_LOGPROBS),
     FieldSpec("tools", ("array", "null"), "Tools the model may call: {type: function, function: {...}}.", items=("object",)),
     FieldSpec("tool_choice", ("string", "object", "null"), "none, auto, required or a named function."),
-    FieldSpec("parallel_tool_calls", ("boolean", "null"), "Accepted; the model may always call several."),
     FieldSpec("chat_template_kwargs", ("object", "null"), "{thinking: bool}: thinking on or off."),
     FieldSpec("thinking", ("boolean", "object", "null"), "true/false or {type: enabled|disabled}."),
     FieldSpec("reasoning", ("object", "null"), "{enabled: bool} or {effort: none|low|medium|high|max}."),
     FieldSpec("reasoning_effort", ("string", "null"), "none turns thinking off; max adds the max-effort prompt."),
+    FieldSpec("add_special_tokens", ("boolean", "null"),
+              "Also add the tokenizer's special tokens (BOS) around the chat prompt; default false, since the "
+              "chat encoding starts with its own BOS."),
+    FieldSpec("functions", ("array", "null"), "Refused (the deprecated form of tools): use tools."),
+    FieldSpec("function_call", ("string", "object", "null"), "Refused (the deprecated form of tool_choice)."),
+    FieldSpec("parallel_tool_calls", ("boolean", "null"), "true or null; false (one call at most) is refused."),
+    FieldSpec("modalities", ("array", "null"), "Only [\"text\"].", items=("string",)),
+    FieldSpec("audio", ("object", "null"), "Refused: the model produces text only."),
+    FieldSpec("prediction", ("object", "null"), "Refused: predicted outputs are not supported."),
+    FieldSpec("web_search_options", ("object", "null"), "Refused: no web search."),
+    FieldSpec("store", ("boolean", "null"), "false or null; nothing is stored, so true is refused."),
+    FieldSpec("metadata", ("object", "null"), "Accepted with store absent or false (it tags stored answers)."),
+    FieldSpec("service_tier", ("string", "null"), "auto, default or null; other tiers are refused."),
 )
 
 COMPLETION_FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("prompt", ("string", "array"), "A string, a list of strings, token ids or lists of token ids."),
     *COMMON_FIELDS,
     FieldSpec("logprobs", ("integer", "null"), "Return this many alternatives per token (0: chosen only).", 0, MAX_NUM_TOP_LOGPROBS),
+    FieldSpec("add_special_tokens", ("boolean", "null"),
+              "Add the tokenizer's special tokens (BOS) to a text prompt as its configuration says (default "
+              "true); token-id prompts are taken as given."),
+    FieldSpec("echo", ("boolean", "null"), "Put the prompt before each choice's text (not with logprobs)."),
+    FieldSpec("best_of", ("integer", "null"), "Only null or equal to n: server-side best-of is refused.", minimum=1),
+    FieldSpec("suffix", ("string", "null"), "Refused unless null or empty: no insertion (fill-in-the-middle)."),
 )
 
 _TYPE_CHECKS = {
@@ -115,22 +135,104 @@ def _check_field(spec: FieldSpec, value: Any) -> None:
                 raise ProtocolError(f"items of '{spec.name}' must be {' or '.join(spec.items)}", param=spec.name)
 
 
-def decode_body(raw: bytes) -> dict:
-    """Bytes -> JSON object; invalid UTF-8 (including lone surrogates) and bad JSON are 400s."""
+# A JSON string token (escapes included); what lies between such tokens is structure.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_TO_PARENS = bytes.maketrans(b"[{]}", b"(())")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+_DEPTH_CHUNK = 1 << 22
+
+
+MAX_JSON_CONTAINERS = 65_536  # arrays + objects in one body
+MAX_JSON_STRINGS = 262_144  # strings (keys included) in one body
+MAX_JSON_VALUES = 2_097_152  # values of all kinds in one body: room for two 1M-token id prompts
+
+
+@dataclass(frozen=True)
+class JsonShape:
+    """What a scan of the raw bytes tells about a JSON text before it is parsed."""
+
+    too_deep: bool
+    num_containers: int
+    num_strings: int
+    num_values_at_least: int  # one more than the commas between values
+
+
+def json_shape(raw: bytes, max_depth: int) -> JsonShape:
+    """Nesting beyond `max_depth` and the number of arrays / objects and strings, found without
+    parsing: strings are cut out (a bracket inside one is text), the rest is reduced to its
+    brackets, and the running depth of those is scanned in C (bytes and numpy), a few MiB at a
+    time. Unbalanced brackets may read as deep; such a body is not valid JSON either way.
+    The counts bound what parsing costs: `json.loads` holds the GIL for its whole run, and its
+    time grows with the number of values, not with the length of a long string."""
+    without_strings, num_strings = _JSON_STRING.subn(b"", raw)
+    brackets = without_strings.translate(_TO_PARENS, _NOT_BRACKETS)
+    num_containers = brackets.count(b"(")
+    return JsonShape(_nests_deeper(brackets, max_depth), num_containers, num_strings,
+                     without_strings.count(b",") + 1)
+
+
+def nesting_exceeds(raw: bytes, max_depth: int) -> bool:
+    return json_shape(raw, max_depth).too_deep
+
+
+def _nests_deeper(brackets: bytes, max_depth: int) -> bool:
+    """Whether a string of ( and ) reaches a running depth above `max_depth`."""
+    if b"(" * (max_depth + 1) in brackets:
+        return True
+    num_levels_removed = 0
+    for _ in range(2):  # drop innermost pairs (one level each): lists of short lists vanish here
+        shorter = brackets.replace(b"()", b"")
+        if len(shorter) == len(brackets):
+            break
+        brackets = shorter
+        num_levels_removed += 1
+    if num_levels_removed > max_depth:
+        return True
+    depth = num_levels_removed
+    for start in range(0, len(brackets), _DEPTH_CHUNK):
+        chunk = np.frombuffer(brackets, np.uint8, count=min(_DEPTH_CHUNK, len(brackets) - start), offset=start)
+        running = np.cumsum(81 - 2 * chunk.astype(np.int32)) + depth  # "(" is 40 -> +1, ")" is 41 -> -1
+        if int(running.max()) > max_depth:
+            return True
+        depth = int(running[-1])
+    return False
+
+
+def decode_body(raw: bytes, *, max_depth: int) -> dict:
+    """Bytes -> JSON object; invalid UTF-8 (including lone surrogates), bad JSON, nesting
+    deeper than `max_depth` and more values than MAX_JSON_CONTAINERS / _STRINGS / _VALUES
+    (both checked before parsing) are 400s."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ProtocolError(f"request body is not valid UTF-8: {error.reason} at byte {error.start}") from None
+    # every unescaped quote opens or closes a string: a lower bound on the strings, counted in C
+    # before the scan below, whose regular expression holds the GIL for as long as it runs
+    num_strings_at_least = (raw.count(b'"') - raw.count(b'\\"')) // 2
+    if num_strings_at_least > MAX_JSON_STRINGS:
+        raise ProtocolError(f"request body holds at least {num_strings_at_least} strings; at most {MAX_JSON_STRINGS}",
+                            code="too_many_values")
+    shape = json_shape(raw, max_depth)
+    if shape.too_deep:
+        raise ProtocolError(f"request body nests arrays and objects deeper than {max_depth} levels",
+                            code="nesting_too_deep")
+    if (shape.num_containers > MAX_JSON_CONTAINERS or shape.num_strings > MAX_JSON_STRINGS
+            or shape.num_values_at_least > MAX_JSON_VALUES):
+        raise ProtocolError(f"request body holds {shape.num_containers} arrays / objects, {shape.num_strings} strings "
+                            f"and at least {shape.num_values_at_least} values; at most {MAX_JSON_CONTAINERS}, "
+                            f"{MAX_JSON_STRINGS} and {MAX_JSON_VALUES}", code="too_many_values")
     try:
         body = json.loads(text)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:
         raise ProtocolError(f"request body is not valid JSON: {error}") from None
     if not isinstance(body, dict):
         raise ProtocolError("request body must be a JSON object")
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ProtocolError("request body contains invalid Unicode (a lone surrogate escape)") from None
+    if _SURROGATE_ESCAPE.search(raw):  # only a \uD800-\uDFFF escape can make a lone surrogate
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ProtocolError("request body contains invalid Unicode (a lone surrogate escape)") from None
     return body
 
 
@@ -156,6 +258,7 @@ class CommonOptions:
     stop_strings: tuple[str, ...]
     seed: int | None
     sampling_fields: dict  # keyword arguments of SamplingParams except max_tokens / num_logprobs
+    max_tokens_param: str = "max_tokens"  # the field the client set the token budget with
 
     def sampling_params(self, *, max_tokens: int, num_logprobs: int | None, seed: int | None,
                         stop_token_ids: tuple[int, ...]) -> SamplingParams:
@@ -169,6 +272,7 @@ def parse_common(body: dict, *, max_num_choices: int, default_temperature: float
         return default if value is None else value
 
     max_tokens = body.get(max_tokens_field) if max_tokens_field else None
+    max_tokens_param = max_tokens_field if max_tokens is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
     num_choices = get("n", 1)
@@ -207,4 +311,5 @@ def parse_common(body: dict, *, max_num_choices: int, default_temperature: float
         stop_strings=stop_strings,
         seed=body.get("seed"),
         sampling_fields=fields,
+        max_tokens_param=max_tokens_param,
     )

@@ -124,11 +124,12 @@ def chat_chunk(response_id: str, created: int, model: str, delta: ChoiceDelta, *
 
 
 def completion(response_id: str, created: int, model: str, outputs: list[SequenceOutput],
-               usage: UsageTotals, with_logprobs: bool) -> dict:
+               usage: UsageTotals, with_logprobs: bool, echo_texts: list[str] | None = None) -> dict:
+    """echo_texts: per choice, the prompt text put before the completion (`echo`)."""
     choices = [
         {
             "index": o.index,
-            "text": o.text,
+            "text": (echo_texts[o.index] if echo_texts else "") + o.text,
             "logprobs": completion_logprobs(o.logprobs, 0) if with_logprobs else None,
             "finish_reason": o.finish_reason,
         }
@@ -153,3 +154,9 @@ def completion_chunk(response_id: str, created: int, model: str, delta: ChoiceDe
 def usage_chunk(response_id: str, created: int, model: str, usage: UsageTotals, *, chat: bool) -> dict:
     return {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created, "model": model, "choices": [], "usage": usage.to_json()}
+
+
+def stream_error(message: str) -> dict:
+    """The event that tells a streaming client why its choices ended with finish_reason "error"
+    (sent after their final chunks, before [DONE])."""
+    return {"error": {"message": message, "type": "service_unavailable_error", "param": None, "code": None}}

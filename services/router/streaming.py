@@ -9,7 +9,7 @@ listens for `http.disconnect`; when the client goes away the iterator is cancell
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
@@ -39,8 +39,12 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 class SSEResponse:
     """An ASGI response streaming the byte chunks of `events` as text/event-stream."""
 
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None,
+                 finalize: Callable[[], Awaitable[None]] | None = None) -> None:
+        """finalize: awaited once the response is over, however it ended (also when `events`
+        never started: its own `finally` then never runs)."""
         self._events = events
+        self._finalize = finalize
         self._headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                          (b"x-accel-buffering", b"no")]
         self._headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -66,6 +70,9 @@ class SSEResponse:
             group.start_soon(pump)
             group.start_soon(watch)
         await _close(self._events)
+        if self._finalize is not None:
+            with anyio.CancelScope(shield=True):
+                await self._finalize()
 
 
 async def _close(events: AsyncIterator[bytes]) -> None:
