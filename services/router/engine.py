@@ -48,6 +48,7 @@ from services.router.engine_drafts import DraftCoordinator
 from services.router.engine_health import HealthTracker
 from services.router.engine_plan import PlanTranslator, ResultMismatch, TranslatedResult, failed_results, translate_result
 from services.router.engine_streams import RequestStream
+from services.router.guided_decoding import attach_token_masks
 from services.router.scheduler import Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
 
 log = structlog.get_logger("router")
@@ -134,6 +135,7 @@ class Engine:
             arrival_time_s=now_s,
             deadline_s=deadline_s,
             eos_token_ids=self.config.eos_token_ids,
+            guide=request.guide,
         )
         stream = RequestStream(scheduled)
         self._streams[request.request_id] = stream
@@ -267,7 +269,8 @@ class Engine:
                     and not request.output_token_ids:
                 carried.append(Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                                        sampling_params=request.sampling_params, arrival_time_s=request.arrival_time_s,
-                                       deadline_s=request.deadline_s, eos_token_ids=request.eos_token_ids))
+                                       deadline_s=request.deadline_s, eos_token_ids=request.eos_token_ids,
+                                       guide=request.guide))
         kept_streams = {r.request_id: self._streams.pop(r.request_id) for r in carried if r.request_id in self._streams}
         log.warning("router.attention_restarted", attention=self.config.attention_name, old_pid=old_pid,
                     new_pid=ready.pid, num_failed_requests=len(self._streams), num_carried_requests=len(carried))
@@ -307,6 +310,7 @@ class Engine:
             for plan in self.translator.plans_for(output):
                 if self.drafts is not None:
                     plan = self.drafts.decorate(plan)
+                plan = attach_token_masks(plan, self._guide_of)  # after the drafts: masks cover them
                 reply = await self._request_step(plan)
                 match reply:
                     case StepResult():
@@ -330,6 +334,10 @@ class Engine:
         log.debug("router.step", step_id=output.step_id, num_sequences=len(output.scheduled),
                   num_tokens=output.num_scheduled_tokens)
         return result
+
+    def _guide_of(self, request_id: str):
+        request = self.scheduler.get_request(request_id)
+        return None if request is None else request.guide
 
     async def _request_step(self, plan):
         """The attention worker's reply to one plan. While it is awaited, a Ready from a new

@@ -27,6 +27,7 @@ from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
 from services.router.engine_client import EngineClient, EngineError, GenerationRequest
 from services.router.fanout import ChoiceFanOut
 from services.router.gateway_config import GatewayConfig
+from services.router.guided_decoding import GrammarTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.protocol import CommonOptions, ProtocolError, decode_body
 from services.router.request_parsing import parse_chat_request, parse_completion_request
@@ -79,6 +80,7 @@ class Gateway:
         # sequence delimiters: past an ignored EOS the model starts a new text with BOS; chat
         # (which keeps special tokens for its parser) shows neither (see _fan_out)
         bos_id = tokenizer.token_to_id(chat_tokens.BOS)
+        self.grammar_tokenizer = GrammarTokenizer(tokenizer, config.eos_token_ids)
         self.delimiter_token_ids = frozenset((*config.eos_token_ids, *(() if bos_id is None else (bos_id,))))
 
     # --- endpoints ---------------------------------------------------------------------
@@ -89,7 +91,8 @@ class Gateway:
             body = decode_body(raw)
             parsed = parse_chat_request(body, max_num_choices=self.config.max_num_choices,
                                         default_temperature=self.config.default_temperature,
-                                        default_thinking=self.config.default_thinking)
+                                        default_thinking=self.config.default_thinking,
+                                        vocab_size=self.vocab_size)
             model = self._check_model(parsed.options.model)
             self._admit(len(raw))
             try:
@@ -112,7 +115,8 @@ class Gateway:
             raw = await self._read_body(request)
             body = decode_body(raw)
             parsed = parse_completion_request(body, max_num_choices=self.config.max_num_choices,
-                                              default_temperature=self.config.default_temperature)
+                                              default_temperature=self.config.default_temperature,
+                                              vocab_size=self.vocab_size)
             model = self._check_model(parsed.options.model)
             self._admit(len(raw))
             prompt_ids = [await self._tokenize(p) if isinstance(p, str) else self._check_ids(p) for p in parsed.prompts]
@@ -197,7 +201,10 @@ class Gateway:
                                                  seed=derive_seed(options.seed, index),
                                                  stop_token_ids=() if ignore_eos else self.config.eos_token_ids)
                 deadline = time.time() + self.config.request_timeout_s if self.config.request_timeout_s else None
-                requests.append(GenerationRequest(f"{plan.response_id}-{index}", tuple(prompt_ids), params, deadline))
+                guide = None if options.response_format is None else \
+                    self.grammar_tokenizer.new_guide(options.response_format)
+                requests.append(GenerationRequest(f"{plan.response_id}-{index}", tuple(prompt_ids), params, deadline,
+                                                  guide))
                 parser = None
                 if plan.endpoint == "chat":
                     parser = ChatOutputParser(plan.thinking, tools_enabled=plan.tools_enabled,

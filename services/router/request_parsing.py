@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.router.protocol import (
@@ -13,6 +13,14 @@ from services.router.protocol import (
     check_fields,
     parse_common,
 )
+
+def _with_output_controls(options: CommonOptions, body: dict, vocab_size: int) -> CommonOptions:
+    """logit_bias and response_format (validated in guided_decoding.py) added to the options."""
+    from services.router.guided_decoding import parse_logit_bias, parse_response_format
+
+    fields = dict(options.sampling_fields, logit_bias=parse_logit_bias(body.get("logit_bias"), vocab_size))
+    return replace(options, sampling_fields=fields, response_format=parse_response_format(body.get("response_format")))
+
 
 _MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 _THINKING_OFF_EFFORTS = ("none",)
@@ -99,13 +107,14 @@ def _thinking_choice(body: dict, default: bool) -> tuple[bool, str | None]:
 
 
 def parse_chat_request(body: dict, *, max_num_choices: int, default_temperature: float,
-                       default_thinking: bool) -> ChatRequest:
+                       default_thinking: bool, vocab_size: int) -> ChatRequest:
     check_fields(body, CHAT_FIELDS, endpoint="chat")
     if "messages" not in body:
         raise ProtocolError("'messages' is required", param="messages")
     _check_messages(body["messages"])
     options = parse_common(body, max_num_choices=max_num_choices, default_temperature=default_temperature,
                            max_tokens_field="max_completion_tokens")
+    options = _with_output_controls(options, body, vocab_size)
     tools = body.get("tools") or None
     if tools:
         _check_tools(tools)
@@ -140,11 +149,13 @@ def _check_prompt(prompt: Any) -> list[str | list[int]]:
     return prompts
 
 
-def parse_completion_request(body: dict, *, max_num_choices: int, default_temperature: float) -> CompletionRequest:
+def parse_completion_request(body: dict, *, max_num_choices: int, default_temperature: float,
+                             vocab_size: int) -> CompletionRequest:
     check_fields(body, COMPLETION_FIELDS, endpoint="completions")
     if "prompt" not in body:
         raise ProtocolError("'prompt' is required", param="prompt")
     prompts = _check_prompt(body["prompt"])
     options = parse_common(body, max_num_choices=max_num_choices, default_temperature=default_temperature,
                            max_tokens_field=None)
+    options = _with_output_controls(options, body, vocab_size)
     return CompletionRequest(options, prompts, body.get("logprobs"))
