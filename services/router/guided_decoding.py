@@ -41,6 +41,9 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 _FORMAT_TYPES = ("text", "json_object", "json_schema")
 # json_object: any JSON object, as OpenAI and vLLM define that mode
 _JSON_OBJECT_SCHEMA = {"type": "object"}
+# Compact JSON (no free whitespace between tokens of the syntax): a model cannot pad the output
+# with blank lines until max_tokens. A schema may override it with its own "x-guidance" options.
+_JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
 def parse_logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -110,7 +113,7 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
         if not isinstance(schema, (dict, bool)):
             raise _format_error("'response_format.json_schema.schema' must be a JSON Schema object")
     try:
-        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
         problem = LLMatcher.validate_grammar(grammar)
     except (ValueError, TypeError, RuntimeError) as error:
         problem = str(error)
