@@ -85,28 +85,44 @@ def _ok(replies: list[httpx.Response]) -> list[dict]:
 
 def _guided_bodies(tokenizer) -> list[dict]:
     """Completions with a grammar, greedy and sampled. json_object leaves keys and values free;
-    a bias towards '"' and '}' makes the KJV model close strings and the object early."""
-    closing = {str(tokenizer.token_to_id('"')): 6, str(tokenizer.token_to_id("}")): 6}
+    a bias towards '"' and '}' makes the KJV model close its strings and the object early."""
+    closing = {str(tokenizer.token_to_id('"')): 12, str(tokenizer.token_to_id("}")): 8}
     common = {"prompt": PROMPT, "max_tokens": MAX_TOKENS}
     return [
         {**common, "temperature": 0, "response_format": SCHEMA_FORMAT},
         {**common, "temperature": 1.0, "seed": 7, "n": 2, "response_format": SCHEMA_FORMAT},
         {**common, "temperature": 0, "response_format": {"type": "json_object"}, "logit_bias": closing},
-        {**common, "temperature": 1.0, "seed": 11, "response_format": {"type": "json_object"}, "logit_bias": closing},
+        {**common, "temperature": 1.0, "seed": 5, "response_format": {"type": "json_object"}, "logit_bias": closing},
     ]
 
 
-def _check_guided(replies: list[dict], bodies: list[dict]) -> list[str]:
+def _is_grammar_prefix(text: str, tokenizer) -> bool:
+    """Whether llguidance's json_object grammar accepts `text` as an unfinished output."""
+    from services.router.guided_decoding import GrammarTokenizer, parse_response_format
+
+    guide = GrammarTokenizer(tokenizer, (1,)).new_guide(parse_response_format({"type": "json_object"}))
+    return guide.matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False).ids) \
+        and not guide.matcher.is_accepting()
+
+
+def _check_guided(replies: list[dict], bodies: list[dict], tokenizer) -> list[str]:
+    """Every schema output completes and validates; a json_object output parses when complete.
+    A sampled json_object (free-length keys) may instead reach max_tokens: then it must end with
+    "length" and be an unfinished object the grammar accepts."""
     texts = []
     for reply, body in zip(replies, bodies):
         for choice in reply["choices"]:
+            texts.append(choice["text"])
+            if body["response_format"]["type"] == "json_object" and body["temperature"] > 0 \
+                    and choice["finish_reason"] == "length":
+                assert _is_grammar_prefix(choice["text"], tokenizer), choice
+                continue
             assert choice["finish_reason"] == "stop", choice
             value = json.loads(choice["text"])
             if body["response_format"]["type"] == "json_schema":
                 jsonschema.validate(value, SCHEMA)
             else:
                 assert isinstance(value, dict)
-            texts.append(choice["text"])
     return texts
 
 
@@ -154,9 +170,11 @@ def test_garbage_output_controls_are_400_naming_the_field(plain, path, field, va
 
 def test_grammar_outputs_parse_and_validate_and_speculation_changes_no_greedy_output(plain, speculative, tokenizer):
     bodies = _guided_bodies(tokenizer)
-    plain_texts = _check_guided(_ok(asyncio.run(_post_all(plain.base_url, "/v1/completions", bodies))), bodies)
+    plain_replies = _ok(asyncio.run(_post_all(plain.base_url, "/v1/completions", bodies)))
+    plain_texts = _check_guided(plain_replies, bodies, tokenizer)
+    assert plain_replies[3]["choices"][0]["finish_reason"] == "stop"  # seed 5 completes its object
     spec_replies = _ok(asyncio.run(_post_all(speculative.base_url, "/v1/completions", bodies)))
-    spec_texts = _check_guided(spec_replies, bodies)
+    spec_texts = _check_guided(spec_replies, bodies, tokenizer)
     assert sum(reply["usage"]["speculative"]["draft_tokens"] for reply in spec_replies) > 0  # speculation ran
     greedy = [0, 3]  # bodies 0 and 2 are greedy (body 1 has n = 2)
     assert [spec_texts[i] for i in greedy] == [plain_texts[i] for i in greedy]

@@ -147,7 +147,7 @@ class TokenGuide:
     def __init__(self, ll_tokenizer: Any, grammar: str) -> None:
         from llguidance import LLMatcher
 
-        self.matcher = LLMatcher(ll_tokenizer, grammar)
+        self.matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)  # refusals are reported by advance()
         if self.matcher.is_error():
             raise _format_error(f"'response_format' grammar failed to start: {self.matcher.get_error()[:300]}")
         self.num_words = -(-ll_tokenizer.vocab_size // 32)
