@@ -152,7 +152,7 @@ def test_guide_masks_follow_the_grammar_and_roll_back_drafts(tokenizer, grammar_
     assert _allowed_ids(guide.masks())[0] == first  # still at the start
     refused = _allowed_ids(guide.masks([quote, brace]))  # draft 0 breaks the grammar
     assert refused[0] == first and len(refused[1]) == len(refused[2]) == 384 * 32  # unused rows: all allowed
-    for token_id in tokenizer.encode('{"a": 1', add_special_tokens=False).ids:
+    for token_id in tokenizer.encode('{"a":1', add_special_tokens=False).ids:
         assert guide.advance(token_id) is None
     close = tokenizer.token_to_id("}")
     assert close in _allowed_ids(guide.masks())[0]
@@ -199,3 +199,43 @@ def test_step_plan_carries_masks_as_a_tensor_frame_from_numpy(tokenizer, grammar
 def test_response_format_is_frozen_data():
     parsed = parse_response_format({"type": "json_object"})
     assert isinstance(parsed, ResponseFormat) and isinstance(parsed.grammar, str)
+
+
+def test_guide_starts_after_the_end_of_thinking(tokenizer, grammar_tokenizer):
+    think_end = 9  # any token id standing for the end of the reasoning
+    brace = tokenizer.token_to_id("{")
+    word = tokenizer.encode(" the", add_special_tokens=False).ids[0]
+    guide = grammar_tokenizer.new_guide(parse_response_format({"type": "json_object"}), start_after_token_id=think_end)
+    assert guide.masks() is None and guide.masks([word, word]) is None  # reasoning: unconstrained
+    rows = guide.masks([word, think_end, brace])  # the drafts end the reasoning at draft 1
+    allowed = _allowed_ids(rows)
+    assert len(allowed[0]) == len(allowed[1]) == 384 * 32  # up to the end token: free
+    assert brace in allowed[2] and word not in allowed[2]  # the answer must open an object
+    assert '"' in tokenizer.decode(sorted(allowed[3])[:400])  # after "{": keys
+    assert guide.advance(word) is None and guide.advance(think_end) is None
+    assert _allowed_ids(guide.masks())[0] == allowed[2]
+    assert guide.advance(word) is FinishReason.ERROR
+
+
+def test_masked_verification_emits_only_allowed_tokens_and_matches_masked_greedy():
+    """The worker masks every verified slot's logits; greedy verification then equals plain greedy
+    decoding under the same masks, and rejection sampling never emits a disallowed token."""
+    from services.attention.sampling import verify
+
+    generator = torch.Generator().manual_seed(3)
+    num_vocab, num_drafts = 64, 3
+    for trial in range(20):
+        logits = torch.randn(2, num_drafts + 1, num_vocab, generator=generator) * 3  # [B, W1, V]
+        allowed = torch.rand(2, num_drafts + 1, num_vocab, generator=generator) < 0.3
+        allowed[..., trial % num_vocab] = True
+        masks = pack_token_masks(allowed.view(-1, num_vocab))
+        flat = apply_token_masks(logits.view(-1, num_vocab), masks, list(range(8)), list(range(8)))
+        masked = flat.view(2, num_drafts + 1, num_vocab)
+        greedy_path = masked[0].argmax(dim=-1)  # [W1]: drafts equal to masked greedy are accepted
+        drafts = torch.stack([greedy_path[:num_drafts], torch.randint(0, num_vocab, (num_drafts,), generator=generator)])
+        draft_probs = torch.full((2, num_drafts, num_vocab), 1.0 / num_vocab)
+        params = [SamplingParams(), SamplingParams(temperature=1.0)]
+        out = verify(masked, drafts, draft_probs, params, [None, 100 + trial], [0, 0], [[1], [1]], [[], []])
+        assert out.num_accepted[0] == num_drafts and out.emitted_token_ids[0] == greedy_path.tolist()
+        for k, token_id in enumerate(out.emitted_token_ids[1]):
+            assert allowed[1, k, token_id], (trial, k, token_id)

@@ -81,6 +81,7 @@ class Gateway:
         # (which keeps special tokens for its parser) shows neither (see _fan_out)
         bos_id = tokenizer.token_to_id(chat_tokens.BOS)
         self.grammar_tokenizer = GrammarTokenizer(tokenizer, config.eos_token_ids)
+        self.think_end_token_id = tokenizer.token_to_id(chat_tokens.THINK_END)
         self.delimiter_token_ids = frozenset((*config.eos_token_ids, *(() if bos_id is None else (bos_id,))))
 
     # --- endpoints ---------------------------------------------------------------------
@@ -201,8 +202,9 @@ class Gateway:
                                                  seed=derive_seed(options.seed, index),
                                                  stop_token_ids=() if ignore_eos else self.config.eos_token_ids)
                 deadline = time.time() + self.config.request_timeout_s if self.config.request_timeout_s else None
-                guide = None if options.response_format is None else \
-                    self.grammar_tokenizer.new_guide(options.response_format)
+                # a thinking chat answer is constrained after its reasoning, from the token ending it
+                guide = None if options.response_format is None else self.grammar_tokenizer.new_guide(
+                    options.response_format, self.think_end_token_id if plan.thinking else None)
                 requests.append(GenerationRequest(f"{plan.response_id}-{index}", tuple(prompt_ids), params, deadline,
                                                   guide))
                 parser = None

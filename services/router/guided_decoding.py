@@ -110,7 +110,9 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
         if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
             raise _format_error("'response_format.json_schema.strict' must be a boolean")
         schema = spec.get("schema", {})
-        if not isinstance(schema, (dict, bool)):
+        if schema is True:  # the boolean schema that accepts any JSON value
+            schema = {}
+        if not isinstance(schema, dict):
             raise _format_error("'response_format.json_schema.schema' must be a JSON Schema object")
     try:
         grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
@@ -137,31 +139,44 @@ class GrammarTokenizer:
             self._built = LLTokenizer(self._tokenizer.to_str(), eos_token=self._eos_token_ids or None)
         return self._built
 
-    def new_guide(self, response_format: ResponseFormat) -> "TokenGuide":
-        return TokenGuide(self.get(), response_format.grammar)
+    def new_guide(self, response_format: ResponseFormat, start_after_token_id: int | None = None) -> "TokenGuide":
+        return TokenGuide(self.get(), response_format.grammar, start_after_token_id)
 
 
 class TokenGuide:
-    """One constrained sequence's grammar state (a matcher over the tokens committed so far)."""
+    """One constrained sequence's grammar state (a matcher over the tokens committed so far).
 
-    def __init__(self, ll_tokenizer: Any, grammar: str) -> None:
+    `start_after_token_id`: the grammar applies only after this token (a chat answer that
+    thinks first is constrained after its end-of-thinking token, as vLLM's reasoning models
+    are); None: from the first generated token.
+    """
+
+    def __init__(self, ll_tokenizer: Any, grammar: str, start_after_token_id: int | None = None) -> None:
         from llguidance import LLMatcher
 
         self.matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)  # refusals are reported by advance()
         if self.matcher.is_error():
             raise _format_error(f"'response_format' grammar failed to start: {self.matcher.get_error()[:300]}")
         self.num_words = -(-ll_tokenizer.vocab_size // 32)
+        self.start_after_token_id = start_after_token_id
+        self.started = start_after_token_id is None
 
-    def masks(self, draft_token_ids: Sequence[int] = ()) -> np.ndarray:
-        """[1 + W, words] int32: the allowed tokens at the next position and after each draft.
-        Rows after a draft the grammar refuses (and after the grammar completes) allow
-        everything: verification stops at that draft, so they are never sampled from."""
+    def masks(self, draft_token_ids: Sequence[int] = ()) -> np.ndarray | None:
+        """[1 + W, words] int32: the allowed tokens at the next position and after each draft;
+        None while the grammar has not started and no draft starts it. Rows before the start,
+        after a draft the grammar refuses and after the grammar completes allow everything:
+        the first are unconstrained, and verification never samples from the others."""
         from llguidance.numpy import fill_next_token_bitmask
 
+        start = 0 if self.started else next(
+            (k + 1 for k, token_id in enumerate(draft_token_ids) if token_id == self.start_after_token_id), None)
+        if start is None:
+            return None
         rows = np.full((1 + len(draft_token_ids), self.num_words), -1, dtype=np.int32)
-        fill_next_token_bitmask(self.matcher, rows, 0)
+        fill_next_token_bitmask(self.matcher, rows, start)
         num_consumed = 0
-        for k, token_id in enumerate(draft_token_ids):
+        for k in range(start, len(draft_token_ids)):
+            token_id = draft_token_ids[k]
             allowed = 0 <= token_id < 32 * self.num_words and (int(rows[k, token_id >> 5]) >> (token_id & 31)) & 1
             if not allowed or not self.matcher.consume_token(token_id):
                 break
@@ -176,6 +191,9 @@ class TokenGuide:
     def advance(self, token_id: int) -> FinishReason | None:
         """Commit one token: STOP once the grammar is complete, ERROR for a token it refuses
         (the worker did not apply the mask), None while it goes on."""
+        if not self.started:
+            self.started = token_id == self.start_after_token_id
+            return None
         if not self.matcher.consume_token(token_id):
             return FinishReason.ERROR
         return FinishReason.STOP if self.matcher.is_stopped() else None
@@ -190,6 +208,9 @@ def attach_token_masks(plan: StepPlan, guide_of: Callable[[str], TokenGuide | No
             sequences.append(seq)
             continue
         rows = guide.masks(seq.draft_token_ids)  # [1 + W, words]
+        if rows is None:
+            sequences.append(seq)
+            continue
         sequences.append(dataclasses.replace(seq, token_mask_row=num_rows))
         blocks.append(rows)
         num_rows += rows.shape[0]
