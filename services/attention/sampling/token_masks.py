@@ -19,11 +19,17 @@ import torch
 BITS_PER_WORD = 32
 
 
+def _bit_values(device: torch.device) -> torch.Tensor:
+    """[32] int32: 1 << j for each bit j (bit 31 is the sign bit, -2^31)."""
+    values = [1 << j for j in range(BITS_PER_WORD)]
+    values[-1] -= 1 << 32
+    return torch.tensor(values, dtype=torch.int32).to(device)
+
+
 def unpack_token_masks(words: torch.Tensor, num_vocab: int) -> torch.Tensor:
     """[N, Wd] int32 packed masks -> [N, V] bool, True where the token is allowed."""
     num_rows, num_words = words.shape
-    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=words.device)  # [32]
-    bits = (words.unsqueeze(-1) >> shifts).bitwise_and(1).bool()  # [N, Wd, 32]
+    bits = words.unsqueeze(-1).bitwise_and(_bit_values(words.device)) != 0  # [N, Wd, 32]
     allowed = bits.view(num_rows, num_words * BITS_PER_WORD)  # [N, Wd * 32]
     if allowed.shape[1] >= num_vocab:
         return allowed[:, :num_vocab]
@@ -43,9 +49,12 @@ def apply_token_masks(
     mask_index = torch.tensor(list(mask_rows), dtype=torch.int64)
     words = masks.index_select(0, mask_index.to(masks.device)).to(device, non_blocking=True)  # [N, Wd]
     allowed = unpack_token_masks(words, logits.shape[1])  # [N, V]
+    if list(logit_rows) == list(range(logits.shape[0])):  # every row constrained, in order
+        return torch.where(allowed, logits, float("-inf"))
     logit_index = torch.tensor(list(logit_rows), dtype=torch.int64).to(device, non_blocking=True)
-    rows = logits.index_select(0, logit_index).masked_fill(~allowed, float("-inf"))  # [N, V]
-    return logits.index_copy(0, logit_index, rows)
+    out = logits.clone()
+    out[logit_index] = torch.where(allowed, logits[logit_index], float("-inf"))  # [N, V]
+    return out
 
 
 def pack_token_masks(allowed: torch.Tensor) -> torch.Tensor:
