@@ -13,11 +13,11 @@ from services.router.protocol import (
     check_fields,
     parse_common,
 )
+from services.router.guided_decoding import parse_logit_bias, parse_response_format
+
 
 def _with_output_controls(options: CommonOptions, body: dict, vocab_size: int) -> CommonOptions:
     """logit_bias and response_format (validated in guided_decoding.py) added to the options."""
-    from services.router.guided_decoding import parse_logit_bias, parse_response_format
-
     fields = dict(options.sampling_fields, logit_bias=parse_logit_bias(body.get("logit_bias"), vocab_size))
     return replace(options, sampling_fields=fields, response_format=parse_response_format(body.get("response_format")))
 
