@@ -29,6 +29,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     num_logprobs: int | None = None  # None: no logprobs; 0: the chosen token's only; k: plus top k
+    # (token id, bias) pairs added to the raw logits before penalties, temperature and filters;
+    # sorted by token id, each id once, each bias in [-100, 100] (OpenAI's logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         problems = []
@@ -50,6 +53,11 @@ class SamplingParams:
             problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.num_logprobs is not None and not 0 <= self.num_logprobs <= 20:
             problems.append(f"num_logprobs must be in [0, 20], got {self.num_logprobs}")
+        token_ids = [token_id for token_id, _ in self.logit_bias]
+        if token_ids != sorted(set(token_ids)) or any(token_id < 0 for token_id in token_ids):
+            problems.append("logit_bias must list distinct non-negative token ids in ascending order")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            problems.append("logit_bias values must be in [-100, 100]")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -80,6 +88,7 @@ class SamplingParams:
             "stop_token_ids": list(self.stop_token_ids),
             "ignore_eos": self.ignore_eos,
             "num_logprobs": self.num_logprobs,
+            "logit_bias": [[token_id, bias] for token_id, bias in self.logit_bias],
         }
 
     @classmethod
@@ -91,4 +100,9 @@ class SamplingParams:
         values = dict(fields)
         if "stop_token_ids" in values:
             values["stop_token_ids"] = tuple(int(t) for t in values["stop_token_ids"])
+        if "logit_bias" in values:
+            try:
+                values["logit_bias"] = tuple((int(token_id), float(bias)) for token_id, bias in values["logit_bias"])
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias must be [token id, bias] pairs") from None
         return cls(**values)

@@ -1,15 +1,19 @@
 """Control channel messages between the router and an attention worker: one step's plan and result.
 
 Part of the wire vocabulary registered in `common/wire/messages.py` (see its docstring for the
-field types the codec understands); imports no torch.
+field types the codec understands); imports no torch. The router sends StepPlan's one tensor
+field (`token_masks`) as a numpy array, so it never loads torch either.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from common.wire.message_enums import RoutingPhase
+
+if TYPE_CHECKING:  # the annotation only; nothing here imports torch at run time
+    from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,9 @@ class ScheduledSequence:
     num_prompt_tokens: int | None = None
     # With `sampling`: the id of the HTTP request it belongs to (X-Request-Id), for the worker's logs.
     client_request_id: str | None = None
+    # Constrained decoding (response_format): the first of this sequence's 1 + len(draft_token_ids)
+    # rows in StepPlan.token_masks, one per sampled position in order; None: unconstrained.
+    token_mask_row: int | None = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,11 @@ class StepPlan:
 
     Block moves run before the step's compute: swap_out pairs are (gpu_block, cpu_block),
     swap_in pairs are (cpu_block, gpu_block). `free_seq_slots` are released after the step.
-    Plain integers only, so the router's scheduler output maps onto it without torch.
+    Plain integers only, so the router's scheduler output maps onto it without torch, except
+    `token_masks`: the packed allowed-token bitmasks of constrained sequences, [M, ceil(V / 32)]
+    int32 (bit j of word w allows token 32 * w + j; see services/attention/sampling/token_masks.py),
+    built by the router as a numpy array and sent as one tensor frame; None when no sequence
+    of the step is constrained.
     """
 
     TYPE: ClassVar[str] = "step_plan"
@@ -73,6 +84,7 @@ class StepPlan:
     swap_in: tuple[tuple[int, int], ...] = ()
     free_seq_slots: tuple[int, ...] = ()
     prefix_restores: tuple[PrefixRestore, ...] = ()
+    token_masks: Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -47,14 +47,31 @@ def dtype_name(dtype: "torch.dtype") -> str:
 
 
 def is_tensor(value: object) -> bool:
-    """True for a torch.Tensor, checked without importing torch."""
-    return any(cls.__module__ == "torch" and cls.__name__ == "Tensor" for cls in type(value).__mro__)
+    """True for a torch.Tensor or a numpy ndarray (what a torch-free sender such as the router
+    encodes), checked without importing either."""
+    return any(cls.__module__ in ("torch", "numpy") and cls.__name__ in ("Tensor", "ndarray")
+               for cls in type(value).__mro__)
+
+
+def _numpy_to_buffer(array) -> tuple[str, tuple[int, ...], memoryview]:
+    """(dtype name, shape, bytes view) of a numpy array; dtypes as in DTYPES (no bfloat16, fp8)."""
+    import numpy
+
+    attribute = str(array.dtype)
+    name = next((wire for wire, (torch_attribute, _) in DTYPES.items() if torch_attribute == attribute), None)
+    if name is None:
+        raise ValueError(f"dtype {attribute} is not allowed on the wire (allowed: {sorted(DTYPES)})")
+    host = numpy.ascontiguousarray(array)
+    return name, tuple(int(size) for size in host.shape), memoryview(host.reshape(-1).view(numpy.uint8)).cast("B")
 
 
 def to_buffer(tensor: "torch.Tensor") -> tuple[str, tuple[int, ...], memoryview]:
     """(dtype name, shape, bytes view) of a tensor. A contiguous CPU tensor is viewed, not
     copied: the caller must keep it unchanged until the send completes (the staging pool
-    exists for exactly that). Other tensors are copied to contiguous host memory first."""
+    exists for exactly that). Other tensors are copied to contiguous host memory first.
+    A numpy array (little-endian, as every host moemesh runs on) is viewed the same way."""
+    if type(tensor).__module__ == "numpy":
+        return _numpy_to_buffer(tensor)
     name = dtype_name(tensor.dtype)
     shape = tuple(int(size) for size in tensor.shape)
     host = tensor.detach()

@@ -205,7 +205,7 @@ class AttentionWorker(Service):
         decode_masks = [self._decode_mask([work[i] for i in group]) for group in groups]
         finals = self.runner.forward(plan.step_id, micro_batches, decode_masks) if work else []
         logits = self._sampling_logits(work, groups, finals)
-        results, rejected = self._sample(work, logits)
+        results, rejected = self._sample(work, self._masked_logits(work, logits, plan.token_masks))
         self._send_features(plan.step_id, work, groups, rejected)
         self.slots.free(plan.free_seq_slots)
         log.debug("attention.step_done", step_id=plan.step_id, num_sequences=len(work),
@@ -245,6 +245,10 @@ class AttentionWorker(Service):
             except SlotError as error:
                 errors[scheduled.request_id] = SequenceResult(scheduled.request_id, (), error=str(error)[:300])
                 continue
+            problem = _token_mask_problem(scheduled, plan.token_masks)
+            if problem is not None:
+                errors[scheduled.request_id] = SequenceResult(scheduled.request_id, (), error=problem)
+                continue
             work.append(_Work(scheduled, slot))
         return work, errors
 
@@ -274,6 +278,27 @@ class AttentionWorker(Service):
             if ends:
                 rows.append(self.side.logits(h, torch.tensor(ends, device=self.device)))  # [b, V]
         return torch.cat(rows) if rows else None
+
+    @staticmethod
+    def _masked_logits(work: list[_Work], logits: torch.Tensor | None, token_masks: torch.Tensor | None
+                       ) -> torch.Tensor | None:
+        """The sampling logits with each constrained sequence's grammar masks applied to its rows
+        (sampling/token_masks.py), so the sampler and the verifier both see the constrained
+        distribution."""
+        if token_masks is None or logits is None:
+            return logits
+        from services.attention.sampling.token_masks import apply_token_masks
+
+        logit_rows, mask_rows, row = [], [], 0
+        for item in work:
+            if not item.scheduled.do_sample:
+                continue
+            num_rows = 1 + len(item.scheduled.draft_token_ids)
+            if item.scheduled.token_mask_row is not None:
+                logit_rows.extend(range(row, row + num_rows))
+                mask_rows.extend(range(item.scheduled.token_mask_row, item.scheduled.token_mask_row + num_rows))
+            row += num_rows
+        return apply_token_masks(logits, token_masks, logit_rows, mask_rows)
 
     def _sample(self, work: list[_Work], logits: torch.Tensor | None
                 ) -> tuple[dict[str, SequenceResult], dict[str, int]]:
@@ -357,3 +382,16 @@ class AttentionWorker(Service):
                 offset += len(scheduled.token_ids)
         if rows:
             self.feature_sender.send(target_features_message(step_id, rows, self.runner.captured))
+
+
+def _token_mask_problem(scheduled, token_masks: torch.Tensor | None) -> str | None:
+    """Why a sequence's grammar mask rows cannot be applied (a malformed plan), or None."""
+    first = scheduled.token_mask_row
+    if first is None:
+        return None
+    num_rows = 1 + len(scheduled.draft_token_ids)
+    if not scheduled.do_sample or token_masks is None or token_masks.dim() != 2 or token_masks.dtype != torch.int32:
+        return "token_mask_row without int32 [M, words] token_masks on a sampled sequence"
+    if not 0 <= first <= token_masks.shape[0] - num_rows:
+        return f"token mask rows {first}..{first + num_rows} outside the plan's {token_masks.shape[0]}"
+    return None

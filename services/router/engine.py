@@ -53,6 +53,7 @@ from services.router.engine_drafts import DraftCoordinator
 from services.router.engine_health import HealthTracker
 from services.router.engine_plan import PlanTranslator, ResultMismatch, TranslatedResult, failed_results, translate_result
 from services.router.engine_streams import RequestStream
+from services.router.guided_decoding import attach_token_masks
 from services.router.scheduler import Request, RequestEvent, Scheduler, SchedulerOutput
 
 log = structlog.get_logger("router")
@@ -156,6 +157,7 @@ class Engine:
             arrival_time_s=now_s,
             deadline_s=deadline_s,
             eos_token_ids=self.config.eos_token_ids,
+            guide=request.guide,
         )
         # the HTTP request's id, bound by services/router/request_id.py in the task calling submit
         stream = RequestStream(scheduled, structlog.contextvars.get_contextvars().get("request_id"))
@@ -355,7 +357,8 @@ class Engine:
                 old = stream.request
                 stream.request = Request(request_id=old.request_id, prompt_token_ids=old.prompt_token_ids,
                                          sampling_params=old.sampling_params, arrival_time_s=old.arrival_time_s,
-                                         deadline_s=old.deadline_s, eos_token_ids=old.eos_token_ids)
+                                         deadline_s=old.deadline_s, eos_token_ids=old.eos_token_ids,
+                                         guide=old.guide)
                 carried.append(stream.request)
             else:
                 stream.push(stream.final_event(FinishReason.ERROR, reason))
@@ -427,6 +430,7 @@ class Engine:
             for plan in self.translator.plans_for(output):
                 if self.drafts is not None:
                     plan = self.drafts.decorate(plan)
+                plan = attach_token_masks(plan, self._guide_of)  # after the drafts: masks cover them
                 reply = await self._request_step(plan)
                 match reply:
                     case StepResult():
@@ -453,6 +457,10 @@ class Engine:
         log.debug("router.step", step_id=output.step_id, num_sequences=len(output.scheduled),
                   num_tokens=output.num_scheduled_tokens)
         return result
+
+    def _guide_of(self, request_id: str):
+        request = self.scheduler.get_request(request_id)
+        return None if request is None else request.guide
 
     async def _request_step(self, plan):
         """The attention worker's reply to one plan. While it is awaited, and when it comes, a

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from common.sampling_params import SamplingParams
 
@@ -41,6 +41,7 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
     deadline_unix_s: float | None = None  # time.time() after which the engine may abort it
+    guide: Any = None  # constrained decoding: a guided_decoding.TokenGuide of this sequence alone
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
 from services.router.engine_client import EngineClient, EngineError, GenerationRequest
 from services.router.fanout import ChoiceFanOut
 from services.router.gateway_config import GatewayConfig
+from services.router.guided_decoding import GrammarTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.prompt_tokens import prompt_tokens_for
 from services.router.protocol import CommonOptions, ProtocolError, decode_body
@@ -99,6 +100,8 @@ class Gateway:
         # sequence delimiters: past an ignored EOS the model starts a new text with BOS; chat
         # (which keeps special tokens for its parser) shows neither (see _fan_out)
         bos_id = tokenizer.token_to_id(chat_tokens.BOS)
+        self.grammar_tokenizer = GrammarTokenizer(tokenizer, config.eos_token_ids)
+        self.think_end_token_id = tokenizer.token_to_id(chat_tokens.THINK_END)
         self.delimiter_token_ids = frozenset((*config.eos_token_ids, *(() if bos_id is None else (bos_id,))))
         self.prompt_tokens = config.prompt_tokens or prompt_tokens_for(tokenizer)
         self._work_limiter: anyio.CapacityLimiter | None = None  # made on the event loop, at first use
@@ -157,7 +160,8 @@ class Gateway:
         body = decode_body(raw, max_depth=self.config.max_json_depth)
         parsed = parse_chat_request(body, max_num_choices=self.config.max_num_choices,
                                     default_temperature=self.config.default_temperature,
-                                    default_thinking=self.config.default_thinking)
+                                    default_thinking=self.config.default_thinking,
+                                    vocab_size=self.vocab_size)
         try:
             prompt = encode_messages(parsed.messages, tools=parsed.tools, thinking=parsed.thinking,
                                      reasoning_effort=parsed.reasoning_effort)
@@ -169,7 +173,8 @@ class Gateway:
         body = decode_body(raw, max_depth=self.config.max_json_depth)
         return parse_completion_request(body, max_num_choices=self.config.max_num_choices,
                                         default_temperature=self.config.default_temperature,
-                                        max_num_prompts=self.config.max_num_prompts)
+                                        max_num_prompts=self.config.max_num_prompts,
+                                        vocab_size=self.vocab_size)
 
     async def _off_loop(self, num_bytes: int, work, *args):
         """`work(*args)` inline for a small body, else in a worker thread (bounded in number), so
@@ -311,7 +316,11 @@ class Gateway:
                                                  seed=derive_seed(options.seed, index),
                                                  stop_token_ids=() if ignore_eos else self.config.eos_token_ids)
                 deadline = time.time() + self.config.request_timeout_s if self.config.request_timeout_s else None
-                requests.append(GenerationRequest(f"{plan.response_id}-{index}", tuple(prompt_ids), params, deadline))
+                # a thinking chat answer is constrained after its reasoning, from the token ending it
+                guide = None if options.response_format is None else self.grammar_tokenizer.new_guide(
+                    options.response_format, self.think_end_token_id if plan.thinking else None)
+                requests.append(GenerationRequest(f"{plan.response_id}-{index}", tuple(prompt_ids), params, deadline,
+                                                  guide))
                 parser = None
                 if plan.endpoint == "chat":
                     parser = ChatOutputParser(plan.thinking, tools_enabled=plan.tools_enabled,

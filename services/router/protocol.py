@@ -69,6 +69,9 @@ COMMON_FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("stream_options", ("object", "null"), "{include_usage: bool}: a last chunk with usage."),
     FieldSpec("ignore_eos", ("boolean", "null"), "Keep generating past EOS."),
     FieldSpec("user", ("string", "null"), "End-user id (accepted, unused)."),
+    FieldSpec("logit_bias", ("object", "null"), "{token id: bias in [-100, 100]} added to the logits."),
+    FieldSpec("response_format", ("object", "null"),
+              "{type: text | json_object | json_schema, json_schema: {name, schema, strict}}: constrained output."),
 )
 
 CHAT_FIELDS: tuple[FieldSpec, ...] = (
@@ -259,6 +262,7 @@ class CommonOptions:
     seed: int | None
     sampling_fields: dict  # keyword arguments of SamplingParams except max_tokens / num_logprobs
     max_tokens_param: str = "max_tokens"  # the field the client set the token budget with
+    response_format: Any = None  # guided_decoding.ResponseFormat when the output is constrained
 
     def sampling_params(self, *, max_tokens: int, num_logprobs: int | None, seed: int | None,
                         stop_token_ids: tuple[int, ...]) -> SamplingParams:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jsonschema
@@ -16,6 +16,14 @@ from services.router.protocol import (
     check_fields,
     parse_common,
 )
+from services.router.guided_decoding import parse_logit_bias, parse_response_format
+
+
+def _with_output_controls(options: CommonOptions, body: dict, vocab_size: int) -> CommonOptions:
+    """logit_bias and response_format (validated in guided_decoding.py) added to the options."""
+    fields = dict(options.sampling_fields, logit_bias=parse_logit_bias(body.get("logit_bias"), vocab_size))
+    return replace(options, sampling_fields=fields, response_format=parse_response_format(body.get("response_format")))
+
 
 _MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 _THINKING_OFF_EFFORTS = ("none",)
@@ -175,7 +183,7 @@ def _thinking_choice(body: dict, default: bool) -> tuple[bool, str | None]:
 
 
 def parse_chat_request(body: dict, *, max_num_choices: int, default_temperature: float,
-                       default_thinking: bool) -> ChatRequest:
+                       default_thinking: bool, vocab_size: int) -> ChatRequest:
     check_fields(body, CHAT_FIELDS, endpoint="chat")
     _refuse_unsupported(body, _CHAT_REFUSALS)
     if "messages" not in body:
@@ -183,6 +191,7 @@ def parse_chat_request(body: dict, *, max_num_choices: int, default_temperature:
     _check_messages(body["messages"])
     options = parse_common(body, max_num_choices=max_num_choices, default_temperature=default_temperature,
                            max_tokens_field="max_completion_tokens")
+    options = _with_output_controls(options, body, vocab_size)
     tools = body.get("tools") or None
     tool_names = _check_tools(tools) if tools else []
     tool_choice = body.get("tool_choice")
@@ -218,7 +227,7 @@ def _check_prompt(prompt: Any) -> list[str | list[int]]:
 
 
 def parse_completion_request(body: dict, *, max_num_choices: int, default_temperature: float,
-                             max_num_prompts: int = 256) -> CompletionRequest:
+                             max_num_prompts: int = 256, vocab_size: int) -> CompletionRequest:
     check_fields(body, COMPLETION_FIELDS, endpoint="completions")
     if "prompt" not in body:
         raise ProtocolError("'prompt' is required", param="prompt")
@@ -228,6 +237,7 @@ def parse_completion_request(body: dict, *, max_num_choices: int, default_temper
                             param="prompt")
     options = parse_common(body, max_num_choices=max_num_choices, default_temperature=default_temperature,
                            max_tokens_field=None)
+    options = _with_output_controls(options, body, vocab_size)
     if body.get("suffix"):
         raise ProtocolError("'suffix' is not supported: no insertion (fill-in-the-middle) prompts",
                             param="suffix", code="unsupported_parameter")

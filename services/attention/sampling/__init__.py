@@ -1,7 +1,8 @@
 """Sampling and speculative verification for the attention worker (pure torch, any device).
 
 Modules: rng (per-request counter-based streams), draw (Gumbel-max draws), batch (per-row
-settings), penalties, filters, logprobs, sampler (plain sampling), verify (draft verification).
+settings), penalties, filters, logprobs, sampler (plain sampling), verify (draft verification),
+token_masks (grammar masks of constrained requests, applied to the logits before both).
 """
 
 from services.attention.sampling.batch import SamplingBatch

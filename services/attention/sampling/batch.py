@@ -56,6 +56,15 @@ class SamplingBatch:
     frequency_penalties: torch.Tensor  # [P] float32
     repetition_penalties: torch.Tensor  # [P] float32
     max_num_logprobs: int  # largest top-logprobs count asked by any row (0 if none)
+    # logit_bias of every row, flattened: entry i adds bias_values[i] to logit
+    # [bias_row_index[i], bias_token_index[i]]; empty when no row has a bias
+    bias_row_index: torch.Tensor  # [N] int64
+    bias_token_index: torch.Tensor  # [N] int64
+    bias_values: torch.Tensor  # [N] float32
+
+    @property
+    def has_logit_bias(self) -> bool:
+        return self.bias_values.numel() > 0
 
     @classmethod
     def from_params(
@@ -72,6 +81,10 @@ class SamplingBatch:
         ]
         min_p = [i for i in sampled if params[i].min_p > 0.0]
         penalty = [i for i, p in enumerate(params) if p.has_penalties]
+
+        bias_entries = [(i, token_id, bias) for i, p in enumerate(params) for token_id, bias in p.logit_bias]
+        if any(token_id >= num_vocab for _, token_id, _ in bias_entries):
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {num_vocab}")
 
         def k_of(i: int) -> int:
             k = params[i].top_k
@@ -100,4 +113,7 @@ class SamplingBatch:
             frequency_penalties=_floats([params[i].frequency_penalty for i in penalty], device),
             repetition_penalties=_floats([params[i].repetition_penalty for i in penalty], device),
             max_num_logprobs=max((p.num_logprobs or 0 for p in params), default=0),
+            bias_row_index=_index([i for i, _, _ in bias_entries], device),
+            bias_token_index=_index([token_id for _, token_id, _ in bias_entries], device),
+            bias_values=_floats([bias for _, _, bias in bias_entries], device),
         )

@@ -1,7 +1,8 @@
 """The sampler: logits of the last position of each request -> one token per request.
 
 Pipeline per row, in float32 (the same in the verifier, see verify.py):
-  penalties (rows that have any) -> temperature (greedy rows: 1) -> top-k -> top-p -> min-p
+  [grammar token mask, applied by the worker before this pipeline: token_masks.py] ->
+  logit_bias (rows that have one) -> penalties (rows that have any) -> temperature (greedy rows: 1) -> top-k -> top-p -> min-p
   (sampled rows that ask for them) -> greedy: argmax (ties to the lowest id, torch.argmax's
   documented first-maximum rule) | sampled: Gumbel-max draw from the row's own stream.
 One code path for mixed batches: the work per filter runs on that filter's row group only, and
@@ -58,6 +59,9 @@ def process_logits(
     The input is never modified.
     """
     processed = logits.float()
+    if batch.has_logit_bias:  # as vLLM: added to the raw logits, before penalties and temperature
+        processed = processed.index_put((batch.bias_row_index, batch.bias_token_index), batch.bias_values,
+                                        accumulate=True)
     if batch.penalty_rows:
         if history is None or history.num_rows != len(batch.penalty_rows):
             raise ValueError(f"penalties need a history of {len(batch.penalty_rows)} rows")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from common.sampling_params import SamplingParams
 
@@ -52,6 +53,10 @@ _FINISHED_STATUS = {
 }
 
 
+class TokenGuide(Protocol):
+    def advance(self, token_id: int) -> FinishReason | None: ...
+
+
 @dataclass(eq=False)
 class Request:
     """A request as the scheduler sees it.
@@ -80,6 +85,9 @@ class Request:
     # Chain hashes of this request's full, computed blocks (index i covers tokens
     # [i * block_size, (i + 1) * block_size)); grows as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Constrained decoding (services/router/guided_decoding.py): advance(token_id) follows every
+    # appended token and returns STOP when the grammar is complete, ERROR for a refused token.
+    guide: TokenGuide | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(self.prompt_token_ids)

@@ -317,7 +317,8 @@ class Scheduler:
             self.counters.num_accepted_drafts += result.num_accepted_drafts
             appended, reason = append_sampled_tokens(request, result.sampled_token_ids, self.config.max_model_len)
             if reason is not None:
-                events.append(self._finish(request, reason, appended, seq, result.num_accepted_drafts))
+                error = "a sampled token breaks the response_format grammar" if reason is FinishReason.ERROR else None
+                events.append(self._finish(request, reason, appended, seq, result.num_accepted_drafts, error))
                 continue
             self.kv.trim(request.request_id, request.num_computed_tokens)
             self.kv.cache_full_blocks(request)

@@ -1,8 +1,9 @@
 """Applying a step's sampled tokens to a request: consistency checks, stop conditions.
 
 A verification step may return several tokens at once; the request ends at the first one
-that is a stop token, an EOS (unless ignore_eos), or the one that reaches the length
-limit, and the tokens after it are dropped (they were never meant to exist).
+that is a stop token, an EOS (unless ignore_eos), the one that completes the request's
+grammar (constrained decoding: STOP), or the one that reaches the length limit, and the
+tokens after it are dropped (they were never meant to exist).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def append_sampled_tokens(
             return appended, FinishReason.STOP
         if not params.ignore_eos and token_id in request.eos_token_ids:
             return appended, FinishReason.STOP
+        if request.guide is not None:
+            reason = request.guide.advance(token_id)
+            if reason is not None:
+                return appended, reason
         if request.num_output_tokens >= limit:
             return appended, FinishReason.LENGTH
     return appended, None
