@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from common.checkpoint.errors import CheckpointError
-from common.checkpoint.inventory import StorageKind, StoredEntry, TensorSpec, stored_name_index, tensor_inventory
+from common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES, StorageKind, StoredEntry, TensorSpec, stored_name_index, tensor_inventory
 from common.checkpoint.names_on_disk import EntryRef, ref_shape, resolve_entry
 from common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, e8m0_to_float
 from common.model.config import ModelConfig
@@ -194,6 +194,35 @@ class CheckpointReader:
     def found_dtype(self, entry_name: str) -> str | None:
         found = self._found.get(entry_name)
         return None if found is None else found[1]
+
+    def stored_nbytes(self, entry_name: str) -> int:
+        """Bytes of one stored entry (from its header); 0 when the entry is absent."""
+        found = self._found.get(entry_name)
+        if found is None:
+            return 0
+        shape, dtype = found
+        count = 1
+        for size in shape:
+            count *= size
+        return count * SAFETENSORS_DTYPE_BYTES[dtype]
+
+    def logical_stored_nbytes(self, name: str) -> int:
+        """Bytes on disk of the logical tensor `name`: its weight plus its scale when it has one."""
+        spec = self._spec(name)
+        return sum(self.stored_nbytes(entry.name) for entry in spec.stored_entries())
+
+    def stored_kind(self, name: str) -> StorageKind:
+        """How the logical tensor `name` is stored in this checkpoint: its inventory storage, or FLOAT
+        for a quantized tensor held as plain floats (transformers' save format)."""
+        spec = self._spec(name)
+        if spec.is_quantized and (spec.scale_name not in self._refs
+                                  or self.found_dtype(spec.name) in _FLOAT_DTYPES):
+            return StorageKind.FLOAT
+        return spec.storage
+
+    def spec(self, name: str) -> TensorSpec:
+        """The inventory entry of a logical tensor (hub or transformers name)."""
+        return self._spec(name)
 
     # ------------------------------------------------------------------ reading
     def _read_entry(self, hub_entry_name: str) -> torch.Tensor:

@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="comma-separated torch devices: the attention worker uses the first, expert "
                              "worker i uses device i mod count (default cpu)")
     parser.add_argument("--dtype", default="auto", choices=_DTYPES, help="compute dtype (auto: f32 on CPU, bf16 on GPU)")
+    parser.add_argument("--expert-dtype", choices=("native", "fp8", "bf16"), default="native",
+                        help="what expert workers keep of the routed experts: native (as stored), fp8 (FP4 "
+                             "re-encoded to FP8 e4m3 at load, docs/checkpoints.md) or bf16 (debugging)")
     parser.add_argument("--run-dir", default=None, help="sockets and the deployment file (default: a new temp dir)")
     parser.add_argument("--log-dir", default=None, help="service logs (default: <run-dir>/logs)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
@@ -137,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     layout = ServeLayout(model_path=str(model_dir.resolve()), run_dir=str(run_dir), log_dir=str(log_dir),
                          host=args.host, port=args.port, num_expert_workers=args.expert_workers, devices=devices,
                          dtype=args.dtype, placement_path=placement_path, with_drafter=speculation.enabled,
-                         data_plane=args.data_plane, cuda_graphs=args.cuda_graphs == "on")
+                         data_plane=args.data_plane, cuda_graphs=args.cuda_graphs == "on",
+                         expert_dtype=args.expert_dtype)
     try:
         config_path, deployment = write_deployment(layout)
     except DeploymentError as error:

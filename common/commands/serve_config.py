@@ -50,6 +50,7 @@ class ServeLayout:
     with_drafter: bool = False  # run the DSpark draft worker (on devices[0])
     data_plane: str = "zmq"  # "cuda_ipc": Dispatch/Combine tensors through shared device rings (DataPlane)
     cuda_graphs: bool = False  # the attention worker replays decode steps as CUDA graphs
+    expert_dtype: str = "native"  # what expert workers keep of the routed experts (native, fp8, bf16)
 
 
 class DataPlane(enum.Enum):
@@ -156,7 +157,8 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
     experts = []
     for index, device in enumerate(expert_devices(layout.devices, layout.num_expert_workers)):
         placement = "all" if layout.placement_path is None else layout.placement_path
-        experts.append({"name": f"expert-{index}", "device": device, "placement": placement})
+        experts.append({"name": f"expert-{index}", "device": device, "placement": placement,
+                        **({"expert_dtype": layout.expert_dtype} if layout.expert_dtype != "native" else {})})
     return {
         "model": {"path": layout.model_path, "dtype": layout.dtype},
         "paths": {"run_dir": layout.run_dir, "log_dir": layout.log_dir},
