@@ -3,8 +3,10 @@
 Used by the attention worker (`AttentionSide`) and the draft worker (`DSparkDrafter`), whose
 `state_dict()` names are hub names. Every FP8-stored linear (128x128 ue8m0 block scales) becomes an
 `Fp8Linear` holding the checkpoint's e4m3 bytes and scales, copied once to the device; every other
-tensor is read from the memory-mapped shard and cast to the parameter's dtype, one tensor at a time,
-so no dense copy of a layer or of the model is ever built. FP8 tensors with another block size are
+tensor is read from the memory-mapped shard one tensor at a time, so no dense copy of a layer or of
+the model is ever built: `Linear` and `Embedding` weights stored as floats narrower than the compute
+dtype (bf16 on the float32 CPU path) stay as stored and are widened per call; everything else is
+cast to its parameter's dtype. FP8 tensors with another block size are
 dequantised (one tensor at a time) into their module's dense weight. Routed experts are read
 elsewhere (`expert_stacks`).
 """
@@ -19,7 +21,22 @@ from torch import nn
 from common.checkpoint.errors import CheckpointError
 from common.checkpoint.expert_stacks import FP8_KERNEL_BLOCK
 from common.checkpoint.inventory import StorageKind
+from common.model.linear import Embedding, Linear
 from common.model.quantized import KernelBackend, swap_fp8_linears
+
+_STORED_FLOAT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _held_dtype(module: nn.Module, name: str, reader, source: str, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is held in: a Linear/Embedding weight stored as a narrower float keeps it."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if leaf != "weight" or not isinstance(owner, (Linear, Embedding)):
+        return param_dtype
+    stored = _STORED_FLOAT.get(reader.found_dtype(reader.spec(source).name) or "")
+    if stored is None or not param_dtype.is_floating_point:
+        return param_dtype
+    return stored if torch.finfo(stored).bits < torch.finfo(param_dtype).bits else param_dtype
 
 
 def fp8_linear_tensors(reader, names: Iterable[str], device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -51,7 +68,7 @@ def fill_from_checkpoint(module: nn.Module, reader, device, *, shared: dict[str,
         if not tensor.is_meta:
             continue
         source = shared.get(name, name)
-        value = reader.load(source, tensor.dtype)
+        value = reader.load(source, _held_dtype(module, name, reader, source, tensor.dtype))
         if tuple(value.shape) != tuple(tensor.shape):
             raise CheckpointError(f"{source}: shape {list(value.shape)}, the model needs {list(tensor.shape)}")
         values[name] = value.to(device)

@@ -80,6 +80,38 @@ def _checkpoint_files(path: Path) -> list[str]:
     raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
+def _shard_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be read, naming the first tensor it cuts short (None: no size problem)."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            return f"{path.name}: {size} bytes, shorter than a safetensors header"
+        header_len = int.from_bytes(prefix, "little")
+        if 8 + header_len > size:
+            return f"{path.name}: header of {header_len} bytes runs past the end of the file ({size} bytes)"
+        try:
+            header = json.loads(handle.read(header_len))
+        except ValueError as error:
+            return f"{path.name}: header is not valid JSON ({error})"
+    data_bytes = size - 8 - header_len
+    entries = sorted(((v["data_offsets"][1], k) for k, v in header.items() if k != "__metadata__"))
+    for end, name in entries:
+        if end > data_bytes:
+            return (f"{name}: truncated in {path.name} (its data ends at byte {end} of the data section, "
+                    f"which holds {data_bytes} bytes)")
+    return None
+
+
+def _open_shard(path: Path):
+    """`safe_open` of one shard; a damaged file fails naming the tensor it cuts short."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as error:  # SafetensorError: say which tensor is affected where possible
+        problem = _shard_problem(path)
+        raise CheckpointError(problem or f"{path.name}: unreadable safetensors file ({error})") from None
+
+
 class CheckpointReader:
     """Reads a checkpoint directory lazily; see the module docstring.
 
@@ -108,7 +140,7 @@ class CheckpointReader:
         self.num_entries_read = 0
         self.num_bytes_read = 0
         self.read_entry_names: list[str] = []
-        self._handles = {name: safe_open(str(self.path / name), framework="pt") for name in _checkpoint_files(self.path)}
+        self._handles = {name: _open_shard(self.path / name) for name in _checkpoint_files(self.path)}
         self._refs: dict[str, EntryRef] = {}
         self._found: dict[str, tuple[tuple[int, ...], str]] = {}  # hub entry -> (shape, dtype)
         self._unexpected: list[str] = []
