@@ -192,8 +192,10 @@ def _write_placement(model_dir: Path, run_dir: Path, num_workers: int, devices: 
 
     config = ModelConfig.load(model_dir)
     names = [f"expert-{index}" for index in range(num_workers)]
-    # a planning figure only (bytes of w1, w2, w3 at 4 bytes each); nothing is sized from it here
-    bytes_per_expert = 3 * config.moe_intermediate_size * config.hidden_size * 4
+    # a planning figure only (one expert as the workers keep it natively); nothing is sized from it here
+    from common.placement.worker_budget import resident_bytes_per_expert
+
+    bytes_per_expert = resident_bytes_per_expert(config)
     placement = round_robin(names, expert_devices(devices, num_workers), config.num_hidden_layers,
                             config.n_routed_experts, bytes_per_expert)
     path = run_dir / "placement.toml"

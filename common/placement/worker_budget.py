@@ -104,8 +104,22 @@ def expert_load_peak_bytes(config, expert_dtype: str = "native", num_experts_per
 
 
 def _tensor_bytes(spec, element_bytes: int) -> int:
-    """A tensor as a worker holds it: FP8/FP4 at their stored bytes, the rest in the compute dtype."""
-    return spec.num_bytes if spec.is_quantized else spec.num_params * element_bytes
+    """A non-expert tensor as a worker holds it (common/checkpoint/module_loader.py): FP8 at its stored
+    bytes; a bf16 projection or embedding matrix as stored when that is narrower than the compute dtype;
+    norm weights in float32; f32 / i64 as stored; anything else in the compute dtype."""
+    from common.checkpoint.inventory import StorageKind
+
+    if spec.is_quantized:
+        return spec.num_bytes
+    if spec.storage is StorageKind.F32:
+        return 4 * spec.num_params
+    if spec.storage is StorageKind.I64:
+        return 8 * spec.num_params
+    if spec.name.endswith("norm.weight"):
+        return 4 * spec.num_params
+    if len(spec.shape) == 2 and not spec.name.endswith("ffn.gate.weight"):
+        return min(2, element_bytes) * spec.num_params
+    return spec.num_params * element_bytes
 
 
 def _largest_fp8_matrix(specs) -> int:

@@ -117,6 +117,7 @@ class AttentionWorker(Service):
         self.side = load_attention_side(reader, numerics, self.device)
         self.weight_bytes = WeightBytes(resident=module_weight_bytes(self.side),
                                         stored=attention_stored_bytes(reader))
+        self.report_weight_bytes(self.device, self.weight_bytes.resident, self.weight_bytes.stored)
         self.pool = KVPool(model_config, self.config.kv, self.side.dtype, self.device)
         self.slots = SlotTable(model_config, self.pool, self.side.dtype, self.device)
         self._zmq_context = zmq.Context()

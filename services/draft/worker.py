@@ -149,6 +149,7 @@ class DraftWorker(Service):
 
         self.weight_bytes = WeightBytes(resident=drafter_resident_bytes(self.drafter),
                                         stored=getattr(self.drafter, "stored_weight_bytes", 0))
+        self.report_weight_bytes(self.device, self.weight_bytes.resident, self.weight_bytes.stored)
         log.info("draft.loaded", block_size=self.drafter.dspark.block_size, mode=self.speculation.mode.value,
                  width=self.speculation.width, device=str(self.device),
                  resident_weight_bytes=self.weight_bytes.resident, stored_weight_bytes=self.weight_bytes.stored)

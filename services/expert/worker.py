@@ -181,6 +181,7 @@ class ExpertWorker(Service):
                  resident_weight_bytes=self.holdings.resident_bytes(),
                  stored_weight_bytes=self.holdings.stored_bytes(), num_bytes_read=reader.num_bytes_read,
                  load_s=round(time.monotonic() - started, 3))
+        self.report_weight_bytes(self.device, self.holdings.resident_bytes(), self.holdings.stored_bytes())
 
     @property
     def swiglu_limit(self) -> float | None:
@@ -201,6 +202,7 @@ class ExpertWorker(Service):
                 return self.inventory()
             case DropExperts(placement_version=version, experts=keys):
                 self.holdings.drop([(k.layer, k.expert) for k in keys], self._model_config)
+                self.report_weight_bytes(self.device, self.holdings.resident_bytes(), self.holdings.stored_bytes())
                 self.placement_version = version
                 return self.inventory()
             case QueryInventory():
