@@ -5,6 +5,7 @@ stated bound elsewhere; damaged checkpoints fail at start naming the tensor."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,50 @@ def test_a_damaged_checkpoint_stops_the_expert_process_naming_the_tensor(checkpo
                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert result.returncode != 0
     assert "layers.1.ffn.experts.0.w1.scale" in result.stderr + result.stdout
+
+
+# ------------------------------------------------------------------ accounting
+@pytest.mark.parametrize("dtype, element_bytes", [("float32", 4), ("bfloat16", 2)])
+def test_budgeted_attention_bytes_equal_what_the_loader_holds(checkpoint, dtype, element_bytes):
+    from common.checkpoint.module_loader import module_weight_bytes
+    from common.checkpoint.side_loading import load_attention_side
+    from common.placement.worker_budget import attention_weight_bytes
+
+    reader = CheckpointReader(checkpoint)
+    side = load_attention_side(reader, NumericsConfig(dtype=dtype), "cpu")
+    assert attention_weight_bytes(reader.config, element_bytes) == module_weight_bytes(side)
+
+
+@pytest.mark.parametrize("expert_dtype", ["native", "fp8", "bf16"])
+def test_budgeted_expert_bytes_equal_what_the_worker_holds(checkpoint, expert_dtype):
+    from common.placement.worker_budget import resident_bytes_per_expert
+
+    worker = _expert_worker(checkpoint, ((0, 2), (1, 2), (1, 3)), expert_dtype)
+    assert worker.inventory().num_weight_bytes == 3 * resident_bytes_per_expert(tiny_config(), expert_dtype)
+
+
+def test_check_model_prints_formats_and_worker_bytes(checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    deployment = tmp_path / "deployment.toml"
+    deployment.write_text(f'[model]\npath = "{checkpoint}"\n\n[[attention]]\nname = "attention-0"\n\n'
+                          '[[expert]]\nname = "expert-0"\nplacement = "all"\n\n'
+                          '[[expert]]\nname = "expert-1"\nplacement = "none"\nexpert_dtype = "fp8"\n')
+    result = subprocess.run([sys.executable, "-m", "common.cli", "check-model", "--model", str(checkpoint),
+                             "--no-forward", "--json", "--tensors", "--deployment", str(deployment)],
+                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout)
+    formats = {row["format"]: row for row in summary["formats"]}
+    assert formats["fp4 e2m1 + ue8m0 1x32"]["num_tensors"] == 3 * 4 * 8
+    assert formats["fp8 e4m3 + ue8m0 128x128"]["num_tensors"] > 0
+    tensors = {row["name"]: row for row in summary["tensors"]}
+    assert tensors["layers.0.ffn.experts.0.w2.weight"]["stored_bytes"] == 128 * 64 + 128 * 4
+    workers = {row["name"]: row for row in summary["workers"]}
+    reader = CheckpointReader(checkpoint)
+    assert workers["expert-0"]["num_pairs"] == 32 and workers["expert-1"]["num_pairs"] == 0
+    assert workers["expert-0"]["resident_bytes"] == workers["expert-0"]["stored_bytes"]  # FP4 kept as stored
+    side_bytes = sum(reader.logical_stored_nbytes(n) for n, s in reader.inventory.items() if s.is_attention_side)
+    assert workers["attention-0"]["stored_bytes"] == side_bytes
+    assert workers["attention-0"]["resident_bytes"] <= MEMORY_GOAL * side_bytes
