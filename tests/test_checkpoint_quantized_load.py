@@ -263,3 +263,16 @@ def test_check_model_prints_formats_and_worker_bytes(checkpoint, tmp_path):
     side_bytes = sum(reader.logical_stored_nbytes(n) for n, s in reader.inventory.items() if s.is_attention_side)
     assert workers["attention-0"]["stored_bytes"] == side_bytes
     assert workers["attention-0"]["resident_bytes"] <= MEMORY_GOAL * side_bytes
+
+
+def test_fp8_linear_cpu_path_dequantises_row_blocks_and_matches_the_dense_product():
+    import torch.nn.functional as F
+
+    from common.checkpoint.quant import quantize_fp8_block
+    from common.model.quantized import TORCH_BLOCK_ROWS
+
+    generator = torch.Generator().manual_seed(3)
+    weight, scale = quantize_fp8_block(torch.randn(2 * TORCH_BLOCK_ROWS + 200, 384, generator=generator))
+    linear = Fp8Linear(weight, scale)
+    x = torch.randn(5, 384, generator=generator)
+    torch.testing.assert_close(linear(x), F.linear(x, linear.dequantized()), rtol=1e-6, atol=1e-6)

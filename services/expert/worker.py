@@ -221,6 +221,12 @@ class ExpertWorker(Service):
         of host tensors (ZeroMQ); one read-back of ids and mask for device tensors (CUDA IPC). A malformed
         Dispatch (shapes, expert ids out of range) is logged and answered MALFORMED."""
         self.num_dispatches += 1
+        if self.graphs is not None and dispatch.slot_mask is None and dispatch_shape_problem(dispatch) is None:
+            replayed = self._replay(dispatch.layer, self._to_device(dispatch.hidden).to(self.dtype),
+                                    self._to_device(dispatch.expert_ids).long(), self._to_device(dispatch.weights),
+                                    dispatch.per_expert_outputs)
+            if replayed is not None:
+                return self._combine_reply(dispatch, replayed)
         selection = self._select(dispatch)
         if isinstance(selection, ErrorReply):
             return selection
@@ -248,16 +254,10 @@ class ExpertWorker(Service):
             return inputs
         hidden, ids, route_weights, mask = inputs
         if self.graphs is not None and mask is None:  # the lean path: one replay
-            self.num_dispatches += 1
-            try:
-                replayed = self.graphs.run(message.layer, hidden, ids, route_weights, None,
-                                           message.per_expert_outputs)
-            except RuntimeError as error:  # a capture that fails turns graphs off, never the worker
-                log.warning("expert.graphs_off", name=self.config.name, reason=str(error)[:300])
-                self.graphs, replayed = None, None
+            replayed = self._replay(message.layer, hidden, ids, route_weights, message.per_expert_outputs)
             if replayed is not None:
+                self.num_dispatches += 1
                 return self.slot_plane.reply(message, replayed)
-            self.num_dispatches -= 1  # counted again by handle_dispatch
         reply = self.handle_dispatch(Dispatch(
             dispatch_id=message.dispatch_id, step_id=message.step_id, layer=message.layer,
             micro_batch=message.micro_batch, hidden=hidden, expert_ids=ids, weights=route_weights,
@@ -265,6 +265,17 @@ class ExpertWorker(Service):
         if not isinstance(reply, Combine):
             return reply
         return self.slot_plane.reply(message, reply.output.to(hidden.dtype))
+
+    def _replay(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor,
+                per_expert_outputs: bool) -> torch.Tensor | None:
+        """The captured graph's output for a Dispatch whose every slot is ours (a static output, valid
+        until the next Dispatch), or None (no graph for this shape, or graphs turned off)."""
+        try:
+            return self.graphs.run(layer, hidden, ids, route_weights, None, per_expert_outputs)
+        except RuntimeError as error:  # a capture that fails turns graphs off, never the worker
+            log.warning("expert.graphs_off", name=self.config.name, reason=str(error)[:300])
+            self.graphs = None
+            return None
 
     def _select(self, dispatch: Dispatch) -> RowSelection | ErrorReply:
         """The Dispatch's selected rows (host), or the ErrorReply refusing it (MALFORMED, NOT_FOUND)."""
