@@ -280,7 +280,7 @@ def test_each_worker_reports_weight_bytes_within_the_goal_of_its_stored_bytes(se
         assert record["resident_bytes"] <= 1.05 * record["stored_bytes"], record
         for kind in ("resident", "stored"):
             gauge = server.metric("moemesh_worker_weight_bytes",
-                                  f'{{worker="{name}",device="cpu",kind="{kind}"}}')
+                                  f'{{device="cpu",kind="{kind}",worker="{name}"}}')  # labels sorted
             assert gauge == record[f"{kind}_bytes"]
     # the two expert workers split the routed experts: together they hold each one once
     from common.checkpoint.reader import CheckpointReader
