@@ -276,3 +276,23 @@ def test_fp8_linear_cpu_path_dequantises_row_blocks_and_matches_the_dense_produc
     linear = Fp8Linear(weight, scale)
     x = torch.randn(5, 384, generator=generator)
     torch.testing.assert_close(linear(x), F.linear(x, linear.dequantized()), rtol=1e-6, atol=1e-6)
+
+
+def test_drafter_keeps_fp8_and_fp4_and_its_own_embedding_within_the_goal(tmp_path):
+    from common.checkpoint.side_loading import drafter_stored_bytes
+    from common.model.dspark import DSparkDrafter
+    from common.model.quantized import QuantizedRoutedExperts
+    from services.draft.worker import load_drafter
+
+    config = tiny_config(num_nextn_predict_layers=2, compress_ratios=[0, 4, 128, 4, 0, 0], dspark_block_size=4,
+                         dspark_markov_rank=32, dspark_target_layer_ids=[1, 2, 3], dspark_noise_token_id=255)
+    path = write_checkpoint(tmp_path / "dspark", config, random_hub_state_dict(config, seed=8))
+    drafter = load_drafter(str(path), "cpu", NumericsConfig(dtype="float32"))
+    assert isinstance(drafter, DSparkDrafter) and isinstance(drafter.experts_fn, QuantizedRoutedExperts)
+    assert any(isinstance(module, Fp8Linear) for module in drafter.modules())
+    assert drafter.embed.weight.dtype == torch.bfloat16  # its own copy, as stored
+    from common.checkpoint.side_loading import drafter_resident_bytes
+
+    resident, stored = drafter_resident_bytes(drafter), drafter_stored_bytes(CheckpointReader(path))
+    assert stored == drafter.stored_weight_bytes
+    assert resident <= MEMORY_GOAL * stored, (resident, stored)

@@ -55,8 +55,6 @@ from services.expert.selection import (
 
 log = structlog.get_logger("expert")
 
-Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # w1 [I, D], w2 [D, I], w3 [I, D]
-
 
 @dataclass(frozen=True)
 class ExpertWorkerConfig:
