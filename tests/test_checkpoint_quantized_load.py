@@ -296,3 +296,18 @@ def test_drafter_keeps_fp8_and_fp4_and_its_own_embedding_within_the_goal(tmp_pat
     resident, stored = drafter_resident_bytes(drafter), drafter_stored_bytes(CheckpointReader(path))
     assert stored == drafter.stored_weight_bytes
     assert resident <= MEMORY_GOAL * stored, (resident, stored)
+
+
+def test_expert_dtype_is_read_per_worker_and_checked():
+    from common.commands.serve_config import ServeLayout, deployment_table
+    from common.runtime.deployment import DeploymentError, parse_deployment
+
+    raw = {"model": {"path": "/m"}, "attention": [{"name": "attention-0"}],
+           "expert": [{"name": "expert-0"}, {"name": "expert-1", "device": "cpu", "expert_dtype": "fp8"}]}
+    deployment = parse_deployment(raw)
+    assert [w.expert_dtype for w in deployment.expert] == ["native", "fp8"]
+    with pytest.raises(DeploymentError, match=r"expert\[1\]\.expert_dtype: 'fp4'"):
+        parse_deployment({**raw, "expert": [{"name": "expert-0"}, {"name": "expert-1", "expert_dtype": "fp4"}]})
+    table = deployment_table(ServeLayout(model_path="/m", run_dir="/r", log_dir="/l", num_expert_workers=2,
+                                         expert_dtype="fp8"))
+    assert [entry["expert_dtype"] for entry in table["expert"]] == ["fp8", "fp8"]
