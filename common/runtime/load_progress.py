@@ -34,7 +34,8 @@ class LoadProgress:
         self.num_bytes = 0
         self.num_tensors = 0
         self.done = False
-        self.weights: dict | None = None  # {"device", "resident_bytes", "stored_bytes"} once loaded
+        self.weights: dict | None = None  # {"device", "resident_bytes", "stored_bytes", "load_s"} once loaded
+        self._started_s = time.monotonic()
         self._last_report_s = 0.0
         self._write_failed = False
 
@@ -52,11 +53,14 @@ class LoadProgress:
 
     def report_weights(self, device: str, resident_bytes: int, stored_bytes: int) -> None:
         """The held weights' bytes on `device` and the same tensors' bytes in the checkpoint."""
+        load_s = time.monotonic() - self._started_s
         self.weights = {"device": str(device), "resident_bytes": int(resident_bytes),
-                        "stored_bytes": int(stored_bytes)}
+                        "stored_bytes": int(stored_bytes), "load_s": round(load_s, 3)}
         log.info(f"{self.role}.weight_bytes", name=self.name, device=str(device), resident_bytes=int(resident_bytes),
                  stored_bytes=int(stored_bytes),
-                 resident_over_stored=round(resident_bytes / stored_bytes, 4) if stored_bytes else None)
+                 resident_over_stored=round(resident_bytes / stored_bytes, 4) if stored_bytes else None,
+                 load_s=round(load_s, 3), load_s_per_gib_read=round(load_s / (self.num_bytes / 2**30), 3)
+                 if self.num_bytes else None)
         self._write()
 
     def snapshot(self) -> dict:
