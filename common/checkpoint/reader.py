@@ -323,7 +323,8 @@ class CheckpointReader:
         return tensor_inventory(config)
 
     def load_attention_side(self, config: ModelConfig | None = None, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """Every tensor except routed experts and `mtp.*`, hub-named, dequantized to `dtype`.
+        """Every tensor except routed experts and `mtp.*`, hub-named, dequantized to `dtype` (the
+        single-process reference model; workers keep tensors quantized: `side_loading.py`).
         Never reads a routed-expert entry."""
         inventory = self._inventory_for(config)
         return {name: self.load(name, dtype) for name, spec in inventory.items() if spec.is_attention_side}
@@ -334,7 +335,8 @@ class CheckpointReader:
         pairs: Iterable[tuple[int, int]],
         dtype: torch.dtype = torch.float32,
     ) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(layer, expert) -> (w1 [I, D], w2 [D, I], w3 [I, D]), reading only those experts."""
+        """(layer, expert) -> (w1 [I, D], w2 [D, I], w3 [I, D]) dequantized, reading only those experts (the
+        single-process reference model; expert workers read into stacks: `expert_stacks.py`)."""
         inventory = self._inventory_for(config)
         out = {}
         for layer, expert in pairs:
