@@ -54,14 +54,19 @@ def test_expert_budget_counts_the_held_pairs_and_leaves_the_rest_for_experts():
     assert attention.weights_bytes > 0 and attention.activation_bytes > 0 and attention.load_peak_bytes > 0
 
 
-def test_draft_budget_counts_its_own_embedding_and_head():
-    config = tiny_config(num_nextn_predict_layers=1)
-    from common.checkpoint.inventory import tensor_inventory
+@pytest.mark.parametrize("dtype, element_bytes", [("float32", 4), ("bfloat16", 2)])
+def test_draft_budget_equals_what_the_drafter_holds_with_its_own_embedding_and_head(tmp_path, dtype, element_bytes):
+    from common.checkpoint.side_loading import drafter_resident_bytes
+    from common.model.config import NumericsConfig
+    from services.draft.worker import load_drafter
 
-    embed_and_head = 2 * config.vocab_size * config.hidden_size * 2  # bf16 on a GPU
-    mtp = sum(spec.num_bytes if spec.is_quantized else spec.num_params * 2
-              for spec in tensor_inventory(config).values() if spec.is_mtp)
-    assert mtp > 0 and draft_weight_bytes(config, 2) == mtp + embed_and_head
+    config = tiny_config(num_nextn_predict_layers=2, compress_ratios=[0, 4, 128, 4, 0, 0], dspark_block_size=4,
+                         dspark_markov_rank=32, dspark_target_layer_ids=[1, 2, 3], dspark_noise_token_id=255)
+    path = write_checkpoint(tmp_path / "dspark", config, random_hub_state_dict(config, seed=8))
+    drafter = load_drafter(str(path), "cpu", NumericsConfig(dtype=dtype))
+    embed_and_head = sum(t.numel() * t.element_size() for t in (drafter.embed.weight, drafter.head.weight))
+    assert embed_and_head == 2 * config.vocab_size * config.hidden_size * 2  # bf16 as stored
+    assert draft_weight_bytes(config, element_bytes) == drafter_resident_bytes(drafter)
 
 
 def test_check_at_start_logs_the_budget_and_names_device_and_shortfall():
