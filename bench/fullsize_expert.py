@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 from common.wire.messages import ErrorReply
-from services.expert.quantized_worker import QuantizedExpertWorker
+from services.expert.worker import ExpertWorker
 
 _MAX_REFUSED = 20
 
 
-class TimedExpertWorker(QuantizedExpertWorker):
+class TimedExpertWorker(ExpertWorker):
     def __init__(self, config, model_config=None, timing_path: Path | None = None) -> None:
         super().__init__(config, model_config)
         self.timing_path = timing_path

@@ -118,20 +118,18 @@ class Samples:
 
 # ------------------------------------------------------------------------------------------- expert side
 def build_expert_worker(device: str, intermediate: int, held_experts: list[int]):
-    """A QuantizedExpertWorker holding `held_experts` of layer 0 (random FP4 weights), staging allocated."""
+    """An ExpertWorker holding `held_experts` of layer 0 (random FP4 weights), staging allocated."""
     from common.model.config import AttentionKind
     from common.model.random_init import flash_config
-    from services.expert.quantized_worker import QuantizedExpertWorker
     from services.expert.random_weights import ExpertFill, RandomWeightsSpec, build_random_experts
-    from services.expert.worker import ExpertWorkerConfig
+    from services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
     config = flash_config([AttentionKind.CSA], hidden_size=HIDDEN, moe_intermediate_size=intermediate,
                           n_routed_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)
     pairs = [(0, e) for e in held_experts]
-    worker = QuantizedExpertWorker(ExpertWorkerConfig(name="hostwork", checkpoint_path="", device=device), config)
+    worker = ExpertWorker(ExpertWorkerConfig(name="hostwork", checkpoint_path="", device=device), config)
+    worker.holdings.adopt(build_random_experts(config, pairs, device, RandomWeightsSpec(seed=3), fill=ExpertFill.EXACT))
     worker.allocate_staging()
-    worker._experts = build_random_experts(config, pairs, device, RandomWeightsSpec(seed=3), fill=ExpertFill.EXACT)
-    worker._weights = {pair: () for pair in pairs}
     return worker
 
 

@@ -54,14 +54,14 @@ def serve_expert(endpoint: str, layers: str, tiny: bool, device: str, seed: int,
 
     class RandomExpertWorker(ExpertWorker):
         async def load(self) -> None:  # random weights instead of a checkpoint
-            self.allocate_staging()
             with torch.no_grad():
-                self.holder = random_routed_experts(config, NumericsConfig(dtype=dtype_name), torch_device,
-                                                    seed=seed + 1)
+                self.holdings.adopt(random_routed_experts(config, NumericsConfig(dtype=dtype_name), torch_device,
+                                                          seed=seed + 1))
+            self.allocate_staging()
             if graph_buckets and torch_device.type == "cuda":
                 from services.expert.graphs import ExpertGraphConfig, ExpertGraphs
 
-                self.graphs = ExpertGraphs(self.holder, ExpertGraphConfig(graph_buckets), torch_device, self.dtype)
+                self.graphs = ExpertGraphs(self.holdings.experts, ExpertGraphConfig(graph_buckets), torch_device, self.dtype)
 
     worker = RandomExpertWorker(ExpertWorkerConfig(name="bench-expert", checkpoint_path="", device=device,
                                                    dtype=dtype_name, reply_buffer_bytes=64 << 20,

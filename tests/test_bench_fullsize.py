@@ -191,23 +191,22 @@ def test_pair_check_and_refusal_explained_with_live_workers(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_expert_worker_path_matches_cpu_path():
-    """The QuantizedExpertWorker's kernel path (CUDA, bf16) against the CPU path on the same bytes."""
+    """The expert worker's kernel path (CUDA, bf16) against the CPU path on the same bytes."""
     from common.model.random_init import flash_config
     from common.model.config import AttentionKind
     from common.model.quantized import QuantizedRoutedExperts
     from services.expert.cpu_experts import expert_rows
     from services.expert.random_weights import ExpertFill, RandomWeightsSpec, build_random_experts
-    from services.expert.quantized_worker import QuantizedExpertWorker
-    from services.expert.worker import ExpertWorkerConfig
+    from services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
     config = flash_config([AttentionKind.CSA], hidden_size=512, moe_intermediate_size=256, n_routed_experts=32)
     spec = RandomWeightsSpec(seed=2)
     pairs = [(0, e) for e in range(0, 32, 2)]
     cpu = build_random_experts(config, pairs, "cpu", spec, fill=ExpertFill.EXACT)
-    worker = QuantizedExpertWorker(ExpertWorkerConfig(name="gpu", checkpoint_path="", device="cuda"), config)
+    worker = ExpertWorker(ExpertWorkerConfig(name="gpu", checkpoint_path="", device="cuda"), config)
     layer = cpu._layers[0]  # the same bytes on the GPU (CPU and CUDA generators differ)
     tensors = [getattr(layer, n).cuda() for n in ("w1", "s1", "w2", "s2", "w3", "s3")]
-    worker._experts = QuantizedRoutedExperts({0: (layer.expert_ids, tensors)}, 32, config.swiglu_limit)
+    worker.holdings.adopt(QuantizedRoutedExperts({0: (layer.expert_ids, tensors)}, 32, config.swiglu_limit))
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(9, 512, generator=generator)
     ids = torch.stack([torch.randperm(32, generator=generator)[:6] for _ in range(9)]).sort(dim=1).values

@@ -276,6 +276,58 @@ def test_completion_logprobs_are_the_reference_tokens(client, reference):
     assert answer.usage.completion_tokens == len(tokens)
 
 
+def _transformers_greedy(checkpoint: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """transformers' DeepseekV4ForCausalLM on the checkpoint's (dequantised) weights, greedy, no cache."""
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    from common.checkpoint.reader import CheckpointReader
+    from common.model.names import hub_to_hf_state_dict
+
+    reader = CheckpointReader(checkpoint)
+    hf_config = DeepseekV4Config(**reader.config.to_transformers_dict())
+    hf_config._attn_implementation = "eager"
+    model = DeepseekV4ForCausalLM(hf_config).float().eval()
+    model.load_state_dict(hub_to_hf_state_dict(reader.load_all(torch.float32), reader.config))
+    tokens = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            next_id = int(model(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax())
+            tokens.append(next_id)
+            if next_id == EOS_ID:
+                break
+    return tokens[len(prompt_ids):]
+
+
+def test_greedy_output_equals_transformers_on_the_quantized_checkpoint(client, checkpoint, reference):
+    """The served path (FP8 linears kept FP8, FP4 experts in two workers' stacks) against transformers."""
+    prompt = PROMPTS[0]
+    expected = _transformers_greedy(checkpoint, reference.encode(prompt), 8)
+    answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0, logprobs=1)
+    assert answer.choices[0].logprobs.tokens == reference.token_strings(expected)
+
+
+def test_each_worker_reports_weight_bytes_within_the_goal_of_its_stored_bytes(server, checkpoint):
+    status = httpx.get(f"{server.base_url}/status.json", timeout=10).json()
+    weights = {record["name"]: record for record in status["weights"]}
+    assert {"attention-0", "expert-0", "expert-1"} <= set(weights)
+    for name in ("attention-0", "expert-0", "expert-1"):
+        record = weights[name]
+        assert record["stored_bytes"] > 0 and record["device"] == "cpu"
+        assert record["resident_bytes"] <= 1.05 * record["stored_bytes"], record
+        for kind in ("resident", "stored"):
+            gauge = server.metric("moemesh_worker_weight_bytes",
+                                  f'{{device="cpu",kind="{kind}",worker="{name}"}}')  # labels sorted
+            assert gauge == record[f"{kind}_bytes"]
+    # the two expert workers split the routed experts: together they hold each one once
+    from common.checkpoint.reader import CheckpointReader
+
+    reader = CheckpointReader(checkpoint)
+    routed = sum(reader.stored_nbytes(entry.name) for spec in reader.inventory.values() if spec.is_routed_expert
+                 for entry in spec.stored_entries())
+    assert weights["expert-0"]["stored_bytes"] + weights["expert-1"]["stored_bytes"] == routed
+
+
 def test_chat_streaming_and_not_match_reference(client, reference):
     from common.chat.encoding import encode_messages
 

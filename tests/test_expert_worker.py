@@ -59,7 +59,9 @@ def test_worker_reads_only_its_experts_and_reports_them(checkpoint):
     inventory = asyncio.run(worker.handle(QueryInventory()))
     assert isinstance(inventory, ExpertInventory)
     assert [(k.layer, k.expert) for k in inventory.experts] == list(pairs)
-    assert inventory.num_weight_bytes == 3 * 3 * config.moe_intermediate_size * config.hidden_size * 4
+    fp4_matrix_bytes = config.moe_intermediate_size * config.hidden_size * (1 / 2 + 1 / 32)  # e2m1 + ue8m0 per 32
+    assert inventory.num_weight_bytes == 3 * 3 * fp4_matrix_bytes  # kept as stored: FP4 stacks
+    assert inventory.num_stored_weight_bytes == inventory.num_weight_bytes
     assert inventory.memory_used_bytes > 0 and inventory.device == "cpu"
 
 

@@ -62,17 +62,15 @@ def test_routing_on_host_keeps_host_tensors():
 def cpu_worker():
     from common.model.config import AttentionKind
     from common.model.random_init import flash_config
-    from services.expert.quantized_worker import QuantizedExpertWorker
     from services.expert.random_weights import ExpertFill, RandomWeightsSpec, build_random_experts
-    from services.expert.worker import ExpertWorkerConfig
+    from services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
     config = flash_config([AttentionKind.CSA], hidden_size=256, moe_intermediate_size=128,
                           n_routed_experts=NUM_EXPERTS)
     pairs = [(0, e) for e in range(0, NUM_EXPERTS, 2)]
-    worker = QuantizedExpertWorker(ExpertWorkerConfig(name="sel", checkpoint_path="", device="cpu"), config)
+    worker = ExpertWorker(ExpertWorkerConfig(name="sel", checkpoint_path="", device="cpu"), config)
+    worker.holdings.adopt(build_random_experts(config, pairs, "cpu", RandomWeightsSpec(seed=4), fill=ExpertFill.EXACT))
     worker.allocate_staging()
-    worker._experts = build_random_experts(config, pairs, "cpu", RandomWeightsSpec(seed=4), fill=ExpertFill.EXACT)
-    worker._weights = {pair: () for pair in pairs}
     return worker
 
 

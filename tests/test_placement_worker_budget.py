@@ -17,8 +17,8 @@ from common.checkpoint.tiny import tiny_config
 from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 from common.placement.budget import MemoryBudget
 from common.placement.worker_budget import (
-    attention_worker_budget, bytes_per_expert, check_at_start, expert_headroom_bytes, expert_worker_budget,
-    kv_block_bytes, measure_free_bytes,
+    attention_worker_budget, check_at_start, draft_weight_bytes, expert_headroom_bytes, expert_worker_budget,
+    kv_block_bytes, measure_free_bytes, resident_bytes_per_expert,
 )
 from common.wire.messages import ErrorReply, ExpertInventory, ExpertKey, LoadExperts
 
@@ -37,17 +37,36 @@ def test_kv_block_bytes_equal_the_pool_the_attention_worker_allocates():
 
 def test_expert_budget_counts_the_held_pairs_and_leaves_the_rest_for_experts():
     config = tiny_config()
-    per_expert = bytes_per_expert(config, 4)
-    assert per_expert == 3 * config.moe_intermediate_size * config.hidden_size * 4
+    per_expert = resident_bytes_per_expert(config)
+    matrix = config.moe_intermediate_size * config.hidden_size
+    assert per_expert == 3 * (matrix // 2 + matrix // 32)  # FP4 e2m1 + ue8m0 per 32, as stored
+    assert resident_bytes_per_expert(config, "fp8") == 3 * (matrix + 1)  # e4m3 + one 128x128 block scale
+    assert resident_bytes_per_expert(config, "bf16") == 3 * matrix * 2
     budget = expert_worker_budget(config, service="expert", device="cpu", dtype="auto", num_pairs=10,
                                   free_bytes=1 << 40)
     assert budget.expert_bytes == 10 * per_expert and budget.fits
+    assert budget.load_peak_bytes >= 8 * per_expert  # a restacked layer (8 experts) beside the old one
     assert expert_headroom_bytes(budget) == (1 << 40) - budget.needed_bytes + budget.expert_bytes
     attention = attention_worker_budget(config, service="attention", device="cuda:0", dtype="auto",
                                         block_size_tokens=128, num_primary_blocks=4, num_cpu_blocks=100,
                                         free_bytes=1 << 40)
     assert attention.kv_pool_bytes == 4 * kv_block_bytes(config, 128, 2)  # the CPU tier is not on the GPU
-    assert attention.weights_bytes > 0 and attention.activation_bytes > 0
+    assert attention.weights_bytes > 0 and attention.activation_bytes > 0 and attention.load_peak_bytes > 0
+
+
+@pytest.mark.parametrize("dtype, element_bytes", [("float32", 4), ("bfloat16", 2)])
+def test_draft_budget_equals_what_the_drafter_holds_with_its_own_embedding_and_head(tmp_path, dtype, element_bytes):
+    from common.checkpoint.side_loading import drafter_resident_bytes
+    from common.model.config import NumericsConfig
+    from services.draft.worker import load_drafter
+
+    config = tiny_config(num_nextn_predict_layers=2, compress_ratios=[0, 4, 128, 4, 0, 0], dspark_block_size=4,
+                         dspark_markov_rank=32, dspark_target_layer_ids=[1, 2, 3], dspark_noise_token_id=255)
+    path = write_checkpoint(tmp_path / "dspark", config, random_hub_state_dict(config, seed=8))
+    drafter = load_drafter(str(path), "cpu", NumericsConfig(dtype=dtype))
+    embed_and_head = sum(t.numel() * t.element_size() for t in (drafter.embed.weight, drafter.head.weight))
+    assert embed_and_head == 2 * config.vocab_size * config.hidden_size * 2  # bf16 as stored
+    assert draft_weight_bytes(config, element_bytes) == drafter_resident_bytes(drafter)
 
 
 def test_check_at_start_logs_the_budget_and_names_device_and_shortfall():
@@ -69,7 +88,7 @@ def test_load_experts_beyond_the_budget_is_refused(tmp_path):
 
     config = tiny_config()
     path = write_checkpoint(tmp_path / "ckpt", config, random_hub_state_dict(config, seed=3, include_mtp=False))
-    per_expert = bytes_per_expert(config, 4)
+    per_expert = resident_bytes_per_expert(config)
     worker = ExpertWorker(ExpertWorkerConfig(name="expert-b", checkpoint_path=str(path),
                                              expert_budget_bytes=3 * per_expert), config)
     fits = asyncio.run(worker.handle(LoadExperts(1, (ExpertKey(0, 0), ExpertKey(0, 1)))))

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from common.checkpoint.errors import CheckpointError
-from common.checkpoint.inventory import StorageKind, StoredEntry, TensorSpec, stored_name_index, tensor_inventory
+from common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES, StorageKind, StoredEntry, TensorSpec, stored_name_index, tensor_inventory
 from common.checkpoint.names_on_disk import EntryRef, ref_shape, resolve_entry
 from common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, e8m0_to_float
 from common.model.config import ModelConfig
@@ -80,6 +80,38 @@ def _checkpoint_files(path: Path) -> list[str]:
     raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
+def _shard_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be read, naming the first tensor it cuts short (None: no size problem)."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            return f"{path.name}: {size} bytes, shorter than a safetensors header"
+        header_len = int.from_bytes(prefix, "little")
+        if 8 + header_len > size:
+            return f"{path.name}: header of {header_len} bytes runs past the end of the file ({size} bytes)"
+        try:
+            header = json.loads(handle.read(header_len))
+        except ValueError as error:
+            return f"{path.name}: header is not valid JSON ({error})"
+    data_bytes = size - 8 - header_len
+    entries = sorted(((v["data_offsets"][1], k) for k, v in header.items() if k != "__metadata__"))
+    for end, name in entries:
+        if end > data_bytes:
+            return (f"{name}: truncated in {path.name} (its data ends at byte {end} of the data section, "
+                    f"which holds {data_bytes} bytes)")
+    return None
+
+
+def _open_shard(path: Path):
+    """`safe_open` of one shard; a damaged file fails naming the tensor it cuts short."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as error:  # SafetensorError: say which tensor is affected where possible
+        problem = _shard_problem(path)
+        raise CheckpointError(problem or f"{path.name}: unreadable safetensors file ({error})") from None
+
+
 class CheckpointReader:
     """Reads a checkpoint directory lazily; see the module docstring.
 
@@ -108,7 +140,7 @@ class CheckpointReader:
         self.num_entries_read = 0
         self.num_bytes_read = 0
         self.read_entry_names: list[str] = []
-        self._handles = {name: safe_open(str(self.path / name), framework="pt") for name in _checkpoint_files(self.path)}
+        self._handles = {name: _open_shard(self.path / name) for name in _checkpoint_files(self.path)}
         self._refs: dict[str, EntryRef] = {}
         self._found: dict[str, tuple[tuple[int, ...], str]] = {}  # hub entry -> (shape, dtype)
         self._unexpected: list[str] = []
@@ -195,6 +227,35 @@ class CheckpointReader:
         found = self._found.get(entry_name)
         return None if found is None else found[1]
 
+    def stored_nbytes(self, entry_name: str) -> int:
+        """Bytes of one stored entry (from its header); 0 when the entry is absent."""
+        found = self._found.get(entry_name)
+        if found is None:
+            return 0
+        shape, dtype = found
+        count = 1
+        for size in shape:
+            count *= size
+        return count * SAFETENSORS_DTYPE_BYTES[dtype]
+
+    def logical_stored_nbytes(self, name: str) -> int:
+        """Bytes on disk of the logical tensor `name`: its weight plus its scale when it has one."""
+        spec = self._spec(name)
+        return sum(self.stored_nbytes(entry.name) for entry in spec.stored_entries())
+
+    def stored_kind(self, name: str) -> StorageKind:
+        """How the logical tensor `name` is stored in this checkpoint: its inventory storage, or FLOAT
+        for a quantized tensor held as plain floats (transformers' save format)."""
+        spec = self._spec(name)
+        if spec.is_quantized and (spec.scale_name not in self._refs
+                                  or self.found_dtype(spec.name) in _FLOAT_DTYPES):
+            return StorageKind.FLOAT
+        return spec.storage
+
+    def spec(self, name: str) -> TensorSpec:
+        """The inventory entry of a logical tensor (hub or transformers name)."""
+        return self._spec(name)
+
     # ------------------------------------------------------------------ reading
     def _read_entry(self, hub_entry_name: str) -> torch.Tensor:
         ref = self._refs.get(hub_entry_name)
@@ -262,7 +323,8 @@ class CheckpointReader:
         return tensor_inventory(config)
 
     def load_attention_side(self, config: ModelConfig | None = None, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """Every tensor except routed experts and `mtp.*`, hub-named, dequantized to `dtype`.
+        """Every tensor except routed experts and `mtp.*`, hub-named, dequantized to `dtype` (the
+        single-process reference model; workers keep tensors quantized: `side_loading.py`).
         Never reads a routed-expert entry."""
         inventory = self._inventory_for(config)
         return {name: self.load(name, dtype) for name, spec in inventory.items() if spec.is_attention_side}
@@ -273,7 +335,8 @@ class CheckpointReader:
         pairs: Iterable[tuple[int, int]],
         dtype: torch.dtype = torch.float32,
     ) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(layer, expert) -> (w1 [I, D], w2 [D, I], w3 [I, D]), reading only those experts."""
+        """(layer, expert) -> (w1 [I, D], w2 [D, I], w3 [I, D]) dequantized, reading only those experts (the
+        single-process reference model; expert workers read into stacks: `expert_stacks.py`)."""
         inventory = self._inventory_for(config)
         out = {}
         for layer, expert in pairs:

@@ -13,6 +13,13 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--device", default="cpu", help="torch device for the forward")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--tensors", action="store_true", help="list every tensor with its format and stored bytes")
+    parser.add_argument("--deployment", default=None,
+                        help="deployment TOML: print each worker's stored and resident weight bytes")
+    parser.add_argument("--placement", default=None,
+                        help="placement file: print each expert worker's stored and resident weight bytes")
+    parser.add_argument("--expert-dtype", choices=("native", "fp8", "bf16"), default="native",
+                        help="expert format assumed for --placement workers (a deployment names its own)")
 
 
 def _format_bytes(num_bytes: int) -> str:
@@ -56,6 +63,17 @@ def _print_text(summary: dict) -> None:
         print(f"{group['group']:<15}{group['num_params']:>18,}{_format_bytes(group['num_bytes']):>14}  "
               f"{', '.join(group['dtypes'])}")
     print(f"{'total':<15}{summary['total_params']:>18,}{_format_bytes(summary['total_bytes']):>14}")
+    print(f"{'format':<34}{'tensors':>9}{'stored':>14}")
+    for row in summary["formats"]:
+        print(f"{row['format']:<34}{row['num_tensors']:>9,}{_format_bytes(row['stored_bytes']):>14}")
+    for row in summary.get("tensors", []):
+        print(f"  {row['name']:<56}{str(row['shape']):<18}{row['format']:<30}{row['stored_bytes']:>14,}")
+    if summary.get("workers"):
+        print(f"{'worker':<16}{'role':<10}{'device':<9}{'pairs':>7}{'stored':>14}{'resident':>14}{'ratio':>7}")
+        for row in summary["workers"]:
+            ratio = row["resident_bytes"] / row["stored_bytes"] if row["stored_bytes"] else 0.0
+            print(f"{row['name']:<16}{row['role']:<10}{row['device']:<9}{row['num_pairs']:>7}"
+                  f"{_format_bytes(row['stored_bytes']):>14}{_format_bytes(row['resident_bytes']):>14}{ratio:>7.3f}")
     for label in ("missing", "unexpected", "mismatched"):
         count = summary[f"num_{label}"]
         print(f"{label}: {count}")
@@ -86,7 +104,22 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, ConfigError, OSError) as error:
         print(json.dumps({"error": str(error)}) if args.json else f"error: {error}")
         return 1
+    from common.checkpoint.worker_sizes import format_totals, tensor_rows, worker_rows
+    from common.runtime.deployment import DeploymentError
+
     summary = summarize(reader)
+    rows = tensor_rows(reader)
+    summary["formats"] = format_totals(rows)
+    if args.tensors:
+        summary["tensors"] = rows
+    if args.deployment or args.placement:
+        try:
+            summary["workers"] = worker_rows(reader, deployment_path=args.deployment, placement_path=args.placement,
+                                             dtype=args.dtype if args.deployment is None else "auto",
+                                             expert_dtype=args.expert_dtype)
+        except (DeploymentError, ValueError, OSError) as error:
+            print(json.dumps({"error": str(error)}) if args.json else f"error: {error}")
+            return 1
     problems = summary["num_mismatched"] + sum(1 for name in reader.report.missing if not name.startswith("mtp."))
     if not args.no_forward and not problems:
         token_ids, encoding = encode_prompt(Path(args.model), args.prompt, reader.config.vocab_size)

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                              "worker i uses device i mod count; auto (default): every CUDA GPU when there "
                              "are some, else cpu (`moemesh devices` shows the choice)")
     parser.add_argument("--dtype", default="auto", choices=_DTYPES, help="compute dtype (auto: f32 on CPU, bf16 on GPU)")
+    parser.add_argument("--expert-dtype", choices=("native", "fp8", "bf16"), default="native",
+                        help="what expert workers keep of the routed experts: native (as stored), fp8 (FP4 "
+                             "re-encoded to FP8 e4m3 at load, docs/checkpoints.md) or bf16 (debugging)")
     parser.add_argument("--run-dir", default=None, help="sockets and the deployment file (default: a new temp dir)")
     parser.add_argument("--log-dir", default=None, help="service logs (default: <run-dir>/logs)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
@@ -204,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
                          data_plane=args.data_plane, cuda_graphs=args.cuda_graphs == "on",
                          api_key_file=api_key_file, recovery_timeout_s=args.recovery_timeout,
                          model_name=model_name, drain_s=args.drain_timeout,
-                         router_limits=request_limits(args))
+                         router_limits=request_limits(args), expert_dtype=args.expert_dtype)
     try:
         config_path, deployment = write_deployment(layout)
     except DeploymentError as error:
@@ -255,8 +258,10 @@ def _write_placement(model_dir: Path, run_dir: Path, num_workers: int, devices: 
 
     config = ModelConfig.load(model_dir)
     names = [f"expert-{index}" for index in range(num_workers)]
-    # a planning figure only (bytes of w1, w2, w3 at 4 bytes each); nothing is sized from it here
-    bytes_per_expert = 3 * config.moe_intermediate_size * config.hidden_size * 4
+    # a planning figure only (one expert as the workers keep it natively); nothing is sized from it here
+    from common.placement.worker_budget import resident_bytes_per_expert
+
+    bytes_per_expert = resident_bytes_per_expert(config)
     placement = round_robin(names, expert_devices(devices, num_workers), config.num_hidden_layers,
                             config.n_routed_experts, bytes_per_expert)
     path = run_dir / "placement.toml"

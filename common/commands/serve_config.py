@@ -55,6 +55,7 @@ class ServeLayout:
     recovery_timeout_s: float | None = None  # timeouts.recovery_s; None: the deployment default
     drain_s: float = 30.0  # the router lets open requests finish this long on SIGTERM
     router_limits: tuple[tuple[str, int], ...] = ()  # [router] request limits: (key, value), e.g. max_json_depth
+    expert_dtype: str = "native"  # what expert workers keep of the routed experts (native, fp8, bf16)
 
 
 class DataPlane(enum.Enum):
@@ -161,7 +162,8 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
     experts = []
     for index, device in enumerate(expert_devices(layout.devices, layout.num_expert_workers)):
         placement = "all" if layout.placement_path is None else layout.placement_path
-        experts.append({"name": f"expert-{index}", "device": device, "placement": placement})
+        experts.append({"name": f"expert-{index}", "device": device, "placement": placement,
+                        **({"expert_dtype": layout.expert_dtype} if layout.expert_dtype != "native" else {})})
     return {
         "model": {"path": layout.model_path, "dtype": layout.dtype,
                   **({"name": layout.model_name} if layout.model_name else {})},

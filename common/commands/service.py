@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         from services.attention.main import add_attention_arguments
 
         add_attention_arguments(parser)
+    if name == "expert":
+        parser.add_argument("--expert-dtype", choices=("native", "fp8", "bf16"), default=None,
+                            help="what this worker keeps of its routed experts (default: the deployment's "
+                                 "expert_dtype, itself native by default)")
     if name == "draft":
         from services.draft.main import add_draft_arguments
 
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         case "expert":
             from services.expert.main import main as expert_main
 
-            return expert_main(deployment, args.name, args.log_level)
+            return expert_main(deployment, args.name, args.log_level, expert_dtype=args.expert_dtype)
         case "draft":
             from services.draft.main import options_from_args, run as draft_run
             from services.draft.width import SpeculationError

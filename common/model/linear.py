@@ -2,7 +2,9 @@
 
 Every dense projection of the model is a `Linear` (or `GroupedLinear`) so that a later quantized
 implementation (FP8 weights kept on GPU) can replace this one class without touching the math.
-Weights are created uninitialised (`torch.empty`): they always come from a state dict.
+Weights are created uninitialised (`torch.empty`): they always come from a state dict. A `Linear`
+or `Embedding` weight may be held in a narrower float dtype than the activations (a bf16 checkpoint
+tensor on the float32 CPU path, kept as stored): it is then widened per call, which is exact.
 The RMS norms run one Triton launch on CUDA (`common.kernels.norm_rope`, dispatch rules in
 `common.kernels.glue`); the torch code here is the CPU path and their reference.
 """
@@ -30,7 +32,12 @@ class Linear(nn.Module):
         self.weight = _parameter(out_features, in_features, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        return F.linear(x, self.weight)
+        return F.linear(x, _as_dtype(self.weight, x.dtype))
+
+
+def _as_dtype(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in the activations' dtype (a transient copy only when it is held narrower)."""
+    return weight if weight.dtype == dtype else weight.to(dtype)
 
 
 class GroupedLinear(Linear):
@@ -48,7 +55,7 @@ class GroupedLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # T tokens, G groups, I input per group, O output per group
         num_tokens = x.shape[0]
-        weight = self.weight.view(self.num_groups, -1, self.in_features).transpose(1, 2)  # [G, I, O]
+        weight = _as_dtype(self.weight, x.dtype).view(self.num_groups, -1, self.in_features).transpose(1, 2)  # [G, I, O]
         y = torch.bmm(x.transpose(0, 1), weight)  # [G, T, I] @ [G, I, O] -> [G, T, O]
         return y.transpose(0, 1).reshape(num_tokens, -1)  # [T, G·O]
 
@@ -93,10 +100,11 @@ class Embedding(nn.Module):
 
     def __init__(self, vocab_size: int, dim: int, *, dtype: torch.dtype, device=None) -> None:
         super().__init__()
+        self.dtype = dtype  # of the rows it returns, whatever the table is held in
         self.weight = _parameter(vocab_size, dim, dtype=dtype, device=device)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D]
-        return F.embedding(token_ids, self.weight)
+        return F.embedding(token_ids, self.weight).to(self.dtype)
 
 
 def parameter(*shape: int, dtype: torch.dtype, device=None) -> nn.Parameter:

@@ -8,9 +8,9 @@ stacked (FP4 e2m1 packed + ue8m0 1x32 scales, or FP8), as the grouped kernel rea
 Backends (`KernelBackend`): on CUDA with bf16/fp16 activations the Triton kernels (`common.kernels.fp8_linear`,
 `common.kernels.fp4_experts`) convert weights in registers, so device memory holds 1 byte (FP8) or
 ~0.53 byte (FP4 + scales) per parameter; elsewhere the weight is dequantised per call to the
-activation dtype and multiplied with torch (the CPU float32 path, equal to `Linear` on dequantised
-weights up to nothing: the same `F.linear` on the same values). The model is never dequantised as
-a whole: the torch path materialises one matrix (or one expert) at a time.
+activation dtype and multiplied with torch (the CPU float32 path: `F.linear` on the same values as
+`Linear` on dequantised weights). The model is never dequantised as a whole: the torch path
+materialises a block of 1024 output rows of an FP8 linear, or one expert, at a time.
 
 The CUDA routed-expert path never synchronises with the host (no `.item()`, `unique`,
 `nonzero`, `bincount`), so a decode step that uses it can be captured in a CUDA graph.
@@ -35,6 +35,7 @@ from common.model.linear import GroupedLinear, Linear
 from common.model.moe import ExpertNotHeld, _swiglu, sum_slots_in_order
 
 FP8_BLOCK = 128
+TORCH_BLOCK_ROWS = 8 * FP8_BLOCK  # output rows dequantised at once on the torch (CPU) path
 
 
 class KernelBackend(enum.Enum):
@@ -90,7 +91,20 @@ class Fp8Linear(nn.Module):
             if use_dequant_linear(x.numel() // self.in_features):  # prefill: transient bf16 weight + cuBLAS
                 return fp8_linear_dequant(x, self.weight, self.scale)
             return fp8_linear(x, self.weight, self.scale)
-        return F.linear(x, self.dequantized(x.dtype))
+        return self._blocked_linear(x)
+
+    def _blocked_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch path: `TORCH_BLOCK_ROWS` output rows at a time, each row block dequantised into a small
+        fp32 scratch (exact: e4m3 times a power of two), so no full dequantised matrix is ever built."""
+        if self.out_features <= TORCH_BLOCK_ROWS:
+            return F.linear(x, self.dequantized(x.dtype))
+        out = x.new_empty(*x.shape[:-1], self.out_features)  # [..., N]
+        for start in range(0, self.out_features, TORCH_BLOCK_ROWS):
+            stop = min(start + TORCH_BLOCK_ROWS, self.out_features)
+            rows = dequant_fp8_blockwise(self.weight[start:stop],
+                                         self.scale[start // FP8_BLOCK:-(-stop // FP8_BLOCK)])  # [B, K] fp32
+            out[..., start:stop] = F.linear(x, rows.to(x.dtype))
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 128x128"

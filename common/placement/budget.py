@@ -30,7 +30,8 @@ class BudgetShortfall(RuntimeError):
 @dataclass(frozen=True)
 class MemoryBudget:
     """Planned bytes on one device. `expert_bytes` is the routed experts this worker's placement
-    holds (0 on an attention worker); `reserve_bytes` a margin for allocator fragmentation."""
+    holds (0 on an attention worker); `load_peak_bytes` what loading needs on top for a while;
+    `reserve_bytes` a margin for allocator fragmentation."""
 
     service: str
     device: str
@@ -40,6 +41,7 @@ class MemoryBudget:
     activation_bytes: int = 0
     graph_bytes: int = 0
     expert_bytes: int = 0
+    load_peak_bytes: int = 0  # transient while loading (a restacked layer, one matrix's conversion)
     reserve_bytes: int = 0
 
     def __post_init__(self) -> None:
@@ -54,6 +56,7 @@ class MemoryBudget:
             ("activations", self.activation_bytes),
             ("graphs", self.graph_bytes),
             ("experts", self.expert_bytes),
+            ("loading", self.load_peak_bytes),
             ("reserve", self.reserve_bytes),
         )
 

@@ -3,14 +3,17 @@
 `budget.py` is the arithmetic; this module fills it in for the three workers from the model
 config (the checkpoint inventory gives every tensor's logical shape) and the worker's settings:
 
-- expert worker: its routed experts (held pairs x w1/w2/w3 in the compute dtype, or in their
-  stored FP4/FP8 bytes when the worker keeps them quantized) plus the activations of one full
-  Dispatch (max batched tokens x top-k x hidden, a few copies);
-- attention worker: every non-expert tensor of the main model in the compute dtype (stored
-  bytes for quantized tensors when kept quantized), the KV pools (the device pool; the CPU
-  tier too when the device is the CPU) and the activations of one step (the mHC residual
+- expert worker: its routed experts in the format it keeps them (`--expert-dtype`: FP4 / FP8 bytes
+  with their scales, or dense bf16), the transient peak while loading (one layer's new stack beside
+  the old one on a LoadExperts, and one matrix's conversion temporaries), plus the activations of
+  one full Dispatch (max batched tokens x top-k x hidden, a few copies);
+- attention worker: every non-expert tensor of the main model, FP8 linears at their stored bytes
+  (they stay FP8 on the device) and the rest in the compute dtype, the KV pools with their boundary
+  snapshots (the device pool; the CPU tier too when the device is the CPU), the transient of one
+  FP8 matrix dequantised on the CPU path, and the activations of one step (the mHC residual
   streams and a few [T, D] intermediates per token, plus the sampled rows' logits);
-- draft worker: the `mtp.*` / DSpark tensors plus small activations.
+- draft worker: the `mtp.*` / DSpark tensors (FP8 linears at their stored bytes) plus its own copy
+  of the embedding and the head, and small activations.
 A reserve (`RESERVE_FRACTION` of the plan + `RESERVE_BYTES`) covers allocator fragmentation and
 the framework's own buffers. CUDA graphs are not captured by the workers yet: 0 bytes.
 
@@ -79,43 +82,80 @@ def _reserve(planned_bytes: int) -> int:
     return int(planned_bytes * RESERVE_FRACTION) + RESERVE_BYTES
 
 
-def bytes_per_expert(config, element_bytes: int, keep_quantized: bool = False) -> int:
-    """w1 [I, D], w2 [D, I], w3 [I, D] of one routed expert in the compute dtype (or as stored)."""
-    if keep_quantized:
-        from common.placement.cost import ModelCosts
+def resident_bytes_per_expert(config, expert_dtype: str = "native") -> int:
+    """Bytes one routed expert (w1 [I, D], w2 [D, I], w3 [I, D]) occupies on an expert worker keeping
+    `expert_dtype` ("native": as stored; "fp8": e4m3 with 128x128 scales; "bf16": dense)."""
+    inter, hidden = config.moe_intermediate_size, config.hidden_size
+    params = 3 * inter * hidden
+    stored = config.expert_dtype
+    if expert_dtype == "bf16" or (expert_dtype == "native" and stored == "bf16"):
+        return 2 * params
+    if expert_dtype == "fp8" or stored == "fp8":
+        return params + 3 * (-(-inter // 128)) * (-(-hidden // 128))  # e4m3 + one scale per 128x128 block
+    return params // 2 + params // 32  # FP4 e2m1 + ue8m0 per 32
 
-        return ModelCosts.from_config(config).bytes_per_expert
-    return 3 * config.moe_intermediate_size * config.hidden_size * element_bytes
+
+def expert_load_peak_bytes(config, expert_dtype: str = "native", num_experts_per_layer: int = 0) -> int:
+    """Transient bytes while loading: one layer's new stack (a LoadExperts restacks a layer beside its old
+    stack) plus one matrix's conversion temporaries (dequantised fp32 and its padded copy)."""
+    matrix = config.moe_intermediate_size * config.hidden_size
+    conversion = 3 * 4 * matrix if expert_dtype != "native" else matrix
+    return num_experts_per_layer * resident_bytes_per_expert(config, expert_dtype) + conversion
 
 
-def _tensor_bytes(spec, element_bytes: int, keep_quantized: bool) -> int:
-    return spec.num_bytes if keep_quantized and spec.is_quantized else spec.num_params * element_bytes
+def _tensor_bytes(spec, element_bytes: int) -> int:
+    """A non-expert tensor as a worker holds it (common/checkpoint/module_loader.py): FP8 at its stored
+    bytes; a bf16 projection or embedding matrix as stored when that is narrower than the compute dtype;
+    norm weights in float32; f32 / i64 as stored; anything else in the compute dtype."""
+    from common.checkpoint.inventory import StorageKind
+
+    if spec.is_quantized:
+        return spec.num_bytes
+    if spec.storage is StorageKind.F32:
+        return 4 * spec.num_params
+    if spec.storage is StorageKind.I64:
+        return 8 * spec.num_params
+    if spec.name.endswith("norm.weight"):
+        return 4 * spec.num_params
+    if len(spec.shape) == 2 and not spec.name.endswith("ffn.gate.weight"):
+        return min(2, element_bytes) * spec.num_params
+    return spec.num_params * element_bytes
+
+
+def _largest_fp8_matrix(specs) -> int:
+    return max((spec.num_params for spec in specs if spec.is_quantized), default=0)
 
 
 def expert_worker_budget(config, *, service: str, device: str, dtype: str, num_pairs: int, free_bytes: int,
-                         keep_quantized: bool = False, step: StepShape = StepShape()) -> MemoryBudget:
+                         expert_dtype: str = "native", step: StepShape = StepShape()) -> MemoryBudget:
     element = dtype_bytes(dtype, device)
     # hidden in, per-slot outputs and a few grouped intermediates of one Dispatch
     tokens = step.max_num_batched_tokens
     activations = tokens * config.num_experts_per_tok * (4 * config.hidden_size + 3 * config.moe_intermediate_size)
     activation_bytes = activations * element
-    expert_bytes = num_pairs * bytes_per_expert(config, element, keep_quantized)
+    expert_bytes = num_pairs * resident_bytes_per_expert(config, expert_dtype)
+    per_layer = min(num_pairs, config.n_routed_experts)
+    loading = expert_load_peak_bytes(config, expert_dtype, per_layer)
     return MemoryBudget(service, device, free_bytes, expert_bytes=expert_bytes, activation_bytes=activation_bytes,
-                        reserve_bytes=_reserve(expert_bytes + activation_bytes))
+                        load_peak_bytes=loading, reserve_bytes=_reserve(expert_bytes + activation_bytes))
 
 
-def attention_weight_bytes(config, element_bytes: int, keep_quantized: bool = False) -> int:
+def attention_weight_bytes(config, element_bytes: int) -> int:
     from common.checkpoint.inventory import tensor_inventory
 
-    return sum(_tensor_bytes(spec, element_bytes, keep_quantized) for spec in tensor_inventory(config).values()
+    return sum(_tensor_bytes(spec, element_bytes) for spec in tensor_inventory(config).values()
                if spec.is_attention_side)
 
 
-def draft_weight_bytes(config, element_bytes: int, keep_quantized: bool = False) -> int:
+def draft_weight_bytes(config, element_bytes: int) -> int:
+    """The `mtp.*` tensors plus the drafter's own copy of the embedding and the head."""
     from common.checkpoint.inventory import tensor_inventory
 
-    return sum(_tensor_bytes(spec, element_bytes, keep_quantized) for spec in tensor_inventory(config).values()
-               if spec.is_mtp)
+    inventory = tensor_inventory(config)
+    own = sum(_tensor_bytes(spec, element_bytes) for spec in inventory.values() if spec.is_mtp)
+    shared = sum(_tensor_bytes(inventory[name], element_bytes) for name in ("embed.weight", "head.weight")
+                 if name in inventory)
+    return own + shared
 
 
 def kv_block_bytes(config, block_size_tokens: int, element_bytes: int) -> int:
@@ -136,9 +176,12 @@ def kv_block_bytes(config, block_size_tokens: int, element_bytes: int) -> int:
 
 def attention_worker_budget(config, *, service: str, device: str, dtype: str, block_size_tokens: int,
                             num_primary_blocks: int, num_cpu_blocks: int, free_bytes: int,
-                            keep_quantized: bool = False, step: StepShape = StepShape()) -> MemoryBudget:
+                            step: StepShape = StepShape()) -> MemoryBudget:
+    from common.checkpoint.inventory import tensor_inventory
+
     element = dtype_bytes(dtype, device)
-    weights = attention_weight_bytes(config, element, keep_quantized)
+    weights = attention_weight_bytes(config, element)
+    loading = _largest_fp8_matrix(s for s in tensor_inventory(config).values() if s.is_attention_side) * element
     per_block = kv_block_bytes(config, block_size_tokens, element)
     on_cpu = device.split(":")[0] == "cpu"
     kv = per_block * (num_primary_blocks + (num_cpu_blocks if on_cpu else 0))
@@ -147,13 +190,14 @@ def attention_worker_budget(config, *, service: str, device: str, dtype: str, bl
     activations = tokens * config.hidden_size * (2 * hc_mult + 8) * element  # residual streams + intermediates
     activations += step.max_num_seqs * config.vocab_size * 4  # fp32 logits of the sampled rows
     return MemoryBudget(service, device, free_bytes, weights_bytes=weights, kv_pool_bytes=kv,
-                        activation_bytes=activations, reserve_bytes=_reserve(weights + kv + activations))
+                        activation_bytes=activations, load_peak_bytes=loading,
+                        reserve_bytes=_reserve(weights + kv + activations))
 
 
 def draft_worker_budget(config, *, service: str, device: str, dtype: str, free_bytes: int,
-                        keep_quantized: bool = False, step: StepShape = StepShape()) -> MemoryBudget:
+                        step: StepShape = StepShape()) -> MemoryBudget:
     element = dtype_bytes(dtype, device)
-    weights = draft_weight_bytes(config, element, keep_quantized)
+    weights = draft_weight_bytes(config, element)
     activations = step.max_num_seqs * (config.hidden_size * 16 * element + config.vocab_size * 4)
     return MemoryBudget(service, device, free_bytes, weights_bytes=weights, activation_bytes=activations,
                         reserve_bytes=_reserve(weights + activations))
@@ -174,3 +218,14 @@ def check_at_start(budget: MemoryBudget, worker_name: str) -> str | None:
 def expert_headroom_bytes(budget: MemoryBudget) -> int:
     """What is left for routed experts: free memory minus everything else the plan holds."""
     return budget.free_bytes - (budget.needed_bytes - budget.expert_bytes)
+
+
+def worker_resident_bytes(config, role: str, *, device: str = "cpu", dtype: str = "auto", num_pairs: int = 0,
+                          expert_dtype: str = "native") -> int:
+    """Weight bytes a worker of `role` ("attention", "expert", "draft") will hold (`moemesh check-model`)."""
+    element = dtype_bytes(dtype, device)
+    if role == "expert":
+        return num_pairs * resident_bytes_per_expert(config, expert_dtype)
+    if role == "attention":
+        return attention_weight_bytes(config, element)
+    return draft_weight_bytes(config, element)

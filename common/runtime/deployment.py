@@ -43,6 +43,7 @@ Example (every key optional except the model path and one attention and expert w
     name = "expert-0"
     device = "cuda:0"
     placement = "all"              # "all", "none" (joins empty; `placement apply` gives it experts), or a file
+    expert_dtype = "native"        # native (as stored), fp8 (FP4 re-encoded to FP8 e4m3 at load), bf16 (debugging)
     memory_limit = "60GiB"         # optional, any worker: cap on what it may plan on its device (default: free)
 
     [draft]
@@ -146,6 +147,7 @@ class ExpertWorkerConfig:
     placement: str = "all"  # "all", "none" or a placement file
     host: str | None = None
     memory_limit: str | None = None
+    expert_dtype: str = "native"  # "native", "fp8" or "bf16": what the worker keeps of its routed experts
     endpoint: str | None = None  # bind here instead of the derived endpoint (a worker added later, other hosts)
 
 
@@ -237,6 +239,9 @@ def load_deployment(path: str | Path, overrides: list[str] | tuple[str, ...] = (
     return parse_deployment(raw, overrides)
 
 
+EXPERT_DTYPES = ("native", "fp8", "bf16")
+
+
 def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Deployment:
     for override in overrides:
         apply_override(raw, override)
@@ -263,6 +268,10 @@ def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
         raise DeploymentError("kv.num_primary_blocks: must be >= 1")
     if deployment.kv.num_cpu_blocks < 0:
         raise DeploymentError("kv.num_cpu_blocks: must be >= 0")
+    for index, worker in enumerate(deployment.expert):
+        if worker.expert_dtype not in EXPERT_DTYPES:
+            raise DeploymentError(f"expert[{index}].expert_dtype: {worker.expert_dtype!r} is not one of "
+                                  f"{', '.join(EXPERT_DTYPES)}")
     _check_unique_names(deployment)
     return deployment
 

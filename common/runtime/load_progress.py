@@ -5,7 +5,10 @@
 checkpoint of 70,000 tensors does not write 70,000 lines) and rewrites
 `<progress_dir>/<name>.json` atomically (write + rename), which `moemesh serve`'s progress bar
 and the router's status page read: {"name", "role", "num_bytes", "num_tensors", "done",
-"updated_unix_s"}. `finish()` marks the load done (the runner calls it before Ready).
+"updated_unix_s", "weights"}. `finish()` marks the load done (the runner calls it before Ready).
+`report_weights(device, resident, stored)` records what the loaded weights occupy on the device beside
+what the same tensors take in the checkpoint: one `<role>.weight_bytes` log event, and the file's
+"weights" entry, which the router shows in /status.json and exports as `moemesh_worker_weight_bytes`.
 No I/O at construction; a file that cannot be written is logged once and ignored (progress
 must never fail a load).
 """
@@ -31,6 +34,8 @@ class LoadProgress:
         self.num_bytes = 0
         self.num_tensors = 0
         self.done = False
+        self.weights: dict | None = None  # {"device", "resident_bytes", "stored_bytes", "load_s"} once loaded
+        self._started_s = time.monotonic()
         self._last_report_s = 0.0
         self._write_failed = False
 
@@ -46,13 +51,28 @@ class LoadProgress:
         self.done = True
         self._report()
 
+    def report_weights(self, device: str, resident_bytes: int, stored_bytes: int) -> None:
+        """The held weights' bytes on `device` and the same tensors' bytes in the checkpoint."""
+        load_s = time.monotonic() - self._started_s
+        self.weights = {"device": str(device), "resident_bytes": int(resident_bytes),
+                        "stored_bytes": int(stored_bytes), "load_s": round(load_s, 3)}
+        log.info(f"{self.role}.weight_bytes", name=self.name, device=str(device), resident_bytes=int(resident_bytes),
+                 stored_bytes=int(stored_bytes),
+                 resident_over_stored=round(resident_bytes / stored_bytes, 4) if stored_bytes else None,
+                 load_s=round(load_s, 3), load_s_per_gib_read=round(load_s / (self.num_bytes / 2**30), 3)
+                 if self.num_bytes else None)
+        self._write()
+
     def snapshot(self) -> dict:
         return {"name": self.name, "role": self.role, "num_bytes": self.num_bytes, "num_tensors": self.num_tensors,
-                "done": self.done, "updated_unix_s": time.time()}
+                "done": self.done, "updated_unix_s": time.time(), "weights": self.weights}
 
     def _report(self) -> None:
         log.info(f"{self.role}.load_progress", name=self.name, num_bytes=self.num_bytes,
                  num_tensors=self.num_tensors, done=self.done)
+        self._write()
+
+    def _write(self) -> None:
         if self.progress_dir is None or self._write_failed:
             return
         try:
@@ -85,3 +105,16 @@ def read_progress(progress_dir: str | Path) -> list[dict]:
 def progress_dir_for(run_dir: str | Path) -> Path:
     """Where the services of one deployment write their progress files."""
     return Path(run_dir) / "progress"
+
+
+def weight_records(progress_dir: str | Path | None) -> list[dict]:
+    """[{"name", "role", "device", "resident_bytes", "stored_bytes"}] of every service that reported its
+    weights (see `LoadProgress.report_weights`), sorted by name."""
+    if progress_dir is None:
+        return []
+    out = []
+    for record in read_progress(progress_dir):
+        weights = record.get("weights")
+        if isinstance(weights, dict):
+            out.append({"name": record["name"], "role": record.get("role"), **weights})
+    return out

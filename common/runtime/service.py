@@ -82,6 +82,12 @@ class Service:
     async def load(self) -> None:
         """Load weights and allocate buffers; Ready is sent only after this returns."""
 
+    def report_weight_bytes(self, device: Any, resident_bytes: int, stored_bytes: int) -> None:
+        """What the held weights occupy on `device` and what they take in the checkpoint (for the log,
+        /status.json and the router's `moemesh_worker_weight_bytes`); nothing outside a runner."""
+        if self.load_progress is not None:
+            self.load_progress.report_weights(str(device), resident_bytes, stored_bytes)
+
     async def handle(self, message: Any) -> Any:
         """The reply to one message (None for notifications)."""
         return ErrorReply(code=ErrorCode.UNEXPECTED, message=f"{type(message).TYPE} not handled")

@@ -57,6 +57,9 @@ class ExpertInventory:
     memory_total_bytes: int | None = None
     # routed-expert bytes this worker may still load under its startup budget (None: not measured)
     free_budget_bytes: int | None = None
+    # bytes the held experts take in the checkpoint (weights and scales as stored); num_weight_bytes is
+    # what they occupy on the device (None: not reported)
+    num_stored_weight_bytes: int | None = None
 
 
 @dataclass(frozen=True)

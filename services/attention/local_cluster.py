@@ -88,7 +88,9 @@ class LocalCluster:
             from common.placement.placement_file import write_placement
 
             build = {"round_robin": round_robin, "contiguous": contiguous}[spec.placement]
-            bytes_per_expert = 3 * config.moe_intermediate_size * config.hidden_size * 4
+            from common.placement.worker_budget import resident_bytes_per_expert
+
+            bytes_per_expert = resident_bytes_per_expert(config)
             write_placement(placement_path, build(self.expert_names, devices, config.num_hidden_layers,
                                                   config.n_routed_experts, bytes_per_expert))
             placement_key = str(placement_path)

@@ -142,13 +142,11 @@ def _budget_fits(entry, deployment: Deployment, model_config, kv: KVPoolConfig) 
     import sys
 
     from common.placement.worker_budget import attention_worker_budget, check_at_start, measure_free_bytes
-    from services.expert.random_weights import is_random_model
 
     budget = attention_worker_budget(
         model_config, service="attention", device=entry.device, dtype=deployment.model.dtype,
         block_size_tokens=kv.block_size_tokens, num_primary_blocks=kv.num_primary_blocks,
-        num_cpu_blocks=kv.num_cpu_blocks, free_bytes=measure_free_bytes(entry.device, entry.memory_limit),
-        keep_quantized=is_random_model(deployment.model.path))
+        num_cpu_blocks=kv.num_cpu_blocks, free_bytes=measure_free_bytes(entry.device, entry.memory_limit))
     refusal = check_at_start(budget, entry.name)
     if refusal is not None:
         print(refusal, file=sys.stderr)

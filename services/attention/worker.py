@@ -95,8 +95,9 @@ class AttentionWorker(Service):
     def load_now(self) -> None:
         import zmq
 
+        from common.checkpoint.module_loader import module_weight_bytes
         from common.checkpoint.reader import CheckpointReader
-        from common.model.attention_side import AttentionSide
+        from common.checkpoint.side_loading import WeightBytes, attention_stored_bytes, load_attention_side
         from common.model.config import NumericsConfig
         from services.attention.expert_channel import ExpertChannel
         from services.attention.kv_pool import KVPool
@@ -110,18 +111,13 @@ class AttentionWorker(Service):
         from services.expert.worker import resolve_dtype
 
         dtype = resolve_dtype(self.config.dtype, self.config.device)
-        from services.expert.random_weights import is_random_model
-
-        if is_random_model(self.config.checkpoint_path):  # benchmarks: random weights in the checkpoint formats
-            from services.attention.random_weights import random_attention_side_for
-
-            model_config, self.side = random_attention_side_for(self.config.checkpoint_path, dtype, self.device)
-        else:
-            reader = CheckpointReader(self.config.checkpoint_path, on_progress=self.load_progress)
-            model_config = reader.config
-            numerics = NumericsConfig(dtype=str(dtype).removeprefix("torch."))
-            self.side = AttentionSide.from_state_dict(model_config, reader.load_attention_side(model_config, dtype),
-                                                      numerics, device=self.device)
+        reader = CheckpointReader(self.config.checkpoint_path, on_progress=self.load_progress)
+        model_config = reader.config
+        numerics = NumericsConfig(dtype=str(dtype).removeprefix("torch."))
+        self.side = load_attention_side(reader, numerics, self.device)
+        self.weight_bytes = WeightBytes(resident=module_weight_bytes(self.side),
+                                        stored=attention_stored_bytes(reader))
+        self.report_weight_bytes(self.device, self.weight_bytes.resident, self.weight_bytes.stored)
         self.pool = KVPool(model_config, self.config.kv, self.side.dtype, self.device)
         self.slots = SlotTable(model_config, self.pool, self.side.dtype, self.device)
         self._zmq_context = zmq.Context()
@@ -148,6 +144,7 @@ class AttentionWorker(Service):
         log.info("attention.loaded", name=self.config.name, device=str(self.device), dtype=str(dtype),
                  num_expert_workers=len(self.config.expert_endpoints), num_micro_batches=self.config.num_micro_batches,
                  placement_invariant=self.config.placement_invariant, kv_bytes_per_block=self.pool.num_bytes_per_block(),
+                 resident_weight_bytes=self.weight_bytes.resident, stored_weight_bytes=self.weight_bytes.stored,
                  cuda_graphs=self.runner.graphs is not None)
 
     async def handle(self, message: Any) -> Any:

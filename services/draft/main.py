@@ -81,16 +81,13 @@ def run(deployment: Deployment, name: str | None = None, log_level: str = "info"
 
 def _budget_fits(entry, deployment: Deployment, model_config) -> bool:
     """Log `draft.memory_budget` (drafter weights, activations) against the device's free memory
-    before loading; False (message on stderr) when it does not fit. A random model directory keeps
-    its FP8/FP4 weights quantized (services/draft/random_weights.py), so it is budgeted that way."""
+    before loading; False (message on stderr) when it does not fit."""
     import sys
 
     from common.placement.worker_budget import check_at_start, draft_worker_budget, measure_free_bytes
-    from services.expert.random_weights import is_random_model
 
     budget = draft_worker_budget(model_config, service="draft", device=entry.device, dtype=deployment.model.dtype,
-                                 free_bytes=measure_free_bytes(entry.device, entry.memory_limit),
-                                 keep_quantized=is_random_model(deployment.model.path))
+                                 free_bytes=measure_free_bytes(entry.device, entry.memory_limit))
     refusal = check_at_start(budget, entry.name)
     if refusal is not None:
         print(refusal, file=sys.stderr)

@@ -46,8 +46,7 @@ DEFAULT_MAX_SUPPORT = 64
 
 @dataclass(frozen=True)
 class DraftWorkerConfig:
-    """name: service name; checkpoint_path: model directory (config.json + safetensors, or a random
-    model directory: config.json + random_weights.json);
+    """name: service name; checkpoint_path: model directory (config.json + safetensors);
     dtype: "auto" (float32 on CPU, bfloat16 elsewhere) or a dtype name; speculation: the width
     policy (None: the model's default, adaptive up to dspark_block_size); max_support: tokens
     kept in a sampled slot's proposal distribution (None: the full vocabulary, large on the wire)."""
@@ -68,29 +67,19 @@ def resolve_numerics(dtype: str, device: str) -> NumericsConfig:
 
 def load_drafter(checkpoint_path: str, device: str, numerics: NumericsConfig, *,
                  on_progress=None) -> DSparkDrafter:
-    """`mtp.*` (stages, heads, routed experts) plus the target's embed and head; nothing else of
-    the target is read. A random model directory (`is_random_model`: config.json +
-    random_weights.json, no safetensors) gets random weights in the checkpoint formats instead,
-    generated on `device` with the spec's seed (services/draft/random_weights.py). on_progress: the
-    runner's load-progress callback (bytes and tensors read, for the log and the status page)."""
+    """`mtp.*` (stages, heads, routed experts) plus its own copy of the target's embed and head;
+    nothing else of the target is read. FP8 linears stay FP8 and the stages' routed experts stay in
+    their stored format (common/checkpoint/side_loading.py). on_progress: the runner's load-progress
+    callback (bytes and tensors read, for the log and the status page)."""
     from common.checkpoint.reader import CheckpointReader
-    from services.expert.random_weights import is_random_model
+    from common.checkpoint.side_loading import load_drafter as read_drafter
 
-    if is_random_model(checkpoint_path):
-        from services.draft.random_weights import random_drafter_for
+    from common.checkpoint.side_loading import drafter_stored_bytes
 
-        return random_drafter_for(checkpoint_path, device, numerics)
     reader = CheckpointReader(checkpoint_path, on_progress=on_progress)
-    config = reader.config
-    torch_dtype = numerics.torch_dtype()
-    embed = Embedding(config.vocab_size, config.hidden_size, dtype=torch_dtype, device="meta")
-    embed.load_state_dict({"weight": reader.load("embed.weight", torch_dtype).to(device)}, assign=True)
-    head_name = "embed.weight" if config.tie_word_embeddings else "head.weight"
-    head = Linear(config.hidden_size, config.vocab_size, dtype=torch_dtype, device="meta")
-    head.load_state_dict({"weight": reader.load(head_name, torch_dtype).to(device)}, assign=True)
-    for module in (embed, head):
-        module.requires_grad_(False)
-    return DSparkDrafter.from_state_dict(config, reader.load_mtp(config, torch_dtype), embed, head, numerics, device)
+    drafter = read_drafter(reader, numerics, device)
+    drafter.stored_weight_bytes = drafter_stored_bytes(reader)  # what the drafter holds, as stored
+    return drafter
 
 
 @dataclass
@@ -156,8 +145,14 @@ class DraftWorker(Service):
             numerics = resolve_numerics(self.config.dtype, self.config.device)
             self._install(load_drafter(self.config.checkpoint_path, self.config.device, numerics,
                                       on_progress=self.load_progress))
+        from common.checkpoint.side_loading import WeightBytes, drafter_resident_bytes
+
+        self.weight_bytes = WeightBytes(resident=drafter_resident_bytes(self.drafter),
+                                        stored=getattr(self.drafter, "stored_weight_bytes", 0))
+        self.report_weight_bytes(self.device, self.weight_bytes.resident, self.weight_bytes.stored)
         log.info("draft.loaded", block_size=self.drafter.dspark.block_size, mode=self.speculation.mode.value,
-                 width=self.speculation.width, device=str(self.device))
+                 width=self.speculation.width, device=str(self.device),
+                 resident_weight_bytes=self.weight_bytes.resident, stored_weight_bytes=self.weight_bytes.stored)
 
     async def handle(self, message: Any) -> Any:
         match message:

@@ -76,7 +76,7 @@ def slot_outputs(weights_of: dict[tuple[int, int], tuple[torch.Tensor, torch.Ten
         begin, end = groups.offsets[group], groups.offsets[group + 1]
         token_index = groups.token_index[begin:end]
         slot_index = groups.slot_index[begin:end]
-        w1, w2, w3 = weights_of[(layer, expert)]
+        w1, w2, w3 = (w.to(hidden.dtype) for w in weights_of[(layer, expert)])  # held bf16: one expert cast
         out[token_index, slot_index] = swiglu_expert(
             hidden[token_index], w1, w2, w3, route_weights[token_index, slot_index], swiglu_limit,
             route_weight_before_w2)

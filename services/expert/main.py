@@ -17,7 +17,8 @@ def pick_worker(workers, name: str | None, role: str):
     raise DeploymentError(f"{role}: no worker named {name!r} (have {[w.name for w in workers]})")
 
 
-def main(deployment: Deployment, name: str | None, log_level: str = "info") -> int:
+def main(deployment: Deployment, name: str | None, log_level: str = "info", expert_dtype: str | None = None) -> int:
+    """Run the expert worker `name`; `expert_dtype` (the command line's) overrides the deployment's."""
     from common.model.config import ModelConfig
     from common.runtime.logging import configure_logging
     from common.runtime.load_progress import progress_dir_for
@@ -35,17 +36,13 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info") -> i
     model_config = ModelConfig.load(deployment.model.path)
     pairs = holdings_for(entry.name, entry.placement, model_config.num_hidden_layers,
                          model_config.n_routed_experts).held
-    from services.expert.random_weights import is_random_model
-
-    random_model = is_random_model(deployment.model.path)
-    if random_model:  # random weights kept quantized (benchmarks)
-        from services.expert.quantized_worker import QuantizedExpertWorker as ExpertWorker  # noqa: F811
-    budget = _startup_budget(entry, deployment, model_config, len(pairs), keep_quantized=random_model)
+    expert_dtype = expert_dtype or entry.expert_dtype
+    budget = _startup_budget(entry, deployment, model_config, len(pairs), expert_dtype)
     if budget is None:
         return 3  # the plan does not fit the device: the message is on stderr and in the log
     worker = ExpertWorker(ExpertWorkerConfig(name=entry.name, checkpoint_path=deployment.model.path,
                                              device=entry.device, dtype=deployment.model.dtype, pairs=tuple(pairs),
-                                             expert_budget_bytes=budget),
+                                             expert_dtype=expert_dtype, expert_budget_bytes=budget),
                           model_config)
     service_config = ServiceConfig(name=entry.name, role=ServiceRole.EXPERT, endpoint=endpoints.expert[entry.name],
                                    supervisor_endpoint=endpoints.supervisor, device=entry.device,
@@ -54,9 +51,8 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info") -> i
     return run_service(worker, service_config)
 
 
-def _startup_budget(entry, deployment: Deployment, model_config, num_pairs: int, keep_quantized: bool) -> int | None:
-    """Log `expert.memory_budget` and check it before loading anything (issue 8 part 3): the
-    bytes left for routed experts after the rest of the plan, or None (message on stderr) when
+def _startup_budget(entry, deployment: Deployment, model_config, num_pairs: int, expert_dtype: str) -> int | None:
+    """Log `expert.memory_budget` and check it before loading anything: the bytes left for routed experts after the rest of the plan, or None (message on stderr) when
     the worker's pairs do not fit its device's free memory (or `memory_limit`)."""
     import sys
 
@@ -66,7 +62,7 @@ def _startup_budget(entry, deployment: Deployment, model_config, num_pairs: int,
 
     budget = expert_worker_budget(model_config, service="expert", device=entry.device, dtype=deployment.model.dtype,
                                   num_pairs=num_pairs, free_bytes=measure_free_bytes(entry.device, entry.memory_limit),
-                                  keep_quantized=keep_quantized)
+                                  expert_dtype=expert_dtype)
     refusal = check_at_start(budget, entry.name)
     if refusal is not None:
         print(refusal, file=sys.stderr)

@@ -1,23 +1,31 @@
 """The expert worker: holds the (layer, expert) pairs its placement assigns, answers Dispatch.
 
-One visible loop, `handle_dispatch(dispatch) -> Combine`: group the selected (token, slot)
-pairs by expert, run each SwiGLU expert once on its group, scatter back, then either add the
-owned slots per token in slot order (a partial sum [T, D]) or, in placement-invariant mode,
-return every slot's weighted output [T, K, D] (zeros for slots that are not ours) so that the
-attention worker adds all K slots in slot order itself.
+One visible loop, `handle_dispatch(dispatch) -> Combine`: select the (token, slot) rows whose
+experts are held here, run each SwiGLU expert once on its rows, then either add the owned slots per
+token in slot order (a partial sum [T, D]) or, in placement-invariant mode, return every slot's
+weighted output [T, K, D] (zeros for slots that are not ours) so that the attention worker adds all
+K slots in slot order itself.
 
-Weights are read with `CheckpointReader.load_experts`, which reads only the requested pairs'
-entries, and live on one torch device. Admin messages (`LoadExperts`, `DropExperts`,
-`QueryInventory`) change or report what is held; each answers with an `ExpertInventory`.
+Weights come from the checkpoint directory, read pair by pair from the memory-mapped shards straight
+into the format the worker keeps (`holdings.ExpertHoldings`, `--expert-dtype native|fp8|bf16`):
+- FP4 / FP8 stacks per layer (`QuantizedRoutedExperts`): on CUDA with 16-bit activations the grouped
+  Triton kernels on the selected rows; on the CPU the native FP4 kernel (`cpu_experts`), FP8 experts
+  dequantised one matrix at a time. Row selection and the kernels' row layout run on the host from the
+  received ids and mask (selection.py), so a ZeroMQ Dispatch needs no host sync before the reply's copy.
+- dense matrices (float checkpoints, `bf16`): rows grouped by expert (grouping.py), each expert once.
+Admin messages (`LoadExperts`, `DropExperts`, `QueryInventory`) change or report what is held; each
+answers with an `ExpertInventory` that carries the resident and the stored bytes of the held experts.
 
-Data path: a Dispatch's tensors go to the device through a `RecvStagingRing` (pinned landing
-slots and asynchronous host->device copies on CUDA; the received frames as they are on the
-CPU). The Combine leaves from a fixed `SendStagingPool` (`reply_staging`, read by the service
+Data path: a Dispatch's tensors go to the device by plain copies for quantized holdings (with the
+landing ring, several small tensors per Dispatch, the two-GPU ZeroMQ run at B = 64 took 12 ms per
+Dispatch against 2.6 ms without it) and through a `RecvStagingRing` (pinned landing slots,
+asynchronous host->device copies on CUDA) for dense ones; on the CPU the received frames are used as
+they are. The Combine leaves from a fixed `SendStagingPool` (`reply_staging`, read by the service
 runner when it sends the reply): the output stays on the device and is copied straight into a
 pinned, recycled buffer, which is reused only after ZeroMQ released the frames. A reply larger
 than one buffer is sent from its own host tensor instead (`num_unstaged_replies`); it is a
 fresh tensor per dispatch, never written again, so the zero-copy send is safe.
-Legend: T tokens, K top-k slots, D hidden.
+Legend: T tokens, K top-k slots, D hidden, R selected (token, slot) rows.
 """
 
 from __future__ import annotations
@@ -36,25 +44,30 @@ from common.wire.messages import (
     AttachCudaIpc, Combine, Dispatch, DispatchSlot, DropExperts, ErrorCode, ErrorReply, ExpertInventory, ExpertKey,
     LoadExperts, QueryInventory,
 )
-from services.expert.ipc_plane import ExpertSlotPlane
-from services.expert.grouping import ExpertGroups, group_by_expert, slot_outputs
+from common.checkpoint.expert_stacks import ExpertDtype, ResidentFormat
 from common.model.moe import sum_slots_in_order
+from services.expert.grouping import group_by_expert, slot_outputs
+from services.expert.holdings import ExpertHoldings
+from services.expert.ipc_plane import ExpertSlotPlane
+from services.expert.selection import (
+    HeldTable, RowSelection, held_tables, routing_on_host, select_rows, sorted_layout,
+)
 
 log = structlog.get_logger("expert")
-
-Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # w1 [I, D], w2 [D, I], w3 [I, D]
 
 
 @dataclass(frozen=True)
 class ExpertWorkerConfig:
     """name: service name; checkpoint_path: model directory; pairs: (layer, expert) held at start;
-    dtype: "auto" (float32 on CPU, bfloat16 elsewhere) or a torch dtype name."""
+    dtype: "auto" (float32 on CPU, bfloat16 elsewhere) or a torch dtype name (activations);
+    expert_dtype: "native", "fp8" or "bf16" (what is kept of the routed experts, holdings.py)."""
 
     name: str
     checkpoint_path: str
     device: str = "cpu"
     dtype: str = "auto"
     pairs: tuple[tuple[int, int], ...] = ()
+    expert_dtype: str = "native"
     route_weight_before_w2: bool = False
     num_reply_buffers: int = 4  # Combine staging buffers (pinned on CUDA hosts)
     reply_buffer_bytes: int = 32 << 20
@@ -88,27 +101,32 @@ def device_memory(device: torch.device) -> tuple[int, int | None]:
 
 class ExpertWorker(Service):
     accepts = (Dispatch, LoadExperts, DropExperts, QueryInventory, AttachCudaIpc, DispatchSlot)
-    uses_landing_ring = True  # received host tensors go up through RecvStagingRing (CUDA devices)
 
     def __init__(self, config: ExpertWorkerConfig, model_config: ModelConfig | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self._model_config = model_config
-        self._weights: dict[tuple[int, int], Weights] = {}
+        self.holdings = ExpertHoldings(self.device, ExpertDtype(config.expert_dtype), config.route_weight_before_w2)
         self.placement_version = 0
         self.read_entry_names: list[str] = []  # every checkpoint entry this worker read
         self.num_dispatches = 0
         self.num_unstaged_replies = 0
+        self.num_empty_selections = 0  # Dispatches with tokens but no selected slot here (must stay 0)
         self._reply_pool: SendStagingPool | None = None
         self._recv_ring: RecvStagingRing | None = None
         self._last_reply_fits = True
+        self._cpu_runner = None  # cpu_experts.CpuBlockRunner: FP4 blocks on a thread pool (CPU devices)
+        self._tables: dict[int, HeldTable] = {}  # host held/stack-index tables per layer (selection.py)
+        self._tables_of = None  # the holder they were built from
         self.slot_plane = ExpertSlotPlane(self.device, config.name)  # CUDA IPC rings of attention workers
-        # Optional stacked holder of quantized experts (`QuantizedRoutedExperts`, e.g. random weights
-        # in `bench layers --disaggregated`): when set, Dispatches are computed by its grouped kernels.
-        self.holder: Any = None
-        # CUDA graphs of the holder's per-layer work by token bucket (services/expert/graphs.py); None: eager
+        # CUDA graphs of the quantized holder's per-layer work by token bucket (services/expert/graphs.py); None: eager
         self.graphs: Any = None
+
+    @property
+    def _experts(self):
+        """The quantized holder (`QuantizedRoutedExperts`) or None for dense holdings."""
+        return self.holdings.experts
 
     @property
     def reply_staging(self) -> SendStagingPool | None:
@@ -117,14 +135,14 @@ class ExpertWorker(Service):
         return self._reply_pool if self._last_reply_fits else None
 
     def allocate_staging(self) -> None:
-        """The reply pool and, where the class uses one, the landing ring (done by `load`; call it when
-        driving the worker directly)."""
+        """The reply pool and, for dense holdings, the landing ring (done by `load`; call it when driving
+        the worker directly)."""
         if self._reply_pool is None:
             self._reply_pool = SendStagingPool(StagingConfig(num_buffers=self.config.num_reply_buffers,
                                                              buffer_bytes=self.config.reply_buffer_bytes))
-            if self.uses_landing_ring:
-                self._recv_ring = RecvStagingRing(str(self.device), num_slots=self.config.num_recv_slots,
-                                                  slot_bytes=self.config.recv_slot_bytes)
+        if self.holdings.format is ResidentFormat.DENSE and self._recv_ring is None:
+            self._recv_ring = RecvStagingRing(str(self.device), num_slots=self.config.num_recv_slots,
+                                              slot_bytes=self.config.recv_slot_bytes)
 
     def _to_device(self, received: torch.Tensor) -> torch.Tensor:
         """A received (read-only, host) tensor on this worker's device, through the landing ring when
@@ -137,21 +155,31 @@ class ExpertWorker(Service):
 
     # ------------------------------------------------------------------ lifecycle
     async def load(self) -> None:
-        self.allocate_staging()
         self.load_pairs(self.config.pairs, self.config.checkpoint_path)
+        self.allocate_staging()
 
     def load_pairs(self, pairs, checkpoint_path: str) -> None:
+        import time
+
         from common.checkpoint.reader import CheckpointReader
 
-        wanted = sorted({(int(l), int(e)) for l, e in pairs} - set(self._weights))
+        started = time.monotonic()
         reader = CheckpointReader(checkpoint_path, config=self._model_config, on_progress=self.load_progress)
         self._model_config = reader.config
-        loaded = reader.load_experts(reader.config, wanted, self.dtype)
-        for pair, weights in loaded.items():
-            self._weights[pair] = tuple(w.to(self.device).contiguous() for w in weights)
+        new = self.holdings.load(reader, pairs)
         self.read_entry_names.extend(reader.read_entry_names)
-        log.info("expert.loaded", name=self.config.name, num_pairs=len(self._weights), num_new=len(wanted),
-                 device=str(self.device), num_weight_bytes=self.num_weight_bytes())
+        if self.device.type == "cpu" and self.holdings.format is ResidentFormat.FP4 and self._cpu_runner is None:
+            from services.expert.cpu_experts import CpuBlockRunner
+
+            # parallel over FP4 blocks on Python threads, each torch op single-threaded (see CpuBlockRunner)
+            self._cpu_runner = CpuBlockRunner(torch.get_num_threads())
+            torch.set_num_threads(1)
+        log.info("expert.loaded", name=self.config.name, num_pairs=len(self.holdings), num_new=len(new),
+                 device=str(self.device), expert_format=self.holdings.format.value if self.holdings.format else None,
+                 resident_weight_bytes=self.holdings.resident_bytes(),
+                 stored_weight_bytes=self.holdings.stored_bytes(), num_bytes_read=reader.num_bytes_read,
+                 load_s=round(time.monotonic() - started, 3))
+        self.report_weight_bytes(self.device, self.holdings.resident_bytes(), self.holdings.stored_bytes())
 
     @property
     def swiglu_limit(self) -> float | None:
@@ -171,8 +199,8 @@ class ExpertWorker(Service):
                 self.placement_version = version
                 return self.inventory()
             case DropExperts(placement_version=version, experts=keys):
-                for key in keys:
-                    self._weights.pop((key.layer, key.expert), None)
+                self.holdings.drop([(k.layer, k.expert) for k in keys], self._model_config)
+                self.report_weight_bytes(self.device, self.holdings.resident_bytes(), self.holdings.stored_bytes())
                 self.placement_version = version
                 return self.inventory()
             case QueryInventory():
@@ -185,31 +213,25 @@ class ExpertWorker(Service):
 
     @torch.inference_mode()
     def handle_dispatch(self, dispatch: Dispatch) -> Combine | ErrorReply:
-        """Dispatch -> Combine: grouped expert compute on this worker's slots, in a fixed order."""
-        inputs = self._dispatch_inputs(dispatch)
-        if isinstance(inputs, ErrorReply):
-            return inputs
-        groups = None
-        if self.holder is None and not dispatch.expert_ids.is_cuda:  # host ids (ZeroMQ): group them here, no sync
-            groups = group_by_expert(dispatch.expert_ids.long(), dispatch.slot_mask).moved(self._to_device)
-        output = self.expert_output(dispatch.layer, *inputs, dispatch.per_expert_outputs, groups=groups)
-        if isinstance(output, ErrorReply):
-            return output
-        return self._combine_reply(dispatch, output)
+        """Dispatch -> Combine: expert compute on this worker's slots, in a fixed order.
 
-    def _dispatch_inputs(self, dispatch: Dispatch):
-        """The Dispatch's tensors on this worker's device -> (hidden [T, D], ids [T, K] long,
-        route weights [T, K] f32, slot mask [T, K] bool or None), or MALFORMED when shapes disagree."""
+        Host syncs on CUDA (quantized holdings): none before the reply's device->host copy for a Dispatch
+        of host tensors (ZeroMQ); one read-back of ids and mask for device tensors (CUDA IPC). A malformed
+        Dispatch (shapes, expert ids out of range) is logged and answered MALFORMED."""
         self.num_dispatches += 1
+        if self.graphs is not None and dispatch.slot_mask is None and dispatch_shape_problem(dispatch) is None:
+            replayed = self._replay(dispatch.layer, self._to_device(dispatch.hidden).to(self.dtype),
+                                    self._to_device(dispatch.expert_ids).long(), self._to_device(dispatch.weights),
+                                    dispatch.per_expert_outputs)
+            if replayed is not None:
+                return self._combine_reply(dispatch, replayed)
+        selection = self._select(dispatch)
+        if isinstance(selection, ErrorReply):
+            return selection
         hidden = self._to_device(dispatch.hidden).to(self.dtype)  # [T, D]
-        ids = self._to_device(dispatch.expert_ids).long()  # [T, K]
-        route_weights = self._to_device(dispatch.weights)  # [T, K] f32
-        mask = None if dispatch.slot_mask is None else self._to_device(dispatch.slot_mask)  # [T, K] bool
-        if ids.shape != route_weights.shape or ids.shape[0] != hidden.shape[0] or (
-                mask is not None and mask.shape != ids.shape):
-            return ErrorReply(code=ErrorCode.MALFORMED, message=f"dispatch shapes disagree: hidden "
-                              f"{tuple(hidden.shape)}, ids {tuple(ids.shape)}, weights {tuple(route_weights.shape)}")
-        return hidden, ids, route_weights, mask
+        per_slot = self._selected_outputs(dispatch.layer, hidden, dispatch.weights, selection)  # [T, K, D]
+        output = per_slot if dispatch.per_expert_outputs else sum_slots_in_order(per_slot)
+        return self._combine_reply(dispatch, output)
 
     def _combine_reply(self, dispatch: Dispatch, output: torch.Tensor) -> Combine:
         """The Combine answering dispatch; output leaves from a staging buffer when it fits one."""
@@ -222,54 +244,18 @@ class ExpertWorker(Service):
                        micro_batch=dispatch.micro_batch, output=output,
                        per_expert_outputs=dispatch.per_expert_outputs)
 
-    def expert_output(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor,
-                      mask: torch.Tensor | None, per_expert_outputs: bool,
-                      groups: ExpertGroups | None = None) -> torch.Tensor | ErrorReply:
-        """The routed answer [T, D] (or [T, K, D]) for this worker's slots, whatever the data plane.
-        groups: `group_by_expert(ids, mask)` when the caller has it (from host ids: no device sync)."""
-        if self.holder is not None:
-            from common.model.moe import ExpertNotHeld
-
-            if self.graphs is not None:  # a static graph output, valid until the next Dispatch
-                try:
-                    replayed = self.graphs.run(layer, hidden, ids, route_weights, mask, per_expert_outputs)
-                except RuntimeError as error:  # a capture that fails turns graphs off, never the worker
-                    log.warning("expert.graphs_off", name=self.config.name, reason=str(error)[:300])
-                    self.graphs, replayed = None, None
-                if replayed is not None:
-                    return replayed
-            try:
-                per_slot = self.holder.per_expert_outputs(layer, hidden, ids, route_weights, mask)  # [T, K, D]
-            except ExpertNotHeld as error:
-                return ErrorReply(code=ErrorCode.NOT_FOUND, message=f"{self.config.name}: {error}"[:300])
-        else:
-            groups = groups if groups is not None else group_by_expert(ids, mask)
-            missing = [e for e in groups.expert_ids if (layer, e) not in self._weights]
-            if missing:
-                return ErrorReply(code=ErrorCode.NOT_FOUND,
-                                  message=f"{self.config.name} does not hold layer {layer} experts {missing}")
-            per_slot = slot_outputs(self._weights, layer, hidden, groups, route_weights, ids.shape[1],
-                                    self.swiglu_limit, self.config.route_weight_before_w2)  # [T, K, D]
-        return per_slot if per_expert_outputs else sum_slots_in_order(per_slot)
-
     @torch.inference_mode()
     def handle_dispatch_slot(self, message: DispatchSlot) -> Any:
-        """DispatchSlot -> CombineSlot: `handle_dispatch` (a subclass's too) on the ring's device views."""
+        """DispatchSlot -> CombineSlot: `handle_dispatch` on the ring's device views."""
         inputs = self.slot_plane.inputs(message)
         if isinstance(inputs, ErrorReply):
             return inputs
         hidden, ids, route_weights, mask = inputs
-        if self.graphs is not None and self.holder is not None and mask is None:  # the lean path: one replay
-            self.num_dispatches += 1
-            try:
-                replayed = self.graphs.run(message.layer, hidden, ids, route_weights, None,
-                                           message.per_expert_outputs)
-            except RuntimeError as error:  # a capture that fails turns graphs off, never the worker
-                log.warning("expert.graphs_off", name=self.config.name, reason=str(error)[:300])
-                self.graphs, replayed = None, None
+        if self.graphs is not None and mask is None:  # the lean path: one replay
+            replayed = self._replay(message.layer, hidden, ids, route_weights, message.per_expert_outputs)
             if replayed is not None:
+                self.num_dispatches += 1
                 return self.slot_plane.reply(message, replayed)
-            self.num_dispatches -= 1  # counted again by handle_dispatch
         reply = self.handle_dispatch(Dispatch(
             dispatch_id=message.dispatch_id, step_id=message.step_id, layer=message.layer,
             micro_batch=message.micro_batch, hidden=hidden, expert_ids=ids, weights=route_weights,
@@ -278,33 +264,174 @@ class ExpertWorker(Service):
             return reply
         return self.slot_plane.reply(message, reply.output.to(hidden.dtype))
 
+    def _replay(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor,
+                per_expert_outputs: bool) -> torch.Tensor | None:
+        """The captured graph's output for a Dispatch whose every slot is ours (a static output, valid
+        until the next Dispatch), or None (no graph for this shape, or graphs turned off)."""
+        try:
+            return self.graphs.run(layer, hidden, ids, route_weights, None, per_expert_outputs)
+        except RuntimeError as error:  # a capture that fails turns graphs off, never the worker
+            log.warning("expert.graphs_off", name=self.config.name, reason=str(error)[:300])
+            self.graphs = None
+            return None
+
+    def _select(self, dispatch: Dispatch) -> RowSelection | ErrorReply:
+        """The Dispatch's selected rows (host), or the ErrorReply refusing it (MALFORMED, NOT_FOUND)."""
+        problem = dispatch_shape_problem(dispatch)
+        if problem is None:
+            ids, mask = dispatch.expert_ids, dispatch.slot_mask
+            if ids.is_cuda:  # CUDA IPC views: on this device first (ordered after the sender's signal)
+                ids, mask = self._to_device(ids), None if mask is None else self._to_device(mask)
+            ids, mask = routing_on_host(ids, mask)
+            selection = select_rows(ids, mask, self._held_table(dispatch.layer), self._num_routed_experts())
+            problem = selection if isinstance(selection, str) else None
+        if problem is not None:
+            log.warning("expert.dispatch_malformed", name=self.config.name, layer=dispatch.layer,
+                        dispatch_id=dispatch.dispatch_id, reason=problem[:200])
+            return ErrorReply(code=ErrorCode.MALFORMED, message=problem[:300])
+        if selection.missing_expert_ids:
+            return ErrorReply(code=ErrorCode.NOT_FOUND, message=f"{self.config.name} does not hold layer "
+                              f"{dispatch.layer} experts {list(selection.missing_expert_ids)}")
+        return selection
+
+    def _num_routed_experts(self) -> int:
+        if self._experts is not None:
+            return self._experts.num_routed_experts
+        return self._model_config.n_routed_experts if self._model_config is not None else 0
+
+    def _held_table(self, layer: int) -> HeldTable | None:
+        """The layer's host table (selection.py), rebuilt whenever what is held changes (load, drop)."""
+        marker = self._experts if self._experts is not None else tuple(self.holdings.pairs)
+        if self._tables_of is not marker and self._tables_of != marker:
+            if self._experts is not None:
+                self._tables = held_tables(self._experts)
+            else:
+                from services.expert.selection import held_table
+
+                by_layer: dict[int, list[int]] = {}
+                for held_layer, expert in self.holdings.pairs:
+                    by_layer.setdefault(held_layer, []).append(expert)
+                self._tables = {held_layer: held_table(ids, self._num_routed_experts())
+                                for held_layer, ids in by_layer.items()}
+            self._tables_of = marker
+        return self._tables.get(layer)
+
+    def _slot_outputs(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor,
+                      selected: torch.Tensor) -> torch.Tensor:
+        """Weighted output of every selected slot -> [T, K, D], zeros elsewhere (every selected expert
+        must be held here; tensors on any device)."""
+        selection = select_rows(*routing_on_host(ids, selected), self._held_table(layer), self._num_routed_experts())
+        if isinstance(selection, str) or selection.missing_expert_ids:
+            problem = selection if isinstance(selection, str) else f"experts {selection.missing_expert_ids} not held"
+            raise ValueError(f"layer {layer}: {problem}")
+        return self._selected_outputs(layer, hidden, route_weights, selection)
+
+    def _selected_outputs(self, layer: int, hidden: torch.Tensor, route_weights: torch.Tensor,
+                          selection: RowSelection) -> torch.Tensor:
+        """hidden [T, D] on this device, route weights [T, K] (host or device), a selection without
+        missing experts -> [T, K, D], zeros where not selected."""
+        from common.model.quantized import ExpertFormat, _use_kernel
+
+        experts = self._experts
+        num_tokens, top_k = selection.num_tokens, selection.top_k
+        if selection.num_rows == 0:  # nothing of ours in this Dispatch (an empty micro-batch)
+            if num_tokens:  # a Dispatch names only tokens with a slot here: this one arrived without any
+                self.num_empty_selections += 1
+                log.warning("expert.dispatch_without_slots", name=self.config.name, layer=layer,
+                            num_tokens=num_tokens, num_empty_selections=self.num_empty_selections)
+            return hidden.new_zeros(num_tokens, top_k, hidden.shape[1])
+        if experts is None:  # dense holdings: rows grouped by expert, each expert once
+            groups = group_by_expert(selection.expert_ids, selection.selected).moved(self._to_device)
+            return slot_outputs(self.holdings.dense, layer, hidden, groups, self._to_device(route_weights).float(),
+                                top_k, self.swiglu_limit, self.config.route_weight_before_w2)
+        held = experts._layers[layer]
+        if self.device.type == "cpu" and held.fmt is ExpertFormat.FP4:
+            from services.expert.cpu_experts import expert_rows
+
+            return expert_rows(held, hidden, selection.expert_ids, route_weights.to(self.device),
+                               selection.selected, experts.swiglu_limit, experts.route_weight_before_w2,
+                               self._cpu_runner)
+        if not _use_kernel(experts.backend, hidden):
+            return experts.per_expert_outputs(layer, hidden, self._to_device(selection.expert_ids),
+                                              self._to_device(route_weights), self._to_device(selection.selected))
+        # kernel path on the selected rows only (unselected slots would otherwise all run on stack index 0)
+        if self._host_layout_applies(held, hidden, selection.num_rows):
+            return self._grouped_rows(held, hidden, route_weights, selection)
+        index = self._to_device(selection.rows)  # [3, R]: flat slot, token, stack index
+        if route_weights.is_cuda:
+            row_weights = route_weights.to(self.device).reshape(-1)[index[0]]  # [R]
+        else:
+            row_weights = self._to_device(route_weights.reshape(-1)[selection.flat_slots])  # [R]
+        rows = experts._rows_kernel(held, hidden.index_select(0, index[1]), index[2][:, None],
+                                    row_weights[:, None])  # [R, D] (the holder's per_expert_outputs, held check done)
+        out = hidden.new_zeros(num_tokens * top_k, hidden.shape[1])
+        out[index[0]] = rows.to(out.dtype)
+        return out.view(num_tokens, top_k, -1)
+
+    def _host_layout_applies(self, held, hidden: torch.Tensor, num_rows: int) -> bool:
+        """Whether `_grouped_rows` computes what `QuantizedRoutedExperts._rows_kernel` would: its fused
+        grouped kernels with the route weight after w2 (decode and short prefill); long FP4 prefill takes
+        the holder's dequantising path and route-weight-before-w2 its two-step path."""
+        from common.kernels.fp4_prefill import use_dequant_path
+        from common.model.quantized import ExpertFormat
+
+        if self._experts.route_weight_before_w2:
+            return False
+        return not (held.fmt is ExpertFormat.FP4 and hidden.dtype == torch.bfloat16
+                    and use_dequant_path(num_rows, len(held.expert_ids)))
+
+    def _grouped_rows(self, held, hidden: torch.Tensor, route_weights: torch.Tensor,
+                      selection: RowSelection) -> torch.Tensor:
+        """`_rows_kernel`'s grouped kernels with the row layout sorted on the host (selection.sorted_layout):
+        the same rows in the same order, without the device sort / searchsorted / unsort launches.
+        One upload of the layout, one of the row weights (host Dispatches), no host sync -> [T, K, D]."""
+        from common.kernels.fp4_experts import grouped_down, grouped_gate_up
+
+        num_rows = selection.num_rows
+        layout = sorted_layout(selection, len(held.expert_ids))  # [2R + G + 1]
+        on_device = self._to_device(torch.from_numpy(layout))
+        flat_sorted, tokens_sorted = on_device[:num_rows], on_device[num_rows:2 * num_rows]  # [R] each
+        offsets = on_device[2 * num_rows:].to(torch.int32)  # [G + 1]
+        if route_weights.is_cuda:
+            row_weights = route_weights.to(self.device).reshape(-1)[flat_sorted].float()  # [R]
+        else:
+            row_weights = self._to_device(route_weights.reshape(-1)[torch.from_numpy(layout[:num_rows])].float())
+        stacked = held.kernel_weights()
+        x_sorted = hidden.index_select(0, tokens_sorted)  # [R, D] in expert order
+        h = grouped_gate_up(x_sorted, offsets, stacked, swiglu_limit=self._experts.swiglu_limit)  # [R, I]
+        y = grouped_down(h, offsets, stacked, row_weights=row_weights)  # [R, D]
+        out = hidden.new_zeros(selection.num_tokens * selection.top_k, hidden.shape[1])
+        out[flat_sorted] = y.to(out.dtype)
+        return out.view(selection.num_tokens, selection.top_k, -1)
+
     # ------------------------------------------------------------------ reports
     def num_weight_bytes(self) -> int:
-        return sum(w.numel() * w.element_size() for weights in self._weights.values() for w in weights)
+        """Bytes the held experts occupy on the device (resident)."""
+        return self.holdings.resident_bytes()
 
     def inventory(self) -> ExpertInventory:
         used, total = device_memory(self.device)
         budget = self.config.expert_budget_bytes
+        resident = self.num_weight_bytes()
         return ExpertInventory(
             name=self.config.name, device=str(self.device), placement_version=self.placement_version,
-            experts=tuple(ExpertKey(layer=l, expert=e) for l, e in sorted(self._weights)),
-            num_weight_bytes=self.num_weight_bytes(), memory_used_bytes=used, memory_total_bytes=total,
-            free_budget_bytes=None if budget is None else budget - self.num_weight_bytes())
+            experts=tuple(ExpertKey(layer=l, expert=e) for l, e in self.holdings.pairs),
+            num_weight_bytes=resident, memory_used_bytes=used, memory_total_bytes=total,
+            free_budget_bytes=None if budget is None else budget - resident,
+            num_stored_weight_bytes=self.holdings.stored_bytes())
 
     def _load_refusal(self, pairs) -> ErrorReply | None:
         """ErrorReply naming the device and the shortfall when `pairs` do not fit the budget left."""
         budget = self.config.expert_budget_bytes
-        new = {(int(l), int(e)) for l, e in pairs} - set(self._weights)
+        new = {(int(l), int(e)) for l, e in pairs} - set(self.holdings.pairs)
         if budget is None or not new or self._model_config is None:
             return None
-        from common.placement.worker_budget import bytes_per_expert
-        from services.expert.random_weights import is_random_model
+        from common.placement.worker_budget import resident_bytes_per_expert
 
-        if self._weights:  # what the held experts really take (dense, or kept quantized)
-            per_expert = -(-self.num_weight_bytes() // len(self._weights))
+        if len(self.holdings):  # what the held experts really take
+            per_expert = -(-self.num_weight_bytes() // len(self.holdings))
         else:
-            per_expert = bytes_per_expert(self._model_config, torch.empty((), dtype=self.dtype).element_size(),
-                                          keep_quantized=is_random_model(self.config.checkpoint_path))
+            per_expert = resident_bytes_per_expert(self._model_config, self.config.expert_dtype)
         needed = self.num_weight_bytes() + len(new) * per_expert
         if needed <= budget:
             return None
@@ -315,3 +442,13 @@ class ExpertWorker(Service):
         return ErrorReply(code=ErrorCode.OVERLOADED, message=(
             f"{self.config.name} on {self.device}: {len(new)} more experts need {format_bytes(needed)} in all, the "
             f"budget for experts is {format_bytes(budget)}; short by {format_bytes(needed - budget)}"))
+
+
+def dispatch_shape_problem(dispatch: Dispatch) -> str | None:
+    """Why the Dispatch's tensor shapes disagree (from their metadata: no device work), or None."""
+    ids, weights, hidden, mask = dispatch.expert_ids, dispatch.weights, dispatch.hidden, dispatch.slot_mask
+    if ids.dim() != 2 or hidden.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != hidden.shape[0] or (
+            mask is not None and mask.shape != ids.shape):
+        return (f"dispatch shapes disagree: hidden {tuple(hidden.shape)}, ids {tuple(ids.shape)}, weights "
+                f"{tuple(weights.shape)}, mask {None if mask is None else tuple(mask.shape)}")
+    return None

@@ -206,6 +206,12 @@ def _install_api_keys(app, deployment: Deployment) -> None:
         install_bearer_auth(app, GatewayAuthConfig(api_keys))
 
 
+def _watch_weight_bytes(app, progress_dir: str | None) -> None:
+    from common.runtime.load_progress import weight_records
+
+    app.state.metrics.watch_weight_bytes(lambda: weight_records(progress_dir))
+
+
 def _status_sources(deployment: Deployment, supervisor):
     """What the status page shows beyond the engine: the supervisor's view of the workers, the
     load-progress files, and the placement (experts per worker and layer) when a file gives it."""
@@ -260,6 +266,7 @@ async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer
     registry_task = asyncio.create_task(registry.run(), name="expert-registry")
     app = build_app(configs.gateway, engine, tokenizer, placement_route=route)
     app.state.status_sources = _status_sources(deployment, supervisor)
+    _watch_weight_bytes(app, app.state.status_sources.progress_dir)
     registry.bind_view(app.state.status_sources.placement)  # the status page shows registered workers live
     _install_api_keys(app, deployment)
     server = _RouterServer(uvicorn.Config(app, host=configs.host, port=configs.port, log_level="warning",

@@ -89,6 +89,22 @@ def _routing_families(summary):
     yield from (family for _, family in gauges)
 
 
+class _WeightBytesCollector:
+    """`moemesh_worker_weight_bytes{worker,device,kind}`: what each worker's weights occupy on its device
+    (kind="resident") and what the same tensors take in the checkpoint (kind="stored")."""
+
+    def __init__(self, read_records: Callable[[], list[dict]]) -> None:
+        self.read_records = read_records
+
+    def collect(self):
+        family = GaugeMetricFamily("moemesh_worker_weight_bytes", "Weight bytes each worker holds: resident on its "
+                                   "device and stored in the checkpoint.", labels=["worker", "device", "kind"])
+        for record in self.read_records():
+            for kind in ("resident", "stored"):
+                family.add_metric([record["name"], record["device"], kind], record[f"{kind}_bytes"])
+        yield family
+
+
 class RouterMetrics:
     def __init__(self, read_engine_stats: Callable[[], dict]) -> None:
         self.registry = CollectorRegistry()
@@ -105,6 +121,10 @@ class RouterMetrics:
         self.spec_draft_tokens = Counter("moemesh_spec_draft_tokens", "Draft tokens verified.", registry=r)
         self.spec_accepted_tokens = Counter("moemesh_spec_accepted_tokens", "Draft tokens accepted.", registry=r)
         r.register(_EngineStatsCollector(read_engine_stats))
+
+    def watch_weight_bytes(self, read_records: Callable[[], list[dict]]) -> None:
+        """Export every worker's weight bytes from `read_records()` (see `_WeightBytesCollector`)."""
+        self.registry.register(_WeightBytesCollector(read_records))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,6 +11,7 @@
 - `load_progress`: each service's model-loading progress file (`common.runtime.load_progress`),
   with the bytes it is expected to read and the fraction done (`status_page_progress`) when
   the model directory is known;
+- `weights`: each worker's weight bytes on its device and in the checkpoint (`report_weights`);
 - `requests`: HTTP generation requests by outcome (ok, engine_error, ...), from the counter;
 - `restarts`: what `moemesh serve` restarted (common.runtime.restart_record), by service;
 - `placement`: experts per (worker, layer) from the deployment's placement, and
@@ -126,11 +127,20 @@ def status_snapshot(engine: Any, metrics: Any, sources: StatusSources, rates: _R
                        "spec_acceptance": accepted / drafted if drafted else None},
         "services": _services(sources.supervisor),
         "load_progress": _load_progress(sources),
+        "weights": _weights(sources),
         "placement": {name: {str(layer): experts for layer, experts in layers.items()}
                       for name, layers in sources.placement.items()},
         "layer_heat": _layer_heat(engine_stats, sources),
     }
     return snapshot
+
+
+def _weights(sources: StatusSources) -> list[dict]:
+    """Per worker: weight bytes resident on its device, stored in the checkpoint, and their ratio."""
+    from common.runtime.load_progress import weight_records
+
+    return [{**record, "resident_over_stored": round(record["resident_bytes"] / record["stored_bytes"], 4)
+             if record["stored_bytes"] else None} for record in weight_records(sources.progress_dir)]
 
 
 def _load_progress(sources: StatusSources) -> list[dict]:
