@@ -1,0 +1,596 @@
+"""`moemesh bench make-checkpoint`: a hub-format DeepSeek-V4 checkpoint directory with random weights.
+
+    moemesh bench make-checkpoint --preset v4-flash --layers 4 [--routing-skew C] [--dspark] [--seed S] \
+        [--hidden-size H --experts E --vocab-size V --set KEY=JSON ...] [--shard-size 4GiB --workers N] --out DIR
+
+The directory is a checkpoint like the released one, read by the same loaders (`moemesh serve`,
+`moemesh generate`, transformers): `config.json` (the preset's hub keys, `quantization_config` as
+DeepSeek-V4-Flash has it), `generation_config.json`, a tokenizer sized to the vocabulary,
+`model-0000i-of-0000n.safetensors` shards and `model.safetensors.index.json`. Every tensor of the
+config's inventory (`common.checkpoint.inventory`) is written under its hub name in its stored format:
+- FP8 linears: float8_e4m3fn codes and a ue8m0 scale per 128 x 128 block;
+- routed experts: FP4 e2m1 codes, two per byte (low nibble = even column), a ue8m0 scale per 32 inputs
+  (or FP8 blocks for `expert_dtype fp8`);
+- BF16 / F32 / I64 tensors where the checkpoint keeps them (embed, head, norms, compressors, mHC, sinks,
+  gate bias, `tid2eid`);
+- with `--dspark`, the three DSpark stages under `mtp.{0,1,2}.*` with their real keys (dspark.md §3.2:
+  `main_proj`, `main_norm`, the Markov and confidence heads) and the `dspark_*` config keys.
+
+Values (chosen so a forward stays finite and O(1) through 43 layers; for timing and plumbing, not for
+language): FP8 codes follow N(0, 32²) (256 equally likely codes from its quantiles: never a NaN
+encoding), FP4 bytes are uniform (every e2m1 code), and each block's power-of-two scale puts a linear's
+dequantised weight std near in_features^-1/2 (exponent jittered by -1, 0 or +1 per block). Other tensors by
+role: norms N(1, 0.1²), embed N(0, 1), mHC fn N(0, 0.02²) / base N(0, 0.5²) / scale N(1, 0.1²), sinks
+N(0, 0.5²), ape N(0, 0.1²), plain linears N(0, 1/in_features), `tid2eid` distinct random experts per token.
+
+Routing skew C >= 0 (`--routing-skew`): the gate bias of every learned-routing layer (and DSpark stage) is
+bias[e] = -C·ln(1 + rank[e]) with rank a per-layer random permutation (`skew_ranks`, 0 = the most
+favoured); C = 0 keeps a near-uniform random bias N(0, 0.01²). The bias takes part in expert selection
+only (dsv4-model.md §2.8), so this skews which experts run, not the routing weights.
+
+Fast and bounded in memory at full width: quantized bytes are drawn directly (random integers through
+small lookup tables, no float weight is quantized), every tensor comes from its own generator seeded by
+(seed, tensor name) so the bytes do not depend on sharding, and each shard is streamed to disk in pieces
+of at most `_CHUNK_BYTES`. Progress and bytes written go to stdout.
+
+`cached_checkpoint` gives benchmarks a directory written once per set of arguments (a hash of the
+config, seed and skew) under `--cache-dir` / $MOEMESH_CHECKPOINT_CACHE.
+Legend: N out features, K in features, E routed experts, V vocab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TOKENIZER_DIR = REPO / "models" / "kjv-dsv4-mini"  # the default model's byte-level BPE tokenizer
+PROVENANCE_FILE = "moemesh_random_checkpoint.json"  # the arguments that wrote the directory (for people)
+INDEX_FILE = "model.safetensors.index.json"
+GENERATOR_VERSION = 1  # part of the cache key: bump when the bytes written for given arguments change
+_CHUNK_BYTES = 64 << 20
+_FP8_VALUE_STD = 32.0  # e4m3 codes follow N(0, 32²): most of the e4m3 range, far from the ±448 limit
+_FP4_CODE_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # RMS of uniform e2m1 codes
+_UE8M0_BIAS = 127
+
+# DSpark drafter of V4-Flash (dspark.md §3.2)
+FLASH_DSPARK_BLOCK_SIZE = 5
+FLASH_DSPARK_MARKOV_RANK = 256
+FLASH_DSPARK_NOISE_TOKEN_ID = 128799
+FLASH_DSPARK_NUM_STAGES = 3
+FLASH_DSPARK_NUM_TARGET_LAYERS = 3  # the last three main layers (40, 41, 42 of 43)
+
+# V4-Flash's structure at a width a CPU runs in seconds (the `tiny` preset; FP8 dims <= 128 or multiples
+# of 128, FP4 inputs multiples of 32, >= 16 indexer heads)
+TINY_SETTINGS: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
+    qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=16, num_experts_per_tok=2,
+    sliding_window=16, index_n_heads=16, index_head_dim=16, index_topk=4, compress_rate_hca=16,
+    max_position_embeddings=4096,
+    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32,
+                  "beta_slow": 1},
+)
+
+
+# ------------------------------------------------------------------------------------ configs
+def _flash() -> dict[str, Any]:
+    from common.placement.presets import v4_flash_hub_dict
+
+    return v4_flash_hub_dict()
+
+
+def _tiny() -> dict[str, Any]:
+    d = _flash()
+    d.update(TINY_SETTINGS)
+    return d
+
+
+PRESETS: dict[str, Callable[[], dict[str, Any]]] = {"v4-flash": _flash, "tiny": _tiny}
+
+
+def dspark_hub_keys(num_hidden_layers: int, *, vocab_size: int | None = None) -> dict[str, Any]:
+    """The `dspark_*` keys and `num_nextn_predict_layers` of V4-Flash's drafter for a model of
+    `num_hidden_layers` layers: target layers = the last three. When the mask token 128799 is not a token of
+    a smaller vocabulary, the last token id stands in for it."""
+    if num_hidden_layers < FLASH_DSPARK_NUM_TARGET_LAYERS:
+        raise ValueError(f"num_hidden_layers={num_hidden_layers}: the drafter reads the last "
+                         f"{FLASH_DSPARK_NUM_TARGET_LAYERS} layers")
+    noise_token_id = FLASH_DSPARK_NOISE_TOKEN_ID
+    if vocab_size is not None and noise_token_id >= vocab_size:
+        noise_token_id = vocab_size - 1
+    first_target = num_hidden_layers - FLASH_DSPARK_NUM_TARGET_LAYERS
+    return {
+        "dspark_block_size": FLASH_DSPARK_BLOCK_SIZE,
+        "dspark_markov_rank": FLASH_DSPARK_MARKOV_RANK,
+        "dspark_target_layer_ids": list(range(first_target, num_hidden_layers)),
+        "dspark_noise_token_id": noise_token_id,
+        "num_nextn_predict_layers": FLASH_DSPARK_NUM_STAGES,
+    }
+
+
+def with_dspark(hub_config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `hub_config` with the drafter's keys and one ratio-0 `compress_ratios` entry per stage
+    after the main layers (as `-0731`: 43 + 3)."""
+    out = dict(hub_config)
+    num_layers = int(out["num_hidden_layers"])
+    out.update(dspark_hub_keys(num_layers, vocab_size=out.get("vocab_size")))
+    if out.get("compress_ratios") is not None:
+        out["compress_ratios"] = list(out["compress_ratios"][:num_layers]) + [0] * FLASH_DSPARK_NUM_STAGES
+    return out
+
+
+def hub_config(preset: str = "v4-flash", *, num_layers: int | None = None, dspark: bool = False,
+               num_mtp_layers: int | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json of a checkpoint: `preset`'s hub keys, its first `num_layers` main layers (the
+    real schedule: window-only first, then CSA/HCA alternating; hash routing for the first
+    min(3, N)), `num_mtp_layers` plain MTP blocks (default: the preset's) or the DSpark stages, then
+    `overrides` (hub keys, applied last). Validated by `ModelConfig`."""
+    from common.model.config import ModelConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+    d = PRESETS[preset]()
+    full = d["compress_ratios"][: d["num_hidden_layers"]]
+    layers = d["num_hidden_layers"] if num_layers is None else num_layers
+    if not 1 <= layers <= len(full):
+        raise ValueError(f"--layers {layers}: must be within 1..{len(full)}")
+    mtp = d["num_nextn_predict_layers"] if num_mtp_layers is None else num_mtp_layers
+    d.update(num_hidden_layers=layers, num_hash_layers=min(d["num_hash_layers"], layers),
+             num_nextn_predict_layers=mtp, compress_ratios=full[:layers] + [0] * mtp)
+    d.update(overrides or {})
+    if dspark:
+        d = with_dspark(d)
+    ModelConfig.from_dict(d)  # fails here, naming the key, on a config the model cannot run
+    return d
+
+
+# ------------------------------------------------------------------------------------ routing skew
+def skew_ranks(num_experts: int, layer: int, seed: int) -> list[int]:
+    """rank[e] of every expert of hub block `layer` under the skewed gate bias (0 = the most favoured).
+    A per-layer permutation, so hot experts are different ids in different layers. DSpark stage j uses
+    block num_hidden_layers + j."""
+    import torch
+
+    generator = torch.Generator().manual_seed(10_007 * (seed + 1) + layer)
+    order = torch.randperm(num_experts, generator=generator).tolist()  # order[r] = expert of rank r
+    ranks = [0] * num_experts
+    for rank, expert in enumerate(order):
+        ranks[expert] = rank
+    return ranks
+
+
+def skew_bias(num_experts: int, layer: int, seed: int, strength: float) -> np.ndarray:
+    """float32 [E]: the gate bias -strength·ln(1 + rank) of block `layer` (see `skew_ranks`)."""
+    if not strength >= 0.0:
+        raise ValueError(f"routing skew {strength} must be >= 0")
+    ranks = np.asarray(skew_ranks(num_experts, layer, seed), dtype=np.float64)
+    return (-strength * np.log1p(ranks)).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------ values
+def _quantile_table(num_levels: int, std: float, mean: float = 0.0):
+    """float32 [num_levels]: the (i + 0.5) / num_levels quantiles of N(mean, std²)."""
+    import torch
+
+    p = (torch.arange(num_levels, dtype=torch.float64) + 0.5) / num_levels
+    return (mean + std * math.sqrt(2.0) * torch.erfinv(2 * p - 1)).float()
+
+
+_TABLES: dict[tuple, np.ndarray] = {}
+
+
+def _e4m3_table() -> np.ndarray:
+    """uint8 [256]: e4m3 codes of the 256 quantiles of N(0, 32²) (|v| < 100: never 0x7F/0xFF, NaN)."""
+    import torch
+
+    key = ("e4m3",)
+    if key not in _TABLES:
+        values = _quantile_table(256, _FP8_VALUE_STD)
+        _TABLES[key] = values.to(torch.float8_e4m3fn).view(torch.uint8).numpy().copy()
+    return _TABLES[key]
+
+
+def _bf16_normal_table(std: float, mean: float) -> np.ndarray:
+    """uint16 [65536]: bf16 bit patterns of the 65536 quantiles of N(mean, std²)."""
+    import torch
+
+    key = ("bf16", std, mean)
+    if key not in _TABLES:
+        values = _quantile_table(1 << 16, std, mean)
+        _TABLES[key] = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
+    return _TABLES[key]
+
+
+def _random_bytes(rng: np.random.Generator, num_bytes: int) -> np.ndarray:
+    """uint8 [num_bytes], uniform (drawn 8 bytes at a time: the fastest numpy path)."""
+    words = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=-(-num_bytes // 8),
+                         dtype=np.int64, endpoint=True)
+    return words.view(np.uint8)[:num_bytes]
+
+
+def _scale_bytes(rng: np.random.Generator, count: int, num_in: int, code_rms: float) -> np.ndarray:
+    """uint8 [count] ue8m0 scales: 2^e with code_rms · 2^e ≈ num_in^-1/2, e jittered by -1, 0 or +1."""
+    exponent = round(math.log2(num_in**-0.5 / code_rms))
+    jitter = rng.integers(-1, 2, size=count, dtype=np.int16)
+    return (jitter + exponent + _UE8M0_BIAS).astype(np.uint8)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One safetensors entry to write: name, dtype string, shape, and how its values are drawn."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str  # "fp8", "fp8_scale", "fp4", "fp4_scale", "normal", "tid2eid", "skew"
+    num_in: int = 0  # in features of the linear a weight or scale belongs to
+    std: float = 0.0
+    mean: float = 0.0
+    skew_layer: int = 0
+
+    @property
+    def num_bytes(self) -> int:
+        from common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES
+
+        return math.prod(self.shape) * SAFETENSORS_DTYPE_BYTES[self.dtype]
+
+
+def _plain_role(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+    """(std, mean) of a BF16/F32 tensor by its role (see the module docstring)."""
+    stem = name.removesuffix(".weight").rsplit(".", 1)[-1]
+    if "hc_" in name:
+        if name.endswith("_fn"):
+            return 0.02, 0.0
+        return (0.5, 0.0) if name.endswith("_base") else (0.1, 1.0)
+    if name.endswith("attn_sink"):
+        return 0.5, 0.0
+    if name.endswith(".ape"):
+        return 0.1, 0.0
+    if name.endswith("gate.bias"):
+        return 0.01, 0.0
+    if "norm" in stem:
+        return 0.1, 1.0
+    if name == "embed.weight":
+        return 1.0, 0.0
+    if len(shape) == 2:
+        return shape[1] ** -0.5, 0.0
+    return 0.02, 0.0
+
+
+def _entries(config, routing_skew: float) -> list[_Entry]:
+    """Every safetensors entry of `config`'s inventory, in file order, with its value rule."""
+    from common.checkpoint.inventory import StorageKind, tensor_inventory
+    from common.model.config import RouterKind
+
+    out = []
+    for spec in tensor_inventory(config).values():
+        entries = spec.stored_entries()
+        if spec.storage in (StorageKind.FP8_BLOCK, StorageKind.FP4_BLOCK):
+            fp8 = spec.storage is StorageKind.FP8_BLOCK
+            weight, scale = entries
+            num_in = spec.shape[1]
+            out.append(_Entry(weight.name, weight.dtypes[0], weight.shape, "fp8" if fp8 else "fp4", num_in))
+            out.append(_Entry(scale.name, scale.dtypes[0], scale.shape, "fp8_scale" if fp8 else "fp4_scale", num_in))
+            continue
+        (entry,) = entries
+        dtype = entry.dtypes[0]
+        if spec.storage is StorageKind.I64:
+            out.append(_Entry(entry.name, dtype, entry.shape, "tid2eid"))
+            continue
+        if spec.name.endswith("ffn.gate.bias") and routing_skew > 0.0:
+            block = spec.layer if spec.layer is not None else config.num_hidden_layers + spec.mtp_block
+            learned = spec.layer is None or config.mlp_layer_types[spec.layer] is RouterKind.LEARNED
+            if learned:
+                out.append(_Entry(entry.name, dtype, entry.shape, "skew", skew_layer=block))
+                continue
+        std, mean = _plain_role(spec.name, spec.shape)
+        out.append(_Entry(entry.name, dtype, entry.shape, "normal", std=std, mean=mean))
+    return out
+
+
+def _chunks(entry: _Entry, config, seed: int, routing_skew: float) -> Iterator[bytes]:
+    """The entry's bytes, in pieces of about `_CHUNK_BYTES`, from its own generator (seed, name)."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, zlib.crc32(entry.name.encode())])))
+    if entry.kind == "skew":
+        yield skew_bias(entry.shape[0], entry.skew_layer, seed, routing_skew).tobytes()
+        return
+    rows = entry.shape[0] if entry.shape else 1
+    row_bytes = entry.num_bytes // max(rows, 1)
+    rows_per_chunk = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+    for first in range(0, rows, rows_per_chunk):
+        count = min(rows_per_chunk, rows - first)
+        num = count * math.prod(entry.shape[1:])  # elements in this chunk
+        if entry.kind == "fp4":
+            yield _random_bytes(rng, num).tobytes()
+        elif entry.kind == "fp8":
+            yield _e4m3_table()[_random_bytes(rng, num)].tobytes()
+        elif entry.kind == "fp8_scale":
+            yield _scale_bytes(rng, num, entry.num_in, _FP8_VALUE_STD).tobytes()
+        elif entry.kind == "fp4_scale":
+            yield _scale_bytes(rng, num, entry.num_in, _FP4_CODE_RMS).tobytes()
+        elif entry.kind == "tid2eid":  # k distinct experts per token id
+            keys = rng.random((count, config.n_routed_experts), dtype=np.float32)
+            yield np.argsort(keys, axis=1)[:, : entry.shape[1]].astype(np.int64).tobytes()
+        elif entry.dtype == "BF16":
+            table = _bf16_normal_table(entry.std, entry.mean)
+            yield table[_random_bytes(rng, 2 * num).view(np.uint16)].tobytes()
+        elif entry.dtype == "F32":
+            values = rng.standard_normal(num, dtype=np.float32) * np.float32(entry.std) + np.float32(entry.mean)
+            yield values.astype(np.float32).tobytes()
+        else:
+            raise AssertionError(f"{entry.name}: no rule for {entry.kind} {entry.dtype}")
+
+
+# ------------------------------------------------------------------------------------ writing
+def _shard_plan(entries: list[_Entry], max_shard_bytes: int) -> list[list[_Entry]]:
+    """Greedy in file order; a tensor larger than the limit gets a shard of its own. A quantized weight
+    and its scale stay in one shard."""
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for index, entry in enumerate(entries):
+        is_scale = entry.kind in ("fp8_scale", "fp4_scale")
+        if shards[-1] and not is_scale and size + entry.num_bytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.num_bytes
+    return shards
+
+
+def _header(entries: list[_Entry]) -> bytes:
+    """A safetensors header (8-byte length, JSON padded with spaces to a multiple of 8)."""
+    doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for entry in entries:
+        doc[entry.name] = {"dtype": entry.dtype, "shape": list(entry.shape),
+                           "data_offsets": [offset, offset + entry.num_bytes]}
+        offset += entry.num_bytes
+    text = json.dumps(doc, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int, source_dir: Path = DEFAULT_TOKENIZER_DIR) -> None:
+    """tokenizer.json + tokenizer_config.json: the default model's byte-level BPE (its 32 special tokens
+    at ids 0-31, bytes at 32-287, merges after) cut to `vocab_size` ids, or padded to it with plain tokens
+    `<r{id}>` that encoding never produces (so every id the model can emit decodes)."""
+    doc = json.loads((source_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    model = doc["model"]
+    num_base = 32 + 256
+    if vocab_size < num_base:
+        raise ValueError(f"vocab_size={vocab_size}: the byte-level tokenizer needs at least {num_base} ids")
+    vocab = {token: index for token, index in model["vocab"].items() if index < vocab_size}
+    kept = set(vocab)
+    merges = []
+    for merge in model["merges"]:
+        left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
+        if left in kept and right in kept and left + right in kept:
+            merges.append(merge)
+    for index in range(len(model["vocab"]), vocab_size):
+        vocab[f"<r{index}>"] = index
+    model["vocab"], model["merges"] = vocab, merges
+    doc["added_tokens"] = [token for token in doc["added_tokens"] if token["id"] < vocab_size]
+    (out_dir / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+    shutil.copyfile(source_dir / "tokenizer_config.json", out_dir / "tokenizer_config.json")
+
+
+def _write_shard(path: Path, entries: list[_Entry], hub: dict[str, Any], seed: int,
+                 routing_skew: float) -> tuple[int, float]:
+    """Stream one shard to `path`: (bytes of tensor data written, seconds)."""
+    from common.model.config import ModelConfig
+
+    config = ModelConfig.from_dict(hub)
+    began_s = time.perf_counter()
+    shard_bytes = 0
+    with open(path, "wb") as handle:
+        handle.write(_header(entries))
+        for entry in entries:
+            written = 0
+            for piece in _chunks(entry, config, seed, routing_skew):
+                handle.write(piece)
+                written += len(piece)
+            if written != entry.num_bytes:
+                raise AssertionError(f"{entry.name}: wrote {written} bytes, expected {entry.num_bytes}")
+            shard_bytes += written
+    return shard_bytes, time.perf_counter() - began_s
+
+
+@dataclass
+class WriteReport:
+    path: Path
+    num_tensors: int = 0
+    num_bytes: int = 0
+    num_shards: int = 0
+    seconds: float = 0.0
+    shards: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _format_bytes(num_bytes: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{int(num_bytes)} B"
+
+
+def write_random_checkpoint(out_dir: str | Path, hub: dict[str, Any], *, seed: int = 0, routing_skew: float = 0.0,
+                            max_shard_bytes: int = 4 << 30, progress: Callable[[str], None] | None = print,
+                            provenance: dict[str, Any] | None = None, workers: int | None = None) -> WriteReport:
+    """Write the checkpoint of hub config `hub` into `out_dir` (created; must not hold a checkpoint).
+    workers: shards written at once, each by its own process (default: half the cores, at most one per
+    shard); the bytes do not depend on it."""
+    from common.model.config import ModelConfig
+
+    config = ModelConfig.from_dict(hub)
+    out_dir = Path(out_dir)
+    if (out_dir / INDEX_FILE).exists() or (out_dir / "model.safetensors").exists():
+        raise FileExistsError(f"{out_dir} already holds a checkpoint")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not routing_skew >= 0.0:
+        raise ValueError(f"routing skew {routing_skew} must be >= 0")
+    say = progress or (lambda _text: None)
+    entries = _entries(config, routing_skew)
+    shards = _shard_plan(entries, max_shard_bytes)
+    total = sum(e.num_bytes for e in entries)
+    say(f"writing {len(entries)} tensors, {_format_bytes(total)}, in {len(shards)} shards to {out_dir}")
+    report = WriteReport(out_dir, num_tensors=len(entries), num_shards=len(shards))
+    weight_map: dict[str, str] = {}
+    began_s = time.perf_counter()
+    names = [f"model-{index:05d}-of-{len(shards):05d}.safetensors" for index in range(1, len(shards) + 1)]
+    jobs = [(out_dir / name, shard, hub, seed, routing_skew) for name, shard in zip(names, shards)]
+    workers = max(1, min(len(shards), workers if workers is not None else (os.cpu_count() or 2) // 2))
+
+    def done(name: str, shard: list[_Entry], shard_bytes: int, seconds: float) -> None:
+        weight_map.update({entry.name: name for entry in shard})
+        report.num_bytes += shard_bytes
+        report.shards.append({"file": name, "num_tensors": len(shard), "num_bytes": shard_bytes, "s": seconds})
+        say(f"  {name}: {len(shard)} tensors, {_format_bytes(shard_bytes)} in {seconds:.1f} s "
+            f"({shard_bytes / max(seconds, 1e-9) / 1e6:.0f} MB/s); {_format_bytes(report.num_bytes)} of "
+            f"{_format_bytes(total)} after {time.perf_counter() - began_s:.1f} s")
+
+    if workers == 1:
+        for name, job in zip(names, jobs):
+            done(name, job[1], *_write_shard(*job))
+    else:  # shards are independent (each tensor has its own generator): one process per shard at a time
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_write_shard, *job): (name, job[1]) for name, job in zip(names, jobs)}
+            for future in as_completed(futures):
+                done(*futures[future], *future.result())
+    index_doc = {"metadata": {"total_size": report.num_bytes}, "weight_map": weight_map}
+    (out_dir / INDEX_FILE).write_text(json.dumps(index_doc, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "config.json").write_text(json.dumps(hub, indent=2) + "\n", encoding="utf-8")
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "do_sample": True,
+                  "temperature": 1.0, "top_p": 1.0}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
+    write_tokenizer(out_dir, config.vocab_size)
+    record = {"generator_version": GENERATOR_VERSION, "seed": seed, "routing_skew": routing_skew,
+              **(provenance or {})}
+    (out_dir / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    report.seconds = time.perf_counter() - began_s
+    say(f"wrote {_format_bytes(report.num_bytes)} ({report.num_bytes} bytes) in {report.num_shards} shards "
+        f"in {report.seconds:.1f} s ({report.num_bytes / max(report.seconds, 1e-9) / 1e6:.0f} MB/s): {out_dir}")
+    return report
+
+
+def cache_key(hub: dict[str, Any], seed: int, routing_skew: float) -> str:
+    text = json.dumps({"hub": hub, "seed": seed, "routing_skew": float(routing_skew),
+                       "version": GENERATOR_VERSION}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("MOEMESH_CHECKPOINT_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "moemesh" / "checkpoints"
+
+
+def cached_checkpoint(hub: dict[str, Any], *, seed: int = 0, routing_skew: float = 0.0,
+                      cache_dir: str | Path | None = None, max_shard_bytes: int = 4 << 30,
+                      progress: Callable[[str], None] | None = print) -> Path:
+    """The checkpoint directory for (hub, seed, skew) under `cache_dir`, written on first use (into a
+    temporary sibling, renamed when complete, so an interrupted write is never reused)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    name = f"{hub.get('num_hidden_layers')}l-{hub.get('hidden_size')}d-{cache_key(hub, seed, routing_skew)}"
+    final = root / name
+    if (final / INDEX_FILE).exists():
+        if progress:
+            progress(f"reusing checkpoint {final}")
+        return final
+    partial = root / f".{name}.partial-{os.getpid()}"
+    if partial.exists():
+        shutil.rmtree(partial)
+    write_random_checkpoint(partial, hub, seed=seed, routing_skew=routing_skew, max_shard_bytes=max_shard_bytes,
+                            progress=progress, provenance={"cache_key": name})
+    try:
+        partial.rename(final)
+    except OSError:  # written meanwhile by another process: keep theirs
+        shutil.rmtree(partial, ignore_errors=True)
+        if not (final / INDEX_FILE).exists():
+            raise
+    return final
+
+
+# ------------------------------------------------------------------------------------ command
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="moemesh bench make-checkpoint", description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="v4-flash", choices=sorted(PRESETS),
+                        help="v4-flash: DeepSeek-V4-Flash at true width; tiny: the same structure, CPU-sized")
+    parser.add_argument("--layers", type=int, default=None, help="first N main layers (default: all 43)")
+    parser.add_argument("--mtp-layers", type=int, default=None,
+                        help="plain MTP blocks (default: the preset's 1; ignored with --dspark)")
+    parser.add_argument("--dspark", action="store_true", help="add the three DSpark drafter stages and their keys")
+    parser.add_argument("--routing-skew", type=float, default=0.0,
+                        help="gate bias -C·ln(1 + rank) on learned-routing layers; 0: near-uniform routing")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden-size", type=int, default=None)
+    parser.add_argument("--experts", type=int, default=None, help="routed experts per layer (n_routed_experts)")
+    parser.add_argument("--top-k", type=int, default=None, help="experts per token (num_experts_per_tok)")
+    parser.add_argument("--moe-intermediate-size", type=int, default=None)
+    parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help="any other hub config key, e.g. --set expert_dtype='\"fp8\"' (repeatable)")
+    parser.add_argument("--shard-size", default="4GiB", help="largest shard, e.g. 4GiB")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="shards written at once, one process each (default: half the cores)")
+    parser.add_argument("--out", required=True, type=Path, help="directory to write (must not hold a checkpoint)")
+    return parser.parse_args(argv)
+
+
+def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    named = {"hidden_size": args.hidden_size, "n_routed_experts": args.experts, "num_experts_per_tok": args.top_k,
+             "moe_intermediate_size": args.moe_intermediate_size, "vocab_size": args.vocab_size}
+    out.update({key: value for key, value in named.items() if value is not None})
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected KEY=JSON")
+        out[key.strip()] = _json_value(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from common.model.config import ConfigError
+    from common.placement.devices import parse_size
+
+    args = parse_args(argv)
+    try:
+        hub = hub_config(args.preset, num_layers=args.layers, dspark=args.dspark,
+                         num_mtp_layers=0 if args.dspark else args.mtp_layers, overrides=overrides_of(args))
+        write_random_checkpoint(args.out, hub, seed=args.seed, routing_skew=args.routing_skew,
+                                max_shard_bytes=parse_size(args.shard_size), workers=args.workers,
+                                provenance={"argv": list(argv) if argv is not None else sys.argv[1:]})
+    except (ConfigError, ValueError, FileExistsError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+__all__ = ["PRESETS", "TINY_SETTINGS", "WriteReport", "cached_checkpoint", "dspark_hub_keys", "hub_config",
+           "skew_bias", "skew_ranks", "with_dspark", "write_random_checkpoint", "write_tokenizer"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
