@@ -117,12 +117,32 @@ class Samples:
 
 
 # ------------------------------------------------------------------------------------------- expert side
+def random_held_experts(config, pairs, device, *, seed: int = 0):
+    """A `QuantizedRoutedExperts` holding `pairs` with random bytes in the config's expert format (the
+    in-memory stacks of `common.model.random_init`, each layer drawn whole, the held experts kept), for
+    kernel-level checks of one expert holder; models are checkpoints (`bench.random_checkpoint`)."""
+    from common.model.config import NumericsConfig
+    from common.model.quantized import QuantizedRoutedExperts
+    from common.model.random_init import random_routed_experts
+
+    by_layer: dict[int, list[int]] = {}
+    for layer, expert in sorted({(int(l), int(e)) for l, e in pairs}):
+        by_layer.setdefault(layer, []).append(expert)
+    full = random_routed_experts(config, NumericsConfig(), device, seed=seed, layers=sorted(by_layer))
+    stacks = {}
+    for layer, experts in by_layer.items():
+        held = full._layers[layer]
+        index = torch.tensor(experts, dtype=torch.long, device=held.w1.device)
+        tensors = [getattr(held, name).index_select(0, index) for name in ("w1", "s1", "w2", "s2", "w3", "s3")]
+        stacks[layer] = (experts, tensors)
+    return QuantizedRoutedExperts.from_config(stacks, config)
+
+
 def build_expert_worker(device: str, intermediate: int, held_experts: list[int]):
     """A QuantizedExpertWorker holding `held_experts` of layer 0 (random FP4 weights), staging allocated."""
     from common.model.config import AttentionKind
     from common.model.random_init import flash_config
     from services.expert.quantized_worker import QuantizedExpertWorker
-    from services.expert.random_weights import ExpertFill, RandomWeightsSpec, build_random_experts
     from services.expert.worker import ExpertWorkerConfig
 
     config = flash_config([AttentionKind.CSA], hidden_size=HIDDEN, moe_intermediate_size=intermediate,
@@ -130,7 +150,7 @@ def build_expert_worker(device: str, intermediate: int, held_experts: list[int])
     pairs = [(0, e) for e in held_experts]
     worker = QuantizedExpertWorker(ExpertWorkerConfig(name="hostwork", checkpoint_path="", device=device), config)
     worker.allocate_staging()
-    worker._experts = build_random_experts(config, pairs, device, RandomWeightsSpec(seed=3), fill=ExpertFill.EXACT)
+    worker._experts = random_held_experts(config, pairs, device, seed=3)
     worker._weights = {pair: () for pair in pairs}
     return worker
 

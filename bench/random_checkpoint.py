@@ -80,7 +80,6 @@ TINY_SETTINGS: dict[str, Any] = dict(
     vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
     qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=16, num_experts_per_tok=2,
     sliding_window=16, index_n_heads=16, index_head_dim=16, index_topk=4, compress_rate_hca=16,
-    max_position_embeddings=4096,
     rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32,
                   "beta_slow": 1},
 )

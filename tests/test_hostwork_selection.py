@@ -63,7 +63,7 @@ def cpu_worker():
     from common.model.config import AttentionKind
     from common.model.random_init import flash_config
     from services.expert.quantized_worker import QuantizedExpertWorker
-    from services.expert.random_weights import ExpertFill, RandomWeightsSpec, build_random_experts
+    from bench.hostwork import random_held_experts
     from services.expert.worker import ExpertWorkerConfig
 
     config = flash_config([AttentionKind.CSA], hidden_size=256, moe_intermediate_size=128,
@@ -71,7 +71,7 @@ def cpu_worker():
     pairs = [(0, e) for e in range(0, NUM_EXPERTS, 2)]
     worker = QuantizedExpertWorker(ExpertWorkerConfig(name="sel", checkpoint_path="", device="cpu"), config)
     worker.allocate_staging()
-    worker._experts = build_random_experts(config, pairs, "cpu", RandomWeightsSpec(seed=4), fill=ExpertFill.EXACT)
+    worker._experts = random_held_experts(config, pairs, "cpu", seed=4)
     worker._weights = {pair: () for pair in pairs}
     return worker
 
