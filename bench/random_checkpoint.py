@@ -31,7 +31,7 @@ only (dsv4-model.md §2.8), so this skews which experts run, not the routing wei
 Fast and bounded in memory at full width: quantized bytes are drawn directly (random integers through
 small lookup tables, no float weight is quantized), every tensor comes from its own generator seeded by
 (seed, tensor name) so the bytes do not depend on sharding, and each shard is streamed to disk in pieces
-of at most `_CHUNK_BYTES`. Progress and bytes written go to stdout.
+of at most 64 MiB (`bench.random_checkpoint_tensors`). Progress and bytes written go to stdout.
 
 `cached_checkpoint` gives benchmarks a directory written once per set of arguments (a hash of the
 config, seed and skew) under `--cache-dir` / $MOEMESH_CHECKPOINT_CACHE.
@@ -43,29 +43,24 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import shutil
-import struct
 import sys
 import time
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from bench.random_checkpoint_tensors import (
+    Entry, checkpoint_entries, shard_plan, skew_bias, skew_ranks, write_shard,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TOKENIZER_DIR = REPO / "models" / "kjv-dsv4-mini"  # the default model's byte-level BPE tokenizer
 PROVENANCE_FILE = "moemesh_random_checkpoint.json"  # the arguments that wrote the directory (for people)
 INDEX_FILE = "model.safetensors.index.json"
 GENERATOR_VERSION = 1  # part of the cache key: bump when the bytes written for given arguments change
-_CHUNK_BYTES = 64 << 20
-_FP8_VALUE_STD = 32.0  # e4m3 codes follow N(0, 32²): most of the e4m3 range, far from the ±448 limit
-_FP4_CODE_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # RMS of uniform e2m1 codes
-_UE8M0_BIAS = 127
 
 # DSpark drafter of V4-Flash (dspark.md §3.2)
 FLASH_DSPARK_BLOCK_SIZE = 5
@@ -157,212 +152,7 @@ def hub_config(preset: str = "v4-flash", *, num_layers: int | None = None, dspar
     return d
 
 
-# ------------------------------------------------------------------------------------ routing skew
-def skew_ranks(num_experts: int, layer: int, seed: int) -> list[int]:
-    """rank[e] of every expert of hub block `layer` under the skewed gate bias (0 = the most favoured).
-    A per-layer permutation, so hot experts are different ids in different layers. DSpark stage j uses
-    block num_hidden_layers + j."""
-    import torch
-
-    generator = torch.Generator().manual_seed(10_007 * (seed + 1) + layer)
-    order = torch.randperm(num_experts, generator=generator).tolist()  # order[r] = expert of rank r
-    ranks = [0] * num_experts
-    for rank, expert in enumerate(order):
-        ranks[expert] = rank
-    return ranks
-
-
-def skew_bias(num_experts: int, layer: int, seed: int, strength: float) -> np.ndarray:
-    """float32 [E]: the gate bias -strength·ln(1 + rank) of block `layer` (see `skew_ranks`)."""
-    if not strength >= 0.0:
-        raise ValueError(f"routing skew {strength} must be >= 0")
-    ranks = np.asarray(skew_ranks(num_experts, layer, seed), dtype=np.float64)
-    return (-strength * np.log1p(ranks)).astype(np.float32)
-
-
-# ------------------------------------------------------------------------------------ values
-def _quantile_table(num_levels: int, std: float, mean: float = 0.0):
-    """float32 [num_levels]: the (i + 0.5) / num_levels quantiles of N(mean, std²)."""
-    import torch
-
-    p = (torch.arange(num_levels, dtype=torch.float64) + 0.5) / num_levels
-    return (mean + std * math.sqrt(2.0) * torch.erfinv(2 * p - 1)).float()
-
-
-_TABLES: dict[tuple, np.ndarray] = {}
-
-
-def _e4m3_table() -> np.ndarray:
-    """uint8 [256]: e4m3 codes of the 256 quantiles of N(0, 32²) (|v| < 100: never 0x7F/0xFF, NaN)."""
-    import torch
-
-    key = ("e4m3",)
-    if key not in _TABLES:
-        values = _quantile_table(256, _FP8_VALUE_STD)
-        _TABLES[key] = values.to(torch.float8_e4m3fn).view(torch.uint8).numpy().copy()
-    return _TABLES[key]
-
-
-def _bf16_normal_table(std: float, mean: float) -> np.ndarray:
-    """uint16 [65536]: bf16 bit patterns of the 65536 quantiles of N(mean, std²)."""
-    import torch
-
-    key = ("bf16", std, mean)
-    if key not in _TABLES:
-        values = _quantile_table(1 << 16, std, mean)
-        _TABLES[key] = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
-    return _TABLES[key]
-
-
-def _random_bytes(rng: np.random.Generator, num_bytes: int) -> np.ndarray:
-    """uint8 [num_bytes], uniform (drawn 8 bytes at a time: the fastest numpy path)."""
-    words = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=-(-num_bytes // 8),
-                         dtype=np.int64, endpoint=True)
-    return words.view(np.uint8)[:num_bytes]
-
-
-def _scale_bytes(rng: np.random.Generator, count: int, num_in: int, code_rms: float) -> np.ndarray:
-    """uint8 [count] ue8m0 scales: 2^e with code_rms · 2^e ≈ num_in^-1/2, e jittered by -1, 0 or +1."""
-    exponent = round(math.log2(num_in**-0.5 / code_rms))
-    jitter = rng.integers(-1, 2, size=count, dtype=np.int16)
-    return (jitter + exponent + _UE8M0_BIAS).astype(np.uint8)
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One safetensors entry to write: name, dtype string, shape, and how its values are drawn."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    kind: str  # "fp8", "fp8_scale", "fp4", "fp4_scale", "normal", "tid2eid", "skew"
-    num_in: int = 0  # in features of the linear a weight or scale belongs to
-    std: float = 0.0
-    mean: float = 0.0
-    skew_layer: int = 0
-
-    @property
-    def num_bytes(self) -> int:
-        from common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES
-
-        return math.prod(self.shape) * SAFETENSORS_DTYPE_BYTES[self.dtype]
-
-
-def _plain_role(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
-    """(std, mean) of a BF16/F32 tensor by its role (see the module docstring)."""
-    stem = name.removesuffix(".weight").rsplit(".", 1)[-1]
-    if "hc_" in name:
-        if name.endswith("_fn"):
-            return 0.02, 0.0
-        return (0.5, 0.0) if name.endswith("_base") else (0.1, 1.0)
-    if name.endswith("attn_sink"):
-        return 0.5, 0.0
-    if name.endswith(".ape"):
-        return 0.1, 0.0
-    if name.endswith("gate.bias"):
-        return 0.01, 0.0
-    if "norm" in stem:
-        return 0.1, 1.0
-    if name == "embed.weight":
-        return 1.0, 0.0
-    if len(shape) == 2:
-        return shape[1] ** -0.5, 0.0
-    return 0.02, 0.0
-
-
-def _entries(config, routing_skew: float) -> list[_Entry]:
-    """Every safetensors entry of `config`'s inventory, in file order, with its value rule."""
-    from common.checkpoint.inventory import StorageKind, tensor_inventory
-    from common.model.config import RouterKind
-
-    out = []
-    for spec in tensor_inventory(config).values():
-        entries = spec.stored_entries()
-        if spec.storage in (StorageKind.FP8_BLOCK, StorageKind.FP4_BLOCK):
-            fp8 = spec.storage is StorageKind.FP8_BLOCK
-            weight, scale = entries
-            num_in = spec.shape[1]
-            out.append(_Entry(weight.name, weight.dtypes[0], weight.shape, "fp8" if fp8 else "fp4", num_in))
-            out.append(_Entry(scale.name, scale.dtypes[0], scale.shape, "fp8_scale" if fp8 else "fp4_scale", num_in))
-            continue
-        (entry,) = entries
-        dtype = entry.dtypes[0]
-        if spec.storage is StorageKind.I64:
-            out.append(_Entry(entry.name, dtype, entry.shape, "tid2eid"))
-            continue
-        if spec.name.endswith("ffn.gate.bias") and routing_skew > 0.0:
-            block = spec.layer if spec.layer is not None else config.num_hidden_layers + spec.mtp_block
-            learned = spec.layer is None or config.mlp_layer_types[spec.layer] is RouterKind.LEARNED
-            if learned:
-                out.append(_Entry(entry.name, dtype, entry.shape, "skew", skew_layer=block))
-                continue
-        std, mean = _plain_role(spec.name, spec.shape)
-        out.append(_Entry(entry.name, dtype, entry.shape, "normal", std=std, mean=mean))
-    return out
-
-
-def _chunks(entry: _Entry, config, seed: int, routing_skew: float) -> Iterator[bytes]:
-    """The entry's bytes, in pieces of about `_CHUNK_BYTES`, from its own generator (seed, name)."""
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, zlib.crc32(entry.name.encode())])))
-    if entry.kind == "skew":
-        yield skew_bias(entry.shape[0], entry.skew_layer, seed, routing_skew).tobytes()
-        return
-    rows = entry.shape[0] if entry.shape else 1
-    row_bytes = entry.num_bytes // max(rows, 1)
-    rows_per_chunk = max(1, _CHUNK_BYTES // max(row_bytes, 1))
-    for first in range(0, rows, rows_per_chunk):
-        count = min(rows_per_chunk, rows - first)
-        num = count * math.prod(entry.shape[1:])  # elements in this chunk
-        if entry.kind == "fp4":
-            yield _random_bytes(rng, num).tobytes()
-        elif entry.kind == "fp8":
-            yield _e4m3_table()[_random_bytes(rng, num)].tobytes()
-        elif entry.kind == "fp8_scale":
-            yield _scale_bytes(rng, num, entry.num_in, _FP8_VALUE_STD).tobytes()
-        elif entry.kind == "fp4_scale":
-            yield _scale_bytes(rng, num, entry.num_in, _FP4_CODE_RMS).tobytes()
-        elif entry.kind == "tid2eid":  # k distinct experts per token id
-            keys = rng.random((count, config.n_routed_experts), dtype=np.float32)
-            yield np.argsort(keys, axis=1)[:, : entry.shape[1]].astype(np.int64).tobytes()
-        elif entry.dtype == "BF16":
-            table = _bf16_normal_table(entry.std, entry.mean)
-            yield table[_random_bytes(rng, 2 * num).view(np.uint16)].tobytes()
-        elif entry.dtype == "F32":
-            values = rng.standard_normal(num, dtype=np.float32) * np.float32(entry.std) + np.float32(entry.mean)
-            yield values.astype(np.float32).tobytes()
-        else:
-            raise AssertionError(f"{entry.name}: no rule for {entry.kind} {entry.dtype}")
-
-
 # ------------------------------------------------------------------------------------ writing
-def _shard_plan(entries: list[_Entry], max_shard_bytes: int) -> list[list[_Entry]]:
-    """Greedy in file order; a tensor larger than the limit gets a shard of its own. A quantized weight
-    and its scale stay in one shard."""
-    shards: list[list[_Entry]] = [[]]
-    size = 0
-    for index, entry in enumerate(entries):
-        is_scale = entry.kind in ("fp8_scale", "fp4_scale")
-        if shards[-1] and not is_scale and size + entry.num_bytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += entry.num_bytes
-    return shards
-
-
-def _header(entries: list[_Entry]) -> bytes:
-    """A safetensors header (8-byte length, JSON padded with spaces to a multiple of 8)."""
-    doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for entry in entries:
-        doc[entry.name] = {"dtype": entry.dtype, "shape": list(entry.shape),
-                           "data_offsets": [offset, offset + entry.num_bytes]}
-        offset += entry.num_bytes
-    text = json.dumps(doc, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
 def write_tokenizer(out_dir: Path, vocab_size: int, source_dir: Path = DEFAULT_TOKENIZER_DIR) -> None:
     """tokenizer.json + tokenizer_config.json: the default model's byte-level BPE (its 32 special tokens
     at ids 0-31, bytes at 32-287, merges after) cut to `vocab_size` ids, or padded to it with plain tokens
@@ -385,27 +175,6 @@ def write_tokenizer(out_dir: Path, vocab_size: int, source_dir: Path = DEFAULT_T
     doc["added_tokens"] = [token for token in doc["added_tokens"] if token["id"] < vocab_size]
     (out_dir / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
     shutil.copyfile(source_dir / "tokenizer_config.json", out_dir / "tokenizer_config.json")
-
-
-def _write_shard(path: Path, entries: list[_Entry], hub: dict[str, Any], seed: int,
-                 routing_skew: float) -> tuple[int, float]:
-    """Stream one shard to `path`: (bytes of tensor data written, seconds)."""
-    from common.model.config import ModelConfig
-
-    config = ModelConfig.from_dict(hub)
-    began_s = time.perf_counter()
-    shard_bytes = 0
-    with open(path, "wb") as handle:
-        handle.write(_header(entries))
-        for entry in entries:
-            written = 0
-            for piece in _chunks(entry, config, seed, routing_skew):
-                handle.write(piece)
-                written += len(piece)
-            if written != entry.num_bytes:
-                raise AssertionError(f"{entry.name}: wrote {written} bytes, expected {entry.num_bytes}")
-            shard_bytes += written
-    return shard_bytes, time.perf_counter() - began_s
 
 
 @dataclass
@@ -441,9 +210,12 @@ def write_random_checkpoint(out_dir: str | Path, hub: dict[str, Any], *, seed: i
     if not routing_skew >= 0.0:
         raise ValueError(f"routing skew {routing_skew} must be >= 0")
     say = progress or (lambda _text: None)
-    entries = _entries(config, routing_skew)
-    shards = _shard_plan(entries, max_shard_bytes)
+    entries = checkpoint_entries(config, routing_skew)
+    shards = shard_plan(entries, max_shard_bytes)
     total = sum(e.num_bytes for e in entries)
+    free = shutil.disk_usage(out_dir).free
+    if free < total:
+        raise OSError(f"{out_dir}: the checkpoint needs {_format_bytes(total)} of disk, {_format_bytes(free)} is free")
     say(f"writing {len(entries)} tensors, {_format_bytes(total)}, in {len(shards)} shards to {out_dir}")
     report = WriteReport(out_dir, num_tensors=len(entries), num_shards=len(shards))
     weight_map: dict[str, str] = {}
@@ -452,7 +224,7 @@ def write_random_checkpoint(out_dir: str | Path, hub: dict[str, Any], *, seed: i
     jobs = [(out_dir / name, shard, hub, seed, routing_skew) for name, shard in zip(names, shards)]
     workers = max(1, min(len(shards), workers if workers is not None else (os.cpu_count() or 2) // 2))
 
-    def done(name: str, shard: list[_Entry], shard_bytes: int, seconds: float) -> None:
+    def done(name: str, shard: list[Entry], shard_bytes: int, seconds: float) -> None:
         weight_map.update({entry.name: name for entry in shard})
         report.num_bytes += shard_bytes
         report.shards.append({"file": name, "num_tensors": len(shard), "num_bytes": shard_bytes, "s": seconds})
@@ -462,13 +234,13 @@ def write_random_checkpoint(out_dir: str | Path, hub: dict[str, Any], *, seed: i
 
     if workers == 1:
         for name, job in zip(names, jobs):
-            done(name, job[1], *_write_shard(*job))
+            done(name, job[1], *write_shard(*job))
     else:  # shards are independent (each tensor has its own generator): one process per shard at a time
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(_write_shard, *job): (name, job[1]) for name, job in zip(names, jobs)}
+            futures = {pool.submit(write_shard, *job): (name, job[1]) for name, job in zip(names, jobs)}
             for future in as_completed(futures):
                 done(*futures[future], *future.result())
     index_doc = {"metadata": {"total_size": report.num_bytes}, "weight_map": weight_map}
@@ -513,8 +285,12 @@ def cached_checkpoint(hub: dict[str, Any], *, seed: int = 0, routing_skew: float
     partial = root / f".{name}.partial-{os.getpid()}"
     if partial.exists():
         shutil.rmtree(partial)
-    write_random_checkpoint(partial, hub, seed=seed, routing_skew=routing_skew, max_shard_bytes=max_shard_bytes,
-                            progress=progress, provenance={"cache_key": name})
+    try:
+        write_random_checkpoint(partial, hub, seed=seed, routing_skew=routing_skew, max_shard_bytes=max_shard_bytes,
+                                progress=progress, provenance={"cache_key": name})
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     try:
         partial.rename(final)
     except OSError:  # written meanwhile by another process: keep theirs
@@ -581,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         write_random_checkpoint(args.out, hub, seed=args.seed, routing_skew=args.routing_skew,
                                 max_shard_bytes=parse_size(args.shard_size), workers=args.workers,
                                 provenance={"argv": list(argv) if argv is not None else sys.argv[1:]})
-    except (ConfigError, ValueError, FileExistsError) as error:
+    except (ConfigError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -136,6 +136,17 @@ def test_cached_checkpoint_is_written_once(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial directory left
 
 
+def test_too_little_disk_fails_before_writing(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(10_000, 9_000, 1_000))
+    with pytest.raises(OSError, match="needs 1.53 MiB of disk, 1000 B is free"):
+        cached_checkpoint(with_dspark(hub_config("tiny", num_layers=4)), cache_dir=tmp_path, progress=None)
+    assert list(tmp_path.iterdir()) == []  # the partial directory is gone too
+
+
 # ------------------------------------------------------------------------------------ loading
 def test_transformers_gives_moemesh_logits(plain):
     pytest.importorskip("accelerate", reason="transformers' FP8 loader needs accelerate")
@@ -226,12 +237,12 @@ def test_dspark_stages_load_in_the_drafter(plain):
 def test_flash_entries_match_the_specification():
     """V4-Flash + DSpark at true width, planned but not written: shapes, dtypes and bytes per kind
     from dsv4-model.md / dspark.md, not from the code."""
-    from bench.random_checkpoint import _entries
+    from bench.random_checkpoint_tensors import checkpoint_entries
 
     hub = hub_config("v4-flash", dspark=True)
     config = ModelConfig.from_dict(hub)
     assert len(hub["compress_ratios"]) == 46 and hub["dspark_noise_token_id"] == 128799
-    entries = {e.name: e for e in _entries(config, 0.0)}
+    entries = {e.name: e for e in checkpoint_entries(config, 0.0)}
     D, inter, experts = 4096, 2048, 256
     w1 = entries["layers.10.ffn.experts.255.w1.weight"]
     assert (w1.dtype, w1.shape) == ("I8", (inter, D // 2))
@@ -247,7 +258,7 @@ def test_flash_entries_match_the_specification():
     assert entries["layers.0.ffn.gate.tid2eid"].shape == (129280, 6) and "layers.3.ffn.gate.tid2eid" not in entries
     main_bytes = sum(e.num_bytes for name, e in entries.items() if not name.startswith("mtp."))
     assert round(main_bytes / 1e9, 2) == 156.02  # dsv4-model.md §8: main model 156.02 GB
-    released = _entries(ModelConfig.from_dict(hub_config("v4-flash")), 0.0)  # with its one plain MTP block
+    released = checkpoint_entries(ModelConfig.from_dict(hub_config("v4-flash")), 0.0)  # with its one plain MTP block
     assert round(sum(e.num_bytes for e in released) / 1e9, 2) == 159.61  # the whole released checkpoint
 
 
