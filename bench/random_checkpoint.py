@@ -34,8 +34,8 @@ small lookup tables, no float weight is quantized), every tensor comes from its 
 of at most 64 MiB (`bench.random_checkpoint_tensors`). Progress and bytes written go to stdout.
 
 `cached_checkpoint` gives benchmarks a directory written once per set of arguments (a hash of the
-config, seed and skew) under `--cache-dir` / $MOEMESH_CHECKPOINT_CACHE.
-Legend: N out features, K in features, E routed experts, V vocab.
+config, seed and skew) under `cache_dir` (default $MOEMESH_CHECKPOINT_CACHE, else
+~/.cache/moemesh/checkpoints). More in bench/checkpoints.md.
 """
 
 from __future__ import annotations
