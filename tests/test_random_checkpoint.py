@@ -111,6 +111,23 @@ def test_tokenizer_covers_the_vocabulary(plain):
     assert tokenizer.decode([511]) != ""  # every id the model can emit decodes
 
 
+def test_tokenizer_at_the_flash_vocabulary(tmp_path):
+    """129,280 ids: the default model's 12,288 tokens, then plain tokens encoding never produces."""
+    from tokenizers import Tokenizer
+
+    from bench.random_checkpoint import write_tokenizer
+    from services.router.detokenizer import TokenBytes
+
+    write_tokenizer(tmp_path, 129280)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == 129280
+    ids = tokenizer.encode("In the beginning <｜Assistant｜>").ids
+    assert max(ids) < 12288 and ids[0] == 0  # BOS first, as the default model's tokenizer
+    assert tokenizer.decode([129279]) == "<r129279>"
+    token_bytes = TokenBytes(tokenizer)  # what the gateway's detokenizer sends for an id
+    assert token_bytes.is_byte_level is True and token_bytes(129279) == b"<r129279>"
+
+
 def test_bytes_do_not_depend_on_sharding(plain, tmp_path):
     hub = json.loads((plain / "config.json").read_text())
     sharded = tmp_path / "sharded"
