@@ -27,8 +27,9 @@ routed to the GPU experts only, see `bench.fullsize_runs`), then --warmup-steps 
 up to --decode-steps measured decode steps (greedy; --run-budget-s caps a slow run, >= 1 step).
 "uniform" keeps the checkpoint's gate bias; "skewed" sets the bias a checkpoint written with
 --routing-skew c holds (-c·ln(1 + rank), c = --skew; `bench.random_checkpoint.skew_bias`) in the
-running attention worker, between runs, so one load serves both routings. A refused Dispatch is explained (sent vs received) in the
-run's JSON. Timings and floors: `bench.fullsize_report`. JSON via bench.results_io ("fullsize").
+running attention worker, between runs, so one load serves both routings. A refused Dispatch is
+explained (sent vs received) in the run's JSON. Timings and floors: `bench.fullsize_report`. JSON via
+bench.results_io ("fullsize").
 Speculation (--speculation, issue 10 item 2; `bench.fullsize_spec`): after each plain decode run, the
 same prompts again with drafts from the oracle (the plain run's own greedy continuation: full
 acceptance, and output must equal the plain run's) and/or the DSpark draft worker process reading the
@@ -147,10 +148,10 @@ def run(args, run_dir: Path) -> dict:
     from bench.fullsize_setup import worker_placement_summary
     from bench.fullsize_timing import TimedDispatcher, copy_bandwidth
     from common.model.config import ModelConfig
+    from common.placement.cost import ModelCosts
     from common.placement.devices import parse_size
     from common.runtime.logging import configure_logging
     from services.attention.local_cluster import ClusterSpec
-    from common.placement.cost import ModelCosts
 
     configure_logging("fullsize", None, args.log_level)
     attention_device = "cpu" if args.tiny else "cuda:0"

@@ -1,9 +1,9 @@
 """`python -m bench.fullsize_cpu`: throughput of the CPU expert path at V4-Flash width, by thread count.
 
 One layer's worth of FP4 experts (true width: 2048 x 4096, 13.37 MB each; random bytes in memory,
-`bench.hostwork.random_held_experts`), then `services.expert.cpu_experts.expert_rows` timed for decode-sized groups (--tokens,
---top-k slots each over --num-experts experts; fresh routing every repetition, so the experts a call reads
-are mostly not in the last-level cache) at each --threads value, against the host copy bandwidth
+`bench.hostwork.random_held_experts`), then `services.expert.cpu_experts.expert_rows` timed for
+decode-sized groups (--tokens, --top-k slots each over --num-experts experts; fresh routing every
+repetition, so the experts a call reads are mostly not in the last-level cache) at each --threads value, against the host copy bandwidth
 (read + write) measured at the same thread count. Paths (--paths):
 - `native`: the C kernel (`common/kernels/cpu_fp4.c`) as the worker runs it (`expert_rows`): one call
   for every expert of the layer, on the work-claiming pool (`cpu_fp4_pool.h`);

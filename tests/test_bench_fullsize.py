@@ -3,9 +3,9 @@ checkpoint) equals the in-process reference; the pieces it is built from do what
 
 The end-to-end test runs `python -m bench.fullsize --tiny` (4 layers, CPU) and checks its JSON: the
 pair check passed, the greedy tokens of every run equal the single-process run's on the same checkpoint
-and the chosen-token logprobs agree within bench/fullsize_reference.py's tolerance, both routings ran, the context prefill routed "near" touched no far expert, skewed
-routing sends more of the routed slots to the near worker than uniform does, and every figure the
-report needs is there. The pair-check test starts real expert workers and an attention worker that
+and the chosen-token logprobs agree within bench/fullsize_reference.py's tolerance, both routings ran,
+the context prefill routed "near" touched no far expert, skewed routing sends more of the routed slots
+to the near worker than uniform does, and every figure the report needs is there. The pair-check test starts real expert workers and an attention worker that
 believes one pair lives elsewhere: the check names that pair, and the Dispatch the worker then
 refuses is explained as "sent wrong". The unit tests check the CPU FP4 path against the reference
 dequantisation and (with CUDA) the GPU kernel path against the CPU one.

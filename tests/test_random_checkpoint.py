@@ -265,7 +265,8 @@ def test_flash_entries_match_the_specification():
     assert (w1.dtype, w1.shape) == ("I8", (inter, D // 2))
     assert entries["layers.10.ffn.experts.255.w1.scale"].shape == (inter, D // 32)
     assert entries["layers.10.ffn.experts.255.w2.scale"].shape == (D, inter // 32)
-    assert (entries["layers.10.attn.wq_b.scale"].dtype, entries["layers.10.attn.wq_b.scale"].shape) == ("F8_E8M0", (256, 8))
+    wq_b_scale = entries["layers.10.attn.wq_b.scale"]
+    assert (wq_b_scale.dtype, wq_b_scale.shape) == ("F8_E8M0", (256, 8))
     expert_bytes = 3 * (inter * D // 2 + inter * D // 32)
     assert round(expert_bytes / 1e6, 2) == 13.37  # dsv4-model.md §8: one routed expert 13.37 MB
     routed = sum(e.num_bytes for name, e in entries.items() if ".ffn.experts." in name)
