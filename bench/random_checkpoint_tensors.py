@@ -173,11 +173,12 @@ def checkpoint_entries(config, routing_skew: float) -> list[Entry]:
     return out
 
 
-def entry_chunks(entry: Entry, config, seed: int, routing_skew: float) -> Iterator[bytes]:
-    """The entry's bytes, in pieces of about `CHUNK_BYTES`, from its own generator (seed, name)."""
+def entry_chunks(entry: Entry, config, seed: int, routing_skew: float) -> Iterator[np.ndarray]:
+    """The entry's values in storage order, in arrays of about `CHUNK_BYTES`, from its own generator
+    (seed, name); their raw bytes are what the shard holds."""
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, zlib.crc32(entry.name.encode())])))
     if entry.kind == "skew":
-        yield skew_bias(entry.shape[0], entry.skew_layer, seed, routing_skew).tobytes()
+        yield skew_bias(entry.shape[0], entry.skew_layer, seed, routing_skew)
         return
     rows = entry.shape[0] if entry.shape else 1
     row_bytes = entry.num_bytes // max(rows, 1)
@@ -186,22 +187,22 @@ def entry_chunks(entry: Entry, config, seed: int, routing_skew: float) -> Iterat
         count = min(rows_per_chunk, rows - first)
         num = count * math.prod(entry.shape[1:])  # elements in this chunk
         if entry.kind == "fp4":
-            yield _random_bytes(rng, num).tobytes()
+            yield _random_bytes(rng, num)
         elif entry.kind == "fp8":
-            yield _e4m3_table()[_random_bytes(rng, num)].tobytes()
+            yield _e4m3_table()[_random_bytes(rng, num)]
         elif entry.kind == "fp8_scale":
-            yield _scale_bytes(rng, num, entry.num_in, _FP8_VALUE_STD).tobytes()
+            yield _scale_bytes(rng, num, entry.num_in, _FP8_VALUE_STD)
         elif entry.kind == "fp4_scale":
-            yield _scale_bytes(rng, num, entry.num_in, _FP4_CODE_RMS).tobytes()
+            yield _scale_bytes(rng, num, entry.num_in, _FP4_CODE_RMS)
         elif entry.kind == "tid2eid":  # k distinct experts per token id
             keys = rng.random((count, config.n_routed_experts), dtype=np.float32)
-            yield np.argsort(keys, axis=1)[:, : entry.shape[1]].astype(np.int64).tobytes()
+            yield np.argsort(keys, axis=1)[:, : entry.shape[1]].astype(np.int64)
         elif entry.dtype == "BF16":
             table = _bf16_normal_table(entry.std, entry.mean)
-            yield table[_random_bytes(rng, 2 * num).view(np.uint16)].tobytes()
+            yield table[_random_bytes(rng, 2 * num).view(np.uint16)]
         elif entry.dtype == "F32":
             values = rng.standard_normal(num, dtype=np.float32) * np.float32(entry.std) + np.float32(entry.mean)
-            yield values.astype(np.float32).tobytes()
+            yield values.astype(np.float32)
         else:
             raise AssertionError(f"{entry.name}: no rule for {entry.kind} {entry.dtype}")
 
@@ -211,7 +212,7 @@ def shard_plan(entries: list[Entry], max_shard_bytes: int) -> list[list[Entry]]:
     and its scale stay in one shard."""
     shards: list[list[Entry]] = [[]]
     size = 0
-    for index, entry in enumerate(entries):
+    for entry in entries:
         is_scale = entry.kind in ("fp8_scale", "fp4_scale")
         if shards[-1] and not is_scale and size + entry.num_bytes > max_shard_bytes:
             shards.append([])
@@ -247,8 +248,9 @@ def write_shard(path: Path, entries: list[Entry], hub: dict[str, Any], seed: int
         for entry in entries:
             written = 0
             for piece in entry_chunks(entry, config, seed, routing_skew):
-                handle.write(piece)
-                written += len(piece)
+                data = np.ascontiguousarray(piece).reshape(-1).view(np.uint8)  # written without a copy
+                handle.write(data)
+                written += data.nbytes
             if written != entry.num_bytes:
                 raise AssertionError(f"{entry.name}: wrote {written} bytes, expected {entry.num_bytes}")
             shard_bytes += written
