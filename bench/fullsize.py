@@ -7,9 +7,10 @@
         --draft-device cuda:1] --out-dir DIR
     python -m bench.fullsize --tiny ...      # a tiny model on the CPU; checks the split run against in-process
 
-What runs (issue 8 item 5; issue 10 with --experts-on cuda:1):
-- a random model directory (config.json + random_weights.json, `services.expert.random_weights`):
-  every service generates its own weights in the checkpoint formats on its own device;
+What runs:
+- a hub-format checkpoint with random weights (`moemesh bench make-checkpoint`, bench/random_checkpoint.py),
+  written once per (config, seed) into --checkpoint-cache (or --checkpoint DIR, used as given): every
+  service loads it from disk as `moemesh serve` does;
 - two expert worker processes (`bench.fullsize_expert`, the moemesh expert worker with dispatch
   timing): "near" on cuda:0 with the hottest experts under --gpu-expert-budget, "far" on the CPU or
   cuda:1 with the rest (placement: `common.placement.plan`, policy hottest, `bench.fullsize_setup`);
@@ -24,14 +25,16 @@ the plan gives it (`bench.fullsize_verify`; a mismatch ends the run, exit status
 Context: one real prefill step of --context random tokens per sequence (--context-routing near:
 routed to the GPU experts only, see `bench.fullsize_runs`), then --warmup-steps decode steps, then
 up to --decode-steps measured decode steps (greedy; --run-budget-s caps a slow run, >= 1 step).
-"uniform" keeps the random gate bias; "skewed" sets bias = -c·ln(1 + rank) (c = --skew) in the
-running attention worker, between runs. A refused Dispatch is explained (sent vs received) in the
-run's JSON. Timings and floors: `bench.fullsize_report`. JSON via bench.results_io ("fullsize").
+"uniform" keeps the checkpoint's gate bias; "skewed" sets the bias a checkpoint written with
+--routing-skew c holds (-c·ln(1 + rank), c = --skew; `bench.random_checkpoint.skew_bias`) in the
+running attention worker, between runs, so one load serves both routings. A refused Dispatch is
+explained (sent vs received) in the run's JSON. Timings and floors: `bench.fullsize_report`. JSON via
+bench.results_io ("fullsize").
 Speculation (--speculation, issue 10 item 2; `bench.fullsize_spec`): after each plain decode run, the
 same prompts again with drafts from the oracle (the plain run's own greedy continuation: full
-acceptance, and output must equal the plain run's) and/or the DSpark draft worker process on the
-random model (V4-Flash drafter shapes; --draft-device, default the far expert device, else the
-attention device), verified --spec-width drafts per step; rows under "speculative" in the JSON.
+acceptance, and output must equal the plain run's) and/or the DSpark draft worker process reading the
+checkpoint's DSpark stages (V4-Flash drafter shapes; --draft-device, default the far expert device, else
+the attention device), verified --spec-width drafts per step; rows under "speculative" in the JSON.
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ def parse_args(argv: list[str] | None):
                         help="device of the draft worker (default: the far expert device if a GPU, else the "
                         "attention device)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="an existing checkpoint to load (default: write one with random weights, cached)")
+    parser.add_argument("--checkpoint-cache", type=Path, default=None,
+                        help="where written checkpoints are kept (default $MOEMESH_CHECKPOINT_CACHE or "
+                        "~/.cache/moemesh/checkpoints)")
     parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU (tests, rehearsal)")
     parser.add_argument("--compare", default=None, help="a fullsize JSON (one GPU + CPU) to give ratios against")
     parser.add_argument("--run-dir", default=None, help="where sockets, placement and logs go (default: a temp dir)")
@@ -136,30 +144,25 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, run_dir: Path) -> dict:
     import torch
 
-    from bench.fullsize_setup import FAR_WORKER, NEAR_WORKER, FullsizeCluster, model_hub_dict, plan_split
+    from bench.fullsize_setup import FAR_WORKER, NEAR_WORKER, FullsizeCluster, plan_split
     from bench.fullsize_setup import worker_placement_summary
     from bench.fullsize_timing import TimedDispatcher, copy_bandwidth
     from common.model.config import ModelConfig
+    from common.placement.cost import ModelCosts
     from common.placement.devices import parse_size
     from common.runtime.logging import configure_logging
     from services.attention.local_cluster import ClusterSpec
-    from services.expert.random_weights import RandomWeightsSpec, expert_bytes, write_random_model
 
     configure_logging("fullsize", None, args.log_level)
     attention_device = "cpu" if args.tiny else "cuda:0"
     far_device = "cpu" if args.tiny else args.experts_on
-    hub = model_hub_dict(args.layers, args.tiny)
     draft = _draft_process(args, attention_device, far_device)
-    if draft is not None:
-        from services.draft.random_weights import with_dspark
-
-        hub = with_dspark(hub)  # the drafter's keys: the draft worker generates V4-Flash drafter shapes
-    config = ModelConfig.from_dict(hub)
-    all_expert_bytes = expert_bytes(config) * config.num_hidden_layers * config.n_routed_experts
+    model_dir = _checkpoint(args, draft is not None)
+    config = ModelConfig.load(model_dir)
+    costs = ModelCosts.from_config(config)
+    all_expert_bytes = costs.bytes_per_expert * config.num_hidden_layers * config.n_routed_experts
     budget = (parse_size(args.gpu_expert_budget) if args.gpu_expert_budget
               else int(0.6 * all_expert_bytes) if args.tiny else parse_size("100GiB"))
-    model_dir = run_dir / "model"
-    write_random_model(model_dir, hub, RandomWeightsSpec(seed=args.seed))
     plan = plan_split(config, attention_device, far_device, budget, args.seed)
     print(f"placement: {plan.num_near_experts} experts near ({attention_device}), {plan.num_far_experts} far "
           f"({far_device}), {plan.bytes_per_expert} bytes each", flush=True)
@@ -211,10 +214,9 @@ def run(args, run_dir: Path) -> dict:
         cluster.stop()
     result = {
         "model": "tiny V4-like" if args.tiny else "DeepSeek-V4-Flash shapes", "num_layers": config.num_hidden_layers,
-        "weights": ("random, generated on each worker's device in the checkpoint formats (FP8 128x128 attention "
-                    "linears, FP4 e2m1 + ue8m0 1x32 experts); far CPU experts filled by copying one random expert "
-                    "per layer into every expert's own memory (ExpertFill.POOL: real bytes, equal values) when "
-                    "generating them would be slow; GPU experts exact random"),
+        "weights": (f"checkpoint {model_dir} loaded from disk by every worker (random weights written by "
+                    "bench make-checkpoint: FP8 128x128 linears, FP4 e2m1 + ue8m0 1x32 experts)"),
+        "checkpoint": str(model_dir),
         "context": f"real prefill of {args.context} random tokens per sequence (routing: "
                    f"{runs.get('context_method', {}).get('routing')}), {args.warmup_steps} warm-up decode steps, "
                    f"then up to {args.decode_steps} measured decode steps"
@@ -222,7 +224,7 @@ def run(args, run_dir: Path) -> dict:
         "pair_check": pair_check, "dispatch_staging": args.dispatch_staging,
         "speculation": "off (--speculation oracle,drafter runs it)",
         "draft_worker": None if draft is None else {"device": draft.device, "width": draft.width, "mode": "fixed",
-                                                    "weights": "random, V4-Flash drafter shapes",
+                                                    "weights": "the checkpoint's DSpark stages",
                                                     "error": cluster.draft_error},
         "attention_device": attention_device, "placement": worker_placement_summary(plan),
         "gpu_expert_budget_bytes": budget, "skew_strength": args.skew,
@@ -281,6 +283,19 @@ def _attention_worker(args, cluster, model_dir: str, device: str):
         **extra))
     worker.load_now()
     return worker
+
+
+def _checkpoint(args, with_drafter: bool) -> Path:
+    """--checkpoint as given, or the random checkpoint of this run's config (written once, cached)."""
+    from bench.fullsize_setup import model_hub_dict
+    from bench.random_checkpoint import cached_checkpoint, with_dspark
+
+    if args.checkpoint is not None:
+        return args.checkpoint
+    hub = model_hub_dict(args.layers, args.tiny)
+    if with_drafter:
+        hub = with_dspark(hub)  # the DSpark stages at V4-Flash drafter shapes, for the draft worker
+    return cached_checkpoint(hub, seed=args.seed, cache_dir=args.checkpoint_cache)
 
 
 def _draft_process(args, attention_device: str, far_device: str):

@@ -1,9 +1,9 @@
 """`python -m bench.fullsize_cpu`: throughput of the CPU expert path at V4-Flash width, by thread count.
 
-One layer's worth of FP4 experts (true width: 2048 x 4096, 13.37 MB each) filled as the far worker
-fills them, then `services.expert.cpu_experts.expert_rows` timed for decode-sized groups (--tokens,
---top-k slots each over --num-experts experts; fresh routing every repetition, so the experts a call reads
-are mostly not in the last-level cache) at each --threads value, against the host copy bandwidth
+One layer's worth of FP4 experts (true width: 2048 x 4096, 13.37 MB each; random bytes in memory,
+`bench.hostwork.random_held_experts`), then `services.expert.cpu_experts.expert_rows` timed for
+decode-sized groups (--tokens, --top-k slots each over --num-experts experts; fresh routing every
+repetition, so the experts a call reads are mostly not in the last-level cache) at each --threads value, against the host copy bandwidth
 (read + write) measured at the same thread count. Paths (--paths):
 - `native`: the C kernel (`common/kernels/cpu_fp4.c`) as the worker runs it (`expert_rows`): one call
   for every expert of the layer, on the work-claiming pool (`cpu_fp4_pool.h`);
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     from common.kernels import cpu_fp4
     from common.model.config import ModelConfig
     from services.expert.cpu_experts import CpuBlockRunner
-    from services.expert.random_weights import ExpertFill, RandomWeightsSpec, build_random_experts, expert_bytes
+    from bench.hostwork import random_held_experts
+    from common.placement.cost import ModelCosts
 
     config = ModelConfig.from_dict(model_hub_dict(1, tiny=False))
     paths = [p for p in args.paths.split(",") if p]
@@ -97,11 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"native kernel: {native.path} isa {native.isa} openmp {native.has_openmp}", flush=True)
     began_s = time.perf_counter()
-    experts = build_random_experts(config, [(0, e) for e in range(args.num_experts)], "cpu", RandomWeightsSpec(),
-                                   fill=ExpertFill.POOL)
+    experts = random_held_experts(config, [(0, e) for e in range(args.num_experts)], "cpu")
     held = experts._layers[0]
     print(f"filled {args.num_experts} experts in {time.perf_counter() - began_s:.1f} s", flush=True)
-    bytes_per_expert = expert_bytes(config)
+    bytes_per_expert = ModelCosts.from_config(config).bytes_per_expert
     generator = torch.Generator().manual_seed(0)
     thread_counts = _thread_counts(args.threads)
     token_counts = [int(t) for t in args.tokens.split(",") if t]
@@ -151,7 +151,7 @@ def _measure(path: str, runner, held, config, native, args, num_tokens: int, gen
 
     from common.kernels import cpu_fp4
     from services.expert.cpu_experts import expert_rows
-    from services.expert.random_weights import expert_bytes
+    from common.placement.cost import ModelCosts
 
     reps = args.reps if path != "torch_pool" else 2
     inputs = _routings(torch, num_tokens, config.hidden_size, args.num_experts, args.top_k, reps, generator)
@@ -166,7 +166,7 @@ def _measure(path: str, runner, held, config, native, args, num_tokens: int, gen
     seconds = times[len(times) // 2]
     return {"path": path, "num_tokens": num_tokens, "top_k": args.top_k, "experts_touched": touched, "s": seconds,
             "s_min": times[0], "s_max": times[-1], "s_per_expert": seconds / touched,
-            "weight_read_bytes_per_s": touched * expert_bytes(config) / seconds,
+            "weight_read_bytes_per_s": touched * ModelCosts.from_config(config).bytes_per_expert / seconds,
             "isa": native.isa if native and path.startswith("native") else None}
 
 

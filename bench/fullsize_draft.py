@@ -1,10 +1,10 @@
 """The DSpark drafter alone at V4-Flash size on one device: `propose` and `add_features` timings
 against the drafter's weight-bandwidth floor (issue 10 item 2).
 
-Builds a random model directory (V4-Flash's hub config plus the drafter's keys, `with_dspark`;
-`--tiny` for a CPU rehearsal) and loads it through the draft worker's own `load_drafter`, so the
-drafter is exactly what `moemesh draft` serves: FP8 linears and FP4 routed experts kept quantized,
-bf16 compute on CUDA (services/draft/random_weights.py). The timed calls are the worker's own
+Loads a checkpoint with random weights (`bench.random_checkpoint`: V4-Flash with its three DSpark
+stages, three main layers for the target-layer features, written once and cached; `--tiny` for a CPU
+rehearsal; `--checkpoint DIR` for any other) through the draft worker's own `load_drafter`, so the
+drafter is exactly what `moemesh draft` serves. The timed calls are the worker's own
 `handle(TargetFeatures)` and `handle(DraftRequest)` (in process, no sockets), fixed width γ = 5:
 - rings: each of A requests gets 128 positions of target features (the full ring), as bf16 host
   tensors like the attention worker sends; `add_features` is then timed for A requests × k new
@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import signal
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -51,20 +49,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--probe", action="store_true",
                         help="CUDA: kernel profile and CUDA-graph replay of the forward (bench/fullsize_draft_probe.py)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (CPU rehearsal)")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="a checkpoint with DSpark stages (default: write one with random weights, cached)")
+    parser.add_argument("--checkpoint-cache", type=Path, default=None,
+                        help="where written checkpoints are kept (default $MOEMESH_CHECKPOINT_CACHE or "
+                        "~/.cache/moemesh/checkpoints)")
     parser.add_argument("--out-dir", type=Path, default=None)
     return parser.parse_args(argv)
 
 
 def hub_config(tiny: bool) -> dict:
-    from common.model.config import AttentionKind
-    from common.placement.presets import v4_flash_hub_dict
-    from common.model.random_init import tiny_flash_like_config
-    from services.draft.random_weights import with_dspark
+    """V4-Flash (or the tiny preset) with the DSpark stages; three main layers, the fewest the drafter's
+    target features need (the stages' shapes do not depend on the depth)."""
+    from bench.random_checkpoint import hub_config as checkpoint_hub_config
 
-    if tiny:
-        kinds = [AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA, AttentionKind.CSA]
-        return with_dspark(tiny_flash_like_config(kinds).to_hub_dict())
-    return with_dspark(v4_flash_hub_dict())
+    return checkpoint_hub_config("tiny" if tiny else "v4-flash", num_layers=3 if not tiny else 4, dspark=True)
+
+
+def drafter_weight_bytes(drafter) -> dict[str, int]:
+    """Bytes the built drafter holds, by kind: fp8_linear_bytes (FP8 weights + scales), routed_expert_bytes
+    (every stage's routed experts as held), other_bytes (its remaining own tensors), shared_bytes (the
+    target's embed + head it holds a copy of); own_bytes and total_bytes."""
+    from common.model.quantized import Fp8Linear
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    own = {id(t): t for t in list(drafter.mtp.parameters()) + list(drafter.mtp.buffers())}
+    fp8_tensors = {id(t): t for m in drafter.mtp.modules() if isinstance(m, Fp8Linear) for t in (m.weight, m.scale)}
+    fp8 = nbytes(fp8_tensors.values())
+    experts = drafter.experts_fn
+    held = getattr(experts, "_layers", None)
+    if held is not None:  # QuantizedRoutedExperts: per-layer stacks
+        routed = sum(experts.bytes_per_expert(layer) * len(stack.expert_ids) for layer, stack in held.items())
+    else:  # RoutedExperts: one (w1, w2, w3) per pair
+        routed = nbytes(t for weights in experts._weights.values() for t in weights)
+    other = nbytes(t for key, t in own.items() if key not in fp8_tensors)
+    shared = nbytes(list(drafter.embed.parameters()) + list(drafter.head.parameters()))
+    return {"fp8_linear_bytes": fp8, "routed_expert_bytes": routed, "other_bytes": other, "shared_bytes": shared,
+            "own_bytes": fp8 + routed + other, "total_bytes": fp8 + routed + other + shared}
 
 
 # ------------------------------------------------------------------------------------ floors
@@ -181,7 +204,9 @@ def time_batch(worker, loop, num_requests: int, temperatures: list[float], args,
         run(worker.handle(draft_request(2, request_ids, CONTEXT_POSITIONS, 0.0, block_size)))
     finally:
         drafter.set_experts(recorder.inner)
-    bytes_per_expert = recorder.inner.bytes_per_expert(0)
+    from common.placement.cost import ModelCosts
+
+    bytes_per_expert = ModelCosts.from_config(config).bytes_per_expert  # as stored (FP4 + scales)
     distinct = [recorder.distinct[stage] for stage in sorted(recorder.distinct)]
     floor_bytes = (groups["stages_bytes"] + sum(distinct) * bytes_per_expert + groups["head_bytes"]
                    + block_size * groups["markov_w2_bytes"])
@@ -226,8 +251,7 @@ def main(argv=None) -> int:
 
     from bench.layers_timing import measure_ceilings
     from bench.results_io import write_result
-    from services.draft.random_weights import drafter_weight_bytes
-    from services.expert.random_weights import RandomWeightsSpec, write_random_model
+    from bench.random_checkpoint import cached_checkpoint
 
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -235,13 +259,12 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)  # ceilings and kernels on this device
     batches = [int(b) for b in args.batches.split(",") if b]
     temperatures = [float(t) for t in args.temperatures.split(",") if t]
-    with tempfile.TemporaryDirectory(prefix="fullsize-draft-") as tmp:
-        model_dir = write_random_model(Path(tmp) / "model", hub_config(args.tiny),
-                                       RandomWeightsSpec(seed=args.seed, routing_skew=args.routing_skew))
-        started = time.perf_counter()
-        worker = build_worker(model_dir, args.device)
-        _sync(device)
-        build_s = time.perf_counter() - started
+    model_dir = args.checkpoint or cached_checkpoint(hub_config(args.tiny), seed=args.seed,
+                                                     routing_skew=args.routing_skew, cache_dir=args.checkpoint_cache)
+    started = time.perf_counter()
+    worker = build_worker(model_dir, args.device)
+    _sync(device)
+    build_s = time.perf_counter() - started
     drafter = worker.drafter
     sizes = drafter_weight_bytes(drafter)
     groups = weight_groups(drafter)
@@ -250,9 +273,9 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         memory = {"allocated_bytes": torch.cuda.memory_allocated(device),
                   "max_allocated_bytes": torch.cuda.max_memory_allocated(device)}
-    print(f"drafter on {device} ({drafter.dtype}), built in {build_s:.1f} s: FP8 linears "
-          f"{sizes.fp8_linear_bytes / 1e9:.3f} GB, routed experts {sizes.routed_expert_bytes / 1e9:.3f} GB, other "
-          f"{sizes.other_bytes / 1e9:.3f} GB, shared embed+head {sizes.shared_bytes / 1e9:.3f} GB; "
+    print(f"drafter on {device} ({drafter.dtype}), loaded from {model_dir} in {build_s:.1f} s: FP8 linears "
+          f"{sizes['fp8_linear_bytes'] / 1e9:.3f} GB, routed experts {sizes['routed_expert_bytes'] / 1e9:.3f} GB, "
+          f"other {sizes['other_bytes'] / 1e9:.3f} GB, shared embed+head {sizes['shared_bytes'] / 1e9:.3f} GB; "
           f"copy bandwidth {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s; memory {memory}")
     loop = asyncio.new_event_loop()
     rows: list[dict] = []
@@ -275,9 +298,8 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, previous_handler)
         loop.close()
         raw = {"device": str(device), "dtype": str(drafter.dtype), "tiny": args.tiny, "seed": args.seed,
-               "routing_skew": args.routing_skew, "build_s": build_s, "complete": complete,
-               "weight_bytes": dataclasses.asdict(sizes) | {"own_bytes": sizes.own_bytes,
-                                                            "total_bytes": sizes.total_bytes},
+               "routing_skew": args.routing_skew, "checkpoint": str(model_dir), "load_s": build_s,
+               "complete": complete, "weight_bytes": sizes,
                "weight_groups": groups, "ceilings": ceilings, "memory": memory, "repeats": args.repeats,
                "warmup": args.warmup, "batches": rows, "probes": probes}
         ratios = {f"propose_A{row['num_requests']}_{key}_vs_floor": v["ratio_to_floor"]

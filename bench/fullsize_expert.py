@@ -1,6 +1,6 @@
 """`python -m bench.fullsize_expert --config FILE --name NAME --timing-dir DIR`: a timed expert worker.
 
-The moemesh expert worker of a random-weights model (`QuantizedExpertWorker`), built as
+The moemesh expert worker (`ExpertWorker`, loading its pairs from the deployment's checkpoint), built as
 `services.expert.main` builds it, that also records every Dispatch it answers: step, layer, tokens,
 selected slots, distinct experts touched (so bytes read are counted, not estimated), and the
 monotonic clock at arrival and when the answer is ready (after a device sync on CUDA, so it is the
@@ -60,19 +60,18 @@ class TimedExpertWorker(ExpertWorker):
                        "fields": ["step_id", "layer", "micro_batch", "num_tokens", "num_slots", "num_experts",
                                   "began_s", "ended_s"],
                        "bytes_per_expert": self._bytes_per_expert(), "records": self.records,
-                       "num_threads": (self._cpu_runner.num_threads if self._cpu_runner is not None
-                                       else torch.get_num_threads()),
-                       "num_empty_selections": self.num_empty_selections, "refused": self.refused}
+                       "num_threads": (runner.num_threads if (runner := getattr(self, "_cpu_runner", None))
+                                       is not None else torch.get_num_threads()),
+                       "num_empty_selections": getattr(self, "num_empty_selections", None),
+                       "refused": self.refused}
             self.timing_path.write_text(json.dumps(payload), encoding="utf-8")
             self.records = []
             self.refused = []
         return super().inventory()
 
     def _bytes_per_expert(self) -> int:
-        if self._experts is None or not self._experts._layers:
-            return 0
-        layer = next(iter(self._experts._layers))
-        return self._experts.bytes_per_expert(layer)
+        """What one held expert occupies on this worker (its weights over its pairs)."""
+        return self.num_weight_bytes() // len(self._weights) if self._weights else 0
 
 
 def main(argv: list[str] | None = None) -> int:

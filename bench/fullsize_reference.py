@@ -1,57 +1,29 @@
 """The in-process run `bench.fullsize --tiny` compares its split run against.
 
-Same random model directory, same gate bias, every expert in one process, computed by the code the
-CPU expert workers run (`services.expert.cpu_experts.expert_rows`, `ExpertPathExperts`), driven
-through `ReferenceModel.forward` with the batches `LocalPlanner` gives the attention worker when
-every prompt fits one step (all prompts in one forward, then one token per sequence per step). So
-the linears see the same batch sizes and each expert the same rows, in the same order, as in the
-split run, and with top-k = 2 (the tiny model) the per-worker partial sums add up in the reference's
-order: the split run must equal this one exactly, bit for bit (what tests/test_bench_fullsize.py
-checks). Why not `QuantizedRoutedExperts`' own torch path: it dequantises whole matrices and sums in
-another order (agreement to ~1e-6 only), which would hide a transport bug that changes a few bits.
-Legend: B sequences, V vocab, T tokens, K top-k, D hidden.
+The same checkpoint loaded by the single-process path of `moemesh generate` (every expert in one
+process, float32 on the CPU), with the same gate biases at the same steps, driven through
+`ReferenceModel.forward` with the batches `LocalPlanner` gives the attention worker when every prompt
+fits one step (all prompts in one forward, then one token per sequence per step). The split run must
+give the same greedy tokens, and its chosen-token logprobs must agree within `LOGPROB_TOLERANCE`: the
+workers compute the same float32 arithmetic in other groupings (each expert worker sums its own slots,
+the quantized holders dequantise block by block), which moves logprobs by ~1e-6, while a transport bug
+(a wrong row, a stale buffer, a slot sent to the wrong worker) moves them by far more.
+Legend: B sequences, V vocab.
 """
 
 from __future__ import annotations
 
 import torch
 
-
-def build_reference(model_dir: str, skew: float):
-    """(ReferenceModel, config) in float32 on the CPU, with the run's routing skew applied."""
-    from common.model.config import ModelConfig
-    from common.model.reference import ReferenceModel
-    from services.attention.random_weights import apply_routing_skew, random_attention_side_for
-    from services.expert.placement import all_pairs
-    from services.expert.random_weights import ExpertFill, build_random_experts, read_random_spec
-
-    config, side = random_attention_side_for(model_dir, torch.float32, torch.device("cpu"))
-    spec = read_random_spec(model_dir)
-    apply_routing_skew(side, config, spec.seed, skew)
-    experts = build_random_experts(ModelConfig.load(model_dir), all_pairs(config.num_hidden_layers,
-                                                                          config.n_routed_experts),
-                                   "cpu", spec, fill=ExpertFill.EXACT)
-    return ReferenceModel(side, ExpertPathExperts(experts)), config
+LOGPROB_TOLERANCE = 1e-4
 
 
-class ExpertPathExperts:
-    """experts_fn(layer, x [T, D], ids [T, K], weights [T, K]) -> [T, D] through `expert_rows` (the CPU
-    expert worker's path, on its own `CpuBlockRunner`), slots added in order as the workers add them."""
+def build_reference(model_dir: str):
+    """(ReferenceModel, config) of the checkpoint at `model_dir`, float32 on the CPU."""
+    from common.commands.generate import _load_model
 
-    def __init__(self, experts) -> None:
-        from services.expert.cpu_experts import CpuBlockRunner
-
-        self.experts = experts  # QuantizedRoutedExperts holding every pair
-        self.runner = CpuBlockRunner(torch.get_num_threads())
-
-    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        from common.model.moe import sum_slots_in_order
-        from services.expert.cpu_experts import expert_rows
-
-        experts = self.experts
-        per_slot = expert_rows(experts._layers[layer], x, ids, weights, None, experts.swiglu_limit,
-                               experts.route_weight_before_w2, self.runner)  # [T, K, D]
-        return sum_slots_in_order(per_slot)
+    model, config = _load_model(model_dir, "float32", "cpu")
+    return model, config
 
 
 @torch.inference_mode()

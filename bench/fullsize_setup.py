@@ -1,9 +1,9 @@
-"""What `bench.fullsize` runs: the random model directory, the placement, and the expert processes.
+"""What `bench.fullsize` runs: the checkpoint's config, the placement, and the expert processes.
 
 - `model_hub_dict`: V4-Flash's hub config (all 43 layers, or the first N for a rehearsal: 2 window,
   then CSA/HCA alternating, 3 hash-routed layers, as the real model), or a tiny model of the same
-  structure for the CPU (`--tiny`). No MTP layer. Written with random_weights.json
-  (`services.expert.random_weights`), so every service generates its weights instead of reading.
+  structure for the CPU (`--tiny`). No MTP layer. The benchmark writes it as a checkpoint with random
+  weights (`bench.random_checkpoint`, cached by arguments) that every service loads from disk.
 - `plan_split`: two expert workers, one on the attention device ("near": the GPU holding attention)
   and one on the other device ("far": the CPU or cuda:1), planned by `common.placement.plan` with the
   `hottest` policy under the near device's budget. Shares come from the skew ranks of the gate bias
@@ -14,9 +14,8 @@
   processes started as `python -m bench.fullsize_expert` (the moemesh expert worker with per-dispatch
   timing written on request). The attention worker runs in the benchmark's own process. With a
   `DraftProcess` (--speculation drafter) it also starts the DSpark draft worker (`moemesh draft`,
-  fixed width) on its device; the model directory then carries the drafter's keys
-  (`services.draft.random_weights.with_dspark`) and the draft worker generates random weights at
-  V4-Flash drafter shapes, with the target's embed and head equal to the attention worker's.
+  fixed width) on its device; the checkpoint then carries the DSpark stages and their keys
+  (`bench.random_checkpoint.with_dspark`), read by the draft worker as from any checkpoint.
 """
 
 from __future__ import annotations
@@ -34,36 +33,17 @@ from services.attention.local_cluster import ClusterSpec, LocalCluster
 NEAR_WORKER = "expert-near"
 FAR_WORKER = "expert-far"
 
-_TINY_SETTINGS = dict(  # common.model.random_init.tiny_flash_like_config, as hub keys
-    vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
-    qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=16, num_experts_per_tok=2,
-    sliding_window=16, index_n_heads=16, index_head_dim=16, index_topk=4, compress_rate_hca=16,
-    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32,
-                  "beta_slow": 1},
-)
-
-
 def model_hub_dict(num_layers: int | None, tiny: bool) -> dict[str, Any]:
     """Hub config.json of the benchmarked model (see the module docstring)."""
-    from common.placement.presets import v4_flash_hub_dict
+    from bench.random_checkpoint import hub_config
 
-    d = v4_flash_hub_dict()
-    full_ratios = d["compress_ratios"][: d["num_hidden_layers"]]
-    layers = d["num_hidden_layers"] if num_layers is None else num_layers
-    if not 1 <= layers <= len(full_ratios):
-        raise ValueError(f"--layers {layers}: must be within 1..{len(full_ratios)}")
-    ratios = full_ratios[:layers]
-    if tiny:
-        d.update(_TINY_SETTINGS)  # compress_rate_hca gives HCA layers (code 128) the tiny rate
-    d.update(num_hidden_layers=layers, compress_ratios=ratios, num_hash_layers=min(d["num_hash_layers"], layers),
-             num_nextn_predict_layers=0)
-    return d
+    return hub_config("tiny" if tiny else "v4-flash", num_layers=num_layers, num_mtp_layers=0)
 
 
 def skew_shares(config, seed: int) -> list[list[float]]:
     """[layer][expert] expected-share order under the skewed bias: ∝ 1/(1 + rank); hash layers uniform."""
     from common.model.config import RouterKind
-    from services.expert.random_weights import skew_ranks
+    from bench.random_checkpoint import skew_ranks
 
     shares = []
     for layer in range(config.num_hidden_layers):

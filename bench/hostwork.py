@@ -3,7 +3,7 @@
 Issue 10's full-size figures put a decode step's time in per-layer host work, not in bytes. This
 benchmark measures that work in isolation, at true width (hidden 4096, top-6 of 256 experts) with a
 tiny expert intermediate size (`--intermediate`, default 256) so that compute does not hide it:
-- expert side: the quantized expert worker (`QuantizedExpertWorker`, holding 3/4 of one layer's
+- expert side: the expert worker (`ExpertWorker`, holding 3/4 of one layer's
   experts, as the full-size "near" worker does) answering Dispatches that arrive as host tensors
   (ZeroMQ), including the reply's device->host copy into the worker's staging pool (what the
   service runner does before sending);
@@ -117,18 +117,38 @@ class Samples:
 
 
 # ------------------------------------------------------------------------------------------- expert side
+def random_held_experts(config, pairs, device, *, seed: int = 0):
+    """A `QuantizedRoutedExperts` holding `pairs` with random bytes in the config's expert format (the
+    in-memory stacks of `common.model.random_init`, each layer drawn whole, the held experts kept), for
+    kernel-level checks of one expert holder; models are checkpoints (`bench.random_checkpoint`)."""
+    from common.model.config import NumericsConfig
+    from common.model.quantized import QuantizedRoutedExperts
+    from common.model.random_init import random_routed_experts
+
+    by_layer: dict[int, list[int]] = {}
+    for layer, expert in sorted({(int(l), int(e)) for l, e in pairs}):
+        by_layer.setdefault(layer, []).append(expert)
+    full = random_routed_experts(config, NumericsConfig(), device, seed=seed, layers=sorted(by_layer))
+    stacks = {}
+    for layer, experts in by_layer.items():
+        held = full._layers[layer]
+        index = torch.tensor(experts, dtype=torch.long, device=held.w1.device)
+        tensors = [getattr(held, name).index_select(0, index) for name in ("w1", "s1", "w2", "s2", "w3", "s3")]
+        stacks[layer] = (experts, tensors)
+    return QuantizedRoutedExperts.from_config(stacks, config)
+
+
 def build_expert_worker(device: str, intermediate: int, held_experts: list[int]):
     """An ExpertWorker holding `held_experts` of layer 0 (random FP4 weights), staging allocated."""
     from common.model.config import AttentionKind
     from common.model.random_init import flash_config
-    from services.expert.random_weights import ExpertFill, RandomWeightsSpec, build_random_experts
     from services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
     config = flash_config([AttentionKind.CSA], hidden_size=HIDDEN, moe_intermediate_size=intermediate,
                           n_routed_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)
     pairs = [(0, e) for e in held_experts]
     worker = ExpertWorker(ExpertWorkerConfig(name="hostwork", checkpoint_path="", device=device), config)
-    worker.holdings.adopt(build_random_experts(config, pairs, device, RandomWeightsSpec(seed=3), fill=ExpertFill.EXACT))
+    worker.holdings.adopt(random_held_experts(config, pairs, device, seed=3))
     worker.allocate_staging()
     return worker
 
@@ -159,7 +179,7 @@ def reply_copy(worker, output: torch.Tensor) -> None:
 
 
 def after_expert_stages(worker, dispatch, stages: dict[str, float]) -> torch.Tensor:
-    """`QuantizedExpertWorker.handle_dispatch` piece by piece (the same calls, timed between them)."""
+    """`ExpertWorker.handle_dispatch` piece by piece (the same calls, timed between them)."""
     from common.model.moe import sum_slots_in_order
 
     began = time.perf_counter()

@@ -1,8 +1,8 @@
 """Speculation in bench.fullsize: the LocalPlanner's drafts (budget, blocks, accepted + bonus, rejected
 drafts' blocks freed), the oracle draft source, the output comparison and the figures of a
 speculative run; end to end, `python -m bench.fullsize --tiny --speculation oracle,drafter` (attention
-worker in process, two expert worker processes, the DSpark draft worker process on the random tiny
-model) whose speculative greedy outputs must equal the in-process plain reference token for token,
+worker in process, two expert worker processes, the DSpark draft worker process, all loading a tiny
+random checkpoint with DSpark stages) whose speculative greedy outputs must equal the in-process plain reference token for token,
 with every oracle draft accepted.
 
 The planner tests build StepResults by hand: they stand for what the attention worker answers (the
@@ -171,7 +171,7 @@ def test_fullsize_tiny_speculation_equals_in_process(tmp_path):
     command = [sys.executable, "-m", "bench.fullsize", "--tiny", "--layers", "4", "--batch", "2",
                "--routing", "uniform", "--decode-steps", "2", "--warmup-steps", "1", "--context", "5",
                "--speculation", "oracle,drafter", "--spec-width", str(width), "--out-dir", str(out_dir),
-               "--run-dir", str(tmp_path / "run")]
+               "--run-dir", str(tmp_path / "run"), "--checkpoint-cache", str(tmp_path / "checkpoints")]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (path,) = out_dir.glob("fullsize-2*.json")

@@ -62,14 +62,14 @@ def test_routing_on_host_keeps_host_tensors():
 def cpu_worker():
     from common.model.config import AttentionKind
     from common.model.random_init import flash_config
-    from services.expert.random_weights import ExpertFill, RandomWeightsSpec, build_random_experts
+    from bench.hostwork import random_held_experts
     from services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
     config = flash_config([AttentionKind.CSA], hidden_size=256, moe_intermediate_size=128,
                           n_routed_experts=NUM_EXPERTS)
     pairs = [(0, e) for e in range(0, NUM_EXPERTS, 2)]
     worker = ExpertWorker(ExpertWorkerConfig(name="sel", checkpoint_path="", device="cpu"), config)
-    worker.holdings.adopt(build_random_experts(config, pairs, "cpu", RandomWeightsSpec(seed=4), fill=ExpertFill.EXACT))
+    worker.holdings.adopt(random_held_experts(config, pairs, "cpu", seed=4))
     worker.allocate_staging()
     return worker
 

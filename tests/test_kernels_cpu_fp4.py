@@ -220,11 +220,11 @@ def test_expert_rows_native_equals_quantized_routed_experts(dtype):
     torch-block path of `expert_rows`, on the same held bytes (half the experts held, a slot mask)."""
     from common.model.quantized import KernelBackend, QuantizedRoutedExperts
     from services.expert.cpu_experts import CpuBlockRunner, expert_rows
-    from services.expert.random_weights import ExpertFill, RandomWeightsSpec, build_random_experts
+    from bench.hostwork import random_held_experts
 
     config = _worker_config()
     pairs = [(0, e) for e in range(0, 16, 2)]
-    experts = build_random_experts(config, pairs, "cpu", RandomWeightsSpec(seed=4), fill=ExpertFill.EXACT)
+    experts = random_held_experts(config, pairs, "cpu", seed=4)
     held = experts._layers[0]
     generator = torch.Generator().manual_seed(1)
     hidden = torch.randn(9, 256, generator=generator).to(dtype)

@@ -4,6 +4,11 @@
 # cuda:1 over ZeroMQ ("gpu1") and over the CUDA IPC data plane ("gpu1ipc": the cuda:1 worker maps cuda:0's
 # rings and reads / writes them over NVLink).
 # Run from the repo root by bench/device/run_all.sh with PYTHONPATH and RESULTS_DIR set.
+# Weights: a hub-format checkpoint with random weights and the DSpark stages (`moemesh bench
+# make-checkpoint --preset v4-flash --layers N --dspark`), written once to FULLSIZE_CHECKPOINT (default
+# /tmp/moemesh-fullsize-N) before the timed configurations and loaded from disk by every worker; it needs
+# its stored size on disk (about 3.6 GB per layer + 13 GB: 43 layers need the 235 GB disk of the 4- and
+# 8-GPU machines).
 # Knobs (environment): FULLSIZE_LAYERS (default 43), FULLSIZE_BUDGET_GIB (default 100 GiB x layers / 43),
 # FULLSIZE_CONTEXT (tokens per sequence, default 256; FULLSIZE_MAX_CONTEXT caps B x context, default 8192),
 # FULLSIZE_CONFIGS (default "gpu1ipc gpu1prefill gpu1graphs", what call 2 at 00:05 left out; call 2 ran
@@ -44,6 +49,11 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 NCPU=$(nproc)
 echo "torch devices: $NGPU; cpus: $NCPU; mem: $(free -g | awk '/Mem:/ {print $2}') GiB; layers $LAYERS budget ${BUDGET}GiB context $CONTEXT"
 python3 -c "import zmq; print('pyzmq', zmq.__version__, 'libzmq', zmq.zmq_version())"
+CKPT="${FULLSIZE_CHECKPOINT:-/tmp/moemesh-fullsize-$LAYERS}"
+if [ ! -e "$CKPT/model.safetensors.index.json" ]; then
+  echo "--- fullsize: $(date -u +%H:%M:%S) writing the random checkpoint ($LAYERS layers + DSpark stages) to $CKPT"
+  python3 -m common.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --dspark --out "$CKPT" 2>&1 | tail -n 3
+fi
 SECONDS=0
 if [ "${FULLSIZE_TEST:-0}" = 1 ]; then
   echo "--- fullsize: $(date -u +%H:%M:%S) CUDA test"
@@ -53,7 +63,7 @@ run_config() {  # NAME FAR_DEVICE CAP_S EXTRA...
   local name="$1" far="$2" cap="$3"; shift 3
   echo "--- fullsize: $(date -u +%H:%M:%S) $name (${SECONDS}s used, cap ${cap}s)"
   rm -rf "/tmp/fs-$name" "/tmp/fs-$name-out"; mkdir -p "/tmp/fs-$name-out"
-  timeout -k 5 "$cap" python3 -m bench.fullsize --experts-on "$far" --layers "$LAYERS" \
+  timeout -k 5 "$cap" python3 -m bench.fullsize --experts-on "$far" --layers "$LAYERS" --checkpoint "$CKPT" \
     --gpu-expert-budget "${BUDGET}GiB" --routing uniform,skewed --decode-steps 5 --warmup-steps 2 \
     --context "$CONTEXT" --max-context-tokens "${FULLSIZE_MAX_CONTEXT:-8192}" --run-dir "/tmp/fs-$name" --out-dir "/tmp/fs-$name-out" "$@" 2>&1 \
     | grep -v '^  step' | cut -c1-600 | tail -n 40

@@ -1,5 +1,8 @@
 """`moemesh bench NAME [args...]`: runs one benchmark module from `bench/`.
 
+`moemesh bench make-checkpoint ... --out DIR` writes a hub-format checkpoint with random weights
+(bench.random_checkpoint), the model every benchmark loads from disk.
+
 Each benchmark module defines `main(argv: list[str] | None) -> int`, prints its figures and writes
 JSON under bench/results/ (bench.results_io).
 """
@@ -18,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "fullsize": "bench.fullsize",
     "serve": "bench.serve",
     "speculation": "bench.speculation",
+    "make-checkpoint": "bench.random_checkpoint",
 }
 
 
