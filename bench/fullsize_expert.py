@@ -71,7 +71,8 @@ class TimedExpertWorker(ExpertWorker):
 
     def _bytes_per_expert(self) -> int:
         """What one held expert occupies on this worker (its weights over its pairs)."""
-        return self.num_weight_bytes() // len(self._weights) if self._weights else 0
+        num_pairs = len(self.holdings)
+        return self.holdings.resident_bytes() // num_pairs if num_pairs else 0
 
 
 def main(argv: list[str] | None = None) -> int:

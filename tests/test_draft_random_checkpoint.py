@@ -44,7 +44,7 @@ def test_draft_worker_loads_the_checkpoint_and_proposes(tiny_dir):
     asyncio.run(worker.load())
     config = worker.drafter.config
     assert config.dspark.target_layer_ids == (1, 2, 3) and len(worker.drafter.mtp) == 3
-    torch.testing.assert_close(worker.drafter.head.weight, CheckpointReader(tiny_dir).load("head.weight"))
+    torch.testing.assert_close(worker.drafter.head.weight.float(), CheckpointReader(tiny_dir).load("head.weight").float())
     features, _ = _context(config, 20, seed=2)
     segment = m.FeatureSegment("r1", 0, 20, 0, tuple(range(20)))
     assert asyncio.run(worker.handle(m.TargetFeatures(step_id=0, segments=(segment,), features=features))) == m.Ack()

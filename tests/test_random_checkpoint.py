@@ -239,7 +239,7 @@ def test_dspark_stages_load_in_the_drafter(plain):
     x = torch.randn(3, 3 * drafter.config.hidden_size, generator=torch.Generator().manual_seed(1))
     expected = torch.nn.functional.linear(x, reader.load("mtp.0.main_proj.weight"))  # FP8 stage weight, dequantised
     torch.testing.assert_close(drafter.mtp[0].main_proj(x), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(drafter.embed.weight, reader.load("embed.weight"))
+    torch.testing.assert_close(drafter.embed.weight.float(), reader.load("embed.weight").float())  # kept as stored
     config = drafter.config
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(12, 3 * config.hidden_size, generator=generator)
