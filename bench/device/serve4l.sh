@@ -15,9 +15,13 @@ CKPT="${SERVE_CHECKPOINT:-/tmp/moemesh-serve-${LAYERS}l}"
 PORT="${SERVE_PORT:-8123}"
 RUN_DIR=/tmp/moemesh-serve4l-run
 SECONDS=0
+# the attention worker and an expert worker share cuda:0: NVIDIA MPS runs throughout
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/moemesh-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/moemesh-mps-log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+nvidia-cuda-mps-control -d && echo "MPS started" || echo "MPS did not start"
 if [ ! -e "$CKPT/model.safetensors.index.json" ]; then
   echo "--- $(date -u +%H:%M:%S) writing $CKPT"
-  python3 -m common.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --out "$CKPT" 2>&1 | tail -n 4
+  python3 -m common.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --out "$CKPT" 2> --workers 12 2>&11 | tail -n 4
 fi
 echo "--- $(date -u +%H:%M:%S) check-model (${SECONDS}s)"
 python3 -m common.cli check-model --model "$CKPT" --no-forward 2>&1 | tail -n 8
@@ -26,7 +30,7 @@ echo "--- $(date -u +%H:%M:%S) serve (${SECONDS}s)"
 python3 -m common.cli serve --model "$CKPT" --expert-workers 2 --devices cuda:0,cpu --port "$PORT" \
   --run-dir "$RUN_DIR" --ready-timeout "${SERVE_READY_S:-600}" > "$RUN_DIR.serve.log" 2>&1 &
 SERVE_PID=$!
-trap 'kill -TERM $SERVE_PID 2>/dev/null; wait $SERVE_PID; echo "serve exited"' EXIT
+trap 'kill -TERM $SERVE_PID 2>/dev/null; wait $SERVE_PID; echo "serve exited"; echo quit | nvidia-cuda-mps-control' EXIT
 ready=0
 for _ in $(seq 1 "${SERVE_READY_S:-600}"); do
   if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; then ready=1; break; fi
@@ -46,3 +50,5 @@ python3 -m common.cli bench serve --base-url "http://127.0.0.1:$PORT" --endpoint
   --ignore-eos --device-label "H200 + CPU, ${LAYERS}-layer V4-Flash random checkpoint" --result-dir "$RESULTS_DIR" \
   2>&1 | tail -n 30
 curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^moemesh_worker_weight_bytes|^moemesh_.*load' | head -n 20
+curl -s "http://127.0.0.1:$PORT/status.json" > "$RESULTS_DIR/serve4l-status.json"
+cp "$RUN_DIR"/logs/*.log "$RESULTS_DIR/" 2>/dev/null
