@@ -116,7 +116,9 @@ def test_cuda_quantized_worker_is_bit_identical_and_sync_free(num_tokens):
         counter = SyncCounter(worker.device)
         with counter:
             reply = worker.handle_dispatch(dispatch)
-        assert counter.count <= 1  # host-tensor Dispatch: the reply's device-to-host copy is the one sync
+        # host-tensor Dispatch (ZeroMQ): hidden rows, row layout and row weights go up by plain copies from
+        # pageable memory (each a synchronous copy), then the reply's device-to-host copy
+        assert counter.count <= 4
         expected = legacy_expert_stages(worker, dispatch, {})
         assert torch.equal(reply.output, expected)
         on_device = dataclasses.replace(dispatch, hidden=dispatch.hidden.cuda(), expert_ids=dispatch.expert_ids.cuda(),

@@ -4,7 +4,7 @@
 # sampler and speculation kernels, CUDA IPC, a checkpoint's drafter on the GPU.
 # Run by bench/device/run_all.sh from the repo root with PYTHONPATH set.
 set -u
-python3 -m pytest -q -rs -p no:cacheprovider --timeout 300 \
+python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider --timeout 200 \
   tests/test_quantized_cuda.py tests/test_kernels_cuda.py tests/test_hostwork_dispatch.py \
   tests/test_draft_random_checkpoint.py tests/test_spec_cuda.py tests/test_sampler_cuda.py \
   tests/test_wire_cuda_ipc.py "tests/test_bench_fullsize.py::test_gpu_expert_worker_path_matches_cpu_path" \

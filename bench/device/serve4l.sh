@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `moemesh serve` on a full-width V4-Flash checkpoint with random weights: SERVE_LAYERS (default 4) main
-# layers written by `moemesh bench make-checkpoint` to SERVE_CHECKPOINT (default /tmp/moemesh-serve-<N>l,
+  python3 -m common.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --out "$CKPT" 2>&1
+  echo "make-checkpoint rc=$? after ${SECONDS}s"; df -h "$(dirname "$CKPT")" | tail -n 1
 # about 16 GB at 4 layers; reused when present), checked by `moemesh check-model --no-forward`, then served
 # with the attention worker and one expert worker on cuda:0 and a second expert worker on the CPU
 # (`--devices cuda:0,cpu --expert-workers 2`), one chat request answered, then `moemesh bench serve`
@@ -21,7 +22,8 @@ mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d && echo "MPS started" || echo "MPS did not start"
 if [ ! -e "$CKPT/model.safetensors.index.json" ]; then
   echo "--- $(date -u +%H:%M:%S) writing $CKPT"
-  python3 -m common.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --out "$CKPT" 2> --workers 12 2>&11 | tail -n 4
+  python3 -m common.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --out "$CKPT" 2>&1
+  echo "make-checkpoint rc=$? after ${SECONDS}s"; df -h "$(dirname "$CKPT")" | tail -n 1
 fi
 echo "--- $(date -u +%H:%M:%S) check-model (${SECONDS}s)"
 python3 -m common.cli check-model --model "$CKPT" --no-forward 2>&1 | tail -n 8
