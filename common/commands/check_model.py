@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("--model", required=True, help="checkpoint directory (hub format or save_pretrained)")
+    parser.add_argument("model_dir", nargs="?", default=None, metavar="DIR",
+                        help="checkpoint directory (hub format or save_pretrained)")
+    parser.add_argument("--model", default=None, help="the same directory, as an option")
     parser.add_argument("--prompt", default="Hello, world.", help="text for the test forward")
     parser.add_argument("--no-forward", action="store_true", help="only inspect headers (large models)")
     parser.add_argument("--device", default="cpu", help="torch device for the forward")
@@ -100,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     from common.model.config import ConfigError
 
     try:
+        if (args.model_dir is None) == (args.model is None):
+            print("check-model: name the checkpoint directory once, as DIR or --model DIR", file=sys.stderr)
+            return 2
+        args.model = args.model_dir or args.model
         reader = CheckpointReader(args.model, strict=False)
     except (CheckpointError, ConfigError, OSError) as error:
         print(json.dumps({"error": str(error)}) if args.json else f"error: {error}")
