@@ -1,4 +1,7 @@
-"""Building cpu_fp4.c at first use: compiler discovery, cache directory, atomic install.
+"""Building native CPU kernels at first use: compiler discovery, cache directory, atomic install.
+
+`build_native(stem, sources, headers, config)` builds any set of C files into one library;
+`build_library` is cpu_fp4.c alone, the CPU mailbox links cpu_mailbox.c with it.
 
 The library is compiled once per (sources, flags, compiler, host CPU) into `$MOEMESH_CACHE_DIR/kernels/`
 (default `~/.cache/moemesh/kernels/`; `$TMPDIR/moemesh-kernels-<uid>` if that is not writable) as
@@ -14,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,39 +87,50 @@ def _compiler_id(compiler: str) -> str:
 
 def build_library(config: BuildConfig) -> Path:
     """Compile cpu_fp4.c (once; later calls find the cached file) and return the library's path."""
-    sources = [path.read_bytes() for path in (SOURCE_PATH, *HEADER_PATHS)]
-    digest = hashlib.sha256()
-    for part in (*sources, " ".join(config.flags()).encode(), _compiler_id(config.compiler).encode(),
-                 _host_cpu_id().encode()):
-        digest.update(part)
-        digest.update(b"\0")
-    name = f"cpu_fp4-{digest.hexdigest()[:20]}.so"
+    return build_native("cpu_fp4", (SOURCE_PATH,), HEADER_PATHS, config)
+
+
+def _cache_dir_for(name: str, config: BuildConfig) -> Path:
+    """The first cache directory that holds `name` or can be written (as cpu_fp4_build picks it)."""
     candidates = [config.cache_dir] if config.cache_dir else [
         default_cache_dir(), Path(tempfile.gettempdir()) / f"moemesh-kernels-{os.getuid()}"]
-    for cache_dir in candidates:  # the first that holds the library or can be written
+    for cache_dir in candidates:
         if (cache_dir / name).exists():
-            return cache_dir / name
+            return cache_dir
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError:
             continue
         if os.access(cache_dir, os.W_OK):
-            break
-    else:
-        raise NativeBuildError(f"no writable cache directory among {[str(c) for c in candidates]}")
+            return cache_dir
+    raise NativeBuildError(f"no writable cache directory among {[str(c) for c in candidates]}")
+
+
+def build_native(stem: str, sources: Sequence[Path], headers: Sequence[Path], config: BuildConfig) -> Path:
+    """Compile `sources` (with `headers` in the hash) into `<stem>-<hash>.so` once; return its path.
+    Raises NativeBuildError with the compiler's output."""
+    digest = hashlib.sha256()
+    for part in (*(path.read_bytes() for path in (*sources, *headers)), " ".join(config.flags()).encode(),
+                 _compiler_id(config.compiler).encode(), _host_cpu_id().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    name = f"{stem}-{digest.hexdigest()[:20]}.so"
+    cache_dir = _cache_dir_for(name, config)
     target = cache_dir / name
-    handle, temp_name = tempfile.mkstemp(prefix=".cpu_fp4-", suffix=".so", dir=cache_dir)
+    if target.exists():
+        return target
+    handle, temp_name = tempfile.mkstemp(prefix=f".{stem}-", suffix=".so", dir=cache_dir)
     os.close(handle)
-    command = [config.compiler, *config.flags(), "-o", temp_name, str(SOURCE_PATH), "-lm", "-lpthread"]
+    command = [config.compiler, *config.flags(), "-o", temp_name, *map(str, sources), "-lm", "-lpthread"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise NativeBuildError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-2000:]}")
-        os.replace(temp_name, target)  # atomic: another worker either sees no file or the whole one
+        os.replace(temp_name, target)  # atomic: another process either sees no file or the whole one
     except (OSError, subprocess.SubprocessError) as error:
         raise NativeBuildError(f"{' '.join(command)}: {error}") from error
     finally:
         if os.path.exists(temp_name):
             os.unlink(temp_name)
-    log.info("cpu_fp4.built", path=str(target), flags=" ".join(config.flags()))
+    log.info("native.built", path=str(target), flags=" ".join(config.flags()))
     return target

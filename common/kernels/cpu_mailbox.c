@@ -1,6 +1,6 @@
 /* The CPU expert mailbox's native side: the worker loop, and the flag operations of the waiting side.
  *
- * Built into one library with cpu_fp4.c (common/kernels/cpu_mailbox.py, through native_build.py), so the
+ * Built into one library with cpu_fp4.c (common/kernels/cpu_mailbox.py, through cpu_fp4_build.build_native), so the
  * loop calls the FP4 expert kernel (its tile and work-claiming pool) directly. Layout and protocol:
  * cpu_mailbox.h and docs/device-step.md.
  *

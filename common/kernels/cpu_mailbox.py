@@ -1,6 +1,6 @@
 """The CPU expert mailbox's native library: the worker loop (`MailboxWorker`) and the flag operations.
 
-`cpu_mailbox.c` is built with `cpu_fp4.c` into one library at first use (`native_build.build_native`,
+`cpu_mailbox.c` is built with `cpu_fp4.c` into one library at first use (`cpu_fp4_build.build_native`,
 same cache and flags as the FP4 kernel), so the worker thread calls the FP4 expert kernel with no
 Python in between. At load, the layout constants of cpu_mailbox.h are compared with
 `mailbox_layout` (every word offset, error code and state; region offsets of a few shapes), and the
@@ -26,7 +26,7 @@ import torch
 from common.kernels.cpu_fp4 import ExpertStacks, Executor, NativeFp4
 from common.kernels.cpu_fp4_build import BuildConfig, NativeBuildError, find_compiler
 from common.kernels.mailbox_layout import CombineMode, MailboxLayout, MailboxSegment, Word, abi_constants
-from common.kernels.native_build import build_native
+from common.kernels.cpu_fp4_build import build_native
 
 log = structlog.get_logger("mailbox")
 
