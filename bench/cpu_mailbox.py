@@ -1,6 +1,6 @@
 """Round trip and hop cost per layer of the CPU expert mailbox (cpu_mailbox.c) on this host.
 
-A worker process (`common.kernels.mailbox_process`, the native loop) serves one segment at V4-Flash
+A worker process (`bench.cpu_mailbox_worker`, the native loop) serves one segment at V4-Flash
 activation shapes (D 4096, top-6, t_max 64, partial-sum combine); this process plays the device side
 with `MailboxDriver`'s pieces, one layer at a time, L layers a step:
   write slot (hidden [T, D] fp32, ids, weights) | post (T, release dispatch_seq) | wait for done_seq |
@@ -35,7 +35,7 @@ from bench.results_io import write_result
 from common.kernels.cpu_mailbox import WaitConfig, load_mailbox
 from common.kernels.mailbox_driver import MailboxDriver, wait_until_attached
 from common.kernels.mailbox_layout import CombineMode, MailboxLayout, MailboxSegment, Word, make_seq
-from common.kernels.mailbox_process import WorkerSpec, spawn_worker
+from bench.cpu_mailbox_worker import WorkerSpec, spawn_worker
 
 HIDDEN, TOP_K, T_MAX = 4096, 6, 64
 WAITS = {"backoff": WaitConfig(), "spin": WaitConfig(spin_us=10_000_000.0)}

@@ -27,7 +27,7 @@ from common.kernels.cpu_mailbox import ExpertMath, MailboxWorker, WaitConfig, lo
 from common.kernels.mailbox_driver import InProcessShare, MailboxDriver, read_wait_error, wait_until_attached
 from common.kernels.mailbox_layout import (CombineMode, MailboxError, MailboxLayout, MailboxSegment, Word,
                                            make_seq, split_seq)
-from common.kernels.mailbox_process import WorkerSpec, owned_stacks, random_layers, spawn_worker
+from bench.cpu_mailbox_worker import WorkerSpec, owned_stacks, random_layers, spawn_worker
 from common.model.moe import sum_slots_in_order
 
 COMPILER = find_compiler()

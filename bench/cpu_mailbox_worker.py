@@ -1,6 +1,6 @@
 """A CPU mailbox worker as a process of its own, serving random-weight FP4 experts (tests, benchmark).
 
-`python -m common.kernels.mailbox_process '<WorkerSpec as JSON>'` builds the layers' expert stacks
+`python -m bench.cpu_mailbox_worker '<WorkerSpec as JSON>'` builds the layers' expert stacks
 from a seed (the same bytes in every process that uses the seed), and for every (segment, owner
 table) it is named keeps the experts that table gives it and starts one native worker thread on
 that segment; it exits once every segment's stop word is set. Python does nothing in between: the loop is cpu_mailbox.c's.
@@ -76,10 +76,10 @@ class WorkerSpec:
 
 
 def spawn_worker(spec: WorkerSpec, repo_root: Path | None = None) -> subprocess.Popen:
-    """Starts `python -m common.kernels.mailbox_process` for `spec` (stdout: one JSON line at exit)."""
+    """Starts `python -m bench.cpu_mailbox_worker` for `spec` (stdout: one JSON line at exit)."""
     root = repo_root or Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    return subprocess.Popen([sys.executable, "-m", "common.kernels.mailbox_process", spec.to_json()], env=env,
+    return subprocess.Popen([sys.executable, "-m", "bench.cpu_mailbox_worker", spec.to_json()], env=env,
                             stdout=subprocess.PIPE, text=True)
 
 
