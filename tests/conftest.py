@@ -17,6 +17,22 @@ import structlog
 # The longest modules on a 2-core machine, longest first (measured with `--durations`); a module
 # missing here only starts later.
 FIRST_MODULES = (
+    "test_ops_fault_recovery.py",
+    "test_ops_serve_restart.py",
+    "test_e2e_serve.py",
+    "test_spec_serve.py",
+    "test_ops_supervisor.py",
+    "test_ops_hostile_workers.py",
+    "test_ops_status_page.py",
+    "test_ops_hostile_connections.py",
+    "test_ops_netns.py",
+    "test_spec_drafter_death.py",
+    "test_ops_replica_serve.py",
+    "test_live_placement_serve.py",
+    "test_spec_distribution.py",
+    "test_distributed_generate.py",
+    "test_bench_serve.py",
+    "test_spec_bench_checks.py",
 )
 
 
