@@ -1,10 +1,10 @@
 """Suite-wide fixtures, and the work units of a parallel run.
 
-`make test` runs the suite on pytest-xdist workers with `--dist loadgroup
---no-loadscope-reorder`. Every test is put in the xdist group of its module, so a module's
-tests run on one worker, one after another, and its module-scoped fixtures (servers, clusters,
-checkpoints) start once. The modules in `FIRST_MODULES` are handed out first, so the longest
-ones are not left for the end while the other worker idles. System tests take free ports and
+`make test` runs the suite on pytest-xdist workers with `--dist loadfile
+--no-loadscope-reorder`: a module's tests run on one worker, one after another, so its
+module-scoped fixtures (servers, clusters, checkpoints) start once. The modules in
+`FIRST_MODULES` are handed out first, so the longest ones are not left for the end while the
+other worker idles. System tests take free ports and
 keep their sockets and files under their own tmp dirs, so modules on different workers do not
 meet.
 """
@@ -47,7 +47,5 @@ def _fresh_structlog():
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank_of_module = {name: rank for rank, name in enumerate(FIRST_MODULES)}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(item.path.name))
     # a stable sort: modules keep their own order of tests
     items.sort(key=lambda item: rank_of_module.get(item.path.name, len(FIRST_MODULES)))
