@@ -6,6 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
+# pytest-xdist workers for `make test` (2 fits the 2-core CI machine; TEST_WORKERS=0 runs serially)
+TEST_WORKERS ?= 2
 
 .PHONY: serve test install install-test clean
 
@@ -27,7 +29,7 @@ serve: $(VENV)/.installed
 	$(VENV)/bin/moemesh serve
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

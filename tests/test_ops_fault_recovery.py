@@ -171,11 +171,12 @@ def test_status_page_renders_in_headless_chromium(cluster, tmp_path):
     import subprocess
 
     screenshot = tmp_path / "status.png"
-    subprocess.run(["/usr/bin/chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=4000",
+    profile = f"--user-data-dir={tmp_path / 'profile'}"  # its own profile: another chromium may run beside it
+    subprocess.run(["/usr/bin/chromium", "--headless", "--no-sandbox", "--disable-gpu", profile, "--virtual-time-budget=4000",
                     f"--screenshot={screenshot}", "--window-size=1200,900", f"{cluster.base_url}/"],
                    check=True, timeout=60, capture_output=True)
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    dom = subprocess.run(["/usr/bin/chromium", "--headless", "--no-sandbox", "--disable-gpu",
+    dom = subprocess.run(["/usr/bin/chromium", "--headless", "--no-sandbox", "--disable-gpu", profile,
                           "--virtual-time-budget=4000", "--dump-dom", f"{cluster.base_url}/"],
                          check=True, timeout=60, capture_output=True, text=True).stdout
     assert "healthy" in dom and "expert-1" in dom  # the script fetched /status.json and rendered it
@@ -204,7 +205,8 @@ def test_expert_killed_mid_stream_is_recovered(cluster, checkpoint):
             os.kill(cluster.services["expert-1"].process.pid, signal.SIGKILL)
             cluster.services["expert-1"].process.wait(10)
             killed_at = time.monotonic()
-            time.sleep(4.0)  # long enough for the heartbeat silence to show in /health
+            # restart once /health has shown the dead worker (the poller's 503), not before
+            wait_until(lambda: any(code == 503 for at, code in list(statuses) if at > killed_at), 30, poll_s=0.1)
             cluster.restart("expert-1")
     assert killed_at is not None, "the stream ended before the kill"
     assert cluster.wait_healthy(60), cluster.logs()
