@@ -15,8 +15,7 @@ import pytest
 import torch
 import zmq
 
-from common.checkpoint.reader import CheckpointReader
-from common.model.moe import RoutedExperts
+from common.model.moe import sum_slots_in_order
 from common.wire import codec
 from common.wire.errors import StagingExhausted
 from common.wire.messages import Dispatch
@@ -48,11 +47,18 @@ def experts(checkpoint, tmp_path_factory):
     context.term()
 
 
-def _reference_experts(checkpoint) -> RoutedExperts:
-    path, config = checkpoint
-    reader = CheckpointReader(path, config=config)
-    pairs = [(l, e) for l in range(config.num_hidden_layers) for e in range(config.n_routed_experts)]
-    return RoutedExperts.from_config(reader.load_experts(config, pairs), config)
+def _reference_experts(checkpoint):
+    """The in-process experts: the same ExpertWorker computation, called directly (no wire), its slot
+    outputs added in slot order as the placement-invariant dispatcher adds them -> f(layer, x, ids, w) [T, D]."""
+    path, _ = checkpoint
+    worker = expert_worker(path, "reference")
+
+    def compute(layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        reply = worker.handle_dispatch(Dispatch(dispatch_id=0, step_id=0, layer=layer, micro_batch=0, hidden=x,
+                                                expert_ids=ids, weights=weights.float(), per_expert_outputs=True))
+        return sum_slots_in_order(reply.output.float())  # [T, K, D] -> [T, D]
+
+    return compute
 
 
 def _inputs(config, num_tokens: int, seed: int):
