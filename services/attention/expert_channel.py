@@ -70,9 +70,12 @@ def staged_bytes_upper_bound(message: Any) -> int:
 class ExpertChannel:
     def __init__(self, endpoints: Sequence[str], *, context: zmq.Context, timeout_s: float = 30.0,
                  limits: WireLimits = DEFAULT_LIMITS, staging: StagingConfig | None = DEFAULT_DISPATCH_STAGING,
-                 security: SocketSecurity | None = None) -> None:
+                 security: SocketSecurity | None = None, stall_warning_s: float = 1.0) -> None:
         self.endpoints = tuple(endpoints)
         self.timeout_s = timeout_s
+        # a reply slower than this is logged (warning) once it arrives: a worker that was frozen, or
+        # killed and restarted before the timeout, stalls the step without failing it
+        self.stall_warning_s = stall_warning_s
         self.limits = limits
         self.sockets = []
         try:
@@ -126,7 +129,8 @@ class ExpertChannel:
         """The reply to ticket `correlation_id` from worker `worker_index`, waiting up to timeout_s.
         Tensors in the reply view the received frames (read-only)."""
         socket = self.sockets[worker_index]
-        deadline = time.monotonic() + self.timeout_s
+        started_s = time.monotonic()
+        deadline = started_s + self.timeout_s
         try:
             while correlation_id not in self._arrived:
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
@@ -144,6 +148,10 @@ class ExpertChannel:
                 except WireError as error:
                     log.warning("attention.reply_dropped", endpoint=self.endpoints[worker_index],
                                 reason=str(error)[:200])
+            waited_s = time.monotonic() - started_s
+            if waited_s >= self.stall_warning_s:  # the step's request ids come from the bound context
+                log.warning("attention.expert_reply_stalled", endpoint=self.endpoints[worker_index],
+                            waited_s=round(waited_s, 3), timeout_s=self.timeout_s)
             return self._arrived.pop(correlation_id)
         finally:
             self._in_flight.pop(correlation_id, None)

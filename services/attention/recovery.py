@@ -173,7 +173,9 @@ class StepRecovery:
         for attempt in range(1, self.config.max_attempts + 1):
             marks = mark_slots(self.slots, current)
             try:
-                result = self.compute(current)[0]
+                # every event of the step (a stalled expert reply, say) names the requests it touches
+                with structlog.contextvars.bound_contextvars(request_ids=self._request_ids(current)):
+                    result = self.compute(current)[0]
             except LOST_EXPERT_ERRORS as error:
                 cause = f"{type(error).__name__}: {error}"
                 worker = _lost_worker(error)
