@@ -21,6 +21,7 @@ FIRST_MODULES = (
     "test_e2e_serve.py",
     "test_ops_serve_restart.py",
     "test_ops_fault_recovery.py",
+    "test_guided_serve.py",
     "test_ops_replica_serve.py",
     "test_spec_distribution.py",
     "test_attention_boundary_kernels.py",
@@ -37,6 +38,9 @@ FIRST_MODULES = (
     "test_ops_hostile_workers.py",
     "test_kernels_attention.py",
     "test_bench_fullsize.py",
+    "test_serve_options.py",
+    "test_random_checkpoint.py",
+    "test_kernels_cpu_mailbox.py",
 )
 
 
