@@ -107,7 +107,11 @@ def test_tools_with_invalid_schemas_are_refused(parameters, message):
 def test_tool_names_and_tool_choice_are_checked():
     assert CLIENT.post("/v1/chat/completions", json={**CHAT, "tools": [WEATHER]}).status_code == 200
     named = {"type": "function", "function": {"name": "weather"}}
-    assert CLIENT.post("/v1/chat/completions", json={**CHAT, "tools": [WEATHER], "tool_choice": named}).status_code == 200
+    assert CLIENT.post("/v1/chat/completions", json={**CHAT, "tools": [WEATHER], "tool_choice": "auto"}).status_code == 200
+    # forcing a call (a named function, "required") is refused, not ignored
+    for forced in (named, "required"):
+        error = error_of(CLIENT.post("/v1/chat/completions", json={**CHAT, "tools": [WEATHER], "tool_choice": forced}))
+        assert error["param"] == "tool_choice" and error["code"] == "unsupported_parameter", error
     unknown = {"type": "function", "function": {"name": "stocks"}}
     error = error_of(CLIENT.post("/v1/chat/completions", json={**CHAT, "tools": [WEATHER], "tool_choice": unknown}))
     assert error["param"] == "tool_choice" and "stocks" in error["message"]

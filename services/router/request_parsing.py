@@ -117,6 +117,9 @@ def _check_tool_choice(tool_choice: Any, tool_names: list[str]) -> None:
             raise ProtocolError("'tool_choice' must be none, auto, required or a named function", param="tool_choice")
         if tool_choice == "required" and not tool_names:
             raise ProtocolError("'tool_choice' required needs tools", param="tool_choice")
+        if tool_choice == "required":
+            raise ProtocolError("'tool_choice' required is not supported: tool calls are not forced; use auto",
+                                param="tool_choice", code="unsupported_parameter")
         return
     if isinstance(tool_choice, dict):
         function = tool_choice.get("function")
@@ -126,6 +129,8 @@ def _check_tool_choice(tool_choice: Any, tool_names: list[str]) -> None:
         if name not in tool_names:
             raise ProtocolError(f"'tool_choice' names the function {name[:64]!r}, which is not among the tools",
                                 param="tool_choice")
+        raise ProtocolError("'tool_choice' naming a function is not supported: tool calls are not forced; use auto",
+                            param="tool_choice", code="unsupported_parameter")
 
 
 def _refuse_unsupported(body: dict, refusals: tuple[tuple[str, Any, str], ...]) -> None:
