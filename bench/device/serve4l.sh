@@ -16,10 +16,8 @@ CKPT="${SERVE_CHECKPOINT:-/tmp/moemesh-serve-${LAYERS}l}"
 PORT="${SERVE_PORT:-8123}"
 RUN_DIR=/tmp/moemesh-serve4l-run
 SECONDS=0
-# the attention worker and an expert worker share cuda:0: NVIDIA MPS runs throughout
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/moemesh-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/moemesh-mps-log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-nvidia-cuda-mps-control -d && echo "MPS started" || echo "MPS did not start"
+# services share cuda:0: NVIDIA MPS runs throughout
+source bench/device/mps.sh
 if [ ! -e "$CKPT/model.safetensors.index.json" ]; then
   echo "--- $(date -u +%H:%M:%S) writing $CKPT"
   python3 -m common.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --out "$CKPT" 2>&1
@@ -32,7 +30,7 @@ echo "--- $(date -u +%H:%M:%S) serve (${SECONDS}s)"
 python3 -m common.cli serve --model "$CKPT" --expert-workers 2 --devices cuda:0,cpu --port "$PORT" \
   --run-dir "$RUN_DIR" --ready-timeout "${SERVE_READY_S:-600}" > "$RUN_DIR.serve.log" 2>&1 &
 SERVE_PID=$!
-trap 'kill -TERM $SERVE_PID 2>/dev/null; wait $SERVE_PID; echo "serve exited"; echo quit | nvidia-cuda-mps-control' EXIT
+mps_on_exit='kill -TERM $SERVE_PID 2>/dev/null; wait $SERVE_PID; echo "serve exited"' 
 ready=0
 for _ in $(seq 1 "${SERVE_READY_S:-600}"); do
   if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; then ready=1; break; fi

@@ -7,10 +7,8 @@
 set -u
 : "${RESULTS_DIR:=$PWD/bench/results}"
 mkdir -p "$RESULTS_DIR"
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/moemesh-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/moemesh-mps-log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-nvidia-cuda-mps-control -d && echo "MPS started" || echo "MPS did not start"
-trap 'echo quit | nvidia-cuda-mps-control' EXIT
+# services share cuda:0: NVIDIA MPS runs throughout
+source bench/device/mps.sh
 PORT=8124
 python3 -m common.cli devices 2>&1 | tail -n 4
 for graphs in off on; do
