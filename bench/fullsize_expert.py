@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from common.runtime.service import ServiceConfig, run_service
     from common.wire.messages import ServiceRole
     from services.expert.main import pick_worker
-    from services.expert.placement import holdings_for
+    from common.placement.worker_holdings import holdings_for
     from services.expert.worker import ExpertWorkerConfig
 
     deployment = load_deployment(args.config)

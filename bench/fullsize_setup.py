@@ -229,7 +229,7 @@ class FullsizeCluster(LocalCluster):
         return {**codes, **super().stop()}
 
     def holdings(self):
-        from services.expert.placement import WorkerHoldings
+        from common.placement.worker_holdings import WorkerHoldings
 
         return tuple(WorkerHoldings(w.name, w.expert_ids, w.replica_ids) for w in self.plan.placement.workers)
 

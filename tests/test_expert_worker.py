@@ -12,7 +12,7 @@ from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 from common.model.moe import RoutedExperts, sum_slots_in_order
 from common.wire.messages import Combine, Dispatch, ErrorCode, ErrorReply, ExpertInventory, QueryInventory
 from services.expert.grouping import group_by_expert, slot_outputs
-from services.expert.placement import WorkerHoldings, contiguous, owner_table, round_robin
+from common.placement.worker_holdings import WorkerHoldings, contiguous, owner_table, round_robin
 from services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
 

@@ -34,7 +34,7 @@ from services.attention.local_plan import LocalPlanner, LocalRequest
 from services.attention.main import AttentionOptions
 from services.attention.placement_switch import replica_owner_tables
 from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from services.expert.placement import WorkerHoldings, round_robin
+from common.placement.worker_holdings import WorkerHoldings, round_robin
 from services.router.placement_admin import PlacementAdmin, PlacementApplyError
 
 PROMPTS = [[5, 9, 17], [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13], list(range(30, 52))]

@@ -30,7 +30,7 @@ from services.attention.main import AttentionOptions
 from services.attention.routing_config import RoutingStatsConfig
 from services.attention.routing_stats import RoutingCounter
 from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from services.expert.placement import round_robin, WorkerHoldings
+from common.placement.worker_holdings import round_robin, WorkerHoldings
 from services.router.metrics import RouterMetrics
 
 PROMPTS = [[5, 9, 17], [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13], list(range(30, 52))]

@@ -43,7 +43,7 @@ from services.attention.sampling.stats import chi_square_p_value
 from services.attention.worker import AttentionWorker, AttentionWorkerConfig
 from services.draft.width import SpeculationConfig, SpeculationMode
 from services.draft.worker import DraftWorker, DraftWorkerConfig
-from services.expert.placement import WorkerHoldings
+from common.placement.worker_holdings import WorkerHoldings
 from services.router.scheduler import SchedulerConfig
 from spec_inprocess import SpecLoop
 

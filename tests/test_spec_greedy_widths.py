@@ -25,7 +25,7 @@ from common.wire.messages import DraftProposal, DraftRequest, DraftTokens
 from services.attention.kv_config import KVPoolConfig
 from services.attention.local_cluster import ClusterSpec, LocalCluster
 from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from services.expert.placement import WorkerHoldings
+from common.placement.worker_holdings import WorkerHoldings
 from services.router.engine_drafts import DraftConfig, DraftCoordinator
 from services.router.scheduler import SchedulerConfig
 from services.router.spec_cost import FixedStepCost

@@ -17,7 +17,7 @@ from common.sampling_params import SamplingParams
 from common.wire.messages import ScheduledSequence, StepPlan
 from services.attention.local_cluster import ClusterSpec, LocalCluster
 from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from services.expert.placement import WorkerHoldings
+from common.placement.worker_holdings import WorkerHoldings
 
 PROMPT = [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13]  # 13 tokens: verify chunks cross 16 (CSA + HCA close)
 GREEDY = SamplingParams(max_tokens=64).to_wire()

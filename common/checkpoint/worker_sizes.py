@@ -74,7 +74,7 @@ def worker_rows(reader, *, deployment_path: str | None = None, placement_path: s
 
     if deployment_path is not None:
         from common.runtime.deployment import load_deployment
-        from services.expert.placement import holdings_for
+        from common.placement.worker_holdings import holdings_for
 
         deployment = load_deployment(deployment_path)
         for worker in deployment.attention:

@@ -254,7 +254,7 @@ def _write_placement(model_dir: Path, run_dir: Path, num_workers: int, devices: 
     from common.commands.serve_config import expert_devices
     from common.model.config import ModelConfig
     from common.placement.placement_file import write_placement
-    from services.expert.placement import round_robin
+    from common.placement.worker_holdings import round_robin
 
     config = ModelConfig.load(model_dir)
     names = [f"expert-{index}" for index in range(num_workers)]

@@ -75,7 +75,7 @@ class LocalCluster:
     # ------------------------------------------------------------------ files
     def write_files(self) -> Path:
         from common.model.config import ModelConfig
-        from services.expert.placement import contiguous, round_robin
+        from common.placement.worker_holdings import contiguous, round_robin
 
         spec = self.spec
         self.run_dir.mkdir(parents=True, exist_ok=True)

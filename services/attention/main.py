@@ -93,7 +93,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
     from services.attention.routing_config import RoutingStatsConfig
     from services.attention.worker import AttentionWorker, AttentionWorkerConfig
     from services.expert.main import pick_worker
-    from services.expert.placement import holdings_for
+    from common.placement.worker_holdings import holdings_for
 
     entry = pick_worker(deployment.attention, name, "attention")
     configure_logging(entry.name, deployment.paths.log_dir, log_level)

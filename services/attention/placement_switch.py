@@ -23,7 +23,7 @@ import zmq
 
 from common.placement.placement_file import PlacementError
 from common.wire.messages import Ack, ErrorCode, ErrorReply, SwitchPlacement
-from services.expert.placement import WorkerHoldings
+from common.placement.worker_holdings import WorkerHoldings
 
 log = structlog.get_logger("attention")
 

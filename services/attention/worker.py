@@ -36,7 +36,7 @@ from common.wire.messages import (
 from services.attention.kv_config import KVPoolConfig
 from services.attention.recovery import RecoveryConfig, build_step_recovery
 from services.attention.routing_config import RoutingStatsConfig
-from services.expert.placement import WorkerHoldings, owner_table
+from common.placement.worker_holdings import WorkerHoldings, owner_table
 
 log = structlog.get_logger("attention")
 

@@ -24,7 +24,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info", expe
     from common.runtime.load_progress import progress_dir_for
     from common.runtime.service import ServiceConfig, run_service
     from common.wire.messages import ServiceRole
-    from services.expert.placement import holdings_for
+    from common.placement.worker_holdings import holdings_for
     from services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
     from common.security.socket_security import socket_security_for

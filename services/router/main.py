@@ -183,7 +183,7 @@ def _placement_route(deployment: Deployment, security, supervisor, max_silence_s
 def _deployment_holdings(deployment: Deployment) -> dict[str, set[tuple[int, int]]]:
     """Expert worker name -> the (layer, expert) pairs the deployment's placement gives it ({} when
     unreadable: /health then treats every down expert worker as needed, the safe side)."""
-    from services.expert.placement import holdings_for  # torch-free
+    from common.placement.worker_holdings import holdings_for  # torch-free
 
     try:
         with open(Path(deployment.model.path) / "config.json", encoding="utf-8") as handle:
@@ -222,7 +222,7 @@ def _status_sources(deployment: Deployment, supervisor):
     try:
         with open(Path(deployment.model.path) / "config.json", encoding="utf-8") as handle:
             model = json.load(handle)
-        from services.expert.placement import holdings_for  # torch-free
+        from common.placement.worker_holdings import holdings_for  # torch-free
 
         for worker in deployment.expert:
             held = holdings_for(worker.name, worker.placement, int(model["num_hidden_layers"]),

@@ -95,7 +95,7 @@ def with_expected(records: list[dict], sizes: LoadSizes | None,
 def expected_bytes_for_deployment(deployment: Any) -> dict[str, int]:
     """Service name -> bytes it is expected to read, for a `common.runtime.deployment.Deployment`
     (what `moemesh serve`'s progress line divides by). Workers whose share is unknown are left out."""
-    from services.expert.placement import holdings_for  # torch-free
+    from common.placement.worker_holdings import holdings_for  # torch-free
 
     sizes = load_sizes(str(deployment.model.path))
     expected = {worker.name: sizes.attention_bytes for worker in deployment.attention}
