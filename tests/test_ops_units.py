@@ -75,6 +75,24 @@ def test_recovery_retries_after_the_expert_answers_again():
     assert calls == [7, 7] and forgotten == [True] and recovery.num_recovered_steps == 1
 
 
+def test_recovery_logs_a_stalled_reply_with_the_steps_requests():
+    from structlog.testing import capture_logs
+
+    stalls = [[("ipc://expert-0", 2.5)], []]  # the first step's reply came late, the second's in time
+
+    def compute(plan):
+        return StepResult(plan.step_id, (SequenceResult("a", (9,)),)), None
+
+    recovery = StepRecovery(RecoveryConfig(max_attempts=3, budget_s=5), _FakeSlots(), compute,
+                            lambda: None, lambda: True, take_stalls=lambda: stalls.pop(0))
+    with capture_logs() as events:
+        recovery.run(_plan())
+        recovery.run(_plan())
+    stalled = [e for e in events if e["event"] == "attention.expert_reply_stalled"]
+    assert len(stalled) == 1 and stalled[0]["log_level"] == "warning"
+    assert stalled[0]["endpoint"] == "ipc://expert-0" and stalled[0]["request_ids"] == ["a"]
+
+
 def test_recovery_gives_up_within_its_budget_with_a_clear_error():
     def compute(plan):
         raise ReplyTimeout("ipc://x", "dispatch", 0.1)

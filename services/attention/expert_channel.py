@@ -73,9 +73,11 @@ class ExpertChannel:
                  security: SocketSecurity | None = None, stall_warning_s: float = 1.0) -> None:
         self.endpoints = tuple(endpoints)
         self.timeout_s = timeout_s
-        # a reply slower than this is logged (warning) once it arrives: a worker that was frozen, or
-        # killed and restarted before the timeout, stalls the step without failing it
+        # a reply slower than this is recorded in `stalls` (endpoint, waited s): a worker that was frozen,
+        # or killed and restarted before the timeout, stalls the step without failing it; the step's
+        # recovery logs them with its requests
         self.stall_warning_s = stall_warning_s
+        self.stalls: list[tuple[str, float]] = []
         self.limits = limits
         self.sockets = []
         try:
@@ -149,9 +151,8 @@ class ExpertChannel:
                     log.warning("attention.reply_dropped", endpoint=self.endpoints[worker_index],
                                 reason=str(error)[:200])
             waited_s = time.monotonic() - started_s
-            if waited_s >= self.stall_warning_s:  # the step's request ids come from the bound context
-                log.warning("attention.expert_reply_stalled", endpoint=self.endpoints[worker_index],
-                            waited_s=round(waited_s, 3), timeout_s=self.timeout_s)
+            if waited_s >= self.stall_warning_s:
+                self.stalls.append((self.endpoints[worker_index], waited_s))
             return self._arrived.pop(correlation_id)
         finally:
             self._in_flight.pop(correlation_id, None)

@@ -148,10 +148,14 @@ class StepRecovery:
     compute(plan) -> (StepResult, logits) is the worker's step without block moves;
     `forget_in_flight()` drops the channel's outstanding tickets; `probe()` -> bool: every
     pair is served again (all workers answer). `failover` (failover.ExpertFailover, optional)
-    marks a lost worker down and says whether replicas cover it; without it every loss waits."""
+    marks a lost worker down and says whether replicas cover it; without it every loss waits.
+    `take_stalls()` -> [(endpoint, waited_s)]: expert replies that came late but in time (a worker
+    frozen, or killed and restarted within the timeout), logged with the step's requests."""
 
     def __init__(self, config: RecoveryConfig, slots: SlotTable, compute: Callable[[StepPlan], Any],
-                 forget_in_flight: Callable[[], None], probe: Callable[[], bool], failover: Any = None) -> None:
+                 forget_in_flight: Callable[[], None], probe: Callable[[], bool], failover: Any = None,
+                 take_stalls: Callable[[], list[tuple[str, float]]] = list) -> None:
+        self.take_stalls = take_stalls
         self.config = config
         self.slots = slots
         self.compute = compute
@@ -173,9 +177,7 @@ class StepRecovery:
         for attempt in range(1, self.config.max_attempts + 1):
             marks = mark_slots(self.slots, current)
             try:
-                # every event of the step (a stalled expert reply, say) names the requests it touches
-                with structlog.contextvars.bound_contextvars(request_ids=self._request_ids(current)):
-                    result = self.compute(current)[0]
+                result = self.compute(current)[0]
             except LOST_EXPERT_ERRORS as error:
                 cause = f"{type(error).__name__}: {error}"
                 worker = _lost_worker(error)
@@ -199,6 +201,7 @@ class StepRecovery:
                 if not self._wait_for_experts(deadline_s):
                     break
                 continue
+            self._log_stalls(plan)
             if attempt > 1:
                 self.num_recovered_steps += 1
                 log.warning("attention.step_recovered", step_id=plan.step_id, attempts=attempt,
@@ -215,6 +218,11 @@ class StepRecovery:
         for scheduled in current.sequences:
             lost.setdefault(scheduled.request_id, reason)
         return _merge(plan, StepResult(step_id=plan.step_id, sequences=()), lost)
+
+    def _log_stalls(self, plan: StepPlan) -> None:
+        for endpoint, waited_s in self.take_stalls():  # empty on every ordinary step
+            log.warning("attention.expert_reply_stalled", step_id=plan.step_id, endpoint=endpoint,
+                        waited_s=round(waited_s, 3), request_ids=self._request_ids(plan))
 
     def _request_ids(self, plan: StepPlan, only: dict[str, str] | None = None) -> list[str]:
         """The HTTP request ids (X-Request-Id, else the router's sequence ids) of a plan's sequences."""
@@ -263,7 +271,14 @@ def build_step_recovery(worker: Any) -> StepRecovery:
         # A loss tied to no worker marks nobody down: then wait until every worker answers.
         return failover.readmit() if failover.router.down else failover.all_answer()
 
-    return StepRecovery(config.recovery, worker.slots, worker.compute_step, forget_in_flight, probe, failover)
+    def take_stalls() -> list[tuple[str, float]]:
+        if not channel.stalls:
+            return []
+        stalls, channel.stalls = channel.stalls, []
+        return stalls
+
+    return StepRecovery(config.recovery, worker.slots, worker.compute_step, forget_in_flight, probe, failover,
+                        take_stalls)
 
 
 def _lost_worker(error: BaseException) -> str:
