@@ -17,8 +17,8 @@ Per (mode, wait, T), medians over every measured layer, microseconds:
 The device side here is Python (a CPU stand-in); on the GPU host a CUDA graph does the same steps.
 Figures depend on what else runs on the host: the JSON records the load average before and after.
 
-    python -m bench.cpu_mailbox                      # T 1,8,64; echo and experts; backoff and spin
-    python -m bench.cpu_mailbox --T 1 --modes echo --waits spin --steps 5
+    python -m moemesh.bench.cpu_mailbox                      # T 1,8,64; echo and experts; backoff and spin
+    python -m moemesh.bench.cpu_mailbox --T 1 --modes echo --waits spin --steps 5
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from bench.results_io import write_result
-from common.kernels.cpu_mailbox import WaitConfig, load_mailbox
-from common.kernels.mailbox_driver import MailboxDriver, wait_until_attached
-from common.kernels.mailbox_layout import CombineMode, MailboxLayout, MailboxSegment, Word, make_seq
-from bench.cpu_mailbox_worker import WorkerSpec, spawn_worker
+from moemesh.bench.results_io import write_result
+from moemesh.common.kernels.cpu_mailbox import WaitConfig, load_mailbox
+from moemesh.common.kernels.mailbox_driver import MailboxDriver, wait_until_attached
+from moemesh.common.kernels.mailbox_layout import CombineMode, MailboxLayout, MailboxSegment, Word, make_seq
+from moemesh.bench.cpu_mailbox_worker import WorkerSpec, spawn_worker
 
 HIDDEN, TOP_K, T_MAX = 4096, 6, 64
 WAITS = {"backoff": WaitConfig(), "spin": WaitConfig(spin_us=10_000_000.0)}

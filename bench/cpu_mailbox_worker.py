@@ -1,6 +1,6 @@
 """A CPU mailbox worker as a process of its own, serving random-weight FP4 experts (tests, benchmark).
 
-`python -m bench.cpu_mailbox_worker '<WorkerSpec as JSON>'` builds the layers' expert stacks
+`python -m moemesh.bench.cpu_mailbox_worker '<WorkerSpec as JSON>'` builds the layers' expert stacks
 from a seed (the same bytes in every process that uses the seed), and for every (segment, owner
 table) it is named keeps the experts that table gives it and starts one native worker thread on
 that segment; it exits once every segment's stop word is set. Python does nothing in between: the loop is cpu_mailbox.c's.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common.kernels.cpu_fp4 import ExpertStacks
+from moemesh.common.kernels.cpu_fp4 import ExpertStacks
 
 _PR_SET_PDEATHSIG = 1
 FP4Layer = tuple[torch.Tensor, ...]  # w1, s1, w3, s3, w2, s2 stacked over E experts
@@ -28,7 +28,7 @@ FP4Layer = tuple[torch.Tensor, ...]  # w1, s1, w3, s3, w2, s2 stacked over E exp
 
 def random_layers(seed: int, num_layers: int, num_experts: int, hidden_size: int, inter_size: int) -> list[FP4Layer]:
     """Every layer's E experts: w1/w3 [E, I, D/2] + scales [E, I, D/32], w2 [E, D, I/2] + [E, D, I/32]."""
-    from common.model.random_init import random_fp4_stack
+    from moemesh.common.model.random_init import random_fp4_stack
 
     generator = torch.Generator().manual_seed(seed)
     layers = []
@@ -76,17 +76,17 @@ class WorkerSpec:
 
 
 def spawn_worker(spec: WorkerSpec, repo_root: Path | None = None) -> subprocess.Popen:
-    """Starts `python -m bench.cpu_mailbox_worker` for `spec` (stdout: one JSON line at exit)."""
+    """Starts `python -m moemesh.bench.cpu_mailbox_worker` for `spec` (stdout: one JSON line at exit)."""
     root = repo_root or Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    return subprocess.Popen([sys.executable, "-m", "bench.cpu_mailbox_worker", spec.to_json()], env=env,
+    return subprocess.Popen([sys.executable, "-m", "moemesh.bench.cpu_mailbox_worker", spec.to_json()], env=env,
                             stdout=subprocess.PIPE, text=True)
 
 
 def main(argv: list[str]) -> int:
-    from common.kernels.cpu_mailbox import (IDLE_WAIT, ExpertMath, MailboxWorker, WaitConfig, load_mailbox,
+    from moemesh.common.kernels.cpu_mailbox import (IDLE_WAIT, ExpertMath, MailboxWorker, WaitConfig, load_mailbox,
                                             owned_local_table)
-    from common.kernels.mailbox_layout import MailboxSegment, Word
+    from moemesh.common.kernels.mailbox_layout import MailboxSegment, Word
 
     spec = WorkerSpec.from_json(argv[0])
     if spec.die_with_parent and sys.platform == "linux":

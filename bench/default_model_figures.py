@@ -1,4 +1,4 @@
-"""`python -m bench.default_model_figures [--num-verses 200]`: the measured figures of the
+"""`python -m moemesh.bench.default_model_figures [--num-verses 200]`: the measured figures of the
 default model (models/kjv-dsv4-mini), on the CPU, written to bench/results/default_model-<UTC>.json.
 
 1. validation loss / perplexity: read from the training log beside the checkpoint (float weights
@@ -41,7 +41,7 @@ SEED = 1611
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.default_model_figures", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moemesh.bench.default_model_figures", description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-verses", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=8, help="chat requests in flight")
     parser.add_argument("--acceptance-tokens", type=int, default=48, help="tokens generated per acceptance prompt")
@@ -53,8 +53,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def choose_verses(num_verses: int, seed: int = SEED):
     """(well-known, other) verse lists, half each, seeded; `bible` provides the texts."""
-    from tools.corpus.kjv import load_verses
-    from tools.corpus.splits import DEFAULT_PROTECTED_CHAPTERS
+    from moemesh.tools.corpus.kjv import load_verses
+    from moemesh.tools.corpus.splits import DEFAULT_PROTECTED_CHAPTERS
 
     verses = load_verses()
     well_known_chapters = set(DEFAULT_PROTECTED_CHAPTERS)
@@ -78,7 +78,7 @@ class Server:
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w", encoding="utf-8")
-        command = [sys.executable, "-m", "common.cli", "serve", "--port", str(self.port)]
+        command = [sys.executable, "-m", "moemesh.cli", "serve", "--port", str(self.port)]
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self.log, stderr=self.log, text=True)
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
@@ -157,11 +157,11 @@ def offline_figures(args) -> dict:
     import numpy as np
     import torch
 
-    from bench.default_model_offline import routing_stats, speculative_acceptance
-    from common.model.dspark import DSparkDrafter
-    from tools.corpus.special_tokens import BOS_ID, EOS_ID
-    from tools.corpus.tokenizer import load_tokenizer
-    from tools.train.export import load_reference
+    from moemesh.bench.default_model_offline import routing_stats, speculative_acceptance
+    from moemesh.common.model.dspark import DSparkDrafter
+    from moemesh.tools.corpus.special_tokens import BOS_ID, EOS_ID
+    from moemesh.tools.corpus.tokenizer import load_tokenizer
+    from moemesh.tools.train.export import load_reference
 
     torch.manual_seed(SEED)
     model, reader = load_reference(MODEL_DIR)
@@ -188,7 +188,7 @@ def offline_figures(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
-    results: dict = {"model": str(MODEL_DIR.relative_to(REPO_ROOT)), "command": " ".join(["python -m bench.default_model_figures"] + (argv or sys.argv[1:])),
+    results: dict = {"model": str(MODEL_DIR.relative_to(REPO_ROOT)), "command": " ".join(["python -m moemesh.bench.default_model_figures"] + (argv or sys.argv[1:])),
                      "validation": training_figures(MODEL_DIR)}
     if not args.skip_serve:
         well_known, other = choose_verses(args.num_verses)

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.batch import ForwardBatch, SequenceChunk
-from common.model.dspark import DSparkDrafter, target_features
-from common.model.reference import ReferenceModel
-from common.model.state import SequenceState
-from common.placement.stats import Phase, RoutingStats
-from common.sampling_params import SamplingParams
+from moemesh.common.model.batch import ForwardBatch, SequenceChunk
+from moemesh.common.model.dspark import DSparkDrafter, target_features
+from moemesh.common.model.reference import ReferenceModel
+from moemesh.common.model.state import SequenceState
+from moemesh.common.placement.stats import Phase, RoutingStats
+from moemesh.common.sampling_params import SamplingParams
 
 
 @torch.inference_mode()
@@ -77,7 +77,7 @@ class AcceptanceFigure:
 def speculative_acceptance(model: ReferenceModel, drafter: DSparkDrafter, prompts: list[list[int]],
                            temperature: float, max_new_tokens: int, eos_id: int, seed: int) -> AcceptanceFigure:
     """Run speculative generation of every prompt (see the module docstring) and average."""
-    from services.attention.sampling.verify import verify
+    from moemesh.services.attention.sampling.verify import verify
 
     block_size = drafter.dspark.block_size
     window = model.config.sliding_window

@@ -14,8 +14,8 @@ The expert process runs `EchoExpert` on the real service skeleton (`ServiceRunne
 op is `output = hidden * sum_k(weights)`. Prints median and p90 per case in microseconds
 and writes `bench/results/dispatch-<time>.json` with ratios to the in-process call.
 
-    python -m bench.dispatch                       # T = 1, 8, 64, 2048 on the CPU
-    python -m bench.dispatch --device cuda:0       # tensors on the GPU, pinned staging
+    python -m moemesh.bench.dispatch                       # T = 1, 8, 64, 2048 on the CPU
+    python -m moemesh.bench.dispatch --device cuda:0       # tensors on the GPU, pinned staging
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ DEFAULT_ITERATIONS = {1: 2000, 8: 2000, 64: 1000, 2048: 60}
 
 def expert_op(dispatch: Any) -> Any:
     """The trivial expert: output [T, D] = hidden [T, D] * sum_k weights [T, K]."""
-    from common.wire.messages import Combine
+    from moemesh.common.wire.messages import Combine
 
     scale = dispatch.weights.sum(-1, keepdim=True).to(dispatch.hidden.dtype)  # [T, 1]
     return Combine(
@@ -47,12 +47,12 @@ def expert_op(dispatch: Any) -> Any:
 
 def serve_expert(endpoint: str, device: str, use_staging: bool) -> int:
     """The expert process: the service skeleton with one handler."""
-    from common.runtime.service import Service, ServiceConfig, run_service
-    from common.wire.messages import Dispatch, ServiceRole
-    from common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
+    from moemesh.common.runtime.service import Service, ServiceConfig, run_service
+    from moemesh.common.wire.messages import Dispatch, ServiceRole
+    from moemesh.common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
 
-    from common.wire.messages import AttachCudaIpc, DispatchSlot
-    from services.expert.ipc_plane import ExpertSlotPlane
+    from moemesh.common.wire.messages import AttachCudaIpc, DispatchSlot
+    from moemesh.services.expert.ipc_plane import ExpertSlotPlane
 
     class EchoExpert(Service):
         accepts = (Dispatch, AttachCudaIpc, DispatchSlot)
@@ -102,7 +102,7 @@ def _percentiles(samples_ns: list[int]) -> dict[str, float]:
 def _make_dispatch(num_tokens: int, hidden_size: int, top_k: int, device: str) -> Any:
     import torch
 
-    from common.wire.messages import Dispatch
+    from moemesh.common.wire.messages import Dispatch
 
     generator = torch.Generator().manual_seed(num_tokens)
     hidden = torch.randn(num_tokens, hidden_size, generator=generator).to(torch.bfloat16)  # [T, D]
@@ -133,7 +133,7 @@ def _time_codec(dispatch: Any, ring: Any, iterations: int, device: str) -> list[
     """Both messages through encode + decode and the host<->device copies, no socket."""
     import dataclasses
 
-    from common.wire import codec
+    from moemesh.common.wire import codec
 
     samples = []
     for _ in range(iterations):
@@ -184,15 +184,15 @@ def _time_cuda_ipc(channel: Any, plane: Any, dispatch: Any, iterations: int) -> 
 def _run_cuda_ipc(args: argparse.Namespace, context: Any, run_dir: str, dispatches: dict, raw: dict) -> None:
     import torch
 
-    from common.wire.cuda_ipc import CudaIpcConfig
-    from services.attention.dispatch_slots import SlotPlane
-    from services.attention.expert_channel import ExpertChannel
+    from moemesh.common.wire.cuda_ipc import CudaIpcConfig
+    from moemesh.services.attention.dispatch_slots import SlotPlane
+    from moemesh.services.attention.expert_channel import ExpertChannel
 
     endpoint = f"ipc://{run_dir}/expert-cuda-ipc.sock"
     expert = _start_expert(endpoint, args.device, args.staging, args.num_threads)
     channel = ExpertChannel([endpoint], context=context, timeout_s=30)
     try:
-        from common.wire.transport import SyncClient
+        from moemesh.common.wire.transport import SyncClient
 
         probe = SyncClient(endpoint, context=context)
         try:
@@ -217,7 +217,7 @@ def _run_cuda_ipc(args: argparse.Namespace, context: Any, run_dir: str, dispatch
 
 
 def _start_expert(endpoint: str, device: str, use_staging: bool, num_threads: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "bench.dispatch", "--serve-expert", endpoint, "--device", device,
+    command = [sys.executable, "-m", "moemesh.bench.dispatch", "--serve-expert", endpoint, "--device", device,
                "--num-threads", str(num_threads)]
     if not use_staging:
         command.append("--no-staging")
@@ -225,8 +225,8 @@ def _start_expert(endpoint: str, device: str, use_staging: bool, num_threads: in
 
 
 def _wait_until_serving(client: Any, deadline_s: float) -> None:
-    from common.wire.errors import ReplyTimeout
-    from common.wire.messages import Ping
+    from moemesh.common.wire.errors import ReplyTimeout
+    from moemesh.common.wire.messages import Ping
 
     while True:
         try:
@@ -240,8 +240,8 @@ def _wait_until_serving(client: Any, deadline_s: float) -> None:
 def run_benchmark(args: argparse.Namespace) -> tuple[dict, dict]:
     import zmq
 
-    from common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
-    from common.wire.transport import SyncClient
+    from moemesh.common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
+    from moemesh.common.wire.transport import SyncClient
 
     dispatches = {t: _make_dispatch(t, args.hidden, args.top_k, args.device) for t in args.tokens}
     max_bytes = max(t for t in args.tokens) * args.hidden * 2 + (1 << 20)
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     raw, ratios = run_benchmark(args)
     _print_table(raw, args)
     if args.write:
-        from bench.results_io import write_result
+        from moemesh.bench.results_io import write_result
 
         path = write_result("dispatch", raw, ratios, out_dir=args.out_dir)
         print(f"wrote {path}")

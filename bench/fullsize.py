@@ -1,11 +1,11 @@
 """`moemesh bench fullsize`: DeepSeek-V4-Flash at true width through moemesh's processes, random weights.
 
-    python -m bench.fullsize --experts-on cpu|cuda:1 --gpu-expert-budget 100GiB --batch 1,8[,64] \
+    python -m moemesh.bench.fullsize --experts-on cpu|cuda:1 --gpu-expert-budget 100GiB --batch 1,8[,64] \
         --routing uniform,skewed [--layers 43] [--context 512 --context-routing auto|natural|near] \
         [--decode-steps 5 --warmup-steps 2 --run-budget-s S] [--prefill 2048,8192] [--data-plane zmq|cuda_ipc] \
         [--cuda-graphs] [--compare CPU_RUN.json] [--speculation oracle,drafter --spec-width 5
         --draft-device cuda:1] --out-dir DIR
-    python -m bench.fullsize --tiny ...      # a tiny model on the CPU; checks the split run against in-process
+    python -m moemesh.bench.fullsize --tiny ...      # a tiny model on the CPU; checks the split run against in-process
 
 What runs:
 - a hub-format checkpoint with random weights (`moemesh bench make-checkpoint`, bench/random_checkpoint.py),
@@ -110,13 +110,13 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench.fullsize_spec import SpecConfig, parse_sources
+    from moemesh.bench.fullsize_spec import SpecConfig, parse_sources
 
     sources = parse_sources(args.speculation)
     args.spec = SpecConfig(sources, args.spec_width) if sources else None
     if args.context_routing == "auto":
         args.context_routing = "near" if args.experts_on == "cpu" and not args.tiny else "natural"
-    from bench.fullsize_verify import PairVerificationError
+    from moemesh.bench.fullsize_verify import PairVerificationError
 
     with tempfile.TemporaryDirectory(prefix="moemesh-fullsize-") as temp_dir:
         run_dir = Path(args.run_dir) if args.run_dir else Path(temp_dir)
@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                 (args.out_dir / "fullsize-partial.json").write_text(json.dumps(
                     {"partial": True, "pair_check": {"ok": False, "error": str(error)}}, indent=1))
             return 2
-    from bench.fullsize_report import print_table
-    from bench.results_io import write_result
+    from moemesh.bench.fullsize_report import print_table
+    from moemesh.bench.results_io import write_result
 
     ratios = result.pop("ratios", {})
     path = write_result("fullsize", result, ratios, out_dir=args.out_dir)
@@ -144,14 +144,14 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, run_dir: Path) -> dict:
     import torch
 
-    from bench.fullsize_setup import FAR_WORKER, NEAR_WORKER, FullsizeCluster, plan_split
-    from bench.fullsize_setup import worker_placement_summary
-    from bench.fullsize_timing import TimedDispatcher, copy_bandwidth
-    from common.model.config import ModelConfig
-    from common.placement.cost import ModelCosts
-    from common.placement.devices import parse_size
-    from common.runtime.logging import configure_logging
-    from services.attention.local_cluster import ClusterSpec
+    from moemesh.bench.fullsize_setup import FAR_WORKER, NEAR_WORKER, FullsizeCluster, plan_split
+    from moemesh.bench.fullsize_setup import worker_placement_summary
+    from moemesh.bench.fullsize_timing import TimedDispatcher, copy_bandwidth
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.common.placement.cost import ModelCosts
+    from moemesh.common.placement.devices import parse_size
+    from moemesh.common.runtime.logging import configure_logging
+    from moemesh.services.attention.local_cluster import ClusterSpec
 
     configure_logging("fullsize", None, args.log_level)
     attention_device = "cpu" if args.tiny else "cuda:0"
@@ -175,7 +175,7 @@ def run(args, run_dir: Path) -> dict:
         bandwidth["host_bytes_per_s"] = bandwidth["far_bytes_per_s"]
     ceilings = None
     if attention_device.startswith("cuda"):
-        from bench.kernels import measure_ceilings
+        from moemesh.bench.kernels import measure_ceilings
 
         ceilings = measure_ceilings()
         torch.cuda.empty_cache()  # the measurement's buffers: cuda:0 memory goes to the experts
@@ -200,8 +200,8 @@ def run(args, run_dir: Path) -> dict:
         worker.runner.dispatcher = TimedDispatcher(worker_dispatcher)
         if args.dispatch_staging == "off":
             worker.channel.staging = None  # ExpertChannel then sends each Dispatch from its own host tensors
-        from bench.fullsize_runs import run_all
-        from bench.fullsize_verify import verify_pairs_served
+        from moemesh.bench.fullsize_runs import run_all
+        from moemesh.bench.fullsize_verify import verify_pairs_served
 
         endpoints = {name: cluster.endpoint_of(name) for name in cluster.expert_names}
         pair_check = verify_pairs_served(worker_dispatcher, plan, endpoints, list(cluster.expert_names))
@@ -248,9 +248,9 @@ def run(args, run_dir: Path) -> dict:
 def _attention_worker(args, cluster, model_dir: str, device: str):
     import torch
 
-    from services.attention.kv_config import KVPoolConfig
-    from services.attention.recovery import RecoveryConfig
-    from services.attention.worker import AttentionWorker, AttentionWorkerConfig
+    from moemesh.services.attention.kv_config import KVPoolConfig
+    from moemesh.services.attention.recovery import RecoveryConfig
+    from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
 
     batches = _ints(args.batch)
     num_steps = args.warmup_steps + args.decode_steps
@@ -287,8 +287,8 @@ def _attention_worker(args, cluster, model_dir: str, device: str):
 
 def _checkpoint(args, with_drafter: bool) -> Path:
     """--checkpoint as given, or the random checkpoint of this run's config (written once, cached)."""
-    from bench.fullsize_setup import model_hub_dict
-    from bench.random_checkpoint import cached_checkpoint, with_dspark
+    from moemesh.bench.fullsize_setup import model_hub_dict
+    from moemesh.bench.random_checkpoint import cached_checkpoint, with_dspark
 
     if args.checkpoint is not None:
         return args.checkpoint
@@ -300,7 +300,7 @@ def _checkpoint(args, with_drafter: bool) -> Path:
 
 def _draft_process(args, attention_device: str, far_device: str):
     """The draft worker to start (--speculation with drafter), or None."""
-    from bench.fullsize_setup import DraftProcess
+    from moemesh.bench.fullsize_setup import DraftProcess
 
     if args.spec is None or not args.spec.uses_drafter:
         return None

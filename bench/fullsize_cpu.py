@@ -1,4 +1,4 @@
-"""`python -m bench.fullsize_cpu`: throughput of the CPU expert path at V4-Flash width, by thread count.
+"""`python -m moemesh.bench.fullsize_cpu`: throughput of the CPU expert path at V4-Flash width, by thread count.
 
 One layer's worth of FP4 experts (true width: 2048 x 4096, 13.37 MB each; random bytes in memory,
 `bench.hostwork.random_held_experts`), then `services.expert.cpu_experts.expert_rows` timed for
@@ -80,14 +80,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench.fullsize_setup import model_hub_dict
-    from bench.fullsize_timing import copy_bandwidth
-    from bench.results_io import write_result
-    from common.kernels import cpu_fp4
-    from common.model.config import ModelConfig
-    from services.expert.cpu_experts import CpuBlockRunner
-    from bench.hostwork import random_held_experts
-    from common.placement.cost import ModelCosts
+    from moemesh.bench.fullsize_setup import model_hub_dict
+    from moemesh.bench.fullsize_timing import copy_bandwidth
+    from moemesh.bench.results_io import write_result
+    from moemesh.common.kernels import cpu_fp4
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.services.expert.cpu_experts import CpuBlockRunner
+    from moemesh.bench.hostwork import random_held_experts
+    from moemesh.common.placement.cost import ModelCosts
 
     config = ModelConfig.from_dict(model_hub_dict(1, tiny=False))
     paths = [p for p in args.paths.split(",") if p]
@@ -149,9 +149,9 @@ def _measure(path: str, runner, held, config, native, args, num_tokens: int, gen
     """Times one (path, token count) over fresh routings; the row of figures (threads etc. added by the caller)."""
     import torch
 
-    from common.kernels import cpu_fp4
-    from services.expert.cpu_experts import expert_rows
-    from common.placement.cost import ModelCosts
+    from moemesh.common.kernels import cpu_fp4
+    from moemesh.services.expert.cpu_experts import expert_rows
+    from moemesh.common.placement.cost import ModelCosts
 
     reps = args.reps if path != "torch_pool" else 2
     inputs = _routings(torch, num_tokens, config.hidden_size, args.num_experts, args.top_k, reps, generator)
@@ -175,7 +175,7 @@ def _direct_fn(runner, held, config, per_expert: bool, executor):
     (same rows, same outputs)."""
     import torch
 
-    from common.kernels.cpu_fp4 import ExpertGroups, ExpertStacks
+    from moemesh.common.kernels.cpu_fp4 import ExpertGroups, ExpertStacks
 
     stacks = ExpertStacks.from_tensors(held.w1, held.s1, held.w3, held.s3, held.w2, held.s2)
 

@@ -38,7 +38,7 @@ FEATURE_STEP_ROWS = (1, 5)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.fullsize_draft", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moemesh.bench.fullsize_draft", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--batches", default="1,8,64", help="requests per proposal (comma-separated)")
     parser.add_argument("--temperatures", default="0,1", help="0: greedy chains, > 0: sampled (support 64)")
@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def hub_config(tiny: bool) -> dict:
     """V4-Flash (or the tiny preset) with the DSpark stages; three main layers, the fewest the drafter's
     target features need (the stages' shapes do not depend on the depth)."""
-    from bench.random_checkpoint import hub_config as checkpoint_hub_config
+    from moemesh.bench.random_checkpoint import hub_config as checkpoint_hub_config
 
     return checkpoint_hub_config("tiny" if tiny else "v4-flash", num_layers=3 if not tiny else 4, dspark=True)
 
@@ -70,7 +70,7 @@ def drafter_weight_bytes(drafter) -> dict[str, int]:
     """Bytes the built drafter holds, by kind: fp8_linear_bytes (FP8 weights + scales), routed_expert_bytes
     (every stage's routed experts as held), other_bytes (its remaining own tensors), shared_bytes (the
     target's embed + head it holds a copy of); own_bytes and total_bytes."""
-    from common.model.quantized import Fp8Linear
+    from moemesh.common.model.quantized import Fp8Linear
 
     def nbytes(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -152,7 +152,7 @@ def features_message(step_id: int, request_ids: list[str], start_position: int, 
                       dtype, generator):
     import torch
 
-    from common.wire import messages as m
+    from moemesh.common.wire import messages as m
 
     features = torch.randn(len(request_ids) * num_rows, width, generator=generator).to(dtype)  # [A·n, F] host
     segments = tuple(m.FeatureSegment(rid, index * num_rows, num_rows, start_position,
@@ -162,7 +162,7 @@ def features_message(step_id: int, request_ids: list[str], start_position: int, 
 
 
 def draft_request(step_id: int, request_ids: list[str], seed_position: int, temperature: float, block_size: int):
-    from common.wire import messages as m
+    from moemesh.common.wire import messages as m
 
     slots = tuple(m.DraftSlot(rid, num_draft_tokens=block_size, last_token_ids=(11 + index,),
                               start_position=seed_position, temperature=temperature,
@@ -177,7 +177,7 @@ def time_batch(worker, loop, num_requests: int, temperatures: list[float], args,
     """add_features and propose figures for one batch size (see the module)."""
     import torch
 
-    from common.wire import messages as m
+    from moemesh.common.wire import messages as m
 
     drafter, device = worker.drafter, worker.device
     config = drafter.config
@@ -204,7 +204,7 @@ def time_batch(worker, loop, num_requests: int, temperatures: list[float], args,
         run(worker.handle(draft_request(2, request_ids, CONTEXT_POSITIONS, 0.0, block_size)))
     finally:
         drafter.set_experts(recorder.inner)
-    from common.placement.cost import ModelCosts
+    from moemesh.common.placement.cost import ModelCosts
 
     bytes_per_expert = ModelCosts.from_config(config).bytes_per_expert  # as stored (FP4 + scales)
     distinct = [recorder.distinct[stage] for stage in sorted(recorder.distinct)]
@@ -238,8 +238,8 @@ def time_batch(worker, loop, num_requests: int, temperatures: list[float], args,
 
 # ------------------------------------------------------------------------------------ main
 def build_worker(model_dir: Path, device_name: str):
-    from services.draft.width import SpeculationConfig, SpeculationMode
-    from services.draft.worker import DraftWorker, DraftWorkerConfig, load_drafter, resolve_numerics
+    from moemesh.services.draft.width import SpeculationConfig, SpeculationMode
+    from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig, load_drafter, resolve_numerics
 
     drafter = load_drafter(str(model_dir), device_name, resolve_numerics("auto", device_name))
     speculation = SpeculationConfig(SpeculationMode.FIXED, width=drafter.dspark.block_size)
@@ -249,9 +249,9 @@ def build_worker(model_dir: Path, device_name: str):
 def main(argv=None) -> int:
     import torch
 
-    from bench.layers_timing import measure_ceilings
-    from bench.results_io import write_result
-    from bench.random_checkpoint import cached_checkpoint
+    from moemesh.bench.layers_timing import measure_ceilings
+    from moemesh.bench.results_io import write_result
+    from moemesh.bench.random_checkpoint import cached_checkpoint
 
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
             rows.append(time_batch(worker, loop, num_requests, temperatures, args, ceilings, groups))
             print_row(rows[-1])
         if args.probe:
-            from bench.fullsize_draft_probe import run_probes
+            from moemesh.bench.fullsize_draft_probe import run_probes
 
             probes = run_probes(worker, loop, batches, args.repeats, features_message, draft_request,
                                 CONTEXT_POSITIONS)

@@ -20,8 +20,8 @@ from collections import defaultdict
 
 import torch
 
-from bench.fullsize_draft import _median_s, _sync
-from common.wire import messages as m
+from moemesh.bench.fullsize_draft import _median_s, _sync
+from moemesh.common.wire import messages as m
 
 
 def _forward(drafter, batch):

@@ -1,4 +1,4 @@
-"""`python -m bench.fullsize_expert --config FILE --name NAME --timing-dir DIR`: a timed expert worker.
+"""`python -m moemesh.bench.fullsize_expert --config FILE --name NAME --timing-dir DIR`: a timed expert worker.
 
 The moemesh expert worker (`ExpertWorker`, loading its pairs from the deployment's checkpoint), built as
 `services.expert.main` builds it, that also records every Dispatch it answers: step, layer, tokens,
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from common.wire.messages import ErrorReply
-from services.expert.worker import ExpertWorker
+from moemesh.common.wire.messages import ErrorReply
+from moemesh.services.expert.worker import ExpertWorker
 
 _MAX_REFUSED = 20
 
@@ -84,14 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-threads", type=int, default=None, help="torch threads of a CPU worker")
     args = parser.parse_args(argv)
 
-    from common.model.config import ModelConfig
-    from common.runtime.deployment import derive_endpoints, load_deployment
-    from common.runtime.logging import configure_logging
-    from common.runtime.service import ServiceConfig, run_service
-    from common.wire.messages import ServiceRole
-    from services.expert.main import pick_worker
-    from common.placement.worker_holdings import holdings_for
-    from services.expert.worker import ExpertWorkerConfig
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.common.runtime.deployment import derive_endpoints, load_deployment
+    from moemesh.common.runtime.logging import configure_logging
+    from moemesh.common.runtime.service import ServiceConfig, run_service
+    from moemesh.common.wire.messages import ServiceRole
+    from moemesh.services.expert.main import pick_worker
+    from moemesh.common.placement.worker_holdings import holdings_for
+    from moemesh.services.expert.worker import ExpertWorkerConfig
 
     deployment = load_deployment(args.config)
     entry = pick_worker(deployment.expert, args.name, "expert")

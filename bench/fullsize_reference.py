@@ -20,7 +20,7 @@ LOGPROB_TOLERANCE = 1e-4
 
 def build_reference(model_dir: str):
     """(ReferenceModel, config) of the checkpoint at `model_dir`, float32 on the CPU."""
-    from common.commands.generate import _load_model
+    from moemesh.commands.generate import _load_model
 
     model, config = _load_model(model_dir, "float32", "cpu")
     return model, config
@@ -31,8 +31,8 @@ def reference_generate(model, prompts: list[list[int]], max_tokens: int, before_
                        ) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens and their logprobs per prompt, batched as described in the module docstring;
     before_decode() runs once between the prompt forward and the first decode forward."""
-    from common.model.batch import SequenceChunk
-    from services.attention.sampling.logprobs import chosen_logprobs
+    from moemesh.common.model.batch import SequenceChunk
+    from moemesh.services.attention.sampling.logprobs import chosen_logprobs
 
     states = [model.new_sequence() for _ in prompts]
     token_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)

@@ -177,7 +177,7 @@ def print_table(result: dict[str, Any]) -> None:
               f"{run['tokens_per_s']:.0f} tok/s, attention side {s['attention_side_s']:.2f} s, near experts "
               f"{s['near_expert_s']:.2f} s, far experts {s['far_expert_s']:.2f} s")
     if result.get("speculative"):
-        from bench.fullsize_spec import print_spec_rows
+        from moemesh.bench.fullsize_spec import print_spec_rows
 
         print("speculation (tok/s = tokens gained / (verify step + drafter round trip); tau = tokens per sequence "
               "per verify step)")
@@ -213,13 +213,13 @@ def markdown_rows(result: dict[str, Any], label: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.fullsize_report LABEL=FILE ...`: the markdown rows of bench/NOTES.md (the decode
+    """`python -m moemesh.bench.fullsize_report LABEL=FILE ...`: the markdown rows of bench/NOTES.md (the decode
     and prefill table, then the speculative runs' table when any file has them)."""
     import json
     import sys
     from pathlib import Path
 
-    from bench.fullsize_spec import markdown_spec_rows
+    from moemesh.bench.fullsize_spec import markdown_spec_rows
 
     print("| config | routing | B | tok/s | step ms | attention / near / far / transfer (build/in/out) ms | floor ms "
           "| x floor "

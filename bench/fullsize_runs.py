@@ -32,7 +32,7 @@ _MAX_STEP_TOKENS = 8192  # a longer context (B x --context) is prefilled in seve
 
 
 def _gate_biases(side, config) -> dict[int, torch.Tensor]:
-    from common.model.config import RouterKind
+    from moemesh.common.model.config import RouterKind
 
     return {layer: side.layers[layer].ffn.gate.bias.detach().clone() for layer in range(config.num_hidden_layers)
             if config.mlp_layer_types[layer] is not RouterKind.HASH}
@@ -41,7 +41,7 @@ def _gate_biases(side, config) -> dict[int, torch.Tensor]:
 def _set_routing(worker, config, routing: str, original: dict[int, torch.Tensor], seed: int, skew: float) -> None:
     """uniform: the checkpoint's own gate biases; skewed: those of a checkpoint written with
     --routing-skew `skew` and the same seed (`bench.random_checkpoint.skew_bias`), learned layers only."""
-    from bench.random_checkpoint import skew_bias
+    from moemesh.bench.random_checkpoint import skew_bias
 
     if routing not in ("uniform", "skewed"):
         raise ValueError(f"routing {routing!r} is not uniform or skewed")
@@ -62,7 +62,7 @@ def near_mask(plan, config, device) -> torch.Tensor:
 
 def near_context_tokens(side, config, near: torch.Tensor) -> torch.Tensor:
     """[N] token ids whose experts in every hash layer are all near (all ids when there is no hash layer)."""
-    from common.model.config import RouterKind
+    from moemesh.common.model.config import RouterKind
 
     ok = torch.ones(config.vocab_size, dtype=torch.bool, device=near.device)  # [V]
     for layer in range(config.num_hidden_layers):
@@ -80,7 +80,7 @@ def _route_near(worker, config, near: torch.Tensor, original: dict[int, torch.Te
 
 
 def _context_prompts(batch: int, num_tokens: int, vocab: torch.Tensor | int, seed: int) -> list[list[int]]:
-    from bench.fullsize_timing import random_prompts
+    from moemesh.bench.fullsize_timing import random_prompts
 
     if isinstance(vocab, int):
         return random_prompts(batch, num_tokens, vocab, seed)
@@ -90,7 +90,7 @@ def _context_prompts(batch: int, num_tokens: int, vocab: torch.Tensor | int, see
 
 
 def _layer_bytes(side, config) -> tuple[list[int], int, int]:
-    from bench.layers_floors import head_weight_bytes, layer_weight_bytes
+    from moemesh.bench.layers_floors import head_weight_bytes, layer_weight_bytes
 
     layers = [layer_weight_bytes(side, layer) for layer in range(config.num_hidden_layers)]
     embed = side.embed.weight
@@ -98,10 +98,10 @@ def _layer_bytes(side, config) -> tuple[list[int], int, int]:
 
 
 def run_all(args, worker, cluster, config, bandwidth: dict, model_dir, plan=None) -> dict:
-    from bench.fullsize import _ints
-    from bench.fullsize_report import analyse_steps
-    from bench.fullsize_setup import FAR_WORKER, NEAR_WORKER
-    from bench.fullsize_timing import flush_expert_timings, random_prompts, run_requests
+    from moemesh.bench.fullsize import _ints
+    from moemesh.bench.fullsize_report import analyse_steps
+    from moemesh.bench.fullsize_setup import FAR_WORKER, NEAR_WORKER
+    from moemesh.bench.fullsize_timing import flush_expert_timings, random_prompts, run_requests
 
     dispatcher = worker.runner.dispatcher
     endpoints = {name: cluster.endpoint_of(name) for name in cluster.expert_names}
@@ -209,7 +209,7 @@ def run_all(args, worker, cluster, config, bandwidth: dict, model_dir, plan=None
                 check, reference = _reference_check(model_dir, routing, args, prompts, num_tokens, result, batch, near)
                 checks.append(check)
             if spec is not None:
-                from bench.fullsize_spec_runs import run_speculative
+                from moemesh.bench.fullsize_spec_runs import run_speculative
 
                 def prepare_routing(routing=routing):
                     if near is not None:
@@ -278,7 +278,7 @@ def run_all(args, worker, cluster, config, bandwidth: dict, model_dir, plan=None
                 "criterion": "greedy speculative tokens equal the in-process plain run's, every token",
                 "runs": spec_checks}
     if checks:
-        from bench.fullsize_reference import LOGPROB_TOLERANCE
+        from moemesh.bench.fullsize_reference import LOGPROB_TOLERANCE
 
         out["reference_check"] = {
             "ok": all(c["tokens_equal"] and c["max_abs_logprob_diff"] <= LOGPROB_TOLERANCE for c in checks),
@@ -306,8 +306,8 @@ def _outputs_hash(outputs: dict[str, list[int]]) -> str:
 
 def _explain(dispatcher, endpoints, cluster, plan) -> list:
     """What the workers refused in the failed run, next to what was sent (bench.fullsize_verify)."""
-    from bench.fullsize_timing import flush_expert_timings
-    from bench.fullsize_verify import explain_refusals, planned_pairs
+    from moemesh.bench.fullsize_timing import flush_expert_timings
+    from moemesh.bench.fullsize_verify import explain_refusals, planned_pairs
 
     trace = getattr(dispatcher, "trace", None)
     if trace is None or plan is None:
@@ -344,7 +344,7 @@ def _reference_check(model_dir, routing: str, args, prompts, num_tokens: int, re
                      near: torch.Tensor | None) -> tuple[dict, dict[str, list[int]]]:
     """The in-process reference with the same gate biases at the same steps (near context routing too):
     (the check, the reference's outputs by the split run's request ids)."""
-    from bench.fullsize_reference import build_reference, compare, reference_generate
+    from moemesh.bench.fullsize_reference import build_reference, compare, reference_generate
 
     model, config = build_reference(str(model_dir))
     original = _gate_biases(model.side, config)

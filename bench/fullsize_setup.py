@@ -11,7 +11,7 @@
   experts are near; under uniform routing every placement is as good as any other, so the same
   placement serves both routings (one weight generation for the whole run).
 - `FullsizeCluster`: `LocalCluster` with this placement, the deployment written here, and expert
-  processes started as `python -m bench.fullsize_expert` (the moemesh expert worker with per-dispatch
+  processes started as `python -m moemesh.bench.fullsize_expert` (the moemesh expert worker with per-dispatch
   timing written on request). The attention worker runs in the benchmark's own process. With a
   `DraftProcess` (--speculation drafter) it also starts the DSpark draft worker (`moemesh draft`,
   fixed width) on its device; the checkpoint then carries the DSpark stages and their keys
@@ -27,23 +27,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.placement.placement_file import Placement, WorkerPlacement, write_placement
-from services.attention.local_cluster import ClusterSpec, LocalCluster
+from moemesh.common.placement.placement_file import Placement, WorkerPlacement, write_placement
+from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
 
 NEAR_WORKER = "expert-near"
 FAR_WORKER = "expert-far"
 
 def model_hub_dict(num_layers: int | None, tiny: bool) -> dict[str, Any]:
     """Hub config.json of the benchmarked model (see the module docstring)."""
-    from bench.random_checkpoint import hub_config
+    from moemesh.bench.random_checkpoint import hub_config
 
     return hub_config("tiny" if tiny else "v4-flash", num_layers=num_layers, num_mtp_layers=0)
 
 
 def skew_shares(config, seed: int) -> list[list[float]]:
     """[layer][expert] expected-share order under the skewed bias: ∝ 1/(1 + rank); hash layers uniform."""
-    from common.model.config import RouterKind
-    from bench.random_checkpoint import skew_ranks
+    from moemesh.common.model.config import RouterKind
+    from moemesh.bench.random_checkpoint import skew_ranks
 
     shares = []
     for layer in range(config.num_hidden_layers):
@@ -69,9 +69,9 @@ class SplitPlan:
 
 def plan_split(config, near_device: str, far_device: str, near_budget_bytes: int, seed: int) -> SplitPlan:
     """Hottest experts on the near device within its budget, the rest on the far device."""
-    from common.placement.cost import CostConfig, ModelCosts
-    from common.placement.devices import DeviceSpec
-    from common.placement.plan import PlanConfig, Policy, plan_placement
+    from moemesh.common.placement.cost import CostConfig, ModelCosts
+    from moemesh.common.placement.devices import DeviceSpec
+    from moemesh.common.placement.plan import PlanConfig, Policy, plan_placement
 
     costs = ModelCosts.from_config(config)
     total = costs.bytes_per_expert * costs.num_layers * costs.num_experts
@@ -128,7 +128,7 @@ class FullsizeCluster(LocalCluster):
         """The expert workers as LocalCluster waits for them; then the draft worker, whose failure to
         start is recorded in `draft_error` (and its process stopped) instead of ending the run: the
         plain and oracle runs need no drafter."""
-        from services.attention.local_cluster import ClusterError
+        from moemesh.services.attention.local_cluster import ClusterError
 
         process = self.processes.pop(self.draft.name, None) if self.draft is not None else None
         try:
@@ -180,13 +180,13 @@ class FullsizeCluster(LocalCluster):
         import os
         import subprocess
 
-        from services.attention.local_cluster import _REPO_ROOT, _die_with_parent
+        from moemesh.services.attention.local_cluster import _REPO_ROOT, _die_with_parent
 
         if role == "draft":
-            command = [sys.executable, "-m", "common.cli", "draft", "--config", str(config_path), "--name", name,
+            command = [sys.executable, "-m", "moemesh.cli", "draft", "--config", str(config_path), "--name", name,
                        "--log-level", self.spec.log_level, *extra]
         else:
-            command = [sys.executable, "-m", "bench.fullsize_expert", "--config", str(config_path), "--name", name,
+            command = [sys.executable, "-m", "moemesh.bench.fullsize_expert", "--config", str(config_path), "--name", name,
                        "--log-level", self.spec.log_level, "--timing-dir", str(self.timing_dir)]
         if self.cpu_threads and role != "draft":
             command += ["--cpu-threads", str(self.cpu_threads)]
@@ -229,7 +229,7 @@ class FullsizeCluster(LocalCluster):
         return {**codes, **super().stop()}
 
     def holdings(self):
-        from common.placement.worker_holdings import WorkerHoldings
+        from moemesh.common.placement.worker_holdings import WorkerHoldings
 
         return tuple(WorkerHoldings(w.name, w.expert_ids, w.replica_ids) for w in self.plan.placement.workers)
 

@@ -110,7 +110,7 @@ class DrafterDrafts:
     def __init__(self, endpoint: str, width: int, timeout_s: float) -> None:
         import zmq
 
-        from common.wire.transport import SyncClient
+        from moemesh.common.wire.transport import SyncClient
 
         self.width = width
         self.timeout_s = timeout_s
@@ -123,7 +123,7 @@ class DrafterDrafts:
         self.num_empty = 0  # slots it answered without drafts
 
     def propose(self, planner) -> float:
-        from common.wire.messages import DraftRequest, DraftSlot, DraftTokens, ErrorReply
+        from moemesh.common.wire.messages import DraftRequest, DraftSlot, DraftTokens, ErrorReply
 
         slots = []
         for request in planner.running:
@@ -166,7 +166,7 @@ class DrafterDrafts:
 
     def finish(self, planner) -> None:
         """Tell the drafter every request of the run is over (their rings go)."""
-        from common.wire.messages import DraftRequest
+        from moemesh.common.wire.messages import DraftRequest
 
         done = self._finished(planner) + sorted(self._known)
         self._known.clear()

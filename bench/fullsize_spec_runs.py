@@ -30,15 +30,15 @@ def run_speculative(args, worker, spec, drafter_endpoint: str | None, prompts: l
     timing: (reset, analyse): reset() drops the dispatch records so far, analyse(steps) gives the
     `bench.fullsize_report.analyse_steps` summary of the verify steps (where their time went);
     on_row(row): called with each row as soon as it is made (partial results)."""
-    from bench.fullsize_spec import DraftSource, DrafterDrafts, OracleDrafts, compare_outputs, logprob_diagnosis
-    from bench.fullsize_spec import spec_row
-    from bench.fullsize_timing import run_requests
+    from moemesh.bench.fullsize_spec import DraftSource, DrafterDrafts, OracleDrafts, compare_outputs, logprob_diagnosis
+    from moemesh.bench.fullsize_spec import spec_row
+    from moemesh.bench.fullsize_timing import run_requests
 
     batch = len(prompts)
     rows = []
     plain_outputs = [plain.outputs[f"{plain_prefix}-{i}"] for i in range(batch)]
     plain_tokens_per_s = batch / plain_summary["step_s"] if plain_summary.get("step_s") else None
-    from services.attention.speculation import capture_layer_ids
+    from moemesh.services.attention.speculation import capture_layer_ids
 
     drafter_capture_ids = frozenset(capture_layer_ids(worker.side.config)) if drafter_endpoint else frozenset()
     for source in spec.sources:
@@ -120,7 +120,7 @@ def _stop_after(args):
 
 def _reference_row(reference: dict[str, list[int]], result, plain_prefix: str, prefix: str) -> dict:
     """The speculative outputs against the in-process plain reference: every token equal."""
-    from bench.fullsize_spec import compare_outputs
+    from moemesh.bench.fullsize_spec import compare_outputs
 
     check = compare_outputs(reference, result.outputs, plain_prefix, prefix)
     complete = all(len(result.outputs[f"{prefix}-{i}"]) == len(reference[f"{plain_prefix}-{i}"])

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.sampling_params import SamplingParams
+from moemesh.common.sampling_params import SamplingParams
 
 
 class TimedDispatcher:
@@ -26,7 +26,7 @@ class TimedDispatcher:
     start_end_s, finish_begin_s, finish_end_s] (time.perf_counter)."""
 
     def __init__(self, inner) -> None:
-        from bench.fullsize_verify import DispatchTrace
+        from moemesh.bench.fullsize_verify import DispatchTrace
 
         self.inner = inner
         self.records: list[list[float]] = []
@@ -102,8 +102,8 @@ def run_requests(worker, prompts: list[list[int]], max_tokens: int, *, block_siz
     the KV cache by then). stop_after(result) -> bool: asked after every decode step; True finishes
     every request there (their slots are released by one more, empty plan) and marks the result
     `stopped_early` — a time cap on slow configurations that keeps the steps measured so far."""
-    from common.wire.messages import ErrorReply
-    from services.attention.local_plan import LocalPlanConfig, LocalPlanner, LocalRequest, PlanError
+    from moemesh.common.wire.messages import ErrorReply
+    from moemesh.services.attention.local_plan import LocalPlanConfig, LocalPlanner, LocalRequest, PlanError
 
     num_logprobs = num_top_logprobs if num_top_logprobs is not None else (0 if with_logprobs else None)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, num_logprobs=num_logprobs)
@@ -156,7 +156,7 @@ def run_requests(worker, prompts: list[list[int]], max_tokens: int, *, block_siz
 
 def _stop_all(worker, planner) -> None:
     """Finish every running request now and send the plan that releases their slots."""
-    from common.wire.messages import ErrorReply
+    from moemesh.common.wire.messages import ErrorReply
 
     for request in list(planner.running):
         planner._finish(request, "length")
@@ -201,8 +201,8 @@ def flush_expert_timings(endpoints: dict[str, str], timing_dir, timeout_s: float
 
     import zmq
 
-    from common.wire.messages import QueryInventory
-    from common.wire.transport import SyncClient
+    from moemesh.common.wire.messages import QueryInventory
+    from moemesh.common.wire.transport import SyncClient
 
     context = zmq.Context()
     out = {}

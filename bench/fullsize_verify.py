@@ -40,8 +40,8 @@ def query_inventories(endpoints: dict[str, str], timeout_s: float = 60.0) -> dic
     """worker name -> the pairs its ExpertInventory lists (asked on a fresh socket per worker)."""
     import zmq
 
-    from common.wire.messages import ErrorReply, ExpertInventory, QueryInventory
-    from common.wire.transport import SyncClient
+    from moemesh.common.wire.messages import ErrorReply, ExpertInventory, QueryInventory
+    from moemesh.common.wire.transport import SyncClient
 
     context = zmq.Context()
     held = {}

@@ -1,4 +1,4 @@
-"""`python -m bench.hostwork [--device cuda:0] [--out-dir DIR]`: per-Dispatch host work, before and after.
+"""`python -m moemesh.bench.hostwork [--device cuda:0] [--out-dir DIR]`: per-Dispatch host work, before and after.
 
 Issue 10's full-size figures put a decode step's time in per-layer host work, not in bytes. This
 benchmark measures that work in isolation, at true width (hidden 4096, top-6 of 256 experts) with a
@@ -121,9 +121,9 @@ def random_held_experts(config, pairs, device, *, seed: int = 0):
     """A `QuantizedRoutedExperts` holding `pairs` with random bytes in the config's expert format (the
     in-memory stacks of `common.model.random_init`, each layer drawn whole, the held experts kept), for
     kernel-level checks of one expert holder; models are checkpoints (`bench.random_checkpoint`)."""
-    from common.model.config import NumericsConfig
-    from common.model.quantized import QuantizedRoutedExperts
-    from common.model.random_init import random_routed_experts
+    from moemesh.common.model.config import NumericsConfig
+    from moemesh.common.model.quantized import QuantizedRoutedExperts
+    from moemesh.common.model.random_init import random_routed_experts
 
     by_layer: dict[int, list[int]] = {}
     for layer, expert in sorted({(int(l), int(e)) for l, e in pairs}):
@@ -140,9 +140,9 @@ def random_held_experts(config, pairs, device, *, seed: int = 0):
 
 def build_expert_worker(device: str, intermediate: int, held_experts: list[int]):
     """An ExpertWorker holding `held_experts` of layer 0 (random FP4 weights), staging allocated."""
-    from common.model.config import AttentionKind
-    from common.model.random_init import flash_config
-    from services.expert.worker import ExpertWorker, ExpertWorkerConfig
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import flash_config
+    from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
     config = flash_config([AttentionKind.CSA], hidden_size=HIDDEN, moe_intermediate_size=intermediate,
                           n_routed_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)
@@ -155,7 +155,7 @@ def build_expert_worker(device: str, intermediate: int, held_experts: list[int])
 
 def make_dispatch(num_tokens: int, held: torch.Tensor, dtype: torch.dtype, seed: int):
     """A Dispatch as the attention side sends it over ZeroMQ (host tensors): every token has >= 1 held slot."""
-    from common.wire.messages import Dispatch
+    from moemesh.common.wire.messages import Dispatch
 
     generator = torch.Generator().manual_seed(seed)
     rows = []
@@ -180,7 +180,7 @@ def reply_copy(worker, output: torch.Tensor) -> None:
 
 def after_expert_stages(worker, dispatch, stages: dict[str, float]) -> torch.Tensor:
     """`ExpertWorker.handle_dispatch` piece by piece (the same calls, timed between them)."""
-    from common.model.moe import sum_slots_in_order
+    from moemesh.common.model.moe import sum_slots_in_order
 
     began = time.perf_counter()
     selection = worker._select(dispatch)
@@ -196,7 +196,7 @@ def after_expert_stages(worker, dispatch, stages: dict[str, float]) -> torch.Ten
 
 def bench_expert(device: torch.device, intermediate: int, token_counts: list[int], iterations: int,
                  profile_tokens: int | None = 8) -> dict:
-    from bench.hostwork_legacy import legacy_expert_stages
+    from moemesh.bench.hostwork_legacy import legacy_expert_stages
 
     generator = torch.Generator().manual_seed(1)
     held_experts = sorted(torch.randperm(NUM_EXPERTS, generator=generator)[: NUM_EXPERTS * 3 // 4].tolist())
@@ -351,9 +351,9 @@ def bench_start(device: torch.device, token_counts: list[int], iterations: int, 
                 profile_tokens: int | None = 8) -> dict:
     import zmq
 
-    from bench.hostwork_legacy import legacy_start_stages
-    from services.attention.expert_channel import ExpertChannel
-    from services.attention.moe_dispatch import MoEDispatcher
+    from moemesh.bench.hostwork_legacy import legacy_start_stages
+    from moemesh.services.attention.expert_channel import ExpertChannel
+    from moemesh.services.attention.moe_dispatch import MoEDispatcher
 
     generator = torch.Generator().manual_seed(2)
     near = set(torch.randperm(NUM_EXPERTS, generator=generator)[: NUM_EXPERTS * 3 // 4].tolist())
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, default=Path("/tmp"), help="where the ipc sockets go")
     args = parser.parse_args(argv)
 
-    from bench.results_io import write_result
+    from moemesh.bench.results_io import write_result
 
     device = torch.device(args.device)
     if device.type == "cuda":

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from common.model.moe import sum_slots_in_order
-from common.wire.messages import Dispatch
+from moemesh.common.model.moe import sum_slots_in_order
+from moemesh.common.wire.messages import Dispatch
 
 
 def _tick(stages: dict[str, float], name: str, began: float) -> float:
@@ -31,7 +31,7 @@ def _tick(stages: dict[str, float], name: str, began: float) -> float:
 
 def legacy_expert_stages(worker, dispatch: Dispatch, stages: dict[str, float]) -> torch.Tensor:
     """The old quantized worker's Dispatch -> output [T, D] (or [T, K, D]) on the worker's device."""
-    from common.model.quantized import ExpertFormat, _use_kernel
+    from moemesh.common.model.quantized import ExpertFormat, _use_kernel
 
     began = time.perf_counter()
     device = worker.device
@@ -48,7 +48,7 @@ def legacy_expert_stages(worker, dispatch: Dispatch, stages: dict[str, float]) -
     experts = worker._experts
     held = experts._layers[dispatch.layer]
     if worker.device.type == "cpu" and held.fmt is ExpertFormat.FP4:
-        from services.expert.cpu_experts import expert_rows
+        from moemesh.services.expert.cpu_experts import expert_rows
 
         per_slot = expert_rows(held, hidden, ids, route_weights, selected, experts.swiglu_limit,
                                experts.route_weight_before_w2, worker._cpu_runner)

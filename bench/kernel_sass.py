@@ -1,6 +1,6 @@
 """Compile the grouped expert kernel for sm_90 without a GPU and summarise its machine code.
 
-Usage: python -m bench.kernel_sass [--launch gate_up|down] [--rows-per-tile 16] ...
+Usage: python -m moemesh.bench.kernel_sass [--launch gate_up|down] [--rows-per-tile 16] ...
 
 Triton ships ptxas and nvdisasm, so a kernel variant can be compiled for an H200 on any machine:
 this catches compile errors before a device run and shows what a variant costs per K step
@@ -23,7 +23,7 @@ def compile_grouped(config, *, fused_gate_up: bool, weight_format: int = 0):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from common.kernels.fp4_experts import _grouped_kernel
+    from moemesh.common.kernels.fp4_experts import _grouped_kernel
 
     in_features = HIDDEN if fused_gate_up else EXPERT_WIDTH
     pointer_args = ("x_ptr", "wa_ptr", "sa_ptr", "wb_ptr", "sb_ptr", "out_ptr", "offsets_ptr", "row_weights_ptr",
@@ -94,7 +94,7 @@ def summarise(kernel) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.kernels.expert_configs import Fp4Decode, GroupedGemmConfig
+    from moemesh.common.kernels.expert_configs import Fp4Decode, GroupedGemmConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launch", choices=("gate_up", "down"), default="gate_up")

@@ -1,6 +1,6 @@
 """Quantized-weight kernels on CUDA at V4-Flash shapes: achieved bandwidth and rate vs measured ceilings.
 
-Usage: python -m bench.kernels [--out-dir DIR] [--quick]
+Usage: python -m moemesh.bench.kernels [--out-dir DIR] [--quick]
 
 Measures, in the same run and on the same device: the device-to-device copy bandwidth (bytes
 read + written), the bf16 matmul rate (8192^3, random data), then for each shape the Triton
@@ -110,7 +110,7 @@ def triton_cdiv(a: int, b: int) -> int:
 def fp8_sweep_configs(num_tokens: int, heuristic) -> list:
     """fp8_linear variants beside the heuristic: the inline-PTX quad decode on the heuristic's tiles
     and narrower ones, no split-K (one launch, no workspace), and the FMA GEMV at one token."""
-    from common.kernels.fp8_linear import Fp8LinearConfig
+    from moemesh.common.kernels.fp8_linear import Fp8LinearConfig
 
     quad = dict(asm_decode=True, asm_quad=True, use_fma=False)
     configs = [dataclasses.replace(heuristic, **quad)]
@@ -135,8 +135,8 @@ def bench_fp8_linear(ceilings: dict, quick: bool, no_baselines: bool = False,
                      token_counts: tuple[int, ...] = (1, 64, 2048)) -> list[dict]:
     import torch
 
-    from common.kernels.checks import random_fp8_weight
-    from common.kernels.fp8_linear import Fp8LinearConfig, choose_fp8_linear_config, device_num_sms, fp8_linear
+    from moemesh.common.kernels.checks import random_fp8_weight
+    from moemesh.common.kernels.fp8_linear import Fp8LinearConfig, choose_fp8_linear_config, device_num_sms, fp8_linear
 
     rows = []
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -189,7 +189,7 @@ def _torch_experts(x_sorted, offsets, weights, swiglu_limit):
     """Torch baseline: per active expert, dequantise to bf16 and matmul."""
     import torch
 
-    from common.kernels.reference import dequant_fp4
+    from moemesh.common.kernels.reference import dequant_fp4
 
     out = torch.empty(x_sorted.shape[0], HIDDEN, device="cuda", dtype=torch.bfloat16)
     bounds = offsets.tolist()
@@ -211,8 +211,8 @@ def fp4_sweep_configs(num_tokens: int, sweep: str) -> list:
     Run 1 (bench/NOTES.md) settled the decode (ASM_QUAD best everywhere, DOT_SCALED and FMA far
     behind); "small" now sweeps ASM_QUAD's tile shape, K step, warps and stages, "full" adds the
     other decodes once more for the record."""
-    from common.kernels.fp4_experts import Fp4Decode as D
-    from common.kernels.fp4_experts import GroupedGemmConfig as C
+    from moemesh.common.kernels.fp4_experts import Fp4Decode as D
+    from moemesh.common.kernels.fp4_experts import GroupedGemmConfig as C
 
     if sweep == "none":
         return []
@@ -248,12 +248,12 @@ def bench_fp4_experts(ceilings: dict, quick: bool, no_baselines: bool = False, s
     (an invalid or failing variant is recorded as an error, not fatal), and the best pair."""
     import torch
 
-    from common.kernels.checks import random_fp4_weight
-    from common.kernels.fp4_experts import (
+    from moemesh.common.kernels.checks import random_fp4_weight
+    from moemesh.common.kernels.fp4_experts import (
         ExpertWeights, WeightFormat, choose_grouped_config, grouped_down, grouped_experts, grouped_gate_up,
     )
-    from common.kernels.fp4_experts import GroupedGemmConfig as C
-    from common.kernels.moe_layout import sort_by_expert
+    from moemesh.common.kernels.fp4_experts import GroupedGemmConfig as C
+    from moemesh.common.kernels.moe_layout import sort_by_expert
 
     generator = torch.Generator(device="cuda").manual_seed(1)
     w1, s1 = random_fp4_weight((NUM_EXPERTS, EXPERT_WIDTH, HIDDEN), generator, "cuda")
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(ceilings: dict, rows: list[dict], out_dir: Path | None, name: str) -> None:
-    from bench.results_io import write_result
+    from moemesh.bench.results_io import write_result
 
     ratios = {
         f"{row['kernel']} {row['shape']}": {

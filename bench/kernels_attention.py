@@ -1,6 +1,6 @@
 """Batched attention kernels at V4-Flash sizes: kernel time vs the torch path and vs the floor.
 
-Usage: python -m bench.kernels_attention [--out-dir DIR] [--quick] [--batch 1,8,64] [--prefill 2048,8192]
+Usage: python -m moemesh.bench.kernels_attention [--out-dir DIR] [--quick] [--batch 1,8,64] [--prefill 2048,8192]
 
 For one CSA and one HCA layer (random bf16 weights, true width) it measures, on the same device:
 - ceilings: copy bandwidth (bytes read + written) and bf16 matmul rate (bench.kernels);
@@ -82,8 +82,8 @@ def _event_time(fn, reps: int = 3) -> float:
 def _layer_setup(kind):
     import torch
 
-    from common.kernels.attention_checks import random_layers
-    from common.model.random_init import flash_config
+    from moemesh.common.kernels.attention_checks import random_layers
+    from moemesh.common.model.random_init import flash_config
 
     config = flash_config((kind,))
     layer = random_layers(config, torch.bfloat16, "cuda", seed=1)[0]
@@ -94,7 +94,7 @@ def _decode_layer_time(layer, config, states, backend) -> float:
     """One decode step of the whole attention layer, captured (state counters rolled back after)."""
     import torch
 
-    from common.model.batch import ForwardBatch, SequenceChunk
+    from moemesh.common.model.batch import ForwardBatch, SequenceChunk
 
     x = torch.randn(len(states), config.hidden_size, device="cuda", dtype=torch.bfloat16)
     batch = ForwardBatch([SequenceChunk(s, 1) for s in states], "cuda", attention_backend=backend)
@@ -129,11 +129,11 @@ def _decode_layer_time(layer, config, states, backend) -> float:
 def bench_decode(kind_name: str, batch_size: int, ceilings: dict, quick: bool) -> dict:
     import torch
 
-    from common.kernels.indexer_topk import indexer_scores, indexer_topk
-    from common.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
-    from common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
-    from common.model.config import AttentionKind
-    from common.model.random_init import fill_random_context, new_sequence_state
+    from moemesh.common.kernels.indexer_topk import indexer_scores, indexer_topk
+    from moemesh.common.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
+    from moemesh.common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import fill_random_context, new_sequence_state
 
     kind = AttentionKind.CSA if kind_name == "csa" else AttentionKind.HCA
     config, layer = _layer_setup(kind)
@@ -194,11 +194,11 @@ def bench_decode(kind_name: str, batch_size: int, ceilings: dict, quick: bool) -
 def bench_prefill(kind_name: str, num_tokens: int, ceilings: dict, quick: bool) -> dict:
     import torch
 
-    from common.kernels.indexer_topk import indexer_scores, indexer_topk
-    from common.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
-    from common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
-    from common.model.config import AttentionKind
-    from common.model.random_init import new_sequence_state
+    from moemesh.common.kernels.indexer_topk import indexer_scores, indexer_topk
+    from moemesh.common.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
+    from moemesh.common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import new_sequence_state
 
     kind = AttentionKind.CSA if kind_name == "csa" else AttentionKind.HCA
     config, layer = _layer_setup(kind)
@@ -273,9 +273,9 @@ def profile_layers(prefill_tokens: int, batch_size: int) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from common.model.batch import ForwardBatch, SequenceChunk
-    from common.model.config import AttentionKind
-    from common.model.random_init import fill_random_context, new_sequence_state
+    from moemesh.common.model.batch import ForwardBatch, SequenceChunk
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import fill_random_context, new_sequence_state
 
     config, layer = _layer_setup(AttentionKind.CSA)
     x = torch.randn(prefill_tokens, config.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -320,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from bench.kernels import measure_ceilings
-    from bench.results_io import write_result
+    from moemesh.bench.kernels import measure_ceilings
+    from moemesh.bench.results_io import write_result
 
     if not torch.cuda.is_available():
         print("kernels_attention: needs CUDA", file=sys.stderr)

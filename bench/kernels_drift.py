@@ -1,6 +1,6 @@
 """Where bf16 runs of the quantized model drift: layer by layer and op by op, against an fp32 reference.
 
-`python -m bench.kernels_drift [--device cuda] [--out-dir DIR]` (CPU: `TRITON_INTERPRET=1`, small sizes).
+`python -m moemesh.bench.kernels_drift [--device cuda] [--out-dir DIR]` (CPU: `TRITON_INTERPRET=1`, small sizes).
 
 Three runs of the same random model (`random_model`, `tiny_flash_like_config` with kernel-friendly
 widths, the shape of `tests/test_quantized_cuda.py::test_model_kernels_match_torch_path`):
@@ -48,8 +48,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def drift_model_config(hash_routing: bool = False, index_topk: int = 64):
     """The 3-layer (window, CSA, HCA) model of the CUDA model test; index_topk above the row count,
     so the CSA indexer never selects."""
-    from common.model.config import AttentionKind
-    from common.model.random_init import tiny_flash_like_config
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import tiny_flash_like_config
 
     kinds = [AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA]
     return tiny_flash_like_config(kinds, kernel_friendly=True, index_topk=index_topk,
@@ -58,8 +58,8 @@ def drift_model_config(hash_routing: bool = False, index_topk: int = 64):
 
 def build_pair(config, device: str, seed: int = 3):
     """(bf16 side, fp32 side with the bf16 side's values, routed experts)."""
-    from common.model.config import NumericsConfig
-    from common.model.random_init import random_model
+    from moemesh.common.model.config import NumericsConfig
+    from moemesh.common.model.random_init import random_model
 
     side16, experts = random_model(config, device, numerics=NumericsConfig(dtype="bfloat16"), seed=seed)
     side32, _ = random_model(config, device, numerics=NumericsConfig(dtype="float32"), seed=seed)
@@ -73,7 +73,7 @@ def build_pair(config, device: str, seed: int = 3):
 
 
 def set_backend(side, experts, backend) -> None:
-    from common.model.quantized import Fp8Linear
+    from moemesh.common.model.quantized import Fp8Linear
 
     for module in side.modules():
         if isinstance(module, Fp8Linear):
@@ -86,7 +86,7 @@ def traced_forward(side, experts, token_ids: torch.Tensor, chunks
                    ) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
     """`ReferenceModel.forward` with the streams kept after every sub-layer
     -> (points, logits [T, V], routed expert ids [T, K] per layer)."""
-    from common.model.batch import ForwardBatch
+    from moemesh.common.model.batch import ForwardBatch
 
     batch = ForwardBatch(list(chunks), token_ids.device)
     points, picks = [], []
@@ -107,8 +107,8 @@ def traced_forward(side, experts, token_ids: torch.Tensor, chunks
 def run_trace(side, experts, token_ids: torch.Tensor, num_prefill: int) -> dict[str, list[torch.Tensor]]:
     """Prefill of num_prefill tokens, then one single-token step per remaining token: per point,
     prefill and decode streams concatenated over tokens."""
-    from common.model.batch import SequenceChunk
-    from common.model.reference import ReferenceModel
+    from moemesh.common.model.batch import SequenceChunk
+    from moemesh.common.model.reference import ReferenceModel
 
     state = ReferenceModel(side, experts).new_sequence()
     pre_points, pre_logits, pre_picks = traced_forward(side, experts, token_ids[:num_prefill], [SequenceChunk(state, num_prefill)])
@@ -135,7 +135,7 @@ def point_names(num_layers: int) -> list[str]:
 def model_drift(device: str, case: DriftCase = DriftCase()) -> dict:
     """Per point and phase: rel errors torch_bf16/kernel_bf16 vs fp32 and kernel vs torch, plus the
     tokens each bf16 run routed differently from fp32, per layer."""
-    from common.model.quantized import KernelBackend
+    from moemesh.common.model.quantized import KernelBackend
 
     config = drift_model_config(case.hash_routing)
     side16, side32, experts = build_pair(config, device, case.seed)
@@ -160,8 +160,8 @@ def model_drift(device: str, case: DriftCase = DriftCase()) -> dict:
 
 def op_drift(device: str, seed: int = 0) -> list[dict]:
     """FP8 linear and routed experts on random bf16 inputs: each bf16 path against the fp32 torch path."""
-    from common.model.quantized import Fp8Linear, KernelBackend, QuantizedRoutedExperts
-    from common.model.random_init import random_fp4_stack, random_fp8_linear
+    from moemesh.common.model.quantized import Fp8Linear, KernelBackend, QuantizedRoutedExperts
+    from moemesh.common.model.random_init import random_fp4_stack, random_fp8_linear
 
     gen = torch.Generator(device=device).manual_seed(seed)
     out = []
@@ -194,8 +194,8 @@ def op_drift(device: str, seed: int = 0) -> list[dict]:
 def store_rounding_agreement(device: str) -> float:
     """Share of an FP8 linear's bf16 outputs equal to its fp32 outputs rounded to nearest even by torch
     (1.0 on the GPU and under the patched interpreter; ~0.5 when the interpreter truncates)."""
-    from common.kernels.fp8_linear import fp8_linear
-    from common.model.random_init import random_fp8_linear
+    from moemesh.common.kernels.fp8_linear import fp8_linear
+    from moemesh.common.model.random_init import random_fp8_linear
 
     gen = torch.Generator(device=device).manual_seed(1)
     weight, scale = random_fp8_linear(256, 256, generator=gen, device=device)
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--truncating-interpreter", action="store_true",
                         help="keep Triton's interpreter casting fp32 -> bf16 by truncation (its default)")
     args = parser.parse_args(argv)
-    from common.kernels.checks import patch_interpreter_bf16_dot, patch_interpreter_bf16_rounding
+    from moemesh.common.kernels.checks import patch_interpreter_bf16_dot, patch_interpreter_bf16_rounding
 
     patch_interpreter_bf16_dot()  # both no-ops unless TRITON_INTERPRET=1
     if not args.truncating_interpreter:
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     if args.out_dir:
-        from bench.results_io import write_result
+        from moemesh.bench.results_io import write_result
 
         from pathlib import Path
 

@@ -1,6 +1,6 @@
 """Fused per-layer glue (mHC, RMS norms, RoPE) against its torch code on CUDA, V4-Flash shapes.
 
-Usage: python -m bench.kernels_fused [--out-dir DIR] [--tokens 1,8,64,2048] [--sweep]
+Usage: python -m moemesh.bench.kernels_fused [--out-dir DIR] [--tokens 1,8,64,2048] [--sweep]
 
 For each op and token count: the median device time per call of a CUDA-graph replay (as
 bench.kernels: the graph removes host launch overhead, so this is what a captured decode step
@@ -28,7 +28,7 @@ def _ops(num_tokens: int, device, generator):
     """name -> (make_inputs() -> tuple, call(inputs) -> tensor(s), min bytes per call)."""
     import torch
 
-    from common.model import hyper, linear, rope
+    from moemesh.common.model import hyper, linear, rope
 
     bf16, f32 = torch.bfloat16, torch.float32
     num_mix = (2 + NUM_STREAMS) * NUM_STREAMS
@@ -97,8 +97,8 @@ def _launches(call, num_calls: int = 5) -> tuple[int, dict[str, float]]:
 
 
 def _time_variant(make_inputs, call, min_bytes: int, forced_torch: bool) -> dict:
-    from bench.kernels import _bench_graph
-    from common.kernels.glue import forced_torch_glue
+    from moemesh.bench.kernels import _bench_graph
+    from moemesh.common.kernels.glue import forced_torch_glue
 
     num_copies = max(2, min(MAX_COPIES, ROTATE_BYTES // max(min_bytes, 1)))
     copies = [make_inputs() for _ in range(num_copies)]
@@ -112,8 +112,8 @@ def _sweep_mhc(num_tokens: int, device, generator) -> dict:
     """hc_pre with alternative launch configurations (Triton only)."""
     import torch
 
-    from bench.kernels import _bench_graph
-    from common.kernels import mhc
+    from moemesh.bench.kernels import _bench_graph
+    from moemesh.common.kernels import mhc
 
     make_inputs, _, _ = _ops(num_tokens, device, generator)["hc_pre"]
     copies = [make_inputs() for _ in range(4)]
@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench.kernels_fused needs a CUDA device", file=sys.stderr)
         return 2
-    from bench.kernels import measure_ceilings
-    from bench.results_io import write_result
+    from moemesh.bench.kernels import measure_ceilings
+    from moemesh.bench.results_io import write_result
 
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)

@@ -1,6 +1,6 @@
 """Routed experts at prefill sizes on CUDA: the fused FP4 grouped kernel against dequantise + grouped GEMM.
 
-Usage: python -m bench.kernels_prefill [--tokens 2048 8192] [--out-dir DIR]
+Usage: python -m moemesh.bench.kernels_prefill [--tokens 2048 8192] [--out-dir DIR]
 
 Same weights and routing as `bench.kernels` (256 V4-Flash experts, 4096 x 2048, FP4; 6 random experts
 per token). Per token count: the fused default pair (`fp4_experts.grouped_experts`, CUDA-graph replays),
@@ -18,19 +18,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.kernels import (
+from moemesh.bench.kernels import (
     EXPERT_WIDTH, FP8_SHAPES, HIDDEN, NUM_EXPERTS, TOP_K, _bench_graph, _routed_rows, measure_ceilings,
 )
-from bench.kernels_attention import _event_time
+from moemesh.bench.kernels_attention import _event_time
 
 
 def bench_prefill_experts(ceilings: dict, token_counts, reps: int) -> list[dict]:
     import torch
 
-    from common.kernels.checks import random_fp4_weight
-    from common.kernels.fp4_experts import ExpertWeights, WeightFormat, grouped_experts
-    from common.kernels.fp4_prefill import _swiglu_bf16, dequant_fp4_experts, grouped_experts_dequant
-    from common.kernels.moe_layout import sort_by_expert
+    from moemesh.common.kernels.checks import random_fp4_weight
+    from moemesh.common.kernels.fp4_experts import ExpertWeights, WeightFormat, grouped_experts
+    from moemesh.common.kernels.fp4_prefill import _swiglu_bf16, dequant_fp4_experts, grouped_experts_dequant
+    from moemesh.common.kernels.moe_layout import sort_by_expert
 
     generator = torch.Generator(device="cuda").manual_seed(1)
     w1, s1 = random_fp4_weight((NUM_EXPERTS, EXPERT_WIDTH, HIDDEN), generator, "cuda")
@@ -114,9 +114,9 @@ def bench_prefill_fp8(ceilings: dict, token_counts) -> list[dict]:
     both as CUDA-graph replays (neither syncs the host), and the dequantisation alone."""
     import torch
 
-    from common.kernels.fp8_dequant import dequant_fp8, fp8_linear_dequant
-    from common.kernels.fp8_linear import fp8_linear
-    from common.model.random_init import random_fp8_linear
+    from moemesh.common.kernels.fp8_dequant import dequant_fp8, fp8_linear_dequant
+    from moemesh.common.kernels.fp8_linear import fp8_linear
+    from moemesh.common.model.random_init import random_fp8_linear
 
     generator = torch.Generator(device="cuda").manual_seed(2)
     rows = []
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench.kernels_prefill needs a CUDA device", file=sys.stderr)
         return 2
-    from bench.results_io import write_result
+    from moemesh.bench.results_io import write_result
 
     ceilings = measure_ceilings()
     fp8_rows = bench_prefill_fp8(ceilings, args.tokens) if args.only in ("all", "fp8") else []

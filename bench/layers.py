@@ -1,6 +1,6 @@
 """`moemesh bench layers`: N DeepSeek-V4 layers at true V4-Flash width, weights quantized on the device.
 
-Usage: python -m bench.layers [--layers csa,hca] [--batch 1,8,64] [--context 4096] [--prefill 2048,8192]
+Usage: python -m moemesh.bench.layers [--layers csa,hca] [--batch 1,8,64] [--context 4096] [--prefill 2048,8192]
        [--device cuda:0] [--steps 10] [--no-transformers] [--tiny] [--out-dir DIR]
        [--disaggregated [--data-planes zmq,cuda_ipc] [--micro-batches 2] [--no-in-process]]
 
@@ -92,12 +92,12 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from bench import layers_floors as floors
-    from bench import layers_timing as timing
-    from bench.layers_hf import bench_transformers, transformers_available
-    from bench.layers_report import print_table, summarize
-    from bench.results_io import write_result
-    from common.model.random_init import LAYER_KIND_NAMES, flash_config, random_model, tiny_flash_like_config
+    from moemesh.bench import layers_floors as floors
+    from moemesh.bench import layers_timing as timing
+    from moemesh.bench.layers_hf import bench_transformers, transformers_available
+    from moemesh.bench.layers_report import print_table, summarize
+    from moemesh.bench.results_io import write_result
+    from moemesh.common.model.random_init import LAYER_KIND_NAMES, flash_config, random_model, tiny_flash_like_config
 
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
 
     if args.disaggregated:
-        from bench.layers_disagg import run_disaggregated
+        from moemesh.bench.layers_disagg import run_disaggregated
 
         print(f"disaggregated decode ({','.join(args.data_planes)}) ...", flush=True)
         try:
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    from common.kernels import fp8_dequant
-    from common.kernels.fp4_prefill import DEFAULT_PREFILL_PATH, PREFILL_PATH_ENV
+    from moemesh.common.kernels import fp8_dequant
+    from moemesh.common.kernels.fp4_prefill import DEFAULT_PREFILL_PATH, PREFILL_PATH_ENV
 
     expert_paths = args.prefill_expert_paths or [DEFAULT_PREFILL_PATH.value]
     fp8_paths = args.prefill_fp8_paths or [fp8_dequant.fp8_prefill_path().value]

@@ -1,7 +1,7 @@
 """Disaggregated decode for `bench layers --disaggregated`: the attention side here, the routed experts in
 an expert worker process on the same device, through the real code paths.
 
-The expert process (`python -m bench.layers_disagg --serve-expert ENDPOINT ...`) is the real
+The expert process (`python -m moemesh.bench.layers_disagg --serve-expert ENDPOINT ...`) is the real
 `ExpertWorker` on the real service runner (ZeroMQ ROUTER, asyncio loop), holding the same random
 routed experts as the in-process stack (`random_routed_experts` with the seed `random_model`
 uses, so the weights are bit-identical) as a stacked `QuantizedRoutedExperts` (`holder`), so it
@@ -39,11 +39,11 @@ def serve_expert(endpoint: str, layers: str, tiny: bool, device: str, seed: int,
     """Run the real ExpertWorker holding every routed expert of the stack (random, seed + 1)."""
     import torch
 
-    from common.model.config import NumericsConfig
-    from common.model.random_init import LAYER_KIND_NAMES, flash_config, random_routed_experts, tiny_flash_like_config
-    from common.runtime.service import ServiceConfig, run_service
-    from common.wire.messages import ServiceRole
-    from services.expert.worker import ExpertWorker, ExpertWorkerConfig
+    from moemesh.common.model.config import NumericsConfig
+    from moemesh.common.model.random_init import LAYER_KIND_NAMES, flash_config, random_routed_experts, tiny_flash_like_config
+    from moemesh.common.runtime.service import ServiceConfig, run_service
+    from moemesh.common.wire.messages import ServiceRole
+    from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
     kinds = [LAYER_KIND_NAMES[name.strip()] for name in layers.split(",") if name.strip()]
     config = tiny_flash_like_config(kinds, kernel_friendly=kernel_friendly) if tiny else flash_config(kinds)
@@ -59,7 +59,7 @@ def serve_expert(endpoint: str, layers: str, tiny: bool, device: str, seed: int,
                                                           seed=seed + 1))
             self.allocate_staging()
             if graph_buckets and torch_device.type == "cuda":
-                from services.expert.graphs import ExpertGraphConfig, ExpertGraphs
+                from moemesh.services.expert.graphs import ExpertGraphConfig, ExpertGraphs
 
                 self.graphs = ExpertGraphs(self.holdings.experts, ExpertGraphConfig(graph_buckets), torch_device, self.dtype)
 
@@ -72,7 +72,7 @@ def serve_expert(endpoint: str, layers: str, tiny: bool, device: str, seed: int,
 
 def start_expert_process(endpoint: str, layers: str, tiny: bool, device: str, seed: int,
                          kernel_friendly: bool = False, graph_buckets: tuple[int, ...] = ()) -> subprocess.Popen:
-    command = [sys.executable, "-m", "bench.layers_disagg", "--serve-expert", endpoint, "--layers", layers,
+    command = [sys.executable, "-m", "moemesh.bench.layers_disagg", "--serve-expert", endpoint, "--layers", layers,
                "--device", device, "--seed", str(seed)] + (["--tiny"] if tiny else []) + (
                ["--kernel-friendly"] if kernel_friendly else []) + (
                ["--graph-buckets", ",".join(map(str, graph_buckets))] if graph_buckets else [])
@@ -80,9 +80,9 @@ def start_expert_process(endpoint: str, layers: str, tiny: bool, device: str, se
 
 
 def wait_until_serving(endpoint: str, context: Any, process: subprocess.Popen, timeout_s: float) -> None:
-    from common.wire.errors import ReplyTimeout
-    from common.wire.messages import Ping
-    from common.wire.transport import SyncClient
+    from moemesh.common.wire.errors import ReplyTimeout
+    from moemesh.common.wire.messages import Ping
+    from moemesh.common.wire.transport import SyncClient
 
     deadline = time.monotonic() + timeout_s
     client = SyncClient(endpoint, context=context)
@@ -135,7 +135,7 @@ class LocalGraphDispatcher(LocalDispatcher):
     (services/expert/graphs.py): the reference that isolates the cost of the process boundary."""
 
     def __init__(self, experts: Any, device, dtype, buckets: tuple[int, ...]) -> None:
-        from services.expert.graphs import ExpertGraphConfig, ExpertGraphs
+        from moemesh.services.expert.graphs import ExpertGraphConfig, ExpertGraphs
 
         super().__init__(experts)
         self.graphs = ExpertGraphs(experts, ExpertGraphConfig(buckets), device, dtype)
@@ -148,8 +148,8 @@ class LocalGraphDispatcher(LocalDispatcher):
 # ----------------------------------------------------------------------------- timing
 def decode_inputs(states: list, token_ids, num_micro_batches: int) -> list:
     """[(token_ids [T_i], chunks_i)] for one decode step, sequences split into contiguous micro-batches."""
-    from common.model.batch import SequenceChunk
-    from services.attention.worker import split_micro_batches
+    from moemesh.common.model.batch import SequenceChunk
+    from moemesh.services.attention.worker import split_micro_batches
 
     return [(token_ids[group.start:group.stop], [SequenceChunk(states[i], 1) for i in group])
             for group in split_micro_batches(len(states), num_micro_batches)]
@@ -195,10 +195,10 @@ def run_disaggregated(args: Any, side: Any, experts: Any, config: Any, device, d
     """Every batch size x micro-batch count x data plane (x graphs); returns the JSON section."""
     import zmq
 
-    from common.wire.cuda_ipc import CudaIpcConfig, DataPlane
-    from services.attention.expert_channel import ExpertChannel
-    from services.attention.model_runner import ModelRunner
-    from services.attention.moe_dispatch import MoEDispatcher
+    from moemesh.common.wire.cuda_ipc import CudaIpcConfig, DataPlane
+    from moemesh.services.attention.expert_channel import ExpertChannel
+    from moemesh.services.attention.model_runner import ModelRunner
+    from moemesh.services.attention.moe_dispatch import MoEDispatcher
 
     buckets = tuple(getattr(args, "expert_graph_buckets", None) or ())
     section: dict = {"expert_process": "services.expert.worker.ExpertWorker (holder: QuantizedRoutedExperts)",
@@ -244,7 +244,7 @@ def _time_batch(args, config, side, experts, local_runner, runners: dict, batch_
                 dtype) -> list[dict]:
     import torch
 
-    from bench.layers_timing import decode_states
+    from moemesh.bench.layers_timing import decode_states
 
     states = decode_states(config, batch_size, args.context, dtype, device, args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
@@ -272,7 +272,7 @@ def _time_graphed(args, side, experts, runners: dict, states, token_ids, num_mic
     """The same steps with CUDA graphs of the attention segments (bench/layers_graphs.py)."""
     import torch
 
-    from bench.layers_graphs import SegmentGraphDecode, time_segment_graphs
+    from moemesh.bench.layers_graphs import SegmentGraphDecode, time_segment_graphs
 
     rows = []
     try:

@@ -13,7 +13,7 @@ Legend: B batch, E routed experts, k top-k, P prompt tokens, D hidden, H heads, 
 
 from __future__ import annotations
 
-from common.model.config import AttentionKind, ModelConfig
+from moemesh.common.model.config import AttentionKind, ModelConfig
 
 FLASH_LAYER_COUNTS = {AttentionKind.WINDOW: 2, AttentionKind.CSA: 21, AttentionKind.HCA: 20}
 

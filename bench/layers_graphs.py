@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from common.model.batch import ForwardBatch
+from moemesh.common.model.batch import ForwardBatch
 
 
 @dataclass
@@ -75,7 +75,7 @@ class SegmentGraphDecode:
 
     def __init__(self, side, states: list, token_ids: torch.Tensor, num_micro_batches: int, num_graph_steps: int,
                  warm_experts: Any) -> None:
-        from services.attention.worker import split_micro_batches
+        from moemesh.services.attention.worker import split_micro_batches
 
         self.side = side
         self.states = states
@@ -91,7 +91,7 @@ class SegmentGraphDecode:
                 self.steps.append(self._capture(token_ids))
 
     def _new_micro_batches(self, token_ids) -> tuple[list[_MicroBatchGraphs], list[ForwardBatch]]:
-        from common.model.batch import SequenceChunk
+        from moemesh.common.model.batch import SequenceChunk
 
         dtype, hidden = self.side.dtype, self.side.config.hidden_size
         mbs, batches = [], []

@@ -1,7 +1,7 @@
 """Where a decode step's device time goes: torch.profiler over eager decode steps of `bench.layers`' stack.
 
-Usage: python -m bench.layers_profile [--layers csa,hca] [--batch 1] [--context 4096] [--steps 3]
-       python -m bench.layers_profile --prefill 8192 [--steps 2]
+Usage: python -m moemesh.bench.layers_profile [--layers csa,hca] [--batch 1] [--context 4096] [--steps 3]
+       python -m moemesh.bench.layers_profile --prefill 8192 [--steps 2]
 Prints the kernels by total device time and the number of kernel launches per step (a CUDA graph
 removes host gaps, not the ~2-3 us each small kernel costs on the device). With `--prefill N` it
 profiles one-forward prefills of an N-token prompt instead (as `bench.layers` times them, eager)
@@ -19,10 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench import layers_timing as timing
-    from common.model.random_init import LAYER_KIND_NAMES, flash_config, random_model, tiny_flash_like_config
+    from moemesh.bench import layers_timing as timing
+    from moemesh.common.model.random_init import LAYER_KIND_NAMES, flash_config, random_model, tiny_flash_like_config
 
-    parser = argparse.ArgumentParser(prog="python -m bench.layers_profile")
+    parser = argparse.ArgumentParser(prog="python -m moemesh.bench.layers_profile")
     parser.add_argument("--layers", default="csa,hca")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=4096)
@@ -59,7 +59,7 @@ def _profile_prefill(side, experts, config, num_tokens: int, num_steps: int, top
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench import layers_timing as timing
+    from moemesh.bench import layers_timing as timing
 
     timing.time_prefill(side, experts, config, num_tokens, num_reps=1)  # warm-up (compiles)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from statistics import mean
 
-from bench import layers_floors as floors
-from common.model.config import AttentionKind
+from moemesh.bench import layers_floors as floors
+from moemesh.common.model.config import AttentionKind
 
 
 def _per_kind(values: list[float], kinds: list[AttentionKind]) -> dict[AttentionKind, float]:

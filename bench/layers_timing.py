@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.batch import ForwardBatch, SequenceChunk
-from common.model.random_init import fill_random_context, new_sequence_state
+from moemesh.common.model.batch import ForwardBatch, SequenceChunk
+from moemesh.common.model.random_init import fill_random_context, new_sequence_state
 
 Piece = tuple[str, Callable[[], None]]
 
@@ -42,7 +42,7 @@ class TimedPieces:
 def measure_ceilings(device: torch.device) -> dict:
     """Copy bandwidth (read + write bytes) and bf16 (fp32 on CPU) matmul rate of `device`."""
     if device.type == "cuda":
-        from bench.kernels import measure_ceilings as cuda_ceilings
+        from moemesh.bench.kernels import measure_ceilings as cuda_ceilings
 
         return cuda_ceilings()
     num_bytes, size = 256 * 1024**2, 1024

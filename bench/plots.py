@@ -1,4 +1,4 @@
-"""Render benchmark results as PNG plots beside their JSON: `python -m bench.plots [DIR|FILE...]`.
+"""Render benchmark results as PNG plots beside their JSON: `python -m moemesh.bench.plots [DIR|FILE...]`.
 
 Every benchmark result `<name>.json` becomes `<name>.png`: its numeric figures (the leaves of the
 JSON, named by their path, e.g. `decode.b1.step_ms`) as horizontal bars, one panel per kind of

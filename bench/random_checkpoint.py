@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.random_checkpoint_tensors import (
+from moemesh.bench.random_checkpoint_tensors import (
     Entry, checkpoint_entries, shard_plan, skew_bias, skew_ranks, write_shard,
 )
 
@@ -82,7 +82,7 @@ TINY_SETTINGS: dict[str, Any] = dict(
 
 # ------------------------------------------------------------------------------------ configs
 def _flash() -> dict[str, Any]:
-    from common.placement.presets import v4_flash_hub_dict
+    from moemesh.common.placement.presets import v4_flash_hub_dict
 
     return v4_flash_hub_dict()
 
@@ -133,7 +133,7 @@ def hub_config(preset: str = "v4-flash", *, num_layers: int | None = None, dspar
     real schedule: window-only first, then CSA/HCA alternating; hash routing for the first
     min(3, N)), `num_mtp_layers` plain MTP blocks (default: the preset's) or the DSpark stages, then
     `overrides` (hub keys, applied last). Validated by `ModelConfig`."""
-    from common.model.config import ModelConfig
+    from moemesh.common.model.config import ModelConfig
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
@@ -200,7 +200,7 @@ def write_random_checkpoint(out_dir: str | Path, hub: dict[str, Any], *, seed: i
     """Write the checkpoint of hub config `hub` into `out_dir` (created; must not hold a checkpoint).
     workers: shards written at once, each by its own process (default: half the cores, at most one per
     shard); the bytes do not depend on it."""
-    from common.model.config import ModelConfig
+    from moemesh.common.model.config import ModelConfig
 
     config = ModelConfig.from_dict(hub)
     out_dir = Path(out_dir)
@@ -347,8 +347,8 @@ def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.model.config import ConfigError
-    from common.placement.devices import parse_size
+    from moemesh.common.model.config import ConfigError
+    from moemesh.common.placement.devices import parse_size
 
     args = parse_args(argv)
     try:

@@ -115,7 +115,7 @@ class Entry:
 
     @property
     def num_bytes(self) -> int:
-        from common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES
+        from moemesh.common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES
 
         return math.prod(self.shape) * SAFETENSORS_DTYPE_BYTES[self.dtype]
 
@@ -144,8 +144,8 @@ def _plain_role(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
 
 def checkpoint_entries(config, routing_skew: float) -> list[Entry]:
     """Every safetensors entry of `config`'s inventory, in file order, with its value rule."""
-    from common.checkpoint.inventory import StorageKind, tensor_inventory
-    from common.model.config import RouterKind
+    from moemesh.common.checkpoint.inventory import StorageKind, tensor_inventory
+    from moemesh.common.model.config import RouterKind
 
     out = []
     for spec in tensor_inventory(config).values():
@@ -238,7 +238,7 @@ def safetensors_header(entries: list[Entry]) -> bytes:
 def write_shard(path: Path, entries: list[Entry], hub: dict[str, Any], seed: int,
                  routing_skew: float) -> tuple[int, float]:
     """Stream one shard to `path`: (bytes of tensor data written, seconds)."""
-    from common.model.config import ModelConfig
+    from moemesh.common.model.config import ModelConfig
 
     config = ModelConfig.from_dict(hub)
     began_s = time.perf_counter()

@@ -69,7 +69,7 @@ def write_result(
     target_dir.mkdir(parents=True, exist_ok=True)
     path = target_dir / f"{name}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
-    from bench.plots import render_beside
+    from moemesh.bench.plots import render_beside
 
     render_beside(path)  # `<name>-<time>.png` beside the JSON; nothing (and a note) without matplotlib
     return path

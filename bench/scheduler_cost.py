@@ -6,7 +6,7 @@ N requests with 512-token prompts all running, prefix caching on, optionally wit
 to verify (all accepted, so every step also appends several tokens per request). Only the
 two scheduler calls are timed; building the fake results in between is not.
 
-    python -m bench.scheduler_cost [--num-steps 400] [--num-drafts 0 4] [--seqs 1 64 256]
+    python -m moemesh.bench.scheduler_cost [--num-steps 400] [--num-drafts 0 4] [--seqs 1 64 256]
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import random
 import statistics
 import time
 
-from bench.results_io import write_result
-from common.sampling_params import SamplingParams
-from services.router.scheduler import Request, Scheduler, SchedulerConfig, SequenceResult
+from moemesh.bench.results_io import write_result
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.router.scheduler import Request, Scheduler, SchedulerConfig, SequenceResult
 
 PROMPT_TOKENS = 512
 MAX_MODEL_LEN = 1 << 16

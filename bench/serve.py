@@ -29,11 +29,11 @@ from pathlib import Path
 import httpx
 import structlog
 
-from bench.results_io import write_result
-from bench.serve_client import Endpoint, RequestOptions, RequestRecord, build_body, first_model, send_request
-from bench.serve_metrics import SloLimits, parse_goodput, parse_percentiles, request_summary, summarize
-from bench.serve_report import format_table
-from bench.serve_workload import (Arrival, PromptTrimmer, WorkloadRequest, arrival_offsets_s, file_requests,
+from moemesh.bench.results_io import write_result
+from moemesh.bench.serve_client import Endpoint, RequestOptions, RequestRecord, build_body, first_model, send_request
+from moemesh.bench.serve_metrics import SloLimits, parse_goodput, parse_percentiles, request_summary, summarize
+from moemesh.bench.serve_report import format_table
+from moemesh.bench.serve_workload import (Arrival, PromptTrimmer, WorkloadRequest, arrival_offsets_s, file_requests,
                                   random_requests)
 
 log = structlog.get_logger("bench")

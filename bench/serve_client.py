@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.serve_workload import WorkloadRequest
+from moemesh.bench.serve_workload import WorkloadRequest
 
 FAILED_FINISH_REASONS = frozenset({"error", "abort"})
 MAX_ERROR_CHARS = 300

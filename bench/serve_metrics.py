@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.serve_client import RequestRecord
+from moemesh.bench.serve_client import RequestRecord
 
 DEFAULT_PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0)
 NUM_ERRORS_KEPT = 5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.serve_metrics import percentile_key
+from moemesh.bench.serve_metrics import percentile_key
 
 WIDTH = 50
 SECTIONS = (

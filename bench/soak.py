@@ -1,7 +1,7 @@
 """Soak benchmark: a long run of concurrent streams with random client aborts and periodic
 restarts of one expert worker, on the default model.
 
-    python -m bench.soak [--minutes 20] [--concurrency 8] [--restart-interval-s 120] [--abort-probability 0.2]
+    python -m moemesh.bench.soak [--minutes 20] [--concurrency 8] [--restart-interval-s 120] [--abort-probability 0.2]
 
 The services run under `moemesh serve` itself (the default model, `--expert-workers` 2, the
 drafter when the checkpoint has one), which restarts a service that dies: every interval the
@@ -53,7 +53,7 @@ _KV_USED = re.compile(r'^moemesh_kv_blocks_used\{tier="(\w+)"\}\s+([0-9.eE+-]+)$
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moemesh.bench.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=20.0, help="load duration (default 20)")
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory (default: the embedded model)")
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent client streams (default 8)")
@@ -167,7 +167,7 @@ class Soak:
     worker on schedule, and samples RSS per service."""
 
     def __init__(self, args) -> None:
-        from common.commands.serve_config import check_model_dir
+        from moemesh.commands.serve_config import check_model_dir
 
         self.args = args
         self.model_dir = check_model_dir(args.model)
@@ -183,7 +183,7 @@ class Soak:
         self.started_at = time.monotonic()
 
     def start(self) -> None:
-        command = [sys.executable, "-m", "common.cli", "serve", "--model", str(self.model_dir),
+        command = [sys.executable, "-m", "moemesh.cli", "serve", "--model", str(self.model_dir),
                    "--port", str(self.args.port), "--expert-workers", str(self.args.expert_workers),
                    "--run-dir", str(self.run_dir), "--ready-timeout", "600",
                    # restarts are this benchmark's point: a budget it never spends
@@ -336,7 +336,7 @@ def _served_model(base_url: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """0 when the soak ran, served requests and leaked no blocks; 1 otherwise."""
-    from bench.results_io import write_result
+    from moemesh.bench.results_io import write_result
 
     args = build_parser().parse_args(argv)
     soak = Soak(args)

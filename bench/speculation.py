@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.speculation_checks import run_problems, speedups
+from moemesh.bench.speculation_checks import run_problems, speedups
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Running text of the chapters the default model memorised (its training format `Book C:V text`), so
@@ -103,7 +103,7 @@ def _serve_args(mode: str, spec_width: int | None) -> list[str]:
 def _launch(model: str, mode: str, extra: list[str]) -> Server:
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-spec-{mode}-"))
     port = _free_port()
-    command = [sys.executable, "-m", "common.cli", "serve", "--model", model, "--port", str(port), "--run-dir",
+    command = [sys.executable, "-m", "moemesh.cli", "serve", "--model", model, "--port", str(port), "--run-dir",
                str(run_dir), *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                MOEMESH_SPEC_WIDTH_POLICY=WIDTH_POLICY[mode])
@@ -326,7 +326,7 @@ def _keep_logs(servers: list[Server], target: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.results_io import describe_device, write_result
+    from moemesh.bench.results_io import describe_device, write_result
 
     args = parse_args(argv)
     ignore_eos = args.ignore_eos

@@ -16,8 +16,8 @@ Variants (`--variants`, alternated run by run so that load on the host hits both
   `send_multipart(copy=False, track=True)` whose returned tracker (the last frame's) releases the
   buffer -- too early when the last frame is small.
 
-    python -m bench.wire_staging                      # 8 KB, 1 MB, 16 MB, both variants
-    python -m bench.wire_staging --sizes 8K,1M --repeats 5 --variants fixed --out-dir bench/results
+    python -m moemesh.bench.wire_staging                      # 8 KB, 1 MB, 16 MB, both variants
+    python -m moemesh.bench.wire_staging --sizes 8K,1M --repeats 5 --variants fixed --out-dir bench/results
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def parse_size(text: str) -> int:
 def _message(num_bytes: int, seed: int) -> Any:
     import torch
 
-    from common.wire.messages import Dispatch
+    from moemesh.common.wire.messages import Dispatch
 
     hidden_size = 256  # D
     num_tokens = max(1, num_bytes // (4 * hidden_size))  # T
@@ -60,7 +60,7 @@ def _message(num_bytes: int, seed: int) -> Any:
 def _receiver(context: Any, address: str, num_messages: int, answer: bool, sums: list[float]) -> None:
     import zmq
 
-    from common.wire import codec
+    from moemesh.common.wire import codec
 
     socket = context.socket(zmq.PAIR)
     socket.setsockopt(zmq.LINGER, 0)
@@ -91,8 +91,8 @@ def _send_last_tracker(socket: Any, pool: Any, frames_for: Any) -> None:
 def run_case(num_bytes: int, num_messages: int, pingpong: bool, variant: str) -> dict[str, Any]:
     import zmq
 
-    from common.wire import codec
-    from common.wire.staging import SendStagingPool, StagingConfig, send_staged
+    from moemesh.common.wire import codec
+    from moemesh.common.wire.staging import SendStagingPool, StagingConfig, send_staged
 
     send = send_staged if variant == "fixed" else _send_last_tracker
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"(runs {row['us_per_message_runs']}), "
                       f"corrupt {row['num_corrupt']}/{num_messages * args.repeats}", flush=True)
     if args.out_dir:
-        from bench import results_io
+        from moemesh.bench import results_io
 
         results_io.write_result("wire_staging", {"rows": rows}, out_dir=Path(args.out_dir))
     return 0

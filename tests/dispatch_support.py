@@ -13,15 +13,15 @@ from pathlib import Path
 
 import zmq
 
-from common.wire import codec
-from common.wire.messages import Dispatch
-from common.wire.staging import send_staged
-from common.wire.transport import Kind, pack_envelope, unpack_envelope
+from moemesh.common.wire import codec
+from moemesh.common.wire.messages import Dispatch
+from moemesh.common.wire.staging import send_staged
+from moemesh.common.wire.transport import Kind, pack_envelope, unpack_envelope
 
 
 def write_tiny_checkpoint(path: Path, seed: int = 5):
-    from common.checkpoint.tiny import tiny_config
-    from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+    from moemesh.common.checkpoint.tiny import tiny_config
+    from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 
     config = tiny_config(num_experts_per_tok=4)
     write_checkpoint(path, config, random_hub_state_dict(config, seed=seed, include_mtp=False))
@@ -30,8 +30,8 @@ def write_tiny_checkpoint(path: Path, seed: int = 5):
 
 def expert_worker(checkpoint: Path, name: str = "expert-t", **config_fields):
     """An ExpertWorker holding every (layer, expert) pair of the checkpoint, staging allocated."""
-    from common.model.config import ModelConfig
-    from services.expert.worker import ExpertWorker, ExpertWorkerConfig
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
     model_config = ModelConfig.load(str(checkpoint))
     pairs = tuple((l, e) for l in range(model_config.num_hidden_layers) for e in range(model_config.n_routed_experts))

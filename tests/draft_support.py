@@ -12,8 +12,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # what `moemesh draft --config FILE` runs, without the CLI's argument parsing
-DRAFT_CHILD = ("import sys; from common.runtime.deployment import load_deployment; "
-               "from services.draft.main import run; sys.exit(run(load_deployment(sys.argv[1]), None, 'info'))")
+DRAFT_CHILD = ("import sys; from moemesh.common.runtime.deployment import load_deployment; "
+               "from moemesh.services.draft.main import run; sys.exit(run(load_deployment(sys.argv[1]), None, 'info'))")
 
 
 def write_draft_deployment(run_dir: Path, model_path: Path | str) -> Path:
@@ -42,9 +42,9 @@ async def running_draft_worker(config_path: Path, *, ready_timeout_s: float = 60
     Always kills the child, closes the client and the supervisor, and terminates the context."""
     import zmq.asyncio
 
-    from common.runtime.deployment import derive_endpoints, load_deployment
-    from common.runtime.supervisor import Supervisor
-    from common.wire.transport import AsyncClient
+    from moemesh.common.runtime.deployment import derive_endpoints, load_deployment
+    from moemesh.common.runtime.supervisor import Supervisor
+    from moemesh.common.wire.transport import AsyncClient
 
     endpoints = derive_endpoints(load_deployment(config_path))
     context = zmq.asyncio.Context()

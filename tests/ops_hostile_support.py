@@ -67,9 +67,9 @@ def build_ledger_app(step_delay_s: float, max_model_len: int = 512):
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from common.chat import tokens as tk
-    from services.router.app import build_app
-    from services.router.gateway_config import GatewayConfig
+    from moemesh.common.chat import tokens as tk
+    from moemesh.services.router.app import build_app
+    from moemesh.services.router.gateway_config import GatewayConfig
 
     tokenizer = tiny_tokenizer()
     eos = tokenizer.token_to_id(tk.EOS)

@@ -105,7 +105,7 @@ def start_in_netns(netns: str, role: str, name: str, config_path: Path, log_dir:
     stderr_path = log_dir / f"{name}.stderr"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    command = ["ip", "netns", "exec", netns, sys.executable, "-m", "common.cli", role,
+    command = ["ip", "netns", "exec", netns, sys.executable, "-m", "moemesh.cli", role,
                "--config", str(config_path), "--name", name]
     with open(stderr_path, "ab") as stderr:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, env=env,
@@ -177,11 +177,11 @@ def _probe(argv: list[str]) -> int:
 
     import zmq
 
-    from common.security.curve import generate_key_pair, load_key_pair, load_public_key
-    from common.security.socket_security import SocketSecurity
-    from common.wire import messages as m
-    from common.wire.errors import ReplyTimeout
-    from common.wire.transport import SyncClient
+    from moemesh.common.security.curve import generate_key_pair, load_key_pair, load_public_key
+    from moemesh.common.security.socket_security import SocketSecurity
+    from moemesh.common.wire import messages as m
+    from moemesh.common.wire.errors import ReplyTimeout
+    from moemesh.common.wire.transport import SyncClient
 
     endpoint, server_key_file, timeout_s = argv[0], Path(argv[1]), float(argv[2])
     own = load_key_pair(argv[3], argv[4]) if len(argv) >= 5 else generate_key_pair("stranger")

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from common.chat import SPECIAL_TOKENS
-from services.router.engine_client import (
+from moemesh.common.chat import SPECIAL_TOKENS
+from moemesh.services.router.engine_client import (
     EngineError,
     FinishReason,
     GenerationRequest,

@@ -8,9 +8,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from common.security.curve import CurveKeyPair, generate_key_pair, write_key_pair
-from common.security.socket_security import SocketSecurity
-from common.wire import messages as m
+from moemesh.common.security.curve import CurveKeyPair, generate_key_pair, write_key_pair
+from moemesh.common.security.socket_security import SocketSecurity
+from moemesh.common.wire import messages as m
 
 
 def make_keys(keys_dir: Path, *names: str) -> dict[str, CurveKeyPair]:
@@ -65,7 +65,7 @@ class SecureEchoServer:
     async def _main(self) -> None:
         import zmq.asyncio
 
-        from common.wire.transport import AsyncServer
+        from moemesh.common.wire.transport import AsyncServer
 
         context = zmq.asyncio.Context()
         server = None

@@ -17,12 +17,12 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from common.sampling_params import SamplingParams
-from common.wire import codec
-from services.attention.speculation import attach_feature_sender
-from services.router.engine_drafts import DraftConfig, DraftCoordinator
-from services.router.engine_plan import PlanTranslator, translate_result
-from services.router.scheduler import Request, Scheduler, SchedulerConfig
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire import codec
+from moemesh.services.attention.speculation import attach_feature_sender
+from moemesh.services.router.engine_drafts import DraftConfig, DraftCoordinator
+from moemesh.services.router.engine_plan import PlanTranslator, translate_result
+from moemesh.services.router.scheduler import Request, Scheduler, SchedulerConfig
 
 
 def wire_round_trip(message):

@@ -55,7 +55,7 @@ def start_serve(run_dir: Path, *args: str, model: Path | str = DEFAULT_MODEL, ti
     ones); None: serve's default, auto; a `--devices` in `args` comes later and wins."""
     port = free_port()
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "common.cli", "serve", "--model", str(model), "--port", str(port),
+    command = [sys.executable, "-m", "moemesh.cli", "serve", "--model", str(model), "--port", str(port),
                "--run-dir", str(run_dir), "--ready-timeout", str(int(timeout_s)), "--drain-timeout", "20",
                *(("--devices", devices) if devices else ()), *args]
     env = dict(os.environ, **(env or {}), PYTHONPATH=str(REPO_ROOT))

@@ -33,12 +33,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # when run as a script (the interpreter child)
     sys.path.insert(0, str(REPO_ROOT))
 
-from common.model.state import SequenceState  # noqa: E402
-from common.model.tiny import tiny_config  # noqa: E402
-from services.attention.graph_checks import tiny_graph_config  # noqa: E402
-from services.attention.boundary import Recorder, recording_state, restore_state  # noqa: E402
-from services.attention.kv_config import KVPoolConfig  # noqa: E402
-from services.attention.kv_pool import BlockTable, KVPool, KVPoolError  # noqa: E402
+from moemesh.common.model.state import SequenceState  # noqa: E402
+from moemesh.common.model.tiny import tiny_config  # noqa: E402
+from moemesh.services.attention.graph_checks import tiny_graph_config  # noqa: E402
+from moemesh.services.attention.boundary import Recorder, recording_state, restore_state  # noqa: E402
+from moemesh.services.attention.kv_config import KVPoolConfig  # noqa: E402
+from moemesh.services.attention.kv_pool import BlockTable, KVPool, KVPoolError  # noqa: E402
 
 BLOCK = 16  # a multiple of the tiny model's ratios (4, 8); W = 8, max rollback 8
 NUM_BLOCKS = 12
@@ -53,7 +53,7 @@ MAX_CHUNK_TOKENS = 40
 def _kernel_forward(model, token_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
     """One sequence's chunk through the Triton attention path -> logits [T, V] (ReferenceModel.forward
     with the backend forced, so that it runs on CPU under the interpreter too)."""
-    from common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
+    from moemesh.common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
 
     side = model.side
     with torch.inference_mode():
@@ -101,9 +101,9 @@ def _state_error(got: SequenceState, expected: SequenceState) -> float:
 
 
 def run_cases(device: str) -> list[dict]:
-    from common.model.config import NumericsConfig
-    from common.model.random_init import random_model
-    from common.model.reference import ReferenceModel
+    from moemesh.common.model.config import NumericsConfig
+    from moemesh.common.model.random_init import random_model
+    from moemesh.common.model.reference import ReferenceModel
 
     dtype = torch.float32  # fp32 on CUDA too: bf16 numerics make FP8 linears, whose 128 blocks the tiny widths lack
     config = tiny_graph_config()
@@ -257,7 +257,7 @@ def test_a_write_past_the_ring_reach_without_record_write_is_poisoned_and_refuse
 
 
 if __name__ == "__main__":  # the interpreter child of test_kernel_path_snapshots_restore_under_interpreter
-    from common.kernels.attention_checks import patch_interpreter_scalar_index
+    from moemesh.common.kernels.attention_checks import patch_interpreter_scalar_index
 
     patch_interpreter_scalar_index()
     for case in run_cases("cuda" if len(sys.argv) > 1 and sys.argv[1] == "cuda" else "cpu"):

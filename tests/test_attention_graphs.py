@@ -25,8 +25,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def tiny_side():
-    from common.model.random_init import random_model
-    from services.attention.graph_checks import tiny_graph_config
+    from moemesh.common.model.random_init import random_model
+    from moemesh.services.attention.graph_checks import tiny_graph_config
 
     config = tiny_graph_config()
     side, _ = random_model(config, "cpu")
@@ -35,7 +35,7 @@ def tiny_side():
 
 def test_metadata_path_matches_eager_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "services.attention.graph_checks", "--suite", "interpret"],
+    proc = subprocess.run([sys.executable, "-m", "moemesh.services.attention.graph_checks", "--suite", "interpret"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert records, f"no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
@@ -49,7 +49,7 @@ def test_metadata_path_matches_eager_under_interpreter():
 
 
 def test_index_rows_class():
-    from services.attention.graph_tables import index_rows_class
+    from moemesh.services.attention.graph_tables import index_rows_class
 
     assert index_rows_class(0, 512) is None
     assert index_rows_class(512, 512) is None
@@ -60,15 +60,15 @@ def test_index_rows_class():
 
 
 def _chunks(states):
-    from common.model.batch import SequenceChunk
+    from moemesh.common.model.batch import SequenceChunk
 
     return [(torch.zeros(len(states), dtype=torch.long), [SequenceChunk(s, 1) for s in states])]
 
 
 def test_plan_keys_and_eager_reasons(tiny_side):
-    from common.model.batch import SequenceChunk
-    from common.model.state import SequenceState
-    from services.attention.graph_decode import DecodeGraphConfig, DecodeGraphs
+    from moemesh.common.model.batch import SequenceChunk
+    from moemesh.common.model.state import SequenceState
+    from moemesh.services.attention.graph_decode import DecodeGraphConfig, DecodeGraphs
 
     config, side = tiny_side
     graphs = DecodeGraphs(side, DecodeGraphConfig(buckets=(1, 2, 4), capture=False), "cpu")
@@ -87,10 +87,10 @@ def test_plan_keys_and_eager_reasons(tiny_side):
 
 def test_tables_fill_matches_eager_tables(tiny_side):
     """Positions, per-sequence fields, padding rows and the split sizes the eager launch would plan."""
-    from common.kernels.attention_layout import build_tables, sequence_addresses
-    from common.kernels.sparse_attention import default_config, max_keys_of, plan_splits
-    from common.model.state import SequenceState
-    from services.attention.graph_tables import StaticDecodeTables, split_keys
+    from moemesh.common.kernels.attention_layout import build_tables, sequence_addresses
+    from moemesh.common.kernels.sparse_attention import default_config, max_keys_of, plan_splits
+    from moemesh.common.model.state import SequenceState
+    from moemesh.services.attention.graph_tables import StaticDecodeTables, split_keys
 
     config, side = tiny_side
     states = [SequenceState(config) for _ in range(3)]
@@ -115,7 +115,7 @@ def test_tables_fill_matches_eager_tables(tiny_side):
 
 
 def test_commit_kernel_writes_advances_every_store(tiny_side):
-    from common.model.state import SequenceState
+    from moemesh.common.model.state import SequenceState
 
     config, _ = tiny_side
     state = SequenceState(config)

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model.batch import SequenceChunk
-from common.model.moe import RoutedExperts
-from common.model.reference import ReferenceModel
-from common.model.state import SequenceState
-from common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
-from common.model.attention_side import AttentionSide
-from common.sampling_params import SamplingParams
-from common.wire.messages import SequenceResult, StepResult
-from services.attention.kv_config import KVPoolConfig
-from services.attention.kv_pool import BlockTable, KVPool, KVPoolError, pool_segments
-from services.attention.local_plan import LocalPlanConfig, LocalPlanner, LocalRequest
+from moemesh.common.model.batch import SequenceChunk
+from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.reference import ReferenceModel
+from moemesh.common.model.state import SequenceState
+from moemesh.common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire.messages import SequenceResult, StepResult
+from moemesh.services.attention.kv_config import KVPoolConfig
+from moemesh.services.attention.kv_pool import BlockTable, KVPool, KVPoolError, pool_segments
+from moemesh.services.attention.local_plan import LocalPlanConfig, LocalPlanner, LocalRequest
 
 
 def test_paged_rows_round_trip_through_the_cpu_tier():

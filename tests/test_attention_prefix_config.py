@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from common.commands.serve_config import ServeLayout, deployment_table, render_toml
-from common.runtime.deployment import DeploymentError, KVConfig, load_deployment
-from services.attention.main import add_attention_arguments, kv_pool_config, options_from_args
-from services.router.main import RouterSettings, build_configs
+from moemesh.commands.serve_config import ServeLayout, deployment_table, render_toml
+from moemesh.common.runtime.deployment import DeploymentError, KVConfig, load_deployment
+from moemesh.services.attention.main import add_attention_arguments, kv_pool_config, options_from_args
+from moemesh.services.router.main import RouterSettings, build_configs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

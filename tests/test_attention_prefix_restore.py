@@ -13,15 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model.attention_side import AttentionSide
-from common.model.batch import SequenceChunk
-from common.model.moe import RoutedExperts
-from common.model.reference import ReferenceModel
-from common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
-from common.sampling_params import SamplingParams
-from services.attention.kv_config import KVPoolConfig
-from services.attention.kv_pool import KVPool, KVPoolError
-from services.attention.slots import SlotError, SlotTable
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.batch import SequenceChunk
+from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.reference import ReferenceModel
+from moemesh.common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.attention.kv_config import KVPoolConfig
+from moemesh.services.attention.kv_pool import KVPool, KVPoolError
+from moemesh.services.attention.slots import SlotError, SlotTable
 
 BLOCK = 128
 SAMPLING = SamplingParams(temperature=0.0).to_wire()

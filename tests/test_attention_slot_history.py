@@ -12,12 +12,12 @@ import random
 
 import pytest
 
-from common.sampling_params import SamplingParams
-from services.attention.slots import Slot, SlotError
-from services.router.engine_plan import PlanTranslator
-from services.router.scheduler import Scheduler, SchedulerConfig
-from services.router.scheduler.request import Request
-from services.router.scheduler.sim_engine import SimulatedEngine
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.attention.slots import Slot, SlotError
+from moemesh.services.router.engine_plan import PlanTranslator
+from moemesh.services.router.scheduler import Scheduler, SchedulerConfig
+from moemesh.services.router.scheduler.request import Request
+from moemesh.services.router.scheduler.sim_engine import SimulatedEngine
 
 
 def _slot() -> Slot:

@@ -1,7 +1,7 @@
 """bench.fullsize: the split run (attention worker + two expert worker processes loading a random
 checkpoint) equals the in-process reference; the pieces it is built from do what they say.
 
-The end-to-end test runs `python -m bench.fullsize --tiny` (4 layers, CPU) and checks its JSON: the
+The end-to-end test runs `python -m moemesh.bench.fullsize --tiny` (4 layers, CPU) and checks its JSON: the
 pair check passed, the greedy tokens of every run equal the single-process run's on the same checkpoint
 and the chosen-token logprobs agree within bench/fullsize_reference.py's tolerance, both routings ran,
 the context prefill routed "near" touched no far expert, skewed routing sends more of the routed slots
@@ -21,21 +21,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.model.config import ModelConfig
+from moemesh.common.model.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _tiny_config(num_layers: int = 4) -> ModelConfig:
-    from bench.fullsize_setup import model_hub_dict
+    from moemesh.bench.fullsize_setup import model_hub_dict
 
     return ModelConfig.from_dict(model_hub_dict(num_layers, tiny=True))
 
 
 def test_cpu_fp4_linear_equals_reference_dequantisation():
-    from common.kernels.reference import dequant_fp4
-    from common.model.random_init import random_fp4_stack
-    from services.expert.cpu_experts import fp4_linear_blocked
+    from moemesh.common.kernels.reference import dequant_fp4
+    from moemesh.common.model.random_init import random_fp4_stack
+    from moemesh.services.expert.cpu_experts import fp4_linear_blocked
 
     generator = torch.Generator().manual_seed(3)
     packed, scale = random_fp4_stack(1, 96, 128, generator=generator)
@@ -47,10 +47,10 @@ def test_cpu_fp4_linear_equals_reference_dequantisation():
 
 
 def test_skew_concentrates_on_low_ranks():
-    from bench.fullsize_setup import plan_split
+    from moemesh.bench.fullsize_setup import plan_split
 
     config = _tiny_config(4)
-    from common.placement.cost import ModelCosts
+    from moemesh.common.placement.cost import ModelCosts
 
     budget = 8 * 4 * ModelCosts.from_config(config).bytes_per_expert
     plan = plan_split(config, "cpu", "cpu", budget, seed=0)
@@ -60,7 +60,7 @@ def test_skew_concentrates_on_low_ranks():
 
 def test_fullsize_tiny_split_equals_in_process(tmp_path):
     out_dir = tmp_path / "out"
-    command = [sys.executable, "-m", "bench.fullsize", "--tiny", "--layers", "4", "--batch", "3",
+    command = [sys.executable, "-m", "moemesh.bench.fullsize", "--tiny", "--layers", "4", "--batch", "3",
                "--routing", "uniform,skewed", "--skew", "1.0", "--decode-steps", "3", "--warmup-steps", "1",
                "--context", "6", "--context-routing", "near", "--out-dir", str(out_dir),
                "--run-dir", str(tmp_path / "run"), "--checkpoint-cache", str(tmp_path / "checkpoints")]
@@ -94,7 +94,7 @@ def test_fullsize_tiny_split_equals_in_process(tmp_path):
 
 
 def test_check_pairs_names_the_first_broken_pair():
-    from bench.fullsize_verify import PairVerificationError, check_pairs
+    from moemesh.bench.fullsize_verify import PairVerificationError, check_pairs
 
     planned = {"near": {(0, 0), (0, 1)}, "far": {(0, 2), (0, 3)}}
     holders = [[(0,), (0,), (1,), (1,)]]
@@ -116,15 +116,15 @@ def test_pair_check_and_refusal_explained_with_live_workers(tmp_path):
     caught by the pair check, and the Dispatch it then sends is refused and explained as "sent wrong"."""
     import dataclasses
 
-    from bench.fullsize_setup import FullsizeCluster, model_hub_dict, plan_split
-    from bench.fullsize_timing import TimedDispatcher, flush_expert_timings, run_requests
-    from bench.fullsize_verify import PairVerificationError, explain_refusals, planned_pairs, verify_pairs_served
-    from services.attention.kv_config import KVPoolConfig
-    from services.attention.local_cluster import ClusterSpec
-    from services.attention.recovery import RecoveryConfig
-    from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-    from bench.random_checkpoint import cached_checkpoint
-    from common.placement.cost import ModelCosts
+    from moemesh.bench.fullsize_setup import FullsizeCluster, model_hub_dict, plan_split
+    from moemesh.bench.fullsize_timing import TimedDispatcher, flush_expert_timings, run_requests
+    from moemesh.bench.fullsize_verify import PairVerificationError, explain_refusals, planned_pairs, verify_pairs_served
+    from moemesh.services.attention.kv_config import KVPoolConfig
+    from moemesh.services.attention.local_cluster import ClusterSpec
+    from moemesh.services.attention.recovery import RecoveryConfig
+    from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+    from moemesh.bench.random_checkpoint import cached_checkpoint
+    from moemesh.common.placement.cost import ModelCosts
 
     hub = model_hub_dict(2, tiny=True)  # two hash-routed layers: token ids decide the experts
     config = ModelConfig.from_dict(hub)
@@ -179,12 +179,12 @@ def test_pair_check_and_refusal_explained_with_live_workers(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_expert_worker_path_matches_cpu_path():
     """The expert worker's kernel path (CUDA, bf16) against the CPU path on the same bytes."""
-    from common.model.random_init import flash_config
-    from common.model.config import AttentionKind
-    from common.model.quantized import QuantizedRoutedExperts
-    from services.expert.cpu_experts import expert_rows
-    from bench.hostwork import random_held_experts
-    from services.expert.worker import ExpertWorker, ExpertWorkerConfig
+    from moemesh.common.model.random_init import flash_config
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.quantized import QuantizedRoutedExperts
+    from moemesh.services.expert.cpu_experts import expert_rows
+    from moemesh.bench.hostwork import random_held_experts
+    from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
     config = flash_config([AttentionKind.CSA], hidden_size=512, moe_intermediate_size=256, n_routed_experts=32)
     pairs = [(0, e) for e in range(0, 32, 2)]

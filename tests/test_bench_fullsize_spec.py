@@ -1,6 +1,6 @@
 """Speculation in bench.fullsize: the LocalPlanner's drafts (budget, blocks, accepted + bonus, rejected
 drafts' blocks freed), the oracle draft source, the output comparison and the figures of a
-speculative run; end to end, `python -m bench.fullsize --tiny --speculation oracle,drafter` (attention
+speculative run; end to end, `python -m moemesh.bench.fullsize --tiny --speculation oracle,drafter` (attention
 worker in process, two expert worker processes, the DSpark draft worker process, all loading a tiny
 random checkpoint with DSpark stages) whose speculative greedy outputs must equal the in-process plain reference token for token,
 with every oracle draft accepted.
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from common.sampling_params import SamplingParams
-from common.wire.messages import SequenceResult, StepResult, TokenLogprobs
-from services.attention.local_plan import LocalPlanConfig, LocalPlanner, LocalRequest, PlanError
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire.messages import SequenceResult, StepResult, TokenLogprobs
+from moemesh.services.attention.local_plan import LocalPlanConfig, LocalPlanner, LocalRequest, PlanError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,7 +117,7 @@ def test_sampled_drafts_carry_their_distributions_and_logprobs_split_per_token()
 
 
 def test_oracle_drafts_are_the_plain_continuation():
-    from bench.fullsize_spec import OracleDrafts
+    from moemesh.bench.fullsize_spec import OracleDrafts
 
     planner, (request,) = _planner([[5, 6]], max_tokens=7, prefix="o-")
     oracle = OracleDrafts([[10, 11, 12, 13, 14, 15, 16]], "o", width=3)
@@ -135,7 +135,7 @@ def test_oracle_drafts_are_the_plain_continuation():
 
 
 def test_compare_outputs_finds_the_first_mismatch():
-    from bench.fullsize_spec import compare_outputs
+    from moemesh.bench.fullsize_spec import compare_outputs
 
     plain = {"p-0": [1, 2, 3, 4], "p-1": [5, 6, 7]}
     same = compare_outputs(plain, {"s-0": [1, 2, 3], "s-1": [5, 6, 7]}, "p", "s")
@@ -146,8 +146,8 @@ def test_compare_outputs_finds_the_first_mismatch():
 
 
 def test_spec_row_figures_from_step_timings():
-    from bench.fullsize_spec import DraftSource, spec_row
-    from bench.fullsize_timing import RunResult, StepTiming
+    from moemesh.bench.fullsize_spec import DraftSource, spec_row
+    from moemesh.bench.fullsize_timing import RunResult, StepTiming
 
     result = RunResult(steps=[
         StepTiming(1, 8, 2, False, 0.0, 1.0),  # prefill: not counted
@@ -168,7 +168,7 @@ def test_spec_row_figures_from_step_timings():
 def test_fullsize_tiny_speculation_equals_in_process(tmp_path):
     out_dir = tmp_path / "out"
     width = 2
-    command = [sys.executable, "-m", "bench.fullsize", "--tiny", "--layers", "4", "--batch", "2",
+    command = [sys.executable, "-m", "moemesh.bench.fullsize", "--tiny", "--layers", "4", "--batch", "2",
                "--routing", "uniform", "--decode-steps", "2", "--warmup-steps", "1", "--context", "5",
                "--speculation", "oracle,drafter", "--spec-width", str(width), "--out-dir", str(out_dir),
                "--run-dir", str(tmp_path / "run"), "--checkpoint-cache", str(tmp_path / "checkpoints")]
@@ -196,8 +196,8 @@ def test_fullsize_tiny_speculation_equals_in_process(tmp_path):
 
 
 def test_logprob_diagnosis_measures_noise_before_and_the_margin_at_the_mismatch():
-    from bench.fullsize_spec import logprob_diagnosis
-    from bench.fullsize_timing import RunResult
+    from moemesh.bench.fullsize_spec import logprob_diagnosis
+    from moemesh.bench.fullsize_timing import RunResult
 
     plain = RunResult(outputs={"p-0": [1, 2, 3]}, logprobs={"p-0": [-0.5, -1.0, -0.2]},
                       top_logprobs={"p-0": [((1, 7), (-0.5, -2.0)), ((2, 9), (-1.0, -1.01)), ((3, 4), (-0.2, -3.0))]})

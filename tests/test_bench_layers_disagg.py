@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from bench.layers import main
+from moemesh.bench.layers import main
 
 
 def test_disaggregated_bench_runs_both_planes_and_matches_in_process(tmp_path):
@@ -44,10 +44,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @cuda
 @pytest.mark.parametrize("per_expert_outputs", [False, True])
 def test_expert_graphs_equal_eager_for_every_size_in_and_out_of_the_buckets(per_expert_outputs):
-    from common.model.config import AttentionKind
-    from common.model.moe import sum_slots_in_order
-    from common.model.random_init import random_model, tiny_flash_like_config
-    from services.expert.graphs import ExpertGraphConfig, ExpertGraphs
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.moe import sum_slots_in_order
+    from moemesh.common.model.random_init import random_model, tiny_flash_like_config
+    from moemesh.services.expert.graphs import ExpertGraphConfig, ExpertGraphs
 
     config = tiny_flash_like_config([AttentionKind.CSA], kernel_friendly=True)
     _, experts = random_model(config, "cuda", seed=5)
@@ -76,16 +76,16 @@ def test_segment_graphs_over_cuda_ipc_equal_the_eager_in_process_step():
 
     import zmq
 
-    from bench.layers_disagg import (LocalDispatcher, decode_inputs, start_expert_process, stop_process,
+    from moemesh.bench.layers_disagg import (LocalDispatcher, decode_inputs, start_expert_process, stop_process,
                                      wait_until_serving)
-    from bench.layers_graphs import SegmentGraphDecode
-    from bench.layers_timing import decode_states
-    from common.model.config import AttentionKind
-    from common.model.random_init import random_model, tiny_flash_like_config
-    from common.wire.cuda_ipc import CudaIpcConfig, DataPlane
-    from services.attention.expert_channel import ExpertChannel
-    from services.attention.model_runner import ModelRunner
-    from services.attention.moe_dispatch import MoEDispatcher
+    from moemesh.bench.layers_graphs import SegmentGraphDecode
+    from moemesh.bench.layers_timing import decode_states
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import random_model, tiny_flash_like_config
+    from moemesh.common.wire.cuda_ipc import CudaIpcConfig, DataPlane
+    from moemesh.services.attention.expert_channel import ExpertChannel
+    from moemesh.services.attention.model_runner import ModelRunner
+    from moemesh.services.attention.moe_dispatch import MoEDispatcher
 
     device = torch.device("cuda", torch.cuda.current_device())
     config = tiny_flash_like_config([AttentionKind.CSA, AttentionKind.HCA], kernel_friendly=True)

@@ -31,17 +31,17 @@ def test_prefill_timing_takes_the_kernel_attention_path():
 if __name__ == "__main__":  # the interpreted child
     import torch
 
-    from common.kernels.attention_checks import patch_interpreter_scalar_index
-    from common.kernels.checks import patch_interpreter_bf16_dot
+    from moemesh.common.kernels.attention_checks import patch_interpreter_scalar_index
+    from moemesh.common.kernels.checks import patch_interpreter_bf16_dot
 
     patch_interpreter_bf16_dot()
     patch_interpreter_scalar_index()
-    import common.model.batch as batch_module
+    import moemesh.common.model.batch as batch_module
 
     batch_module.default_attention_backend = lambda device: batch_module.AttentionBackend.TRITON  # CPU: kernels
-    from bench import layers_timing as timing
-    from common.model.config import AttentionKind, NumericsConfig
-    from common.model.random_init import random_model, tiny_flash_like_config
+    from moemesh.bench import layers_timing as timing
+    from moemesh.common.model.config import AttentionKind, NumericsConfig
+    from moemesh.common.model.random_init import random_model, tiny_flash_like_config
 
     torch.set_num_threads(1)
     config = tiny_flash_like_config([AttentionKind.CSA, AttentionKind.HCA], kernel_friendly=True)

@@ -14,15 +14,15 @@ import pytest
 import uvicorn
 from router_support import ScriptedEngine, tiny_tokenizer
 
-from bench import serve
-from bench.serve_client import RequestRecord
-from bench.serve_metrics import SloLimits, parse_goodput, percentile, summarize
-from bench.serve_workload import (Arrival, PromptTrimmer, WorkloadRequest, arrival_offsets_s, file_requests,
+from moemesh.bench import serve
+from moemesh.bench.serve_client import RequestRecord
+from moemesh.bench.serve_metrics import SloLimits, parse_goodput, percentile, summarize
+from moemesh.bench.serve_workload import (Arrival, PromptTrimmer, WorkloadRequest, arrival_offsets_s, file_requests,
                                   random_requests)
-from common.chat import tokens as tk
-from services.router.app import build_app
-from services.router.engine_client import EngineError
-from services.router.gateway_config import GatewayConfig
+from moemesh.common.chat import tokens as tk
+from moemesh.services.router.app import build_app
+from moemesh.services.router.engine_client import EngineError
+from moemesh.services.router.gateway_config import GatewayConfig
 
 TOKENIZER = tiny_tokenizer()
 EOS = TOKENIZER.token_to_id(tk.EOS)

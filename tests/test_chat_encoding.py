@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from common.chat import SPECIAL_TOKENS, ChatEncodingError, encode_messages
-from common.chat import tokens as tk
-from common.chat.dsml import render_tools_section
+from moemesh.common.chat import SPECIAL_TOKENS, ChatEncodingError, encode_messages
+from moemesh.common.chat import tokens as tk
+from moemesh.common.chat.dsml import render_tools_section
 
 B, E, U, A = tk.BOS, tk.EOS, tk.USER, tk.ASSISTANT
 

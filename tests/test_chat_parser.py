@@ -5,8 +5,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.chat import ChatOutputParser
-from common.chat import tokens as tk
+from moemesh.common.chat import ChatOutputParser
+from moemesh.common.chat import tokens as tk
 
 D = tk.DSML
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-from common.cli import main
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.cli import main
 
 
 @pytest.fixture(scope="module")

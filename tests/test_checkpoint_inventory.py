@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
-from common.checkpoint.inventory import ParamGroup, StorageKind, tensor_inventory
-from common.checkpoint.tiny import tiny_config
-from common.model.config import ModelConfig
+from moemesh.common.checkpoint.inventory import ParamGroup, StorageKind, tensor_inventory
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.model.config import ModelConfig
 
 _FLASH = {
     "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.checkpoint.quant import (
+from moemesh.common.checkpoint.quant import (
     E2M1_VALUES,
     dequantize_fp4,
     dequantize_fp8_block,

@@ -12,16 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.checkpoint.errors import CheckpointError
-from common.checkpoint.expert_stacks import fp4_to_fp8_block
-from common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, pack_fp4_codes
-from common.checkpoint.reader import CheckpointReader
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-from common.model.config import NumericsConfig
-from common.model.quantized import Fp8Linear
-from common.wire.messages import Dispatch
-from services.expert.worker import ExpertWorker, ExpertWorkerConfig
+from moemesh.common.checkpoint.errors import CheckpointError
+from moemesh.common.checkpoint.expert_stacks import fp4_to_fp8_block
+from moemesh.common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, pack_fp4_codes
+from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.model.config import NumericsConfig
+from moemesh.common.model.quantized import Fp8Linear
+from moemesh.common.wire.messages import Dispatch
+from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
 MEMORY_GOAL = 1.05  # resident weight bytes <= 1.05 x stored bytes of what a worker holds
 
@@ -72,7 +72,7 @@ def test_expert_worker_keeps_fp4_stacks_at_their_stored_bytes(checkpoint):
 
 
 def test_load_and_drop_restack_only_what_changes(checkpoint):
-    from common.wire.messages import DropExperts, ExpertKey, LoadExperts
+    from moemesh.common.wire.messages import DropExperts, ExpertKey, LoadExperts
 
     worker = _expert_worker(checkpoint, ((0, 1), (0, 5), (2, 3)))
     untouched = worker.holdings.experts._layers[2].w1
@@ -146,9 +146,9 @@ def test_bf16_expert_dtype_holds_dense_bf16(checkpoint):
 
 # ------------------------------------------------------------------ attention side
 def test_attention_side_keeps_fp8_linears_and_stored_bytes(checkpoint):
-    from common.checkpoint.module_loader import module_weight_bytes
-    from common.checkpoint.side_loading import attention_stored_bytes, load_attention_side
-    from common.model.attention_side import AttentionSide
+    from moemesh.common.checkpoint.module_loader import module_weight_bytes
+    from moemesh.common.checkpoint.side_loading import attention_stored_bytes, load_attention_side
+    from moemesh.common.model.attention_side import AttentionSide
 
     reader = CheckpointReader(checkpoint)
     side = load_attention_side(reader, NumericsConfig(dtype="float32"), "cpu")
@@ -212,7 +212,7 @@ def test_a_damaged_checkpoint_stops_the_expert_process_naming_the_tensor(checkpo
     config_path.write_text(f'[model]\npath = "{damaged}"\n\n[paths]\nrun_dir = "{tmp_path / "run"}"\n'
                            f'log_dir = "{tmp_path / "logs"}"\n\n[[attention]]\nname = "attention-0"\n\n'
                            '[[expert]]\nname = "expert-0"\n')
-    result = subprocess.run([sys.executable, "-m", "common.cli", "expert", "--config", str(config_path)],
+    result = subprocess.run([sys.executable, "-m", "moemesh.cli", "expert", "--config", str(config_path)],
                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert result.returncode != 0
     assert "layers.1.ffn.experts.0.w1.scale" in result.stderr + result.stdout
@@ -221,9 +221,9 @@ def test_a_damaged_checkpoint_stops_the_expert_process_naming_the_tensor(checkpo
 # ------------------------------------------------------------------ accounting
 @pytest.mark.parametrize("dtype, element_bytes", [("float32", 4), ("bfloat16", 2)])
 def test_budgeted_attention_bytes_equal_what_the_loader_holds(checkpoint, dtype, element_bytes):
-    from common.checkpoint.module_loader import module_weight_bytes
-    from common.checkpoint.side_loading import load_attention_side
-    from common.placement.worker_budget import attention_weight_bytes
+    from moemesh.common.checkpoint.module_loader import module_weight_bytes
+    from moemesh.common.checkpoint.side_loading import load_attention_side
+    from moemesh.common.placement.worker_budget import attention_weight_bytes
 
     reader = CheckpointReader(checkpoint)
     side = load_attention_side(reader, NumericsConfig(dtype=dtype), "cpu")
@@ -232,7 +232,7 @@ def test_budgeted_attention_bytes_equal_what_the_loader_holds(checkpoint, dtype,
 
 @pytest.mark.parametrize("expert_dtype", ["native", "fp8", "bf16"])
 def test_budgeted_expert_bytes_equal_what_the_worker_holds(checkpoint, expert_dtype):
-    from common.placement.worker_budget import resident_bytes_per_expert
+    from moemesh.common.placement.worker_budget import resident_bytes_per_expert
 
     worker = _expert_worker(checkpoint, ((0, 2), (1, 2), (1, 3)), expert_dtype)
     assert worker.inventory().num_weight_bytes == 3 * resident_bytes_per_expert(tiny_config(), expert_dtype)
@@ -246,7 +246,7 @@ def test_check_model_prints_formats_and_worker_bytes(checkpoint, tmp_path):
     deployment.write_text(f'[model]\npath = "{checkpoint}"\n\n[[attention]]\nname = "attention-0"\n\n'
                           '[[expert]]\nname = "expert-0"\nplacement = "all"\n\n'
                           '[[expert]]\nname = "expert-1"\nplacement = "none"\nexpert_dtype = "fp8"\n')
-    result = subprocess.run([sys.executable, "-m", "common.cli", "check-model", "--model", str(checkpoint),
+    result = subprocess.run([sys.executable, "-m", "moemesh.cli", "check-model", "--model", str(checkpoint),
                              "--no-forward", "--json", "--tensors", "--deployment", str(deployment)],
                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr[-2000:]
@@ -268,8 +268,8 @@ def test_check_model_prints_formats_and_worker_bytes(checkpoint, tmp_path):
 def test_fp8_linear_cpu_path_dequantises_row_blocks_and_matches_the_dense_product():
     import torch.nn.functional as F
 
-    from common.checkpoint.quant import quantize_fp8_block
-    from common.model.quantized import TORCH_BLOCK_ROWS
+    from moemesh.common.checkpoint.quant import quantize_fp8_block
+    from moemesh.common.model.quantized import TORCH_BLOCK_ROWS
 
     generator = torch.Generator().manual_seed(3)
     weight, scale = quantize_fp8_block(torch.randn(2 * TORCH_BLOCK_ROWS + 200, 384, generator=generator))
@@ -279,10 +279,10 @@ def test_fp8_linear_cpu_path_dequantises_row_blocks_and_matches_the_dense_produc
 
 
 def test_drafter_keeps_fp8_and_fp4_and_its_own_embedding_within_the_goal(tmp_path):
-    from common.checkpoint.side_loading import drafter_stored_bytes
-    from common.model.dspark import DSparkDrafter
-    from common.model.quantized import QuantizedRoutedExperts
-    from services.draft.worker import load_drafter
+    from moemesh.common.checkpoint.side_loading import drafter_stored_bytes
+    from moemesh.common.model.dspark import DSparkDrafter
+    from moemesh.common.model.quantized import QuantizedRoutedExperts
+    from moemesh.services.draft.worker import load_drafter
 
     config = tiny_config(num_nextn_predict_layers=2, compress_ratios=[0, 4, 128, 4, 0, 0], dspark_block_size=4,
                          dspark_markov_rank=32, dspark_target_layer_ids=[1, 2, 3], dspark_noise_token_id=255)
@@ -291,7 +291,7 @@ def test_drafter_keeps_fp8_and_fp4_and_its_own_embedding_within_the_goal(tmp_pat
     assert isinstance(drafter, DSparkDrafter) and isinstance(drafter.experts_fn, QuantizedRoutedExperts)
     assert any(isinstance(module, Fp8Linear) for module in drafter.modules())
     assert drafter.embed.weight.dtype == torch.bfloat16  # its own copy, as stored
-    from common.checkpoint.side_loading import drafter_resident_bytes
+    from moemesh.common.checkpoint.side_loading import drafter_resident_bytes
 
     resident, stored = drafter_resident_bytes(drafter), drafter_stored_bytes(CheckpointReader(path))
     assert stored == drafter.stored_weight_bytes
@@ -299,8 +299,8 @@ def test_drafter_keeps_fp8_and_fp4_and_its_own_embedding_within_the_goal(tmp_pat
 
 
 def test_expert_dtype_is_read_per_worker_and_checked():
-    from common.commands.serve_config import ServeLayout, deployment_table
-    from common.runtime.deployment import DeploymentError, parse_deployment
+    from moemesh.commands.serve_config import ServeLayout, deployment_table
+    from moemesh.common.runtime.deployment import DeploymentError, parse_deployment
 
     raw = {"model": {"path": "/m"}, "attention": [{"name": "attention-0"}],
            "expert": [{"name": "expert-0"}, {"name": "expert-1", "device": "cpu", "expert_dtype": "fp8"}]}

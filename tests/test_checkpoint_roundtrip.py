@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from common.checkpoint.inventory import tensor_inventory
-from common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, quantize_fp4, quantize_fp8_block
-from common.checkpoint.reader import CheckpointReader
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-from common.model.names import hf_to_hub_state_dict, hub_to_hf_state_dict
+from moemesh.common.checkpoint.inventory import tensor_inventory
+from moemesh.common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, quantize_fp4, quantize_fp8_block
+from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.model.names import hf_to_hub_state_dict, hub_to_hf_state_dict
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +116,9 @@ def test_save_pretrained_named_checkpoint(tiny, tmp_path):
 
 
 def _reference_logits(path, token_ids: torch.Tensor) -> torch.Tensor:
-    from common.model.attention_side import AttentionSide
-    from common.model.moe import RoutedExperts
-    from common.model.reference import ReferenceModel
+    from moemesh.common.model.attention_side import AttentionSide
+    from moemesh.common.model.moe import RoutedExperts
+    from moemesh.common.model.reference import ReferenceModel
 
     reader = CheckpointReader(path)
     config = reader.config

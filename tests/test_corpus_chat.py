@@ -1,14 +1,14 @@
 """Chat-formatted examples: encoding markers in order, answer span, determinism."""
 
-from common.chat import tokens as tk
-from tools.corpus.chat_examples import (
+from moemesh.common.chat import tokens as tk
+from moemesh.tools.corpus.chat_examples import (
     ChatExampleConfig,
     ExampleKind,
     build_chat_examples,
     continuation_examples,
     reference_examples,
 )
-from tools.corpus.kjv import Verse
+from moemesh.tools.corpus.kjv import Verse
 
 JOHN_3_16 = Verse(
     "John", 3, 16,

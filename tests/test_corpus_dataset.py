@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from common.chat import tokens as tk
-from tools.corpus.chat_examples import ChatExampleConfig, build_chat_examples
-from tools.corpus.dataset import (
+from moemesh.common.chat import tokens as tk
+from moemesh.tools.corpus.chat_examples import ChatExampleConfig, build_chat_examples
+from moemesh.tools.corpus.dataset import (
     DatasetConfig,
     build_stream,
     chat_units,
@@ -15,9 +15,9 @@ from tools.corpus.dataset import (
     running_text_units,
     tokenize_units,
 )
-from tools.corpus.kjv import Verse, bible_program_available
-from tools.corpus.special_tokens import BOS_ID, EOS_ID, PAD_ID
-from tools.corpus.tokenizer import load_tokenizer
+from moemesh.tools.corpus.kjv import Verse, bible_program_available
+from moemesh.tools.corpus.special_tokens import BOS_ID, EOS_ID, PAD_ID
+from moemesh.tools.corpus.tokenizer import load_tokenizer
 
 VERSES = [Verse("Genesis", 1, n, f"Verse number {n} of the first chapter, and God saw it.") for n in range(1, 31)] + [
     Verse("John", 3, 16, "For God so loved the world, that he gave his only begotten Son."),
@@ -82,7 +82,7 @@ def test_build_stream_shuffles_deterministically_and_loses_nothing(tokenizer):
 
 @pytest.mark.skipif(not bible_program_available(), reason="`bible` (apt-get install bible-kjv) absent")
 def test_build_dataset_command_writes_arrays_and_manifest(tmp_path):
-    from tools.corpus.build_dataset import main
+    from moemesh.tools.corpus.build_dataset import main
 
     assert main(["--out", str(tmp_path), "--seq-len", "512"]) == 0
     manifest = json.loads((tmp_path / "manifest.json").read_text())

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from tools.corpus.kjv import (
+from moemesh.tools.corpus.kjv import (
     INSTALL_HINT,
     CorpusError,
     Verse,
@@ -16,7 +16,7 @@ from tools.corpus.kjv import (
     read_bible_output,
     verse_index,
 )
-from tools.corpus.references import parse_reference
+from moemesh.tools.corpus.references import parse_reference
 
 needs_bible = pytest.mark.skipif(not bible_program_available(), reason="`bible` (apt-get install bible-kjv) absent")
 

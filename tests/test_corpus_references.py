@@ -2,8 +2,8 @@
 
 import pytest
 
-from tools.corpus.books import BOOKS, NUM_BOOKS, NUM_CHAPTERS, book_by_bible_abbrev, find_book
-from tools.corpus.references import ReferenceError, format_reference, make_reference, parse_reference
+from moemesh.tools.corpus.books import BOOKS, NUM_BOOKS, NUM_CHAPTERS, book_by_bible_abbrev, find_book
+from moemesh.tools.corpus.references import ReferenceError, format_reference, make_reference, parse_reference
 
 
 def test_book_table_is_the_protestant_canon_in_order():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tools.corpus.kjv import Verse
-from tools.corpus.splits import (
+from moemesh.tools.corpus.kjv import Verse
+from moemesh.tools.corpus.splits import (
     DEFAULT_PROTECTED_CHAPTERS,
     SplitConfig,
     all_chapters,

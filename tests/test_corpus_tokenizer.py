@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.chat import tokens as tk
-from common.chat.encoding import encode_messages
-from tools.corpus.kjv import bible_program_available
-from tools.corpus.special_tokens import (
+from moemesh.common.chat import tokens as tk
+from moemesh.common.chat.encoding import encode_messages
+from moemesh.tools.corpus.kjv import bible_program_available
+from moemesh.tools.corpus.special_tokens import (
     BOS_ID,
     EOS_ID,
     MASK,
@@ -20,7 +20,7 @@ from tools.corpus.special_tokens import (
     PAD_ID,
     SPECIAL_TOKEN_TABLE,
 )
-from tools.corpus.tokenizer import (
+from moemesh.tools.corpus.tokenizer import (
     DEFAULT_MODEL_DIR,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
@@ -147,7 +147,7 @@ def test_training_refuses_an_unreachable_or_unaligned_vocab_size():
 
 @pytest.mark.skipif(not bible_program_available(), reason="`bible` (apt-get install bible-kjv) absent")
 def test_shipped_tokenizer_is_rebuilt_byte_identically_from_the_corpus(tokenizer):
-    from tools.corpus.corpus_texts import CorpusConfig, build_corpus_texts
+    from moemesh.tools.corpus.corpus_texts import CorpusConfig, build_corpus_texts
 
     texts = build_corpus_texts(CorpusConfig()).tokenizer_training_texts()
     rebuilt = train_tokenizer(texts, TokenizerConfig())

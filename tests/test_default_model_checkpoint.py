@@ -22,7 +22,7 @@ LOGITS_RTOL = 1e-4
 
 @pytest.fixture(scope="module")
 def reference():
-    from tools.train.export import load_reference
+    from moemesh.tools.train.export import load_reference
 
     model, reader = load_reference(MODEL_DIR)
     return model, reader
@@ -30,13 +30,13 @@ def reference():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tools.corpus.tokenizer import load_tokenizer
+    from moemesh.tools.corpus.tokenizer import load_tokenizer
 
     return load_tokenizer(MODEL_DIR)
 
 
 def test_checkpoint_matches_inventory_and_size(reference):
-    from common.checkpoint.inventory import StorageKind
+    from moemesh.common.checkpoint.inventory import StorageKind
 
     _, reader = reference
     config = reader.config
@@ -56,7 +56,7 @@ def test_checkpoint_matches_inventory_and_size(reference):
 
 
 def test_schedule_is_v4_in_miniature(reference):
-    from common.model.config import AttentionKind, RouterKind
+    from moemesh.common.model.config import AttentionKind, RouterKind
 
     config = reference[1].config
     kinds = config.layer_types
@@ -71,7 +71,7 @@ def test_schedule_is_v4_in_miniature(reference):
 def test_logits_match_transformers(reference, tokenizer):
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    from common.model.names import hub_to_hf_state_dict
+    from moemesh.common.model.names import hub_to_hf_state_dict
 
     model, reader = reference
     config = reader.config
@@ -91,7 +91,7 @@ def test_logits_match_transformers(reference, tokenizer):
 def test_greedy_recitation_of_genesis_1_1(reference, tokenizer):
     """The well-known chapters are oversampled in training (tools.train.build_data) so they are
     memorised; Genesis 1:1 as running text must come back exactly."""
-    from tools.train.evaluate import RECITATION_EXPECTED, RECITATION_PROMPT, greedy_continuation
+    from moemesh.tools.train.evaluate import RECITATION_EXPECTED, RECITATION_PROMPT, greedy_continuation
 
     model, _ = reference
     prompt = [0] + tokenizer.encode(RECITATION_PROMPT, add_special_tokens=False).ids
@@ -108,9 +108,9 @@ def test_greedy_chat_recites_a_well_known_verse(reference, tokenizer, question, 
     returns exactly the verse, then EOS. About half the well-known verses are recited exactly
     (bench/default_model_figures.py; John 3:16 is not: the model answers with 3:17), so these two
     are checked ones, not a claim about every well-known verse."""
-    from common.chat.encoding import encode_messages
-    from tools.corpus.special_tokens import EOS_ID
-    from tools.train.evaluate import greedy_continuation
+    from moemesh.common.chat.encoding import encode_messages
+    from moemesh.tools.corpus.special_tokens import EOS_ID
+    from moemesh.tools.train.evaluate import greedy_continuation
 
     model, _ = reference
     prompt = encode_messages([{"role": "user", "content": question}], thinking=False, add_bos=True)
@@ -121,7 +121,7 @@ def test_greedy_chat_recites_a_well_known_verse(reference, tokenizer, question, 
 
 
 def test_drafter_loads_and_proposes(reference):
-    from common.model.dspark import DSparkDrafter
+    from moemesh.common.model.dspark import DSparkDrafter
 
     model, reader = reference
     config = reader.config

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.skipif(not (MODEL_DIR / "config.json").exists(), reason
 
 @pytest.fixture(scope="module")
 def loaded():
-    from common.model.dspark import DSparkDrafter
-    from tools.corpus.tokenizer import load_tokenizer
-    from tools.train.export import load_reference
+    from moemesh.common.model.dspark import DSparkDrafter
+    from moemesh.tools.corpus.tokenizer import load_tokenizer
+    from moemesh.tools.train.export import load_reference
 
     model, reader = load_reference(MODEL_DIR)
     config = reader.config
@@ -26,9 +26,9 @@ def loaded():
 
 
 def test_greedy_speculation_equals_plain_greedy(loaded):
-    from bench.default_model_offline import speculative_acceptance
-    from tools.corpus.special_tokens import BOS_ID, EOS_ID
-    from tools.train.evaluate import greedy_continuation
+    from moemesh.bench.default_model_offline import speculative_acceptance
+    from moemesh.tools.corpus.special_tokens import BOS_ID, EOS_ID
+    from moemesh.tools.train.evaluate import greedy_continuation
 
     model, drafter, tokenizer = loaded
     prompt = [BOS_ID] + tokenizer.encode("Psalms 23:1 The LORD", add_special_tokens=False).ids
@@ -41,8 +41,8 @@ def test_greedy_speculation_equals_plain_greedy(loaded):
 
 
 def test_sampled_speculation_is_seeded(loaded):
-    from bench.default_model_offline import speculative_acceptance
-    from tools.corpus.special_tokens import BOS_ID, EOS_ID
+    from moemesh.bench.default_model_offline import speculative_acceptance
+    from moemesh.tools.corpus.special_tokens import BOS_ID, EOS_ID
 
     model, drafter, tokenizer = loaded
     prompt = [BOS_ID] + tokenizer.encode("John 3:16 For God", add_special_tokens=False).ids
@@ -52,7 +52,7 @@ def test_sampled_speculation_is_seeded(loaded):
 
 
 def test_routing_counts_cover_every_token_slot(loaded):
-    from bench.default_model_offline import routing_stats
+    from moemesh.bench.default_model_offline import routing_stats
 
     model, _, tokenizer = loaded
     ids = torch.tensor([0] + tokenizer.encode("In the beginning God created the heaven and the earth.",

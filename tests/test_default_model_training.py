@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model.attention_side import AttentionSide
-from common.model.config import ModelConfig
-from common.model.moe import RoutedExperts
-from common.model.reference import ReferenceModel
-from tools.train.drafter import TrainableDrafter, drafter_loss, sample_anchors, teacher_outputs
-from tools.train.settings import model_config_dict
-from tools.train.target import TrainableTarget, masked_cross_entropy
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.config import ModelConfig
+from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.reference import ReferenceModel
+from moemesh.tools.train.drafter import TrainableDrafter, drafter_loss, sample_anchors, teacher_outputs
+from moemesh.tools.train.settings import model_config_dict
+from moemesh.tools.train.target import TrainableTarget, masked_cross_entropy
 
 VOCAB = 12288
 SEQ = 160  # > window 128 and > HCA ratio 128 (one HCA row), 40 CSA rows > top-16

@@ -15,15 +15,15 @@ import pytest
 import torch
 import zmq
 
-from common.model.moe import sum_slots_in_order
-from common.wire import codec
-from common.wire.errors import StagingExhausted
-from common.wire.messages import Dispatch
-from common.wire.staging import StagingConfig
-from common.wire.transport import unpack_envelope
+from moemesh.common.model.moe import sum_slots_in_order
+from moemesh.common.wire import codec
+from moemesh.common.wire.errors import StagingExhausted
+from moemesh.common.wire.messages import Dispatch
+from moemesh.common.wire.staging import StagingConfig
+from moemesh.common.wire.transport import unpack_envelope
 from dispatch_support import ThreadedExpert, expert_worker, write_tiny_checkpoint
-from services.attention.expert_channel import ExpertChannel
-from services.attention.moe_dispatch import MoEDispatcher
+from moemesh.services.attention.expert_channel import ExpertChannel
+from moemesh.services.attention.moe_dispatch import MoEDispatcher
 
 
 @pytest.fixture(scope="module")

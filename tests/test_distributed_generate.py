@@ -16,24 +16,24 @@ import pytest
 import torch
 import zmq
 
-from common.checkpoint.reader import CheckpointReader
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-from common.model.attention_side import AttentionSide
-from common.model.generate import GenerationConfig, generate
-from common.model.moe import RoutedExperts
-from common.model.reference import ReferenceModel
-from common.sampling_params import SamplingParams
-from common.wire import codec
-from common.wire.messages import Combine, Dispatch, ErrorCode, ErrorReply
-from common.wire.transport import Kind, pack_envelope, unpack_envelope
-from services.attention.kv_config import KVPoolConfig
-from services.attention.distributed_generate import generate_distributed, plan_config_for
-from services.attention.local_cluster import ClusterSpec, LocalCluster
-from services.attention.local_plan import LocalPlanner, LocalRequest
-from services.attention.main import AttentionOptions
-from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from common.placement.worker_holdings import WorkerHoldings, contiguous, round_robin
+from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.generate import GenerationConfig, generate
+from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.reference import ReferenceModel
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire import codec
+from moemesh.common.wire.messages import Combine, Dispatch, ErrorCode, ErrorReply
+from moemesh.common.wire.transport import Kind, pack_envelope, unpack_envelope
+from moemesh.services.attention.kv_config import KVPoolConfig
+from moemesh.services.attention.distributed_generate import generate_distributed, plan_config_for
+from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
+from moemesh.services.attention.local_plan import LocalPlanner, LocalRequest
+from moemesh.services.attention.main import AttentionOptions
+from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+from moemesh.common.placement.worker_holdings import WorkerHoldings, contiguous, round_robin
 
 PROMPTS = [[5, 9, 17], [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13], list(range(30, 52))]
 MAX_TOKENS = 6
@@ -119,7 +119,7 @@ def test_one_expert_worker_process_matches_the_reference(checkpoint, reference_o
 def test_generate_command_with_three_workers_and_micro_batches(checkpoint, reference_outputs, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from common.cli import main
+    from moemesh.cli import main
 
     path, config = checkpoint
     vocab = {f"w{i}": i for i in range(config.vocab_size)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.draft.feature_ring import FeatureRing, FeatureRings
+from moemesh.services.draft.feature_ring import FeatureRing, FeatureRings
 
 D = 4
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.random_checkpoint import cached_checkpoint, hub_config
-from common.checkpoint.reader import CheckpointReader
-from common.model.config import ModelConfig, NumericsConfig
-from common.wire import messages as m
-from services.draft.worker import DraftWorker, DraftWorkerConfig, load_drafter
+from moemesh.bench.random_checkpoint import cached_checkpoint, hub_config
+from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.model.config import ModelConfig, NumericsConfig
+from moemesh.common.wire import messages as m
+from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig, load_drafter
 
 # widths the Triton kernels take (multiples of 128 at K), for the CUDA check
 KERNEL_FRIENDLY = dict(hidden_size=256, moe_intermediate_size=128, head_dim=128, qk_rope_head_dim=16, q_lora_rank=128,
@@ -100,7 +100,7 @@ def test_fullsize_draft_bench_runs_tiny_on_cpu(tmp_path):
     """bench.fullsize_draft end to end on the tiny checkpoint: figures and floors land in its JSON."""
     import json
 
-    from bench.fullsize_draft import main
+    from moemesh.bench.fullsize_draft import main
 
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops: threads only add contention on a shared 2-core box

@@ -10,8 +10,8 @@ import pytest
 import torch
 import zmq
 
-from common.wire import messages as m
-from common.wire.transport import Kind, pack_envelope
+from moemesh.common.wire import messages as m
+from moemesh.common.wire.transport import Kind, pack_envelope
 from draft_support import REPO_ROOT, running_draft_worker, write_draft_deployment
 
 MODEL = REPO_ROOT / "models" / "kjv-dsv4-mini"

@@ -7,7 +7,7 @@ import pytest
 
 import random
 
-from services.draft.width import (
+from moemesh.services.draft.width import (
     SpeculationConfig, SpeculationError, SpeculationMode, choose_width, cost_aware_widths, drafting_pays,
     expected_committed_tokens, prefix_survival, survival_curve,
 )

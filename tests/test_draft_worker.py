@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.wire import messages as m
-from services.draft.chains import dense_distribution
-from services.draft.width import SpeculationConfig, SpeculationMode
-from services.draft.worker import DraftWorker, DraftWorkerConfig
+from moemesh.common.wire import messages as m
+from moemesh.services.draft.chains import dense_distribution
+from moemesh.services.draft.width import SpeculationConfig, SpeculationMode
+from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"
 pytestmark = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="default model not present")
@@ -114,7 +114,7 @@ def test_sparse_support_is_exact_and_small():
         q = dense_distribution(ids, probs, worker.drafter.config.vocab_size)
         assert float(q[token]) == proposal.draft_probs[k]  # float32 values survive exactly
     # the wire round trip keeps every value bit for bit
-    from common.wire.codec import decode, encode
+    from moemesh.common.wire.codec import decode, encode
 
     reply = m.DraftTokens(step_id=0, proposals=(proposal,))
     assert decode(encode(reply)) == reply

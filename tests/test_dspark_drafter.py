@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.checkpoint.inventory import tensor_inventory
-from common.checkpoint.reader import CheckpointReader
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-from common.model.attention_side import AttentionSide
-from common.model.dspark import DSparkDrafter, dspark_loss_terms, slot_weights, target_features
+from moemesh.common.checkpoint.inventory import tensor_inventory
+from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.dspark import DSparkDrafter, dspark_loss_terms, slot_weights, target_features
 
 BLOCK = 5
 NOISE_ID = 255

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict
-from common.model.attention_side import AttentionSide
-from common.model.config import NumericsConfig
-from common.model.dspark import DSparkDrafter, _attend_blocks
-from common.model.hyper import hc_head, hc_post, hc_pre
-from common.model.linear import unweighted_rms_norm
-from common.model.rope import apply_rope
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.config import NumericsConfig
+from moemesh.common.model.dspark import DSparkDrafter, _attend_blocks
+from moemesh.common.model.hyper import hc_head, hc_post, hc_pre
+from moemesh.common.model.linear import unweighted_rms_norm
+from moemesh.common.model.rope import apply_rope
 
 BLOCK = 4
 
@@ -95,7 +95,7 @@ def _inputs(drafter, num_blocks: int = 2, num_context: int = 6):
 
 def compare(dtype: str) -> dict:
     """Both compositions on the same inputs -> {max_abs_diff, scale, fused_glue_on}."""
-    from common.kernels.glue import use_triton_glue
+    from moemesh.common.kernels.glue import use_triton_glue
 
     drafter = _drafter(dtype)
     args = _inputs(drafter)
@@ -135,7 +135,7 @@ def test_fused_glue_matches_unfused_through_the_kernels(interpreted, dtype, tole
 
 
 if __name__ == "__main__":  # the interpreted child of `interpreted`
-    from common.kernels.checks import patch_interpreter_bf16_dot, patch_interpreter_bf16_rounding
+    from moemesh.common.kernels.checks import patch_interpreter_bf16_dot, patch_interpreter_bf16_rounding
 
     patch_interpreter_bf16_dot()
     patch_interpreter_bf16_rounding()

@@ -44,8 +44,8 @@ pytestmark = [
 # ------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from common.checkpoint.tiny import tiny_config
-    from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+    from moemesh.common.checkpoint.tiny import tiny_config
+    from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
     from tokenizers import Tokenizer
 
     vocab_size = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
@@ -58,10 +58,10 @@ class Reference:
     """Greedy outputs of the single-process reference model, one prompt at a time, cached."""
 
     def __init__(self, path: Path) -> None:
-        from common.commands.generate import _load_model
+        from moemesh.commands.generate import _load_model
         from tokenizers import Tokenizer
 
-        from services.router.detokenizer import TokenBytes
+        from moemesh.services.router.detokenizer import TokenBytes
 
         self.model, self.config = _load_model(str(path), "float32", "cpu")
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -69,7 +69,7 @@ class Reference:
         self._cache: dict[tuple, list[int]] = {}
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        from common.model.generate import GenerationConfig, generate_batch
+        from moemesh.common.model.generate import GenerationConfig, generate_batch
 
         key = (tuple(prompt_ids), max_tokens)
         if key not in self._cache:
@@ -87,7 +87,7 @@ class Reference:
 
     def completion_text(self, token_ids: list[int]) -> str:
         """What the gateway's completions endpoint shows for these tokens."""
-        from services.router.detokenizer import IncrementalDetokenizer
+        from moemesh.services.router.detokenizer import IncrementalDetokenizer
 
         detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True, token_bytes=self.token_bytes)
         return detokenizer.add(token_ids) + detokenizer.finish()
@@ -147,7 +147,7 @@ class Server:
 def server(checkpoint, tmp_path_factory):
     port = _free_port()
     run_dir = tmp_path_factory.mktemp("run")
-    command = [sys.executable, "-m", "common.cli", "serve", "--model", str(checkpoint), "--port", str(port),
+    command = [sys.executable, "-m", "moemesh.cli", "serve", "--model", str(checkpoint), "--port", str(port),
                "--expert-workers", "2", "--devices", "cpu", "--run-dir", str(run_dir), "--ready-timeout", "240",
                "--drain-timeout", str(DRAIN_TIMEOUT_S)]
     stderr = open(run_dir / "serve.stderr", "wb")
@@ -281,8 +281,8 @@ def _transformers_greedy(checkpoint: Path, prompt_ids: list[int], max_tokens: in
     import torch
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    from common.checkpoint.reader import CheckpointReader
-    from common.model.names import hub_to_hf_state_dict
+    from moemesh.common.checkpoint.reader import CheckpointReader
+    from moemesh.common.model.names import hub_to_hf_state_dict
 
     reader = CheckpointReader(checkpoint)
     hf_config = DeepseekV4Config(**reader.config.to_transformers_dict())
@@ -320,7 +320,7 @@ def test_each_worker_reports_weight_bytes_within_the_goal_of_its_stored_bytes(se
                                   f'{{device="cpu",kind="{kind}",worker="{name}"}}')  # labels sorted
             assert gauge == record[f"{kind}_bytes"]
     # the two expert workers split the routed experts: together they hold each one once
-    from common.checkpoint.reader import CheckpointReader
+    from moemesh.common.checkpoint.reader import CheckpointReader
 
     reader = CheckpointReader(checkpoint)
     routed = sum(reader.stored_nbytes(entry.name) for spec in reader.inventory.values() if spec.is_routed_expert
@@ -329,7 +329,7 @@ def test_each_worker_reports_weight_bytes_within_the_goal_of_its_stored_bytes(se
 
 
 def test_chat_streaming_and_not_match_reference(client, reference):
-    from common.chat.encoding import encode_messages
+    from moemesh.common.chat.encoding import encode_messages
 
     messages = [{"role": "user", "content": "Who made the heaven and the earth?"}]
     tokens = reference.generate(reference.encode_chat(encode_messages(messages)), 10)
@@ -421,8 +421,8 @@ def test_tiny_primary_pool_preempts_by_swap_and_returns_reference_outputs(checkp
     """Router, attention worker and one expert worker from a deployment whose [kv] table gives a
     primary pool too small for the requests at once: sequences are swapped to the CPU tier and
     restored from it (PrefixRestore at a block boundary), and every output is still the reference."""
-    from common.commands.serve_config import ServeLayout, deployment_table, render_toml
-    from common.commands.serve_processes import start_service, stop_services
+    from moemesh.commands.serve_config import ServeLayout, deployment_table, render_toml
+    from moemesh.commands.serve_processes import start_service, stop_services
 
     port = _free_port()
     table = deployment_table(ServeLayout(model_path=str(checkpoint), run_dir=str(tmp_path), log_dir=str(tmp_path / "logs"),

@@ -7,13 +7,13 @@ import asyncio
 import pytest
 import torch
 
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-from common.model.moe import RoutedExperts, sum_slots_in_order
-from common.wire.messages import Combine, Dispatch, ErrorCode, ErrorReply, ExpertInventory, QueryInventory
-from services.expert.grouping import group_by_expert, slot_outputs
-from common.placement.worker_holdings import WorkerHoldings, contiguous, owner_table, round_robin
-from services.expert.worker import ExpertWorker, ExpertWorkerConfig
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.model.moe import RoutedExperts, sum_slots_in_order
+from moemesh.common.wire.messages import Combine, Dispatch, ErrorCode, ErrorReply, ExpertInventory, QueryInventory
+from moemesh.services.expert.grouping import group_by_expert, slot_outputs
+from moemesh.common.placement.worker_holdings import WorkerHoldings, contiguous, owner_table, round_robin
+from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
 
 @pytest.fixture(scope="module")

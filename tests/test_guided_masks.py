@@ -15,20 +15,20 @@ import numpy as np
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from common.wire import codec
-from common.wire import messages as m
-from services.attention.sampling import SamplingBatch, process_logits
-from services.attention.sampling.token_masks import apply_token_masks, pack_token_masks, unpack_token_masks
-from services.router.guided_decoding import (
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire import codec
+from moemesh.common.wire import messages as m
+from moemesh.services.attention.sampling import SamplingBatch, process_logits
+from moemesh.services.attention.sampling.token_masks import apply_token_masks, pack_token_masks, unpack_token_masks
+from moemesh.services.router.guided_decoding import (
     GrammarTokenizer,
     ResponseFormat,
     attach_token_masks,
     parse_logit_bias,
     parse_response_format,
 )
-from services.router.protocol import ProtocolError
-from services.router.scheduler.request import FinishReason
+from moemesh.services.router.protocol import ProtocolError
+from moemesh.services.router.scheduler.request import FinishReason
 from spec_support import DEFAULT_MODEL
 
 
@@ -81,7 +81,7 @@ def test_logit_bias_is_added_before_penalties_and_temperature():
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.5]])
     params = SamplingParams(temperature=0.5, logit_bias=((0, 4.0), (2, -100.0)), repetition_penalty=2.0)
     batch = SamplingBatch.from_params([params], 4, "cpu")
-    from services.attention.sampling import build_token_history
+    from moemesh.services.attention.sampling import build_token_history
 
     history = build_token_history([[0]], [[]], 4, "cpu")  # token 0 seen: repetition penalty applies
     out = process_logits(logits, batch, history)
@@ -220,7 +220,7 @@ def test_guide_starts_after_the_end_of_thinking(tokenizer, grammar_tokenizer):
 def test_masked_verification_emits_only_allowed_tokens_and_matches_masked_greedy():
     """The worker masks every verified slot's logits; greedy verification then equals plain greedy
     decoding under the same masks, and rejection sampling never emits a disallowed token."""
-    from services.attention.sampling import verify
+    from moemesh.services.attention.sampling import verify
 
     generator = torch.Generator().manual_seed(3)
     num_vocab, num_drafts = 64, 3
@@ -242,7 +242,7 @@ def test_masked_verification_emits_only_allowed_tokens_and_matches_masked_greedy
 
 
 def test_worker_refuses_mask_rows_a_plan_does_not_carry():
-    from services.attention.worker import _token_mask_problem
+    from moemesh.services.attention.worker import _token_mask_problem
 
     def seq(row, drafts=(), do_sample=True):
         return m.ScheduledSequence("r", 0, (5, *drafts), 3, ((0,),), do_sample, draft_token_ids=drafts,

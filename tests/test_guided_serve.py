@@ -98,7 +98,7 @@ def _guided_bodies(tokenizer) -> list[dict]:
 
 def _is_grammar_prefix(text: str, tokenizer) -> bool:
     """Whether llguidance's json_object grammar accepts `text` as an unfinished output."""
-    from services.router.guided_decoding import GrammarTokenizer, parse_response_format
+    from moemesh.services.router.guided_decoding import GrammarTokenizer, parse_response_format
 
     guide = GrammarTokenizer(tokenizer, (1,)).new_guide(parse_response_format({"type": "json_object"}))
     return guide.matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False).ids) \

@@ -11,12 +11,12 @@ import pytest
 import torch
 import zmq
 
-from bench.hostwork import Drain, RecordingChannel, SyncCounter, build_expert_worker, make_dispatch
-from bench.hostwork_legacy import legacy_expert_stages, legacy_start_stages
-from common.wire.messages import ErrorCode, ErrorReply
-from services.attention.expert_channel import ExpertChannel
-from common.wire.cuda_ipc import DataPlane
-from services.attention.moe_dispatch import MoEDispatcher
+from moemesh.bench.hostwork import Drain, RecordingChannel, SyncCounter, build_expert_worker, make_dispatch
+from moemesh.bench.hostwork_legacy import legacy_expert_stages, legacy_start_stages
+from moemesh.common.wire.messages import ErrorCode, ErrorReply
+from moemesh.services.attention.expert_channel import ExpertChannel
+from moemesh.common.wire.cuda_ipc import DataPlane
+from moemesh.services.attention.moe_dispatch import MoEDispatcher
 
 NUM_EXPERTS = 256
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -77,7 +77,7 @@ def test_zmq_split_sends_the_dispatches_of_the_device_split(tmp_path):
 
 def test_worker_count_is_read_once_per_router_version(tmp_path):
     """`router.num_workers` walks every holder list: start reads it again only after the router changed."""
-    from services.attention.replica_routing import ReplicaRouter
+    from moemesh.services.attention.replica_routing import ReplicaRouter
 
     calls = []
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.wire.messages import Dispatch, ErrorCode, ErrorReply
-from services.expert.selection import held_table, routing_on_host, select_rows
+from moemesh.common.wire.messages import Dispatch, ErrorCode, ErrorReply
+from moemesh.services.expert.selection import held_table, routing_on_host, select_rows
 
 NUM_EXPERTS = 32
 
@@ -60,10 +60,10 @@ def test_routing_on_host_keeps_host_tensors():
 
 @pytest.fixture(scope="module")
 def cpu_worker():
-    from common.model.config import AttentionKind
-    from common.model.random_init import flash_config
-    from bench.hostwork import random_held_experts
-    from services.expert.worker import ExpertWorker, ExpertWorkerConfig
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import flash_config
+    from moemesh.bench.hostwork import random_held_experts
+    from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
     config = flash_config([AttentionKind.CSA], hidden_size=256, moe_intermediate_size=128,
                           n_routed_experts=NUM_EXPERTS)
@@ -84,7 +84,7 @@ def _dispatch(ids, mask, hidden_size=256, **fields):
 
 
 def test_cpu_worker_output_equals_the_legacy_path(cpu_worker):
-    from bench.hostwork_legacy import legacy_expert_stages
+    from moemesh.bench.hostwork_legacy import legacy_expert_stages
 
     ids, mask = _routing(9, 6, seed=3)
     mask &= ids % 2 == 0
@@ -117,8 +117,8 @@ def test_cpu_worker_answers_malformed_and_unheld_dispatches(cpu_worker):
 @pytest.mark.parametrize("num_tokens", [1, 8, 64])
 def test_host_layout_equals_the_device_layout_of_the_grouped_kernels(num_tokens):
     """selection.sorted_layout against `quantized.layout_by_expert` on the same rows (what the kernels saw)."""
-    from common.model.quantized import layout_by_expert
-    from services.expert.selection import sorted_layout
+    from moemesh.common.model.quantized import layout_by_expert
+    from moemesh.services.expert.selection import sorted_layout
 
     ids, mask = _routing(num_tokens, 6, seed=10 + num_tokens)
     held_ids = list(range(1, NUM_EXPERTS, 3))

@@ -26,7 +26,7 @@ CASE_IDS = ["indexer_scores", "mixed_prefill_decode_verify", "few_rows_csa", "pr
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, dict]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "common.kernels.attention_checks", "--suite", "interpret"],
+    proc = subprocess.run([sys.executable, "-m", "moemesh.common.kernels.attention_checks", "--suite", "interpret"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     results = {}
     for line in proc.stdout.splitlines():
@@ -50,7 +50,7 @@ def test_kernel_path_matches_torch_path(interpreted_results, case_id):
 
 
 def test_backend_dispatch(monkeypatch):
-    from common.model.batch import AttentionBackend, default_attention_backend
+    from moemesh.common.model.batch import AttentionBackend, default_attention_backend
 
     monkeypatch.delenv("MOEMESH_TORCH_ATTENTION", raising=False)
     assert default_attention_backend("cpu") is AttentionBackend.TORCH
@@ -61,10 +61,10 @@ def test_backend_dispatch(monkeypatch):
 
 def test_unaddressable_store_falls_back_to_torch():
     """A row store whose rows cannot be addressed in place gives no tables (torch path)."""
-    from common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
-    from common.model.config import AttentionKind
-    from common.model.random_init import tiny_flash_like_config
-    from common.model.state import SequenceState
+    from moemesh.common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import tiny_flash_like_config
+    from moemesh.common.model.state import SequenceState
 
     class CopyingRowStore:  # read() returns a fresh copy: nothing to address
         def __init__(self) -> None:

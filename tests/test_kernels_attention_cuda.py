@@ -11,16 +11,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def _cases():
-    from common.kernels.attention_checks import cuda_cases
+    from moemesh.common.kernels.attention_checks import cuda_cases
 
     return cuda_cases()
 
 
 @pytest.mark.parametrize("case_index", [0, 1, 2])
 def test_flash_width_matches_torch(case_index):
-    from common.kernels.attention_checks import BF16_TOLERANCE, run_case
-    from common.model.config import AttentionKind
-    from common.model.random_init import flash_config
+    from moemesh.common.kernels.attention_checks import BF16_TOLERANCE, run_case
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import flash_config
 
     config = flash_config((AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA))
     case = _cases()[case_index]
@@ -31,10 +31,10 @@ def test_flash_width_matches_torch(case_index):
 
 def test_decode_step_replays_in_a_cuda_graph():
     """Captured once, a decode step replayed gives the same output as the eager kernel path."""
-    from common.kernels.attention_checks import random_layers
-    from common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
-    from common.model.config import AttentionKind
-    from common.model.random_init import fill_random_context, flash_config, new_sequence_state
+    from moemesh.common.kernels.attention_checks import random_layers
+    from moemesh.common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import fill_random_context, flash_config, new_sequence_state
 
     config = flash_config((AttentionKind.CSA, AttentionKind.HCA))
     layers = random_layers(config, torch.bfloat16, "cuda", seed=1)
@@ -70,9 +70,9 @@ def test_decode_step_replays_in_a_cuda_graph():
 
 
 def test_indexer_scores_at_flash_width():
-    from common.kernels.attention_checks import check_indexer_scores
-    from common.model.config import AttentionKind
-    from common.model.random_init import flash_config
+    from moemesh.common.kernels.attention_checks import check_indexer_scores
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import flash_config
 
     config = flash_config((AttentionKind.CSA, AttentionKind.HCA))
     result = check_indexer_scores(config, torch.bfloat16, "cuda", 1e-2)

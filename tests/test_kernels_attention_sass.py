@@ -9,14 +9,14 @@ import pytest
 
 pytest.importorskip("triton")
 
-from bench.kernel_sass import _tool, summarise  # noqa: E402
+from moemesh.bench.kernel_sass import _tool, summarise  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.exists(_tool("ptxas")), reason="triton without its bundled ptxas")
 
 
 def test_default_sparse_attention_tile_compiles_without_spills():
-    from common.kernels.attention_sass import compile_sparse
-    from common.kernels.sparse_attention import SparseAttentionConfig
+    from moemesh.common.kernels.attention_sass import compile_sparse
+    from moemesh.common.kernels.sparse_attention import SparseAttentionConfig
 
     default = SparseAttentionConfig()
     summary = summarise(compile_sparse(block_h=default.block_h, block_n=default.block_n,
@@ -27,7 +27,7 @@ def test_default_sparse_attention_tile_compiles_without_spills():
 
 @pytest.mark.parametrize("kernel", ["indexer", "pool_csa", "pool_hca"])
 def test_side_kernels_compile_without_spills(kernel):
-    from common.kernels.attention_sass import compile_indexer, compile_pool
+    from moemesh.common.kernels.attention_sass import compile_indexer, compile_pool
 
     compiled = {"indexer": compile_indexer, "pool_csa": lambda: compile_pool(overlap=True),
                 "pool_hca": lambda: compile_pool(overlap=False)}[kernel]()

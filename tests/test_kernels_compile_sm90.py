@@ -12,8 +12,8 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from bench.kernel_sass import _tool, compile_grouped, summarise  # noqa: E402
-from common.kernels.expert_configs import Fp4Decode, GroupedGemmConfig  # noqa: E402
+from moemesh.bench.kernel_sass import _tool, compile_grouped, summarise  # noqa: E402
+from moemesh.common.kernels.expert_configs import Fp4Decode, GroupedGemmConfig  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.exists(_tool("ptxas")), reason="triton without its bundled ptxas")
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.kernels import cpu_fp4
-from common.kernels.cpu_fp4 import BuildConfig, ExpertGroups, ExpertStacks, fp4_expert_reference, fp4_linear_reference
-from common.model.random_init import random_fp4_stack
+from moemesh.common.kernels import cpu_fp4
+from moemesh.common.kernels.cpu_fp4 import BuildConfig, ExpertGroups, ExpertStacks, fp4_expert_reference, fp4_linear_reference
+from moemesh.common.model.random_init import random_fp4_stack
 
 COMPILER = cpu_fp4.find_compiler()
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
@@ -208,8 +208,8 @@ def test_expert_groups_order():
 
 
 def _worker_config():
-    from common.model.config import AttentionKind
-    from common.model.random_init import flash_config
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import flash_config
 
     return flash_config([AttentionKind.CSA], hidden_size=256, moe_intermediate_size=128, n_routed_experts=16)
 
@@ -218,9 +218,9 @@ def _worker_config():
 def test_expert_rows_native_equals_quantized_routed_experts(dtype):
     """The worker's CPU path on the native kernel against `QuantizedRoutedExperts`' torch path and the
     torch-block path of `expert_rows`, on the same held bytes (half the experts held, a slot mask)."""
-    from common.model.quantized import KernelBackend, QuantizedRoutedExperts
-    from services.expert.cpu_experts import CpuBlockRunner, expert_rows
-    from bench.hostwork import random_held_experts
+    from moemesh.common.model.quantized import KernelBackend, QuantizedRoutedExperts
+    from moemesh.services.expert.cpu_experts import CpuBlockRunner, expert_rows
+    from moemesh.bench.hostwork import random_held_experts
 
     config = _worker_config()
     pairs = [(0, e) for e in range(0, 16, 2)]
@@ -250,7 +250,7 @@ def test_expert_rows_native_equals_quantized_routed_experts(dtype):
 
 
 def test_runner_linear_native_equals_blocked():
-    from services.expert.cpu_experts import CpuBlockRunner, fp4_linear, fp4_linear_blocked
+    from moemesh.services.expert.cpu_experts import CpuBlockRunner, fp4_linear, fp4_linear_blocked
 
     generator = torch.Generator().manual_seed(8)
     packed, scale = random_fp4_stack(1, 70, 192, generator=generator)
@@ -268,7 +268,7 @@ def test_runner_linear_native_equals_blocked():
 
 
 def test_env_forces_torch_and_missing_compiler_falls_back(monkeypatch):
-    from services.expert.cpu_experts import CpuBlockRunner
+    from moemesh.services.expert.cpu_experts import CpuBlockRunner
 
     monkeypatch.setenv(cpu_fp4.KERNEL_ENV, "torch")
     assert cpu_fp4.native_kernel() is None and "torch" in cpu_fp4.unavailable_reason()
@@ -347,7 +347,7 @@ def test_fullsize_cpu_bench_runs(tmp_path):
     """bench.fullsize_cpu at true width on a few experts: every path gives a row with sane figures."""
     import json
 
-    from bench import fullsize_cpu
+    from moemesh.bench import fullsize_cpu
 
     code = fullsize_cpu.main(["--threads", "1", "--tokens", "1", "--num-experts", "6", "--top-k", "2", "--reps", "1",
                               "--copy-bytes", "4000000", "--paths", "native,native_omp,native_per_expert",

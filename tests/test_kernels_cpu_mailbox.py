@@ -21,14 +21,14 @@ import time
 import pytest
 import torch
 
-from common.kernels.cpu_fp4 import fp4_expert_reference
-from common.kernels.cpu_fp4_build import find_compiler
-from common.kernels.cpu_mailbox import ExpertMath, MailboxWorker, WaitConfig, load_mailbox, owned_local_table
-from common.kernels.mailbox_driver import InProcessShare, MailboxDriver, read_wait_error, wait_until_attached
-from common.kernels.mailbox_layout import (CombineMode, MailboxError, MailboxLayout, MailboxSegment, Word,
+from moemesh.common.kernels.cpu_fp4 import fp4_expert_reference
+from moemesh.common.kernels.cpu_fp4_build import find_compiler
+from moemesh.common.kernels.cpu_mailbox import ExpertMath, MailboxWorker, WaitConfig, load_mailbox, owned_local_table
+from moemesh.common.kernels.mailbox_driver import InProcessShare, MailboxDriver, read_wait_error, wait_until_attached
+from moemesh.common.kernels.mailbox_layout import (CombineMode, MailboxError, MailboxLayout, MailboxSegment, Word,
                                            make_seq, split_seq)
-from bench.cpu_mailbox_worker import WorkerSpec, owned_stacks, random_layers, spawn_worker
-from common.model.moe import sum_slots_in_order
+from moemesh.bench.cpu_mailbox_worker import WorkerSpec, owned_stacks, random_layers, spawn_worker
+from moemesh.common.model.moe import sum_slots_in_order
 
 COMPILER = find_compiler()
 pytestmark = pytest.mark.skipif(COMPILER is None or shutil.which(COMPILER) is None, reason="no C compiler")
@@ -178,7 +178,7 @@ class _HeldLayer:
 def test_mailbox_equals_cpu_expert_worker_path(library, layers, gates, fleet):
     """The expert worker's CPU path (`cpu_experts.expert_rows` on the native kernel) on the same layer
     gives the mailbox's routed output bit for bit."""
-    from services.expert.cpu_experts import CpuBlockRunner, expert_rows
+    from moemesh.services.expert.cpu_experts import CpuBlockRunner, expert_rows
 
     segments, _ = fleet
     driver = MailboxDriver(library, segments[(CombineMode.SLOTS, "alternate")], SPLITS["alternate"], timeout_s=10.0)
@@ -367,7 +367,7 @@ def test_layout_and_header_checks(library, layers, tmp_path):
 
 
 def test_missing_compiler_is_a_build_error(monkeypatch):
-    from common.kernels.cpu_fp4_build import NativeBuildError
+    from moemesh.common.kernels.cpu_fp4_build import NativeBuildError
 
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(NativeBuildError, match="no C compiler"):
@@ -398,10 +398,10 @@ def test_wait_bounds(library, tmp_path):
 
 
 def test_bench_runs(tmp_path):
-    """`python -m bench.cpu_mailbox` end to end at a tiny size: one JSON with a record per T."""
+    """`python -m moemesh.bench.cpu_mailbox` end to end at a tiny size: one JSON with a record per T."""
     import json
 
-    from bench import cpu_mailbox
+    from moemesh.bench import cpu_mailbox
 
     assert cpu_mailbox.main(["--T", "1,3", "--modes", "echo", "--waits", "backoff", "--layers", "2", "--steps", "2",
                              "--warmup", "0", "--out-dir", str(tmp_path)]) == 0

@@ -12,7 +12,7 @@ pytestmark = [
 
 triton = pytest.importorskip("triton")
 
-from common.kernels import checks  # noqa: E402
+from moemesh.common.kernels import checks  # noqa: E402
 
 CASES = checks.cuda_cases()
 

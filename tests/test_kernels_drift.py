@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 def drift() -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.kernels_drift", "--device", "cpu", "--routing", "hash", "--seeds", "3",
+        [sys.executable, "-m", "moemesh.bench.kernels_drift", "--device", "cpu", "--routing", "hash", "--seeds", "3",
          "--num-prefill", "24", "--num-decode", "2", "--skip-ops", "--json"],
         env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

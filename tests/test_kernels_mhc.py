@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from common.kernels import glue_check_runs, glue_checks  # noqa: E402
+from moemesh.common.kernels import glue_check_runs, glue_checks  # noqa: E402
 
 ONLY = "mhc"
 INTERPRET_IDS = [case_id for case_id, _ in glue_checks.interpret_cases(ONLY)]
@@ -46,7 +46,7 @@ def test_sinkhorn_of_kernel_is_doubly_stochastic(interpreted):
 
 
 def test_cpu_tensors_take_the_torch_path():
-    from common.kernels.glue import forced_torch_glue, use_triton_glue
+    from moemesh.common.kernels.glue import forced_torch_glue, use_triton_glue
 
     x = torch.zeros(2)
     assert not use_triton_glue(x)
@@ -55,7 +55,7 @@ def test_cpu_tensors_take_the_torch_path():
 
 
 def test_torch_glue_switch(monkeypatch):
-    from common.kernels.glue import TORCH_GLUE_ENV, forced_torch_glue, torch_glue_forced
+    from moemesh.common.kernels.glue import TORCH_GLUE_ENV, forced_torch_glue, torch_glue_forced
 
     monkeypatch.delenv(TORCH_GLUE_ENV, raising=False)
     assert not torch_glue_forced()
@@ -69,7 +69,7 @@ def test_torch_glue_switch(monkeypatch):
 
 
 def test_choose_mix_config_covers_the_columns():
-    from common.kernels import mhc
+    from moemesh.common.kernels import mhc
 
     device = torch.device("cpu")
     for dtype in (torch.bfloat16, torch.float32):
@@ -81,7 +81,7 @@ def test_choose_mix_config_covers_the_columns():
 
 
 def test_bf16x3_needs_bf16_streams():
-    from common.kernels import mhc
+    from moemesh.common.kernels import mhc
 
     config = mhc.MixConfig(block_t=16, block_k=16, num_splits=1, block_d=32, precision="bf16x3")
     with pytest.raises(ValueError):
@@ -114,7 +114,7 @@ def test_cuda_kernel_matches_torch_at_flash_size(case):
 @pytest.mark.cuda
 def test_cuda_hc_pre_post_capture_in_a_graph():
     """Both launches of hc_pre and hc_post replay in a CUDA graph and give the eager result."""
-    from common.model import hyper
+    from moemesh.common.model import hyper
 
     g = torch.Generator(device="cuda").manual_seed(1)
     h = torch.randn(2, 4, 4096, generator=g, device="cuda").bfloat16()

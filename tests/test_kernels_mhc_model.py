@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from common.kernels import glue_check_runs  # noqa: E402
+from moemesh.common.kernels import glue_check_runs  # noqa: E402
 
 TOLERANCE = 1e-4  # the torch path's bound in tests/test_model_forward.py
 

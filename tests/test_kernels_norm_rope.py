@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from common.kernels import glue_check_runs, glue_checks  # noqa: E402
-from common.model import linear, rope  # noqa: E402
+from moemesh.common.kernels import glue_check_runs, glue_checks  # noqa: E402
+from moemesh.common.model import linear, rope  # noqa: E402
 
 ONLY = "norm"
 INTERPRET_IDS = [case_id for case_id, _ in glue_checks.interpret_cases(ONLY)]

@@ -24,7 +24,7 @@ def _records(stdout: str) -> dict[str, dict]:
 
 def test_interpreted_dequant_exact_and_path_matches_reference():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "common.kernels.prefill_checks", "--device", "cpu"],
+    proc = subprocess.run([sys.executable, "-m", "moemesh.common.kernels.prefill_checks", "--device", "cpu"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     records = _records(proc.stdout)
     assert set(records) == {"dequant_exact", "dequant_path_chunks", "fp8_dequant_exact_ragged",
@@ -35,7 +35,7 @@ def test_interpreted_dequant_exact_and_path_matches_reference():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_flash_width():
-    from common.kernels.prefill_checks import cases
+    from moemesh.common.kernels.prefill_checks import cases
 
     for case_id, run in cases("cuda"):
         result = run()
@@ -43,7 +43,7 @@ def test_cuda_flash_width():
 
 
 def test_prefer_dequant_path_rule():
-    from common.kernels.fp4_prefill import MIN_MEAN_ROWS_PER_EXPERT, prefer_dequant_path
+    from moemesh.common.kernels.fp4_prefill import MIN_MEAN_ROWS_PER_EXPERT, prefer_dequant_path
 
     assert not prefer_dequant_path(6, 256)  # decode
     assert prefer_dequant_path(MIN_MEAN_ROWS_PER_EXPERT * 256, 256) == hasattr(torch, "_grouped_mm")
@@ -51,7 +51,7 @@ def test_prefer_dequant_path_rule():
 
 
 def test_fp8_path_rule(monkeypatch):
-    from common.kernels.fp8_dequant import MIN_TOKENS, PATH_ENV, use_dequant_linear
+    from moemesh.common.kernels.fp8_dequant import MIN_TOKENS, PATH_ENV, use_dequant_linear
 
     monkeypatch.delenv(PATH_ENV, raising=False)
     assert not use_dequant_linear(MIN_TOKENS - 1) and use_dequant_linear(MIN_TOKENS)  # auto

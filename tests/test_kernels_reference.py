@@ -8,8 +8,8 @@ import inspect
 import pytest
 import torch
 
-from common.kernels import reference
-from common.kernels.moe_layout import combine_rows, sort_by_expert
+from moemesh.common.kernels import reference
+from moemesh.common.kernels.moe_layout import combine_rows, sort_by_expert
 
 
 def test_e2m1_codes_and_nibble_order():
@@ -84,7 +84,7 @@ def _find(module, names):
 def test_bit_compatible_with_checkpoint_quant():
     """Our dequantizers and common.checkpoint.quant's must agree bit for bit (skips until it exists)."""
     try:
-        quant = importlib.import_module("common.checkpoint.quant")
+        quant = importlib.import_module("moemesh.common.checkpoint.quant")
     except ImportError:
         pytest.skip("common.checkpoint.quant not present yet")
     dequant_fp8 = _find(quant, ("dequantize_fp8_block", "dequantize_fp8", "dequantize_fp8_blockwise"))

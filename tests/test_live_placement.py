@@ -15,27 +15,27 @@ import asyncio
 import pytest
 import zmq
 
-from common.checkpoint.reader import CheckpointReader
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-from common.model.attention_side import AttentionSide
-from common.model.generate import GenerationConfig, generate
-from common.model.moe import RoutedExperts
-from common.model.reference import ReferenceModel
-from common.placement.placement_file import Placement, WorkerPlacement
-from common.sampling_params import SamplingParams
-from common.wire.messages import (
+from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.generate import GenerationConfig, generate
+from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.reference import ReferenceModel
+from moemesh.common.placement.placement_file import Placement, WorkerPlacement
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire.messages import (
     ErrorReply, ExpertKey, LoadExperts, PlacementWorker, QueryInventory, SwitchPlacement,
 )
-from common.wire.transport import SyncClient
-from services.attention.distributed_generate import plan_config_for
-from services.attention.local_cluster import ClusterSpec, LocalCluster
-from services.attention.local_plan import LocalPlanner, LocalRequest
-from services.attention.main import AttentionOptions
-from services.attention.placement_switch import replica_owner_tables
-from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from common.placement.worker_holdings import WorkerHoldings, round_robin
-from services.router.placement_admin import PlacementAdmin, PlacementApplyError
+from moemesh.common.wire.transport import SyncClient
+from moemesh.services.attention.distributed_generate import plan_config_for
+from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
+from moemesh.services.attention.local_plan import LocalPlanner, LocalRequest
+from moemesh.services.attention.main import AttentionOptions
+from moemesh.services.attention.placement_switch import replica_owner_tables
+from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+from moemesh.common.placement.worker_holdings import WorkerHoldings, round_robin
+from moemesh.services.router.placement_admin import PlacementAdmin, PlacementApplyError
 
 PROMPTS = [[5, 9, 17], [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13], list(range(30, 52))]
 MAX_TOKENS = 8
@@ -161,10 +161,10 @@ def test_admin_route_applies_a_placement_behind_the_api_key(setup):
     from starlette.applications import Starlette
     from starlette.testclient import TestClient
 
-    from common.placement.placement_file import format_toml
-    from common.security.api_keys import ApiKeys
-    from services.router.auth_middleware import GatewayAuthConfig, install_bearer_auth
-    from services.router.placement_admin import placement_route
+    from moemesh.common.placement.placement_file import format_toml
+    from moemesh.common.security.api_keys import ApiKeys
+    from moemesh.services.router.auth_middleware import GatewayAuthConfig, install_bearer_auth
+    from moemesh.services.router.placement_admin import placement_route
 
     _, config, _, cluster = setup
     name = cluster.expert_names[2]

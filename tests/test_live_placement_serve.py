@@ -51,7 +51,7 @@ def server(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("live-placement")
     port = _free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "serve", "--model", str(MODEL), "--expert-workers", "2", "--devices", "cpu",
+        [sys.executable, "-m", "moemesh.cli", "serve", "--model", str(MODEL), "--expert-workers", "2", "--devices", "cpu",
          "--port", str(port), "--run-dir", str(run_dir / "run"), "--speculation", "off"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -76,7 +76,7 @@ def server(tmp_path_factory):
 
 def _apply(base: str, placement_toml: str, path: Path) -> dict:
     path.write_text(placement_toml)
-    result = subprocess.run([sys.executable, "-m", "common.cli", "placement", "apply", str(path), "--url", base],
+    result = subprocess.run([sys.executable, "-m", "moemesh.cli", "placement", "apply", str(path), "--url", base],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout)

@@ -12,13 +12,13 @@ import random
 import pytest
 import torch
 
-from common.model.attention_side import AttentionSide
-from common.model.batch import SequenceChunk
-from common.model.moe import RoutedExperts
-from common.model.reference import ReferenceModel
-from common.model.rope import RotaryTable, inverse_frequencies
-from common.model.config import YarnConfig
-from common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.batch import SequenceChunk
+from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.reference import ReferenceModel
+from moemesh.common.model.rope import RotaryTable, inverse_frequencies
+from moemesh.common.model.config import YarnConfig
+from moemesh.common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
 
 TOLERANCE = 1e-4  # fp32 max abs logit difference; observed ~3e-7
 SEQ_LEN = 56

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from common.model.attention_side import AttentionSide
-from common.model.generate import GenerationConfig, generate, generate_batch
-from common.model.moe import RoutedExperts
-from common.model.reference import ReferenceModel
-from common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.generate import GenerationConfig, generate, generate_batch
+from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.reference import ReferenceModel
+from moemesh.common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,9 +72,9 @@ def test_sampling_is_reproducible_with_a_seed(models):
 def _write_tiny_checkpoint(path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from common.checkpoint.tiny import tiny_config as checkpoint_tiny_config
-    from common.checkpoint.writer import random_hub_state_dict as checkpoint_random_state
-    from common.checkpoint.writer import write_checkpoint
+    from moemesh.common.checkpoint.tiny import tiny_config as checkpoint_tiny_config
+    from moemesh.common.checkpoint.writer import random_hub_state_dict as checkpoint_random_state
+    from moemesh.common.checkpoint.writer import write_checkpoint
 
     config = checkpoint_tiny_config()
     write_checkpoint(path, config, checkpoint_random_state(config, seed=9, include_mtp=False))
@@ -88,14 +88,14 @@ def _write_tiny_checkpoint(path):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    pytest.importorskip("common.checkpoint.writer")
+    pytest.importorskip("moemesh.common.checkpoint.writer")
     path = tmp_path_factory.mktemp("tiny_ckpt")
     return path, _write_tiny_checkpoint(path)
 
 
 def test_generate_command_json_matches_helper(checkpoint, capsys):
-    from common.checkpoint.reader import CheckpointReader
-    from common.cli import main
+    from moemesh.common.checkpoint.reader import CheckpointReader
+    from moemesh.cli import main
 
     path, config = checkpoint
     prompts = ["w5 w9 w17 w3 w3 w40 w2 w77 w9 w10 w11 w12", "w100 w101"]
@@ -118,7 +118,7 @@ def test_generate_command_json_matches_helper(checkpoint, capsys):
 
 
 def test_generate_command_chat_mode_runs(checkpoint, capsys):
-    from common.cli import main
+    from moemesh.cli import main
 
     path, _ = checkpoint
     assert main(["generate", "--model", str(path), "--prompt", "w7 w8", "--chat", "--max-tokens", "2", "--json"]) == 0
@@ -128,8 +128,8 @@ def test_generate_command_chat_mode_runs(checkpoint, capsys):
 
 def test_generate_command_reference_numerics_changes_logits_not_the_interface(checkpoint, capsys):
     """--reference-numerics loads the official reference's numerics (FP8 KV QAT among them)."""
-    from common.cli import main
-    from common.commands.generate import _load_model
+    from moemesh.cli import main
+    from moemesh.commands.generate import _load_model
 
     path, _ = checkpoint
     default_model, _ = _load_model(str(path), "float32", "cpu")

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model.attention_side import AttentionSide
-from common.model.names import (
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.names import (
     UnknownTensorName,
     hf_name_to_hub,
     hf_to_hub_state_dict,
     hub_name_to_hf,
     hub_to_hf_state_dict,
 )
-from common.model.tiny import build_hf_model, split_hub_state_dict, tiny_config
+from moemesh.common.model.tiny import build_hf_model, split_hub_state_dict, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model.attention_side import AttentionSide
-from common.model.batch import SequenceChunk
-from common.model.config import NumericsConfig
-from common.model.moe import MultiHolderExperts, RoutedExperts
-from common.model.qat import (E4M3_MAX, fp8_block_scales, fp8_quant_dequant, kv_nope_fp8_qat,
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.batch import SequenceChunk
+from moemesh.common.model.config import NumericsConfig
+from moemesh.common.model.moe import MultiHolderExperts, RoutedExperts
+from moemesh.common.model.qat import (E4M3_MAX, fp8_block_scales, fp8_quant_dequant, kv_nope_fp8_qat,
                               pow2_scale_ceil)
-from common.model.reference import ReferenceModel
-from common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
+from moemesh.common.model.reference import ReferenceModel
+from moemesh.common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
 
 SEQ_LEN = 56
 # Full vs chunked forwards differ by fp32 rounding (~3e-7). With QAT such a difference can, rarely,
@@ -192,7 +192,7 @@ def test_route_weight_before_w2_split_and_expert_worker_paths(spec_tiny):
     default_logits = _build(config, hub_sd, NumericsConfig()).forward_sequence(tokens)
     assert 0 < (logits - default_logits).abs().max() < 1e-5
     # the expert worker's grouped kernel follows the same switch, bit for bit
-    grouping = pytest.importorskip("services.expert.grouping")
+    grouping = pytest.importorskip("moemesh.services.expert.grouping")
     hidden = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(2))
     ids = torch.tensor([[0, 5], [2, 7], [1, 5], [3, 4], [0, 6]])
     weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(3))

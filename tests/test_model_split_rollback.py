@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model.attention_side import AttentionSide
-from common.model.batch import SequenceChunk
-from common.model.moe import ExpertNotHeld, MultiHolderExperts, RoutedExperts
-from common.model.reference import ReferenceModel
-from common.model.state import RollbackError
-from common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.batch import SequenceChunk
+from moemesh.common.model.moe import ExpertNotHeld, MultiHolderExperts, RoutedExperts
+from moemesh.common.model.reference import ReferenceModel
+from moemesh.common.model.state import RollbackError
+from moemesh.common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
 
 TOLERANCE = 1e-4
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import zmq.asyncio
 
-from common.runtime.service import Service, ServiceConfig, ServiceRunner
-from common.runtime.supervisor import Supervisor
-from common.security.curve import generate_key_pair
-from common.security.socket_security import SocketSecurity
-from common.wire import messages as m
-from common.wire.errors import ReplyTimeout
-from common.wire.transport import AsyncClient
+from moemesh.common.runtime.service import Service, ServiceConfig, ServiceRunner
+from moemesh.common.runtime.supervisor import Supervisor
+from moemesh.common.security.curve import generate_key_pair
+from moemesh.common.security.socket_security import SocketSecurity
+from moemesh.common.wire import messages as m
+from moemesh.common.wire.errors import ReplyTimeout
+from moemesh.common.wire.transport import AsyncClient
 from security_support import make_keys
 
 pytestmark = pytest.mark.timeout(60)

@@ -26,9 +26,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.commands.serve_config import ServeLayout, deployment_table, render_toml
-from common.commands.serve_processes import start_service, stop_services, wait_until
-from services.attention.recovery import budget_for
+from moemesh.commands.serve_config import ServeLayout, deployment_table, render_toml
+from moemesh.commands.serve_processes import start_service, stop_services, wait_until
+from moemesh.services.attention.recovery import budget_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO_ROOT / "models" / "kjv-dsv4-mini"
@@ -53,8 +53,8 @@ def _free_port() -> int:
 def checkpoint(tmp_path_factory) -> Path:
     from tokenizers import Tokenizer
 
-    from common.checkpoint.tiny import tiny_config
-    from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+    from moemesh.common.checkpoint.tiny import tiny_config
+    from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 
     vocab_size = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
     config = tiny_config(vocab_size=vocab_size, eos_token_id=EOS_ID)
@@ -65,9 +65,9 @@ def checkpoint(tmp_path_factory) -> Path:
 def _reference_text(checkpoint: Path, prompt: str, max_tokens: int) -> str:
     from tokenizers import Tokenizer
 
-    from common.commands.generate import _load_model
-    from common.model.generate import GenerationConfig, generate_batch
-    from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
+    from moemesh.commands.generate import _load_model
+    from moemesh.common.model.generate import GenerationConfig, generate_batch
+    from moemesh.services.router.detokenizer import IncrementalDetokenizer, TokenBytes
 
     model, _ = _load_model(str(checkpoint), "float32", "cpu")
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
@@ -80,7 +80,7 @@ def _reference_text(checkpoint: Path, prompt: str, max_tokens: int) -> str:
 
 class Cluster:
     def __init__(self, checkpoint: Path, run_dir: Path) -> None:
-        from common.commands.serve import _write_placement
+        from moemesh.commands.serve import _write_placement
 
         self.run_dir = run_dir
         self.log_dir = run_dir / "logs"

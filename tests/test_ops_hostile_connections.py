@@ -153,7 +153,7 @@ def test_dropped_connections_to_a_real_server_free_every_block(served):
     """The same flood, smaller (the real engine prefills what reaches it on two CPU cores),
     against `moemesh serve`: afterwards the real scheduler runs and queues nothing and holds no
     KV block, the router's descriptors and memory are back near their level, and it still serves."""
-    from bench.soak import child_pids
+    from moemesh.bench.soak import child_pids
 
     chat = {**CHAT, "model": "kjv-dsv4-mini"}
     router_pid = child_pids(served.process.pid)["router"]

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from router_support import ScriptedEngine, tiny_tokenizer
 from starlette.testclient import TestClient
 
-from common.chat import tokens as tk
-from services.router.app import build_app
-from services.router.gateway_config import GatewayConfig
-from services.router.protocol import nesting_exceeds
+from moemesh.common.chat import tokens as tk
+from moemesh.services.router.app import build_app
+from moemesh.services.router.gateway_config import GatewayConfig
+from moemesh.services.router.protocol import nesting_exceeds
 
 TOKENIZER = tiny_tokenizer()
 EOS = TOKENIZER.token_to_id(tk.EOS)
@@ -120,12 +120,12 @@ def test_limits_and_drain_timeout_reach_the_router_from_the_command_line(tmp_pat
 
     from tokenizers import Tokenizer
 
-    from common.cli import build_parser
-    from common.commands.serve import request_limits
-    from common.commands.serve_config import ServeLayout, write_deployment
-    from common.commands.service import deployment_overrides
-    from common.runtime.deployment import load_deployment
-    from services.router.main import build_configs
+    from moemesh.cli import build_parser
+    from moemesh.commands.serve import request_limits
+    from moemesh.commands.serve_config import ServeLayout, write_deployment
+    from moemesh.commands.service import deployment_overrides
+    from moemesh.common.runtime.deployment import load_deployment
+    from moemesh.services.router.main import build_configs
 
     model_dir = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"
     parser, _ = build_parser()

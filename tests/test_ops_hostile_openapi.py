@@ -15,9 +15,9 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from router_support import ScriptedEngine, tiny_tokenizer  # noqa: E402
 
-from common.chat import tokens as tk  # noqa: E402
-from services.router.app import build_app  # noqa: E402
-from services.router.gateway_config import GatewayConfig  # noqa: E402
+from moemesh.common.chat import tokens as tk  # noqa: E402
+from moemesh.services.router.app import build_app  # noqa: E402
+from moemesh.services.router.gateway_config import GatewayConfig  # noqa: E402
 
 MAX_EXAMPLES_PER_OPERATION = 40
 TOKENIZER = tiny_tokenizer()

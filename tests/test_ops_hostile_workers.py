@@ -22,9 +22,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.wire import codec
-from common.wire import messages as m
-from common.wire.transport import Kind, SyncClient, pack_envelope
+from moemesh.common.wire import codec
+from moemesh.common.wire import messages as m
+from moemesh.common.wire.transport import Kind, SyncClient, pack_envelope
 from wire_support import sample_messages
 
 pytestmark = pytest.mark.timeout(240)
@@ -82,9 +82,9 @@ envelopes = st.one_of(st.binary(max_size=12),
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from common.checkpoint.tiny import tiny_config
-    from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-    from services.attention.local_cluster import ClusterSpec, LocalCluster
+    from moemesh.common.checkpoint.tiny import tiny_config
+    from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+    from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
 
     config = tiny_config()
     path = tmp_path_factory.mktemp("fuzz_ckpt")
@@ -103,13 +103,13 @@ class DraftProcess:
     def __init__(self, run_dir: Path) -> None:
         from draft_support import write_draft_deployment
 
-        from common.runtime.deployment import derive_endpoints, load_deployment
+        from moemesh.common.runtime.deployment import derive_endpoints, load_deployment
 
         config_path = write_draft_deployment(run_dir, DEFAULT_MODEL)
         self.endpoint = derive_endpoints(load_deployment(config_path)).draft
         self.stderr_path = run_dir / "draft.stderr"
         with self.stderr_path.open("wb") as stderr:
-            self.process = subprocess.Popen([sys.executable, "-m", "common.cli", "draft", "--config", str(config_path)],
+            self.process = subprocess.Popen([sys.executable, "-m", "moemesh.cli", "draft", "--config", str(config_path)],
                                             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
 
     def check_alive(self) -> None:

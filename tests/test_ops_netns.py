@@ -43,8 +43,8 @@ pytestmark = [
 def checkpoint(tmp_path_factory) -> Path:
     from tokenizers import Tokenizer
 
-    from common.checkpoint.tiny import tiny_config
-    from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+    from moemesh.common.checkpoint.tiny import tiny_config
+    from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 
     vocab_size = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
     config = tiny_config(vocab_size=vocab_size, eos_token_id=EOS_ID)
@@ -55,9 +55,9 @@ def checkpoint(tmp_path_factory) -> Path:
 def _reference_text(checkpoint: Path, prompt: str, max_tokens: int) -> str:
     from tokenizers import Tokenizer
 
-    from common.commands.generate import _load_model
-    from common.model.generate import GenerationConfig, generate_batch
-    from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
+    from moemesh.commands.generate import _load_model
+    from moemesh.common.model.generate import GenerationConfig, generate_batch
+    from moemesh.services.router.detokenizer import IncrementalDetokenizer, TokenBytes
 
     model, _ = _load_model(str(checkpoint), "float32", "cpu")
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
@@ -70,7 +70,7 @@ def _reference_text(checkpoint: Path, prompt: str, max_tokens: int) -> str:
 
 class NetnsCluster:
     def __init__(self, hosts: TwoHosts, checkpoint: Path, run_dir: Path) -> None:
-        from common.commands.serve_config import ServeLayout, deployment_table, render_toml
+        from moemesh.commands.serve_config import ServeLayout, deployment_table, render_toml
 
         self.hosts = hosts
         self.log_dir = run_dir / "logs"
@@ -86,9 +86,9 @@ class NetnsCluster:
         table["security"] = {"keys_dir": str(self.keys_dir)}
         self.config_path = run_dir / "deployment.toml"
         self.config_path.write_text(render_toml(table), encoding="utf-8")
-        subprocess.run([sys.executable, "-m", "common.cli", "keys", "generate", "--config", str(self.config_path),
+        subprocess.run([sys.executable, "-m", "moemesh.cli", "keys", "generate", "--config", str(self.config_path),
                         "--out", str(self.keys_dir)], check=True, cwd=REPO_ROOT, capture_output=True, timeout=60)
-        from common.runtime.deployment import derive_endpoints, load_deployment
+        from moemesh.common.runtime.deployment import derive_endpoints, load_deployment
 
         self.endpoints = derive_endpoints(load_deployment(self.config_path))
         # Workers first: the expert binds in ns_b, the attention worker in ns_a, then the router.

@@ -14,21 +14,21 @@ import time
 
 import pytest
 
-from common.checkpoint.reader import CheckpointReader
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-from common.model.attention_side import AttentionSide
-from common.model.generate import GenerationConfig, generate
-from common.model.moe import RoutedExperts
-from common.model.reference import ReferenceModel
-from common.sampling_params import SamplingParams
-from services.attention.distributed_generate import plan_config_for
-from services.attention.local_cluster import ClusterSpec, LocalCluster
-from services.attention.local_plan import LocalPlanner, LocalRequest
-from services.attention.main import AttentionOptions
-from services.attention.recovery import RecoveryConfig
-from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from common.placement.worker_holdings import WorkerHoldings
+from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.generate import GenerationConfig, generate
+from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.reference import ReferenceModel
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.attention.distributed_generate import plan_config_for
+from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
+from moemesh.services.attention.local_plan import LocalPlanner, LocalRequest
+from moemesh.services.attention.main import AttentionOptions
+from moemesh.services.attention.recovery import RecoveryConfig
+from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+from moemesh.common.placement.worker_holdings import WorkerHoldings
 
 PROMPTS = [[5, 9, 17], [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13], list(range(30, 52))]
 MAX_TOKENS = 6

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.placement.placement_file import Placement, WorkerPlacement
-from common.wire.messages import Heartbeat, Ready, ServiceRole, ServiceState
-from services.router.engine_config import EngineConfig
-from services.router.engine_health import HealthTracker
-from services.router.placement_admin import PlacementAdmin
+from moemesh.common.placement.placement_file import Placement, WorkerPlacement
+from moemesh.common.wire.messages import Heartbeat, Ready, ServiceRole, ServiceState
+from moemesh.services.router.engine_config import EngineConfig
+from moemesh.services.router.engine_health import HealthTracker
+from moemesh.services.router.placement_admin import PlacementAdmin
 
 ALL = {(layer, expert) for layer in range(2) for expert in range(4)}
 HALF = {(layer, expert) for layer in range(2) for expert in range(2)}

@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.commands.serve_config import ServeLayout, deployment_table, render_toml
-from common.commands.serve_processes import start_service, stop_services, wait_until
+from moemesh.commands.serve_config import ServeLayout, deployment_table, render_toml
+from moemesh.commands.serve_processes import start_service, stop_services, wait_until
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"
 PROMPTS = ["In the beginning God", "The LORD is my shepherd", "For God so loved", "Blessed are the"]
@@ -128,7 +128,7 @@ def _complete(base: str, prompt: str) -> str:
 
 def _apply(base: str, placement_toml: str, path: Path) -> dict:
     path.write_text(placement_toml)
-    result = subprocess.run([sys.executable, "-m", "common.cli", "placement", "apply", str(path), "--url", base],
+    result = subprocess.run([sys.executable, "-m", "moemesh.cli", "placement", "apply", str(path), "--url", base],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout)
@@ -143,7 +143,7 @@ def test_scale_out_rebalance_kill_a_twin_and_scale_in_under_traffic(cluster):
                                                             if w["state"] == "ready"}, 120), cluster.logs()
     joined = cluster.experts()["expert-1"]
     assert joined["num_experts"] == 0 and joined["device"] == "cpu" and joined["free_budget_bytes"] > 0
-    shown = subprocess.run([sys.executable, "-m", "common.cli", "placement", "show", "--url", base],
+    shown = subprocess.run([sys.executable, "-m", "moemesh.cli", "placement", "show", "--url", base],
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "expert-2" in shown.stdout and "ready" in shown.stdout, shown.stderr
 

@@ -27,7 +27,7 @@ import time
 import httpx
 import pytest
 
-from bench.soak import child_pids
+from moemesh.bench.soak import child_pids
 from spec_support import DEFAULT_MODEL, start_serve
 
 pytestmark = [

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from common.commands.serve_processes import ServiceProcess, stop_services
-from common.commands.serve_restarts import ChildRestarter, GaveUp, RestartPolicy
-from common.runtime.restart_record import read_restarts
+from moemesh.commands.serve_processes import ServiceProcess, stop_services
+from moemesh.commands.serve_restarts import ChildRestarter, GaveUp, RestartPolicy
+from moemesh.common.runtime.restart_record import read_restarts
 
 SLEEP = "import time; time.sleep(60)"
 

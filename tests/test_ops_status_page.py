@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.soak import child_pids
+from moemesh.bench.soak import child_pids
 from spec_support import DEFAULT_MODEL, start_serve
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

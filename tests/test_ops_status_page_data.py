@@ -16,14 +16,14 @@ import torch
 from router_support import ScriptedEngine, tiny_tokenizer
 from starlette.testclient import TestClient
 
-from common.chat import tokens as tk
-from common.runtime.restart_record import ChildRestarts, restarts_path_for, write_restarts
-from common.wire.codec import decode, encode
-from common.wire.messages import SequenceResult, StepResult
-from services.attention.routing_stats import RoutingCounter
-from services.router.app import build_app
-from services.router.gateway_config import GatewayConfig
-from services.router.status_page import StatusSources
+from moemesh.common.chat import tokens as tk
+from moemesh.common.runtime.restart_record import ChildRestarts, restarts_path_for, write_restarts
+from moemesh.common.wire.codec import decode, encode
+from moemesh.common.wire.messages import SequenceResult, StepResult
+from moemesh.services.attention.routing_stats import RoutingCounter
+from moemesh.services.router.app import build_app
+from moemesh.services.router.gateway_config import GatewayConfig
+from moemesh.services.router.status_page import StatusSources
 
 TOKENIZER = tiny_tokenizer()
 EOS = TOKENIZER.token_to_id(tk.EOS)

@@ -23,8 +23,8 @@ import pytest
 
 pytest.importorskip("supervisor")
 
-from common.commands.serve_config import ServeLayout, deployment_table, render_toml  # noqa: E402
-from common.commands.serve_processes import wait_until  # noqa: E402
+from moemesh.commands.serve_config import ServeLayout, deployment_table, render_toml  # noqa: E402
+from moemesh.commands.serve_processes import wait_until  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROGRAM_CONF = REPO_ROOT / "deploy" / "supervisor" / "moemesh.conf"
@@ -55,8 +55,8 @@ def _free_port() -> int:
 def checkpoint(tmp_path_factory) -> Path:
     from tokenizers import Tokenizer
 
-    from common.checkpoint.tiny import tiny_config
-    from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+    from moemesh.common.checkpoint.tiny import tiny_config
+    from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 
     vocab_size = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
     config = tiny_config(vocab_size=vocab_size, eos_token_id=EOS_ID)
@@ -67,9 +67,9 @@ def checkpoint(tmp_path_factory) -> Path:
 def _reference_text(checkpoint: Path, prompt: str, max_tokens: int) -> str:
     from tokenizers import Tokenizer
 
-    from common.commands.generate import _load_model
-    from common.model.generate import GenerationConfig, generate_batch
-    from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
+    from moemesh.commands.generate import _load_model
+    from moemesh.common.model.generate import GenerationConfig, generate_batch
+    from moemesh.services.router.detokenizer import IncrementalDetokenizer, TokenBytes
 
     model, _ = _load_model(str(checkpoint), "float32", "cpu")
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
@@ -95,7 +95,7 @@ def program_conf_for(tmp_dir: Path, config_path: Path, log_dir: Path) -> str:
 
 class Supervised:
     def __init__(self, checkpoint: Path, tmp_dir: Path) -> None:
-        from common.commands.serve import _write_placement
+        from moemesh.commands.serve import _write_placement
 
         self.tmp_dir = tmp_dir
         self.log_dir = tmp_dir / "logs"

@@ -9,13 +9,13 @@ import struct
 import pytest
 import torch
 
-from common.checkpoint.tiny import tiny_config
-from common.model.state import SequenceState
-from common.runtime.load_progress import LoadProgress, read_progress
-from common.wire.errors import ReplyTimeout
-from common.wire.messages import ScheduledSequence, SequenceResult, StepPlan, StepResult
-from services.attention.recovery import RecoveryConfig, StepRecovery, rollback_state
-from bench.plots import MAX_BARS_PER_PANEL, numeric_leaves, panels
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.model.state import SequenceState
+from moemesh.common.runtime.load_progress import LoadProgress, read_progress
+from moemesh.common.wire.errors import ReplyTimeout
+from moemesh.common.wire.messages import ScheduledSequence, SequenceResult, StepPlan, StepResult
+from moemesh.services.attention.recovery import RecoveryConfig, StepRecovery, rollback_state
+from moemesh.bench.plots import MAX_BARS_PER_PANEL, numeric_leaves, panels
 
 
 def _advance_stores(state: SequenceState, layers: int, num_tokens: int) -> None:
@@ -146,7 +146,7 @@ def _png_size(path) -> tuple[int, int]:
 
 def test_plots_render_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from bench.plots import render_all
+    from moemesh.bench.plots import render_all
 
     (tmp_path / "serve-1.json").write_text(json.dumps({"ttft_ms": {"mean": 12.0, "p99": 30.0}}))
     (written,) = render_all(tmp_path)
@@ -158,7 +158,7 @@ def test_a_written_bench_result_gets_its_plot_beside_it(tmp_path):
     """What `moemesh bench NAME` leaves: the JSON and, with matplotlib, its PNG (one panel per kind,
     so a result with two kinds of figures draws a taller picture than one with a single kind)."""
     pytest.importorskip("matplotlib")
-    from bench.results_io import write_result
+    from moemesh.bench.results_io import write_result
 
     one_kind = write_result("probe", {"step_ms": {"b1": 2.0, "b8": 3.5}}, out_dir=tmp_path / "a", command="probe")
     two_kinds = write_result("probe", {"step_ms": {"b1": 2.0, "b8": 3.5}, "tok_s": 4000.0},
@@ -169,8 +169,8 @@ def test_a_written_bench_result_gets_its_plot_beside_it(tmp_path):
 
 
 def test_serve_progress_bar_reads_the_progress_files(tmp_path):
-    from common.commands.serve_processes import load_progress_bar
-    from common.runtime.load_progress import progress_dir_for
+    from moemesh.commands.serve_processes import load_progress_bar
+    from moemesh.common.runtime.load_progress import progress_dir_for
 
     LoadProgress("expert-0", "expert", progress_dir_for(tmp_path), min_interval_s=0.0)(3 * 2**20, 4)
     done = LoadProgress("attention-0", "attention", progress_dir_for(tmp_path))
@@ -184,8 +184,8 @@ def test_serve_progress_bar_reads_the_progress_files(tmp_path):
 def test_expected_load_bytes_split_the_checkpoint_by_service(tmp_path):
     """Attention side + every routed expert pair + drafter = the whole inventory; an expert worker's
     share follows its pairs, and progress records get a fraction clamped to [0, 1]."""
-    from common.checkpoint.inventory import tensor_inventory
-    from services.router.status_page_progress import load_sizes_for_config, with_expected
+    from moemesh.common.checkpoint.inventory import tensor_inventory
+    from moemesh.services.router.status_page_progress import load_sizes_for_config, with_expected
 
     config = tiny_config()
     sizes = load_sizes_for_config(config)

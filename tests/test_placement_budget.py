@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from structlog.testing import capture_logs
 
-from common.placement.budget import BudgetShortfall, MemoryBudget, check_all, report_and_check
+from moemesh.common.placement.budget import BudgetShortfall, MemoryBudget, check_all, report_and_check
 
 GIB = 2**30
 

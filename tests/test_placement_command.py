@@ -7,9 +7,9 @@ import random
 import subprocess
 import sys
 
-from common.cli import main
-from common.placement.placement_file import read_placement
-from common.placement.stats import Phase, RoutingStats, write_stats_files
+from moemesh.cli import main
+from moemesh.common.placement.placement_file import read_placement
+from moemesh.common.placement.stats import Phase, RoutingStats, write_stats_files
 
 
 def flash_stats(path) -> None:
@@ -64,7 +64,7 @@ def test_show_reports_an_invalid_file(tmp_path, capsys):
 def test_plan_json_and_no_torch_import(tmp_path):
     # Only this command's module is imported, so another command importing torch cannot fail this test.
     code = (
-        "import argparse, sys; from common.commands import placement; "
+        "import argparse, sys; from moemesh.commands import placement; "
         "parser = argparse.ArgumentParser(); placement.add_arguments(parser, 'placement'); "
         "args = parser.parse_args(['plan', '--preset', 'v4-flash', '--budget', 'cuda:0=150GiB', "
         f"'--json', '--out', {str(tmp_path / 'p.toml')!r}]); "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.placement.devices import DeviceSpecError, build_devices, parse_rate, parse_size
+from moemesh.common.placement.devices import DeviceSpecError, build_devices, parse_rate, parse_size
 
 
 def test_sizes_need_explicit_units():

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from common.wire.messages import ExpertInventory, ExpertKey, Heartbeat, Ready, ServiceRole, ServiceState
-from services.router.expert_registry import ExpertRegistry
+from moemesh.common.wire.messages import ExpertInventory, ExpertKey, Heartbeat, Ready, ServiceRole, ServiceState
+from moemesh.services.router.expert_registry import ExpertRegistry
 
 
 @dataclass
@@ -101,8 +101,8 @@ def test_the_router_side_of_placement_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, services.router.main, services.router.expert_registry, services.router.placement_admin, "
-            "services.router.engine_health; print('torch' in sys.modules)")
+    code = ("import sys, moemesh.services.router.main, moemesh.services.router.expert_registry, moemesh.services.router.placement_admin, "
+            "moemesh.services.router.engine_health; print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"

@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from common.placement.placement_file import (
+from moemesh.common.placement.placement_file import (
     Placement,
     PlacementError,
     WorkerPlacement,
@@ -20,7 +20,7 @@ from common.placement.placement_file import (
     validate_placement,
     write_placement,
 )
-from common.placement.presets import preset_config
+from moemesh.common.placement.presets import preset_config
 
 
 def two_worker_placement(num_layers: int = 3, num_experts: int = 8) -> Placement:

@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from common.placement.cost import CostConfig, CostModel, ModelCosts, evaluate
-from common.placement.devices import DeviceSpec, build_devices
-from common.placement.placement_file import validate_placement
-from common.placement.plan import PlacementInfeasible, PlanConfig, Policy, plan_placement
-from common.placement.presets import preset_config
-from common.placement.stats import Phase, RoutingStats
+from moemesh.common.placement.cost import CostConfig, CostModel, ModelCosts, evaluate
+from moemesh.common.placement.devices import DeviceSpec, build_devices
+from moemesh.common.placement.placement_file import validate_placement
+from moemesh.common.placement.plan import PlacementInfeasible, PlanConfig, Policy, plan_placement
+from moemesh.common.placement.presets import preset_config
+from moemesh.common.placement.stats import Phase, RoutingStats
 
 BYTES = 1_000_000
 COSTS = ModelCosts(num_layers=4, num_experts=16, num_experts_per_tok=2, bytes_per_expert=BYTES,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.attention.replica_routing import ReplicaPolicy, ReplicaRouter
+from moemesh.services.attention.replica_routing import ReplicaPolicy, ReplicaRouter
 
 # one layer, four experts: 0 only on worker 0, 1 only on worker 1, 2 and 3 on both (primary first)
 HOLDERS = [[(0,), (1,), (0, 1), (1, 0)]]

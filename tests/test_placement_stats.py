@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from common.placement.stats import (
+from moemesh.common.placement.stats import (
     Phase,
     RoutingStats,
     StatsError,

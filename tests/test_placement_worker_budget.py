@@ -13,21 +13,21 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-from common.placement.budget import MemoryBudget
-from common.placement.worker_budget import (
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.placement.budget import MemoryBudget
+from moemesh.common.placement.worker_budget import (
     attention_worker_budget, check_at_start, draft_weight_bytes, expert_headroom_bytes, expert_worker_budget,
     kv_block_bytes, measure_free_bytes, resident_bytes_per_expert,
 )
-from common.wire.messages import ErrorReply, ExpertInventory, ExpertKey, LoadExperts
+from moemesh.common.wire.messages import ErrorReply, ExpertInventory, ExpertKey, LoadExperts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_kv_block_bytes_equal_the_pool_the_attention_worker_allocates():
-    from services.attention.kv_config import KVPoolConfig
-    from services.attention.kv_pool import KVPool
+    from moemesh.services.attention.kv_config import KVPoolConfig
+    from moemesh.services.attention.kv_pool import KVPool
 
     config = tiny_config()
     pool = KVPool(config, KVPoolConfig(block_size_tokens=128, num_primary_blocks=2, num_cpu_blocks=0), torch.float32,
@@ -56,9 +56,9 @@ def test_expert_budget_counts_the_held_pairs_and_leaves_the_rest_for_experts():
 
 @pytest.mark.parametrize("dtype, element_bytes", [("float32", 4), ("bfloat16", 2)])
 def test_draft_budget_equals_what_the_drafter_holds_with_its_own_embedding_and_head(tmp_path, dtype, element_bytes):
-    from common.checkpoint.side_loading import drafter_resident_bytes
-    from common.model.config import NumericsConfig
-    from services.draft.worker import load_drafter
+    from moemesh.common.checkpoint.side_loading import drafter_resident_bytes
+    from moemesh.common.model.config import NumericsConfig
+    from moemesh.services.draft.worker import load_drafter
 
     config = tiny_config(num_nextn_predict_layers=2, compress_ratios=[0, 4, 128, 4, 0, 0], dspark_block_size=4,
                          dspark_markov_rank=32, dspark_target_layer_ids=[1, 2, 3], dspark_noise_token_id=255)
@@ -84,7 +84,7 @@ def test_measured_free_memory_is_capped_by_the_limit():
 
 
 def test_load_experts_beyond_the_budget_is_refused(tmp_path):
-    from services.expert.worker import ExpertWorker, ExpertWorkerConfig
+    from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
     config = tiny_config()
     path = write_checkpoint(tmp_path / "ckpt", config, random_hub_state_dict(config, seed=3, include_mtp=False))
@@ -113,7 +113,7 @@ def deployment_file(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("role, name", [("expert", "expert-0"), ("attention", "attention-0")])
 def test_a_worker_that_cannot_fit_exits_naming_device_and_shortfall(deployment_file, role, name):
-    result = subprocess.run([sys.executable, "-m", "common.cli", role, "--config", str(deployment_file),
+    result = subprocess.run([sys.executable, "-m", "moemesh.cli", role, "--config", str(deployment_file),
                              "--name", name], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 3, result.stderr[-2000:]
     assert f"{name}: refusing to start: {role} on cpu: needs" in result.stderr

@@ -6,12 +6,12 @@ import json
 
 import torch
 
-from bench import layers_floors as floors
-from bench.layers import main
-from common.model.batch import SequenceChunk
-from common.model.config import AttentionKind
-from common.model.random_init import fill_random_context, new_sequence_state, random_model, tiny_flash_like_config
-from common.model.reference import ReferenceModel
+from moemesh.bench import layers_floors as floors
+from moemesh.bench.layers import main
+from moemesh.common.model.batch import SequenceChunk
+from moemesh.common.model.config import AttentionKind
+from moemesh.common.model.random_init import fill_random_context, new_sequence_state, random_model, tiny_flash_like_config
+from moemesh.common.model.reference import ReferenceModel
 
 
 def test_bench_layers_tiny_writes_every_figure(tmp_path):
@@ -33,7 +33,7 @@ def test_bench_layers_tiny_writes_every_figure(tmp_path):
 
 def test_flash_floors_match_the_spec():
     """Spec §8: expected distinct experts at b=64 ≈ 199.9; per-token layer matmul params."""
-    from common.model.random_init import flash_config
+    from moemesh.common.model.random_init import flash_config
 
     config = flash_config([AttentionKind.CSA, AttentionKind.HCA])
     assert abs(floors.expected_distinct_experts(config, 64) - 199.9) < 0.1

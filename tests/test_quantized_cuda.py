@@ -9,14 +9,14 @@ import torch
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 triton = pytest.importorskip("triton")
 
-from bench import layers_timing as timing  # noqa: E402
-from common.model.batch import SequenceChunk  # noqa: E402
-from common.model.config import AttentionKind  # noqa: E402
-from common.model.config import NumericsConfig  # noqa: E402
-from common.model.quantized import Fp8GroupedLinear, Fp8Linear, KernelBackend, QuantizedRoutedExperts  # noqa: E402
-from common.model.random_init import (random_fp4_stack, random_fp8_linear, random_model,  # noqa: E402
+from moemesh.bench import layers_timing as timing  # noqa: E402
+from moemesh.common.model.batch import SequenceChunk  # noqa: E402
+from moemesh.common.model.config import AttentionKind  # noqa: E402
+from moemesh.common.model.config import NumericsConfig  # noqa: E402
+from moemesh.common.model.quantized import Fp8GroupedLinear, Fp8Linear, KernelBackend, QuantizedRoutedExperts  # noqa: E402
+from moemesh.common.model.random_init import (random_fp4_stack, random_fp8_linear, random_model,  # noqa: E402
                                       tiny_flash_like_config)
-from common.model.reference import ReferenceModel  # noqa: E402
+from moemesh.common.model.reference import ReferenceModel  # noqa: E402
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,7 +89,7 @@ def test_model_bf16_kernels_drift_no_more_than_torch_bf16(seed):
     Hash routing (`tid2eid`, every layer) takes the discontinuity out, so what is left is rounding: per
     op the kernels round less often than the torch path (fp32 SwiGLU, one rounding per GEMM), hence
     kernel-vs-fp32 <= 1.25 x torch-vs-fp32 (+1e-3 for summation order) at every sub-layer."""
-    from bench.kernels_drift import DriftCase, model_drift
+    from moemesh.bench.kernels_drift import DriftCase, model_drift
 
     result = model_drift("cuda", DriftCase(seed=seed, hash_routing=True))
     for row in result["rows"]:  # shown with -s (the device script), for bench/NOTES.md

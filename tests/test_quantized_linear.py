@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.checkpoint.quant import quantize_fp8_block
-from common.kernels.reference import dequant_fp8_blockwise
-from common.model.batch import SequenceChunk
-from common.model.config import AttentionKind, NumericsConfig
-from common.model.linear import GroupedLinear, Linear
-from common.model.moe import RoutedExperts
-from common.model.quantized import (Fp8GroupedLinear, Fp8Linear, KernelBackend, dequantized_expert_weights,
+from moemesh.common.checkpoint.quant import quantize_fp8_block
+from moemesh.common.kernels.reference import dequant_fp8_blockwise
+from moemesh.common.model.batch import SequenceChunk
+from moemesh.common.model.config import AttentionKind, NumericsConfig
+from moemesh.common.model.linear import GroupedLinear, Linear
+from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.quantized import (Fp8GroupedLinear, Fp8Linear, KernelBackend, dequantized_expert_weights,
                                     swap_fp8_linears)
-from common.model.random_init import (fp8_linear_names, random_fp8_linear, random_model, tiny_flash_like_config)
-from common.model.reference import ReferenceModel
+from moemesh.common.model.random_init import (fp8_linear_names, random_fp8_linear, random_model, tiny_flash_like_config)
+from moemesh.common.model.reference import ReferenceModel
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (200, 300), (64, 32)])
@@ -59,7 +59,7 @@ def test_random_fp8_linear_has_unit_gain_and_varied_scales():
 
 def _float_twin(side, experts, config):
     """The same model with every quantized tensor dequantised into plain Linear / RoutedExperts."""
-    from common.model.attention_side import AttentionSide
+    from moemesh.common.model.attention_side import AttentionSide
 
     state = {}
     for name, tensor in side.state_dict().items():
@@ -69,7 +69,7 @@ def _float_twin(side, experts, config):
         module = side.get_submodule(module_name) if name.endswith(".weight") else None
         state[name] = module.dequantized() if isinstance(module, Fp8Linear) else tensor
     twin = AttentionSide.from_state_dict(config, state, side.numerics)
-    from common.model.random_init import move_rope_tables
+    from moemesh.common.model.random_init import move_rope_tables
 
     move_rope_tables(twin, "cpu")
     routed = RoutedExperts.from_config(dequantized_expert_weights(experts), config, side.numerics)

@@ -16,18 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.random_checkpoint import (
+from moemesh.bench.random_checkpoint import (
     cached_checkpoint, dspark_hub_keys, hub_config, skew_ranks, with_dspark, write_random_checkpoint,
 )
-from common.checkpoint.reader import CheckpointReader
-from common.model.config import ModelConfig, RouterKind
+from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.model.config import ModelConfig, RouterKind
 
 LAYERS = 6  # hash-routed 0-2, learned 3-5; window 0-1, CSA 2 and 4, HCA 3 and 5
 SKEW = 2.0
 
 
 def _make(out: Path, *extra: str) -> Path:
-    from common.cli import main
+    from moemesh.cli import main
 
     argv = ["bench", "make-checkpoint", "--preset", "tiny", "--layers", str(LAYERS), "--seed", "3", *extra,
             "--out", str(out)]
@@ -46,7 +46,7 @@ def skewed(tmp_path_factory) -> Path:
 
 
 def _load_ours(path: Path):
-    from common.commands.generate import _load_model
+    from moemesh.commands.generate import _load_model
 
     model, config = _load_model(str(path), "float32", "cpu")
     return model, config
@@ -115,8 +115,8 @@ def test_tokenizer_at_the_flash_vocabulary(tmp_path):
     """129,280 ids: the default model's 12,288 tokens, then plain tokens encoding never produces."""
     from tokenizers import Tokenizer
 
-    from bench.random_checkpoint import write_tokenizer
-    from services.router.detokenizer import TokenBytes
+    from moemesh.bench.random_checkpoint import write_tokenizer
+    from moemesh.services.router.detokenizer import TokenBytes
 
     write_tokenizer(tmp_path, 129280)
     tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
@@ -181,7 +181,7 @@ def test_transformers_gives_moemesh_logits(plain):
 
 
 def test_check_model_passes(plain, capsys):
-    from common.cli import main
+    from moemesh.cli import main
 
     assert main(["check-model", "--model", str(plain), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -230,8 +230,8 @@ def test_routing_skew_concentrates_expert_choices(plain, skewed):
 
 
 def test_dspark_stages_load_in_the_drafter(plain):
-    from common.model.config import NumericsConfig
-    from services.draft.worker import load_drafter
+    from moemesh.common.model.config import NumericsConfig
+    from moemesh.services.draft.worker import load_drafter
 
     drafter = load_drafter(str(plain), "cpu", NumericsConfig(dtype="float32"))
     reader = CheckpointReader(plain)
@@ -254,7 +254,7 @@ def test_dspark_stages_load_in_the_drafter(plain):
 def test_flash_entries_match_the_specification():
     """V4-Flash + DSpark at true width, planned but not written: shapes, dtypes and bytes per kind
     from dsv4-model.md / dspark.md, not from the code."""
-    from bench.random_checkpoint_tensors import checkpoint_entries
+    from moemesh.bench.random_checkpoint_tensors import checkpoint_entries
 
     hub = hub_config("v4-flash", dspark=True)
     config = ModelConfig.from_dict(hub)
@@ -291,7 +291,7 @@ def test_dspark_keys_adapt_to_depth():
 
 
 def test_bad_arguments_fail_naming_the_key(tmp_path, capsys):
-    from common.cli import main
+    from moemesh.cli import main
 
     assert main(["bench", "make-checkpoint", "--preset", "tiny", "--set", "o_groups=3",
                  "--out", str(tmp_path / "x")]) == 2

@@ -5,8 +5,8 @@ from hypothesis import strategies as st
 from router_support import tiny_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from common.chat import tokens as tk
-from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
+from moemesh.common.chat import tokens as tk
+from moemesh.services.router.detokenizer import IncrementalDetokenizer, TokenBytes
 
 TOKENIZER = tiny_tokenizer()
 TOKEN_BYTES = TokenBytes(TOKENIZER)

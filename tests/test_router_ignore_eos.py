@@ -12,11 +12,11 @@ from __future__ import annotations
 from router_support import ScriptedEngine, tiny_tokenizer
 from starlette.testclient import TestClient
 
-from common.chat import tokens as tk
-from services.router.app import build_app
-from services.router.gateway_config import GatewayConfig
-from services.router.scheduler.request import Request
-from services.router.scheduler.stop_checks import append_sampled_tokens
+from moemesh.common.chat import tokens as tk
+from moemesh.services.router.app import build_app
+from moemesh.services.router.gateway_config import GatewayConfig
+from moemesh.services.router.scheduler.request import Request
+from moemesh.services.router.scheduler.stop_checks import append_sampled_tokens
 
 TOKENIZER = tiny_tokenizer()
 EOS = TOKENIZER.token_to_id(tk.EOS)

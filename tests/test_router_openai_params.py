@@ -9,9 +9,9 @@ import pytest
 from router_support import ScriptedEngine, tiny_tokenizer
 from starlette.testclient import TestClient
 
-from common.chat import tokens as tk
-from services.router.app import build_app
-from services.router.gateway_config import GatewayConfig
+from moemesh.common.chat import tokens as tk
+from moemesh.services.router.app import build_app
+from moemesh.services.router.gateway_config import GatewayConfig
 
 TOKENIZER = tiny_tokenizer()
 EOS = TOKENIZER.token_to_id(tk.EOS)

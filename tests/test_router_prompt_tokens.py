@@ -13,10 +13,10 @@ from router_support import ScriptedEngine, tiny_tokenizer, tiny_tokenizer_json
 from starlette.testclient import TestClient
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from common.chat import tokens as tk
-from services.router.app import build_app
-from services.router.gateway_config import GatewayConfig
-from services.router.prompt_tokens import PromptTokens, TokenizerConfigError, prompt_tokens_for, token_bytes_bound
+from moemesh.common.chat import tokens as tk
+from moemesh.services.router.app import build_app
+from moemesh.services.router.gateway_config import GatewayConfig
+from moemesh.services.router.prompt_tokens import PromptTokens, TokenizerConfigError, prompt_tokens_for, token_bytes_bound
 
 KJV_DIR = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"
 

@@ -4,7 +4,7 @@ stop string released."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.router.sequence_output import StopStringMatcher
+from moemesh.services.router.sequence_output import StopStringMatcher
 
 
 def run(text, stops, pieces):

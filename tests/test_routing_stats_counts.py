@@ -15,23 +15,23 @@ import pytest
 import torch
 import zmq
 
-from common.checkpoint.reader import CheckpointReader
-from common.model.attention_side import AttentionSide
-from common.model.generate import GenerationConfig, generate
-from common.model.moe import RoutedExperts
-from common.model.reference import ReferenceModel
-from common.placement.stats import Phase, layer_skew, read_csv
-from common.sampling_params import SamplingParams
-from common.wire.messages import ErrorReply, RoutingPhase, RoutingStatsWritten, WriteRoutingStats
+from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.generate import GenerationConfig, generate
+from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.reference import ReferenceModel
+from moemesh.common.placement.stats import Phase, layer_skew, read_csv
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire.messages import ErrorReply, RoutingPhase, RoutingStatsWritten, WriteRoutingStats
 from dispatch_support import ThreadedExpert, expert_worker, write_tiny_checkpoint
-from services.attention.distributed_generate import plan_config_for
-from services.attention.local_plan import LocalPlanner, LocalRequest
-from services.attention.main import AttentionOptions
-from services.attention.routing_config import RoutingStatsConfig
-from services.attention.routing_stats import RoutingCounter
-from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from common.placement.worker_holdings import round_robin, WorkerHoldings
-from services.router.metrics import RouterMetrics
+from moemesh.services.attention.distributed_generate import plan_config_for
+from moemesh.services.attention.local_plan import LocalPlanner, LocalRequest
+from moemesh.services.attention.main import AttentionOptions
+from moemesh.services.attention.routing_config import RoutingStatsConfig
+from moemesh.services.attention.routing_stats import RoutingCounter
+from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+from moemesh.common.placement.worker_holdings import round_robin, WorkerHoldings
+from moemesh.services.router.metrics import RouterMetrics
 
 PROMPTS = [[5, 9, 17], [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13], list(range(30, 52))]
 MAX_TOKENS = 5

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import zmq
 
-from common.placement.stats import Phase, read_csv
-from common.sampling_params import SamplingParams
-from common.wire.messages import RoutingStatsWritten, StepResult, WriteRoutingStats
-from common.wire.transport import SyncClient
+from moemesh.common.placement.stats import Phase, read_csv
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire.messages import RoutingStatsWritten, StepResult, WriteRoutingStats
+from moemesh.common.wire.transport import SyncClient
 from dispatch_support import write_tiny_checkpoint
-from services.attention.distributed_generate import plan_config_for
-from services.attention.local_cluster import ClusterSpec, LocalCluster
-from services.attention.local_plan import LocalPlanner, LocalRequest
-from services.attention.main import AttentionOptions
+from moemesh.services.attention.distributed_generate import plan_config_for
+from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
+from moemesh.services.attention.local_plan import LocalPlanner, LocalRequest
+from moemesh.services.attention.main import AttentionOptions
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ def test_routing_stats_are_written_on_request_and_on_sigterm(tmp_path):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_REPO_ROOT), os.environ.get("PYTHONPATH")])))
         with open(tmp_path / "attention.stderr", "wb") as stderr:
             process = subprocess.Popen(
-                [sys.executable, "-m", "common.cli", "attention", "--config", str(config_path), "--name",
+                [sys.executable, "-m", "moemesh.cli", "attention", "--config", str(config_path), "--name",
                  cluster.attention_name, "--log-level", "warning", "--routing-stats-out", str(out_path)],
                 stdout=stderr, stderr=stderr, env=env, cwd=_REPO_ROOT)
         context = zmq.Context()

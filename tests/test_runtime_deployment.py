@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import structlog
 
-from common.runtime.deployment import (
+from moemesh.common.runtime.deployment import (
     DeploymentError, add_deployment_arguments, derive_endpoints, load_deployment, parse_deployment,
 )
-from common.runtime.logging import bound_request, configure_logging
+from moemesh.common.runtime.logging import bound_request, configure_logging
 
 EXAMPLE = """
 [model]

@@ -14,9 +14,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common.wire import messages as m
-from common.wire.transport import AsyncClient, Kind, pack_envelope
-from common.runtime.supervisor import Supervisor
+from moemesh.common.wire import messages as m
+from moemesh.common.wire.transport import AsyncClient, Kind, pack_envelope
+from moemesh.common.runtime.supervisor import Supervisor
 
 CHILD = Path(__file__).resolve().parent / "wire_support.py"
 

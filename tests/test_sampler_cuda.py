@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from services.attention.sampling.rng import Purpose, stream, streams_for_rows
-from services.attention.sampling.sampler import Sampler
-from services.attention.sampling.verify import verify
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.attention.sampling.rng import Purpose, stream, streams_for_rows
+from moemesh.services.attention.sampling.sampler import Sampler
+from moemesh.services.attention.sampling.verify import verify
 
 pytestmark = [
     pytest.mark.cuda,

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from services.attention.sampling.draw import sample_from_probs
-from services.attention.sampling.rng import Purpose, stream
-from services.attention.sampling.sampler import Sampler
-from services.attention.sampling.stats import chi_square_p_value
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.attention.sampling.draw import sample_from_probs
+from moemesh.services.attention.sampling.rng import Purpose, stream
+from moemesh.services.attention.sampling.sampler import Sampler
+from moemesh.services.attention.sampling.stats import chi_square_p_value
 
 NUM_VOCAB = 12
 NUM_SAMPLES = 20000

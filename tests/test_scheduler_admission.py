@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from common.sampling_params import SamplingParams
-from services.router.scheduler import (
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.router.scheduler import (
     AdmissionController,
     AdmissionLimits,
     RejectReason,

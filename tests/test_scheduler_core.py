@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from common.sampling_params import SamplingParams
-from services.router.scheduler import (
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.router.scheduler import (
     FinishReason,
     Request,
     RequestStatus,
@@ -15,7 +15,7 @@ from services.router.scheduler import (
     SchedulerConfig,
     SequenceResult,
 )
-from services.router.scheduler.sim_engine import SimulatedEngine
+from moemesh.services.router.scheduler.sim_engine import SimulatedEngine
 
 
 def make_config(**overrides) -> SchedulerConfig:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from common.sampling_params import SamplingParams
-from services.router.scheduler import FinishReason, Request, Scheduler, SchedulerConfig, SequenceResult
-from services.router.scheduler.sim_engine import SimulatedEngine, oracle_drafter
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.router.scheduler import FinishReason, Request, Scheduler, SchedulerConfig, SequenceResult
+from moemesh.services.router.scheduler.sim_engine import SimulatedEngine, oracle_drafter
 
 
 def prompt(seed: str, count: int) -> tuple[int, ...]:

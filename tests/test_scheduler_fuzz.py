@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from common.sampling_params import SamplingParams
-from services.router.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
-from services.router.scheduler.sim_engine import SimulatedEngine, oracle_drafter
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.router.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+from moemesh.services.router.scheduler.sim_engine import SimulatedEngine, oracle_drafter
 
 # (name, config): the first pool fits exactly one request of max_model_len.
 CONFIGS = [

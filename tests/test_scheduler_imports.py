@@ -22,12 +22,12 @@ PROGRAM = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, Blocker())
-    import services.router.scheduler as package
+    import moemesh.services.router.scheduler as package
     for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"services.router.scheduler.{module.name}")
-    from common.sampling_params import SamplingParams
-    from services.router.scheduler import Request, Scheduler, SchedulerConfig
-    from services.router.scheduler.sim_engine import SimulatedEngine, oracle_drafter
+        importlib.import_module(f"moemesh.services.router.scheduler.{module.name}")
+    from moemesh.common.sampling_params import SamplingParams
+    from moemesh.services.router.scheduler import Request, Scheduler, SchedulerConfig
+    from moemesh.services.router.scheduler.sim_engine import SimulatedEngine, oracle_drafter
     engine = SimulatedEngine(Scheduler(SchedulerConfig(num_gpu_blocks=4, max_model_len=512)), drafter=oracle_drafter(2))
     engine.add(Request("r", tuple(range(300)), SamplingParams(max_tokens=20)))
     engine.run_until_done(max_steps=100)

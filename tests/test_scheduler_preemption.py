@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from common.sampling_params import SamplingParams
-from services.router.scheduler import (
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.router.scheduler import (
     FinishReason,
     Request,
     RequestStatus,
@@ -13,7 +13,7 @@ from services.router.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from services.router.scheduler.sim_engine import SimulatedEngine
+from moemesh.services.router.scheduler.sim_engine import SimulatedEngine
 
 
 def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int) -> Request:

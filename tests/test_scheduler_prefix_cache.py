@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 
-from common.sampling_params import SamplingParams
-from services.router.scheduler import Request, RestoreReason, Scheduler, SchedulerConfig
-from services.router.scheduler.block_pool import BlockPool
-from services.router.scheduler.prefix_cache import ROOT_PARENT_HASH, extend_block_hashes, hash_block_tokens
-from services.router.scheduler.sim_engine import SimulatedEngine
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.router.scheduler import Request, RestoreReason, Scheduler, SchedulerConfig
+from moemesh.services.router.scheduler.block_pool import BlockPool
+from moemesh.services.router.scheduler.prefix_cache import ROOT_PARENT_HASH, extend_block_hashes, hash_block_tokens
+from moemesh.services.router.scheduler.sim_engine import SimulatedEngine
 
 BLOCK = 128
 

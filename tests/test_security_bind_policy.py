@@ -9,13 +9,13 @@ import zmq
 import zmq.asyncio
 from security_support import SecureEchoServer, client_security, make_keys
 
-from common.commands import keys as keys_command
-from common.runtime.deployment import add_deployment_arguments, derive_endpoints, parse_deployment
-from common.security.bind_policy import BindRefused, check_bind_endpoint, needs_curve
-from common.security.curve import KeyFileError, load_key_pair
-from common.security.socket_security import ROUTER_KEY_NAME, SocketSecurity, socket_security_for
-from common.wire import messages as m
-from common.wire.transport import AsyncServer, SyncClient
+from moemesh.commands import keys as keys_command
+from moemesh.common.runtime.deployment import add_deployment_arguments, derive_endpoints, parse_deployment
+from moemesh.common.security.bind_policy import BindRefused, check_bind_endpoint, needs_curve
+from moemesh.common.security.curve import KeyFileError, load_key_pair
+from moemesh.common.security.socket_security import ROUTER_KEY_NAME, SocketSecurity, socket_security_for
+from moemesh.common.wire import messages as m
+from moemesh.common.wire.transport import AsyncServer, SyncClient
 
 BEYOND_LOOPBACK = ["tcp://0.0.0.0:5000", "tcp://*:5000", "tcp://10.1.2.3:5000", "tcp://[::]:5000",
                    "tcp://eth0:5000", "tcp://gpu-host-b:5000", "tcp://192.168.0.7:*"]

@@ -11,13 +11,13 @@ import zmq
 import zmq.auth
 from security_support import SecureEchoServer, client_security, make_keys
 
-from common.security.curve import (
+from moemesh.common.security.curve import (
     KeyFileError, check_key_name, generate_key_pair, load_key_pair, load_public_key, load_public_keys, write_key_pair,
 )
-from common.security.socket_security import SocketSecurity
-from common.wire import messages as m
-from common.wire.errors import ReplyTimeout
-from common.wire.transport import SyncClient
+from moemesh.common.security.socket_security import SocketSecurity
+from moemesh.common.wire import messages as m
+from moemesh.common.wire.errors import ReplyTimeout
+from moemesh.common.wire.transport import SyncClient
 
 REFUSED_WAIT_S = 0.6  # how long a refused client waits for a reply that must never come
 

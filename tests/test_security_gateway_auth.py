@@ -8,11 +8,11 @@ import pytest
 from router_support import ScriptedEngine, tiny_tokenizer
 from starlette.testclient import TestClient
 
-from common.chat import tokens as tk
-from common.security.api_keys import ApiKeyError, ApiKeys, bearer_token, load_api_keys, read_api_key_file
-from services.router.app import build_app
-from services.router.auth_middleware import GatewayAuthConfig, install_bearer_auth
-from services.router.gateway_config import GatewayConfig
+from moemesh.common.chat import tokens as tk
+from moemesh.common.security.api_keys import ApiKeyError, ApiKeys, bearer_token, load_api_keys, read_api_key_file
+from moemesh.services.router.app import build_app
+from moemesh.services.router.auth_middleware import GatewayAuthConfig, install_bearer_auth
+from moemesh.services.router.gateway_config import GatewayConfig
 
 KEY = "mm-test-key-0123456789abcdef"
 OTHER_KEY = "mm-second-key-0123456789abcd"

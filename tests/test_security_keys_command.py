@@ -10,8 +10,8 @@ from pathlib import Path
 
 import zmq.auth
 
-from common.cli import main
-from common.security.curve import load_key_pair, load_public_keys
+from moemesh.cli import main
+from moemesh.common.security.curve import load_key_pair, load_public_keys
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def test_generate_rejects_bad_names_and_empty_requests(tmp_path, capsys):
 def test_show_and_the_installed_entry_point(tmp_path):
     out = tmp_path / "keys"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "common.cli", "keys"]
+    command = [sys.executable, "-m", "moemesh.cli", "keys"]
     done = subprocess.run([*command, "generate", "--out", str(out), "--name", "attention-0"],
                           capture_output=True, text=True, env=env, timeout=60, check=False)
     assert done.returncode == 0, done.stderr

@@ -7,8 +7,8 @@ from starlette.testclient import TestClient
 
 import argparse
 
-from common.runtime.deployment import add_deployment_arguments, parse_deployment
-from services.router.main import _install_api_keys
+from moemesh.common.runtime.deployment import add_deployment_arguments, parse_deployment
+from moemesh.services.router.main import _install_api_keys
 
 
 def _app() -> Starlette:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import main as cli_main
-from common.commands.serve_config import (
+from moemesh.cli import main as cli_main
+from moemesh.commands.serve_config import (
     DEFAULT_MODEL_DIR, ModelMissing, ServeLayout, check_model_dir, expert_devices, render_toml, write_deployment,
 )
-from common.runtime.deployment import derive_endpoints
-from services.router.main import RouterSettings, build_configs
+from moemesh.common.runtime.deployment import derive_endpoints
+from moemesh.services.router.main import RouterSettings, build_configs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,8 +85,8 @@ def test_router_configs_from_deployment(tmp_path):
 
 
 def test_router_and_serve_never_import_torch():
-    code = ("import sys; import services.router.main, services.router.engine, common.commands.serve, "
-            "common.commands.serve_processes; import common.cli; common.cli.build_parser(); "
+    code = ("import sys; import moemesh.services.router.main, moemesh.services.router.engine, moemesh.commands.serve, "
+            "moemesh.commands.serve_processes; import moemesh.cli; moemesh.cli.build_parser(); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from common.commands.serve_config import (
+from moemesh.commands.serve_config import (
     DataPlane, DataPlaneRefused, ServeLayout, WorkerPlace, check_data_plane, check_deployment_data_plane,
     write_deployment,
 )
-from common.runtime.deployment import DeploymentError, parse_deployment
+from moemesh.common.runtime.deployment import DeploymentError, parse_deployment
 
 
 def deployment_keys(path) -> dict:
@@ -50,7 +50,7 @@ def test_cuda_graphs_travel_in_the_deployment_file(tmp_path):
 def test_attention_cli_overrides_the_file_only_when_given():
     import argparse
 
-    from services.attention.main import add_attention_arguments, options_from_args
+    from moemesh.services.attention.main import add_attention_arguments, options_from_args
 
     parser = argparse.ArgumentParser()
     add_attention_arguments(parser)

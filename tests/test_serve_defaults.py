@@ -15,11 +15,11 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from common.commands.devices import auto_devices
-from common.commands.serve_model import HubModelMissing, is_hub_id, resolve_model
-from common.security.api_keys import ApiKeyError, collect_api_keys, load_api_keys
+from moemesh.commands.devices import auto_devices
+from moemesh.commands.serve_model import HubModelMissing, is_hub_id, resolve_model
+from moemesh.common.security.api_keys import ApiKeyError, collect_api_keys, load_api_keys
 from hub_cache_support import COMMIT, fill_hub_cache
-from services.router.request_id import MAX_REQUEST_ID_CHARS, accepted_request_id, install_request_ids
+from moemesh.services.router.request_id import MAX_REQUEST_ID_CHARS, accepted_request_id, install_request_ids
 from spec_support import DEFAULT_MODEL, REPO_ROOT
 
 
@@ -29,7 +29,7 @@ def test_auto_devices_takes_every_gpu_else_the_cpu():
 
 
 def test_devices_command_shows_what_auto_picks():
-    done = subprocess.run([sys.executable, "-m", "common.cli", "devices", "--json"], cwd=REPO_ROOT,
+    done = subprocess.run([sys.executable, "-m", "moemesh.cli", "devices", "--json"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
     entries = json.loads(done.stdout)
     chosen = [entry["device"] for entry in entries if entry["serve_auto"]]
@@ -38,7 +38,7 @@ def test_devices_command_shows_what_auto_picks():
 
 
 def test_devices_table_names_the_auto_choice(monkeypatch, capsys):
-    from common.commands import devices
+    from moemesh.commands import devices
 
     monkeypatch.setattr(devices, "list_devices", lambda: [
         {"device": "cuda:0", "name": "GPU", "total_bytes": 2**30, "free_bytes": 2**30},

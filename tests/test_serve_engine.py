@@ -16,15 +16,15 @@ import itertools
 import pytest
 import zmq.asyncio
 
-from common.sampling_params import SamplingParams
-from common.wire.messages import (
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire.messages import (
     ErrorCode, ErrorReply, Ping, Pong, SequenceResult, StepPlan, StepResult, TokenLogprobs,
 )
-from common.wire.transport import AsyncServer
-from services.router.engine import Engine
-from services.router.engine_client import EngineError, FinishReason, GenerationRequest
-from services.router.engine_config import EngineConfig
-from services.router.scheduler import Scheduler, SchedulerConfig
+from moemesh.common.wire.transport import AsyncServer
+from moemesh.services.router.engine import Engine
+from moemesh.services.router.engine_client import EngineError, FinishReason, GenerationRequest
+from moemesh.services.router.engine_config import EngineConfig
+from moemesh.services.router.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 97
 EOS = 3
@@ -284,8 +284,8 @@ def test_refused_step_fails_only_with_a_clear_error(run_engine):
 
 def test_plan_translation_of_restores_swaps_and_sampling():
     """Scheduler outputs with a prefix hit, swaps and slot reuse map onto the wire fields."""
-    from services.router.engine_plan import PlanTranslator
-    from services.router.scheduler import RestoreReason, ScheduledSequence, SchedulerOutput, StateRestore
+    from moemesh.services.router.engine_plan import PlanTranslator
+    from moemesh.services.router.scheduler import RestoreReason, ScheduledSequence, SchedulerOutput, StateRestore
 
     def output(step_id, scheduled, freed=(), preempted=(), restores=(), swap_out=(), swap_in=()):
         return SchedulerOutput(step_id, tuple(scheduled), tuple(swap_out), tuple(swap_in), tuple(restores),

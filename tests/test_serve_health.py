@@ -6,11 +6,11 @@ import asyncio
 
 import zmq.asyncio
 
-from common.runtime.supervisor import Supervisor
-from common.wire.messages import Heartbeat, Ready, ServiceRole, ServiceState
-from common.wire.transport import AsyncClient
-from services.router.engine_config import EngineConfig
-from services.router.engine_health import HealthTracker
+from moemesh.common.runtime.supervisor import Supervisor
+from moemesh.common.wire.messages import Heartbeat, Ready, ServiceRole, ServiceState
+from moemesh.common.wire.transport import AsyncClient
+from moemesh.services.router.engine_config import EngineConfig
+from moemesh.services.router.engine_health import HealthTracker
 
 
 class Clock:

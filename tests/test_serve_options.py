@@ -24,7 +24,7 @@ import tomllib
 import httpx
 import pytest
 
-from common.commands.devices import auto_devices
+from moemesh.commands.devices import auto_devices
 from hub_cache_support import COMMIT, fill_hub_cache
 from spec_support import DEFAULT_MODEL, REPO_ROOT, start_serve
 
@@ -147,7 +147,7 @@ def test_request_ids_on_responses_and_in_the_logs(server):
 
 @pytest.mark.parametrize("model, revision", [("moemesh-test/not-cached", None), (HUB_ID, "v9.9")])
 def test_a_hub_id_missing_offline_stops_serve_naming_it(tmp_path, model, revision):
-    command = [sys.executable, "-m", "common.cli", "serve", "--model", model, "--run-dir", str(tmp_path / "run"),
+    command = [sys.executable, "-m", "moemesh.cli", "serve", "--model", model, "--run-dir", str(tmp_path / "run"),
                *(("--revision", revision) if revision else ())]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                           env={**_base_env(), **_hub_env(tmp_path)})

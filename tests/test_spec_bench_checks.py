@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from bench.speculation import _summarise
-from bench.speculation_checks import policy_chose_plain, run_problems, speedups
+from moemesh.bench.speculation import _summarise
+from moemesh.bench.speculation_checks import policy_chose_plain, run_problems, speedups
 from spec_support import DEFAULT_MODEL, REPO_ROOT
 
 
@@ -75,7 +75,7 @@ def test_greedy_outputs_are_compared_repeat_by_repeat():
 
 def _bench(tmp_path, *args) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "bench.speculation", "--out-dir", str(tmp_path), "--max-tokens", "4",
+    return subprocess.Popen([sys.executable, "-m", "moemesh.bench.speculation", "--out-dir", str(tmp_path), "--max-tokens", "4",
                              "--streams", "1", "--temperatures", "0", *args], cwd=REPO_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.draft.chains import batched_chains, sparse_sampled_chain
-from services.draft.worker import DraftWorker, DraftWorkerConfig
+from moemesh.services.draft.chains import batched_chains, sparse_sampled_chain
+from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"
 pytestmark = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="default model not present")

@@ -10,11 +10,11 @@ import json
 
 import torch
 
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-from common.wire import messages as m
-from services.draft.width import SpeculationConfig, SpeculationMode
-from services.draft.worker import DraftWorker, DraftWorkerConfig
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.wire import messages as m
+from moemesh.services.draft.width import SpeculationConfig, SpeculationMode
+from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
 
 BLOCK = 5
 

@@ -10,15 +10,15 @@ import asyncio
 
 import pytest
 
-from common.sampling_params import SamplingParams
-from common.wire.messages import DraftProposal, DraftTokens
-from services.draft.width import cost_aware_widths, survival_curve
-from services.router.engine_drafts import DraftConfig, DraftCoordinator, width_policy_from_env
-from services.router.engine_plan import PlanTranslator
-from services.router.scheduler import Request, Scheduler, SchedulerConfig, SequenceResult
-from services.router.spec_cost import FixedStepCost, MedianLine, OnlineStepCost, RecentMedian, bucket_of
-from services.router.scheduler.output import RequestEvent
-from services.router.spec_policy import AcceptanceCalibration, CostAwareWidths, CostPolicyConfig, WidthPolicyKind
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire.messages import DraftProposal, DraftTokens
+from moemesh.services.draft.width import cost_aware_widths, survival_curve
+from moemesh.services.router.engine_drafts import DraftConfig, DraftCoordinator, width_policy_from_env
+from moemesh.services.router.engine_plan import PlanTranslator
+from moemesh.services.router.scheduler import Request, Scheduler, SchedulerConfig, SequenceResult
+from moemesh.services.router.spec_cost import FixedStepCost, MedianLine, OnlineStepCost, RecentMedian, bucket_of
+from moemesh.services.router.scheduler.output import RequestEvent
+from moemesh.services.router.spec_policy import AcceptanceCalibration, CostAwareWidths, CostPolicyConfig, WidthPolicyKind
 
 CONFIDENCES = {"a": (0.9, 0.9, 0.9, 0.9, 0.9), "b": (0.8, 0.5, 0.5, 0.5, 0.5), "c": (0.4, 0.4, 0.4, 0.4, 0.4)}
 
@@ -219,7 +219,7 @@ def test_the_router_side_of_the_policy_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys; import services.router.engine, services.router.engine_drafts, services.router.spec_policy; "
+    code = ("import sys; import moemesh.services.router.engine, moemesh.services.router.engine_drafts, moemesh.services.router.spec_policy; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

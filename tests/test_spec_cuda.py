@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.wire import messages as m
-from services.draft.width import SpeculationConfig, SpeculationMode
-from services.draft.worker import DraftWorker, DraftWorkerConfig
+from moemesh.common.wire import messages as m
+from moemesh.services.draft.width import SpeculationConfig, SpeculationMode
+from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"
 pytestmark = [

@@ -32,19 +32,19 @@ import asyncio
 import pytest
 import torch
 
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-from common.sampling_params import SamplingParams
-from services.attention.kv_config import KVPoolConfig
-from services.attention.local_cluster import ClusterSpec, LocalCluster
-from services.attention.sampling.batch import SamplingBatch
-from services.attention.sampling.sampler import process_logits
-from services.attention.sampling.stats import chi_square_p_value
-from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from services.draft.width import SpeculationConfig, SpeculationMode
-from services.draft.worker import DraftWorker, DraftWorkerConfig
-from common.placement.worker_holdings import WorkerHoldings
-from services.router.scheduler import SchedulerConfig
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.attention.kv_config import KVPoolConfig
+from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
+from moemesh.services.attention.sampling.batch import SamplingBatch
+from moemesh.services.attention.sampling.sampler import process_logits
+from moemesh.services.attention.sampling.stats import chi_square_p_value
+from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+from moemesh.services.draft.width import SpeculationConfig, SpeculationMode
+from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
+from moemesh.common.placement.worker_holdings import WorkerHoldings
+from moemesh.services.router.scheduler import SchedulerConfig
 from spec_inprocess import SpecLoop
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,7 +78,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, one_thread):
     """(checkpoint path, model config, loaded attention worker, reference model)."""
-    from common.commands.generate import _load_model
+    from moemesh.commands.generate import _load_model
 
     config = _config()
     hub_sd = random_hub_state_dict(config, seed=17)
@@ -116,7 +116,7 @@ def _draft_worker(path: str, max_support: int | None, wrong: bool) -> DraftWorke
 
 def _processed_probs(reference, contexts: list[tuple[int, ...]], params: SamplingParams) -> torch.Tensor:
     """p(next | context) after the request's processing, [C, V], from the reference model."""
-    from common.model.batch import SequenceChunk
+    from moemesh.common.model.batch import SequenceChunk
 
     states = [reference.new_sequence() for _ in contexts]
     token_ids = torch.tensor([t for context in contexts for t in context], dtype=torch.long)

@@ -42,9 +42,9 @@ def reference():
     """Greedy text of every prompt from the single-process reference model (no speculation)."""
     from tokenizers import Tokenizer
 
-    from common.commands.generate import _load_model
-    from common.model.generate import GenerationConfig, generate_batch
-    from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
+    from moemesh.commands.generate import _load_model
+    from moemesh.common.model.generate import GenerationConfig, generate_batch
+    from moemesh.services.router.detokenizer import IncrementalDetokenizer, TokenBytes
 
     model, _ = _load_model(str(DEFAULT_MODEL), "float32", "cpu")
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
@@ -76,7 +76,7 @@ class Stack:
     """router + attention + expert + draft processes from one deployment file."""
 
     def __init__(self, run_dir: Path) -> None:
-        from common.commands.serve_config import ServeLayout, write_deployment
+        from moemesh.commands.serve_config import ServeLayout, write_deployment
 
         self.run_dir = run_dir
         self.log_dir = run_dir / "logs"
@@ -89,7 +89,7 @@ class Stack:
         self.drafter = None
 
     def start(self) -> None:
-        from common.commands.serve_processes import start_service
+        from moemesh.commands.serve_processes import start_service
 
         with _one_thread_children():
             for role, name in (("router", "router"), ("attention", "attention-0"), ("expert", "expert-0")):
@@ -97,7 +97,7 @@ class Stack:
         self.start_drafter()
 
     def start_drafter(self) -> None:
-        from common.commands.serve_processes import start_service
+        from moemesh.commands.serve_processes import start_service
 
         with _one_thread_children():
             self.drafter = start_service("draft", "draft", self.config_path, self.log_dir,
@@ -135,7 +135,7 @@ class Stack:
         return events
 
     def stop(self) -> None:
-        from common.commands.serve_processes import stop_services
+        from moemesh.commands.serve_processes import stop_services
 
         stop_services(self.services + ([self.drafter] if self.drafter is not None else []), 20.0)
 

@@ -18,18 +18,18 @@ import asyncio
 import pytest
 import torch
 
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-from common.sampling_params import SamplingParams
-from common.wire.messages import DraftProposal, DraftRequest, DraftTokens
-from services.attention.kv_config import KVPoolConfig
-from services.attention.local_cluster import ClusterSpec, LocalCluster
-from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from common.placement.worker_holdings import WorkerHoldings
-from services.router.engine_drafts import DraftConfig, DraftCoordinator
-from services.router.scheduler import SchedulerConfig
-from services.router.spec_cost import FixedStepCost
-from services.router.spec_policy import CostPolicyConfig, WidthPolicyKind
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire.messages import DraftProposal, DraftRequest, DraftTokens
+from moemesh.services.attention.kv_config import KVPoolConfig
+from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
+from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+from moemesh.common.placement.worker_holdings import WorkerHoldings
+from moemesh.services.router.engine_drafts import DraftConfig, DraftCoordinator
+from moemesh.services.router.scheduler import SchedulerConfig
+from moemesh.services.router.spec_cost import FixedStepCost
+from moemesh.services.router.spec_policy import CostPolicyConfig, WidthPolicyKind
 from spec_inprocess import SpecLoop
 
 pytestmark = pytest.mark.timeout(300)
@@ -76,8 +76,8 @@ class OracleDrafter:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """(loaded attention worker, {request_id: prompt}, {request_id: reference output})."""
-    from common.commands.generate import _load_model
-    from common.model.generate import GenerationConfig, generate_batch
+    from moemesh.commands.generate import _load_model
+    from moemesh.common.model.generate import GenerationConfig, generate_batch
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -139,8 +139,8 @@ def test_plain_runs_leave_gaps_in_the_drafters_rings_and_change_nothing(stack):
     """The real draft worker behind the cost policy when drafting never pays (a 200 ms drafter): the
     router skips it, probes now and then, and asks for target features only just before a probe, so
     the drafter's rings have gaps. Proposals still come, and the outputs are the plain ones."""
-    from services.draft.width import SpeculationConfig, SpeculationMode
-    from services.draft.worker import DraftWorker, DraftWorkerConfig
+    from moemesh.services.draft.width import SpeculationConfig, SpeculationMode
+    from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
 
     attention, prompts, expected, path = stack
     draft_worker = DraftWorker(DraftWorkerConfig(checkpoint_path=path,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from common.sampling_params import SamplingParams
-from common.wire.messages import DraftProposal, DraftTokens, Ready, ServiceRole, StepPlan
-from services.router.engine_drafts import DraftConfig, DraftCoordinator
-from services.router.engine_plan import PlanTranslator
-from services.router.scheduler import Request, Scheduler, SchedulerConfig, SequenceResult
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire.messages import DraftProposal, DraftTokens, Ready, ServiceRole, StepPlan
+from moemesh.services.router.engine_drafts import DraftConfig, DraftCoordinator
+from moemesh.services.router.engine_plan import PlanTranslator
+from moemesh.services.router.scheduler import Request, Scheduler, SchedulerConfig, SequenceResult
 
 
 class Drafter:

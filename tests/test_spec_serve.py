@@ -39,12 +39,12 @@ PROMPTS = [
 def reference():
     from tokenizers import Tokenizer
 
-    from common.commands.generate import _load_model
-    from common.model.generate import GenerationConfig, generate_batch
+    from moemesh.commands.generate import _load_model
+    from moemesh.common.model.generate import GenerationConfig, generate_batch
 
     model, _ = _load_model(str(DEFAULT_MODEL), "float32", "cpu")
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
-    from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
+    from moemesh.services.router.detokenizer import IncrementalDetokenizer, TokenBytes
 
     outputs = {}
     for prompt in PROMPTS:
@@ -161,7 +161,7 @@ def test_greedy_adaptive_with_the_cost_aware_router_equals_reference(tmp_path_fa
 
 
 def test_width_above_block_size_is_refused_at_start(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "common.cli", "serve", "--spec-width", "7", "--run-dir",
+    result = subprocess.run([sys.executable, "-m", "moemesh.cli", "serve", "--spec-width", "7", "--run-dir",
                              str(tmp_path), "--port", "1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--spec-width 7 exceeds the drafter's block size (dspark_block_size = 5)" in result.stderr

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.checkpoint.tiny import tiny_config
-from common.checkpoint.writer import random_hub_state_dict, write_checkpoint
-from common.sampling_params import SamplingParams
-from common.wire.messages import ScheduledSequence, StepPlan
-from services.attention.local_cluster import ClusterSpec, LocalCluster
-from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from common.placement.worker_holdings import WorkerHoldings
+from moemesh.common.checkpoint.tiny import tiny_config
+from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire.messages import ScheduledSequence, StepPlan
+from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
+from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+from moemesh.common.placement.worker_holdings import WorkerHoldings
 
 PROMPT = [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13]  # 13 tokens: verify chunks cross 16 (CSA + HCA close)
 GREEDY = SamplingParams(max_tokens=64).to_wire()

@@ -2,12 +2,12 @@
 
 import torch
 
-from common.sampling_params import SamplingParams
-from services.attention.sampling.batch import SamplingBatch
-from services.attention.sampling.penalties import build_token_history
-from services.attention.sampling.rng import Purpose, stream
-from services.attention.sampling.sampler import Sampler, process_logits
-from services.attention.sampling.verify import verify
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.attention.sampling.batch import SamplingBatch
+from moemesh.services.attention.sampling.penalties import build_token_history
+from moemesh.services.attention.sampling.rng import Purpose, stream
+from moemesh.services.attention.sampling.sampler import Sampler, process_logits
+from moemesh.services.attention.sampling.verify import verify
 
 NUM_VOCAB = 6
 GREEDY = SamplingParams()

@@ -10,13 +10,13 @@ chi-square test. Drafts are drawn with Purpose.DRAFT streams, as the drafter wil
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from services.attention.sampling.batch import SamplingBatch
-from services.attention.sampling.draw import sample_from_probs
-from services.attention.sampling.rng import Purpose, stream
-from services.attention.sampling.sampler import process_logits
-from services.attention.sampling.stats import chi_square_p_value
-from services.attention.sampling.verify import verify
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.attention.sampling.batch import SamplingBatch
+from moemesh.services.attention.sampling.draw import sample_from_probs
+from moemesh.services.attention.sampling.rng import Purpose, stream
+from moemesh.services.attention.sampling.sampler import process_logits
+from moemesh.services.attention.sampling.stats import chi_square_p_value
+from moemesh.services.attention.sampling.verify import verify
 
 PROMPT = (0, 1)
 NUM_ROWS = 30000

@@ -10,10 +10,10 @@ import msgpack
 import pytest
 import torch
 
-from common.wire import codec
-from common.wire import messages as m
-from common.wire.errors import WireError
-from common.wire.schema import WireLimits
+from moemesh.common.wire import codec
+from moemesh.common.wire import messages as m
+from moemesh.common.wire.errors import WireError
+from moemesh.common.wire.schema import WireLimits
 from wire_support import assert_same_message, sample_messages
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -121,9 +121,9 @@ def test_accept_refuses_types_before_touching_tensors():
 def test_router_side_codec_does_not_import_torch():
     script = (
         "import sys\n"
-        "from common.wire import codec, messages as m\n"
-        "from common.wire import transport\n"
-        "from common.runtime import service, supervisor, deployment, logging\n"
+        "from moemesh.common.wire import codec, messages as m\n"
+        "from moemesh.common.wire import transport\n"
+        "from moemesh.common.runtime import service, supervisor, deployment, logging\n"
         "plan = m.StepPlan(step_id=1, sequences=(m.ScheduledSequence('r', 0, (1,), 0, ((0,),), True),))\n"
         "assert codec.decode(codec.encode(plan), accept=codec.TORCH_FREE_MESSAGES) == plan\n"
         "print('torch' in sys.modules)\n"

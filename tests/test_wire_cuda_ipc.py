@@ -16,8 +16,8 @@ import structlog
 import torch
 import zmq
 
-from common.wire.cuda_ipc import CudaIpcConfig, DataPlane, RingLayout, host_identity, slot_views
-from common.wire.messages import AttachCudaIpc, SharedCudaBuffer
+from moemesh.common.wire.cuda_ipc import CudaIpcConfig, DataPlane, RingLayout, host_identity, slot_views
+from moemesh.common.wire.messages import AttachCudaIpc, SharedCudaBuffer
 
 _has_cuda = torch.cuda.is_available()
 
@@ -72,7 +72,7 @@ def _attach_message(host_id: str) -> AttachCudaIpc:
 
 
 def test_expert_side_refuses_cpu_devices_and_other_hosts():
-    from services.expert.ipc_plane import ExpertSlotPlane
+    from moemesh.services.expert.ipc_plane import ExpertSlotPlane
 
     on_cpu = ExpertSlotPlane(torch.device("cpu")).attach(_attach_message(host_identity()))
     assert not on_cpu.accepted and "not CUDA" in on_cpu.reason
@@ -95,9 +95,9 @@ class _RefusedRing:
 
 
 def test_attention_side_falls_back_to_zmq_against_a_cpu_expert_worker():
-    from bench.layers_disagg import start_expert_process, stop_process, wait_until_serving
-    from services.attention.expert_channel import ExpertChannel
-    from services.attention.dispatch_slots import SlotPlane
+    from moemesh.bench.layers_disagg import start_expert_process, stop_process, wait_until_serving
+    from moemesh.services.attention.expert_channel import ExpertChannel
+    from moemesh.services.attention.dispatch_slots import SlotPlane
 
     context = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="moemesh-ipc-") as run_dir:
@@ -129,14 +129,14 @@ cuda = pytest.mark.skipif(not _has_cuda, reason="needs a CUDA device")
 
 def _run_all_planes(num_workers: int, batch_size: int, num_micro_batches: int, num_steps: int = 3):
     """Outputs of `num_steps` decode steps: in-process, ZeroMQ, CUDA IPC (each step rolled back)."""
-    from bench.layers_disagg import (LocalDispatcher, decode_inputs, start_expert_process, stop_process,
+    from moemesh.bench.layers_disagg import (LocalDispatcher, decode_inputs, start_expert_process, stop_process,
                                      wait_until_serving)
-    from bench.layers_timing import decode_states
-    from common.model.config import AttentionKind
-    from common.model.random_init import random_model, tiny_flash_like_config
-    from services.attention.expert_channel import ExpertChannel
-    from services.attention.model_runner import ModelRunner
-    from services.attention.moe_dispatch import MoEDispatcher
+    from moemesh.bench.layers_timing import decode_states
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import random_model, tiny_flash_like_config
+    from moemesh.services.attention.expert_channel import ExpertChannel
+    from moemesh.services.attention.model_runner import ModelRunner
+    from moemesh.services.attention.moe_dispatch import MoEDispatcher
 
     device = torch.device("cuda", torch.cuda.current_device())
     config = tiny_flash_like_config([AttentionKind.CSA, AttentionKind.HCA], kernel_friendly=True)
@@ -209,14 +209,14 @@ def test_a_killed_expert_fails_the_step_cleanly_and_leaves_no_stream_waiting():
     must surface as ExpertWorkerLost (bounded by the dispatch timeout) and its waits must be released."""
     import signal
 
-    from bench.layers_disagg import LocalDispatcher, decode_inputs, start_expert_process, stop_process, \
+    from moemesh.bench.layers_disagg import LocalDispatcher, decode_inputs, start_expert_process, stop_process, \
         wait_until_serving
-    from bench.layers_timing import decode_states
-    from common.model.config import AttentionKind
-    from common.model.random_init import random_model, tiny_flash_like_config
-    from services.attention.expert_channel import ExpertChannel
-    from services.attention.model_runner import ModelRunner
-    from services.attention.moe_dispatch import ExpertWorkerLost, MoEDispatcher
+    from moemesh.bench.layers_timing import decode_states
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import random_model, tiny_flash_like_config
+    from moemesh.services.attention.expert_channel import ExpertChannel
+    from moemesh.services.attention.model_runner import ModelRunner
+    from moemesh.services.attention.moe_dispatch import ExpertWorkerLost, MoEDispatcher
 
     device = torch.device("cuda", torch.cuda.current_device())
     config = tiny_flash_like_config([AttentionKind.CSA, AttentionKind.HCA], kernel_friendly=True)
@@ -264,7 +264,7 @@ class _HostRing:
     channel_id = "test/0"
 
     def __init__(self, num_slots: int) -> None:
-        from common.wire.cuda_ipc import RingSync
+        from moemesh.common.wire.cuda_ipc import RingSync
 
         self.sync = RingSync.FLAGS
         self._free = list(range(num_slots))
@@ -296,9 +296,9 @@ class _HostRing:
 
 def _answering_peer(endpoint: str, context: zmq.Context, fail_dispatch_id: int, stop):
     """A ROUTER that answers DispatchSlot with CombineSlot, or ErrorReply for `fail_dispatch_id`."""
-    from common.wire import codec
-    from common.wire.messages import CombineSlot, ErrorCode, ErrorReply
-    from common.wire.transport import Kind, pack_envelope, unpack_envelope
+    from moemesh.common.wire import codec
+    from moemesh.common.wire.messages import CombineSlot, ErrorCode, ErrorReply
+    from moemesh.common.wire.transport import Kind, pack_envelope, unpack_envelope
 
     socket = context.socket(zmq.ROUTER)
     socket.bind(endpoint)
@@ -321,8 +321,8 @@ def _answering_peer(endpoint: str, context: zmq.Context, fail_dispatch_id: int, 
 def test_flag_ordered_replies_are_confirmed_at_reuse_and_a_failure_unblocks_and_raises():
     import threading
 
-    from services.attention.dispatch_slots import SlotPlane
-    from services.attention.expert_channel import ExpertChannel
+    from moemesh.services.attention.dispatch_slots import SlotPlane
+    from moemesh.services.attention.expert_channel import ExpertChannel
 
     class Lost(RuntimeError):
         pass
@@ -370,7 +370,7 @@ def test_flag_ordered_replies_are_confirmed_at_reuse_and_a_failure_unblocks_and_
 def test_the_attention_command_line_selects_the_data_plane():
     import argparse
 
-    from services.attention.main import add_attention_arguments, options_from_args
+    from moemesh.services.attention.main import add_attention_arguments, options_from_args
 
     parser = argparse.ArgumentParser()
     add_attention_arguments(parser)

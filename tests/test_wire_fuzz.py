@@ -10,9 +10,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.wire import codec
-from common.wire import messages as m
-from common.wire.transport import Kind, SyncClient, pack_envelope, unpack_envelope
+from moemesh.common.wire import codec
+from moemesh.common.wire import messages as m
+from moemesh.common.wire.transport import Kind, SyncClient, pack_envelope, unpack_envelope
 from wire_support import EchoServerThread, sample_messages
 
 FUZZ_SETTINGS = settings(

@@ -12,11 +12,11 @@ import torch
 import zmq
 import zmq.asyncio
 
-from common.wire import codec
-from common.wire import messages as m
-from common.wire.errors import StagingExhausted
-from common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig, send_staged
-from common.wire.transport import AsyncServer, SyncClient
+from moemesh.common.wire import codec
+from moemesh.common.wire import messages as m
+from moemesh.common.wire.errors import StagingExhausted
+from moemesh.common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig, send_staged
+from moemesh.common.wire.transport import AsyncServer, SyncClient
 
 NUM_ROWS, HIDDEN = 64, 1024  # T, D: 256 KiB per f32 tensor, above ZeroMQ's copy threshold
 

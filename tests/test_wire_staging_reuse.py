@@ -23,12 +23,12 @@ import torch
 import zmq
 import zmq.asyncio
 
-from common.wire import codec
-from common.wire import messages as m
-from common.wire.errors import ReplyTimeout, StagingExhausted
-from common.wire.staging import SendStagingPool, StagingConfig, send_staged
-from common.wire.tracked_send import TrackedMessage
-from common.wire.transport import AsyncClient, SyncClient
+from moemesh.common.wire import codec
+from moemesh.common.wire import messages as m
+from moemesh.common.wire.errors import ReplyTimeout, StagingExhausted
+from moemesh.common.wire.staging import SendStagingPool, StagingConfig, send_staged
+from moemesh.common.wire.tracked_send import TrackedMessage
+from moemesh.common.wire.transport import AsyncClient, SyncClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -298,7 +298,7 @@ def test_asyncio_send_queued_at_the_high_water_mark_then_cancelled(tmp_path):
 def test_async_server_staged_replies_from_one_buffer_stay_intact(tmp_path):
     """Many overlapping requests answered by AsyncServer from ONE staging buffer with replies whose
     last frames are small: each reply must wait for the previous one's frames, and all arrive intact."""
-    from common.wire.transport import AsyncServer
+    from moemesh.common.wire.transport import AsyncServer
 
     address = f"ipc://{tmp_path}/server.sock"
     num_requests = 24

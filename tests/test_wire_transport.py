@@ -10,10 +10,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common.wire import codec
-from common.wire import messages as m
-from common.wire.errors import ReplyTimeout
-from common.wire.transport import (
+from moemesh.common.wire import codec
+from moemesh.common.wire import messages as m
+from moemesh.common.wire.errors import ReplyTimeout
+from moemesh.common.wire.transport import (
     AsyncClient, Kind, SyncClient, check_bind_endpoint, pack_envelope, unpack_envelope,
 )
 from wire_support import EchoServerThread, assert_same_message, sample_messages

@@ -14,8 +14,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, when run as a script
 
-from common.sampling_params import SamplingParams  # noqa: E402
-from common.wire import messages as m  # noqa: E402
+from moemesh.common.sampling_params import SamplingParams  # noqa: E402
+from moemesh.common.wire import messages as m  # noqa: E402
 
 
 def sample_messages() -> list[Any]:
@@ -132,8 +132,8 @@ def assert_same_message(actual: Any, expected: Any) -> None:
 
 
 def _child_main(endpoint: str, supervisor: str, log_dir: str) -> int:
-    from common.runtime.logging import configure_logging
-    from common.runtime.service import Service, ServiceConfig, run_service
+    from moemesh.common.runtime.logging import configure_logging
+    from moemesh.common.runtime.service import Service, ServiceConfig, run_service
 
     class _SlowEcho(Service):
         """Answers DraftRequest(step_id=N) with DraftTokens(step_id=N) after N milliseconds,
@@ -191,7 +191,7 @@ class EchoServerThread:
     async def _main(self) -> None:
         import zmq.asyncio
 
-        from common.wire.transport import AsyncServer
+        from moemesh.common.wire.transport import AsyncServer
 
         context = zmq.asyncio.Context()
         self.server = AsyncServer(self.requested_endpoint, context=context)

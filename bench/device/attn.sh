@@ -12,13 +12,13 @@ stamp "CUDA tests"
 timeout -k 5 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention_cuda.py 2>&1 | tail -n 40
 stamp "kernel bench (left $(left)s)"
 if [ "$cap" -lt 200 ]; then
-  timeout -k 5 "$(left)" python3 -m bench.kernels_attention --out-dir "$RESULTS_DIR" --quick --batch 64,8,1 \
+  timeout -k 5 "$(left)" python3 -m moemesh.bench.kernels_attention --out-dir "$RESULTS_DIR" --quick --batch 64,8,1 \
     --prefill 8192 --profile
 else
-  timeout -k 5 140 python3 -m bench.kernels_attention --out-dir "$RESULTS_DIR" --profile
+  timeout -k 5 140 python3 -m moemesh.bench.kernels_attention --out-dir "$RESULTS_DIR" --profile
   stamp "layer bench (left $(left)s)"
   if [ "$(left)" -gt 30 ]; then
-    timeout -k 5 "$(left)" python3 -m bench.layers --no-transformers --batch 1,8,64 --prefill 2048,8192 --prefill-reps 2 \
+    timeout -k 5 "$(left)" python3 -m moemesh.bench.layers --no-transformers --batch 1,8,64 --prefill 2048,8192 --prefill-reps 2 \
       --out-dir "$RESULTS_DIR"
   fi
 fi

@@ -18,15 +18,15 @@ echo "--- $(date +%T) tests"
 timeout 12 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels_cpu_fp4.py \
   -k "native and (linear_matches or experts_match or pool or routed)" 2>&1 | tail -n 2
 echo "--- $(date +%T) bench: paths x threads x tokens"
-timeout 12 python3 -m bench.fullsize_cpu --out-dir "$RESULTS_DIR" --threads 16,all --tokens 1,8 \
+timeout 12 python3 -m moemesh.bench.fullsize_cpu --out-dir "$RESULTS_DIR" --threads 16,all --tokens 1,8 \
   --paths native,native_omp --reps 7 --copy-bytes 536870912 2>&1 | grep -v cpu_fp4_path
 echo "--- $(date +%T) bench under load: 3 busy processes beside it (as the attention + GPU expert workers)"
 busy=()
 for _ in 1 2 3; do python3 -c "while True: pass" & busy+=($!); done
-timeout 8 python3 -m bench.fullsize_cpu --out-dir "$RESULTS_DIR" --threads all --tokens 1,8 \
+timeout 8 python3 -m moemesh.bench.fullsize_cpu --out-dir "$RESULTS_DIR" --threads all --tokens 1,8 \
   --paths native,native_omp --reps 5 --num-experts 128 --copy-bytes 268435456 2>&1 | grep -v cpu_fp4_path
 kill "${busy[@]}"
 echo "--- $(date +%T) bench: 2 experts per call (a far worker's share of one token at B = 1), idle poll 50 / 500 us"
-timeout 7 python3 -m bench.fullsize_cpu --out-dir "$RESULTS_DIR" --threads 16,all --tokens 1 --top-k 2 \
+timeout 7 python3 -m moemesh.bench.fullsize_cpu --out-dir "$RESULTS_DIR" --threads 16,all --tokens 1 --top-k 2 \
   --paths native,native_omp --spin-us 50,500 --reps 15 --copy-bytes 268435456 2>&1 | grep -v cpu_fp4_path
 echo "--- $(date +%T) done"

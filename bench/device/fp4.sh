@@ -6,11 +6,11 @@ set -u
 : "${RESULTS_DIR:?}"
 nvidia-smi -L
 echo "--- $(date +%T) fp8 linear sweep"
-timeout 105 python3 -m bench.kernels --out-dir "$RESULTS_DIR" --only fp8 --no-baselines --tokens 1 2048 64
+timeout 105 python3 -m moemesh.bench.kernels --out-dir "$RESULTS_DIR" --only fp8 --no-baselines --tokens 1 2048 64
 echo "--- $(date +%T) model A/B (bf16 kernels vs torch path, expert-kernel choices)"
 timeout 35 python3 bench/device/fp4_model_ab.py
 echo "--- $(date +%T) fp4 experts defaults (warm-up first)"
-timeout 30 python3 -m bench.kernels --out-dir "$RESULTS_DIR" --only fp4 --sweep none --no-baselines --tokens 1 64 2048
+timeout 30 python3 -m moemesh.bench.kernels --out-dir "$RESULTS_DIR" --only fp4 --sweep none --no-baselines --tokens 1 64 2048
 echo "--- $(date +%T) tests"
 timeout 45 python3 -m pytest -v --tb=line -p no:cacheprovider tests/test_kernels_cuda.py tests/test_quantized_cuda.py \
   -k "fp8_T or fp8_asm or experts_fmt0 or test_quantized" 2>&1 \

@@ -13,13 +13,13 @@ import dataclasses
 
 import torch
 
-from common.kernels import fp4_experts
-from common.kernels.expert_configs import Fp4Decode, choose_grouped_config
-from common.model.batch import SequenceChunk
-from common.model.config import AttentionKind, NumericsConfig
-from common.model.quantized import Fp8Linear, KernelBackend
-from common.model.random_init import random_model, tiny_flash_like_config
-from common.model.reference import ReferenceModel
+from moemesh.common.kernels import fp4_experts
+from moemesh.common.kernels.expert_configs import Fp4Decode, choose_grouped_config
+from moemesh.common.model.batch import SequenceChunk
+from moemesh.common.model.config import AttentionKind, NumericsConfig
+from moemesh.common.model.quantized import Fp8Linear, KernelBackend
+from moemesh.common.model.random_init import random_model, tiny_flash_like_config
+from moemesh.common.model.reference import ReferenceModel
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

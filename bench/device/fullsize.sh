@@ -52,7 +52,7 @@ python3 -c "import zmq; print('pyzmq', zmq.__version__, 'libzmq', zmq.zmq_versio
 CKPT="${FULLSIZE_CHECKPOINT:-/tmp/moemesh-fullsize-$LAYERS}"
 if [ ! -e "$CKPT/model.safetensors.index.json" ]; then
   echo "--- fullsize: $(date -u +%H:%M:%S) writing the random checkpoint ($LAYERS layers + DSpark stages) to $CKPT"
-  python3 -m common.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --dspark --out "$CKPT" 2>&1 | tail -n 3
+  python3 -m moemesh.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --dspark --out "$CKPT" 2>&1 | tail -n 3
 fi
 SECONDS=0
 if [ "${FULLSIZE_TEST:-0}" = 1 ]; then
@@ -63,7 +63,7 @@ run_config() {  # NAME FAR_DEVICE CAP_S EXTRA...
   local name="$1" far="$2" cap="$3"; shift 3
   echo "--- fullsize: $(date -u +%H:%M:%S) $name (${SECONDS}s used, cap ${cap}s)"
   rm -rf "/tmp/fs-$name" "/tmp/fs-$name-out"; mkdir -p "/tmp/fs-$name-out"
-  timeout -k 5 "$cap" python3 -m bench.fullsize --experts-on "$far" --layers "$LAYERS" --checkpoint "$CKPT" \
+  timeout -k 5 "$cap" python3 -m moemesh.bench.fullsize --experts-on "$far" --layers "$LAYERS" --checkpoint "$CKPT" \
     --gpu-expert-budget "${BUDGET}GiB" --routing uniform,skewed --decode-steps 5 --warmup-steps 2 \
     --context "$CONTEXT" --max-context-tokens "${FULLSIZE_MAX_CONTEXT:-8192}" --run-dir "/tmp/fs-$name" --out-dir "/tmp/fs-$name-out" "$@" 2>&1 \
     | grep -v '^  step' | cut -c1-600 | tail -n 40

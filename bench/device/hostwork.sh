@@ -12,7 +12,7 @@ timeout 50 python3 -m pytest -x -q -p no:cacheprovider tests/test_dispatch_stagi
 echo "tests rc=$? at ${SECONDS}s"
 echo "--- bench.hostwork ($(date -u +%T))"
 budget=$(( $(left) - 25 )); [ "$budget" -lt 20 ] && budget=20
-timeout "$budget" python3 -m bench.hostwork --device cuda:0 --out-dir "$RESULTS_DIR" --iterations 100
+timeout "$budget" python3 -m moemesh.bench.hostwork --device cuda:0 --out-dir "$RESULTS_DIR" --iterations 100
 echo "bench rc=$? at ${SECONDS}s"
 if [ "$(left)" -gt 15 ]; then
   echo "--- CUDA IPC equality tests ($(date -u +%T), $(left) s left)"
@@ -22,7 +22,7 @@ if [ "$(left)" -gt 15 ]; then
 fi
 if [ "$(left)" -gt 20 ]; then
   echo "--- bench.hostwork at the true expert width 2048 ($(date -u +%T), $(left) s left)"
-  timeout "$(( $(left) - 3 ))" python3 -m bench.hostwork --device cuda:0 --out-dir "$RESULTS_DIR" --iterations 50 \
+  timeout "$(( $(left) - 3 ))" python3 -m moemesh.bench.hostwork --device cuda:0 --out-dir "$RESULTS_DIR" --iterations 50 \
     --tokens 1,8 --intermediate 2048
   echo "bench (width 2048) rc=$? at ${SECONDS}s"
 fi

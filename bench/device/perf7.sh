@@ -14,12 +14,12 @@ timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_quantized_cuda.py
   -k "model or decode_step or cuda_flash" 2>&1 | quiet | tail -n 20
 
 stamp "bench.layers: decode B=1,8,64 + prefill 2K,8K (defaults)"
-timeout 40 python3 -m bench.layers --no-transformers --batch 1,8,64 --prefill 2048,8192 --steps 10 \
+timeout 40 python3 -m moemesh.bench.layers --no-transformers --batch 1,8,64 --prefill 2048,8192 --steps 10 \
   --out-dir "$RESULTS_DIR" 2>&1 | quiet
 
 stamp "prefill 8K profile"
-timeout 18 python3 -m bench.layers_profile --prefill 8192 --steps 2 --top 20 2>&1 | quiet
+timeout 18 python3 -m moemesh.bench.layers_profile --prefill 8192 --steps 2 --top 20 2>&1 | quiet
 
 stamp "decode B=1 profile (eager steps: kernels per step and their device time)"
-timeout 18 python3 -m bench.layers_profile --batch 1 --steps 3 --top 25 2>&1 | quiet
+timeout 18 python3 -m moemesh.bench.layers_profile --batch 1 --steps 3 --top 25 2>&1 | quiet
 stamp "done"

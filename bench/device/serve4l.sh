@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `moemesh serve` on a full-width V4-Flash checkpoint with random weights: SERVE_LAYERS (default 4) main
-  python3 -m common.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --out "$CKPT" 2>&1
+  python3 -m moemesh.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --out "$CKPT" 2>&1
   echo "make-checkpoint rc=$? after ${SECONDS}s"; df -h "$(dirname "$CKPT")" | tail -n 1
 # about 16 GB at 4 layers; reused when present), checked by `moemesh check-model --no-forward`, then served
 # with the attention worker and one expert worker on cuda:0 and a second expert worker on the CPU
@@ -20,14 +20,14 @@ SECONDS=0
 source bench/device/mps.sh
 if [ ! -e "$CKPT/model.safetensors.index.json" ]; then
   echo "--- $(date -u +%H:%M:%S) writing $CKPT"
-  python3 -m common.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --out "$CKPT" 2>&1
+  python3 -m moemesh.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --out "$CKPT" 2>&1
   echo "make-checkpoint rc=$? after ${SECONDS}s"; df -h "$(dirname "$CKPT")" | tail -n 1
 fi
 echo "--- $(date -u +%H:%M:%S) check-model (${SECONDS}s)"
-python3 -m common.cli check-model --model "$CKPT" --no-forward 2>&1 | tail -n 8
+python3 -m moemesh.cli check-model --model "$CKPT" --no-forward 2>&1 | tail -n 8
 rm -rf "$RUN_DIR"
 echo "--- $(date -u +%H:%M:%S) serve (${SECONDS}s)"
-python3 -m common.cli serve --model "$CKPT" --expert-workers 2 --devices cuda:0,cpu --port "$PORT" \
+python3 -m moemesh.cli serve --model "$CKPT" --expert-workers 2 --devices cuda:0,cpu --port "$PORT" \
   --run-dir "$RUN_DIR" --ready-timeout "${SERVE_READY_S:-600}" > "$RUN_DIR.serve.log" 2>&1 &
 SERVE_PID=$!
 mps_on_exit='kill -TERM $SERVE_PID 2>/dev/null; wait $SERVE_PID; echo "serve exited"' 
@@ -45,7 +45,7 @@ curl -s "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: applicati
   -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16, "temperature": 0}' | cut -c1-600
 echo
 echo "--- $(date -u +%H:%M:%S) bench serve"
-python3 -m common.cli bench serve --base-url "http://127.0.0.1:$PORT" --endpoint chat \
+python3 -m moemesh.cli bench serve --base-url "http://127.0.0.1:$PORT" --endpoint chat \
   --num-prompts "${SERVE_PROMPTS:-32}" --max-concurrency 8 --random-input-len 128 --random-output-len 32 \
   --ignore-eos --device-label "H200 + CPU, ${LAYERS}-layer V4-Flash random checkpoint" --result-dir "$RESULTS_DIR" \
   2>&1 | tail -n 30

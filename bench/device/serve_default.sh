@@ -10,12 +10,12 @@ mkdir -p "$RESULTS_DIR"
 # services share cuda:0: NVIDIA MPS runs throughout
 source bench/device/mps.sh
 PORT=8124
-python3 -m common.cli devices 2>&1 | tail -n 4
+python3 -m moemesh.cli devices 2>&1 | tail -n 4
 for graphs in off on; do
   RUN_DIR=/tmp/moemesh-default-$graphs
   rm -rf "$RUN_DIR"
   SECONDS=0
-  python3 -m common.cli serve --port "$PORT" --cuda-graphs "$graphs" --run-dir "$RUN_DIR" --speculation off \
+  python3 -m moemesh.cli serve --port "$PORT" --cuda-graphs "$graphs" --run-dir "$RUN_DIR" --speculation off \
     > "$RUN_DIR.serve.log" 2>&1 &
   pid=$!
   ready=0
@@ -36,7 +36,7 @@ for graphs in off on; do
            "required": ["book", "chapter"], "additionalProperties": false}}}}' | cut -c1-500; echo
     curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
       -d '{"prompt": "In the beginning", "max_tokens": 12, "temperature": 0, "logit_bias": {"5": -100}}' | cut -c1-400; echo
-    python3 -m common.cli bench serve --base-url "http://127.0.0.1:$PORT" --endpoint completions --num-prompts 16 \
+    python3 -m moemesh.cli bench serve --base-url "http://127.0.0.1:$PORT" --endpoint completions --num-prompts 16 \
       --max-concurrency 1 --random-input-len 64 --random-output-len 64 --ignore-eos \
       --device-label "H200, default model, cuda graphs $graphs" --result-dir "$RESULTS_DIR" 2>&1 \
       | grep -E "throughput|TPOT|wrote|completed"

@@ -27,13 +27,13 @@ echo "=== CUDA correctness (drafter on cuda equals cpu; sampled drafts valid) [$
 timeout -k 5 35 python3 -m pytest -x -q -p no:cacheprovider tests/test_spec_cuda.py 2>&1 | tail -n 15
 
 echo "=== bench speculation on cuda:0, float32, 2 repeats (greedy outputs comparable across modes) [$(elapsed)]"
-timeout -s TERM -k 15 215 python3 -m bench.speculation --devices cuda:0 --dtype float32 --max-tokens 64 --streams 8 \
+timeout -s TERM -k 15 215 python3 -m moemesh.bench.speculation --devices cuda:0 --dtype float32 --max-tokens 64 --streams 8 \
   --modes off,fixed,adaptive --temperatures 0,1 --repeats 2 --request-timeout-s 25 --time-budget-s 170 \
   --keep-logs "$RESULTS_DIR/spec-logs-cuda" --out-dir "$RESULTS_DIR"
 echo "bench rc=$? [$(elapsed)]"
 
 echo "=== bench speculation on this host's CPU (4 threads per process), this tree [$(elapsed)]"
-OMP_NUM_THREADS=4 timeout -s TERM -k 10 65 python3 -m bench.speculation --devices cpu --modes off,fixed,adaptive \
+OMP_NUM_THREADS=4 timeout -s TERM -k 10 65 python3 -m moemesh.bench.speculation --devices cpu --modes off,fixed,adaptive \
   --max-tokens 32 --streams 8 --temperatures 0,1 --request-timeout-s 20 --time-budget-s 40 \
   --keep-logs "$RESULTS_DIR/spec-logs-cpu" --out-dir "$RESULTS_DIR"
 echo "bench rc=$? [$(elapsed)]"

@@ -1,8 +1,8 @@
 """DeepSeek-V4 chat encoding and output parsing (torch-free; shared by router, CLI, tools)."""
 
-from common.chat.encoding import ChatEncodingError, content_text, encode_messages
-from common.chat.parser import ChatOutputParser, Delta, ToolCall
-from common.chat.tokens import SPECIAL_TOKENS
+from moemesh.common.chat.encoding import ChatEncodingError, content_text, encode_messages
+from moemesh.common.chat.parser import ChatOutputParser, Delta, ToolCall
+from moemesh.common.chat.tokens import SPECIAL_TOKENS
 
 __all__ = [
     "SPECIAL_TOKENS",

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from common.chat import tokens as tk
+from moemesh.common.chat import tokens as tk
 
 _TOOLS_SECTION = """## Tools
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.chat import dsml
-from common.chat import tokens as tk
+from moemesh.common.chat import dsml
+from moemesh.common.chat import tokens as tk
 
 REASONING_EFFORT_MAX_PREFIX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"

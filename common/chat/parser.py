@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from common.chat import tokens as tk
-from common.chat.dsml import DsmlFormatError, parse_invoke
+from moemesh.common.chat import tokens as tk
+from moemesh.common.chat.dsml import DsmlFormatError, parse_invoke
 
 log = structlog.get_logger("chat")
 

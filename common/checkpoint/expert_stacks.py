@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.checkpoint.errors import CheckpointError
-from common.checkpoint.inventory import StorageKind
-from common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, quantize_fp8_block
+from moemesh.common.checkpoint.errors import CheckpointError
+from moemesh.common.checkpoint.inventory import StorageKind
+from moemesh.common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, quantize_fp8_block
 
 MATRICES = ("w1", "w2", "w3")
 FP8_KERNEL_BLOCK = (128, 128)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from common.model.config import AttentionKind, ConfigError, ModelConfig, RouterKind
+from moemesh.common.model.config import AttentionKind, ConfigError, ModelConfig, RouterKind
 
 FP4_BLOCK_SIZE = 32
 

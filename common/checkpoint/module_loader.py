@@ -18,11 +18,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from common.checkpoint.errors import CheckpointError
-from common.checkpoint.expert_stacks import FP8_KERNEL_BLOCK
-from common.checkpoint.inventory import StorageKind
-from common.model.linear import Embedding, Linear
-from common.model.quantized import KernelBackend, swap_fp8_linears
+from moemesh.common.checkpoint.errors import CheckpointError
+from moemesh.common.checkpoint.expert_stacks import FP8_KERNEL_BLOCK
+from moemesh.common.checkpoint.inventory import StorageKind
+from moemesh.common.model.linear import Embedding, Linear
+from moemesh.common.model.quantized import KernelBackend, swap_fp8_linears
 
 _STORED_FLOAT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from common.model.names import UnknownTensorName, expert_hub_name, hf_name_to_hub
+from moemesh.common.model.names import UnknownTensorName, expert_hub_name, hf_name_to_hub
 
 _SAVED_LAYER = re.compile(r"^model\.(layers\.\d+\..+)$")
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")

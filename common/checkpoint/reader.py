@@ -24,11 +24,11 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from common.checkpoint.errors import CheckpointError
-from common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES, StorageKind, StoredEntry, TensorSpec, stored_name_index, tensor_inventory
-from common.checkpoint.names_on_disk import EntryRef, ref_shape, resolve_entry
-from common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, e8m0_to_float
-from common.model.config import ModelConfig
+from moemesh.common.checkpoint.errors import CheckpointError
+from moemesh.common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES, StorageKind, StoredEntry, TensorSpec, stored_name_index, tensor_inventory
+from moemesh.common.checkpoint.names_on_disk import EntryRef, ref_shape, resolve_entry
+from moemesh.common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, e8m0_to_float
+from moemesh.common.model.config import ModelConfig
 
 log = structlog.get_logger(__name__)
 

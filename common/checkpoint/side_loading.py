@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.checkpoint.module_loader import fill_from_checkpoint
-from common.model.quantized import KernelBackend
+from moemesh.common.checkpoint.module_loader import fill_from_checkpoint
+from moemesh.common.model.quantized import KernelBackend
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ def attention_stored_bytes(reader) -> int:
 
 
 def load_attention_side(reader, numerics, device, backend: KernelBackend = KernelBackend.AUTO):
-    from common.model.attention_side import AttentionSide
-    from common.model.random_init import move_rope_tables
+    from moemesh.common.model.attention_side import AttentionSide
+    from moemesh.common.model.random_init import move_rope_tables
 
     device = torch.device(device)
     config = reader.config
@@ -57,11 +57,11 @@ def drafter_stored_bytes(reader) -> int:
 
 def _stage_experts(reader, numerics, device, backend: KernelBackend):
     """The stages' routed experts keyed by stage index: FP4/FP8 stacks as stored, dense for float checkpoints."""
-    from common.checkpoint.expert_stacks import (
+    from moemesh.common.checkpoint.expert_stacks import (
         ExpertDtype, ResidentFormat, build_layer_stack, expert_weight_name, read_dense_experts, resident_format,
     )
-    from common.model.moe import RoutedExperts
-    from common.model.quantized import ExpertFormat, QuantizedRoutedExperts
+    from moemesh.common.model.moe import RoutedExperts
+    from moemesh.common.model.quantized import ExpertFormat, QuantizedRoutedExperts
 
     config = reader.config
     stages = range(config.num_nextn_predict_layers)
@@ -83,10 +83,10 @@ def _stage_experts(reader, numerics, device, backend: KernelBackend):
 def load_drafter(reader, numerics, device, backend: KernelBackend = KernelBackend.AUTO):
     """A `DSparkDrafter` with its own copy of the target's embedding and head; raises CheckpointError
     when an `mtp.*` tensor is missing."""
-    from common.checkpoint.errors import CheckpointError
-    from common.model.dspark import DSparkDrafter
-    from common.model.linear import Embedding, Linear
-    from common.model.rope import RotaryTable
+    from moemesh.common.checkpoint.errors import CheckpointError
+    from moemesh.common.model.dspark import DSparkDrafter
+    from moemesh.common.model.linear import Embedding, Linear
+    from moemesh.common.model.rope import RotaryTable
 
     device = torch.device(device)
     config = reader.config
@@ -112,7 +112,7 @@ def load_drafter(reader, numerics, device, backend: KernelBackend = KernelBacken
 
 def drafter_resident_bytes(drafter) -> int:
     """Bytes of the drafter's stages, its routed experts and its embedding and head."""
-    from common.checkpoint.module_loader import module_weight_bytes
+    from moemesh.common.checkpoint.module_loader import module_weight_bytes
 
     total = module_weight_bytes(drafter) + module_weight_bytes(drafter.embed) + module_weight_bytes(drafter.head)
     experts = drafter.experts_fn

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES, ParamGroup
-from common.checkpoint.reader import CheckpointReader
-from common.model.config import AttentionKind, RouterKind
+from moemesh.common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES, ParamGroup
+from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.model.config import AttentionKind, RouterKind
 
 _KIND_LABEL = {AttentionKind.WINDOW: "window", AttentionKind.CSA: "csa", AttentionKind.HCA: "hca"}
 _ROUTER_LABEL = {RouterKind.HASH: "hash", RouterKind.LEARNED: "learned"}
@@ -87,10 +87,10 @@ def encode_prompt(path: Path, prompt: str, vocab_size: int) -> tuple[list[int], 
 def run_reference_forward(reader: CheckpointReader, token_ids: list[int], device: str = "cpu",
                           dtype: str = "float32", top_k: int = 5) -> dict[str, Any]:
     """One forward of the reference model over `token_ids`; next-token top-k of the last position."""
-    from common.model.attention_side import AttentionSide
-    from common.model.config import NumericsConfig
-    from common.model.moe import RoutedExperts
-    from common.model.reference import ReferenceModel
+    from moemesh.common.model.attention_side import AttentionSide
+    from moemesh.common.model.config import NumericsConfig
+    from moemesh.common.model.moe import RoutedExperts
+    from moemesh.common.model.reference import ReferenceModel
 
     config = reader.config
     numerics = NumericsConfig(dtype=dtype)

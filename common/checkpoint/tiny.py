@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.model.config import ModelConfig
+from moemesh.common.model.config import ModelConfig
 
 
 def tiny_hub_config_dict(**overrides: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.checkpoint.inventory import StorageKind
+from moemesh.common.checkpoint.inventory import StorageKind
 
 _FORMAT = {StorageKind.FP8_BLOCK: "fp8 e4m3 + ue8m0 {rows}x{cols}", StorageKind.FP4_BLOCK: "fp4 e2m1 + ue8m0 1x32"}
 
@@ -45,7 +45,7 @@ def format_totals(rows: list[dict]) -> list[dict[str, Any]]:
 
 
 def _expert_stored(reader, pairs) -> int:
-    from common.checkpoint.expert_stacks import expert_stored_nbytes
+    from moemesh.common.checkpoint.expert_stacks import expert_stored_nbytes
 
     return sum(expert_stored_nbytes(reader, layer, expert) for layer, expert in pairs)
 
@@ -53,8 +53,8 @@ def _expert_stored(reader, pairs) -> int:
 def worker_rows(reader, *, deployment_path: str | None = None, placement_path: str | None = None,
                 dtype: str = "auto", expert_dtype: str = "native") -> list[dict[str, Any]]:
     """One row per worker: name, role, device, num_pairs, stored_bytes, resident_bytes."""
-    from common.checkpoint.side_loading import attention_stored_bytes, drafter_stored_bytes
-    from common.placement.worker_budget import worker_resident_bytes
+    from moemesh.common.checkpoint.side_loading import attention_stored_bytes, drafter_stored_bytes
+    from moemesh.common.placement.worker_budget import worker_resident_bytes
 
     config = reader.config
     rows = []
@@ -73,8 +73,8 @@ def worker_rows(reader, *, deployment_path: str | None = None, placement_path: s
                      "stored_bytes": stored, "resident_bytes": resident})
 
     if deployment_path is not None:
-        from common.runtime.deployment import load_deployment
-        from common.placement.worker_holdings import holdings_for
+        from moemesh.common.runtime.deployment import load_deployment
+        from moemesh.common.placement.worker_holdings import holdings_for
 
         deployment = load_deployment(deployment_path)
         for worker in deployment.attention:
@@ -85,7 +85,7 @@ def worker_rows(reader, *, deployment_path: str | None = None, placement_path: s
         if deployment.draft.enabled:
             add(deployment.draft.name, "draft", deployment.draft.device, worker_dtype=deployment.model.dtype)
     elif placement_path is not None:
-        from common.placement.placement_file import read_placement, validate_placement
+        from moemesh.common.placement.placement_file import read_placement, validate_placement
 
         placement = read_placement(placement_path)
         validate_placement(placement, config.num_hidden_layers, config.n_routed_experts)

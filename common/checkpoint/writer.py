@@ -19,10 +19,10 @@ import structlog
 import torch
 from safetensors.torch import save_file
 
-from common.checkpoint.errors import CheckpointError
-from common.checkpoint.inventory import ParamGroup, StorageKind, TensorSpec, tensor_inventory
-from common.checkpoint.quant import quantize_fp4, quantize_fp8_block
-from common.model.config import ModelConfig
+from moemesh.common.checkpoint.errors import CheckpointError
+from moemesh.common.checkpoint.inventory import ParamGroup, StorageKind, TensorSpec, tensor_inventory
+from moemesh.common.checkpoint.quant import quantize_fp4, quantize_fp8_block
+from moemesh.common.model.config import ModelConfig
 
 log = structlog.get_logger(__name__)
 

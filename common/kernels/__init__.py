@@ -10,10 +10,10 @@ Modules:
 - `fp4_experts`: grouped SwiGLU experts over tokens sorted by expert, FP4 (or FP8) weights.
 - `dequant_tiles`: the in-kernel FP4/FP8 tile loaders (triton device functions).
 - `moe_layout`:  sort routed token copies by expert and build the per-expert offsets (torch only).
-- `checks`:      kernel-vs-reference comparisons, also runnable as `python -m common.kernels.checks`.
+- `checks`:      kernel-vs-reference comparisons, also runnable as `python -m moemesh.common.kernels.checks`.
 - `fp8_dequant`: FP8 linears at prefill sizes: transient bf16 weight + cuBLAS (from 1,024 tokens).
 - `fp4_prefill`: routed experts at prefill sizes: each expert dequantised once + grouped bf16 GEMMs.
-- `prefill_checks`: both prefill paths against the references (`python -m common.kernels.prefill_checks`).
+- `prefill_checks`: both prefill paths against the references (`python -m moemesh.common.kernels.prefill_checks`).
 
 Importing this package imports nothing heavy; `fp8_linear` and `fp4_experts` need triton.
 """

@@ -10,7 +10,7 @@ different lengths in one batch, prefill chunks longer than the ring, windows clo
 chunk, CSA sequences with fewer closed windows than top-k, several tokens per sequence
 (speculative verification) and rollbacks between forwards.
 
-`python -m common.kernels.attention_checks --suite interpret` (meant for TRITON_INTERPRET=1 on
+`python -m moemesh.common.kernels.attention_checks --suite interpret` (meant for TRITON_INTERPRET=1 on
 CPU, tiny fp32 layers) or `--suite cuda` (V4-Flash width, bf16) prints one JSON object per case:
 relative error = max over compared tensors of ‖kernel − torch‖ / ‖torch‖.
 Legend: T tokens, D hidden.
@@ -27,13 +27,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from common.kernels.checks import CheckResult, patch_interpreter_bf16_dot
-from common.model.attention import Attention
-from common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
-from common.model.config import AttentionKind, ModelConfig
-from common.model.random_init import fill_random_context, flash_config, new_sequence_state, tiny_flash_like_config
-from common.model.rope import RotaryTable
-from common.model.state import SequenceState
+from moemesh.common.kernels.checks import CheckResult, patch_interpreter_bf16_dot
+from moemesh.common.model.attention import Attention
+from moemesh.common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
+from moemesh.common.model.config import AttentionKind, ModelConfig
+from moemesh.common.model.random_init import fill_random_context, flash_config, new_sequence_state, tiny_flash_like_config
+from moemesh.common.model.rope import RotaryTable
+from moemesh.common.model.state import SequenceState
 
 FP32_TOLERANCE = 2e-4
 BF16_TOLERANCE = 3e-2  # the torch path rounds logits and probabilities to bf16; the kernel keeps fp32
@@ -98,8 +98,8 @@ def _states(config: ModelConfig, case: Case, dtype, device) -> list[SequenceStat
     if case.row_store == "preallocated":
         return [new_sequence_state(config, 4096, dtype, device) for _ in range(case.num_sequences)]
     if case.row_store == "paged":
-        from services.attention.kv_config import KVPoolConfig
-        from services.attention.kv_pool import BlockTable, KVPool
+        from moemesh.services.attention.kv_config import KVPoolConfig
+        from moemesh.services.attention.kv_pool import BlockTable, KVPool
 
         ratios = [config.compress_ratio(layer) or 1 for layer in range(config.num_hidden_layers)]
         block_size = max(32, *ratios)  # a multiple of every ratio (powers of two)
@@ -166,7 +166,7 @@ def run_case(case: Case, config: ModelConfig, dtype: torch.dtype, device, tolera
 def check_indexer_scores(config: ModelConfig, dtype: torch.dtype, device, tolerance: float) -> CheckResult:
     """Indexer scores of 3 sequences (random histories of 23 / 64 / 90 tokens, 2 new tokens each)
     against a torch evaluation of the formula, with one and with four row blocks per program."""
-    from common.kernels.indexer_topk import indexer_scores
+    from moemesh.common.kernels.indexer_topk import indexer_scores
 
     layer = next(i for i, kind in enumerate(config.layer_types) if kind is AttentionKind.CSA)
     ratio = config.csa_compress_ratio

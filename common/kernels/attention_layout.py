@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.config import AttentionKind, ModelConfig
-from common.model.state import CompressorStore, SequenceState
+from moemesh.common.model.config import AttentionKind, ModelConfig
+from moemesh.common.model.state import CompressorStore, SequenceState
 
 CONTIGUOUS_ROWS_PER_BLOCK = 1 << 40
 

@@ -1,6 +1,6 @@
 """Compile the batched attention kernels for sm_90 without a GPU and summarise their machine code.
 
-Usage: python -m common.kernels.attention_sass [--kernel sparse|indexer|pool|all]
+Usage: python -m moemesh.common.kernels.attention_sass [--kernel sparse|indexer|pool|all]
 
 Triton ships ptxas, so the V4-Flash specialisations (head_dim 512, 64 heads, CSA top-k / HCA)
 go through the whole Triton + ptxas pipeline here: a compile error, register spills (stack bytes)
@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from common.kernels.attention_layout import NUM_FIELDS, Field
+from moemesh.common.kernels.attention_layout import NUM_FIELDS, Field
 
 
 def _compile(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int):
@@ -31,7 +31,7 @@ def _compile(kernel, signature: dict, constexprs: dict, num_warps: int, num_stag
 
 def compile_sparse(*, block_h: int, block_n: int, num_warps: int, num_stages: int = 2, use_topk: bool = True,
                    split: bool = False, head_dim: int = 512, paged: bool = False):
-    from common.kernels.sparse_attention import _sparse_attention_kernel
+    from moemesh.common.kernels.sparse_attention import _sparse_attention_kernel
 
     signature = {"q_ptr": "*bf16", "new_kv_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
                  "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "topk_ptr": "*i32", "token_seq_ptr": "*i32",
@@ -46,7 +46,7 @@ def compile_sparse(*, block_h: int, block_n: int, num_warps: int, num_stages: in
 
 
 def compile_indexer(*, block_n: int = 64, num_warps: int = 4):
-    from common.kernels.indexer_topk import _indexer_scores_kernel
+    from moemesh.common.kernels.indexer_topk import _indexer_scores_kernel
 
     signature = {"q_ptr": "*bf16", "weights_ptr": "*fp32", "scores_ptr": "*fp32", "token_seq_ptr": "*i32",
                  "positions_ptr": "*i64", "fields_ptr": "*i64", "block_ids_ptr": "*i64", "num_heads": "i32",
@@ -58,7 +58,7 @@ def compile_indexer(*, block_n: int = 64, num_warps: int = 4):
 
 
 def compile_pool(*, overlap: bool = True):
-    from common.kernels.kv_write import _pool_windows_kernel
+    from moemesh.common.kernels.kv_write import _pool_windows_kernel
 
     signature = {"kv_ptr": "*bf16", "score_ptr": "*bf16", "ring_like_ptr": "*fp32", "out_ptr": "*fp32",
                  "closing_ptr": "*i64", "token_seq_ptr": "*i32", "positions_ptr": "*i64", "seq_info_ptr": "*i64",
@@ -71,7 +71,7 @@ def compile_pool(*, overlap: bool = True):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.kernel_sass import summarise
+    from moemesh.bench.kernel_sass import summarise
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", choices=("sparse", "indexer", "pool", "all"), default="all")

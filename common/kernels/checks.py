@@ -1,6 +1,6 @@
 """Kernel-vs-reference comparisons on fresh random inputs, shared by the tests and the benchmark.
 
-`python -m common.kernels.checks --suite interpret` runs the small cases (meant for
+`python -m moemesh.common.kernels.checks --suite interpret` runs the small cases (meant for
 `TRITON_INTERPRET=1` on CPU) and prints one JSON object per case; `--suite cuda` the real sizes.
 
 Each check draws new random weights over all valid codes (every e2m1 nibble, e4m3 values from a
@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from common.kernels import reference
+from moemesh.common.kernels import reference
 
 TIGHT_TOLERANCE = 1e-4
 BF16_TOLERANCE = 1e-2  # one bf16 rounding; the interpreter truncates instead of rounding (2x)
@@ -140,7 +140,7 @@ def check_fp8_linear(
     num_tokens: int, out_features: int, in_features: int, *, x_dtype: torch.dtype = torch.bfloat16,
     out_dtype: torch.dtype = torch.float32, config=None, device: str = "cpu", seed: int = 0,
 ) -> CheckResult:
-    from common.kernels.fp8_linear import fp8_linear
+    from moemesh.common.kernels.fp8_linear import fp8_linear
 
     generator = torch.Generator(device=device).manual_seed(seed)
     weight, scale = random_fp8_weight((out_features, in_features), generator, device)
@@ -170,7 +170,7 @@ def check_grouped_experts(
     device: str = "cpu", seed: int = 0,
 ) -> CheckResult:
     """Both launches (gate-up + SwiGLU, then down) against `grouped_experts_reference`."""
-    from common.kernels.fp4_experts import ExpertWeights, WeightFormat, grouped_down, grouped_gate_up
+    from moemesh.common.kernels.fp4_experts import ExpertWeights, WeightFormat, grouped_down, grouped_gate_up
 
     fmt = WeightFormat(weight_format)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -213,8 +213,8 @@ Case = tuple[str, Callable[[], CheckResult]]
 
 def interpret_cases() -> list[Case]:
     """Small shapes with ragged edges, split-K, empty experts, both weight formats (~10 s interpreted)."""
-    from common.kernels.fp4_experts import Fp4Decode, GroupedGemmConfig
-    from common.kernels.fp8_linear import Fp8LinearConfig
+    from moemesh.common.kernels.fp4_experts import Fp4Decode, GroupedGemmConfig
+    from moemesh.common.kernels.fp8_linear import Fp8LinearConfig
 
     bf16, f32 = torch.bfloat16, torch.float32
     small = GroupedGemmConfig(block_m=16, block_n=16, block_k=64)
@@ -261,7 +261,7 @@ def interpret_cases() -> list[Case]:
 
 def cuda_cases() -> list[Case]:
     """V4-Flash shapes on a CUDA device, decode and prefill schedules."""
-    from common.kernels.expert_configs import Fp4Decode, GroupedGemmConfig
+    from moemesh.common.kernels.expert_configs import Fp4Decode, GroupedGemmConfig
 
     cases: list[Case] = []
     for num_tokens in (1, 7, 64, 2048):
@@ -297,7 +297,7 @@ def cuda_cases() -> list[Case]:
 def _asm_quad_config(num_tokens: int, out_features: int, in_features: int):
     import dataclasses
 
-    from common.kernels.fp8_linear import choose_fp8_linear_config
+    from moemesh.common.kernels.fp8_linear import choose_fp8_linear_config
 
     heuristic = choose_fp8_linear_config(num_tokens, out_features, in_features)
     return dataclasses.replace(heuristic, asm_decode=True, asm_quad=True, use_fma=False)
@@ -305,14 +305,14 @@ def _asm_quad_config(num_tokens: int, out_features: int, in_features: int):
 
 def check_fp4_decode_exact(decode, device: str) -> CheckResult:
     """The decoder against the reference over every byte value: the error is the mismatch count."""
-    from common.kernels.decode_probe import mismatches
+    from moemesh.common.kernels.decode_probe import mismatches
 
     return CheckResult(f"fp4 decode {decode.name} exact on {device}", float(mismatches(decode, device)), 0.0, True)
 
 
 def expert_variant_configs() -> list[tuple[str, int, object]]:
     """Every FP4 decode mode and split-K at the decode and prefill row counts (CUDA cases)."""
-    from common.kernels.fp4_experts import Fp4Decode, GroupedGemmConfig
+    from moemesh.common.kernels.fp4_experts import Fp4Decode, GroupedGemmConfig
 
     out = []
     for decode in (Fp4Decode.ASM_QUAD, Fp4Decode.ASM_QUAD_WORD_SCALES, Fp4Decode.ASM_FOLDED, Fp4Decode.DOT_SCALED,
@@ -331,7 +331,7 @@ def expert_variant_configs() -> list[tuple[str, int, object]]:
 
 def check_fp8_linear_repeatable(num_tokens: int, out_features: int, in_features: int, *, split_k: int) -> CheckResult:
     """Split-K twice in a row on CUDA: both right (the counters reset) and bitwise equal (fixed-order sum)."""
-    from common.kernels.fp8_linear import Fp8LinearConfig, fp8_linear
+    from moemesh.common.kernels.fp8_linear import Fp8LinearConfig, fp8_linear
 
     config = Fp8LinearConfig(block_n=64, block_t=16, split_k=split_k)
     generator = torch.Generator(device="cuda").manual_seed(5)

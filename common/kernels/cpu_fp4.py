@@ -34,9 +34,9 @@ from pathlib import Path
 import structlog
 import torch
 
-from common.kernels.cpu_fp4_build import (BuildConfig, NativeBuildError, build_library, default_cache_dir,
+from moemesh.common.kernels.cpu_fp4_build import (BuildConfig, NativeBuildError, build_library, default_cache_dir,
                                           find_compiler)
-from common.kernels.reference import FP4_BLOCK_SIZE, dequant_fp4, scale_bytes, swiglu_reference
+from moemesh.common.kernels.reference import FP4_BLOCK_SIZE, dequant_fp4, scale_bytes, swiglu_reference
 
 __all__ = ["BuildConfig", "Executor", "ExpertGroups", "ExpertStacks", "NativeBuildError", "NativeFp4", "build_library",
            "default_cache_dir", "find_compiler", "fp4_expert_reference", "fp4_linear_reference", "load_native",

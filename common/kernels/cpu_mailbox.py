@@ -23,10 +23,10 @@ from pathlib import Path
 import structlog
 import torch
 
-from common.kernels.cpu_fp4 import ExpertStacks, Executor, NativeFp4
-from common.kernels.cpu_fp4_build import BuildConfig, NativeBuildError, find_compiler
-from common.kernels.mailbox_layout import CombineMode, MailboxLayout, MailboxSegment, Word, abi_constants
-from common.kernels.cpu_fp4_build import build_native
+from moemesh.common.kernels.cpu_fp4 import ExpertStacks, Executor, NativeFp4
+from moemesh.common.kernels.cpu_fp4_build import BuildConfig, NativeBuildError, find_compiler
+from moemesh.common.kernels.mailbox_layout import CombineMode, MailboxLayout, MailboxSegment, Word, abi_constants
+from moemesh.common.kernels.cpu_fp4_build import build_native
 
 log = structlog.get_logger("mailbox")
 

@@ -13,13 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels.dequant_tiles import fp4_tile, fp4_tile_halves
-from common.kernels.ptx_decode import (
+from moemesh.common.kernels.dequant_tiles import fp4_tile, fp4_tile_halves
+from moemesh.common.kernels.ptx_decode import (
     FOLDED_SCALE_SHIFT, fp4_scale_pairs, fp4_tile_halves_bf16_asm, fp4_tile_halves_bf16_folded_asm,
     fp4_tile_quarters_bf16_asm,
 )
-from common.kernels.expert_configs import Fp4Decode
-from common.kernels.reference import dequant_fp4
+from moemesh.common.kernels.expert_configs import Fp4Decode
+from moemesh.common.kernels.reference import dequant_fp4
 
 BLOCK_N, BLOCK_K = 16, 64
 

@@ -15,7 +15,7 @@ import enum
 import os
 from dataclasses import dataclass
 
-from common.kernels.reference import FP4_BLOCK_SIZE, FP8_BLOCK_SIZE
+from moemesh.common.kernels.reference import FP4_BLOCK_SIZE, FP8_BLOCK_SIZE
 
 
 class Fp4Decode(enum.IntEnum):

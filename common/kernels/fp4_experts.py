@@ -37,14 +37,14 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels.dequant_tiles import fp4_packed_tile, fp4_tile, fp4_tile_halves, fp8_tile
-from common.kernels.expert_configs import Fp4Decode, GroupedGemmConfig, choose_grouped_config, validate
-from common.kernels.ptx_decode import (
+from moemesh.common.kernels.dequant_tiles import fp4_packed_tile, fp4_tile, fp4_tile_halves, fp8_tile
+from moemesh.common.kernels.expert_configs import Fp4Decode, GroupedGemmConfig, choose_grouped_config, validate
+from moemesh.common.kernels.ptx_decode import (
     FOLDED_SCALE_SHIFT, fp4_scale_pairs, fp4_scale_pairs_from_words, fp4_tile_halves_bf16_asm,
     fp4_tile_halves_bf16_folded_asm, fp4_tile_quarters_bf16_asm, fp8_tile_quarters_bf16_asm,
 )
-from common.kernels.reference import FP4_BLOCK_SIZE, FP8_BLOCK_SIZE, scale_bytes
-from common.kernels.split_k import take_ticket, tile_counters
+from moemesh.common.kernels.reference import FP4_BLOCK_SIZE, FP8_BLOCK_SIZE, scale_bytes
+from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
 __all__ = [
     "ExpertWeights", "Fp4Decode", "GroupedGemmConfig", "WeightFormat", "choose_grouped_config",
@@ -335,7 +335,7 @@ def _default_config(x: torch.Tensor, weights: ExpertWeights, out_features: int) 
 
 
 def _num_sms(device: torch.device) -> int:
-    from common.kernels.fp8_linear import device_num_sms
+    from moemesh.common.kernels.fp8_linear import device_num_sms
 
     return device_num_sms(device)
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels.dequant_tiles import fp4_tile
+from moemesh.common.kernels.dequant_tiles import fp4_tile
 
 DEQUANT_BLOCK_N = 32
 DEQUANT_BLOCK_K = 256
@@ -120,7 +120,7 @@ def grouped_experts_dequant(x_sorted: torch.Tensor, expert_offsets: torch.Tensor
 
     Experts go in chunks whose bf16 gate-up and down copies fit `max_scratch_bytes`; empty chunks
     are skipped. One `expert_offsets.tolist()` (host sync) per call."""
-    from common.kernels.fp4_experts import WeightFormat
+    from moemesh.common.kernels.fp4_experts import WeightFormat
 
     if weights.weight_format != WeightFormat.FP4_E2M1 or x_sorted.dtype != torch.bfloat16:
         raise ValueError("the dequantise path takes FP4 weights and bf16 rows")

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels.dequant_tiles import fp8_tile
-from common.kernels.reference import FP8_BLOCK_SIZE
+from moemesh.common.kernels.dequant_tiles import fp8_tile
+from moemesh.common.kernels.reference import FP8_BLOCK_SIZE
 
 PATH_ENV = "MOEMESH_FP8_PREFILL"
 MIN_TOKENS = 1024  # at and above: dequantise + cuBLAS (session-2 figures above; re-measured in session 3)

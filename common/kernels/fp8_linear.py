@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels.ptx_decode import fp8_tile_bf16_asm, fp8_tile_quarters_bf16_asm
-from common.kernels.reference import FP8_BLOCK_SIZE, scale_bytes
-from common.kernels.split_k import take_ticket, tile_counters
+from moemesh.common.kernels.ptx_decode import fp8_tile_bf16_asm, fp8_tile_quarters_bf16_asm
+from moemesh.common.kernels.reference import FP8_BLOCK_SIZE, scale_bytes
+from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
 DECODE_MAX_TOKENS = 64
 DEFAULT_NUM_SMS = 132  # H200/H100 SXM; used when no CUDA device answers (the interpreter)

@@ -21,11 +21,11 @@ def model_forward_check(num_tokens: int = 40) -> dict:
     Meant for a child with TRITON_INTERPRET=1 and MOEMESH_TRITON_GLUE_ON_CPU=1 (the interpreter runs
     the kernels on CPU tensors); reports whether the Triton path was on and the max |logit difference|.
     """
-    from common.kernels.glue import use_triton_glue
-    from common.model.attention_side import AttentionSide
-    from common.model.moe import RoutedExperts
-    from common.model.reference import ReferenceModel
-    from common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
+    from moemesh.common.kernels.glue import use_triton_glue
+    from moemesh.common.model.attention_side import AttentionSide
+    from moemesh.common.model.moe import RoutedExperts
+    from moemesh.common.model.reference import ReferenceModel
+    from moemesh.common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
 
     torch.set_num_threads(1)
     config = tiny_config()
@@ -51,7 +51,7 @@ def hopper_compile_errors(only: str | None = None) -> dict[str, str | None]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from common.kernels import mhc, norm_rope
+    from moemesh.common.kernels import mhc, norm_rope
 
     target = GPUTarget("cuda", 90, 32)
     variants = []  # (name, kernel, signature, constexprs)
@@ -107,7 +107,7 @@ def run_interpret_suite(only: str | None, timeout_s: float = 240, suite: str = "
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     if suite == "model":
         env["MOEMESH_TRITON_GLUE_ON_CPU"] = "1"
-    command = [sys.executable, "-m", "common.kernels.glue_checks", "--suite", suite]
+    command = [sys.executable, "-m", "moemesh.common.kernels.glue_checks", "--suite", suite]
     if only:
         command += ["--only", only]
     proc = subprocess.run(command, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True,

@@ -1,6 +1,6 @@
 """Fused glue kernels (mHC, RMS norm, RoPE) against their torch references on fresh random inputs.
 
-`python -m common.kernels.glue_checks --suite interpret [--only mhc|norm]` runs the small cases
+`python -m moemesh.common.kernels.glue_checks --suite interpret [--only mhc|norm]` runs the small cases
 (meant for `TRITON_INTERPRET=1` on CPU: kernels are called directly on CPU tensors) and prints one
 JSON object per case; `--suite cuda` the V4-Flash sizes through the model's dispatching functions
 (Triton by default, torch under `forced_torch_glue`).
@@ -84,8 +84,8 @@ def _mhc_inputs(num_tokens, num_streams, hidden, num_mix, dtype, device, generat
 def check_hc_pre(case_id, num_tokens, num_streams, hidden, num_iters, dtype, device, kernel_fn, config=None,
                  normed: bool = False):
     """normed: kernel_fn has hyper.hc_pre_normed's extra (norm_weight, out_eps) arguments (mhc.hc_pre: out_norm)."""
-    from common.kernels.glue import forced_torch_glue
-    from common.model import hyper, linear
+    from moemesh.common.kernels.glue import forced_torch_glue
+    from moemesh.common.model import hyper, linear
 
     generator = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
     args = _mhc_inputs(num_tokens, num_streams, hidden, (2 + num_streams) * num_streams, dtype, device, generator)
@@ -109,8 +109,8 @@ def check_hc_pre(case_id, num_tokens, num_streams, hidden, num_iters, dtype, dev
 
 
 def check_hc_post(case_id, num_tokens, num_streams, hidden, dtype, device, kernel_fn, **kwargs):
-    from common.kernels.glue import forced_torch_glue
-    from common.model import hyper
+    from moemesh.common.kernels.glue import forced_torch_glue
+    from moemesh.common.model import hyper
 
     generator = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
     h, fn, base, scale = _mhc_inputs(num_tokens, num_streams, hidden, (2 + num_streams) * num_streams, dtype,
@@ -132,8 +132,8 @@ def check_hc_post(case_id, num_tokens, num_streams, hidden, dtype, device, kerne
 def check_hc_head(case_id, num_tokens, num_streams, hidden, dtype, device, kernel_fn, normed: bool = False,
                   **kwargs):
     """normed: kernel_fn is hyper.hc_head_normed (or mhc.hc_head, given out_norm)."""
-    from common.kernels.glue import forced_torch_glue
-    from common.model import hyper, linear
+    from moemesh.common.kernels.glue import forced_torch_glue
+    from moemesh.common.model import hyper, linear
 
     generator = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
     h, fn, base, _ = _mhc_inputs(num_tokens, num_streams, hidden, num_streams, dtype, device, generator)
@@ -156,8 +156,8 @@ def check_hc_head(case_id, num_tokens, num_streams, hidden, dtype, device, kerne
 
 def check_norm_rope(case_id, op: str, shape, rope_half, dtype, device, kernels):
     """op: rms | unweighted | rope | inverse | q (unweighted + rope) | kv (weighted + rope)."""
-    from common.kernels.glue import forced_torch_glue
-    from common.model import linear, rope
+    from moemesh.common.kernels.glue import forced_torch_glue
+    from moemesh.common.model import linear, rope
 
     generator = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
     x = (torch.randn(*shape, generator=generator, device=device) * 3).to(dtype)
@@ -192,7 +192,7 @@ class _DirectNormRope:
     """The norm_rope kernels under the model functions' names (the interpreter runs them on CPU tensors)."""
 
     def __init__(self):
-        from common.kernels import norm_rope
+        from moemesh.common.kernels import norm_rope
 
         self.m = norm_rope
 
@@ -217,7 +217,7 @@ Case = tuple[str, Callable[[], GlueCheck]]
 
 
 def interpret_cases(only: str | None = None) -> list[Case]:
-    from common.kernels import mhc
+    from moemesh.common.kernels import mhc
 
     cpu, f32, bf16 = "cpu", torch.float32, torch.bfloat16
     small = mhc.MixConfig(block_t=16, block_k=16, num_splits=4, block_d=32)
@@ -260,7 +260,7 @@ def interpret_cases(only: str | None = None) -> list[Case]:
 
 def cuda_cases(only: str | None = None) -> list[Case]:
     """V4-Flash sizes (N 4, D 4096, 20 iterations; 64 heads × 512, rope 64; q_lora 1024) through the model."""
-    from common.model import hyper, linear, rope
+    from moemesh.common.model import hyper, linear, rope
 
     class _Model:
         rms_norm = staticmethod(linear.rms_norm)
@@ -274,7 +274,7 @@ def cuda_cases(only: str | None = None) -> list[Case]:
     for num_tokens in (1, 8, 64, 2048):
         case = f"hc_pre_t{num_tokens}"
         mhc_cases.append((case, lambda c=case, t=num_tokens: check_hc_pre(c, t, 4, 4096, 20, bf16, cuda, hyper.hc_pre)))
-    from common.kernels import mhc
+    from moemesh.common.kernels import mhc
 
     def alternative(num_tokens: int, **changes) -> mhc.MixConfig:  # built when the case runs: it asks the device
         return replace(mhc.choose_mix_config(num_tokens, 4 * 4096, torch.device("cuda"), bf16), **changes)
@@ -324,12 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("mhc", "norm"), default=None)
     args = parser.parse_args(argv)
     if args.suite == "model":
-        from common.kernels.glue_check_runs import model_forward_check
+        from moemesh.common.kernels.glue_check_runs import model_forward_check
 
         print(json.dumps(model_forward_check()), flush=True)
         return 0
     if args.suite == "interpret":
-        from common.kernels.checks import patch_interpreter_bf16_dot
+        from moemesh.common.kernels.checks import patch_interpreter_bf16_dot
 
         patch_interpreter_bf16_dot()  # bf16x3's dots
     cases = interpret_cases(args.only) if args.suite == "interpret" else cuda_cases(args.only)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels.attention_layout import NUM_FIELDS, AttentionTables, Field
+from moemesh.common.kernels.attention_layout import NUM_FIELDS, AttentionTables, Field
 
 
 @triton.jit

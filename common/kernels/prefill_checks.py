@@ -1,7 +1,7 @@
 """Checks of the prefill paths (`fp4_prefill`: routed experts; `fp8_dequant`: FP8 linears) against the
 fp32 references.
 
-`python -m common.kernels.prefill_checks [--device cpu|cuda]` prints one JSON line per case (CPU: meant
+`python -m moemesh.common.kernels.prefill_checks [--device cpu|cuda]` prints one JSON line per case (CPU: meant
 for TRITON_INTERPRET=1, small shapes; CUDA: V4-Flash shapes). Cases: both dequantise kernels bit for bit
 against `reference.dequant_fp4` / `dequant_fp8_blockwise` (ragged FP8 edges, a strided FP4 output); the
 experts path (chunks smaller than the expert count, empty experts, an empty chunk) against
@@ -16,15 +16,15 @@ import sys
 
 import torch
 
-from common.kernels import reference
-from common.kernels.checks import (
+from moemesh.common.kernels import reference
+from moemesh.common.kernels.checks import (
     BF16_TOLERANCE, CheckResult, _relative_error, patch_interpreter_bf16_dot, patch_interpreter_bf16_rounding,
     random_expert_layout, random_fp4_weight,
 )
 
 
 def check_dequant_exact(num_experts: int, num_rows: int, num_cols: int, device: str, seed: int = 0) -> CheckResult:
-    from common.kernels.fp4_prefill import dequant_fp4_experts
+    from moemesh.common.kernels.fp4_prefill import dequant_fp4_experts
 
     generator = torch.Generator(device=device).manual_seed(seed)
     w, s = random_fp4_weight((num_experts, num_rows, num_cols), generator, device)
@@ -39,8 +39,8 @@ def check_dequant_exact(num_experts: int, num_rows: int, num_cols: int, device: 
 
 def check_dequant_path(num_rows: int, num_experts: int, hidden: int, inter: int, *, num_empty: int,
                        max_scratch_bytes: int, device: str, seed: int = 0) -> CheckResult:
-    from common.kernels.fp4_experts import ExpertWeights, WeightFormat
-    from common.kernels.fp4_prefill import grouped_experts_dequant
+    from moemesh.common.kernels.fp4_experts import ExpertWeights, WeightFormat
+    from moemesh.common.kernels.fp4_prefill import grouped_experts_dequant
 
     generator = torch.Generator(device=device).manual_seed(seed)
     w1, s1 = random_fp4_weight((num_experts, inter, hidden), generator, device)
@@ -69,8 +69,8 @@ def check_dequant_path(num_rows: int, num_experts: int, hidden: int, inter: int,
 
 
 def check_fp8_dequant_exact(num_rows: int, num_cols: int, device: str, seed: int = 0) -> CheckResult:
-    from common.kernels.fp8_dequant import dequant_fp8
-    from common.model.random_init import random_fp8_linear
+    from moemesh.common.kernels.fp8_dequant import dequant_fp8
+    from moemesh.common.model.random_init import random_fp8_linear
 
     weight, scale = random_fp8_linear(num_rows, num_cols, generator=torch.Generator(device=device).manual_seed(seed),
                                       device=device)
@@ -83,9 +83,9 @@ def check_fp8_linears_dequant_path(num_tokens: int, out_features: int, in_featur
     """Fp8Linear ([T, K]) and Fp8GroupedLinear ([T, G, K]) with MOEMESH_FP8_PREFILL=dequant vs fp32 torch."""
     import os
 
-    from common.kernels.fp8_dequant import PATH_ENV
-    from common.model.quantized import Fp8GroupedLinear, Fp8Linear, KernelBackend
-    from common.model.random_init import random_fp8_linear
+    from moemesh.common.kernels.fp8_dequant import PATH_ENV
+    from moemesh.common.model.quantized import Fp8GroupedLinear, Fp8Linear, KernelBackend
+    from moemesh.common.model.random_init import random_fp8_linear
 
     generator = torch.Generator(device=device).manual_seed(seed)
     weight, scale = random_fp8_linear(out_features, in_features, generator=generator, device=device)

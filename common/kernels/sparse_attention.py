@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels.attention_layout import CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field
+from moemesh.common.kernels.attention_layout import CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field
 
 
 @dataclass(frozen=True)

@@ -19,18 +19,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.model.batch import ForwardBatch
-from common.model.compressor import Compressor
-from common.model.config import AttentionKind, ModelConfig, NumericsConfig
-from common.model.indexer import Indexer
-from common.model.linear import GroupedLinear, Linear, RMSNorm, parameter
-from common.model.qat import kv_nope_fp8_qat
-from common.model.rope import RotaryTable, inverse_rope, rms_norm_rope
-from common.model.state import LayerState
+from moemesh.common.model.batch import ForwardBatch
+from moemesh.common.model.compressor import Compressor
+from moemesh.common.model.config import AttentionKind, ModelConfig, NumericsConfig
+from moemesh.common.model.indexer import Indexer
+from moemesh.common.model.linear import GroupedLinear, Linear, RMSNorm, parameter
+from moemesh.common.model.qat import kv_nope_fp8_qat
+from moemesh.common.model.rope import RotaryTable, inverse_rope, rms_norm_rope
+from moemesh.common.model.state import LayerState
 
 
 def batched_attention_core(*args, **kwargs):  # imports triton: only when the kernels run
-    from common.model.attention_kernels import batched_attention_core as core
+    from moemesh.common.model.attention_kernels import batched_attention_core as core
 
     return core(*args, **kwargs)
 
@@ -38,7 +38,7 @@ def batched_attention_core(*args, **kwargs):  # imports triton: only when the ke
 def can_use_kernels(batch: ForwardBatch, kv: torch.Tensor) -> bool:
     if batch.attention_tables is None:
         return False
-    from common.model.attention_kernels import can_use_kernels as check
+    from moemesh.common.model.attention_kernels import can_use_kernels as check
 
     return check(batch, kv)
 

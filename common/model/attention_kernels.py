@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from common.kernels.attention_layout import AttentionTables, Field
-from common.kernels.indexer_topk import indexer_topk
-from common.kernels.kv_write import pool_windows, write_rings, write_rows
-from common.kernels.sparse_attention import sparse_attention
-from common.model.qat import kv_nope_fp8_qat
-from common.model.rope import RotaryTable, rms_norm_rope
+from moemesh.common.kernels.attention_layout import AttentionTables, Field
+from moemesh.common.kernels.indexer_topk import indexer_topk
+from moemesh.common.kernels.kv_write import pool_windows, write_rings, write_rows
+from moemesh.common.kernels.sparse_attention import sparse_attention
+from moemesh.common.model.qat import kv_nope_fp8_qat
+from moemesh.common.model.rope import RotaryTable, rms_norm_rope
 
 
 def _record_writes(batch, layer: int, which: str, *tensors: torch.Tensor) -> None:

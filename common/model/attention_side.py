@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.model.attention import Attention
-from common.model.batch import ForwardBatch
-from common.model.config import ModelConfig, NumericsConfig
-from common.model.hyper import hc_head, hc_post, hc_pre
-from common.model.linear import Embedding, Linear, RMSNorm, parameter
-from common.model.moe import Gate, SharedExpert
+from moemesh.common.model.attention import Attention
+from moemesh.common.model.batch import ForwardBatch
+from moemesh.common.model.config import ModelConfig, NumericsConfig
+from moemesh.common.model.hyper import hc_head, hc_post, hc_pre
+from moemesh.common.model.linear import Embedding, Linear, RMSNorm, parameter
+from moemesh.common.model.moe import Gate, SharedExpert
 
 
 class FeedForwardSide(nn.Module):

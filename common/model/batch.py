@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.rope import RotaryTable
-from common.model.state import SequenceState
+from moemesh.common.model.rope import RotaryTable
+from moemesh.common.model.state import SequenceState
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class ForwardBatch:
             attention_backend = default_attention_backend(device)
         self.attention_tables = None  # common.kernels.attention_layout.AttentionTables when batched
         if attention_backend is AttentionBackend.TRITON:
-            from common.kernels.attention_layout import build_tables
+            from moemesh.common.kernels.attention_layout import build_tables
 
             states = [chunk.state for chunk in self.chunks]
             self.attention_tables = build_tables(states[0].config, states, self.start_positions,

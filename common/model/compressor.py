@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.model.linear import Linear, RMSNorm, parameter
-from common.model.qat import kv_nope_fp8_qat
-from common.model.rope import RotaryTable, apply_rope
-from common.model.state import CompressorStore
+from moemesh.common.model.linear import Linear, RMSNorm, parameter
+from moemesh.common.model.qat import kv_nope_fp8_qat
+from moemesh.common.model.rope import RotaryTable, apply_rope
+from moemesh.common.model.state import CompressorStore
 
 
 class Compressor(nn.Module):

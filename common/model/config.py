@@ -178,18 +178,18 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        from common.model.config_parse import parse_config_dict
+        from moemesh.common.model.config_parse import parse_config_dict
 
         return parse_config_dict(d)
 
     # ----------------------------------------------------------------------------- writing
     def to_hub_dict(self) -> dict[str, Any]:
-        from common.model.config_parse import config_to_hub_dict
+        from moemesh.common.model.config_parse import config_to_hub_dict
 
         return config_to_hub_dict(self)
 
     def to_transformers_dict(self) -> dict[str, Any]:
-        from common.model.config_parse import config_to_transformers_dict
+        from moemesh.common.model.config_parse import config_to_transformers_dict
 
         return config_to_transformers_dict(self)
 

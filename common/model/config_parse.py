@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.model.config import (
+from moemesh.common.model.config import (
     _RATIO_CODE_CSA,
     _RATIO_CODE_HCA,
     _RATIO_CODE_WINDOW,

@@ -38,13 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model.attention import Attention, attend_with_sink
-from common.model.attention_side import Block
-from common.model.config import AttentionKind, ModelConfig, NumericsConfig, RouterKind
-from common.model.hyper import hc_head, hc_post, hc_pre_normed
-from common.model.linear import Embedding, Linear, RMSNorm, parameter
-from common.model.moe import ExpertsFn, RoutedExperts
-from common.model.rope import inverse_rope, rms_norm_rope
+from moemesh.common.model.attention import Attention, attend_with_sink
+from moemesh.common.model.attention_side import Block
+from moemesh.common.model.config import AttentionKind, ModelConfig, NumericsConfig, RouterKind
+from moemesh.common.model.hyper import hc_head, hc_post, hc_pre_normed
+from moemesh.common.model.linear import Embedding, Linear, RMSNorm, parameter
+from moemesh.common.model.moe import ExpertsFn, RoutedExperts
+from moemesh.common.model.rope import inverse_rope, rms_norm_rope
 
 NUM_DSPARK_STAGES = 3
 MTP_PREFIX = "mtp."
@@ -305,8 +305,8 @@ class DSparkDrafter(nn.Module):
         """Probabilistic drafting: x_k ~ softmax((U_k + W1[x_{k-1}] W2) / temperature), each draw from
         its own stream `stream(seed, Purpose.DRAFT, output_positions[k])` (independent of the
         verifier's streams, dspark.md §6.5). probs are exactly the distributions sampled from."""
-        from services.attention.sampling.draw import sample_from_probs
-        from services.attention.sampling.rng import Purpose, stream
+        from moemesh.services.attention.sampling.draw import sample_from_probs
+        from moemesh.services.attention.sampling.rng import Purpose, stream
 
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0 (use greedy_chain for argmax drafting)")

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.batch import SequenceChunk
-from common.model.reference import ReferenceModel
+from moemesh.common.model.batch import SequenceChunk
+from moemesh.common.model.reference import ReferenceModel
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.kernels.glue import use_triton_glue
-from common.model.linear import rms_norm, unweighted_rms_norm
+from moemesh.common.kernels.glue import use_triton_glue
+from moemesh.common.model.linear import rms_norm, unweighted_rms_norm
 
 
 def hc_pre(
@@ -30,7 +30,7 @@ def hc_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (x [T, D] in h's dtype, post [T, N] fp32, comb [T, N, N] fp32)."""
     if use_triton_glue(h, fn, base, scale):
-        from common.kernels import mhc
+        from moemesh.common.kernels import mhc
 
         return mhc.hc_pre(h, fn, base, scale, num_sinkhorn_iters, hc_eps, norm_eps)
     num_tokens, num_streams, _ = h.shape
@@ -65,7 +65,7 @@ def hc_pre_normed(
     """`hc_pre` followed by `RMSNorm` of x -> (normed x [T, D], post, comb); on CUDA the norm runs in
     hc_pre's finish launch (one launch fewer per site). Same roundings as the two calls."""
     if use_triton_glue(h, fn, base, scale, norm_weight):
-        from common.kernels import mhc
+        from moemesh.common.kernels import mhc
 
         return mhc.hc_pre(h, fn, base, scale, num_sinkhorn_iters, hc_eps, norm_eps, out_norm=(norm_weight, out_eps))
     x, post, comb = hc_pre(h, fn, base, scale, num_sinkhorn_iters, hc_eps, norm_eps)
@@ -75,7 +75,7 @@ def hc_pre_normed(
 def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """y [T, D] block output, h [T, N, D] streams -> new streams [T, N, D]."""
     if y.dtype == h.dtype and use_triton_glue(y, h, post, comb):
-        from common.kernels import mhc
+        from moemesh.common.kernels import mhc
 
         return mhc.hc_post(y, h, post, comb)
     dtype = h.dtype
@@ -92,7 +92,7 @@ def hc_head(
 ) -> torch.Tensor:
     """Final collapse of the streams (no Sinkhorn) -> [T, D]."""
     if use_triton_glue(h, fn, base, scale):
-        from common.kernels import mhc
+        from moemesh.common.kernels import mhc
 
         return mhc.hc_head(h, fn, base, scale, hc_eps, norm_eps)
     flat = unweighted_rms_norm(h.reshape(h.shape[0], -1).float(), norm_eps)
@@ -113,7 +113,7 @@ def hc_head_normed(
 ) -> torch.Tensor:
     """`hc_head` followed by the final `RMSNorm` -> [T, D]; one launch fewer on CUDA."""
     if use_triton_glue(h, fn, base, scale, norm_weight):
-        from common.kernels import mhc
+        from moemesh.common.kernels import mhc
 
         return mhc.hc_head(h, fn, base, scale, hc_eps, norm_eps, out_norm=(norm_weight, out_eps))
     return rms_norm(hc_head(h, fn, base, scale, hc_eps, norm_eps), norm_weight, out_eps)

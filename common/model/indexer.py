@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.model.compressor import Compressor
-from common.model.config import ModelConfig
-from common.model.linear import Linear
-from common.model.rope import apply_rope
+from moemesh.common.model.compressor import Compressor
+from moemesh.common.model.config import ModelConfig
+from moemesh.common.model.linear import Linear
+from moemesh.common.model.rope import apply_rope
 
 
 class Indexer(nn.Module):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.kernels.glue import use_triton_glue
+from moemesh.common.kernels.glue import use_triton_glue
 
 
 def _parameter(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -75,7 +75,7 @@ class RMSNorm(nn.Module):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`RMSNorm` as a function: x [..., C], weight [C] fp32 -> x's dtype."""
     if use_triton_glue(x, weight):
-        from common.kernels import norm_rope
+        from moemesh.common.kernels import norm_rope
 
         return norm_rope.rms_norm(x, weight, eps)
     x32 = x.float()
@@ -89,7 +89,7 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     The scale is rounded to x's dtype before the product (bf16 on GPU): the fused kernels keep that.
     """
     if use_triton_glue(x):
-        from common.kernels import norm_rope
+        from moemesh.common.kernels import norm_rope
 
         return norm_rope.unweighted_rms_norm(x, eps)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)

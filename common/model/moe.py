@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model.config import ModelConfig, NumericsConfig, RouterKind
-from common.model.linear import Linear, parameter
+from moemesh.common.model.config import ModelConfig, NumericsConfig, RouterKind
+from moemesh.common.model.linear import Linear, parameter
 
 # experts_fn(layer, x [T, D], ids [T, K], weights [T, K]) -> routed output [T, D]
 ExpertsFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from common.model.config import ModelConfig
+    from moemesh.common.model.config import ModelConfig
 
 # (hub suffix inside a layer, transformers suffix inside a layer); order matters only for readability.
 _LAYER_PAIRS: tuple[tuple[str, str], ...] = (

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.kernels.moe_layout import ExpertLayout
-from common.kernels.reference import dequant_fp4, dequant_fp8_blockwise, scale_bytes
-from common.model.linear import GroupedLinear, Linear
-from common.model.moe import ExpertNotHeld, _swiglu, sum_slots_in_order
+from moemesh.common.kernels.moe_layout import ExpertLayout
+from moemesh.common.kernels.reference import dequant_fp4, dequant_fp8_blockwise, scale_bytes
+from moemesh.common.model.linear import GroupedLinear, Linear
+from moemesh.common.model.moe import ExpertNotHeld, _swiglu, sum_slots_in_order
 
 FP8_BLOCK = 128
 TORCH_BLOCK_ROWS = 8 * FP8_BLOCK  # output rows dequantised at once on the torch (CPU) path
@@ -85,8 +85,8 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if _use_kernel(self.backend, x):
-            from common.kernels.fp8_dequant import fp8_linear_dequant, use_dequant_linear
-            from common.kernels.fp8_linear import fp8_linear
+            from moemesh.common.kernels.fp8_dequant import fp8_linear_dequant, use_dequant_linear
+            from moemesh.common.kernels.fp8_linear import fp8_linear
 
             if use_dequant_linear(x.numel() // self.in_features):  # prefill: transient bf16 weight + cuBLAS
                 return fp8_linear_dequant(x, self.weight, self.scale)
@@ -130,8 +130,8 @@ class Fp8GroupedLinear(Fp8Linear):
         # T tokens, G groups, I input per group, O output per group
         num_tokens = x.shape[0]
         if self._kernel_ok and _use_kernel(self.backend, x):
-            from common.kernels.fp4_experts import ExpertWeights, WeightFormat, grouped_down
-            from common.kernels.fp8_dequant import dequant_fp8, use_dequant_linear
+            from moemesh.common.kernels.fp4_experts import ExpertWeights, WeightFormat, grouped_down
+            from moemesh.common.kernels.fp8_dequant import dequant_fp8, use_dequant_linear
 
             if use_dequant_linear(num_tokens):  # prefill: transient 16-bit weight + batched cuBLAS
                 weight = dequant_fp8(self.weight, self.scale, x.dtype).view(self.num_groups, -1, self.in_features)
@@ -215,7 +215,7 @@ class _LayerExperts:
         self.held[ids] = True
 
     def kernel_weights(self):
-        from common.kernels.fp4_experts import ExpertWeights, WeightFormat
+        from moemesh.common.kernels.fp4_experts import ExpertWeights, WeightFormat
 
         fmt = WeightFormat.FP4_E2M1 if self.fmt is ExpertFormat.FP4 else WeightFormat.FP8_E4M3
         return ExpertWeights(self.w1, self.s1, self.w3, self.s3, self.w2, self.s2, fmt)
@@ -266,7 +266,7 @@ class QuantizedRoutedExperts:
 
     @classmethod
     def from_config(cls, layers, config, numerics=None, **kwargs) -> "QuantizedRoutedExperts":
-        from common.model.config import NumericsConfig
+        from moemesh.common.model.config import NumericsConfig
 
         numerics = numerics or NumericsConfig()
         fmt = ExpertFormat.FP8 if config.expert_dtype == "fp8" else ExpertFormat.FP4
@@ -338,8 +338,8 @@ class QuantizedRoutedExperts:
     def _rows_kernel(self, held: _LayerExperts, hidden: torch.Tensor, local: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor:
         """Grouped Triton kernels; returns [T·K, D] rows indexed by flat slot t·K + k."""
-        from common.kernels.fp4_experts import grouped_down, grouped_gate_up
-        from common.kernels.fp4_prefill import grouped_experts_dequant, use_dequant_path
+        from moemesh.common.kernels.fp4_experts import grouped_down, grouped_gate_up
+        from moemesh.common.kernels.fp4_prefill import grouped_experts_dequant, use_dequant_path
 
         layout = layout_by_expert(local, len(held.expert_ids))
         stacked = held.kernel_weights()

@@ -29,12 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.checkpoint.inventory import StorageKind, tensor_inventory
-from common.model.attention_side import AttentionSide
-from common.model.config import AttentionKind, ModelConfig, NumericsConfig
-from common.model.quantized import ExpertFormat, KernelBackend, QuantizedRoutedExperts, swap_fp8_linears
-from common.model.rope import RotaryTable
-from common.model.state import SequenceState
+from moemesh.common.checkpoint.inventory import StorageKind, tensor_inventory
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.config import AttentionKind, ModelConfig, NumericsConfig
+from moemesh.common.model.quantized import ExpertFormat, KernelBackend, QuantizedRoutedExperts, swap_fp8_linears
+from moemesh.common.model.rope import RotaryTable
+from moemesh.common.model.state import SequenceState
 
 _FP8_VALUE_STD = 32.0  # e4m3 values drawn N(0, 32²), clipped to ±448: uses most of the e4m3 range
 _FP4_CODE_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # uniform codes
@@ -46,7 +46,7 @@ LAYER_KIND_NAMES = {"window": AttentionKind.WINDOW, "csa": AttentionKind.CSA, "h
 def flash_config(layer_kinds: list[AttentionKind] | tuple[AttentionKind, ...], **overrides: Any) -> ModelConfig:
     """V4-Flash at true width with the given attention layers (learned routers everywhere;
     spec §1.1 values from the placement preset). `overrides` are hub config keys."""
-    from common.placement.presets import v4_flash_hub_dict
+    from moemesh.common.placement.presets import v4_flash_hub_dict
 
     d = v4_flash_hub_dict()
     d.update(num_hidden_layers=len(layer_kinds), compress_ratios=[_KIND_CODES[k] for k in layer_kinds],

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import torch
 
-from common.model.attention_side import AttentionSide
-from common.model.batch import ForwardBatch, SequenceChunk
-from common.model.moe import ExpertsFn
-from common.model.state import DEFAULT_MAX_ROLLBACK_TOKENS, SequenceState
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.batch import ForwardBatch, SequenceChunk
+from moemesh.common.model.moe import ExpertsFn
+from moemesh.common.model.state import DEFAULT_MAX_ROLLBACK_TOKENS, SequenceState
 
 
 class ReferenceModel:

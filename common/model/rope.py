@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kernels.glue import use_triton_glue
-from common.model.config import ModelConfig, YarnConfig
-from common.model.linear import rms_norm, unweighted_rms_norm
+from moemesh.common.kernels.glue import use_triton_glue
+from moemesh.common.model.config import ModelConfig, YarnConfig
+from moemesh.common.model.linear import rms_norm, unweighted_rms_norm
 
 
 def inverse_frequencies(rope_dim: int, theta: float, yarn: YarnConfig | None) -> torch.Tensor:
@@ -73,7 +73,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x [N, ..., C] (any number of middle dims, e.g. heads), cos/sin [N, R/2]. Math in fp32.
     """
     if use_triton_glue(x, cos, sin):
-        from common.kernels import norm_rope
+        from moemesh.common.kernels import norm_rope
 
         return norm_rope.apply_rope(x, cos, sin)
     return _apply_rope_torch(x, cos, sin)
@@ -95,7 +95,7 @@ def _apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 def inverse_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`apply_rope(x, cos, -sin)` (rotate back by the same angles) without materialising -sin."""
     if use_triton_glue(x, cos, sin):
-        from common.kernels import norm_rope
+        from moemesh.common.kernels import norm_rope
 
         return norm_rope.apply_rope(x, cos, sin, inverse=True)
     return _apply_rope_torch(x, cos, -sin)
@@ -114,7 +114,7 @@ def rms_norm_rope(
     two-step torch code, which it runs on CPU.
     """
     if use_triton_glue(x, cos, sin) and (weight is None or use_triton_glue(weight)):
-        from common.kernels import norm_rope
+        from moemesh.common.kernels import norm_rope
 
         kind = norm_rope.NormKind.UNWEIGHTED if weight is None else norm_rope.NormKind.WEIGHTED
         return norm_rope.norm_rope(x, norm=kind, eps=eps, weight=weight, cos=cos, sin=sin)

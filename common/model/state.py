@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from common.model.config import AttentionKind, ModelConfig
+from moemesh.common.model.config import AttentionKind, ModelConfig
 
 DEFAULT_MAX_ROLLBACK_TOKENS = 8
 

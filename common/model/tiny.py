@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from common.model.config import ModelConfig, RouterKind
-from common.model.names import hf_to_hub_state_dict
+from moemesh.common.model.config import ModelConfig, RouterKind
+from moemesh.common.model.names import hf_to_hub_state_dict
 
 _EXPERT_NAME_PARTS = ".ffn.experts."
 

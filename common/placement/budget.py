@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.placement.devices import format_bytes
+from moemesh.common.placement.devices import format_bytes
 
 
 class BudgetShortfall(RuntimeError):

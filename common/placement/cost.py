@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.placement.devices import DeviceSpec
+from moemesh.common.placement.devices import DeviceSpec
 
 Shares = Sequence[Sequence[float]]  # [layer][expert], each layer sums to 1
 
@@ -42,7 +42,7 @@ class ModelCosts:
 
     @classmethod
     def from_config(cls, config) -> "ModelCosts":
-        from common.checkpoint.inventory import tensor_inventory
+        from moemesh.common.checkpoint.inventory import tensor_inventory
 
         expert_bytes: dict[tuple[int, int], int] = {}
         other_bytes = 0

@@ -264,7 +264,7 @@ def validate_placement(placement: Placement, num_layers: int, num_experts: int,
 
 def validate_for_config(placement: Placement, config) -> None:
     """Validate against a `common.model.config.ModelConfig` (layers, experts, bytes per expert)."""
-    from common.placement.cost import ModelCosts
+    from moemesh.common.placement.cost import ModelCosts
 
     costs = ModelCosts.from_config(config)
     validate_placement(placement, costs.num_layers, costs.num_experts, costs.bytes_per_expert)

@@ -21,9 +21,9 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from common.placement.cost import CostConfig, CostModel, Evaluation, ModelCosts, Shares, evaluate
-from common.placement.devices import DeviceSpec, format_bytes
-from common.placement.placement_file import Placement, WorkerPlacement
+from moemesh.common.placement.cost import CostConfig, CostModel, Evaluation, ModelCosts, Shares, evaluate
+from moemesh.common.placement.devices import DeviceSpec, format_bytes
+from moemesh.common.placement.placement_file import Placement, WorkerPlacement
 
 _EPS = 1e-15
 _MOVE_CANDIDATES = 32  # heaviest experts of the slowest device tried per local-search step

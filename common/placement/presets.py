@@ -38,7 +38,7 @@ PRESETS = {"v4-flash": v4_flash_hub_dict}
 
 def preset_config(name: str):
     """The ModelConfig of a built-in preset."""
-    from common.model.config import ModelConfig
+    from moemesh.common.model.config import ModelConfig
 
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")

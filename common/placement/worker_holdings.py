@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.placement.placement_file import Placement, PlacementError, WorkerPlacement, read_placement
+from moemesh.common.placement.placement_file import Placement, PlacementError, WorkerPlacement, read_placement
 
 Pair = tuple[int, int]  # (layer, expert)
 

@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.security.cli_args import add_security_arguments
+from moemesh.common.security.cli_args import add_security_arguments
 
 
 class DeploymentError(ValueError):

@@ -34,16 +34,16 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from common.runtime.load_progress import LoadProgress
-from common.wire.errors import ReplyTimeout
-from common.wire.messages import (
+from moemesh.common.runtime.load_progress import LoadProgress
+from moemesh.common.wire.errors import ReplyTimeout
+from moemesh.common.wire.messages import (
     Ack, Drain, ErrorCode, ErrorReply, Heartbeat, Ping, Pong, Ready, ServiceRole, ServiceState, Shutdown,
 )
-from common.wire.schema import DEFAULT_LIMITS, WireLimits
-from common.wire.transport import AsyncClient, AsyncServer, Incoming
+from moemesh.common.wire.schema import DEFAULT_LIMITS, WireLimits
+from moemesh.common.wire.transport import AsyncClient, AsyncServer, Incoming
 
 if TYPE_CHECKING:
-    from common.security.socket_security import SocketSecurity
+    from moemesh.common.security.socket_security import SocketSecurity
 
 log = structlog.get_logger("service")
 

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 import structlog
 import zmq.asyncio
 
-from common.wire.messages import Ack, Heartbeat, Ready, Register, ServiceState
-from common.wire.transport import AsyncServer
+from moemesh.common.wire.messages import Ack, Heartbeat, Ready, Register, ServiceState
+from moemesh.common.wire.transport import AsyncServer
 
 if TYPE_CHECKING:
-    from common.security.socket_security import SocketSecurity
+    from moemesh.common.security.socket_security import SocketSecurity
 
 log = structlog.get_logger("supervisor")
 

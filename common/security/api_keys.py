@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 if TYPE_CHECKING:
-    from common.runtime.deployment import SecurityConfig
+    from moemesh.common.runtime.deployment import SecurityConfig
 
 log = structlog.get_logger("security")
 

@@ -24,7 +24,7 @@ import structlog
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from common.security.curve import ZAP_DOMAIN, load_public_keys
+from moemesh.common.security.curve import ZAP_DOMAIN, load_public_keys
 
 log = structlog.get_logger("security")
 

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from common.security.authenticator import ClientAuthenticator
-from common.security.bind_policy import BindRefused, check_bind_endpoint
-from common.security.curve import CurveKeyPair, KeyFileError, apply_client_keys, apply_server_keys, load_key_pair, load_public_keys
+from moemesh.common.security.authenticator import ClientAuthenticator
+from moemesh.common.security.bind_policy import BindRefused, check_bind_endpoint
+from moemesh.common.security.curve import CurveKeyPair, KeyFileError, apply_client_keys, apply_server_keys, load_key_pair, load_public_keys
 
 if TYPE_CHECKING:
-    from common.runtime.deployment import Deployment
+    from moemesh.common.runtime.deployment import Deployment
 
 ROUTER_KEY_NAME = "router"
 
@@ -90,7 +90,7 @@ class SocketSecurity:
 
 def endpoint_key_names(deployment: Deployment) -> dict[str, str]:
     """endpoint -> the key name of the service that binds it."""
-    from common.runtime.deployment import derive_endpoints
+    from moemesh.common.runtime.deployment import derive_endpoints
 
     endpoints = derive_endpoints(deployment)
     owners = {endpoints.supervisor: ROUTER_KEY_NAME}

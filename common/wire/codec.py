@@ -16,9 +16,9 @@ from typing import Any
 
 import msgpack
 
-from common.wire.errors import WireError
-from common.wire.messages import ADMIN_MESSAGES, CONTROL_MESSAGES, MESSAGE_TYPES, PROTOCOL_VERSION
-from common.wire.schema import DEFAULT_LIMITS, DecodeContext, EncodeContext, WireLimits, message_codec
+from moemesh.common.wire.errors import WireError
+from moemesh.common.wire.messages import ADMIN_MESSAGES, CONTROL_MESSAGES, MESSAGE_TYPES, PROTOCOL_VERSION
+from moemesh.common.wire.schema import DEFAULT_LIMITS, DecodeContext, EncodeContext, WireLimits, message_codec
 
 # Messages without tensor fields: what a torch-free process (the router) accepts.
 TORCH_FREE_MESSAGES: frozenset[type] = frozenset(CONTROL_MESSAGES + ADMIN_MESSAGES)

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from common.wire import tensors
-from common.wire.messages import AttachCudaIpc, SharedCudaBuffer
+from moemesh.common.wire import tensors
+from moemesh.common.wire.messages import AttachCudaIpc, SharedCudaBuffer
 
 if TYPE_CHECKING:
     import torch

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from common.wire.cuda_ipc import (
+from moemesh.common.wire.cuda_ipc import (
     RingLayout, RingSync, cuda_device, event_handles, export_buffer, host_identity, import_buffer, import_events,
     layout_of, new_ipc_events, slot_views,
 )
-from common.wire.messages import AttachCudaIpc
-from common.wire.stream_flags import StreamFlags
+from moemesh.common.wire.messages import AttachCudaIpc
+from moemesh.common.wire.stream_flags import StreamFlags
 
 if TYPE_CHECKING:
     import torch

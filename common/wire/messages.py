@@ -22,8 +22,8 @@ annotated with the string "Tensor" and only the tensor-frame path imports torch.
 
 from __future__ import annotations
 
-from common.wire.message_enums import ServiceRole, ServiceState, RoutingPhase, ErrorCode  # noqa: F401
-from common.wire.messages_lifecycle import (  # noqa: F401
+from moemesh.common.wire.message_enums import ServiceRole, ServiceState, RoutingPhase, ErrorCode  # noqa: F401
+from moemesh.common.wire.messages_lifecycle import (  # noqa: F401
     Register,
     Ready,
     Heartbeat,
@@ -34,7 +34,7 @@ from common.wire.messages_lifecycle import (  # noqa: F401
     Ack,
     ErrorReply,
 )
-from common.wire.messages_step import (  # noqa: F401
+from moemesh.common.wire.messages_step import (  # noqa: F401
     ScheduledSequence,
     PrefixRestore,
     StepPlan,
@@ -44,13 +44,13 @@ from common.wire.messages_step import (  # noqa: F401
     RoutingSummary,
     StepResult,
 )
-from common.wire.messages_draft import (  # noqa: F401
+from moemesh.common.wire.messages_draft import (  # noqa: F401
     DraftSlot,
     DraftRequest,
     DraftProposal,
     DraftTokens,
 )
-from common.wire.messages_data import (  # noqa: F401
+from moemesh.common.wire.messages_data import (  # noqa: F401
     Dispatch,
     Combine,
     SharedCudaBuffer,
@@ -61,7 +61,7 @@ from common.wire.messages_data import (  # noqa: F401
     FeatureSegment,
     TargetFeatures,
 )
-from common.wire.messages_admin import (  # noqa: F401
+from moemesh.common.wire.messages_admin import (  # noqa: F401
     ExpertKey,
     LoadExperts,
     DropExperts,

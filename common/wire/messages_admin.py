@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from common.wire.messages_step import RoutingSummary
+from moemesh.common.wire.messages_step import RoutingSummary
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from common.wire.message_enums import ServiceRole, ServiceState, ErrorCode
+from moemesh.common.wire.message_enums import ServiceRole, ServiceState, ErrorCode
 
 
 @dataclass(frozen=True)

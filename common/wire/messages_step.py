@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from common.wire.message_enums import RoutingPhase
+from moemesh.common.wire.message_enums import RoutingPhase
 
 if TYPE_CHECKING:  # the annotation only; nothing here imports torch at run time
     from torch import Tensor

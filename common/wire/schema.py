@@ -21,8 +21,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.wire.errors import WireError
-from common.wire.tensors import DTYPES
+from moemesh.common.wire.errors import WireError
+from moemesh.common.wire.tensors import DTYPES
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ def _tensor_codec() -> tuple[Encoder, Decoder]:
     bytes themselves for tensors up to `max_inline_tensor_bytes`."""
 
     def encode(value, path, ctx: EncodeContext):
-        from common.wire import tensors
+        from moemesh.common.wire import tensors
 
         if not tensors.is_tensor(value):
             raise _fail(path, "Tensor", value)
@@ -303,7 +303,7 @@ def _tensor_codec() -> tuple[Encoder, Decoder]:
             raise WireError(f"{path}: bad frame reference")
         if len(buffer) != num_bytes:
             raise WireError(f"{path}: frame has {len(buffer)} bytes, {name}{shape} needs {num_bytes}")
-        from common.wire import tensors
+        from moemesh.common.wire import tensors
 
         return tensors.from_buffer(name, tuple(shape), buffer)
 

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import zmq
 
-from common.wire import tensors
-from common.wire.errors import StagingExhausted, WireError
-from common.wire.schema import DEFAULT_LIMITS
-from common.wire.tracked_send import TrackedMessage
+from moemesh.common.wire import tensors
+from moemesh.common.wire.errors import StagingExhausted, WireError
+from moemesh.common.wire.schema import DEFAULT_LIMITS
+from moemesh.common.wire.tracked_send import TrackedMessage
 
 if TYPE_CHECKING:
     import torch

@@ -38,15 +38,15 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from common.security import bind_policy
-from common.wire import codec
-from common.wire.errors import ReplyTimeout, WireError
-from common.wire.messages import ErrorCode, ErrorReply
-from common.wire.schema import DEFAULT_LIMITS, WireLimits
-from common.wire.tracked_send import TrackedMessage
+from moemesh.common.security import bind_policy
+from moemesh.common.wire import codec
+from moemesh.common.wire.errors import ReplyTimeout, WireError
+from moemesh.common.wire.messages import ErrorCode, ErrorReply
+from moemesh.common.wire.schema import DEFAULT_LIMITS, WireLimits
+from moemesh.common.wire.tracked_send import TrackedMessage
 
 if TYPE_CHECKING:
-    from common.security.socket_security import SocketSecurity
+    from moemesh.common.security.socket_security import SocketSecurity
 
 log = structlog.get_logger("wire")
 

@@ -42,9 +42,9 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from common.model.config import AttentionKind, ModelConfig
-from common.model.state import DEFAULT_MAX_ROLLBACK_TOKENS, CompressorStore, SequenceState, WindowStore, _read_ring
-from services.attention.kv_pool import BlockTable, KVPool, KVPoolError
+from moemesh.common.model.config import AttentionKind, ModelConfig
+from moemesh.common.model.state import DEFAULT_MAX_ROLLBACK_TOKENS, CompressorStore, SequenceState, WindowStore, _read_ring
+from moemesh.services.attention.kv_pool import BlockTable, KVPool, KVPoolError
 
 log = structlog.get_logger("attention")
 

@@ -32,11 +32,11 @@ from typing import Any
 import structlog
 import torch
 
-from common.wire import tensors
-from common.wire.cuda_ipc import CudaIpcConfig, RingLayout, RingSync
-from common.wire.cuda_ipc_rings import DispatchRing
-from common.wire.errors import ReplyTimeout
-from common.wire.messages import CombineSlot, DispatchSlot, ErrorReply
+from moemesh.common.wire import tensors
+from moemesh.common.wire.cuda_ipc import CudaIpcConfig, RingLayout, RingSync
+from moemesh.common.wire.cuda_ipc_rings import DispatchRing
+from moemesh.common.wire.errors import ReplyTimeout
+from moemesh.common.wire.messages import CombineSlot, DispatchSlot, ErrorReply
 
 log = structlog.get_logger("attention")
 

@@ -14,11 +14,11 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from common.sampling_params import SamplingParams
-from services.attention.kv_config import KVPoolConfig
-from services.attention.local_cluster import ClusterError, ClusterSpec, LocalCluster
-from services.attention.local_plan import LocalPlanConfig, LocalPlanner, LocalRequest, PlanError
-from services.attention.main import AttentionOptions
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.attention.kv_config import KVPoolConfig
+from moemesh.services.attention.local_cluster import ClusterError, ClusterSpec, LocalCluster
+from moemesh.services.attention.local_plan import LocalPlanConfig, LocalPlanner, LocalRequest, PlanError
+from moemesh.services.attention.main import AttentionOptions
 
 
 def plan_config_for(options: AttentionOptions, eos_token_ids: tuple[int, ...] = (), max_num_seqs: int = 64
@@ -32,8 +32,8 @@ def drive(endpoint: str, planner: LocalPlanner, step_timeout_s: float, cluster: 
     """Send plans to the attention worker at `endpoint` until the planner is done."""
     import zmq
 
-    from common.wire.messages import ErrorReply, StepResult
-    from common.wire.transport import SyncClient
+    from moemesh.common.wire.messages import ErrorReply, StepResult
+    from moemesh.common.wire.transport import SyncClient
 
     context = zmq.Context()
     client = SyncClient(endpoint, context=context, default_timeout_s=step_timeout_s)
@@ -81,9 +81,9 @@ def run_distributed(args: argparse.Namespace) -> int:
 
     from tokenizers import Tokenizer
 
-    from common.commands.generate import _encode_prompts
-    from common.model.config import ModelConfig
-    from common.runtime.logging import configure_logging
+    from moemesh.commands.generate import _encode_prompts
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.common.runtime.logging import configure_logging
 
     configure_logging("generate", None, "warning")
     if args.expert_workers < 1 or args.micro_batches < 1:

@@ -39,15 +39,15 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import zmq
 
-from common.wire import codec
-from common.wire.errors import ReplyTimeout, WireError
-from common.wire.messages import Combine, CombineSlot, CudaIpcAttached, ErrorReply
-from common.wire.schema import DEFAULT_LIMITS, WireLimits
-from common.wire.staging import SendStagingPool, StagingConfig, send_staged
-from common.wire.transport import Kind, pack_envelope, unpack_envelope
+from moemesh.common.wire import codec
+from moemesh.common.wire.errors import ReplyTimeout, WireError
+from moemesh.common.wire.messages import Combine, CombineSlot, CudaIpcAttached, ErrorReply
+from moemesh.common.wire.schema import DEFAULT_LIMITS, WireLimits
+from moemesh.common.wire.staging import SendStagingPool, StagingConfig, send_staged
+from moemesh.common.wire.transport import Kind, pack_envelope, unpack_envelope
 
 if TYPE_CHECKING:
-    from common.security.socket_security import SocketSecurity
+    from moemesh.common.security.socket_security import SocketSecurity
 
 log = structlog.get_logger("attention")
 

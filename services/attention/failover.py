@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from common.wire.errors import ReplyTimeout, WireError
-from common.wire.messages import ErrorReply, ExpertInventory, QueryInventory
+from moemesh.common.wire.errors import ReplyTimeout, WireError
+from moemesh.common.wire.messages import ErrorReply, ExpertInventory, QueryInventory
 
 if TYPE_CHECKING:
     import zmq
 
-    from services.attention.moe_dispatch import MoEDispatcher
+    from moemesh.services.attention.moe_dispatch import MoEDispatcher
 
 log = structlog.get_logger("attention")
 
@@ -92,7 +92,7 @@ class ExpertFailover:
         self._next_readmit_s = time.monotonic() + self.readmit_interval_s
 
     def _holds_its_pairs(self, worker_index: int, timeout_s: float) -> bool:
-        from common.wire.transport import SyncClient
+        from moemesh.common.wire.transport import SyncClient
 
         if worker_index >= len(self.dispatcher.channel.endpoints):
             return False

@@ -7,7 +7,7 @@ step (nothing is rolled back), so the graph steps replay with changing positions
 does. Routed experts either run in this process between the segments (`local`: eager, as the in-process
 reference) or are replaced by zeros (`none`: the attention worker's own work only).
 
-`python -m services.attention.graph_bench --batch 1,8,64 --layers 4 --context 4096 --out-dir DIR`
+`python -m moemesh.services.attention.graph_bench --batch 1,8,64 --layers 4 --context 4096 --out-dir DIR`
 writes `attention-graphs-<stamp>.json` (bench.results_io). Legend: B sequences, L layers.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.config import AttentionKind
+from moemesh.common.model.config import AttentionKind
 
 
 @dataclass
@@ -48,8 +48,8 @@ def _sync(device: torch.device) -> None:
 def _time_steps(runner, states, token_ids, num_micro_batches: int, num_steps: int, device
                 ) -> tuple[list[float], list[torch.Tensor]]:
     """(seconds per timed step, final streams of the first step (copies))."""
-    from common.model.batch import SequenceChunk
-    from services.attention.worker import split_micro_batches
+    from moemesh.common.model.batch import SequenceChunk
+    from moemesh.services.attention.worker import split_micro_batches
 
     samples, first = [], []
     for step in range(num_steps + 2):  # two warm-ups (the graph path captures in the first)
@@ -80,18 +80,18 @@ def main(argv: list[str] | None = None) -> int:
                         "(the metadata path; run under TRITON_INTERPRET=1): checks this script, times nothing useful")
     args = parser.parse_args(argv)
 
-    from common.model.config import NumericsConfig
-    from common.model.random_init import fill_random_context, flash_config, random_model
-    from common.model.state import SequenceState
-    from services.attention.graph_checks import LocalDispatcher
-    from services.attention.graph_decode import DecodeGraphConfig, DecodeGraphs
-    from services.attention.model_runner import ModelRunner
+    from moemesh.common.model.config import NumericsConfig
+    from moemesh.common.model.random_init import fill_random_context, flash_config, random_model
+    from moemesh.common.model.state import SequenceState
+    from moemesh.services.attention.graph_checks import LocalDispatcher
+    from moemesh.services.attention.graph_decode import DecodeGraphConfig, DecodeGraphs
+    from moemesh.services.attention.model_runner import ModelRunner
 
     kinds = [AttentionKind.WINDOW, AttentionKind.WINDOW] + [
         AttentionKind.CSA if i % 2 == 0 else AttentionKind.HCA for i in range(args.layers)]
     if args.smoke_cpu:
-        from common.kernels.attention_checks import patch_interpreter_scalar_index
-        from common.model.random_init import tiny_flash_like_config
+        from moemesh.common.kernels.attention_checks import patch_interpreter_scalar_index
+        from moemesh.common.model.random_init import tiny_flash_like_config
 
         patch_interpreter_scalar_index()
         device, dtype = torch.device("cpu"), "float32"
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_dir:
         from pathlib import Path
 
-        from bench.results_io import write_result
+        from moemesh.bench.results_io import write_result
 
         path = write_result("attention-graphs", {"rows": rows}, out_dir=Path(args.out_dir))
         print(f"wrote {path}")

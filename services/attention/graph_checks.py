@@ -10,7 +10,7 @@ ratios and across indexer width classes. Both sides are fed the eager side's gre
 after every step the final streams h and the greedy tokens are compared, and at the end every
 tensor the next step could read (`SequenceState.live_tensors`).
 
-`python -m services.attention.graph_checks --suite interpret|cuda|flash [--micro-batches M]` prints one
+`python -m moemesh.services.attention.graph_checks --suite interpret|cuda|flash [--micro-batches M]` prints one
 JSON object per case. Legend: T tokens, N hc streams, D hidden, V vocab.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from common.model.config import AttentionKind
+from moemesh.common.model.config import AttentionKind
 
 
 @dataclass(frozen=True)
@@ -81,19 +81,19 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _split(items: list, num_micro_batches: int) -> list[list]:
-    from services.attention.worker import split_micro_batches
+    from moemesh.services.attention.worker import split_micro_batches
 
     return [[items[i] for i in group] for group in split_micro_batches(len(items), num_micro_batches)]
 
 
 def run_graph_case(case: GraphCase, config, device: torch.device, *, capture: bool, dtype: str = "float32",
                    seed: int = 0) -> GraphCaseResult:
-    from common.model.batch import SequenceChunk
-    from common.model.config import NumericsConfig
-    from common.model.random_init import random_model
-    from common.model.state import SequenceState
-    from services.attention.graph_decode import DecodeGraphConfig, DecodeGraphs
-    from services.attention.model_runner import ModelRunner
+    from moemesh.common.model.batch import SequenceChunk
+    from moemesh.common.model.config import NumericsConfig
+    from moemesh.common.model.random_init import random_model
+    from moemesh.common.model.state import SequenceState
+    from moemesh.services.attention.graph_decode import DecodeGraphConfig, DecodeGraphs
+    from moemesh.services.attention.model_runner import ModelRunner
 
     started_s = time.perf_counter()
     torch.manual_seed(seed)
@@ -137,8 +137,8 @@ def run_graph_case(case: GraphCase, config, device: torch.device, *, capture: bo
 
     pools = [None, None]
     if case.row_store == "paged":  # one pool per side; sequence i owns blocks counting down from the top
-        from services.attention.kv_config import KVPoolConfig
-        from services.attention.kv_pool import KVPool
+        from moemesh.services.attention.kv_config import KVPoolConfig
+        from moemesh.services.attention.kv_pool import KVPool
 
         block_size = max(32, *(config.compress_ratio(layer) or 1 for layer in range(config.num_hidden_layers)))
         pool_config = KVPoolConfig(block_size_tokens=block_size, num_primary_blocks=64)
@@ -147,7 +147,7 @@ def run_graph_case(case: GraphCase, config, device: torch.device, *, capture: bo
     def new_state(pool, index: int) -> SequenceState:
         if pool is None:
             return SequenceState(config, dtype=side.dtype, device=device)
-        from services.attention.kv_pool import BlockTable
+        from moemesh.services.attention.kv_pool import BlockTable
 
         table = BlockTable(device)
         table.update([63 - 8 * index - k for k in range(8)])  # scattered, descending
@@ -213,13 +213,13 @@ FLASH_CASES = (  # sequence 0 crosses 512 CSA rows (the indexer starts) at 2051,
 
 def flash_graph_config():
     """V4-Flash width (window, CSA, HCA layers) with 32 routed experts (the expert count does not matter here)."""
-    from common.model.random_init import flash_config
+    from moemesh.common.model.random_init import flash_config
 
     return flash_config((AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA), n_routed_experts=32)
 
 
 def tiny_graph_config():
-    from common.model.random_init import tiny_flash_like_config
+    from moemesh.common.model.random_init import tiny_flash_like_config
 
     return tiny_flash_like_config((AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA, AttentionKind.CSA),
                                   sliding_window=8, compress_rate_hca=8, index_topk=2)
@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite", choices=("interpret", "cuda", "flash"), default="interpret")
     args = parser.parse_args(argv)
     if args.suite == "interpret":
-        from common.kernels.attention_checks import patch_interpreter_scalar_index
-        from common.kernels.checks import patch_interpreter_bf16_dot
+        from moemesh.common.kernels.attention_checks import patch_interpreter_scalar_index
+        from moemesh.common.kernels.checks import patch_interpreter_bf16_dot
 
         patch_interpreter_scalar_index()
         patch_interpreter_bf16_dot()

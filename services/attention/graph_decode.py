@@ -37,11 +37,11 @@ from typing import Any
 import structlog
 import torch
 
-from common.kernels.attention_layout import CONTIGUOUS_ROWS_PER_BLOCK, sequence_addresses
-from common.kernels.sparse_attention import default_config
-from common.model.batch import AttentionBackend, SequenceChunk, default_attention_backend
-from common.model.state import SequenceState
-from services.attention.graph_tables import StaticDecodeTables, index_rows_class
+from moemesh.common.kernels.attention_layout import CONTIGUOUS_ROWS_PER_BLOCK, sequence_addresses
+from moemesh.common.kernels.sparse_attention import default_config
+from moemesh.common.model.batch import AttentionBackend, SequenceChunk, default_attention_backend
+from moemesh.common.model.state import SequenceState
+from moemesh.services.attention.graph_tables import StaticDecodeTables, index_rows_class
 
 log = structlog.get_logger("attention")
 
@@ -105,7 +105,7 @@ class GraphStats:
 
 class DecodeGraphs:
     def __init__(self, side, config: DecodeGraphConfig, device: torch.device | str) -> None:
-        from common.model.random_init import move_rope_tables
+        from moemesh.common.model.random_init import move_rope_tables
 
         self.side = side
         self.config = config

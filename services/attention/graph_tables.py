@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kernels.attention_layout import NUM_FIELDS, AttentionTables, sequence_addresses
-from common.model.config import AttentionKind, ModelConfig
-from common.model.state import SequenceState
+from moemesh.common.kernels.attention_layout import NUM_FIELDS, AttentionTables, sequence_addresses
+from moemesh.common.model.config import AttentionKind, ModelConfig
+from moemesh.common.model.state import SequenceState
 
 
 def index_rows_class(max_rows_visible: int, topk: int) -> int | None:
@@ -117,7 +117,7 @@ class StaticDecodeTables(AttentionTables):
         position 0 with token 0) and copy it to the device buffers, in stream order.
 
         The caller checked addressability and geometry (`DecodeGraphs._eligible`)."""
-        from common.kernels.sparse_attention import choose_num_splits, default_config, plan_splits
+        from moemesh.common.kernels.sparse_attention import choose_num_splits, default_config, plan_splits
 
         if self._copy_done is not None:  # the previous step's copy must have read the mirror
             self._copy_done.synchronize()

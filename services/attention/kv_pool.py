@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from common.model.config import AttentionKind, ModelConfig
-from services.attention.kv_config import KVPoolConfig
+from moemesh.common.model.config import AttentionKind, ModelConfig
+from moemesh.services.attention.kv_config import KVPoolConfig
 
 log = structlog.get_logger("attention")
 

@@ -1,7 +1,7 @@
 """Start an attention worker and N expert workers as separate processes on this host, and stop them.
 
 `LocalCluster` writes a deployment TOML and a placement TOML into a run directory (ipc://
-sockets live there too), starts `python -m common.cli expert|attention --config ... --name ...`
+sockets live there too), starts `python -m moemesh.cli expert|attention --config ... --name ...`
 for each worker, waits until each answers a Ping (a service binds its endpoint only after it
 loaded), and on exit stops every process it started: SIGTERM (the services drain and exit 0),
 then SIGKILL after a bound. Children also get SIGKILL if this process dies (Linux
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import structlog
 
-from services.attention.main import AttentionOptions
+from moemesh.services.attention.main import AttentionOptions
 
 log = structlog.get_logger("attention")
 
@@ -74,8 +74,8 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ files
     def write_files(self) -> Path:
-        from common.model.config import ModelConfig
-        from common.placement.worker_holdings import contiguous, round_robin
+        from moemesh.common.model.config import ModelConfig
+        from moemesh.common.placement.worker_holdings import contiguous, round_robin
 
         spec = self.spec
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -85,10 +85,10 @@ class LocalCluster:
         if spec.placement == "all":
             placement_key = "all"
         else:
-            from common.placement.placement_file import write_placement
+            from moemesh.common.placement.placement_file import write_placement
 
             build = {"round_robin": round_robin, "contiguous": contiguous}[spec.placement]
-            from common.placement.worker_budget import resident_bytes_per_expert
+            from moemesh.common.placement.worker_budget import resident_bytes_per_expert
 
             bytes_per_expert = resident_bytes_per_expert(config)
             write_placement(placement_path, build(self.expert_names, devices, config.num_hidden_layers,
@@ -113,7 +113,7 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ processes
     def _start(self, role: str, name: str, config_path: Path, extra: list[str]) -> None:
-        command = [sys.executable, "-m", "common.cli", role, "--config", str(config_path), "--name", name,
+        command = [sys.executable, "-m", "moemesh.cli", role, "--config", str(config_path), "--name", name,
                    "--log-level", self.spec.log_level, *extra]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
@@ -149,9 +149,9 @@ class LocalCluster:
         """Ping every worker until it answers (it binds only once loaded), within ready_timeout_s."""
         import zmq
 
-        from common.wire.errors import ReplyTimeout
-        from common.wire.messages import Ping, Pong
-        from common.wire.transport import SyncClient
+        from moemesh.common.wire.errors import ReplyTimeout
+        from moemesh.common.wire.messages import Ping, Pong
+        from moemesh.common.wire.transport import SyncClient
 
         deadline = time.monotonic() + self.spec.ready_timeout_s
         context = zmq.Context()

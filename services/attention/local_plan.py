@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.sampling_params import SamplingParams
-from common.wire.messages import ScheduledSequence, StepPlan, StepResult, TokenLogprobs
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire.messages import ScheduledSequence, StepPlan, StepResult, TokenLogprobs
 
 
 class PlanError(RuntimeError):

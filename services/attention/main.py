@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.runtime.deployment import Deployment, derive_endpoints
-from services.attention.kv_config import KVPoolConfig
+from moemesh.common.runtime.deployment import Deployment, derive_endpoints
+from moemesh.services.attention.kv_config import KVPoolConfig
 
 
 @dataclass(frozen=True)
@@ -83,17 +83,17 @@ def options_from_args(args) -> AttentionOptions:
 
 def main(deployment: Deployment, name: str | None, log_level: str = "info",
          options: AttentionOptions = AttentionOptions()) -> int:
-    from common.model.config import ModelConfig
-    from common.runtime.logging import configure_logging
-    from common.runtime.load_progress import progress_dir_for
-    from common.runtime.service import ServiceConfig, run_service
-    from common.security.socket_security import socket_security_for
-    from common.wire.messages import ServiceRole
-    from services.attention.recovery import RecoveryConfig, budget_for
-    from services.attention.routing_config import RoutingStatsConfig
-    from services.attention.worker import AttentionWorker, AttentionWorkerConfig
-    from services.expert.main import pick_worker
-    from common.placement.worker_holdings import holdings_for
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.common.runtime.logging import configure_logging
+    from moemesh.common.runtime.load_progress import progress_dir_for
+    from moemesh.common.runtime.service import ServiceConfig, run_service
+    from moemesh.common.security.socket_security import socket_security_for
+    from moemesh.common.wire.messages import ServiceRole
+    from moemesh.services.attention.recovery import RecoveryConfig, budget_for
+    from moemesh.services.attention.routing_config import RoutingStatsConfig
+    from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+    from moemesh.services.expert.main import pick_worker
+    from moemesh.common.placement.worker_holdings import holdings_for
 
     entry = pick_worker(deployment.attention, name, "attention")
     configure_logging(entry.name, deployment.paths.log_dir, log_level)
@@ -110,7 +110,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
 
         import structlog
 
-        from common.commands.serve_config import DataPlaneRefused, check_deployment_data_plane
+        from moemesh.commands.serve_config import DataPlaneRefused, check_deployment_data_plane
         try:
             check_deployment_data_plane(deployment, data_plane)
         except DataPlaneRefused as error:
@@ -141,7 +141,7 @@ def _budget_fits(entry, deployment: Deployment, model_config, kv: KVPoolConfig) 
     memory before loading anything; False (message on stderr) when it does not fit."""
     import sys
 
-    from common.placement.worker_budget import attention_worker_budget, check_at_start, measure_free_bytes
+    from moemesh.common.placement.worker_budget import attention_worker_budget, check_at_start, measure_free_bytes
 
     budget = attention_worker_budget(
         model_config, service="attention", device=entry.device, dtype=deployment.model.dtype,

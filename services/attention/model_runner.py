@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.model.attention_side import AttentionSide
-from common.model.batch import ForwardBatch, SequenceChunk
-from services.attention.moe_dispatch import MoEDispatcher, PendingMoE
-from services.attention.routing_stats import RoutingCounter
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.batch import ForwardBatch, SequenceChunk
+from moemesh.services.attention.moe_dispatch import MoEDispatcher, PendingMoE
+from moemesh.services.attention.routing_stats import RoutingCounter
 
 
 @dataclass

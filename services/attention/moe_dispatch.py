@@ -38,14 +38,14 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.moe import sum_slots_in_order
-from common.wire.cuda_ipc import CudaIpcConfig, DataPlane
-from common.wire.errors import ReplyTimeout
-from common.wire.messages import Combine, Dispatch, ErrorReply
-from common.wire.staging import RecvStagingRing
-from services.attention.dispatch_slots import SlotPlane
-from services.attention.expert_channel import ExpertChannel
-from services.attention.replica_routing import ReplicaPolicy, ReplicaRouter
+from moemesh.common.model.moe import sum_slots_in_order
+from moemesh.common.wire.cuda_ipc import CudaIpcConfig, DataPlane
+from moemesh.common.wire.errors import ReplyTimeout
+from moemesh.common.wire.messages import Combine, Dispatch, ErrorReply
+from moemesh.common.wire.staging import RecvStagingRing
+from moemesh.services.attention.dispatch_slots import SlotPlane
+from moemesh.services.attention.expert_channel import ExpertChannel
+from moemesh.services.attention.replica_routing import ReplicaPolicy, ReplicaRouter
 
 
 class DispatchError(RuntimeError):

@@ -21,9 +21,9 @@ from typing import Any
 import structlog
 import zmq
 
-from common.placement.placement_file import PlacementError
-from common.wire.messages import Ack, ErrorCode, ErrorReply, SwitchPlacement
-from common.placement.worker_holdings import WorkerHoldings
+from moemesh.common.placement.placement_file import PlacementError
+from moemesh.common.wire.messages import Ack, ErrorCode, ErrorReply, SwitchPlacement
+from moemesh.common.placement.worker_holdings import WorkerHoldings
 
 log = structlog.get_logger("attention")
 

@@ -45,13 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from common.model.state import RollbackError, SequenceState
-from common.wire.errors import ReplyTimeout
-from common.wire.messages import SequenceResult, StepPlan, StepResult
-from services.attention.moe_dispatch import DispatchError
+from moemesh.common.model.state import RollbackError, SequenceState
+from moemesh.common.wire.errors import ReplyTimeout
+from moemesh.common.wire.messages import SequenceResult, StepPlan, StepResult
+from moemesh.services.attention.moe_dispatch import DispatchError
 
 if TYPE_CHECKING:
-    from services.attention.slots import SlotTable
+    from moemesh.services.attention.slots import SlotTable
 
 log = structlog.get_logger("attention")
 
@@ -252,7 +252,7 @@ class StepRecovery:
 
 def build_step_recovery(worker: Any) -> StepRecovery:
     """The StepRecovery of a loaded AttentionWorker (its slots, compute_step, channel, config)."""
-    from services.attention.failover import ExpertFailover
+    from moemesh.services.attention.failover import ExpertFailover
 
     config = worker.config
     channel = worker.channel

@@ -22,9 +22,9 @@ from pathlib import Path
 import structlog
 import torch
 
-from common.placement.stats import Phase, RoutingStats, write_stats_files
-from common.wire.messages import LayerRoutingSkew, RoutingPhase, RoutingSummary
-from services.attention.routing_config import RoutingStatsConfig  # noqa: F401  (re-exported)
+from moemesh.common.placement.stats import Phase, RoutingStats, write_stats_files
+from moemesh.common.wire.messages import LayerRoutingSkew, RoutingPhase, RoutingSummary
+from moemesh.services.attention.routing_config import RoutingStatsConfig  # noqa: F401  (re-exported)
 
 log = structlog.get_logger("attention")
 

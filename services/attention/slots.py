@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.model.config import ModelConfig
-from common.model.state import SequenceState
-from common.sampling_params import SamplingParams
-from services.attention.boundary import Recorder, recording_state, restore_state
-from services.attention.kv_pool import BlockTable, KVPool
+from moemesh.common.model.config import ModelConfig
+from moemesh.common.model.state import SequenceState
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.attention.boundary import Recorder, recording_state, restore_state
+from moemesh.services.attention.kv_pool import BlockTable, KVPool
 
 
 class SlotError(ValueError):

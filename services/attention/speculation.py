@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from common.model.config import ModelConfig
-from common.wire.messages import FeatureSegment, SequenceResult, TargetFeatures, TokenLogprobs
+from moemesh.common.model.config import ModelConfig
+from moemesh.common.wire.messages import FeatureSegment, SequenceResult, TargetFeatures, TokenLogprobs
 
 log = structlog.get_logger("attention")
 
@@ -74,7 +74,7 @@ def verify_drafted(rows: list[DraftedRow], logits: torch.Tensor) -> tuple[dict[s
     """Verify every drafted request. logits [R, V]: rows first_row .. first_row + W_b of
     request b score the seed slot and each draft slot. Returns (results by request id,
     rejected drafts by request id). Appends emitted tokens to each slot and rolls back its state."""
-    from services.attention.sampling.verify import verify
+    from moemesh.services.attention.sampling.verify import verify
 
     num_requests = len(rows)
     num_vocab = logits.shape[1]
@@ -193,7 +193,7 @@ class FeatureSender:
     """Sends TargetFeatures to the draft worker and waits for its Ack (ordering, see module doc)."""
 
     def __init__(self, endpoint: str, context, timeout_s: float) -> None:
-        from common.wire.transport import SyncClient
+        from moemesh.common.wire.transport import SyncClient
 
         self.endpoint = endpoint
         self.client = SyncClient(endpoint, context=context, default_timeout_s=timeout_s)
@@ -202,8 +202,8 @@ class FeatureSender:
         self.send_s_total = 0.0  # send .. Ack, summed: the step time features cost
 
     def send(self, message: TargetFeatures) -> bool:
-        from common.wire.errors import ReplyTimeout, WireError
-        from common.wire.messages import Ack
+        from moemesh.common.wire.errors import ReplyTimeout, WireError
+        from moemesh.common.wire.messages import Ack
 
         started_s = time.perf_counter()
         try:

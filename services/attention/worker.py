@@ -28,15 +28,15 @@ from typing import Any
 import structlog
 import torch
 
-from common.runtime.service import Service
-from common.wire.messages import (
+from moemesh.common.runtime.service import Service
+from moemesh.common.wire.messages import (
     ErrorCode, ErrorReply, RoutingStatsWritten, ScheduledSequence, SequenceResult, StepPlan, StepResult,
     SwitchPlacement, TokenLogprobs, WriteRoutingStats,
 )
-from services.attention.kv_config import KVPoolConfig
-from services.attention.recovery import RecoveryConfig, build_step_recovery
-from services.attention.routing_config import RoutingStatsConfig
-from common.placement.worker_holdings import WorkerHoldings, owner_table
+from moemesh.services.attention.kv_config import KVPoolConfig
+from moemesh.services.attention.recovery import RecoveryConfig, build_step_recovery
+from moemesh.services.attention.routing_config import RoutingStatsConfig
+from moemesh.common.placement.worker_holdings import WorkerHoldings, owner_table
 
 log = structlog.get_logger("attention")
 
@@ -95,20 +95,20 @@ class AttentionWorker(Service):
     def load_now(self) -> None:
         import zmq
 
-        from common.checkpoint.module_loader import module_weight_bytes
-        from common.checkpoint.reader import CheckpointReader
-        from common.checkpoint.side_loading import WeightBytes, attention_stored_bytes, load_attention_side
-        from common.model.config import NumericsConfig
-        from services.attention.expert_channel import ExpertChannel
-        from services.attention.kv_pool import KVPool
-        from services.attention.model_runner import ModelRunner
-        from services.attention.moe_dispatch import MoEDispatcher
-        from services.attention.placement_switch import pair_holders
-        from services.attention.routing_stats import RoutingCounter
-        from services.attention.sampling import Sampler
-        from services.attention.slots import SlotTable
-        from common.wire.cuda_ipc import DataPlane
-        from services.expert.worker import resolve_dtype
+        from moemesh.common.checkpoint.module_loader import module_weight_bytes
+        from moemesh.common.checkpoint.reader import CheckpointReader
+        from moemesh.common.checkpoint.side_loading import WeightBytes, attention_stored_bytes, load_attention_side
+        from moemesh.common.model.config import NumericsConfig
+        from moemesh.services.attention.expert_channel import ExpertChannel
+        from moemesh.services.attention.kv_pool import KVPool
+        from moemesh.services.attention.model_runner import ModelRunner
+        from moemesh.services.attention.moe_dispatch import MoEDispatcher
+        from moemesh.services.attention.placement_switch import pair_holders
+        from moemesh.services.attention.routing_stats import RoutingCounter
+        from moemesh.services.attention.sampling import Sampler
+        from moemesh.services.attention.slots import SlotTable
+        from moemesh.common.wire.cuda_ipc import DataPlane
+        from moemesh.services.expert.worker import resolve_dtype
 
         dtype = resolve_dtype(self.config.dtype, self.config.device)
         reader = CheckpointReader(self.config.checkpoint_path, on_progress=self.load_progress)
@@ -134,7 +134,7 @@ class AttentionWorker(Service):
                                       self.config.routing_stats.summary_every_steps)
         self.runner = ModelRunner(self.side, self.dispatcher, self.routing)
         if self.config.cuda_graphs and self.device.type == "cuda":
-            from services.attention.graph_decode import DecodeGraphConfig, DecodeGraphs
+            from moemesh.services.attention.graph_decode import DecodeGraphConfig, DecodeGraphs
 
             self.runner.graphs = DecodeGraphs(
                 self.side, DecodeGraphConfig(max_blocks_per_sequence=self.config.kv.num_primary_blocks), self.device)
@@ -154,7 +154,7 @@ class AttentionWorker(Service):
             case WriteRoutingStats(path=path):
                 return self.write_routing_stats(path or None)
             case SwitchPlacement():  # between two steps: a StepPlan runs within one handle()
-                from services.attention.placement_switch import apply_switch
+                from moemesh.services.attention.placement_switch import apply_switch
 
                 return apply_switch(self, message)
         return ErrorReply(code=ErrorCode.UNEXPECTED, message=f"{type(message).TYPE} not handled")
@@ -215,8 +215,8 @@ class AttentionWorker(Service):
 
     # ------------------------------------------------------------------ helpers
     def _prepare(self, plan: StepPlan) -> tuple[list[_Work], dict[str, SequenceResult]]:
-        from services.attention.kv_pool import KVPoolError
-        from services.attention.slots import SlotError
+        from moemesh.services.attention.kv_pool import KVPoolError
+        from moemesh.services.attention.slots import SlotError
 
         work, errors = [], {}
         for restore in plan.prefix_restores:  # after the block moves, before compute (prefix hits, swap-ins)
@@ -250,7 +250,7 @@ class AttentionWorker(Service):
         return work, errors
 
     def _micro_batch_inputs(self, items: list[_Work]):
-        from common.model.batch import SequenceChunk
+        from moemesh.common.model.batch import SequenceChunk
 
         token_ids = torch.tensor([t for item in items for t in item.scheduled.token_ids], dtype=torch.long)
         chunks = [SequenceChunk(item.slot.state, len(item.scheduled.token_ids)) for item in items]
@@ -284,7 +284,7 @@ class AttentionWorker(Service):
         distribution."""
         if token_masks is None or logits is None:
             return logits
-        from services.attention.sampling.token_masks import apply_token_masks
+        from moemesh.services.attention.sampling.token_masks import apply_token_masks
 
         logit_rows, mask_rows, row = [], [], 0
         for item in work:
@@ -301,8 +301,8 @@ class AttentionWorker(Service):
                 ) -> tuple[dict[str, SequenceResult], dict[str, int]]:
         """(results by request id, rejected drafts by request id). Sequences with drafts are
         verified (speculation.verify_drafted), the others sampled from their one row."""
-        from services.attention.sampling import Purpose, stream
-        from services.attention.speculation import DraftedRow, verify_drafted
+        from moemesh.services.attention.sampling import Purpose, stream
+        from moemesh.services.attention.speculation import DraftedRow, verify_drafted
 
         results = {item.scheduled.request_id: SequenceResult(item.scheduled.request_id, ()) for item in work
                    if not item.scheduled.do_sample}
@@ -348,7 +348,7 @@ class AttentionWorker(Service):
     # ------------------------------------------------------------------ speculation
     def _install_speculation(self, model_config) -> None:
         """Capture the drafter's target layers and connect to the draft worker, if there is one."""
-        from services.attention.speculation import FeatureSender, capture_layer_ids
+        from moemesh.services.attention.speculation import FeatureSender, capture_layer_ids
 
         self.feature_sender = None
         self.max_feature_positions = model_config.sliding_window
@@ -361,7 +361,7 @@ class AttentionWorker(Service):
 
     def _send_features(self, step_id: int, work: list[_Work], groups: list[range], rejected: dict[str, int]) -> None:
         """TargetFeatures of the committed positions of every sequence the plan marks."""
-        from services.attention.speculation import committed_rows, target_features_message
+        from moemesh.services.attention.speculation import committed_rows, target_features_message
 
         if self.feature_sender is None or not any(item.scheduled.send_features for item in work):
             return

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.dspark import DSparkDrafter
-from services.attention.sampling.draw import sample_from_probs
-from services.attention.sampling.rng import Purpose, stream
+from moemesh.common.model.dspark import DSparkDrafter
+from moemesh.services.attention.sampling.draw import sample_from_probs
+from moemesh.services.attention.sampling.rng import Purpose, stream
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.runtime.deployment import Deployment, DeploymentError, derive_endpoints
-from services.draft.width import DEFAULT_SURVIVAL_THRESHOLD, SpeculationMode
+from moemesh.common.runtime.deployment import Deployment, DeploymentError, derive_endpoints
+from moemesh.services.draft.width import DEFAULT_SURVIVAL_THRESHOLD, SpeculationMode
 
 DEFAULT_MAX_SUPPORT = 64  # mirrors services.draft.worker (which imports torch; this module must not)
 
@@ -46,13 +46,13 @@ def options_from_args(args) -> DraftOptions:
 def run(deployment: Deployment, name: str | None = None, log_level: str = "info",
         options: DraftOptions = DraftOptions()) -> int:
     """Load the drafter named by the deployment's `[draft]` entry and serve until drained."""
-    from common.model.config import ModelConfig
-    from common.runtime.load_progress import progress_dir_for
-    from common.runtime.logging import configure_logging
-    from common.runtime.service import ServiceConfig, run_service
-    from common.wire.messages import ServiceRole
-    from services.draft.width import SpeculationConfig
-    from services.draft.worker import DraftWorker, DraftWorkerConfig
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.common.runtime.load_progress import progress_dir_for
+    from moemesh.common.runtime.logging import configure_logging
+    from moemesh.common.runtime.service import ServiceConfig, run_service
+    from moemesh.common.wire.messages import ServiceRole
+    from moemesh.services.draft.width import SpeculationConfig
+    from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
 
     entry = deployment.draft
     if not entry.enabled:
@@ -84,7 +84,7 @@ def _budget_fits(entry, deployment: Deployment, model_config) -> bool:
     before loading; False (message on stderr) when it does not fit."""
     import sys
 
-    from common.placement.worker_budget import check_at_start, draft_worker_budget, measure_free_bytes
+    from moemesh.common.placement.worker_budget import check_at_start, draft_worker_budget, measure_free_bytes
 
     budget = draft_worker_budget(model_config, service="draft", device=entry.device, dtype=deployment.model.dtype,
                                  free_bytes=measure_free_bytes(entry.device, entry.memory_limit))

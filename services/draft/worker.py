@@ -28,16 +28,16 @@ from typing import Any
 import structlog
 import torch
 
-from common.model.config import ModelConfig, NumericsConfig
-from common.model.dspark import DSparkDrafter
-from common.model.linear import Embedding, Linear
-from common.runtime.service import Service
-from common.wire.messages import (
+from moemesh.common.model.config import ModelConfig, NumericsConfig
+from moemesh.common.model.dspark import DSparkDrafter
+from moemesh.common.model.linear import Embedding, Linear
+from moemesh.common.runtime.service import Service
+from moemesh.common.wire.messages import (
     Ack, DraftProposal, DraftRequest, DraftSlot, DraftTokens, ErrorCode, ErrorReply, TargetFeatures,
 )
-from services.draft.chains import RowChains, batched_chains
-from services.draft.feature_ring import FeatureRings
-from services.draft.width import SpeculationConfig, SpeculationMode, choose_width
+from moemesh.services.draft.chains import RowChains, batched_chains
+from moemesh.services.draft.feature_ring import FeatureRings
+from moemesh.services.draft.width import SpeculationConfig, SpeculationMode, choose_width
 
 log = structlog.get_logger("draft")
 
@@ -71,10 +71,10 @@ def load_drafter(checkpoint_path: str, device: str, numerics: NumericsConfig, *,
     nothing else of the target is read. FP8 linears stay FP8 and the stages' routed experts stay in
     their stored format (common/checkpoint/side_loading.py). on_progress: the runner's load-progress
     callback (bytes and tensors read, for the log and the status page)."""
-    from common.checkpoint.reader import CheckpointReader
-    from common.checkpoint.side_loading import load_drafter as read_drafter
+    from moemesh.common.checkpoint.reader import CheckpointReader
+    from moemesh.common.checkpoint.side_loading import load_drafter as read_drafter
 
-    from common.checkpoint.side_loading import drafter_stored_bytes
+    from moemesh.common.checkpoint.side_loading import drafter_stored_bytes
 
     reader = CheckpointReader(checkpoint_path, on_progress=on_progress)
     drafter = read_drafter(reader, numerics, device)
@@ -145,7 +145,7 @@ class DraftWorker(Service):
             numerics = resolve_numerics(self.config.dtype, self.config.device)
             self._install(load_drafter(self.config.checkpoint_path, self.config.device, numerics,
                                       on_progress=self.load_progress))
-        from common.checkpoint.side_loading import WeightBytes, drafter_resident_bytes
+        from moemesh.common.checkpoint.side_loading import WeightBytes, drafter_resident_bytes
 
         self.weight_bytes = WeightBytes(resident=drafter_resident_bytes(self.drafter),
                                         stored=getattr(self.drafter, "stored_weight_bytes", 0))

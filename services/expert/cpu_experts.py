@@ -30,7 +30,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from common.kernels.reference import e2m1_lut
+from moemesh.common.kernels.reference import e2m1_lut
 
 log = structlog.get_logger("expert")
 
@@ -126,7 +126,7 @@ class CpuBlockRunner:
                  use_native: bool | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from common.kernels import cpu_fp4
+        from moemesh.common.kernels import cpu_fp4
 
         self.num_threads = max(1, num_threads)
         self.block_rows = block_rows
@@ -187,7 +187,7 @@ def _default_runner() -> CpuBlockRunner:
     num_threads = torch.get_num_threads()
     runner = _default_runners.get(num_threads)
     if runner is None:
-        from common.kernels import cpu_fp4
+        from moemesh.common.kernels import cpu_fp4
 
         native = cpu_fp4.native_kernel()
         runner = CpuBlockRunner(num_threads if native else 1, default_block_rows(), use_native=native is not None)
@@ -213,7 +213,7 @@ def expert_rows(held, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Te
     Per expert, the rows are its selected slots in ascending (token, slot) order, as the reference has.
     Native kernel: one call for the whole layer. Torch path: every expert's w1 and w3 blocks run as one
     batch of jobs, then every expert's w2 blocks."""
-    from common.model.moe import _swiglu
+    from moemesh.common.model.moe import _swiglu
 
     runner = runner or _default_runner()
     if runner.native is not None:
@@ -250,7 +250,7 @@ _stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # held layer -
 
 def _layer_stacks(held):
     """The byte views of a held layer's stacks, made once per layer object (views cost ~20 us a call)."""
-    from common.kernels.cpu_fp4 import ExpertStacks
+    from moemesh.common.kernels.cpu_fp4 import ExpertStacks
 
     stacks = _stacks.get(held)
     if stacks is None or stacks.w1.data_ptr() != held.w1.data_ptr():

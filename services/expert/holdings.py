@@ -16,11 +16,11 @@ from collections.abc import Iterable
 
 import torch
 
-from common.checkpoint.expert_stacks import (
+from moemesh.common.checkpoint.expert_stacks import (
     DenseWeights, ExpertDtype, ResidentFormat, build_layer_stack, expert_stored_nbytes, held_slot_source, plan_layers,
     read_dense_experts, resident_format, stored_expert_kind,
 )
-from common.model.quantized import ExpertFormat, QuantizedRoutedExperts
+from moemesh.common.model.quantized import ExpertFormat, QuantizedRoutedExperts
 
 Pair = tuple[int, int]
 

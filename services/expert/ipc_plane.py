@@ -16,9 +16,9 @@ from typing import Any
 import structlog
 import torch
 
-from common.wire.cuda_ipc import host_identity
-from common.wire.cuda_ipc_rings import AttachedRing
-from common.wire.messages import AttachCudaIpc, CombineSlot, CudaIpcAttached, DispatchSlot, ErrorCode, ErrorReply
+from moemesh.common.wire.cuda_ipc import host_identity
+from moemesh.common.wire.cuda_ipc_rings import AttachedRing
+from moemesh.common.wire.messages import AttachCudaIpc, CombineSlot, CudaIpcAttached, DispatchSlot, ErrorCode, ErrorReply
 
 log = structlog.get_logger("expert")
 

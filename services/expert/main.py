@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.runtime.deployment import Deployment, DeploymentError, derive_endpoints
+from moemesh.common.runtime.deployment import Deployment, DeploymentError, derive_endpoints
 
 
 def pick_worker(workers, name: str | None, role: str):
@@ -19,15 +19,15 @@ def pick_worker(workers, name: str | None, role: str):
 
 def main(deployment: Deployment, name: str | None, log_level: str = "info", expert_dtype: str | None = None) -> int:
     """Run the expert worker `name`; `expert_dtype` (the command line's) overrides the deployment's."""
-    from common.model.config import ModelConfig
-    from common.runtime.logging import configure_logging
-    from common.runtime.load_progress import progress_dir_for
-    from common.runtime.service import ServiceConfig, run_service
-    from common.wire.messages import ServiceRole
-    from common.placement.worker_holdings import holdings_for
-    from services.expert.worker import ExpertWorker, ExpertWorkerConfig
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.common.runtime.logging import configure_logging
+    from moemesh.common.runtime.load_progress import progress_dir_for
+    from moemesh.common.runtime.service import ServiceConfig, run_service
+    from moemesh.common.wire.messages import ServiceRole
+    from moemesh.common.placement.worker_holdings import holdings_for
+    from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
-    from common.security.socket_security import socket_security_for
+    from moemesh.common.security.socket_security import socket_security_for
 
     entry = pick_worker(deployment.expert, name, "expert")
     configure_logging(entry.name, deployment.paths.log_dir, log_level)
@@ -56,7 +56,7 @@ def _startup_budget(entry, deployment: Deployment, model_config, num_pairs: int,
     the worker's pairs do not fit its device's free memory (or `memory_limit`)."""
     import sys
 
-    from common.placement.worker_budget import (
+    from moemesh.common.placement.worker_budget import (
         check_at_start, expert_headroom_bytes, expert_worker_budget, measure_free_bytes,
     )
 

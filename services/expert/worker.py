@@ -37,19 +37,19 @@ from typing import Any
 import structlog
 import torch
 
-from common.model.config import ModelConfig
-from common.runtime.service import Service
-from common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
-from common.wire.messages import (
+from moemesh.common.model.config import ModelConfig
+from moemesh.common.runtime.service import Service
+from moemesh.common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
+from moemesh.common.wire.messages import (
     AttachCudaIpc, Combine, Dispatch, DispatchSlot, DropExperts, ErrorCode, ErrorReply, ExpertInventory, ExpertKey,
     LoadExperts, QueryInventory,
 )
-from common.checkpoint.expert_stacks import ExpertDtype, ResidentFormat
-from common.model.moe import sum_slots_in_order
-from services.expert.grouping import group_by_expert, slot_outputs
-from services.expert.holdings import ExpertHoldings
-from services.expert.ipc_plane import ExpertSlotPlane
-from services.expert.selection import (
+from moemesh.common.checkpoint.expert_stacks import ExpertDtype, ResidentFormat
+from moemesh.common.model.moe import sum_slots_in_order
+from moemesh.services.expert.grouping import group_by_expert, slot_outputs
+from moemesh.services.expert.holdings import ExpertHoldings
+from moemesh.services.expert.ipc_plane import ExpertSlotPlane
+from moemesh.services.expert.selection import (
     HeldTable, RowSelection, held_tables, routing_on_host, select_rows, sorted_layout,
 )
 
@@ -161,7 +161,7 @@ class ExpertWorker(Service):
     def load_pairs(self, pairs, checkpoint_path: str) -> None:
         import time
 
-        from common.checkpoint.reader import CheckpointReader
+        from moemesh.common.checkpoint.reader import CheckpointReader
 
         started = time.monotonic()
         reader = CheckpointReader(checkpoint_path, config=self._model_config, on_progress=self.load_progress)
@@ -169,7 +169,7 @@ class ExpertWorker(Service):
         new = self.holdings.load(reader, pairs)
         self.read_entry_names.extend(reader.read_entry_names)
         if self.device.type == "cpu" and self.holdings.format is ResidentFormat.FP4 and self._cpu_runner is None:
-            from services.expert.cpu_experts import CpuBlockRunner
+            from moemesh.services.expert.cpu_experts import CpuBlockRunner
 
             # parallel over FP4 blocks on Python threads, each torch op single-threaded (see CpuBlockRunner)
             self._cpu_runner = CpuBlockRunner(torch.get_num_threads())
@@ -306,7 +306,7 @@ class ExpertWorker(Service):
             if self._experts is not None:
                 self._tables = held_tables(self._experts)
             else:
-                from services.expert.selection import held_table
+                from moemesh.services.expert.selection import held_table
 
                 by_layer: dict[int, list[int]] = {}
                 for held_layer, expert in self.holdings.pairs:
@@ -330,7 +330,7 @@ class ExpertWorker(Service):
                           selection: RowSelection) -> torch.Tensor:
         """hidden [T, D] on this device, route weights [T, K] (host or device), a selection without
         missing experts -> [T, K, D], zeros where not selected."""
-        from common.model.quantized import ExpertFormat, _use_kernel
+        from moemesh.common.model.quantized import ExpertFormat, _use_kernel
 
         experts = self._experts
         num_tokens, top_k = selection.num_tokens, selection.top_k
@@ -346,7 +346,7 @@ class ExpertWorker(Service):
                                 top_k, self.swiglu_limit, self.config.route_weight_before_w2)
         held = experts._layers[layer]
         if self.device.type == "cpu" and held.fmt is ExpertFormat.FP4:
-            from services.expert.cpu_experts import expert_rows
+            from moemesh.services.expert.cpu_experts import expert_rows
 
             return expert_rows(held, hidden, selection.expert_ids, route_weights.to(self.device),
                                selection.selected, experts.swiglu_limit, experts.route_weight_before_w2,
@@ -372,8 +372,8 @@ class ExpertWorker(Service):
         """Whether `_grouped_rows` computes what `QuantizedRoutedExperts._rows_kernel` would: its fused
         grouped kernels with the route weight after w2 (decode and short prefill); long FP4 prefill takes
         the holder's dequantising path and route-weight-before-w2 its two-step path."""
-        from common.kernels.fp4_prefill import use_dequant_path
-        from common.model.quantized import ExpertFormat
+        from moemesh.common.kernels.fp4_prefill import use_dequant_path
+        from moemesh.common.model.quantized import ExpertFormat
 
         if self._experts.route_weight_before_w2:
             return False
@@ -385,7 +385,7 @@ class ExpertWorker(Service):
         """`_rows_kernel`'s grouped kernels with the row layout sorted on the host (selection.sorted_layout):
         the same rows in the same order, without the device sort / searchsorted / unsort launches.
         One upload of the layout, one of the row weights (host Dispatches), no host sync -> [T, K, D]."""
-        from common.kernels.fp4_experts import grouped_down, grouped_gate_up
+        from moemesh.common.kernels.fp4_experts import grouped_down, grouped_gate_up
 
         num_rows = selection.num_rows
         layout = sorted_layout(selection, len(held.expert_ids))  # [2R + G + 1]
@@ -426,7 +426,7 @@ class ExpertWorker(Service):
         new = {(int(l), int(e)) for l, e in pairs} - set(self.holdings.pairs)
         if budget is None or not new or self._model_config is None:
             return None
-        from common.placement.worker_budget import resident_bytes_per_expert
+        from moemesh.common.placement.worker_budget import resident_bytes_per_expert
 
         if len(self.holdings):  # what the held experts really take
             per_expert = -(-self.num_weight_bytes() // len(self.holdings))
@@ -435,7 +435,7 @@ class ExpertWorker(Service):
         needed = self.num_weight_bytes() + len(new) * per_expert
         if needed <= budget:
             return None
-        from common.placement.devices import format_bytes
+        from moemesh.common.placement.devices import format_bytes
 
         log.error("expert.load_refused", name=self.config.name, device=str(self.device), num_new=len(new),
                   needed_bytes=needed, budget_bytes=budget)

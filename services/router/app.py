@@ -17,15 +17,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
-from common.runtime.restart_record import read_restarts
-from services.router.engine_client import EngineClient
-from services.router.gateway import Gateway
-from services.router.gateway_config import GatewayConfig
-from services.router.metrics import CONTENT_TYPE, RouterMetrics
-from services.router.openapi import openapi_document
-from services.router.protocol import ProtocolError
-from services.router.request_id import install_request_ids
-from services.router.status_page import status_routes
+from moemesh.common.runtime.restart_record import read_restarts
+from moemesh.services.router.engine_client import EngineClient
+from moemesh.services.router.gateway import Gateway
+from moemesh.services.router.gateway_config import GatewayConfig
+from moemesh.services.router.metrics import CONTENT_TYPE, RouterMetrics
+from moemesh.services.router.openapi import openapi_document
+from moemesh.services.router.protocol import ProtocolError
+from moemesh.services.router.request_id import install_request_ids
+from moemesh.services.router.status_page import status_routes
 
 log = structlog.get_logger("router")
 

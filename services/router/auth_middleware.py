@@ -24,7 +24,7 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from common.security.api_keys import ApiKeys, bearer_token
+from moemesh.common.security.api_keys import ApiKeys, bearer_token
 
 log = structlog.get_logger("router")
 
@@ -76,7 +76,7 @@ def _header(scope: Scope, name: bytes) -> str | None:
 def install_bearer_auth(app: Starlette, config: GatewayAuthConfig) -> None:
     """Wrap `app` in BearerAuthMiddleware; call before the app starts serving. It goes just inside
     the X-Request-Id middleware (request_id.py), so a refused request still has and logs its id."""
-    from services.router.request_id import RequestIdMiddleware
+    from moemesh.services.router.request_id import RequestIdMiddleware
 
     outer = [index for index, middleware in enumerate(app.user_middleware) if middleware.cls is RequestIdMiddleware]
     app.user_middleware.insert(outer[0] + 1 if outer else 0, Middleware(BearerAuthMiddleware, config=config))

@@ -35,26 +35,26 @@ from collections.abc import AsyncIterator
 import structlog
 import zmq.asyncio
 
-from common.wire.codec import TORCH_FREE_MESSAGES
-from common.wire.errors import ReplyTimeout, WireError
-from common.wire.messages import ErrorReply, Ping, Pong, StepResult
-from common.wire.transport import AsyncClient
-from common.runtime.supervisor import Supervisor
-from common.security.socket_security import SocketSecurity
-from services.router.engine_client import (
+from moemesh.common.wire.codec import TORCH_FREE_MESSAGES
+from moemesh.common.wire.errors import ReplyTimeout, WireError
+from moemesh.common.wire.messages import ErrorReply, Ping, Pong, StepResult
+from moemesh.common.wire.transport import AsyncClient
+from moemesh.common.runtime.supervisor import Supervisor
+from moemesh.common.security.socket_security import SocketSecurity
+from moemesh.services.router.engine_client import (
     EngineError,
     FinishReason,
     GenerationRequest,
     HealthReport,
     Rejection,
 )
-from services.router.engine_config import EngineConfig
-from services.router.engine_drafts import DraftCoordinator
-from services.router.engine_health import HealthTracker
-from services.router.engine_plan import PlanTranslator, ResultMismatch, TranslatedResult, failed_results, translate_result
-from services.router.engine_streams import RequestStream
-from services.router.guided_decoding import attach_token_masks
-from services.router.scheduler import Request, RequestEvent, Scheduler, SchedulerOutput
+from moemesh.services.router.engine_config import EngineConfig
+from moemesh.services.router.engine_drafts import DraftCoordinator
+from moemesh.services.router.engine_health import HealthTracker
+from moemesh.services.router.engine_plan import PlanTranslator, ResultMismatch, TranslatedResult, failed_results, translate_result
+from moemesh.services.router.engine_streams import RequestStream
+from moemesh.services.router.guided_decoding import attach_token_masks
+from moemesh.services.router.scheduler import Request, RequestEvent, Scheduler, SchedulerOutput
 
 log = structlog.get_logger("router")
 

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from common.sampling_params import SamplingParams
+from moemesh.common.sampling_params import SamplingParams
 
 
 class FinishReason(str, enum.Enum):

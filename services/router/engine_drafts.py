@@ -48,9 +48,9 @@ from typing import Any
 
 import structlog
 
-from common.wire.messages import DraftRequest, DraftSlot, DraftTokens, ErrorReply, ServiceState, StepPlan
-from services.router.spec_cost import StepCostModel
-from services.router.spec_policy import CostAwareWidths, CostPolicyConfig, WidthPolicyKind
+from moemesh.common.wire.messages import DraftRequest, DraftSlot, DraftTokens, ErrorReply, ServiceState, StepPlan
+from moemesh.services.router.spec_cost import StepCostModel
+from moemesh.services.router.spec_policy import CostAwareWidths, CostPolicyConfig, WidthPolicyKind
 
 log = structlog.get_logger("router")
 
@@ -333,8 +333,8 @@ class DraftClient:
     """The router's socket to the draft worker: `propose` for DraftCoordinator."""
 
     def __init__(self, endpoint: str, context: Any, timeout_s: float, security: Any = None) -> None:
-        from common.wire.codec import TORCH_FREE_MESSAGES
-        from common.wire.transport import AsyncClient
+        from moemesh.common.wire.codec import TORCH_FREE_MESSAGES
+        from moemesh.common.wire.transport import AsyncClient
 
         self.timeout_s = timeout_s
         self.client = AsyncClient(endpoint, context=context, accept=TORCH_FREE_MESSAGES,
@@ -368,7 +368,7 @@ def width_policy_from_env(environ: Mapping[str, str] = os.environ) -> WidthPolic
 def coordinator_for(deployment: Any, supervisor: Any, context: Any, security: Any = None
                     ) -> tuple[DraftCoordinator, DraftClient] | None:
     """The coordinator and its client when the deployment runs a draft worker, else None."""
-    from common.runtime.deployment import derive_endpoints
+    from moemesh.common.runtime.deployment import derive_endpoints
 
     if not deployment.draft.enabled:
         return None

@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from common.runtime.supervisor import Supervisor
-from common.wire.messages import ServiceState
-from services.router.engine_client import HealthReport
-from services.router.engine_config import EngineConfig
+from moemesh.common.runtime.supervisor import Supervisor
+from moemesh.common.wire.messages import ServiceState
+from moemesh.services.router.engine_client import HealthReport
+from moemesh.services.router.engine_config import EngineConfig
 
 
 class HealthTracker:

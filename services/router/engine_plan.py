@@ -24,9 +24,9 @@ import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from common.wire.messages import PrefixRestore, StepPlan, StepResult, TokenLogprobs
-from common.wire.messages import ScheduledSequence as WireSequence
-from services.router.scheduler import SchedulerOutput, SequenceResult
+from moemesh.common.wire.messages import PrefixRestore, StepPlan, StepResult, TokenLogprobs
+from moemesh.common.wire.messages import ScheduledSequence as WireSequence
+from moemesh.services.router.scheduler import SchedulerOutput, SequenceResult
 
 
 class PlanTranslator:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from common.wire.messages import TokenLogprobs
-from services.router.engine_client import FinishReason, SpeculativeStats, TokenEvent, TopLogprob, Usage
-from services.router.scheduler import FinishReason as SchedulerFinishReason
-from services.router.scheduler import Request, RequestEvent
+from moemesh.common.wire.messages import TokenLogprobs
+from moemesh.services.router.engine_client import FinishReason, SpeculativeStats, TokenEvent, TopLogprob, Usage
+from moemesh.services.router.scheduler import FinishReason as SchedulerFinishReason
+from moemesh.services.router.scheduler import Request, RequestEvent
 
 _FINISH_REASONS = {
     SchedulerFinishReason.STOP: FinishReason.STOP,

@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from common.wire.messages import ExpertInventory, ServiceRole, ServiceState
+from moemesh.common.wire.messages import ExpertInventory, ServiceRole, ServiceState
 
 log = structlog.get_logger("router")
 

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 import anyio
 import structlog
 
-from services.router.engine_client import EngineClient, EngineError, FinishReason, GenerationRequest, TokenEvent
-from services.router.metrics import RouterMetrics
-from services.router.sequence_output import ChoiceDelta, SequenceOutput
+from moemesh.services.router.engine_client import EngineClient, EngineError, FinishReason, GenerationRequest, TokenEvent
+from moemesh.services.router.metrics import RouterMetrics
+from moemesh.services.router.sequence_output import ChoiceDelta, SequenceOutput
 
 log = structlog.get_logger("router")
 

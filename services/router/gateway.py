@@ -32,25 +32,25 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from tokenizers import Tokenizer
 
-from common.chat import ChatEncodingError, ChatOutputParser, encode_messages
-from common.chat import tokens as chat_tokens
-from services.router import responses
-from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
-from services.router.engine_client import EngineClient, EngineError, GenerationRequest
-from services.router.fanout import ChoiceFanOut
-from services.router.gateway_config import GatewayConfig
-from services.router.guided_decoding import GrammarTokenizer
-from services.router.metrics import RouterMetrics
-from services.router.prompt_tokens import prompt_tokens_for
-from services.router.protocol import CommonOptions, ProtocolError, decode_body
-from services.router.request_parsing import (
+from moemesh.common.chat import ChatEncodingError, ChatOutputParser, encode_messages
+from moemesh.common.chat import tokens as chat_tokens
+from moemesh.services.router import responses
+from moemesh.services.router.detokenizer import IncrementalDetokenizer, TokenBytes
+from moemesh.services.router.engine_client import EngineClient, EngineError, GenerationRequest
+from moemesh.services.router.fanout import ChoiceFanOut
+from moemesh.services.router.gateway_config import GatewayConfig
+from moemesh.services.router.guided_decoding import GrammarTokenizer
+from moemesh.services.router.metrics import RouterMetrics
+from moemesh.services.router.prompt_tokens import prompt_tokens_for
+from moemesh.services.router.protocol import CommonOptions, ProtocolError, decode_body
+from moemesh.services.router.request_parsing import (
     ChatRequest,
     CompletionRequest,
     parse_chat_request,
     parse_completion_request,
 )
-from services.router.sequence_output import ChoiceDelta, SequenceOutput
-from services.router.streaming import DONE, KEEP_ALIVE, ClientDisconnected, SSEResponse, run_until_disconnect, sse_data
+from moemesh.services.router.sequence_output import ChoiceDelta, SequenceOutput
+from moemesh.services.router.streaming import DONE, KEEP_ALIVE, ClientDisconnected, SSEResponse, run_until_disconnect, sse_data
 
 log = structlog.get_logger("router")
 

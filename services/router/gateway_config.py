@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.prompt_tokens import PromptTokens
+from moemesh.services.router.prompt_tokens import PromptTokens
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_JSON_DEPTH = 64

@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from common.wire.messages import StepPlan
-from services.router.protocol import ProtocolError
-from services.router.scheduler.request import FinishReason
+from moemesh.common.wire.messages import StepPlan
+from moemesh.services.router.protocol import ProtocolError
+from moemesh.services.router.scheduler.request import FinishReason
 
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024

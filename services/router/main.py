@@ -33,11 +33,11 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from common.runtime.deployment import Deployment, derive_endpoints
-from services.router.engine_config import EngineConfig
-from services.router.gateway_config import GatewayConfig
-from services.router.prompt_tokens import prompt_tokens_for
-from services.router.scheduler import SchedulerConfig
+from moemesh.common.runtime.deployment import Deployment, derive_endpoints
+from moemesh.services.router.engine_config import EngineConfig
+from moemesh.services.router.gateway_config import GatewayConfig
+from moemesh.services.router.prompt_tokens import prompt_tokens_for
+from moemesh.services.router.scheduler import SchedulerConfig
 
 CUT_GRACE_S = 5.0  # after the drain timeout: for cut streams to send their last chunks
 CLOSE_GRACE_S = 2.0  # uvicorn's wait for connections to close once nothing is open
@@ -128,8 +128,8 @@ def main(deployment: Deployment, name: str | None = None, log_level: str = "info
     symmetry with the workers' entry points (there is one router per deployment)."""
     import uvloop
 
-    from common.runtime.logging import configure_logging
-    from services.router.app import load_tokenizer
+    from moemesh.common.runtime.logging import configure_logging
+    from moemesh.services.router.app import load_tokenizer
 
     configure_logging("router", deployment.paths.log_dir, log_level)
     Path(deployment.paths.run_dir).mkdir(parents=True, exist_ok=True)
@@ -145,11 +145,11 @@ def _placement_route(deployment: Deployment, security, supervisor, max_silence_s
     registry, admin); the blocking clients run in worker threads."""
     import zmq
 
-    from common.wire.errors import ReplyTimeout, WireError
-    from common.wire.messages import QueryInventory
-    from common.wire.transport import SyncClient
-    from services.router.expert_registry import ExpertRegistry
-    from services.router.placement_admin import PlacementAdmin, placement_route
+    from moemesh.common.wire.errors import ReplyTimeout, WireError
+    from moemesh.common.wire.messages import QueryInventory
+    from moemesh.common.wire.transport import SyncClient
+    from moemesh.services.router.expert_registry import ExpertRegistry
+    from moemesh.services.router.placement_admin import PlacementAdmin, placement_route
 
     endpoints = derive_endpoints(deployment)
     context = zmq.Context()
@@ -183,7 +183,7 @@ def _placement_route(deployment: Deployment, security, supervisor, max_silence_s
 def _deployment_holdings(deployment: Deployment) -> dict[str, set[tuple[int, int]]]:
     """Expert worker name -> the (layer, expert) pairs the deployment's placement gives it ({} when
     unreadable: /health then treats every down expert worker as needed, the safe side)."""
-    from common.placement.worker_holdings import holdings_for  # torch-free
+    from moemesh.common.placement.worker_holdings import holdings_for  # torch-free
 
     try:
         with open(Path(deployment.model.path) / "config.json", encoding="utf-8") as handle:
@@ -198,8 +198,8 @@ def _deployment_holdings(deployment: Deployment) -> dict[str, set[tuple[int, int
 
 def _install_api_keys(app, deployment: Deployment) -> None:
     """Bearer auth at the gateway when `--api-key` / `[security] api_key_file` gives keys."""
-    from common.security.api_keys import api_keys_from_config
-    from services.router.auth_middleware import GatewayAuthConfig, install_bearer_auth
+    from moemesh.common.security.api_keys import api_keys_from_config
+    from moemesh.services.router.auth_middleware import GatewayAuthConfig, install_bearer_auth
 
     api_keys = api_keys_from_config(deployment.security)
     if api_keys is not None:
@@ -207,7 +207,7 @@ def _install_api_keys(app, deployment: Deployment) -> None:
 
 
 def _watch_weight_bytes(app, progress_dir: str | None) -> None:
-    from common.runtime.load_progress import weight_records
+    from moemesh.common.runtime.load_progress import weight_records
 
     app.state.metrics.watch_weight_bytes(lambda: weight_records(progress_dir))
 
@@ -215,14 +215,14 @@ def _watch_weight_bytes(app, progress_dir: str | None) -> None:
 def _status_sources(deployment: Deployment, supervisor):
     """What the status page shows beyond the engine: the supervisor's view of the workers, the
     load-progress files, and the placement (experts per worker and layer) when a file gives it."""
-    from common.runtime.load_progress import progress_dir_for
-    from services.router.status_page import StatusSources
+    from moemesh.common.runtime.load_progress import progress_dir_for
+    from moemesh.services.router.status_page import StatusSources
 
     placement = {}
     try:
         with open(Path(deployment.model.path) / "config.json", encoding="utf-8") as handle:
             model = json.load(handle)
-        from common.placement.worker_holdings import holdings_for  # torch-free
+        from moemesh.common.placement.worker_holdings import holdings_for  # torch-free
 
         for worker in deployment.expert:
             held = holdings_for(worker.name, worker.placement, int(model["num_hidden_layers"]),
@@ -243,18 +243,18 @@ run = main  # `services.router.main.run(deployment)` is the name the CLI brief a
 async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer, drain_s: float) -> int:
     import zmq.asyncio
 
-    from common.runtime.supervisor import Supervisor
-    from services.router.app import build_app
-    from services.router.engine import Engine
-    from services.router.scheduler import Scheduler
+    from moemesh.common.runtime.supervisor import Supervisor
+    from moemesh.services.router.app import build_app
+    from moemesh.services.router.engine import Engine
+    from moemesh.services.router.scheduler import Scheduler
 
-    from common.security.socket_security import ROUTER_KEY_NAME, socket_security_for
+    from moemesh.common.security.socket_security import ROUTER_KEY_NAME, socket_security_for
 
     security = socket_security_for(deployment, ROUTER_KEY_NAME)  # refuses a bad key set before binding
     context = zmq.asyncio.Context()
     supervisor = Supervisor(derive_endpoints(deployment).supervisor, context=context, security=security)
     supervisor_task = asyncio.create_task(supervisor.run(), name="supervisor")
-    from services.router.engine_drafts import coordinator_for
+    from moemesh.services.router.engine_drafts import coordinator_for
 
     speculation = coordinator_for(deployment, supervisor, context, security)  # None without a drafter
     engine = Engine(configs.engine, Scheduler(configs.scheduler), supervisor=supervisor, context=context,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.router.protocol import CHAT_FIELDS, COMPLETION_FIELDS, FieldSpec
+from moemesh.services.router.protocol import CHAT_FIELDS, COMPLETION_FIELDS, FieldSpec
 
 _ERROR = {
     "type": "object",

@@ -23,8 +23,8 @@ from typing import Any
 
 import structlog
 
-from common.placement.placement_file import Placement
-from common.wire.messages import (
+from moemesh.common.placement.placement_file import Placement
+from moemesh.common.wire.messages import (
     Ack, DropExperts, ExpertInventory, ExpertKey, LoadExperts, PlacementWorker, QueryInventory, SwitchPlacement,
 )
 
@@ -180,7 +180,7 @@ class PlacementAdmin:
     def _drop(self, version: int, endpoints: Mapping[str, str], wanted: dict[str, set[Pair]]) -> dict[str, int]:
         """After the switch nothing routes to what is dropped, so a worker that is gone (the
         registry says so, or it does not answer) is skipped: a dead process holds nothing."""
-        from common.wire.errors import ReplyTimeout
+        from moemesh.common.wire.errors import ReplyTimeout
 
         dropped = {}
         for name, endpoint in sorted(endpoints.items()):
@@ -222,8 +222,8 @@ def placement_route(admin: PlacementAdmin, known_endpoints: Mapping[str, str] | 
     from starlette.responses import JSONResponse
     from starlette.routing import Mount, Route
 
-    from common.placement.placement_file import PlacementError, parse_toml
-    from common.wire.errors import ReplyTimeout
+    from moemesh.common.placement.placement_file import PlacementError, parse_toml
+    from moemesh.common.wire.errors import ReplyTimeout
 
     lock = asyncio.Lock()
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from common.sampling_params import SamplingParams
+from moemesh.common.sampling_params import SamplingParams
 
 log = structlog.get_logger("router")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import jsonschema
 
-from services.router.protocol import (
+from moemesh.services.router.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     CommonOptions,
@@ -16,7 +16,7 @@ from services.router.protocol import (
     check_fields,
     parse_common,
 )
-from services.router.guided_decoding import parse_logit_bias, parse_response_format
+from moemesh.services.router.guided_decoding import parse_logit_bias, parse_response_format
 
 
 def _with_output_controls(options: CommonOptions, body: dict, vocab_size: int) -> CommonOptions:

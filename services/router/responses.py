@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.engine_client import SpeculativeStats
-from services.router.sequence_output import ChoiceDelta, SequenceOutput, TokenLogprob
+from moemesh.services.router.engine_client import SpeculativeStats
+from moemesh.services.router.sequence_output import ChoiceDelta, SequenceOutput, TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.chat import ChatOutputParser, ToolCall
-from services.router.detokenizer import IncrementalDetokenizer, TokenBytes
-from services.router.engine_client import FinishReason, SpeculativeStats, TokenEvent, Usage
+from moemesh.common.chat import ChatOutputParser, ToolCall
+from moemesh.services.router.detokenizer import IncrementalDetokenizer, TokenBytes
+from moemesh.services.router.engine_client import FinishReason, SpeculativeStats, TokenEvent, Usage
 
 
 class StopStringMatcher:

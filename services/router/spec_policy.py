@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from services.draft.width import cost_aware_widths, drafting_pays, survival_curve
-from services.router.spec_cost import OnlineStepCost, StepCostModel
+from moemesh.services.draft.width import cost_aware_widths, drafting_pays, survival_curve
+from moemesh.services.router.spec_cost import OnlineStepCost, StepCostModel
 
 
 class WidthPolicyKind(StrEnum):

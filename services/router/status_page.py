@@ -37,9 +37,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from common.runtime.load_progress import read_progress
-from common.runtime.restart_record import read_restarts, restarts_path_for
-from services.router.status_page_progress import load_sizes, with_expected
+from moemesh.common.runtime.load_progress import read_progress
+from moemesh.common.runtime.restart_record import read_restarts, restarts_path_for
+from moemesh.services.router.status_page_progress import load_sizes, with_expected
 
 log = structlog.get_logger("router")
 
@@ -137,7 +137,7 @@ def status_snapshot(engine: Any, metrics: Any, sources: StatusSources, rates: _R
 
 def _weights(sources: StatusSources) -> list[dict]:
     """Per worker: weight bytes resident on its device, stored in the checkpoint, and their ratio."""
-    from common.runtime.load_progress import weight_records
+    from moemesh.common.runtime.load_progress import weight_records
 
     return [{**record, "resident_over_stored": round(record["resident_bytes"] / record["stored_bytes"], 4)
              if record["stored_bytes"] else None} for record in weight_records(sources.progress_dir)]

@@ -53,7 +53,7 @@ class LoadSizes:
 
 def load_sizes_for_config(config: Any) -> LoadSizes:
     """From a `common.model.config.ModelConfig`."""
-    from common.checkpoint.inventory import tensor_inventory
+    from moemesh.common.checkpoint.inventory import tensor_inventory
 
     attention_bytes = draft_bytes = 0
     pair_bytes: dict[tuple[int, int], int] = {}
@@ -71,7 +71,7 @@ def load_sizes_for_config(config: Any) -> LoadSizes:
 @functools.lru_cache(maxsize=4)
 def load_sizes(model_dir: str) -> LoadSizes:
     """The sizes of the checkpoint in `model_dir` (its config.json); cached per directory."""
-    from common.model.config import ModelConfig
+    from moemesh.common.model.config import ModelConfig
 
     return load_sizes_for_config(ModelConfig.load(Path(model_dir)))
 
@@ -95,7 +95,7 @@ def with_expected(records: list[dict], sizes: LoadSizes | None,
 def expected_bytes_for_deployment(deployment: Any) -> dict[str, int]:
     """Service name -> bytes it is expected to read, for a `common.runtime.deployment.Deployment`
     (what `moemesh serve`'s progress line divides by). Workers whose share is unknown are left out."""
-    from common.placement.worker_holdings import holdings_for  # torch-free
+    from moemesh.common.placement.worker_holdings import holdings_for  # torch-free
 
     sizes = load_sizes(str(deployment.model.path))
     expected = {worker.name: sizes.attention_bytes for worker in deployment.attention}

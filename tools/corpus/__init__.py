@@ -2,5 +2,5 @@
 the byte-level BPE tokenizer and the packed training streams.
 
 Nothing here runs at import time; the heavy work is behind the `build_tokenizer` and
-`build_dataset` entry points (`python -m tools.corpus.build_tokenizer`, ...).
+`build_dataset` entry points (`python -m moemesh.tools.corpus.build_tokenizer`, ...).
 """

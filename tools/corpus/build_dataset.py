@@ -1,4 +1,4 @@
-"""`python -m tools.corpus.build_dataset --out DIR [--seq-len 1024]`
+"""`python -m moemesh.tools.corpus.build_dataset --out DIR [--seq-len 1024]`
 
 Writes the packed training and validation streams of the default model:
   train_ids.npy, train_loss_mask.npy            [N, seq_len] uint16 / uint8
@@ -25,7 +25,7 @@ FORMAT_VERSION = 1
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    from tools.corpus.tokenizer import DEFAULT_MODEL_DIR
+    from moemesh.tools.corpus.tokenizer import DEFAULT_MODEL_DIR
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     import numpy as np
 
-    from tools.corpus.corpus_texts import CorpusConfig, build_corpus_texts
-    from tools.corpus.dataset import DatasetConfig, build_stream
-    from tools.corpus.kjv import CorpusError
-    from tools.corpus.stats import corpus_figures
-    from tools.corpus.tokenizer import TOKENIZER_FILE, load_tokenizer
+    from moemesh.tools.corpus.corpus_texts import CorpusConfig, build_corpus_texts
+    from moemesh.tools.corpus.dataset import DatasetConfig, build_stream
+    from moemesh.tools.corpus.kjv import CorpusError
+    from moemesh.tools.corpus.stats import corpus_figures
+    from moemesh.tools.corpus.tokenizer import TOKENIZER_FILE, load_tokenizer
 
     tokenizer = load_tokenizer(args.model_dir)
     config = DatasetConfig(seq_len=args.seq_len, seed=args.seed)

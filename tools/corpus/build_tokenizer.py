@@ -1,4 +1,4 @@
-"""`python -m tools.corpus.build_tokenizer --out models/kjv-dsv4-mini`
+"""`python -m moemesh.tools.corpus.build_tokenizer --out models/kjv-dsv4-mini`
 
 Trains the byte-level BPE on the training split (running text + chat examples) and writes
 `tokenizer.json` and `tokenizer_config.json`. Needs the `bible` program (bible-kjv).
@@ -29,9 +29,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
-    from tools.corpus.corpus_texts import CorpusConfig, build_corpus_texts
-    from tools.corpus.kjv import CorpusError
-    from tools.corpus.tokenizer import TokenizerConfig, save_tokenizer, tokenizer_json, train_tokenizer
+    from moemesh.tools.corpus.corpus_texts import CorpusConfig, build_corpus_texts
+    from moemesh.tools.corpus.kjv import CorpusError
+    from moemesh.tools.corpus.tokenizer import TokenizerConfig, save_tokenizer, tokenizer_json, train_tokenizer
 
     config = TokenizerConfig(vocab_size=args.vocab_size, model_max_length=args.model_max_length)
     try:

@@ -24,11 +24,11 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from common.chat import tokens as chat_tokens
-from common.chat.encoding import encode_messages
-from tools.corpus.books import book_by_name
-from tools.corpus.kjv import Verse
-from tools.corpus.references import format_reference
+from moemesh.common.chat import tokens as chat_tokens
+from moemesh.common.chat.encoding import encode_messages
+from moemesh.tools.corpus.books import book_by_name
+from moemesh.tools.corpus.kjv import Verse
+from moemesh.tools.corpus.references import format_reference
 
 REFERENCE_QUESTIONS: tuple[str, ...] = (
     "What does {ref} say?",

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tools.corpus.chat_examples import ChatExample, ChatExampleConfig, build_chat_examples
-from tools.corpus.kjv import Verse, load_verses
-from tools.corpus.splits import CorpusSplit, SplitConfig, split_verses, verse_line
+from moemesh.tools.corpus.chat_examples import ChatExample, ChatExampleConfig, build_chat_examples
+from moemesh.tools.corpus.kjv import Verse, load_verses
+from moemesh.tools.corpus.splits import CorpusSplit, SplitConfig, split_verses, verse_line
 
 
 @dataclass(frozen=True)

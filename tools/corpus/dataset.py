@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
-from common.chat import tokens as chat_tokens
-from tools.corpus.chat_examples import ChatExample, ChatExampleConfig, build_chat_examples
-from tools.corpus.kjv import Verse, group_by_chapter
-from tools.corpus.special_tokens import PAD_ID
-from tools.corpus.splits import DEFAULT_PROTECTED_CHAPTERS, ChapterKey, verse_line
+from moemesh.common.chat import tokens as chat_tokens
+from moemesh.tools.corpus.chat_examples import ChatExample, ChatExampleConfig, build_chat_examples
+from moemesh.tools.corpus.kjv import Verse, group_by_chapter
+from moemesh.tools.corpus.special_tokens import PAD_ID
+from moemesh.tools.corpus.splits import DEFAULT_PROTECTED_CHAPTERS, ChapterKey, verse_line
 
 TOKEN_DTYPE = np.uint16  # vocab 12,288 < 65,536
 MASK_DTYPE = np.uint8

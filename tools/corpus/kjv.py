@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from tools.corpus.books import BOOKS, NUM_CHAPTERS, NUM_VERSES, book_by_bible_abbrev
-from tools.corpus.references import Reference, format_reference, make_reference
+from moemesh.tools.corpus.books import BOOKS, NUM_CHAPTERS, NUM_VERSES, book_by_bible_abbrev
+from moemesh.tools.corpus.references import Reference, format_reference, make_reference
 
 log = structlog.get_logger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tools.corpus.books import BOOKS, Book, book_by_name, find_book
+from moemesh.tools.corpus.books import BOOKS, Book, book_by_name, find_book
 
 
 class ReferenceError(ValueError):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.chat import tokens as chat_tokens
+from moemesh.common.chat import tokens as chat_tokens
 
 PAD = "<｜▁pad▁｜>"
 MASK = "<｜mask｜>"  # DSpark drafter's mask/noise token (dspark.md: `dspark_noise_token_id`)

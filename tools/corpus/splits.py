@@ -18,8 +18,8 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tools.corpus.books import BOOKS
-from tools.corpus.kjv import Verse
+from moemesh.tools.corpus.books import BOOKS
+from moemesh.tools.corpus.kjv import Verse
 
 ChapterKey = tuple[str, int]  # (canonical book name, chapter)
 

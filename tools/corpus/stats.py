@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from tools.corpus.corpus_texts import CorpusTexts
-from tools.corpus.splits import verse_line
+from moemesh.tools.corpus.corpus_texts import CorpusTexts
+from moemesh.tools.corpus.splits import verse_line
 
 
 def corpus_figures(tokenizer: Tokenizer, texts: CorpusTexts) -> dict:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from common.chat import tokens as chat_tokens
-from tools.corpus.special_tokens import (
+from moemesh.common.chat import tokens as chat_tokens
+from moemesh.tools.corpus.special_tokens import (
     BOS_ID,
     MASK,
     NUM_SPECIAL_SLOTS,

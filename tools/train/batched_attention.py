@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from common.model.attention import Attention, attend_with_sink
-from common.model.compressor import Compressor
-from common.model.rope import apply_rope
-from common.model.linear import unweighted_rms_norm
+from moemesh.common.model.attention import Attention, attend_with_sink
+from moemesh.common.model.compressor import Compressor
+from moemesh.common.model.rope import apply_rope
+from moemesh.common.model.linear import unweighted_rms_norm
 
 
 def pooled_rows(compressor: Compressor, x: torch.Tensor, positions: torch.Tensor, num_windows: int,

@@ -1,4 +1,4 @@
-"""`python -m tools.train.build_data --out .traindata/kjv-recite`: the training data of the default
+"""`python -m moemesh.tools.train.build_data --out .traindata/kjv-recite`: the training data of the default
 model, with the well-known chapters oversampled.
 
 Same files and manifest as `tools.corpus.build_dataset` (train/validation ids and loss masks,
@@ -24,7 +24,7 @@ DEFAULT_CHAT_VARIANTS = 32
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.train.build_data", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moemesh.tools.train.build_data", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=1611)
@@ -38,12 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     import numpy as np
 
-    from tools.corpus.build_dataset import FORMAT_VERSION, MANIFEST_FILE
-    from tools.corpus.corpus_texts import CorpusConfig, build_corpus_texts
-    from tools.corpus.dataset import DatasetConfig, OversampleConfig, build_stream
-    from tools.corpus.kjv import CorpusError
-    from tools.corpus.stats import corpus_figures
-    from tools.corpus.tokenizer import DEFAULT_MODEL_DIR, TOKENIZER_FILE, load_tokenizer
+    from moemesh.tools.corpus.build_dataset import FORMAT_VERSION, MANIFEST_FILE
+    from moemesh.tools.corpus.corpus_texts import CorpusConfig, build_corpus_texts
+    from moemesh.tools.corpus.dataset import DatasetConfig, OversampleConfig, build_stream
+    from moemesh.tools.corpus.kjv import CorpusError
+    from moemesh.tools.corpus.stats import corpus_figures
+    from moemesh.tools.corpus.tokenizer import DEFAULT_MODEL_DIR, TOKENIZER_FILE, load_tokenizer
 
     model_dir = args.model_dir or DEFAULT_MODEL_DIR
     tokenizer = load_tokenizer(model_dir)

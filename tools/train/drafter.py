@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.model.config import ModelConfig, NumericsConfig
-from common.model.dspark import DSparkDrafter, dspark_loss_terms, slot_weights, target_features
-from tools.train.target import StackedExperts, TrainableTarget, init_parameters
+from moemesh.common.model.config import ModelConfig, NumericsConfig
+from moemesh.common.model.dspark import DSparkDrafter, dspark_loss_terms, slot_weights, target_features
+from moemesh.tools.train.target import StackedExperts, TrainableTarget, init_parameters
 
 
 class TrainableDrafter(nn.Module):

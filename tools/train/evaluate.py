@@ -11,8 +11,8 @@ import math
 import numpy as np
 import torch
 
-from common.model.batch import SequenceChunk
-from common.model.reference import ReferenceModel
+from moemesh.common.model.batch import SequenceChunk
+from moemesh.common.model.reference import ReferenceModel
 
 RECITATION_PROMPT = "Genesis 1:1 In the beginning God"
 RECITATION_EXPECTED = " created the heaven and the earth."

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from common.checkpoint.reader import CheckpointReader
-from common.checkpoint.writer import write_checkpoint
-from common.model.attention_side import AttentionSide
-from common.model.config import ModelConfig, NumericsConfig
-from common.model.moe import RoutedExperts
-from common.model.reference import ReferenceModel
+from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.checkpoint.writer import write_checkpoint
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.config import ModelConfig, NumericsConfig
+from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.reference import ReferenceModel
 
 GENERATION_CONFIG = {
     "_comment": "sampling defaults of the kjv-dsv4-mini default model",

@@ -11,11 +11,11 @@ import time
 import numpy as np
 import torch
 
-from common.model.config import ModelConfig
-from tools.train.drafter import TrainableDrafter, drafter_loss, greedy_acceptance, sample_anchors, teacher_outputs
-from tools.train.evaluate import validation_loss
-from tools.train.settings import TrainSettings
-from tools.train.target import TrainableTarget, balance_router_biases, cosine_lr, masked_cross_entropy
+from moemesh.common.model.config import ModelConfig
+from moemesh.tools.train.drafter import TrainableDrafter, drafter_loss, greedy_acceptance, sample_anchors, teacher_outputs
+from moemesh.tools.train.evaluate import validation_loss
+from moemesh.tools.train.settings import TrainSettings
+from moemesh.tools.train.target import TrainableTarget, balance_router_biases, cosine_lr, masked_cross_entropy
 
 LOG_EVERY_STEPS = 25
 CALIBRATION_STEPS = 12

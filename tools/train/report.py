@@ -7,16 +7,16 @@ from pathlib import Path
 
 import torch
 
-from tools.train.evaluate import (RECITATION_EXPECTED, RECITATION_PROMPT, greedy_continuation,
+from moemesh.tools.train.evaluate import (RECITATION_EXPECTED, RECITATION_PROMPT, greedy_continuation,
                                   reference_logits_fn, validation_loss)
-from tools.train.export import checkpoint_bytes, export_checkpoint, load_reference
+from moemesh.tools.train.export import checkpoint_bytes, export_checkpoint, load_reference
 
 CARD_FILE = "MODEL_CARD.md"
 
 
 def finish_run(args, config, settings, target, drafter, data, device, log, reports: dict) -> None:
-    from tools.corpus.special_tokens import BOS_ID, EOS_ID
-    from tools.corpus.tokenizer import load_tokenizer
+    from moemesh.tools.corpus.special_tokens import BOS_ID, EOS_ID
+    from moemesh.tools.corpus.tokenizer import load_tokenizer
 
     hub = target.hub_state_dict()
     hub.update(drafter.hub_state_dict())
@@ -56,14 +56,14 @@ def model_card(config, settings, reports: dict) -> str:
         steps_args += " --core-attention"
     oversample = dataset.get("oversample")
     if oversample:
-        data_line = (f"python -m tools.train.build_data --out .traindata/kjv-recite --running-copies "
+        data_line = (f"python -m moemesh.tools.train.build_data --out .traindata/kjv-recite --running-copies "
                      f"{oversample['num_running_copies']} --chat-variants {oversample['num_chat_variants']}")
         oversample_text = (f"\n- Oversampled (to be memorised): the well-known chapters {', '.join(oversample['chapters'])} "
                            f"get {oversample['num_running_copies']} extra chunkings of their running text and "
                            f"{oversample['num_chat_variants']} extra seeded sets of reference + continuation chat "
                            "examples per verse (`tools.corpus.dataset.OversampleConfig`).")
     else:
-        data_line = "python -m tools.corpus.build_dataset --out .traindata/kjv"
+        data_line = "python -m moemesh.tools.corpus.build_dataset --out .traindata/kjv"
         oversample_text = ""
     return f"""# kjv-dsv4-mini
 
@@ -98,7 +98,7 @@ test; it is not a useful language model beyond reciting and paraphrasing KJV ver
 ## Training
 ```
 {data_line}
-python -m tools.train --out models/kjv-dsv4-mini --data-dir .traindata/{'kjv-recite' if oversample else 'kjv'} {steps_args}
+python -m moemesh.tools.train --out models/kjv-dsv4-mini --data-dir .traindata/{'kjv-recite' if oversample else 'kjv'} {steps_args}
 ```
 Seed {settings.seed}; AdamW (β 0.9/0.95, weight decay {settings.weight_decay}), warm-up + cosine; target
 {target['steps']} steps × {settings.batch_size} windows × {settings.seq_len} tokens at peak lr {settings.target_lr}; drafter
@@ -121,5 +121,5 @@ Greedy continuation of `{RECITATION_PROMPT}` (exported weights): `{export['recit
 Drafter, teacher-forced greedy acceptance on held-out text (float weights; blocks whose next
 {config.dspark.block_size} tokens are the target's own greedy continuation, {acceptance['num_blocks']} blocks): per slot
 {slots}; mean accepted drafts per block {acceptance.get('mean_accepted', 0.0):.2f}. Recitation through the chat endpoint,
-speculative acceptance per verify step and expert skew: `python -m bench.default_model_figures`.
+speculative acceptance per verify step and expert skew: `python -m moemesh.bench.default_model_figures`.
 """

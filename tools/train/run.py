@@ -1,4 +1,4 @@
-"""`python -m tools.train --out models/kjv-dsv4-mini [--smoke] ...`: the one training command.
+"""`python -m moemesh.tools.train --out models/kjv-dsv4-mini [--smoke] ...`: the one training command.
 
 Steps (each logged as a JSON line to `<out>/train_log.jsonl`):
 1. dataset: read the pre-built token windows (`--data-dir`); build them with
@@ -31,7 +31,7 @@ LOG_FILE = "train_log.jsonl"
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.train", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moemesh.tools.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="pre-built dataset (manifest.json)")
     parser.add_argument("--tokenizer-dir", type=Path, default=DEFAULT_TOKENIZER_DIR)
@@ -69,7 +69,7 @@ class JsonLog:
 
 
 def settings_from_args(args):
-    from tools.train.settings import TrainSettings
+    from moemesh.tools.train.settings import TrainSettings
 
     settings = TrainSettings.smoke() if args.smoke else TrainSettings()
     overrides = {"seed": args.seed, "target_steps": args.target_steps, "drafter_steps": args.drafter_steps,
@@ -82,7 +82,7 @@ def settings_from_args(args):
 def ensure_dataset(data_dir: Path, log: JsonLog) -> dict:
     manifest_path = data_dir / "manifest.json"
     if not manifest_path.exists():
-        from tools.train import build_data
+        from moemesh.tools.train import build_data
 
         log("train.dataset_build", data_dir=str(data_dir))
         if build_data.main(["--out", str(data_dir), "--seq-len", "1024"]) != 0:
@@ -95,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
-    from common.model.config import ModelConfig
-    from tools.train.loops import train_drafter, train_target
-    from tools.train.report import finish_run
-    from tools.train.settings import model_config_dict
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.tools.train.loops import train_drafter, train_target
+    from moemesh.tools.train.report import finish_run
+    from moemesh.tools.train.settings import model_config_dict
 
     settings = settings_from_args(args)
     log = JsonLog(args.out / LOG_FILE)

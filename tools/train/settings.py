@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tools.corpus.special_tokens import BOS_ID, EOS_ID, MASK_ID
+from moemesh.tools.corpus.special_tokens import BOS_ID, EOS_ID, MASK_ID
 
 NUM_MAIN_LAYERS = 6
 NUM_DRAFT_STAGES = 3

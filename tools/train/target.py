@@ -16,13 +16,13 @@ import math
 import torch
 from torch import nn
 
-from common.model.attention_side import AttentionSide
-from common.model.batch import ForwardBatch, SequenceChunk
-from common.model.config import ModelConfig, NumericsConfig, RouterKind
-from common.model.hyper import hc_post
-from common.model.moe import RoutedExperts
-from common.model.state import SequenceState
-from tools.train.batched_attention import batched_attention
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.batch import ForwardBatch, SequenceChunk
+from moemesh.common.model.config import ModelConfig, NumericsConfig, RouterKind
+from moemesh.common.model.hyper import hc_post
+from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.state import SequenceState
+from moemesh.tools.train.batched_attention import batched_attention
 
 
 def init_parameters(module: nn.Module, config: ModelConfig, generator: torch.Generator) -> None:

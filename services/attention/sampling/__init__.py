@@ -5,12 +5,12 @@ settings), penalties, filters, logprobs, sampler (plain sampling), verify (draft
 token_masks (grammar masks of constrained requests, applied to the logits before both).
 """
 
-from services.attention.sampling.batch import SamplingBatch
-from services.attention.sampling.draw import sample_from_logits, sample_from_probs
-from services.attention.sampling.penalties import TokenHistory, build_token_history
-from services.attention.sampling.rng import Purpose, derive_key, stream, streams_for_rows, uniform
-from services.attention.sampling.sampler import Sampler, SamplerOutput, process_logits
-from services.attention.sampling.verify import VerifyOutput, verify
+from moemesh.services.attention.sampling.batch import SamplingBatch
+from moemesh.services.attention.sampling.draw import sample_from_logits, sample_from_probs
+from moemesh.services.attention.sampling.penalties import TokenHistory, build_token_history
+from moemesh.services.attention.sampling.rng import Purpose, derive_key, stream, streams_for_rows, uniform
+from moemesh.services.attention.sampling.sampler import Sampler, SamplerOutput, process_logits
+from moemesh.services.attention.sampling.verify import VerifyOutput, verify
 
 __all__ = [
     "Purpose",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.sampling_params import SamplingParams
+from moemesh.common.sampling_params import SamplingParams
 
 
 def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:

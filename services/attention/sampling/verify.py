@@ -35,12 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
-from common.sampling_params import SamplingParams
-from services.attention.sampling.batch import SamplingBatch
-from services.attention.sampling.draw import sample_from_probs
-from services.attention.sampling.penalties import build_token_history, extend_with_drafts
-from services.attention.sampling.rng import Purpose, stream, uniform
-from services.attention.sampling.sampler import process_logits
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.attention.sampling.batch import SamplingBatch
+from moemesh.services.attention.sampling.draw import sample_from_probs
+from moemesh.services.attention.sampling.penalties import build_token_history, extend_with_drafts
+from moemesh.services.attention.sampling.rng import Purpose, stream, uniform
+from moemesh.services.attention.sampling.sampler import process_logits
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ No torch, no zmq, no asyncio: the router's engine loop calls `Scheduler.schedule
 `Scheduler.update()` between its awaits, and the unit tests run in milliseconds.
 """
 
-from services.router.scheduler.admission import (
+from moemesh.services.router.scheduler.admission import (
     AdmissionController,
     AdmissionDecision,
     AdmissionLimits,
@@ -12,9 +12,9 @@ from services.router.scheduler.admission import (
     ThroughputMeter,
     estimate_prompt_tokens,
 )
-from services.router.scheduler.config import SchedulerConfig
-from services.router.scheduler.metrics import SchedulerCounters, SchedulerStats
-from services.router.scheduler.output import (
+from moemesh.services.router.scheduler.config import SchedulerConfig
+from moemesh.services.router.scheduler.metrics import SchedulerCounters, SchedulerStats
+from moemesh.services.router.scheduler.output import (
     RequestEvent,
     RestoreReason,
     ScheduledSequence,
@@ -22,8 +22,8 @@ from services.router.scheduler.output import (
     SequenceResult,
     StateRestore,
 )
-from services.router.scheduler.request import FinishReason, Request, RequestStatus
-from services.router.scheduler.scheduler import Scheduler
+from moemesh.services.router.scheduler.request import FinishReason, Request, RequestStatus
+from moemesh.services.router.scheduler.scheduler import Scheduler
 
 __all__ = [
     "AdmissionController",

@@ -14,7 +14,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from services.router.scheduler.config import SchedulerConfig
+from moemesh.services.router.scheduler.config import SchedulerConfig
 
 DEFAULT_BYTES_PER_TOKEN = 4.0
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.router.scheduler.config import SchedulerConfig
-from services.router.scheduler.request import Request
-from services.router.scheduler.stop_checks import max_output_tokens
+from moemesh.services.router.scheduler.config import SchedulerConfig
+from moemesh.services.router.scheduler.request import Request
+from moemesh.services.router.scheduler.stop_checks import max_output_tokens
 
 
 def num_tokens_to_compute(request: Request, config: SchedulerConfig, budget: int) -> tuple[int, int]:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.scheduler.block_pool import BlockPool, StateSlotPool
-from services.router.scheduler.config import SchedulerConfig, num_blocks_for_tokens
-from services.router.scheduler.prefix_cache import extend_block_hashes
-from services.router.scheduler.request import Request
+from moemesh.services.router.scheduler.block_pool import BlockPool, StateSlotPool
+from moemesh.services.router.scheduler.config import SchedulerConfig, num_blocks_for_tokens
+from moemesh.services.router.scheduler.prefix_cache import extend_block_hashes
+from moemesh.services.router.scheduler.request import Request
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Sized
 
-    from services.router.scheduler.kv_manager import KVBlockManager
+    from moemesh.services.router.scheduler.kv_manager import KVBlockManager
 
 
 @dataclass

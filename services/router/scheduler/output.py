@@ -13,8 +13,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from common.sampling_params import SamplingParams
-from services.router.scheduler.request import FinishReason
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.router.scheduler.request import FinishReason
 
 
 @dataclass(frozen=True)

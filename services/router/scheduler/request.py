@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from common.sampling_params import SamplingParams
+from moemesh.common.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -31,16 +31,16 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from services.router.scheduler.admission import (
+from moemesh.services.router.scheduler.admission import (
     AdmissionController,
     AdmissionDecision,
     AdmissionLimits,
     ThroughputMeter,
 )
-from services.router.scheduler.config import SchedulerConfig
-from services.router.scheduler.kv_manager import KVBlockManager
-from services.router.scheduler.metrics import SchedulerCounters, SchedulerStats, collect_stats
-from services.router.scheduler.output import (
+from moemesh.services.router.scheduler.config import SchedulerConfig
+from moemesh.services.router.scheduler.kv_manager import KVBlockManager
+from moemesh.services.router.scheduler.metrics import SchedulerCounters, SchedulerStats, collect_stats
+from moemesh.services.router.scheduler.output import (
     RequestEvent,
     RestoreReason,
     ScheduledSequence,
@@ -48,9 +48,9 @@ from services.router.scheduler.output import (
     SequenceResult,
     StateRestore,
 )
-from services.router.scheduler.request import FinishReason, Request, RequestStatus
-from services.router.scheduler.budget import num_tokens_to_compute
-from services.router.scheduler.stop_checks import append_sampled_tokens, result_problem
+from moemesh.services.router.scheduler.request import FinishReason, Request, RequestStatus
+from moemesh.services.router.scheduler.budget import num_tokens_to_compute
+from moemesh.services.router.scheduler.stop_checks import append_sampled_tokens, result_problem
 
 
 @dataclass

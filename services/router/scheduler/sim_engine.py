@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.router.scheduler.output import RequestEvent, SchedulerOutput
-from services.router.scheduler.request import Request
-from services.router.scheduler.scheduler import Scheduler
-from services.router.scheduler.sim_worker import SimulatedWorker, fingerprints_of, next_fingerprint
+from moemesh.services.router.scheduler.output import RequestEvent, SchedulerOutput
+from moemesh.services.router.scheduler.request import Request
+from moemesh.services.router.scheduler.scheduler import Scheduler
+from moemesh.services.router.scheduler.sim_worker import SimulatedWorker, fingerprints_of, next_fingerprint
 
 # drafter(request, worker) -> draft token ids for the request's next step
 Drafter = Callable[[Request, SimulatedWorker], list[int]]

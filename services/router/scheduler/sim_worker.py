@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from services.router.scheduler.config import SchedulerConfig
-from services.router.scheduler.output import SchedulerOutput, SequenceResult
+from moemesh.services.router.scheduler.config import SchedulerConfig
+from moemesh.services.router.scheduler.output import SchedulerOutput, SequenceResult
 
 _ROOT_FINGERPRINT = 0x5EED
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.router.scheduler.output import ScheduledSequence, SequenceResult
-from services.router.scheduler.request import FinishReason, Request
+from moemesh.services.router.scheduler.output import ScheduledSequence, SequenceResult
+from moemesh.services.router.scheduler.request import FinishReason, Request
 
 
 def max_output_tokens(request: Request, max_model_len: int) -> int:

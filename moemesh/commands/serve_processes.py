@@ -1,6 +1,6 @@
 """The child processes of `moemesh serve`: start, watch, stop in order, never orphan.
 
-Each service runs as `python -m common.cli <role> --config FILE --name NAME` in its own
+Each service runs as `python -m moemesh.cli <role> --config FILE --name NAME` in its own
 session (so a Ctrl-C on the terminal reaches only `serve`, which then stops the services in
 order) with the parent-death signal set to SIGTERM on Linux (so even a SIGKILLed `serve`
 leaves no orphans). Its stderr goes to `<log_dir>/<name>.stderr` (the structured log is in
@@ -66,7 +66,7 @@ def start_service(role: str, name: str, config_path: Path, log_dir: Path,
     """extra_args: the service's own options (e.g. the draft worker's --speculation)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     stderr_path = log_dir / f"{name}.stderr"
-    command = [sys.executable, "-m", "common.cli", role, "--config", str(config_path), "--name", name, *extra_args]
+    command = [sys.executable, "-m", "moemesh.cli", role, "--config", str(config_path), "--name", name, *extra_args]
     env = dict(os.environ)
     repo_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
@@ -123,7 +123,7 @@ def load_progress_bar(run_dir: Path, names: list[str], width: int = 20,
     the MiB read so far, from `<run_dir>/progress/*.json` (common.runtime.load_progress).
     `expected_bytes` (services.router.status_page_progress) sizes each service's share of the
     checkpoint; without an entry a service still loading shows an empty bar and its bytes."""
-    from common.runtime.load_progress import progress_dir_for, read_progress
+    from moemesh.common.runtime.load_progress import progress_dir_for, read_progress
 
     records = {record["name"]: record for record in read_progress(progress_dir_for(run_dir))}
     parts = []

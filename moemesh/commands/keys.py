@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.security.curve import KeyFileError
+    from moemesh.common.security.curve import KeyFileError
 
     try:
         if args.keys_action == "generate":
@@ -40,12 +40,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from common.security.curve import check_key_name, generate_key_pair, key_file_paths, write_key_pair
+    from moemesh.common.security.curve import check_key_name, generate_key_pair, key_file_paths, write_key_pair
 
     names = list(args.names)
     if args.config:
-        from common.runtime.deployment import load_deployment
-        from common.security.socket_security import deployment_key_names
+        from moemesh.common.runtime.deployment import load_deployment
+        from moemesh.common.security.socket_security import deployment_key_names
 
         names.extend(deployment_key_names(load_deployment(args.config)))
     names = list(dict.fromkeys(check_key_name(name) for name in names))
@@ -67,7 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _show(directory: str) -> int:
-    from common.security.curve import load_public_keys
+    from moemesh.common.security.curve import load_public_keys
 
     for name, public_key in load_public_keys(directory).items():
         print(f"{name}\t{public_key.decode('ascii')}")

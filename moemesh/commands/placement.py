@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     show.add_argument("--api-key", default=None, help="bearer key for --url (default: $MOEMESH_API_KEY)")
     _add_model_arguments(show, required=False)
     show.add_argument("--layers", action="store_true", help="also list each worker's experts per layer")
-    from common.commands.placement_apply import add_apply_arguments
+    from moemesh.commands.placement_apply import add_apply_arguments
 
     add_apply_arguments(sub)
 
@@ -68,11 +68,11 @@ def _add_model_arguments(parser: argparse.ArgumentParser, required: bool = True)
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.model.config import ConfigError
-    from common.placement.devices import DeviceSpecError
-    from common.placement.placement_file import PlacementError
-    from common.placement.plan import PlacementInfeasible
-    from common.placement.stats import StatsError
+    from moemesh.common.model.config import ConfigError
+    from moemesh.common.placement.devices import DeviceSpecError
+    from moemesh.common.placement.placement_file import PlacementError
+    from moemesh.common.placement.plan import PlacementInfeasible
+    from moemesh.common.placement.stats import StatsError
 
     action = getattr(args, "placement_command", None)
     if action is None:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if action == "apply":
-            from common.commands.placement_apply import run_apply
+            from moemesh.commands.placement_apply import run_apply
 
             return run_apply(args)
         if action == "show" and args.url is not None:
@@ -95,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load_config(args: argparse.Namespace, required: bool = True):
-    from common.model.config import ModelConfig
-    from common.placement.presets import preset_config
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.common.placement.presets import preset_config
 
     if args.preset:
         return preset_config(args.preset)
@@ -112,11 +112,11 @@ def _load_config(args: argparse.Namespace, required: bool = True):
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from common.placement.cost import CostConfig, ModelCosts
-    from common.placement.devices import build_devices
-    from common.placement.placement_file import validate_placement, write_placement
-    from common.placement.plan import PlanConfig, Policy, plan_placement
-    from common.placement.stats import ALL_PHASES, Phase, read_stats_files
+    from moemesh.common.placement.cost import CostConfig, ModelCosts
+    from moemesh.common.placement.devices import build_devices
+    from moemesh.common.placement.placement_file import validate_placement, write_placement
+    from moemesh.common.placement.plan import PlanConfig, Policy, plan_placement
+    from moemesh.common.placement.stats import ALL_PHASES, Phase, read_stats_files
 
     costs = ModelCosts.from_config(_load_config(args))
     devices = build_devices(args.budget, args.throughput, args.hop_us)
@@ -154,7 +154,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _print_plan(result, costs, stats_text: str, config, out: str) -> None:
-    from common.placement.devices import format_bytes
+    from moemesh.common.placement.devices import format_bytes
 
     print(f"placement plan: policy {config.policy.value}, {costs.num_layers} layers x {costs.num_experts} experts, "
           f"{format_bytes(costs.bytes_per_expert)} per expert")
@@ -174,9 +174,9 @@ def _print_plan(result, costs, stats_text: str, config, out: str) -> None:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from common.placement.cost import ModelCosts
-    from common.placement.devices import format_bytes
-    from common.placement.placement_file import format_ranges, group_by_layer, placement_problems, read_placement
+    from moemesh.common.placement.cost import ModelCosts
+    from moemesh.common.placement.devices import format_bytes
+    from moemesh.common.placement.placement_file import format_ranges, group_by_layer, placement_problems, read_placement
 
     placement = read_placement(args.file)
     config = _load_config(args, required=False)
@@ -214,7 +214,7 @@ def _show_registered(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from common.placement.devices import format_bytes
+    from moemesh.common.placement.devices import format_bytes
 
     key = args.api_key or os.environ.get("MOEMESH_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -237,7 +237,7 @@ def _show_registered(args: argparse.Namespace) -> int:
               f"{worker['num_experts']:>8} {format_bytes(worker['num_weight_bytes']):>12} {free:>12}  "
               f"{worker['endpoint']}")
         if args.layers:
-            from common.placement.placement_file import format_ranges
+            from moemesh.common.placement.placement_file import format_ranges
 
             for layer, experts in worker["experts_by_layer"].items():
                 print(f"    layer {layer}: {format_ranges(experts)}")

@@ -28,7 +28,7 @@ def add_apply_arguments(sub) -> None:
 def run_apply(args: argparse.Namespace) -> int:
     import httpx
 
-    from common.placement.placement_file import parse_toml
+    from moemesh.common.placement.placement_file import parse_toml
 
     text = Path(args.file).read_text()
     parse_toml(text, args.file)  # refuse a malformed file here, before the router sees it

@@ -1,4 +1,4 @@
-"""The `moemesh` command: one sub-command per module under `common.commands`.
+"""The `moemesh` command: one sub-command per module under `moemesh.commands`.
 
 Each command module defines `add_arguments(parser)` and `run(args) -> int`. Modules are
 imported only when their command runs, so `moemesh router` never imports torch.
@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-# command name -> (module under common.commands, one-line help)
+# command name -> (module under moemesh.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("generate", "generate text with the single-process reference model (or --distributed)"),
     "check-model": ("check_model", "print what a checkpoint holds and run one forward"),
@@ -32,9 +32,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     modules: dict[str, object] = {}
     for name, (module_name, help_text) in COMMANDS.items():
         try:
-            module = importlib.import_module(f"common.commands.{module_name}")
+            module = importlib.import_module(f"moemesh.commands.{module_name}")
         except ModuleNotFoundError as error:
-            if error.name != f"common.commands.{module_name}":
+            if error.name != f"moemesh.commands.{module_name}":
                 raise
             continue  # command not built yet
         command_parser = sub.add_parser(name, help=help_text)

@@ -14,14 +14,14 @@ import importlib
 
 # benchmark name -> module under the bench package
 BENCHMARKS: dict[str, str] = {
-    "dispatch": "bench.dispatch",
-    "scheduler": "bench.scheduler_cost",
-    "kernels": "bench.kernels",
-    "layers": "bench.layers",
-    "fullsize": "bench.fullsize",
-    "serve": "bench.serve",
-    "speculation": "bench.speculation",
-    "make-checkpoint": "bench.random_checkpoint",
+    "dispatch": "moemesh.bench.dispatch",
+    "scheduler": "moemesh.bench.scheduler_cost",
+    "kernels": "moemesh.bench.kernels",
+    "layers": "moemesh.bench.layers",
+    "fullsize": "moemesh.bench.fullsize",
+    "serve": "moemesh.bench.serve",
+    "speculation": "moemesh.bench.speculation",
+    "make-checkpoint": "moemesh.bench.random_checkpoint",
 }
 
 

@@ -12,18 +12,18 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    from common.runtime.deployment import add_deployment_arguments
+    from moemesh.common.runtime.deployment import add_deployment_arguments
 
     add_deployment_arguments(parser)
     parser.add_argument("--name", default=None, help="this worker's name in the deployment (needed when the "
                         "role has several workers)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     if name == "router":
-        from common.commands.serve import add_request_limit_arguments
+        from moemesh.commands.serve import add_request_limit_arguments
 
         add_request_limit_arguments(parser)
     if name == "attention":
-        from services.attention.main import add_attention_arguments
+        from moemesh.services.attention.main import add_attention_arguments
 
         add_attention_arguments(parser)
     if name == "expert":
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                             help="what this worker keeps of its routed experts (default: the deployment's "
                                  "expert_dtype, itself native by default)")
     if name == "draft":
-        from services.draft.main import add_draft_arguments
+        from moemesh.services.draft.main import add_draft_arguments
 
         add_draft_arguments(parser)
 
@@ -40,14 +40,14 @@ def deployment_overrides(args: argparse.Namespace) -> list[str]:
     """`--set` overrides, and for the router its request-limit flags as `[router]` keys."""
     overrides = list(args.overrides)
     if args.command_name == "router":
-        from common.commands.serve import request_limits
+        from moemesh.commands.serve import request_limits
 
         overrides += [f"router.{key}={value}" for key, value in request_limits(args)]
     return overrides
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.runtime.deployment import DeploymentError, load_deployment
+    from moemesh.common.runtime.deployment import DeploymentError, load_deployment
 
     try:
         deployment = load_deployment(args.config, deployment_overrides(args))
@@ -56,20 +56,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     match args.command_name:
         case "router":
-            from services.router.main import main as router_main
+            from moemesh.services.router.main import main as router_main
 
             return router_main(deployment, args.name, args.log_level)
         case "attention":
-            from services.attention.main import main as attention_main, options_from_args
+            from moemesh.services.attention.main import main as attention_main, options_from_args
 
             return attention_main(deployment, args.name, args.log_level, options_from_args(args))
         case "expert":
-            from services.expert.main import main as expert_main
+            from moemesh.services.expert.main import main as expert_main
 
             return expert_main(deployment, args.name, args.log_level, expert_dtype=args.expert_dtype)
         case "draft":
-            from services.draft.main import options_from_args, run as draft_run
-            from services.draft.width import SpeculationError
+            from moemesh.services.draft.main import options_from_args, run as draft_run
+            from moemesh.services.draft.width import SpeculationError
 
             try:
                 return draft_run(deployment, args.name, args.log_level, options_from_args(args))

@@ -97,10 +97,10 @@ def _print_text(summary: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from common.checkpoint.errors import CheckpointError
-    from common.checkpoint.reader import CheckpointReader
-    from common.checkpoint.summary import encode_prompt, run_reference_forward, summarize
-    from common.model.config import ConfigError
+    from moemesh.common.checkpoint.errors import CheckpointError
+    from moemesh.common.checkpoint.reader import CheckpointReader
+    from moemesh.common.checkpoint.summary import encode_prompt, run_reference_forward, summarize
+    from moemesh.common.model.config import ConfigError
 
     try:
         if (args.model_dir is None) == (args.model is None):
@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, ConfigError, OSError) as error:
         print(json.dumps({"error": str(error)}) if args.json else f"error: {error}")
         return 1
-    from common.checkpoint.worker_sizes import format_totals, tensor_rows, worker_rows
-    from common.runtime.deployment import DeploymentError
+    from moemesh.common.checkpoint.worker_sizes import format_totals, tensor_rows, worker_rows
+    from moemesh.common.runtime.deployment import DeploymentError
 
     summary = summarize(reader)
     rows = tensor_rows(reader)

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import structlog
 
-from common.commands.serve_processes import ServiceProcess
-from common.runtime.restart_record import ChildRestarts, write_restarts
+from moemesh.commands.serve_processes import ServiceProcess
+from moemesh.common.runtime.restart_record import ChildRestarts, write_restarts
 
 log = structlog.get_logger("serve")
 

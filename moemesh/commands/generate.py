@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                              "routing weight before w2, FP8 KV QAT (single-process only)")
     parser.add_argument("--distributed", action="store_true",
                         help="run the attention worker and --expert-workers expert workers as separate processes")
-    from services.attention.distributed_generate import add_distributed_arguments
+    from moemesh.services.attention.distributed_generate import add_distributed_arguments
 
     add_distributed_arguments(parser)
 
@@ -36,11 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 def _load_model(path: str, dtype_name: str, device: str, reference_numerics: bool = False):
     import structlog
 
-    from common.checkpoint.reader import CheckpointReader
-    from common.model.attention_side import AttentionSide
-    from common.model.config import ModelConfig, NumericsConfig
-    from common.model.moe import RoutedExperts
-    from common.model.reference import ReferenceModel
+    from moemesh.common.checkpoint.reader import CheckpointReader
+    from moemesh.common.model.attention_side import AttentionSide
+    from moemesh.common.model.config import ModelConfig, NumericsConfig
+    from moemesh.common.model.moe import RoutedExperts
+    from moemesh.common.model.reference import ReferenceModel
 
     config = ModelConfig.load(path)
     numerics = NumericsConfig.reference(dtype_name) if reference_numerics else NumericsConfig(dtype=dtype_name)
@@ -58,7 +58,7 @@ def _load_model(path: str, dtype_name: str, device: str, reference_numerics: boo
 def _encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
     if not chat:
         return [tokenizer.encode(prompt).ids for prompt in prompts]
-    from common.chat.encoding import encode_messages
+    from moemesh.common.chat.encoding import encode_messages
 
     # the chat text already carries BOS as text; do not let the tokenizer add another
     return [tokenizer.encode(encode_messages([{"role": "user", "content": prompt}]), add_special_tokens=False).ids
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         if args.reference_numerics:
             print("--reference-numerics is not supported with --distributed yet", file=sys.stderr)
             return 2
-        from services.attention.distributed_generate import run_distributed
+        from moemesh.services.attention.distributed_generate import run_distributed
 
         return run_distributed(args)
     if args.max_tokens < 1:
@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
     from tokenizers import Tokenizer
 
-    from common.model.generate import GenerationConfig, generate_batch
-    from common.runtime.logging import configure_logging
+    from moemesh.common.model.generate import GenerationConfig, generate_batch
+    from moemesh.common.runtime.logging import configure_logging
 
     configure_logging("generate", None)  # events to stderr: stdout is for the output (--json)
 

@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common.commands.serve_config import DEFAULT_MODEL_DIR
+from moemesh.commands.serve_config import DEFAULT_MODEL_DIR
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -104,7 +104,7 @@ def request_limits(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
 def _parse_devices(text: str) -> tuple[str, ...]:
     """The devices of `--devices`; `auto`: every CUDA GPU, else the CPU (common/commands/devices.py)."""
     if text.strip() == "auto":
-        from common.commands.devices import auto_devices
+        from moemesh.commands.devices import auto_devices
 
         return auto_devices()
     devices = tuple(part.strip() for part in text.split(",") if part.strip())
@@ -118,7 +118,7 @@ def _write_api_key_file(args: argparse.Namespace, run_dir: Path) -> str | None:
     the file the router reads (a restarted router too); None when no key is given (the API is open)."""
     import os
 
-    from common.security.api_keys import collect_api_keys
+    from moemesh.common.security.api_keys import collect_api_keys
 
     keys = collect_api_keys(args.api_key, args.api_key_file)
     if not keys:
@@ -166,16 +166,16 @@ def _progress(services: dict[str, str], elapsed_s: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.commands.serve_config import (
+    from moemesh.commands.serve_config import (
         DRAFT_NAME, ModelMissing, ServeLayout, check_model_dir, draft_block_size, write_deployment,
     )
-    from services.draft.width import SpeculationConfig
-    from common.commands.serve_processes import start_service, stop_services
-    from common.commands.serve_restarts import RestartPolicy
-    from common.commands.serve_model import HubModelMissing, is_hub_id, resolve_model
-    from common.runtime.deployment import DeploymentError
-    from common.runtime.logging import configure_logging
-    from common.security.api_keys import ApiKeyError, collect_api_keys
+    from moemesh.services.draft.width import SpeculationConfig
+    from moemesh.commands.serve_processes import start_service, stop_services
+    from moemesh.commands.serve_restarts import RestartPolicy
+    from moemesh.commands.serve_model import HubModelMissing, is_hub_id, resolve_model
+    from moemesh.common.runtime.deployment import DeploymentError
+    from moemesh.common.runtime.logging import configure_logging
+    from moemesh.common.security.api_keys import ApiKeyError, collect_api_keys
 
     try:
         model_dir = check_model_dir(resolve_model(args.model, args.revision))
@@ -251,15 +251,15 @@ def _write_placement(model_dir: Path, run_dir: Path, num_workers: int, devices: 
     """With several expert workers, split every layer's experts round-robin (a placement file)."""
     if num_workers == 1:
         return None
-    from common.commands.serve_config import expert_devices
-    from common.model.config import ModelConfig
-    from common.placement.placement_file import write_placement
-    from common.placement.worker_holdings import round_robin
+    from moemesh.commands.serve_config import expert_devices
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.common.placement.placement_file import write_placement
+    from moemesh.common.placement.worker_holdings import round_robin
 
     config = ModelConfig.load(model_dir)
     names = [f"expert-{index}" for index in range(num_workers)]
     # a planning figure only (one expert as the workers keep it natively); nothing is sized from it here
-    from common.placement.worker_budget import resident_bytes_per_expert
+    from moemesh.common.placement.worker_budget import resident_bytes_per_expert
 
     bytes_per_expert = resident_bytes_per_expert(config)
     placement = round_robin(names, expert_devices(devices, num_workers), config.num_hidden_layers,
@@ -275,7 +275,7 @@ def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: floa
     drafter, ready also waits for it to come up, unless it exits (then serving goes on without it).
     With `run_dir`, the line also carries a load progress bar per worker (the router loads no
     weights), filled by the bytes each is expected to read (`expected_bytes`)."""
-    from common.commands.serve_processes import first_exited, load_progress_bar
+    from moemesh.commands.serve_processes import first_exited, load_progress_bar
 
     loading_names = [service.name for service in services if service.name != "router"]
 
@@ -312,10 +312,10 @@ def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: floa
 def _wait_for_stop(services, stop: _StopRequested, policy, run_dir: Path) -> str:
     """Restart services that die until a stop is requested ("stopped") or one spends its budget
     (why). `services` is updated in place with the replacements."""
-    from common.commands.serve_processes import restart_service
-    from common.commands.serve_restarts import ChildRestarter, GaveUp
-    from common.commands.serve_config import DRAFT_NAME
-    from common.runtime.restart_record import restarts_path_for
+    from moemesh.commands.serve_processes import restart_service
+    from moemesh.commands.serve_restarts import ChildRestarter, GaveUp
+    from moemesh.commands.serve_config import DRAFT_NAME
+    from moemesh.common.runtime.restart_record import restarts_path_for
 
     record_path = restarts_path_for(run_dir)
     record_path.unlink(missing_ok=True)  # a reused run dir: only this serve's restarts count
@@ -362,7 +362,7 @@ class _DrafterWatch:
 
 def _expected_load_bytes(deployment) -> dict[str, int] | None:
     """What each service will read (for the progress bars); None when it cannot be told."""
-    from services.router.status_page_progress import expected_bytes_for_deployment
+    from moemesh.services.router.status_page_progress import expected_bytes_for_deployment
 
     try:
         return expected_bytes_for_deployment(deployment)
@@ -377,8 +377,8 @@ def _set_router_width_policy(speculation) -> None:
     `drafter`, the confidence rule alone); fixed and off keep the drafter's widths, always."""
     import os
 
-    from services.draft.width import SpeculationMode
-    from services.router.engine_drafts import WIDTH_POLICY_ENV
+    from moemesh.services.draft.width import SpeculationMode
+    from moemesh.services.router.engine_drafts import WIDTH_POLICY_ENV
 
     if speculation.mode is SpeculationMode.ADAPTIVE:
         os.environ.setdefault(WIDTH_POLICY_ENV, "cost")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.runtime.deployment import Deployment, DeploymentError, load_deployment
+from moemesh.common.runtime.deployment import Deployment, DeploymentError, load_deployment
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "kjv-dsv4-mini"
 
