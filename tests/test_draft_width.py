@@ -79,7 +79,7 @@ def test_width_module_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, services.draft.width, services.draft.main; assert 'torch' not in sys.modules"
+    code = "import sys, moemesh.services.draft.width, moemesh.services.draft.main; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
