@@ -15,7 +15,7 @@ set -u
 mkdir -p "$RESULTS_DIR"
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/moemesh-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/moemesh-mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-# Several moemesh processes share one GPU: MPS (architecture.md §10). Already running is fine.
+# Several moemesh processes share one GPU: MPS (docs/design.md §10). Already running is fine.
 nvidia-cuda-mps-control -d && echo "spec.sh: MPS started" || echo "spec.sh: MPS not started (already running?)"
 trap 'echo quit | nvidia-cuda-mps-control; echo "spec.sh: MPS stopped"' EXIT
 start_s=$(date +%s)

@@ -1,4 +1,4 @@
-"""Fused mHC kernels (spec dsv4-model.md §2.2): `hc_pre`, `hc_post`, `hc_head` in two or one launches.
+"""Fused mHC kernels (docs/model.md §2.2): `hc_pre`, `hc_post`, `hc_head` in two or one launches.
 
 Legend: T tokens, N streams (hc_mult), NP N padded to a power of two, D hidden, K = N·D flattened
 stream width, M mix rows ((2 + N)·N for hc_pre, N for hc_head), BM M padded, S split-K parts.
