@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Disaggregated decode on one host (issue 7 items 1, 3, 4): the CUDA tests of the IPC data plane and the
+# Disaggregated decode on one host: the CUDA tests of the IPC data plane and the
 # graphs, `bench layers --disaggregated` (in-process CUDA graphs vs an expert worker process over ZeroMQ and
 # over CUDA IPC, eager and with graph segments), the killed-expert test on its own, the hop cost alone, and
 # (two GPUs) the expert worker on cuda:1. Run from the repo root by bench/device/run_all.sh with PYTHONPATH

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Speculative decoding on the H200 (issue 6), within a 330 s cap:
+# Speculative decoding on the H200, within a 330 s cap:
 #   1. CUDA correctness tests (drafter on cuda equals cpu; sampled drafts valid)            ~20 s (cap 35)
 #   2. the speculation benchmark with every service on cuda:0: off / fixed / adaptive (adaptive = the
 #      confidence rule + the router's cost-aware widths), temperature 0 and 1, 1 and 8 streams,

@@ -4,7 +4,7 @@ Legend: R routed rows (sorted by expert), E experts, D hidden, I expert width, C
 
 Why: the fused grouped kernel (`fp4_experts`) decodes every weight tile once per row tile of its
 expert, in the GEMM's main loop; at an 8K-token prefill an expert sees ~190 rows, so each tile is
-decoded three times (64-row tiles) and the decode competes with the MMA for issue slots (session 2:
+decoded three times (64-row tiles) and the decode competes with the MMA for issue slots (measured:
 184 TFLOP/s, 26 % of the bf16 rate at 2K tokens). Here each weight is decoded exactly once, by a
 bandwidth-bound kernel (FP4 read + bf16 written: ~4.3x the FP4 bytes), and the GEMMs are
 `torch._grouped_mm` (CUTLASS grouped GEMM on Hopper) on plain bf16 operands. That costs a transient
@@ -82,7 +82,7 @@ class PrefillPath(enum.Enum):
     AUTO = "auto"  # this module when `prefer_dequant_path` says so
 
 
-DEFAULT_PREFILL_PATH = PrefillPath.FUSED  # until the device measurement says otherwise (NOTES, session 3)
+DEFAULT_PREFILL_PATH = PrefillPath.FUSED  # measured faster than `dequant` below ~20K tokens (bench/NOTES.md)
 
 
 def prefill_path() -> PrefillPath:
