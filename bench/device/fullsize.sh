@@ -11,8 +11,8 @@
 # 8-GPU machines).
 # Knobs (environment): FULLSIZE_LAYERS (default 43), FULLSIZE_BUDGET_GIB (default 100 GiB x layers / 43),
 # FULLSIZE_CONTEXT (tokens per sequence, default 256; FULLSIZE_MAX_CONTEXT caps B x context, default 8192),
-# FULLSIZE_CONFIGS (default "gpu1ipc gpu1prefill gpu1graphs", what call 2 at 00:05 left out; call 2 ran
-# "cpu cpugraphs gpu1 gpu1ipcgraphs"; also gpu1ipcgraphs, cpugraphs, gpu1nostage; the
+# FULLSIZE_CONFIGS (default "gpu1ipc gpu1prefill gpu1graphs"; also cpu, gpu1, gpu1ipcgraphs, cpugraphs,
+# gpu1nostage; the
 # first configuration also pays the Triton compiles, which later ones find in the cache), FULLSIZE_TEST=1
 # runs the CUDA test first,
 # FULLSIZE_CPU_S / FULLSIZE_GPU1_S / FULLSIZE_IPC_S (cap of each configuration; each writes
@@ -95,7 +95,7 @@ for config in $CONFIGS; do
       case "$config" in *graphs) cap="${FULLSIZE_GRAPHS_S:-$cap}" ;; esac
       run_config "$config" cuda:1 "$cap" --data-plane "$plane" --batch "${FULLSIZE_GPU1_BATCH:-1,8,64}" \
         --prefill "$prefill" ${CMP:+--compare "$CMP"} $graphs ;;
-    gpu1prefill)  # the 8K prefill over ZeroMQ (call 2 ran out of time before it)
+    gpu1prefill)  # the 8K prefill over ZeroMQ
       if [ "$NGPU" -lt 2 ]; then continue; fi
       run_config gpu1prefill cuda:1 "${FULLSIZE_PREFILL_S:-70}" --data-plane zmq --batch "" --prefill 8192 ;;
     gpu1spec|gpu1ipcspec)  # speculation: oracle (full acceptance, output = plain) and the real draft worker
