@@ -1,5 +1,5 @@
 """The DSpark drafter alone at V4-Flash size on one device: `propose` and `add_features` timings
-against the drafter's weight-bandwidth floor (issue 10 item 2).
+against the drafter's weight-bandwidth floor.
 
 Loads a checkpoint with random weights (`bench.random_checkpoint`: V4-Flash with its three DSpark
 stages, three main layers for the target-layer features, written once and cached; `--tiny` for a CPU

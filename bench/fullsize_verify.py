@@ -10,8 +10,8 @@
    hot path indexes (`MoEDispatcher.owner`, read back);
 3. no pair is held by two workers (the split plan has no replicas, so a second holder means the
    placement file and the plan disagree).
-Why: run 3 of 2026-11-29 failed with `expert-near does not hold layer 42 experts [76]` after the
-timing had started; with this check a placement mismatch fails at once, naming the pair, and a
+Why: without it a placement mismatch surfaces only after timing has started (`expert-near does not
+hold layer 42 experts [76]`); with this check a placement mismatch fails at once, naming the pair, and a
 failure that still happens afterwards is a data-plane problem, which `DispatchTrace` then shows.
 
 `DispatchTrace` keeps the last Dispatches the attention side sent (ids and slot mask per worker;

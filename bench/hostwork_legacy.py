@@ -1,11 +1,11 @@
-"""The per-Dispatch host work as it was before session 4 (commit 6e3ca25), for `bench.hostwork` only.
+"""The earlier, device-synchronising form of the per-Dispatch host work, for `bench.hostwork` only.
 
-These are the old hot paths, kept here (not in the services) so that one benchmark run measures
+These are the earlier hot paths, kept here (not in the services) so that one benchmark run measures
 before and after on the same machine, stage by stage, and checks that both give identical results:
-- `legacy_expert_stages`: `QuantizedExpertWorker.handle_dispatch` of 6e3ca25 — a synchronous
+- `legacy_expert_stages`: `QuantizedExpertWorker.handle_dispatch` in its earlier form — a synchronous
   host->device copy per received tensor, the held-pair check on the device (`bool(missing.any())`),
   `torch.where` over the slot mask, the holder's own held check again, the grouped kernels;
-- `legacy_start_stages`: `MoEDispatcher.start` of 6e3ca25 (ZeroMQ path) — the worker count read from
+- `legacy_start_stages`: `MoEDispatcher.start` in its earlier form (ZeroMQ path) — the worker count read from
   the router (a walk over every (layer, expert) holder list), the owner lookup on the device,
   `bincount(...).tolist()`, per worker a mask and `nonzero`, device gathers, and Dispatches of device
   tensors that the channel copies to the host (synchronously below the inline size).

@@ -1,4 +1,4 @@
-"""Floors of `bench.layers`: bytes each step must read, FLOPs each prefill must do (spec §8).
+"""Floors of `bench.layers`: bytes each step must read, FLOPs each prefill must do (docs/model.md §8).
 
 Bytes are counted from the tensors actually built (FP8 weights + scales, FP4 packed + scales,
 bf16/fp32 tensors), per layer and for the head, so the floor is the one of the model measured.

@@ -2,7 +2,7 @@
 
 Random initialisation on the device in the activation dtype (bf16 on GPU: every weight dequantised
 to bf16, routed experts included, as transformers runs the model without FP8 kernels), eager
-attention (the only one it supports, spec §5.2). The cache is filled by a chunked prefill of the
+attention (the only one it supports, docs/model.md §5.2). The cache is filled by a chunked prefill of the
 context (chunks of at most `MAX_PREFILL_TOKENS_PER_FORWARD / B` tokens per sequence, so eager
 attention's score tensors stay small), then decode steps of one token per sequence are timed one
 by one with a device sync (transformers' cache is dynamic: no CUDA graph). transformers is

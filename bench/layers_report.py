@@ -2,7 +2,7 @@
 
 Every ratio is measured time / floor (1.0 = at the floor); `fraction_of_bf16` is the inverse for
 prefill FLOPs (achieved share of the measured bf16 matmul rate). Extrapolation: 2 window + 21 CSA +
-20 HCA layers (spec §1.2), each kind's measured per-layer time (a kind not measured takes a measured
+20 HCA layers (docs/model.md §1.2), each kind's measured per-layer time (a kind not measured takes a measured
 kind's time; `stand_ins` says which), plus the measured embed + head pieces.
 """
 

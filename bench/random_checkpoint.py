@@ -13,7 +13,7 @@ config's inventory (`common.checkpoint.inventory`) is written under its hub name
   (or FP8 blocks for `expert_dtype fp8`);
 - BF16 / F32 / I64 tensors where the checkpoint keeps them (embed, head, norms, compressors, mHC, sinks,
   gate bias, `tid2eid`);
-- with `--dspark`, the three DSpark stages under `mtp.{0,1,2}.*` with their real keys (dspark.md §3.2:
+- with `--dspark`, the three DSpark stages under `mtp.{0,1,2}.*` with their real keys (docs/speculation.md §3.2:
   `main_proj`, `main_norm`, the Markov and confidence heads) and the `dspark_*` config keys.
 
 Values (chosen so a forward stays finite and O(1) through 43 layers; for timing and plumbing, not for
@@ -26,7 +26,7 @@ N(0, 0.5²), ape N(0, 0.1²), plain linears N(0, 1/in_features), `tid2eid` disti
 Routing skew C >= 0 (`--routing-skew`): the gate bias of every learned-routing layer (and DSpark stage) is
 bias[e] = -C·ln(1 + rank[e]) with rank a per-layer random permutation (`skew_ranks`, 0 = the most
 favoured); C = 0 keeps a near-uniform random bias N(0, 0.01²). The bias takes part in expert selection
-only (dsv4-model.md §2.8), so this skews which experts run, not the routing weights.
+only (docs/model.md §2.8), so this skews which experts run, not the routing weights.
 
 Fast and bounded in memory at full width: quantized bytes are drawn directly (random integers through
 small lookup tables, no float weight is quantized), every tensor comes from its own generator seeded by
@@ -62,7 +62,7 @@ PROVENANCE_FILE = "moemesh_random_checkpoint.json"  # the arguments that wrote t
 INDEX_FILE = "model.safetensors.index.json"
 GENERATOR_VERSION = 1  # part of the cache key: bump when the bytes written for given arguments change
 
-# DSpark drafter of V4-Flash (dspark.md §3.2)
+# DSpark drafter of V4-Flash (docs/speculation.md §3.2)
 FLASH_DSPARK_BLOCK_SIZE = 5
 FLASH_DSPARK_MARKOV_RANK = 256
 FLASH_DSPARK_NOISE_TOKEN_ID = 128799

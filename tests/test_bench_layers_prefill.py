@@ -1,8 +1,8 @@
 """`bench.layers`' prefill timing runs the batched attention kernels, not the per-sequence torch loop.
 
-Session 3 found every earlier prefill figure of the layer benchmark on the torch path: its states were
-made inside `torch.inference_mode()`, and the kernels' address tables find a preallocated row store
-through a view's `_base`, which inference tensors lack, so the tables came back None. A child process
+States made inside `torch.inference_mode()` would put the layer benchmark's prefill on the torch path:
+the kernels' address tables find a preallocated row store through a view's `_base`, which inference
+tensors lack, so the tables come back None. A child process
 runs `time_prefill` under TRITON_INTERPRET=1 with the Triton attention backend forced on the CPU and
 reports which path the forward took."""
 

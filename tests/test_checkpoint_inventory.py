@@ -1,4 +1,4 @@
-"""Tensor inventory of hub checkpoints (spec dsv4-model.md §4.2, §8; dspark.md §3)."""
+"""Tensor inventory of hub checkpoints (docs/model.md §4.2, §8; docs/speculation.md §3)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _entries_by_owner(inventory) -> Counter:
 
 def test_flash_entry_counts_match_published_checkpoint(flash_inventory):
     counts = _entries_by_owner(flash_inventory)
-    # spec §4.2: 1565 per window-only hash layer, 1576 CSA, 1569 HCA, 6 top-level, 1575 MTP
+    # docs/model.md §4.2: 1565 per window-only hash layer, 1576 CSA, 1569 HCA, 6 top-level, 1575 MTP
     assert counts["top"] == 6
     assert counts[0] == counts[1] == 1565
     assert counts[2] == counts[4] == 1576

@@ -1,4 +1,4 @@
-"""FP8 block and FP4 expert quantization formats (spec dsv4-model.md §4.3)."""
+"""FP8 block and FP4 expert quantization formats (docs/model.md §4.3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hub-format round trip: our writer -> our reader and transformers' FP8 loader (spec §7.3)."""
+"""Hub-format round trip: our writer -> our reader and transformers' FP8 loader (docs/model.md §7.3)."""
 
 from __future__ import annotations
 

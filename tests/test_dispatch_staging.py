@@ -1,4 +1,4 @@
-"""The attention <-> expert data path through staging buffers (issue "Distributed execution" item 1).
+"""The attention <-> expert data path through staging buffers.
 
 Real ExpertChannel / MoEDispatcher on the attention side, real ExpertWorkers (tiny FP8/FP4
 checkpoint) answering from threads over real ipc sockets. Checks: outputs through the pools equal

@@ -1,5 +1,5 @@
 """Speculation width policy (services/draft/width.py): fixed, adaptive, defaults, refusals at start, and
-the cost-aware batch widths (expected committed tokens per second, dspark.md §2.4)."""
+the cost-aware batch widths (expected committed tokens per second, docs/speculation.md §2.4)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ outputs of the unfused composition it replaced (hc_pre then the block norm; norm
 CPU torch path: bit-equal (the fused entry points run the same two-step torch code there).
 Triton path: a child process with TRITON_INTERPRET=1 and MOEMESH_TRITON_GLUE_ON_CPU=1 runs both
 compositions through the kernels (fused launches vs separate launches), fp32 and bf16.
-The unfused reference below is the drafter's session-2 code, kept here as the oracle.
+The unfused reference below is the drafter's unfused composition, kept here as the oracle.
 Legend: A blocks, G slots, C context positions, D hidden, H heads, hd head dim.
 """
 

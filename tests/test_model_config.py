@@ -14,7 +14,7 @@ FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0]  # 43 main layers + MTP entry
 
 
 def flash_hub_dict() -> dict:
-    """The V4-Flash hub config.json values (spec §1.1), shared with the placement preset."""
+    """The V4-Flash hub config.json values (docs/model.md §1.1), shared with the placement preset."""
     return v4_flash_hub_dict()
 
 

@@ -24,7 +24,7 @@ TOLERANCE = 1e-4  # fp32 max abs logit difference; observed ~3e-7
 SEQ_LEN = 56
 
 CONFIGS = {
-    # spec §7.1: window+hash, CSA (top-2 of up to 14 rows), HCA ratio 8, 4 streams, YaRN
+    # docs/model.md §7.1: window+hash, CSA (top-2 of up to 14 rows), HCA ratio 8, 4 streams, YaRN
     "spec_tiny": dict(),
     # other shapes: 2 hash layers, 2 streams, 3 experts per token, no YaRN, CSA first
     "variant": dict(
@@ -135,7 +135,7 @@ def test_rope_tables_equal_transformers(setup):
 
 
 def test_yarn_table_at_flash_scale():
-    """Spec §2.4: θ=160000, factor 16, original 65536 -> pairs < 15 unchanged, > 25 slowed 16x."""
+    """docs/model.md §2.4: θ=160000, factor 16, original 65536 -> pairs < 15 unchanged, > 25 slowed 16x."""
     yarn = YarnConfig(16.0, 65536, 32.0, 1.0)
     base = inverse_frequencies(64, 160000.0, None)
     scaled = inverse_frequencies(64, 160000.0, yarn)

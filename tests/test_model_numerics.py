@@ -1,10 +1,10 @@
-"""The reference-numerics switches of `NumericsConfig` (spec §6): each changes what it should and
+"""The reference-numerics switches of `NumericsConfig` (docs/model.md §6): each changes what it should and
 nothing else.
 
 - shared_expert_clamp=False: the shared expert's SwiGLU is unclamped (matters only beyond ±limit).
 - route_weight_before_w2=True: routing weight applied to the SwiGLU output before w2 (rounding only).
 - kv_fp8_qat=True: window kv rows and compressed rows FP8-simulated on the nope channels.
-Models are the spec §7.1 tiny model (weights from transformers' random init, see common.model.tiny).
+Models are the docs/model.md §7.1 tiny model (weights from transformers' random init, see common.model.tiny).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 8 end to end with real processes (router, attention worker, expert workers) on the default
+"""Replicas and live placement end to end with real processes (router, attention worker, expert workers) on the default
 model, under continuous traffic from four clients:
 
 1. two expert workers that the deployment file does not list start (`--set expert[N]...

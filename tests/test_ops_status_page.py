@@ -298,7 +298,7 @@ def _keep_screenshot(shot: Path) -> Path | None:
 
 
 def test_serve_showed_load_progress_in_its_log_and_on_the_terminal(server, served):
-    """Item 5: each worker logged `<role>.load_progress` with bytes and tensors (the last one done),
+    """Each worker logged `<role>.load_progress` with bytes and tensors (the last one done),
     and `moemesh serve` drew its progress line (a bar per worker) on stderr until ready."""
     for name, role in (("attention-0", "attention"), ("expert-0", "expert")):
         events = [json.loads(line) for line in (server.run_dir / "logs" / f"{name}.log").read_text().splitlines()

@@ -42,7 +42,7 @@ def held_counts(result) -> dict[str, int]:
 
 def test_v4_flash_expert_bytes_come_from_the_config():
     costs = ModelCosts.from_config(preset_config("v4-flash"))
-    assert costs.bytes_per_expert == 13_369_344  # spec §8: 13.37 MB per FP4 routed expert with scales
+    assert costs.bytes_per_expert == 13_369_344  # docs/model.md §8: 13.37 MB per FP4 routed expert with scales
     assert (costs.num_layers, costs.num_experts, costs.num_experts_per_tok) == (43, 256, 6)
 
 

@@ -32,7 +32,7 @@ def test_bench_layers_tiny_writes_every_figure(tmp_path):
 
 
 def test_flash_floors_match_the_spec():
-    """Spec §8: expected distinct experts at b=64 ≈ 199.9; per-token layer matmul params."""
+    """docs/model.md §8: expected distinct experts at b=64 ≈ 199.9; per-token layer matmul params."""
     from moemesh.common.model.random_init import flash_config
 
     config = flash_config([AttentionKind.CSA, AttentionKind.HCA])

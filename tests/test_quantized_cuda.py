@@ -82,7 +82,7 @@ def test_model_float32_auto_matches_torch_path():
 def test_model_bf16_kernels_drift_no_more_than_torch_bf16(seed):
     """bf16 kernels against an fp32 run of the same weights, bounded by the torch bf16 path's own drift.
 
-    Session 2 compared kernels-bf16 with torch-bf16 directly (bound 0.05) and failed at 0.058: with
+    Comparing kernels-bf16 with torch-bf16 directly is not meaningful (it exceeds 0.05): with
     learned routing one token out of 72 picking a different expert moves a layer's output by ~5 %, and
     both bf16 runs flip a few tokens against each other (`bench/kernels_drift.py`; on the CPU under the
     interpreter the torch bf16 path itself is 0.06-0.28 from fp32 with 1-8 flipped tokens per layer).

@@ -253,7 +253,7 @@ def test_dspark_stages_load_in_the_drafter(plain):
 # ------------------------------------------------------------------------------------ full width
 def test_flash_entries_match_the_specification():
     """V4-Flash + DSpark at true width, planned but not written: shapes, dtypes and bytes per kind
-    from dsv4-model.md / dspark.md, not from the code."""
+    from docs/model.md / docs/speculation.md, not from the code."""
     from moemesh.bench.random_checkpoint_tensors import checkpoint_entries
 
     hub = hub_config("v4-flash", dspark=True)
@@ -268,14 +268,14 @@ def test_flash_entries_match_the_specification():
     wq_b_scale = entries["layers.10.attn.wq_b.scale"]
     assert (wq_b_scale.dtype, wq_b_scale.shape) == ("F8_E8M0", (256, 8))
     expert_bytes = 3 * (inter * D // 2 + inter * D // 32)
-    assert round(expert_bytes / 1e6, 2) == 13.37  # dsv4-model.md §8: one routed expert 13.37 MB
+    assert round(expert_bytes / 1e6, 2) == 13.37  # docs/model.md §8: one routed expert 13.37 MB
     routed = sum(e.num_bytes for name, e in entries.items() if ".ffn.experts." in name)
     assert routed == (43 + 3) * experts * expert_bytes
     assert entries["mtp.0.main_proj.weight"].shape == (D, 3 * D)
     assert entries["mtp.2.markov_head.markov_w1.weight"].shape == (129280, 256)
     assert entries["layers.0.ffn.gate.tid2eid"].shape == (129280, 6) and "layers.3.ffn.gate.tid2eid" not in entries
     main_bytes = sum(e.num_bytes for name, e in entries.items() if not name.startswith("mtp."))
-    assert round(main_bytes / 1e9, 2) == 156.02  # dsv4-model.md §8: main model 156.02 GB
+    assert round(main_bytes / 1e9, 2) == 156.02  # docs/model.md §8: main model 156.02 GB
     released = checkpoint_entries(ModelConfig.from_dict(hub_config("v4-flash")), 0.0)  # with its one plain MTP block
     assert round(sum(e.num_bytes for e in released) / 1e9, 2) == 159.61  # the whole released checkpoint
 

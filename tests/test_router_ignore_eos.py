@@ -1,5 +1,5 @@
 """`ignore_eos` through the gateway: EOS must not reach the engine as a stop token (the
-scheduler checks stop ids before it looks at ignore_eos, so it used to end the request at the
+scheduler checks stop ids before it looks at ignore_eos, so it would end the request at the
 first EOS anyway), and chat, which keeps special tokens for its parser, shows the text generated
 past an ignored EOS without the EOS / BOS markers themselves.
 

@@ -1,4 +1,4 @@
-"""Routing statistics of the attention worker (issue "Expert placement" item 1).
+"""Routing statistics of the attention worker.
 
 An in-process AttentionWorker with real expert workers (threads, real ipc sockets) runs prompts;
 its per-(layer, expert) counts, split into prefill and decode, must equal a direct bincount of the

@@ -1,4 +1,4 @@
-"""The draft worker loads the DeepSeek-V4-Flash-0731 layout (dspark.md §3.1): the drafter built into a
+"""The draft worker loads the DeepSeek-V4-Flash-0731 layout (docs/speculation.md §3.1): the drafter built into a
 sharded checkpoint, its heads (`mtp.2.markov_head.*`, `mtp.2.confidence_head.*`) in the last shard,
 `compress_ratios` covering the main layers plus the draft blocks (ratio 0). Proposals from that
 layout equal those from the same weights in one file, bit for bit."""

@@ -1,4 +1,4 @@
-"""Sampled speculation through the serving path emits the target's distribution (issue 6).
+"""Sampled speculation through the serving path emits the target's distribution.
 
 A tiny random DeepSeek-V4 with a DSpark drafter and a vocabulary of V = 8 tokens. N requests with
 the same prompt and different seeds run through the router's scheduler and draft coordinator, the

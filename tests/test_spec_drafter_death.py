@@ -1,4 +1,4 @@
-"""The draft worker dies while serving, then comes back (issue 6, "nothing silent").
+"""The draft worker dies while serving, then comes back ("nothing silent").
 
 The router, attention worker, expert worker and draft worker run as separate processes on the
 default model, started here the way `moemesh serve` starts them (same deployment file, same

@@ -1,4 +1,4 @@
-"""A checkpoint that announces a drafter (dspark_* keys) but lacks its weights (issue 6, "nothing silent").
+"""A checkpoint that announces a drafter (dspark_* keys) but lacks its weights ("nothing silent").
 
 `moemesh serve` on a copy of the default model without its `mtp.*` tensors: the draft worker fails
 while loading, serve says so on its ready line and on stderr, keeps serving, /health stays 200

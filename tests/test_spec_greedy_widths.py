@@ -1,4 +1,4 @@
-"""Greedy speculation equals plain decoding for many concurrent requests and every width policy (issue 6).
+"""Greedy speculation equals plain decoding for many concurrent requests and every width policy.
 
 The serving loop of tests/spec_inprocess.py (the router's Scheduler, PlanTranslator and
 DraftCoordinator, the real attention worker with an expert worker process, every message through

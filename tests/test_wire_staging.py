@@ -179,8 +179,8 @@ def _assert_same(received: m.Dispatch, expected: m.Dispatch) -> None:
 @pytest.mark.parametrize("max_sync_copy_bytes", [StagingConfig.max_sync_copy_bytes, 0])
 def test_inline_device_tensors_are_read_only_after_their_copy_landed(max_sync_copy_bytes):
     """ids, weights and mask of 4 tokens travel inside the header: the codec reads them as soon as
-    the writer returns, while the stream is still busy (the stale-ids corruption of session 3).
-    With max_sync_copy_bytes=0 (every copy asynchronous, the old behaviour) the stale bytes must
+    the writer returns, while the stream is still busy.
+    With max_sync_copy_bytes=0 (every copy asynchronous) the stale bytes must
     show: the control that this test sees the race at all."""
     pool = _junk_filled_pool(max_sync_copy_bytes)
     device = torch.device("cuda", torch.cuda.current_device())

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Attention kernels (issue 7 item 2): CUDA correctness tests, then kernel timings, then the layer figure.
+# Attention kernels: CUDA correctness tests, then kernel timings, then the layer figure.
 # Run by bench/device/run_all.sh from the repo root with PYTHONPATH and RESULTS_DIR set.
 # ATTN_CAP_S: the cap run_all gives this script (default 240 s); below 200 s a quick sweep only.
 set -u

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Native CPU FP4 expert kernel (issue 8 item 5): build, correctness tests, throughput by thread count.
+# Native CPU FP4 expert kernel: build, correctness tests, throughput by thread count.
 # Run by bench/device/run_all.sh from the repo root (cap 60 s); log to stdout, JSON into $RESULTS_DIR.
-# Call 3: the pool now claims chunks by fetch-and-add and wakes sleeping workers as a tree; measured
+# The pool claims chunks by fetch-and-add and wakes sleeping workers as a tree; measured
 # against OpenMP on an idle host (16 / all threads, 256 experts = 3.4 GB so the L3 holds few of a
 # call's experts) and beside 3 busy processes, then 2 experts per call.
 set -u

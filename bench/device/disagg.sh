@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Disaggregated decode on one host (issue 7 items 1, 3, 4): the CUDA tests of the IPC data plane and the
+# Disaggregated decode on one host: the CUDA tests of the IPC data plane and the
 # graphs, `bench layers --disaggregated` (in-process CUDA graphs vs an expert worker process over ZeroMQ and
 # over CUDA IPC, eager and with graph segments), the killed-expert test on its own, the hop cost alone, and
 # (two GPUs) the expert worker on cuda:1. Run from the repo root by bench/device/run_all.sh with PYTHONPATH
-# and RESULTS_DIR set. Several CUDA processes share GPU 0, so NVIDIA MPS runs throughout (architecture.md §10).
+# and RESULTS_DIR set. Several CUDA processes share GPU 0, so NVIDIA MPS runs throughout (docs/design.md §10).
 set -u
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/moemesh-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/moemesh-mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"

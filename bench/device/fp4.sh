@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# FP4 grouped experts / FP8 linear (issue 7 item 2), device call 3. Run by bench/device/run_all.sh from
+# FP4 grouped experts / FP8 linear. Run by bench/device/run_all.sh from
 # the repo root; log to stdout, JSON into $RESULTS_DIR. Each stage has its own timeout (cap 240 s).
-# Calls 1-2 never reached their fp8 stage, so it runs first now.
+# The fp8 stage runs first.
 set -u
 : "${RESULTS_DIR:?}"
 nvidia-smi -L

@@ -1,8 +1,8 @@
 """A/B of the tiny bf16 model (kernels vs torch path) under different expert-kernel choices.
 
-Diagnoses tests/test_quantized_cuda.py::test_model_kernels_match_torch_path[bfloat16-...] (rel
-0.058 against a 0.05 bound in device run 2): if the error is the same with session 1's JOIN decode
-and no split-K as with the session-2 default, the expert kernels are not the cause. Prints one
+Diagnoses tests/test_quantized_cuda.py::test_model_kernels_match_torch_path[bfloat16-...] (a
+relative error of 0.058 against a 0.05 bound): if the error is the same with the portable JOIN decode
+and no split-K as with the default, the expert kernels are not the cause. Prints one
 line per (choice, seed): prefill and decode relative errors. Run on CUDA:
 `python3 bench/device/fp4_model_ab.py`.
 """

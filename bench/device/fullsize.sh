@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Full-size V4-Flash through moemesh's processes with random weights (issue 8 item 5, issue 10):
+# Full-size V4-Flash through moemesh's processes with random weights:
 # attention worker + near expert worker on cuda:0 (MPS), far expert worker on the CPU ("cpu"), then on
 # cuda:1 over ZeroMQ ("gpu1") and over the CUDA IPC data plane ("gpu1ipc": the cuda:1 worker maps cuda:0's
 # rings and reads / writes them over NVLink).
@@ -11,13 +11,13 @@
 # 8-GPU machines).
 # Knobs (environment): FULLSIZE_LAYERS (default 43), FULLSIZE_BUDGET_GIB (default 100 GiB x layers / 43),
 # FULLSIZE_CONTEXT (tokens per sequence, default 256; FULLSIZE_MAX_CONTEXT caps B x context, default 8192),
-# FULLSIZE_CONFIGS (default "gpu1ipc gpu1prefill gpu1graphs", what call 2 at 00:05 left out; call 2 ran
-# "cpu cpugraphs gpu1 gpu1ipcgraphs"; also gpu1ipcgraphs, cpugraphs, gpu1nostage; the
+# FULLSIZE_CONFIGS (default "gpu1ipc gpu1prefill gpu1graphs"; also cpu, gpu1, gpu1ipcgraphs, cpugraphs,
+# gpu1nostage; the
 # first configuration also pays the Triton compiles, which later ones find in the cache), FULLSIZE_TEST=1
 # runs the CUDA test first,
 # FULLSIZE_CPU_S / FULLSIZE_GPU1_S / FULLSIZE_IPC_S (cap of each configuration; each writes
 # fullsize-partial.json as it goes, copied as <config>-fullsize-partial.json).
-# Session 4 (issue 10 item 2), the default FULLSIZE_CONFIGS "gpu1spec gpu1ipcspec" (about 220 s):
+# The default FULLSIZE_CONFIGS "gpu1spec gpu1ipcspec" (about 220 s):
 #   gpu1spec / gpu1ipcspec: cuda:1 experts over ZeroMQ / CUDA IPC, uniform routing, batch
 #     FULLSIZE_SPEC_BATCH (1,8), each plain decode run repeated with speculation: oracle drafts (the
 #     plain run's own greedy continuation) and the real draft worker (random weights at V4-Flash
@@ -95,7 +95,7 @@ for config in $CONFIGS; do
       case "$config" in *graphs) cap="${FULLSIZE_GRAPHS_S:-$cap}" ;; esac
       run_config "$config" cuda:1 "$cap" --data-plane "$plane" --batch "${FULLSIZE_GPU1_BATCH:-1,8,64}" \
         --prefill "$prefill" ${CMP:+--compare "$CMP"} $graphs ;;
-    gpu1prefill)  # the 8K prefill over ZeroMQ (call 2 ran out of time before it)
+    gpu1prefill)  # the 8K prefill over ZeroMQ
       if [ "$NGPU" -lt 2 ]; then continue; fi
       run_config gpu1prefill cuda:1 "${FULLSIZE_PREFILL_S:-70}" --data-plane zmq --batch "" --prefill 8192 ;;
     gpu1spec|gpu1ipcspec)  # speculation: oracle (full acceptance, output = plain) and the real draft worker
@@ -114,7 +114,7 @@ for config in $CONFIGS; do
       run_config "$config" cuda:1 "$cap" --layers "$depth" --gpu-expert-budget "$(( 100 * depth / 43 + 1 ))GiB" \
         --data-plane zmq --batch 1,8 --routing uniform --warmup-steps 1 --decode-steps 5 \
         --speculation oracle --spec-width "${FULLSIZE_SPEC_WIDTH:-5}" --spec-diagnose ;;
-    gpu1ipcprefill)  # the 8K prefill over CUDA IPC (session 3 ran out of time before it)
+    gpu1ipcprefill)  # the 8K prefill over CUDA IPC
       if [ "$NGPU" -lt 2 ]; then continue; fi
       run_config gpu1ipcprefill cuda:1 "${FULLSIZE_IPCPREFILL_S:-80}" --data-plane cuda_ipc --batch "" --prefill 8192 ;;
     gpu1nostage)  # diagnostic: the attention side's Dispatches sent from their own host tensors (no staging pool)

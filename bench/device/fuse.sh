@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fused glue kernels (issue 7 item 2): CUDA correctness first, then the 2-layer decode step end to end
+# Fused glue kernels: CUDA correctness first, then the 2-layer decode step end to end
 # with the fused glue and with the torch glue (MOEMESH_TORCH_GLUE=1), then the mHC launch-config sweep.
 # Run from the repo root by bench/device/run_all.sh with PYTHONPATH and RESULTS_DIR set; cap 240 s.
 # Output is streamed (no tail), so a run cut by the cap still leaves what it printed.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Per-Dispatch host work (issue 10 figures; bench/hostwork.py): the CUDA correctness tests of the changed
+# Per-Dispatch host work (bench/hostwork.py): the CUDA correctness tests of the changed
 # expert-worker / dispatch paths, then the before/after timings on cuda:0, then the CUDA IPC equality tests
 # with whatever is left of the cap (120 s). Run from the repo root by bench/device/run_all.sh.
 set -u

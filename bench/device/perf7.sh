@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 7 gaps (session 3, device script `perf7`), call 3 (confirmation after call 2; cap ~120 s): CUDA
+# Layer-benchmark gaps (device script `perf7`; cap ~120 s): CUDA
 # correctness (bf16 drift bound, decode graphs, prefill paths at Flash width), the layer benchmark with
-# the session-3 defaults (expert rows un-sorted by a gather instead of index_put), and where a B = 1 decode
+# the defaults (expert rows un-sorted by a gather instead of index_put), and where a B = 1 decode
 # step and the 8K prefill spend their device time.
 # Run from the repo root by bench/device/run_all.sh with PYTHONPATH and RESULTS_DIR set.
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prefix-cache boundary snapshots on the Triton kernel path (session 3): the recording stores'
+# Prefix-cache boundary snapshots on the Triton kernel path: the recording stores'
 # `mark_written` copies each crossed block end's snapshot from the rings. First the CUDA variant of
 # tests/test_attention_boundary_kernels.py (kernel-path prefill + decode with a recording state,
 # restore at block ends 16/32/48/64, against a plain kernel-path state, bf16), then, time allowing,

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# ZeroMQ data plane fixes (session 3): staging buffers reused while queued (tracker of the last frame
-# only) and inline tensors read before their asynchronous device->host copy landed. First the
+# ZeroMQ data plane checks: staging buffers must not be reused while queued (tracker of the last frame
+# only) and inline tensors must not be read before their asynchronous device->host copy landed. First the
 # ZeroMQ-vs-in-process equality tests (expert processes on GPU 0, so NVIDIA MPS runs throughout,
-# architecture.md §10), then, time allowing, the staging CUDA tests (run 1 of session 3: all passed,
-# including the control that shows the stale inline read with every copy asynchronous).
+# docs/design.md §10), then, time allowing, the staging CUDA tests
+# (including the control that shows the stale inline read with every copy asynchronous).
 # Run from the repo root by bench/device/run_all.sh; cap 60 s.
 set -u
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/moemesh-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/moemesh-mps-log

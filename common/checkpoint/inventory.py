@@ -1,4 +1,4 @@
-"""What a hub-format DeepSeek-V4 checkpoint holds for a given config (spec dsv4-model.md §4.2).
+"""What a hub-format DeepSeek-V4 checkpoint holds for a given config (docs/model.md §4.2).
 
 `tensor_inventory(config)` lists every *logical* tensor under its hub name (the official
 `inference/` names: `layers.{i}.attn.wq_a.weight`, no `model.` prefix). A quantized logical
@@ -32,7 +32,7 @@ class StorageKind(enum.Enum):
 
 
 class ParamGroup(enum.Enum):
-    """Accounting groups used by `moemesh check-model` (spec §8 table rows)."""
+    """Accounting groups used by `moemesh check-model` (docs/model.md §8 table rows)."""
 
     EMBED = "embed"
     HEAD = "head"  # head.weight and the final norm
@@ -254,7 +254,7 @@ def _add_hc_head(b: _Builder, prefix: str, group: ParamGroup, **where) -> None:
 
 
 def _add_mtp(b: _Builder) -> None:
-    """`mtp.*`: the plain MTP block(s) or, with `config.dspark`, the DSpark stages (dspark.md §3)."""
+    """`mtp.*`: the plain MTP block(s) or, with `config.dspark`, the DSpark stages (docs/speculation.md §3)."""
     c = b.config
     num_blocks = c.num_nextn_predict_layers or 0
     hidden, mtp = c.hidden_size, ParamGroup.MTP

@@ -1,4 +1,4 @@
-"""Weight quantization formats of the DeepSeek-V4 hub checkpoint (spec dsv4-model.md §4.3).
+"""Weight quantization formats of the DeepSeek-V4 hub checkpoint (docs/model.md §4.3).
 
 Two formats, both with power-of-two ue8m0 scales (`torch.float8_e8m0fnu`, value 2^(byte - 127)):
 
@@ -101,8 +101,8 @@ def infer_block_size(shape: tuple[int, int], scale_shape: tuple[int, int]) -> tu
     """Block size from the scale grid: `ceil(rows / grid_rows)` per dimension.
 
     Where the grid divides the shape this equals transformers' inference (`rows // grid_rows`);
-    where it does not, the last block is taken as partial. Note the ambiguity the spec warns
-    about (§7.2): 192 rows with a 2-row grid read as 96-row blocks, so pass the real block size
+    where it does not, the last block is taken as partial. Note the ambiguity the model description warns
+    about (docs/model.md §7.2): 192 rows with a 2-row grid read as 96-row blocks, so pass the real block size
     when it is known.
     """
     return (

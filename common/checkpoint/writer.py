@@ -1,4 +1,4 @@
-"""Writing hub-format checkpoints (spec dsv4-model.md §4, §7.3) and random weights for tests.
+"""Writing hub-format checkpoints (docs/model.md §4, §7.3) and random weights for tests.
 
 `write_checkpoint` quantizes a float hub-named state dict with our own FP8/FP4 quantizers, per the
 inventory: FP8 dense linears with `.scale`, FP4 routed experts, BF16 embed/head/norms/compressors/

@@ -1,4 +1,4 @@
-"""Triton kernels for the quantized weights of DeepSeek-V4 (spec dsv4-model.md §4.3).
+"""Triton kernels for the quantized weights of DeepSeek-V4 (docs/model.md §4.3).
 
 Each kernel sits beside a slow torch reference (`reference.py`) and a checker (`checks.py`) that
 compares the two on random inputs; tests run the checker under `TRITON_INTERPRET=1` on CPU and at

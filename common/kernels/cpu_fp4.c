@@ -5,7 +5,7 @@
  * tests/test_kernels_cpu_fp4.py. Parts: cpu_fp4_tile.h (the per-ISA register tile), cpu_fp4_pool.h
  * (the work-claiming thread pool), this file (activations, the linear and the experts drivers).
  *
- * Format (spec dsv4-model.md section 4.3): packed [N, K/2] bytes, low nibble = even column 2j, high
+ * Format (docs/model.md section 4.3): packed [N, K/2] bytes, low nibble = even column 2j, high
  * nibble = odd column 2j+1; scale [N, K/32] ue8m0 bytes; W[n, k] = LUT[code] * 2^(scale - 127) with
  * LUT = {0, .5, 1, 1.5, 2, 3, 4, 6} and codes 8..15 their negatives. K is a multiple of 32.
  *

@@ -3,7 +3,7 @@
 Legend: R routed rows (token copies, sorted by expert), E experts, D hidden (4096),
 I expert width (2048), BM rows per tile, BN output features per tile, BK input features per step.
 
-Two launches per expert layer (spec §2.9):
+Two launches per expert layer (docs/model.md §2.9):
 1. `grouped_gate_up`: h = silu(min(x W1^T, limit)) * clamp(x W3^T, -limit, limit) -> [R, I], with
    both products accumulated in one program (same x tile, two weight tiles) and the SwiGLU and
    clamps applied in the epilogue; `swiglu_limit=None` skips the clamps (shared expert, ref.).

@@ -4,13 +4,13 @@ Legend: R routed rows (sorted by expert), E experts, D hidden, I expert width, C
 
 Why: the fused grouped kernel (`fp4_experts`) decodes every weight tile once per row tile of its
 expert, in the GEMM's main loop; at an 8K-token prefill an expert sees ~190 rows, so each tile is
-decoded three times (64-row tiles) and the decode competes with the MMA for issue slots (session 2:
+decoded three times (64-row tiles) and the decode competes with the MMA for issue slots (measured:
 184 TFLOP/s, 26 % of the bf16 rate at 2K tokens). Here each weight is decoded exactly once, by a
 bandwidth-bound kernel (FP4 read + bf16 written: ~4.3x the FP4 bytes), and the GEMMs are
 `torch._grouped_mm` (CUTLASS grouped GEMM on Hopper) on plain bf16 operands. That costs a transient
 bf16 copy of C experts (bounded by `max_scratch_bytes`) and one host sync per call (the chunk row
 ranges): prefill only, never in a captured decode step. Worth it only when experts see many rows;
-`prefer_dequant_path` says when (measured on the H200, bench/NOTES.md "Session 3").
+`prefer_dequant_path` says when (measured on the H200, bench/NOTES.md).
 
 Numerics: gate and up come back from the GEMM rounded to bf16 (grouped_mm has no fp32 output), the
 SwiGLU runs in fp32 and rounds once, the down product is rounded to bf16 and then scaled by the row
@@ -82,7 +82,7 @@ class PrefillPath(enum.Enum):
     AUTO = "auto"  # this module when `prefer_dequant_path` says so
 
 
-DEFAULT_PREFILL_PATH = PrefillPath.FUSED  # until the device measurement says otherwise (NOTES, session 3)
+DEFAULT_PREFILL_PATH = PrefillPath.FUSED  # measured faster than `dequant` below ~20K tokens (bench/NOTES.md)
 
 
 def prefill_path() -> PrefillPath:

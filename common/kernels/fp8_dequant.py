@@ -26,7 +26,7 @@ from moemesh.common.kernels.dequant_tiles import fp8_tile
 from moemesh.common.kernels.reference import FP8_BLOCK_SIZE
 
 PATH_ENV = "MOEMESH_FP8_PREFILL"
-MIN_TOKENS = 1024  # at and above: dequantise + cuBLAS (session-2 figures above; re-measured in session 3)
+MIN_TOKENS = 1024  # at and above: dequantise + cuBLAS (measured faster from here; bench/NOTES.md)
 BLOCK_N = 64
 BLOCK_K = 128
 

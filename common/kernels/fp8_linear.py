@@ -75,7 +75,7 @@ def device_num_sms(device: torch.device) -> int:
 
 
 # Whether the inline-PTX e4m3 decode (asm_decode + asm_quad) is the default, per bucket, where it
-# can run (bf16 activations, compiled kernels, K a multiple of 4). H200, device run 3
+# can run (bf16 activations, compiled kernels, K a multiple of 4). Measured on an H200
 # (kernels-fp8-T*-20261129T212*Z.json, bench/NOTES.md): decode T=64 equal or 3-9 % faster on all six
 # V4-Flash shapes, T=1 2-5 % faster on four (wq_a 5.8 -> 6.1 us slower); prefill T=2048 8-65 % slower.
 PTX_DECODE_BY_DEFAULT = {"decode": True, "prefill": False}

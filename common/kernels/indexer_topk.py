@@ -1,4 +1,4 @@
-"""Lightning-indexer scores of every token of a forward in one launch, then one top-k (spec §2.6).
+"""Lightning-indexer scores of every token of a forward in one launch, then one top-k (docs/model.md §2.6).
 
 score[t, w] = Σ_h weight[t, h] · ReLU(q[t, h] · k_w) · d^-1/2 for rows w < (p+1)//m visible at t's
 position p, -inf elsewhere (rows of other tokens' sequences differ: each token reads its own

@@ -1,4 +1,4 @@
-"""Batched writes into every sequence's KV stores, and the compressor's window pooling (spec §2.5).
+"""Batched writes into every sequence's KV stores, and the compressor's window pooling (docs/model.md §2.5).
 
 All three kernels reach each sequence's tensors through the address tables of
 `common.kernels.attention_layout` (one launch for the whole forward, CUDA-graph capturable):

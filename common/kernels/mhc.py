@@ -1,4 +1,4 @@
-"""Fused mHC kernels (spec dsv4-model.md §2.2): `hc_pre`, `hc_post`, `hc_head` in two or one launches.
+"""Fused mHC kernels (docs/model.md §2.2): `hc_pre`, `hc_post`, `hc_head` in two or one launches.
 
 Legend: T tokens, N streams (hc_mult), NP N padded to a power of two, D hidden, K = N·D flattened
 stream width, M mix rows ((2 + N)·N for hc_pre, N for hc_head), BM M padded, S split-K parts.
@@ -75,9 +75,9 @@ def choose_mix_config(num_tokens: int, num_cols: int, device: torch.device,
                       dtype: torch.dtype | None = None) -> MixConfig:
     """Launch 1 covers the SMs about twice; launch 2 keeps its Sinkhorn inside one warp at decode.
 
-    - T <= 16: the GEMV kernel (one token per program, no tl.dot): run 1 measured the FMA `tl.dot`
+    - T <= 16: the GEMV kernel (one token per program, no tl.dot): measurements showed the FMA `tl.dot`
       at 16×128×32 tiles as the slow part of a 19 µs hc_pre at T = 1.
-    - T > 16 with h in bf16: "bf16x3" tensor-core dots (run 1, T = 2048: 92 µs against 370 µs for the
+    - T > 16 with h in bf16: "bf16x3" tensor-core dots (measured at T = 2048: 92 µs against 370 µs for the
       fp32 FMA dot); other dtypes keep the FMA dot with tiles ptxas fits without spilling.
     - launch 2 at decode: one warp, so the 40 small reductions of the Sinkhorn are shuffles, not
       shared-memory round trips with barriers between 4 warps.

@@ -1,4 +1,4 @@
-"""Fused RMS norm + interleaved partial RoPE, one launch per call (spec dsv4-model.md §2.4).
+"""Fused RMS norm + interleaved partial RoPE, one launch per call (docs/model.md §2.4).
 
 Legend: R rows (tokens × heads), C channels per row, P = C − 2·H rotary pairs' start (nope width),
 H = rope_dim / 2 pairs, T tokens (rows of cos/sin).

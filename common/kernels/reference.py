@@ -1,6 +1,6 @@
 """Slow, obviously-correct torch references for the quantized-weight kernels.
 
-Formats (spec dsv4-model.md §4.3):
+Formats (docs/model.md §4.3):
 - FP8: weight `float8_e4m3fn` [N, K]; scale ue8m0 [ceil(N/128), ceil(K/128)], one per 128x128 block;
   `W[n, k] = fp8(W[n, k]) * 2^(S[n // 128, k // 128] - 127)`. The scale is a multiplier.
 - FP4: weight int8/uint8 [N, K/2], two e2m1 codes per byte packed along K, low nibble = even
@@ -94,7 +94,7 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (spec §2.9); no clamp if limit is None."""
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (docs/model.md §2.9); no clamp if limit is None."""
     gate = gate.to(torch.float32)
     up = up.to(torch.float32)
     if swiglu_limit is not None:

@@ -1,6 +1,6 @@
 """Sparse attention of DeepSeek-V4 over window ∪ compressed rows, every sequence in one launch.
 
-Query token t (position p, sequence b) attends, with one latent K = V row per key (spec §2.3,
+Query token t (position p, sequence b) attends, with one latent K = V row per key (docs/model.md §2.3,
 §2.7), over:
 - the window: positions max(0, p-W+1) .. p. A key position at or after the chunk's start is a
   row of this forward's `new_kv` [T, hd]; an earlier one is read from b's window ring at slot

@@ -1,9 +1,9 @@
-"""DeepSeek-V4 attention (spec §2.3, §2.7): one latent K = V head, sinks, window ∪ compressed rows.
+"""DeepSeek-V4 attention (docs/model.md §2.3, §2.7): one latent K = V head, sinks, window ∪ compressed rows.
 
 Per token t (all projections batched over the T tokens of the forward):
   q_lat = q_norm(wq_a x) -> q = wq_b q_lat [H, hd], per-head unweighted RMS, RoPE on the tail;
   kv = kv_norm(wkv x) [hd], RoPE on the tail (with `kv_fp8_qat`, FP8 quant-dequant of the first
-  nope_head_dim channels, spec §2.3); this row enters the window ring.
+  nope_head_dim channels, docs/model.md §2.3); this row enters the window ring.
 Keys/values for t: raw rows of positions t-W+1..t, plus compressed rows: HCA all closed windows
 (w < (t+1)//m), CSA the indexer's top-k among those. Softmax has a per-head sink (an extra logit
 with no value). Values carry rotated dims, so the output tail is rotated back by -θ(t). The output

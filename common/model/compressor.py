@@ -1,4 +1,4 @@
-"""KV compressors (spec §2.5): CSA (ratio m = 4, overlapping) and HCA (m = 128, disjoint).
+"""KV compressors (docs/model.md §2.5): CSA (ratio m = 4, overlapping) and HCA (m = 128, disjoint).
 
 Per token p: K_p = x_p · wkvᵀ, Z_p = x_p · wgateᵀ + ape[p mod m]. When window w (tokens w·m ..
 w·m+m-1) closes, one row is pooled per channel: C_w = Σ_slot softmax_slot(Z) ⊙ K, then RMS-normed
@@ -6,7 +6,7 @@ and rotated at position w·m. Without overlap the slots are the window's m token
 and Z are 2·d wide: the slots are the first halves ("a") of window w-1's tokens and the second
 halves ("b") of window w's tokens (2m slots, stride m); window 0 has no a-slots (gate -inf).
 With `fp8_qat_nope_dim` set (reference numerics), each row's first channels are FP8
-quant-dequantized after norm and RoPE, before being stored (spec §2.5, `common.model.qat`).
+quant-dequantized after norm and RoPE, before being stored (docs/model.md §2.5, `common.model.qat`).
 The same class, at the indexer's width, is the CSA indexer's compressor.
 Legend: T tokens, S tokens of one sequence, W closed windows, m ratio, d row dim, C = c·d input dim.
 """

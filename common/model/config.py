@@ -1,6 +1,6 @@
 """DeepSeek-V4 model configuration: one frozen dataclass read from either config form.
 
-Two spellings of the same model exist (spec dsv4-model.md §1, §5.2):
+Two spellings of the same model exist (docs/model.md §1, §5.2):
 - the hub `config.json` ("legacy" keys: `compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`,
   `rope_scaling`, `expert_dtype`, `quantization_config`, `dspark_*`), and
 - transformers' `DeepseekV4Config` (`layer_types`, `mlp_layer_types`, `compress_rates`,
@@ -54,7 +54,7 @@ class YarnConfig:
 
 @dataclass(frozen=True)
 class DSparkConfig:
-    """Drafter settings carried by `-0731`-style checkpoints (spec dspark.md §3)."""
+    """Drafter settings carried by `-0731`-style checkpoints (docs/speculation.md §3)."""
 
     block_size: int
     markov_rank: int
@@ -64,7 +64,7 @@ class DSparkConfig:
 
 @dataclass(frozen=True)
 class NumericsConfig:
-    """Numerical choices. The default reproduces transformers 5.23.0 (spec §6); each switch below,
+    """Numerical choices. The default reproduces transformers 5.23.0 (docs/model.md §6); each switch below,
     set the other way, gives one behaviour of the official reference (`reference()` sets all three).
 
     dtype: activation/weight dtype name ("float32" on CPU for exact comparison, "bfloat16" on GPU).
@@ -195,7 +195,7 @@ class ModelConfig:
 
 
 def _validate(c: ModelConfig) -> None:
-    """Constraints the model code relies on (spec §7.2). Raises ConfigError naming the key."""
+    """Constraints the model code relies on (docs/model.md §7.2). Raises ConfigError naming the key."""
 
     def fail(message: str) -> None:
         raise ConfigError(message)

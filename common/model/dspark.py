@@ -1,4 +1,4 @@
-"""The DSpark drafter (spec dspark.md §2-3): three window-only V4 blocks over a ring of target features.
+"""The DSpark drafter (docs/speculation.md §2-3): three window-only V4 blocks over a ring of target features.
 
 Structure, with hub names (everything under `mtp.{j}.`, j = 0..num_stages-1):
 - `mtp.0.main_proj` [D, L·D] and `mtp.0.main_norm`: the target's hidden states after the
@@ -269,7 +269,7 @@ class DSparkDrafter(nn.Module):
     @torch.no_grad()
     def propose(self, context_features: torch.Tensor, context_positions: torch.Tensor, seed_token_id: int,
                 seed_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One request's draft step (dspark.md §3.3 steps 2-3).
+        """One request's draft step (docs/speculation.md §3.3 steps 2-3).
 
         context_features [C, F]: the ring (C <= sliding_window) of fused-layer features of positions
         context_positions [C] (all < seed_position). Returns (base logits U [G, V], pre-norm hidden
@@ -304,7 +304,7 @@ class DSparkDrafter(nn.Module):
                       temperature: float, seed: int, output_positions: Sequence[int]) -> DraftChain:
         """Probabilistic drafting: x_k ~ softmax((U_k + W1[x_{k-1}] W2) / temperature), each draw from
         its own stream `stream(seed, Purpose.DRAFT, output_positions[k])` (independent of the
-        verifier's streams, dspark.md §6.5). probs are exactly the distributions sampled from."""
+        verifier's streams, docs/speculation.md §6.5). probs are exactly the distributions sampled from."""
         from moemesh.services.attention.sampling.draw import sample_from_probs
         from moemesh.services.attention.sampling.rng import Purpose, stream
 
@@ -347,7 +347,7 @@ def target_features(hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
 def dspark_loss_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
                       confidences: torch.Tensor, slot_weights: torch.Tensor
                       ) -> dict[str, torch.Tensor]:
-    """DSpark training loss (dspark.md §2.5): 0.1·CE + 0.9·TV(p_d, p_t) + 1.0·BCE(c, 1 - TV).
+    """DSpark training loss (docs/speculation.md §2.5): 0.1·CE + 0.9·TV(p_d, p_t) + 1.0·BCE(c, 1 - TV).
 
     draft_logits / target_logits [A, G, V]; labels [A, G] int (the data token each slot predicts);
     confidences [A, G]; slot_weights [A, G] = exp(-k/γ) (k 0-based) times a validity mask.

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC, spec §2.2): the residual lives in `n` streams.
+"""Manifold-constrained hyper-connections (mHC, docs/model.md §2.2): the residual lives in `n` streams.
 
 `hc_pre` collapses the streams into one block input and returns the `post` (expand) weights and the
 doubly-stochastic `comb` (stream mixing) matrix; `hc_post` folds the block output back in:

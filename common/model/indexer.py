@@ -1,4 +1,4 @@
-"""Lightning indexer of CSA layers (spec §2.6): picks which compressed rows each query attends to.
+"""Lightning indexer of CSA layers (docs/model.md §2.6): picks which compressed rows each query attends to.
 
 score I[t, w] = Σ_h w[t, h] · ReLU(q[t, h] · k_w) · d^-1/2 with w[t] = weights_proj(x_t) · H^-1/2,
 over rows visible at t (w < (t+1) // m); keep the top min(index_topk, visible) rows.

@@ -1,4 +1,4 @@
-"""MoE pieces (spec §2.8, §2.9): the gate and shared expert (attention side) and the routed experts.
+"""MoE pieces (docs/model.md §2.8, §2.9): the gate and shared expert (attention side) and the routed experts.
 
 Routed experts are a separate object so that they can live in other processes: the attention side
 produces (x, ids, weights) per layer, a `RoutedExperts` holder (or several) turns them into the

@@ -1,6 +1,6 @@
 """Tensor names: official hub checkpoint <-> transformers 5.23.0 `DeepseekV4ForCausalLM.state_dict()`.
 
-Hub names (spec §4.2, §5.1) have no `model.` prefix and keep routed experts one tensor per expert
+Hub names (docs/model.md §4.2, §5.1) have no `model.` prefix and keep routed experts one tensor per expert
 (`layers.3.ffn.experts.17.w1.weight`); transformers fuses them per layer into
 `mlp.experts.gate_up_proj [E, 2I, D]` (w1 rows, then w3 rows) and `mlp.experts.down_proj [E, D, I]`.
 Our own modules use the hub names, so `hf_to_hub_state_dict` is how transformers weights reach them.

@@ -1,4 +1,4 @@
-"""FP8 quant-dequant simulation of KV rows: the official reference's QAT numerics (spec §2.3, §2.5, §4.3).
+"""FP8 quant-dequant simulation of KV rows: the official reference's QAT numerics (docs/model.md §2.3, §2.5, §4.3).
 
 The reference stores every window kv row and every main-compressor row after a quant-dequant round
 trip of its first `nope_head_dim` channels (the rotary tail stays in the activation dtype):
@@ -11,7 +11,7 @@ value has 4 significant bits, times a power of two), so a stored row is, per blo
 e4m3 value times 2^k. float16 can flush the smallest values of a tiny-amax block to zero (its
 exponent range is narrower); the reference never runs fp16.
 
-Choices where the spec is silent:
+Choices the model description leaves open:
 - The reference asserts that the quantized width is a multiple of the block (448 = 7 · 64). Tiny
   test models have other widths, so a shorter last block is allowed here: its amax and scale come
   from its own channels only. For real models nothing changes.

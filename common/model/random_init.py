@@ -11,7 +11,7 @@ Fast by construction: FP8 bytes are drawn as e4m3 values of a normal distributio
 as uniform random bytes (every e2m1 code), with power-of-two scales chosen so that each linear's
 output keeps O(1) magnitude (weight std ≈ in_features^-1/2), all generated on the device. No float
 weight is ever quantized. Paths transformers leaves inert (sinks, gate bias, ape, HC base/scale;
-spec §7.4) are random too. Values are for timing and plumbing, not language modelling.
+docs/model.md §7.4) are random too. Values are for timing and plumbing, not language modelling.
 
 `fill_random_context` writes a random `num_tokens`-token history into a `SequenceState` through
 the stores' own append methods (window ring, compressor inputs and rows), far faster than a
@@ -45,7 +45,7 @@ LAYER_KIND_NAMES = {"window": AttentionKind.WINDOW, "csa": AttentionKind.CSA, "h
 
 def flash_config(layer_kinds: list[AttentionKind] | tuple[AttentionKind, ...], **overrides: Any) -> ModelConfig:
     """V4-Flash at true width with the given attention layers (learned routers everywhere;
-    spec §1.1 values from the placement preset). `overrides` are hub config keys."""
+    docs/model.md §1.1 values from the placement preset). `overrides` are hub config keys."""
     from moemesh.common.placement.presets import v4_flash_hub_dict
 
     d = v4_flash_hub_dict()
@@ -111,7 +111,7 @@ def random_fp8_stack(num_experts: int, num_out: int, num_in: int, *, generator=N
 
 # ------------------------------------------------------------------------------------ the model
 def fp8_linear_names(config: ModelConfig) -> list[str]:
-    """Hub names of the attention-side weights a quantized checkpoint stores as FP8 (spec §4.2)."""
+    """Hub names of the attention-side weights a quantized checkpoint stores as FP8 (docs/model.md §4.2)."""
     quantized = dataclasses.replace(config, fp8_block_size=(128, 128))
     return [name for name, spec in tensor_inventory(quantized).items()
             if spec.storage is StorageKind.FP8_BLOCK and spec.is_attention_side]

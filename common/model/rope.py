@@ -1,4 +1,4 @@
-"""Interleaved partial RoPE (spec §2.4), with YaRN frequency scaling on compressed layers.
+"""Interleaved partial RoPE (docs/model.md §2.4), with YaRN frequency scaling on compressed layers.
 
 The rotary part is the trailing `rope_dim` channels of a vector; pairs are adjacent channels
 (2i, 2i+1) rotated by angle pos · ω_i (GPT-J / complex convention, not NeoX rotate-half).

@@ -1,4 +1,4 @@
-"""Per-sequence decode state (spec §3), laid out so that rollback is only a counter change.
+"""Per-sequence decode state (docs/model.md §3), laid out so that rollback is only a counter change.
 
 One `SequenceState` per sequence holds one `LayerState` per layer:
 - `WindowStore`: raw kv rows in a ring of `sliding_window + max_rollback_tokens` rows (slot = pos mod

@@ -1,9 +1,9 @@
-"""Tiny DeepSeek-V4 models for tests and examples (spec §7.1), and the transformers oracle.
+"""Tiny DeepSeek-V4 models for tests and examples (docs/model.md §7.1), and the transformers oracle.
 
 `tiny_config()` exercises every path: window-only + hash routing, overlapping CSA with real top-k,
 HCA, shared expert, 4 HC streams with Sinkhorn, YaRN. `random_hub_state_dict()` builds
 transformers' `DeepseekV4ForCausalLM` from a seed, randomises what transformers zero-initialises
-(spec §7.4: tid2eid, sinks, gate bias, ape, HC base/scale) and returns hub-named tensors, so our
+(docs/model.md §7.4: tid2eid, sinks, gate bias, ape, HC base/scale) and returns hub-named tensors, so our
 model and the oracle run the same weights. transformers is imported only inside these functions.
 """
 
@@ -20,7 +20,7 @@ _EXPERT_NAME_PARTS = ".ffn.experts."
 
 
 def tiny_config_dict(**overrides: Any) -> dict[str, Any]:
-    """transformers-style dict of the spec §7.1 model (≈ 0.4 M params)."""
+    """transformers-style dict of the docs/model.md §7.1 model (≈ 0.4 M params)."""
     d: dict[str, Any] = dict(
         vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
         head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8,

@@ -1,6 +1,6 @@
 """Built-in model configs so the planner works without a checkpoint (`--preset v4-flash`).
 
-Values are the DeepSeek-V4-Flash hub `config.json` (spec dsv4-model.md §1.1); only what shapes the
+Values are the DeepSeek-V4-Flash hub `config.json` (docs/model.md §1.1); only what shapes the
 tensor inventory matters to the planner, but the whole config is given so it validates as usual.
 """
 

@@ -1,4 +1,4 @@
-"""Which endpoints a moemesh server may bind (architecture §3).
+"""Which endpoints a moemesh server may bind (docs/design.md §3).
 
 - `ipc://path`: always (file permissions guard it; one host only).
 - `tcp://` on a loopback address (127.0.0.0/8, ::1, localhost): always.

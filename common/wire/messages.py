@@ -6,7 +6,7 @@ float, bool, str, bytes, `X | None`, `tuple[X, ...]`, fixed tuples, `dict[str, A
 (plain msgpack data), `StrEnum`s, nested frozen dataclasses, and `Tensor` (a raw frame).
 Receivers dispatch with `match message: case Dispatch(): ...`.
 
-Channels (architecture.md §3):
+Channels (docs/design.md §3):
 - control: router <-> attention / draft, registration, readiness, heartbeats, drain;
 - data:    attention <-> expert per MoE layer and micro-batch, attention -> draft features;
 - admin:   placement load / drop, inventory and memory reports.

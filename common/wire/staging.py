@@ -8,7 +8,7 @@ others go zero-copy, and ONE tracker covers every zero-copy frame. The buffer re
 pool only when that tracker is done, i.e. when neither libzmq nor Python holds any frame of it;
 until then nothing may write it. (pyzmq's own `send_multipart(track=True)` returns the tracker
 of the last frame only, which is finished at once when that frame is small: trusting it let a
-buffer be rewritten while its big frames were still queued, the session-3 corruption.)
+buffer be rewritten while its big frames were still queued.)
 Device tensors are copied into the buffer asynchronously, except those small enough to be
 inlined in the header, which the codec reads at once; `seal` waits for the rest on the streams
 of the devices they came from. No buffer is allocated after construction: when all are in
@@ -79,7 +79,7 @@ class SendLease:
         A device tensor larger than `max_sync_copy_bytes` is copied asynchronously (on the
         current stream of ITS device) and its view is valid only after `seal`; a smaller one is
         copied synchronously, because the codec reads inline tensors at once. (Reading a pending
-        async copy was the second session-3 corruption: stale expert ids, weights and masks.)
+        async copy would give stale expert ids, weights and masks.)
         """
         name = tensors.dtype_name(tensor.dtype)
         shape = tuple(int(size) for size in tensor.shape)

@@ -1,6 +1,6 @@
 """A multipart message whose tracker covers EVERY frame that may alias a reusable buffer.
 
-Why this exists (the session-3 staging corruption): pyzmq's `send_multipart(parts, copy=False,
+Why this exists (a staging buffer could be overwritten while queued): pyzmq's `send_multipart(parts, copy=False,
 track=True)` sends part by part and returns only the LAST part's MessageTracker, and a part
 smaller than `copy_threshold` (zmq.COPY_THRESHOLD, 64 KiB) is copied on the spot and gets an
 already finished tracker. A staged Dispatch of 43 tokens or more is `[header, hidden (big),

@@ -14,7 +14,7 @@ them with ErrorReply(MALFORMED) when their envelope is readable, so a sender fai
 Endpoints are `ipc://path` or `tcp://host:port`. Security (common/security): servers and
 clients take `security=` (a `SocketSecurity`): with keys it makes every socket CURVE
 (authenticated, encrypted); without it binding tcp beyond loopback is refused unless the
-deployment is explicitly insecure (architecture §3). The default (None) is plain sockets
+deployment is explicitly insecure (docs/design.md §3). The default (None) is plain sockets
 and the same bind refusal.
 
 Sends are zero-copy. With `staging=` (a SendStagingPool) the message's tensors are first copied

@@ -1,5 +1,5 @@
 """Routing around a lost expert worker: mark it down, serve its pairs from live replicas, and take
-it back once it answers again with its pairs loaded (issue 9 part 3; architecture §7).
+it back once it answers again with its pairs loaded (docs/design.md §7).
 
 `StepRecovery` (recovery.py) calls three things here:
 - `mark_lost(worker_index) -> bool` after a dispatch to that worker failed: the worker leaves

@@ -1,4 +1,4 @@
-"""Timing of the serving attention worker's decode steps, eager vs CUDA graphs (issue 7 item 3).
+"""Timing of the serving attention worker's decode steps, eager vs CUDA graphs.
 
 Builds a V4-Flash-width model of reduced depth with random weights (`random_model`), gives each of B
 sequences a random history (`fill_random_context`), and times `ModelRunner.forward` decode steps with

@@ -1,4 +1,4 @@
-"""CUDA graphs of the serving attention worker's decode steps, by batch-size bucket (issue 7 item 3).
+"""CUDA graphs of the serving attention worker's decode steps, by batch-size bucket.
 
 `ModelRunner.forward` runs, per layer and micro-batch: finish the previous layer's routed answer ->
 ffn_post -> attention -> ffn_pre -> gate -> send the routed part -> shared expert. Here the device

@@ -1,4 +1,4 @@
-"""Static decode tables: the attention kernels' per-step metadata in fixed device buffers (issue 7 item 3).
+"""Static decode tables: the attention kernels' per-step metadata in fixed device buffers.
 
 A captured CUDA graph replays kernel launches with the arguments and grid they were captured with.
 The eager `AttentionTables` (common/kernels/attention_layout.py) are rebuilt per forward, and three

@@ -1,7 +1,7 @@
 """The attention worker's KV tiers: a paged primary pool on the compute device and a CPU pool.
 
 What is paged is the growing part of a sequence's state: the compressed rows of every CSA /
-HCA compressor and of every CSA indexer (architecture §4). The fixed part (window ring, open
+HCA compressor and of every CSA indexer (docs/design.md §4). The fixed part (window ring, open
 compressor inputs) stays in the sequence's slot (`slots.py`). A block holds the rows of
 `block_size_tokens` consecutive positions for every such compressor: block b of a sequence's
 table covers positions [b·B, (b+1)·B) and so rows [b·B/m, (b+1)·B/m) of a ratio-m compressor.

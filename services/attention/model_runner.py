@@ -1,4 +1,4 @@
-"""The attention worker's layer loop over one or more micro-batches (architecture §2 step 3).
+"""The attention worker's layer loop over one or more micro-batches (docs/design.md §2 step 3).
 
 Each micro-batch is a `ForwardBatch` over some of the step's sequences. Per layer and
 micro-batch: attention -> ffn_pre -> gate -> send the routed part (Dispatch) -> shared expert;

@@ -272,10 +272,10 @@ class MoEDispatcher:
                    weights: torch.Tensor) -> PendingMoE:
         """The ZeroMQ data plane's split, on the device: owner lookup, per-worker counts and rows read back
         (a host sync per read), Dispatches of device tensors staged by the channel. Why not the host split
-        of the CUDA IPC path: on the full-size two-GPU run of session 4 (call 2) the host split made ZeroMQ
+        of the CUDA IPC path: on a full-size two-GPU run the host split made ZeroMQ
         steps slower (B = 1: dispatch build 84 -> 154 ms, inbound 25 -> 124 ms a step) while it made CUDA IPC
-        steps faster (build 55 -> 25 ms). The cause is not identified yet, so this path stays as it was
-        measured before (plus the worker count read once per router version, `_grow_counters`)."""
+        steps faster (build 55 -> 25 ms). The cause is not identified, so this path keeps the device split
+        (with the worker count read once per router version, `_grow_counters`)."""
         owner, slot_tokens = self._owner_of_slots(layer, ids)  # [T, K] on the device
         sent = []
         for worker_index, num_slot_tokens in slot_tokens.items():

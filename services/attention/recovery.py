@@ -1,4 +1,4 @@
-"""Step-level recovery of the attention worker from a lost expert worker (issue 9, part 3).
+"""Step-level recovery of the attention worker from a lost expert worker.
 
 An expert worker that dies or stops answering shows up as a dispatch that times out
 (`ReplyTimeout`) or is refused (`DispatchError`, e.g. DRAINING while it shuts down). The step

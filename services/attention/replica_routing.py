@@ -1,5 +1,5 @@
 """Which copy of an expert serves a dispatch: replicas by least outstanding work or in turn, and
-workers marked down (issue 8 part 4, issue 9 part 3).
+workers marked down.
 
 A placement gives every (layer, expert) one or more holders (expert worker indices of the
 channel, primary copy first). `ReplicaRouter` keeps that table plus the set of workers the

@@ -1,4 +1,4 @@
-"""The attention worker: executes StepPlans (architecture §2 steps 3 and 5).
+"""The attention worker: executes StepPlans (docs/design.md §2 steps 3 and 5).
 
 `step(plan) -> StepResult` is the one visible loop:
 

@@ -11,7 +11,7 @@ same q; the truncation only lowers acceptance by the tail mass it drops. q trave
 so the verifier rebuilds the very tensor the draft was sampled from (`dense_distribution`).
 
 The random draw uses the stream (seed, Purpose.DRAFT, output position) — its own purpose, so
-the draft is independent of the verifier's accept and resample noise (dspark.md §6.5):
+the draft is independent of the verifier's accept and resample noise (docs/speculation.md §6.5):
 - max_support None (full q): `sample_from_probs` on the dense q, exactly the tokens
   `DSparkDrafter.sampled_chain` draws;
 - truncated q: an exponential race over the support only, `support_draw`: the stream's first S

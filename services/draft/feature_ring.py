@@ -1,4 +1,4 @@
-"""Per-request ring of the last `max_positions` (128) fused target features (dspark.md §3.3 step 1).
+"""Per-request ring of the last `max_positions` (128) fused target features (docs/speculation.md §3.3 step 1).
 
 The drafter's attention sees, besides its own block, one context entry per past position: the
 fused feature `main_x` [D] of the target's hidden states after the `dspark_target_layer_ids`

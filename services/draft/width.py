@@ -1,4 +1,4 @@
-"""How many drafted tokens each request sends to verification (dspark.md §2.4, §4.2, §6.2).
+"""How many drafted tokens each request sends to verification (docs/speculation.md §2.4, §6.2).
 
 Three modes (`moemesh serve --speculation off|fixed|adaptive [--spec-width N]`):
 - off: no drafts; the drafter is not consulted.
@@ -14,7 +14,7 @@ asking for more is refused when it is built, before any process starts serving.
 
 The cost-aware part of adaptive mode (below `choose_width`): `cost_aware_widths` picks, for a
 whole batch, how many of the confidence rule's drafts each request verifies so that the expected
-committed tokens per second of the step are highest (dspark.md §2.4); `drafting_pays` says whether
+committed tokens per second of the step are highest (docs/speculation.md §2.4); `drafting_pays` says whether
 asking the drafter at all beats a plain step. The router runs them with the step costs it learns
 (services/router/spec_policy.py); fixed mode never goes through them.
 
@@ -138,7 +138,7 @@ def choose_width(confidences: Sequence[float], config: SpeculationConfig) -> int
     return min(max(num_kept, config.min_width), config.width, num_available)
 
 
-# -- the cost-aware part of adaptive mode (DSpark's hardware-aware scheduler, dspark.md §2.4) -------------
+# -- the cost-aware part of adaptive mode (DSpark's hardware-aware scheduler, docs/speculation.md §2.4) -------------
 #
 # The confidence rule above caps each request's block; the router then picks, for the whole batch,
 # how many of those capped drafts to verify. A draft at slot k of request r is committed with

@@ -1,4 +1,4 @@
-"""The DSpark draft worker: target features in, a block of drafts per request out (architecture §2 step 7).
+"""The DSpark draft worker: target features in, a block of drafts per request out (docs/design.md §2 step 7).
 
 State: one `FeatureRing` per live request (fused features of its last 128 committed positions).
 Messages (`handle`):

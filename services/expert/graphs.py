@@ -1,4 +1,4 @@
-"""CUDA graphs of the expert worker's per-layer work, by token-count bucket (issue 7 item 3).
+"""CUDA graphs of the expert worker's per-layer work, by token-count bucket.
 
 One Dispatch of a stacked holder (`QuantizedRoutedExperts`) is about ten launches (sort by expert,
 searchsorted offsets, gather, grouped gate-up, grouped down, scatter, mask, slot sum); eagerly their

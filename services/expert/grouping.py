@@ -53,7 +53,7 @@ def group_by_expert(ids: torch.Tensor, slot_mask: torch.Tensor | None) -> Expert
 
 def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, route_weight: torch.Tensor,
                   swiglu_limit: float | None, route_weight_before_w2: bool) -> torch.Tensor:
-    """x [N, D], w1/w3 [I, D], w2 [D, I], route_weight [N] -> weighted output [N, D] (spec §2.9)."""
+    """x [N, D], w1/w3 [I, D], w2 [D, I], route_weight [N] -> weighted output [N, D] (docs/model.md §2.9)."""
     gate, up = F.linear(x, w1), F.linear(x, w3)  # [N, I]
     if swiglu_limit:  # gate clamped from above only, up both ways
         gate = gate.clamp(max=swiglu_limit)

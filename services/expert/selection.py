@@ -2,8 +2,8 @@
 
 A Dispatch over ZeroMQ arrives as host tensors, so its expert ids and slot mask are read where they
 already are: the range check, the held-pair check and the row selection cost no device
-synchronisation and no kernel launch (they used to be `bool(missing.any())` and `torch.where` on the
-device: two host syncs per Dispatch, plus a third inside the holder for a layer held in part). A
+synchronisation and no kernel launch (doing them on the device with `bool(missing.any())` and
+`torch.where` would cost two host syncs per Dispatch, plus a third inside the holder for a layer held in part). A
 DispatchSlot (CUDA IPC) carries device views; the worker reads its ids and mask back in one transfer
 (`routing_on_host`: the one sync of such a Dispatch) and selects the same way.
 

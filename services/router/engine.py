@@ -1,4 +1,4 @@
-"""The router's engine loop (architecture §2, steps 2 and 6) and the `EngineClient` it offers.
+"""The router's engine loop (docs/design.md §2, steps 2 and 6) and the `EngineClient` it offers.
 
     while True:
         await wait_for_work()                      # new requests, aborts, running sequences

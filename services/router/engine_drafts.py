@@ -1,4 +1,4 @@
-"""The router's side of speculative decoding (architecture §2 step 7, §5): ask the drafter, relay drafts.
+"""The router's side of speculative decoding (docs/design.md §2 step 7, §5): ask the drafter, relay drafts.
 
 Per engine step, around the attention worker's step:
 
@@ -29,7 +29,7 @@ were already handed to the scheduler before a failure keep their distributions a
 verified normally, so a failure never leaves a sampled draft without its q.
 Width (services/router/spec_policy.py): with `width_policy` DRAFTER the router verifies what the
 drafter proposed (fixed mode; adaptive mode's confidence rule). With COST (adaptive mode's
-cost-aware part, dspark.md §2.4) it learns from the engine's own step timings what a cycle costs
+cost-aware part, docs/speculation.md §2.4) it learns from the engine's own step timings what a cycle costs
 (`observe_step`, called by the engine after every attention step) and, per cycle, skips the
 DraftRequest when drafting is not expected to pay, and otherwise cuts each request's proposal to
 the widths that maximise the batch's expected committed tokens per second.

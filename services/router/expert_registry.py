@@ -1,4 +1,4 @@
-"""The router's record of the expert workers that announced themselves (issue 8 part 4).
+"""The router's record of the expert workers that announced themselves.
 
 An expert worker that starts, listed in the deployment or not (`moemesh expert --config FILE
 --set expert[N].name=NAME --set expert[N].placement=none` joins a running deployment), sends

@@ -1,7 +1,7 @@
 """The generation endpoints: validate -> admit -> encode + tokenize -> fan out -> answer.
 
 `Gateway.chat_completions` and `Gateway.completions` are step 1 of the hot path
-(architecture §2): validate the body, refuse overload before tokenizing, tokenize, hand
+(docs/design.md §2): validate the body, refuse overload before tokenizing, tokenize, hand
 `GenerationRequest`s to the engine and stream or collect what comes back.
 
 Hostile input costs little: a body over `max_body_bytes` is refused from its Content-Length

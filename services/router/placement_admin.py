@@ -1,4 +1,4 @@
-"""Live placement changes, driven from the router (issue 8 part 4; architecture.md §6).
+"""Live placement changes, driven from the router (docs/design.md §6).
 
 `PlacementAdmin.apply(placement, endpoints)` runs the one safe order:
 1. load: every worker of the new placement loads the pairs it lacks (`LoadExperts`), and its

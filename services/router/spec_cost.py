@@ -1,4 +1,4 @@
-"""What a speculative engine cycle costs, learned online by the router (dspark.md §2.4, issue 6).
+"""What a speculative engine cycle costs, learned online by the router (docs/speculation.md §2.4).
 
 One engine cycle = the attention step (plan sent .. StepResult) + the drafter's round trip
 (DraftRequest .. DraftTokens; none when the router does not ask) + the router's rest (update,

@@ -1,4 +1,4 @@
-"""The router's cost-aware width policy for adaptive speculation (dspark.md §2.4; issue 6).
+"""The router's cost-aware width policy for adaptive speculation (docs/speculation.md §2.4).
 
 The drafter applies the confidence rule (each block cut where its prefix survival drops below the
 threshold, `services/draft/width.py: choose_width`). On top of that, with `WidthPolicyKind.COST`,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from moemesh.common.chat import tokens as chat_tokens
 
 PAD = "<｜▁pad▁｜>"
-MASK = "<｜mask｜>"  # DSpark drafter's mask/noise token (dspark.md: `dspark_noise_token_id`)
+MASK = "<｜mask｜>"  # DSpark drafter's mask/noise token (docs/speculation.md: `dspark_noise_token_id`)
 NUM_SPECIAL_SLOTS = 32
 
 

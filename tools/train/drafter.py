@@ -1,4 +1,4 @@
-"""Training the DSpark drafter by distillation from the frozen target (dspark.md §2.5).
+"""Training the DSpark drafter by distillation from the frozen target (docs/speculation.md §2.5).
 
 Per step: the frozen target runs over B training windows once, giving (a) the fused-feature input
 of every position (stream-averaged hidden states after the `dspark_target_layer_ids` layers) and

@@ -1,6 +1,6 @@
 """Settings of the default-model training run: the model configs and the run's hyper-parameters.
 
-Two model sizes share one schedule (dsv4-model.md §1.2 in miniature): layers [W, W, CSA, HCA, CSA,
+Two model sizes share one schedule (docs/model.md §1.2 in miniature): layers [W, W, CSA, HCA, CSA,
 HCA], the first three hash-routed, a 128-token window, CSA ratio 4 with a 16-head indexer whose
 top-k (64) is below the 256 compressed rows of a 1024-token training window, HCA ratio 128, mHC
 with 4 streams, routed + shared experts, and three DSpark stages fed by the last three layers.

@@ -10,7 +10,7 @@ cryptographic hash (BLAKE2b), so:
   generation was split into steps: the token at position p always uses the streams of p;
 - streams of different purposes are independent, even at the same position.
 
-Why independence of purposes matters (dspark.md §4.1, §6.5): the losslessness proof of
+Why independence of purposes matters (docs/speculation.md §4.1, §6.5): the losslessness proof of
 ratio-test rejection sampling assumes the draft token x ~ p_d is independent of the uniform u
 used to accept it and of the noise used to draw the replacement. If the draft and the verifier
 shared noise (vLLM's upstream DSpark keyed the draft at position Q with the target's key for

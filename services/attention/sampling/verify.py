@@ -3,7 +3,7 @@
 Input per request b: the target's logits at W1 = W + 1 verified slots (slot k scores the token
 after the committed context plus drafts 0..k-1; slot W is the bonus slot), up to W draft tokens
 and, for sampled requests, the drafter's distributions p_d at each draft slot (Markov-corrected,
-exactly the distributions the drafts were drawn from, dspark.md §2.2).
+exactly the distributions the drafts were drawn from, docs/speculation.md §2.2).
 
 Target processing: every slot's logits go through the same process_logits as the plain
 sampler (sampler.py), with the penalty history extended by the drafts before that slot, so
