@@ -14,11 +14,16 @@ Per (mode, wait, T), medians over every measured layer, microseconds:
   worker_us      the worker's own time on the layer (its last-layer word, read after done_seq)
   hop_us         round_trip - worker, per layer: both one-way flag latencies and wake-ups
   layer_us       the whole layer on this side (slot write, round trip, combine) ; step_ms = L x that
-The device side here is Python (a CPU stand-in); on the GPU host a CUDA graph does the same steps.
+`--waiting-side cpu` (default): the device side is Python (a CPU stand-in). `--waiting-side gpu`: the
+device side is a CUDA graph of the L layers (common/kernels/mailbox_gpu.py: post, spin-wait with a
+timeout, read the combine region, add), replayed once per step; the segment is registered with
+CUDA. Then layer_us = step time (CUDA events) / L, worker_us = the worker's busy time per layer
+served, hop_us = layer_us - worker_us (slot write over PCIe, both flags, the read back).
 Figures depend on what else runs on the host: the JSON records the load average before and after.
 
     python -m moemesh.bench.cpu_mailbox                      # T 1,8,64; echo and experts; backoff and spin
     python -m moemesh.bench.cpu_mailbox --T 1 --modes echo --waits spin --steps 5
+    python -m moemesh.bench.cpu_mailbox --waiting-side gpu --waits spin   # on a GPU host
 """
 
 from __future__ import annotations
@@ -128,6 +133,91 @@ def run_case(library, mode: str, wait_name: str, num_tokens_list: list[int], arg
     return records
 
 
+def run_gpu_case(library, mode: str, wait_name: str, num_tokens_list: list[int], args) -> list[dict]:
+    """The same layers with a CUDA graph as the waiting side (one replay per step)."""
+    from moemesh.common.kernels.mailbox_gpu import GpuMailbox, advance_epoch, register_host_segment, unregister_host_segment
+
+    wait = WAITS[wait_name]
+    device = torch.device("cuda", 0)
+    layout = MailboxLayout(T_MAX, HIDDEN, TOP_K, False, CombineMode.PARTIAL)
+    segment = MailboxSegment.create(layout, 0)
+    register_host_segment(segment)
+    num_experts = args.experts
+    owned_by = 0 if mode == "experts" else 1
+    owner_rows = tuple(tuple([owned_by] * num_experts) for _ in range(args.layers))
+    spec = WorkerSpec(((str(segment.path), owner_rows),), 0, seed=3, hidden_size=HIDDEN, inter_size=args.inter,
+                      swiglu_limit=10.0, num_threads=args.threads, spin_us=wait.spin_us,
+                      sleep_min_us=wait.sleep_min_us, sleep_max_us=wait.sleep_max_us, pin_cpu=args.worker_cpu)
+    process = spawn_worker(spec)
+    records = []
+    try:
+        wait_until_attached(segment, process.pid, 300.0)
+        epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        step_errors = torch.zeros(1, dtype=torch.int64, device=device)
+        mailbox = GpuMailbox(segment, epoch, step_errors, timeout_ns=2_000_000_000)
+        generator = torch.Generator().manual_seed(1)
+        for num_tokens in num_tokens_list:
+            hidden = torch.randn(num_tokens, HIDDEN, generator=generator).to(device)
+            ids = torch.stack([torch.randperm(num_experts, generator=generator)[:TOP_K]
+                               for _ in range(num_tokens)]).to(torch.int32).to(device)
+            weights = torch.rand(num_tokens, TOP_K, generator=generator).to(device)
+            share = torch.zeros(num_tokens, HIDDEN, device=device)  # [T, D]
+            routed = torch.zeros(num_tokens, HIDDEN, device=device)  # [T, D]
+
+            def step() -> None:
+                advance_epoch(epoch)
+                for layer in range(args.layers):
+                    mailbox.post(layer, hidden, ids, weights)
+                    mailbox.wait(layer)
+                    routed.add_(mailbox.combine_into(share, num_tokens))
+
+            step()
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            steps = args.steps if mode == "echo" else max(2, args.steps // 4)
+            for _ in range(args.warmup):
+                graph.replay()
+            torch.cuda.synchronize(device)
+            served0, busy0 = segment.word(Word.SERVED), segment.word(Word.BUSY_NS)
+            step_ms = []
+            for _ in range(steps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                step_ms.append(start.elapsed_time(end))
+            if segment.word(Word.WAIT_ERROR) != 0 or int(step_errors.item()) != 0:
+                raise RuntimeError(f"the GPU waiting side recorded error {segment.word(Word.WAIT_ERROR)} "
+                                   f"at seq {segment.word(Word.WAIT_ERROR_SEQ)}")
+            served = segment.word(Word.SERVED) - served0
+            worker_us = (segment.word(Word.BUSY_NS) - busy0) / max(served, 1) / 1e3
+            layer_us = _median(step_ms) * 1e3 / args.layers
+            record = {"waiting_side": "gpu", "mode": mode, "wait": wait_name, "T": num_tokens, "layers": args.layers,
+                      "steps": steps, "experts_owned": num_experts if mode == "experts" else 0, "inter": args.inter,
+                      "worker_threads": args.threads, "layers_served": served, "step_ms": _median(step_ms),
+                      "step_p90_ms": _p90(step_ms), "layer_us": layer_us, "worker_us": worker_us,
+                      "hop_us": layer_us - worker_us}
+            records.append(record)
+            print(f"gpu {mode:8s} {wait_name:8s} T={num_tokens:3d}: layer {layer_us:8.1f} us, worker {worker_us:8.1f}, "
+                  f"hop {record['hop_us']:7.1f}, step {record['step_ms']:7.2f} ms (p90 {record['step_p90_ms']:7.2f})",
+                  flush=True)
+            del graph
+    finally:
+        segment.set_word(Word.STOP, 1)
+        try:
+            process.communicate(timeout=60)
+        except Exception:
+            process.kill()
+            process.communicate()
+        torch.cuda.synchronize(device)
+        unregister_host_segment(segment)
+        segment.close()
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--T", default="1,8,64", help="rows per step, comma separated (at most 64)")
@@ -139,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, default=8, help="experts per layer (experts mode: all owned)")
     parser.add_argument("--inter", type=int, default=64, help="expert width I of the experts mode")
     parser.add_argument("--threads", type=int, default=1, help="the worker's kernel threads")
+    parser.add_argument("--waiting-side", choices=("cpu", "gpu"), default="cpu",
+                        help="who posts and waits: a Python stand-in, or a CUDA graph on cuda:0")
+    parser.add_argument("--worker-cpu", type=int, default=None, help="pin the worker's thread to this core")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     num_tokens_list = [int(t) for t in args.T.split(",") if t]
@@ -147,12 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for mode in args.modes.split(","):
         for wait_name in args.waits.split(","):
-            records += run_case(library, mode, wait_name, num_tokens_list, args)
+            run = run_gpu_case if args.waiting_side == "gpu" else run_case
+            records += run(library, mode, wait_name, num_tokens_list, args)
     ratios = {f"{r['mode']}/{r['wait']}/T{r['T']}/hop_share_of_round_trip": r["hop_us"] / r["round_trip_us"]
               for r in records if r["round_trip_us"] > 0}
     raw = {"hidden": HIDDEN, "top_k": TOP_K, "t_max": T_MAX, "cpu_count": os.cpu_count(),
            "load_average_1_5_15_before": load_before, "load_average_1_5_15_after": os.getloadavg(), "records": records}
-    path = write_result("cpu-mailbox-cpu", raw,
+    raw["waiting_side"] = args.waiting_side
+    device_name = "cpu" if args.waiting_side == "cpu" else torch.cuda.get_device_name(0).split()[-1].lower()
+    path = write_result(f"cpu-mailbox-{device_name}", raw,
                         ratios, out_dir=args.out_dir)
     print(f"wrote {path}")
     return 0
