@@ -242,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         for wait_name in args.waits.split(","):
             run = run_gpu_case if args.waiting_side == "gpu" else run_case
             records += run(library, mode, wait_name, num_tokens_list, args)
-    ratios = {f"{r['mode']}/{r['wait']}/T{r['T']}/hop_share_of_round_trip": r["hop_us"] / r["round_trip_us"]
-              for r in records if r["round_trip_us"] > 0}
+    # the hop's share of a layer: the round trip (CPU waiting side) or the whole layer (GPU waiting side)
+    ratios = {f"{r['mode']}/{r['wait']}/T{r['T']}/hop_share": r["hop_us"] / r.get("round_trip_us", r["layer_us"])
+              for r in records if r.get("round_trip_us", r["layer_us"]) > 0}
     raw = {"hidden": HIDDEN, "top_k": TOP_K, "t_max": T_MAX, "cpu_count": os.cpu_count(),
            "load_average_1_5_15_before": load_before, "load_average_1_5_15_after": os.getloadavg(), "records": records}
     raw["waiting_side"] = args.waiting_side

@@ -33,11 +33,12 @@ MATH = ExpertMath(LIMIT)
 
 
 @pytest.fixture
-def gpu_mailbox(tmp_path):
+def gpu_mailbox():
     from moemesh.common.kernels.mailbox_gpu import GpuMailbox, register_host_segment, unregister_host_segment
 
     device = torch.device("cuda", 0)
-    segment = MailboxSegment.create(MailboxLayout(T_MAX, HIDDEN, TOP_K, False, CombineMode.SLOTS), 0, tmp_path)
+    # the default directory (/dev/shm): CUDA registers shared-memory pages; files of some filesystems it refuses
+    segment = MailboxSegment.create(MailboxLayout(T_MAX, HIDDEN, TOP_K, False, CombineMode.SLOTS), 0)
     register_host_segment(segment)
     epoch = torch.zeros(1, dtype=torch.int64, device=device)
     step_errors = torch.zeros(1, dtype=torch.int64, device=device)
