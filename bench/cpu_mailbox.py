@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
 from moemesh.bench.results_io import write_result
+from moemesh.bench.timing import median, percentile
 from moemesh.common.kernels.cpu_mailbox import WaitConfig, load_mailbox
 from moemesh.common.kernels.mailbox_driver import MailboxDriver, wait_until_attached
 from moemesh.common.kernels.mailbox_layout import CombineMode, MailboxLayout, MailboxSegment, Word, make_seq
@@ -39,14 +39,6 @@ from moemesh.bench.cpu_mailbox_worker import WorkerSpec, spawn_worker
 
 HIDDEN, TOP_K, T_MAX = 4096, 6, 64
 WAITS = {"backoff": WaitConfig(), "spin": WaitConfig(spin_us=10_000_000.0)}
-
-
-def _median(values: list[float]) -> float:
-    return float(statistics.median(values)) if values else float("nan")
-
-
-def _p90(values: list[float]) -> float:
-    return sorted(values)[int(0.9 * (len(values) - 1))] if values else float("nan")
 
 
 def run_case(library, mode: str, wait_name: str, num_tokens_list: list[int], args) -> list[dict]:
@@ -107,12 +99,12 @@ def run_case(library, mode: str, wait_name: str, num_tokens_list: list[int], arg
             record = {"mode": mode, "wait": wait_name, "T": num_tokens, "layers": args.layers, "steps": steps,
                       "experts_owned": num_experts if mode == "experts" else 0, "inter": args.inter,
                       "worker_threads": args.threads, "layers_served": served,
-                      "round_trip_us": _median(samples["round_trip"]),
-                      "round_trip_p90_us": _p90(samples["round_trip"]),
-                      "worker_us": _median(samples["worker"]), "hop_us": _median(samples["hop"]),
-                      "hop_p90_us": _p90(samples["hop"]),
-                      "write_us": _median(samples["write"]), "combine_us": _median(samples["combine"]),
-                      "layer_us": _median(samples["layer"]), "step_ms": _median(step_ms)}
+                      "round_trip_us": median(samples["round_trip"]),
+                      "round_trip_p90_us": percentile(samples["round_trip"], 0.9),
+                      "worker_us": median(samples["worker"]), "hop_us": median(samples["hop"]),
+                      "hop_p90_us": percentile(samples["hop"], 0.9),
+                      "write_us": median(samples["write"]), "combine_us": median(samples["combine"]),
+                      "layer_us": median(samples["layer"]), "step_ms": median(step_ms)}
             records.append(record)
             print(f"{mode:8s} {wait_name:8s} T={num_tokens:3d}: round trip {record['round_trip_us']:8.1f} us "
                   f"(p90 {record['round_trip_p90_us']:8.1f}), worker {record['worker_us']:8.1f}, hop {record['hop_us']:7.1f}, "

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from moemesh.bench.timing import median, sync
+
 NUM_EXPERTS = 256
 TOP_K = 6
 HIDDEN = 4096
@@ -46,11 +48,6 @@ def _tick(stages: dict[str, float], name: str, began: float) -> float:
     now = time.perf_counter()
     stages[name] = stages.get(name, 0.0) + (now - began) * 1e6
     return now
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class SyncCounter:
@@ -82,11 +79,11 @@ def profile_calls(device: torch.device, run, num_calls: int = 10) -> dict[str, f
     from torch.profiler import ProfilerActivity, profile
 
     run()
-    torch.cuda.synchronize(device)
+    sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(num_calls):
             run()
-        torch.cuda.synchronize(device)
+        sync(device)
     counts: dict[str, float] = {}
     for event in prof.key_averages():
         if event.key.startswith("cu") and not event.key.startswith("cudaDeviceSynchronize"):
@@ -110,7 +107,7 @@ class Samples:
 
     def summary(self) -> dict[str, float]:
         names = list(dict.fromkeys(name for row in self.rows for name in row))
-        out = {name: statistics.median(row.get(name, 0.0) for row in self.rows) for name in names}
+        out = {name: median([row.get(name, 0.0) for row in self.rows]) for name in names}
         out["mean_total"] = statistics.fmean(row["total"] for row in self.rows)
         out["syncs"] = self.counter.count / max(len(self.rows), 1)
         return out
@@ -215,7 +212,7 @@ def bench_expert(device: torch.device, intermediate: int, token_counts: list[int
             print(f"expert T={num_tokens}: OUTPUTS DIFFER from the legacy path", flush=True)
         row = {"identical_to_before": identical}
         samples = {variant: Samples(device) for variant in ("before", "after", "after_timing_sync")}
-        _sync(device)
+        sync(device)
         for i in range(iterations + 5):  # variants interleaved: machine noise hits each alike
             dispatch = dispatches[i % len(dispatches)]
             for variant, sample in samples.items():
@@ -228,7 +225,7 @@ def bench_expert(device: torch.device, intermediate: int, token_counts: list[int
                         output = after_expert_stages(worker, dispatch, stages)
                     if variant == "after_timing_sync":
                         began_sync = time.perf_counter()
-                        _sync(device)
+                        sync(device)
                         _tick(stages, "timing_sync", began_sync)
                     began_reply = time.perf_counter()
                     reply_copy(worker, output)
@@ -237,7 +234,7 @@ def bench_expert(device: torch.device, intermediate: int, token_counts: list[int
                 sample.add(stages, warm=i >= 5)
         row.update({variant: sample.summary() for variant, sample in samples.items()})
         # the worker's own entry point, end to end (must match "after" within noise)
-        _sync(device)
+        sync(device)
         began = time.perf_counter()
         for i in range(iterations):
             reply_copy(worker, worker.handle_dispatch(dispatches[i % len(dispatches)]).output)
@@ -385,7 +382,7 @@ def bench_start(device: torch.device, token_counts: list[int], iterations: int, 
                 x, ids, weights = layers[i % len(layers)]
                 for variant, sample in samples.items():
                     stages: dict[str, float] = {}
-                    _sync(device)
+                    sync(device)
                     with sample.counter:
                         began = time.perf_counter()
                         if variant == "before":
