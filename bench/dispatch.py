@@ -12,7 +12,7 @@ For T tokens of a [T, D] activation (D = 4096, bf16), K = 6 top-k ids and weight
 
 The expert process runs `EchoExpert` on the real service skeleton (`ServiceRunner`); its
 op is `output = hidden * sum_k(weights)`. Prints median and p90 per case in microseconds
-and writes `bench/results/dispatch-<time>.json` with ratios to the in-process call.
+and writes `bench/results/dispatch-<device>-<time>.json` with ratios to the in-process call.
 
     python -m moemesh.bench.dispatch                       # T = 1, 8, 64, 2048 on the CPU
     python -m moemesh.bench.dispatch --device cuda:0       # tensors on the GPU, pinned staging

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             ratios[f"median_256_over_1_drafts_{num_drafts}"] = round(high["median_us"] / low["median_us"], 2)
     if not args.no_write:
         device = f"CPU {platform.processor() or platform.machine()} (pure Python {platform.python_version()})"
-        path = write_result("scheduler_cost", raw, ratios, device=device)
+        path = write_result("scheduler", raw, ratios, device=device, tag="cpu")
         print(f"wrote {path}")
     return 0
 

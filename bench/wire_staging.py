@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_dir:
         from moemesh.bench import results_io
 
-        results_io.write_result("wire_staging", {"rows": rows}, out_dir=Path(args.out_dir))
+        results_io.write_result("wire-staging", {"rows": rows}, out_dir=Path(args.out_dir))
     return 0
 
 
