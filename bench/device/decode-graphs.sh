@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CUDA graphs of the serving attention worker's decode steps (issue 7 item 3; services/attention/graph_decode.py).
+# CUDA graphs of the serving attention worker's decode steps (services/attention/graph_decode.py).
 # 1. timing of decode steps eager vs graphs at B = 1/8/64 (Flash width, 2 window + 4 CSA/HCA layers, 4K context),
 #    experts none / in-process, first step compared bit for bit; 2. CUDA tests: graph replays vs the eager
 #    ModelRunner, tiny fp32 (join/leave, window closes, 2 micro-batches, paged rows) and V4-Flash width bf16.
@@ -9,7 +9,7 @@ set -u
 cap="${GRAPHS_CAP_S:-120}"
 start=$(date +%s)
 left() { echo $(( cap - ($(date +%s) - start) - 5 )); }
-stamp() { echo "--- graphs: $(date -u +%H:%M:%S) $*"; }
+stamp() { echo "--- decode-graphs: $(date -u +%H:%M:%S) $*"; }
 nvidia-smi --query-gpu=name,memory.used --format=csv
 stamp "timing (left $(left)s)"
 timeout -k 5 "$(( $(left) > 110 ? 110 : $(left) ))" python3 -m moemesh.services.attention.graph_bench --batch 1,8,64 \

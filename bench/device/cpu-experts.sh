@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Native CPU FP4 expert kernel (issue 8 item 5): build, correctness tests, throughput by thread count.
+# Native CPU FP4 expert kernel: build, correctness tests, then `moemesh bench fullsize-cpu` (throughput by
+# thread count, the worker pool against OpenMP) on an idle host (16 / all threads, 256 experts = 3.4 GB so
+# the L3 holds few of a call's experts), beside 3 busy processes, then 2 experts per call.
 # Run by bench/device/run_all.sh from the repo root (cap 60 s); log to stdout, JSON into $RESULTS_DIR.
-# Call 3: the pool now claims chunks by fetch-and-add and wakes sleeping workers as a tree; measured
-# against OpenMP on an idle host (16 / all threads, 256 experts = 3.4 GB so the L3 holds few of a
-# call's experts) and beside 3 busy processes, then 2 experts per call.
 set -u
 : "${RESULTS_DIR:?}"
 export MOEMESH_CACHE_DIR="${TMPDIR:-/tmp}/moemesh-cache"
@@ -11,7 +10,7 @@ echo "--- $(date +%T) host: $(nproc) cpus; $(grep -m1 'model name' /proc/cpuinfo
 echo "--- $(date +%T) build"
 timeout 30 python3 -c "
 import time; t = time.perf_counter()
-from common.kernels import cpu_fp4
+from moemesh.common.kernels import cpu_fp4
 k = cpu_fp4.load_native()
 print(k.path, k.isa, 'openmp', k.has_openmp, f'{time.perf_counter() - t:.1f} s')"
 echo "--- $(date +%T) tests"

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Attention kernels (issue 7 item 2): CUDA correctness tests, then kernel timings, then the layer figure.
+# Attention kernels: CUDA correctness tests, then kernel timings (`moemesh bench kernels-attention`), then the
+# layer figure (`moemesh bench layers`: decode B = 1/8/64, prefill 2K/8K).
 # Run by bench/device/run_all.sh from the repo root with PYTHONPATH and RESULTS_DIR set.
 # ATTN_CAP_S: the cap run_all gives this script (default 240 s); below 200 s a quick sweep only.
 set -u
 cap="${ATTN_CAP_S:-240}"
 start=$(date +%s)
 left() { echo $(( cap - ($(date +%s) - start) - 5 )); }
-stamp() { echo "--- attn: $(date -u +%H:%M:%S) $*"; }
+stamp() { echo "--- attention-kernels: $(date -u +%H:%M:%S) $*"; }
 nvidia-smi --query-gpu=name,memory.used --format=csv
 stamp "CUDA tests"
 timeout -k 5 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention_cuda.py 2>&1 | tail -n 40

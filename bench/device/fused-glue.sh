@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Fused glue kernels (issue 7 item 2): CUDA correctness first, then the 2-layer decode step end to end
+# Fused glue kernels (`moemesh bench kernels-fused`): CUDA correctness first, then the 2-layer decode step end to end
 # with the fused glue and with the torch glue (MOEMESH_TORCH_GLUE=1), then the mHC launch-config sweep.
 # Run from the repo root by bench/device/run_all.sh with PYTHONPATH and RESULTS_DIR set; cap 240 s.
 # Output is streamed (no tail), so a run cut by the cap still leaves what it printed.
 set -u
 start=$(date +%s)
-stamp() { echo "--- fuse: $(date -u +%H:%M:%S) (+$(( $(date +%s) - start ))s) $*"; }
+stamp() { echo "--- fused-glue: $(date -u +%H:%M:%S) (+$(( $(date +%s) - start ))s) $*"; }
 stamp "glue checks at Flash sizes (one JSON line per case)"
 python3 -m moemesh.common.kernels.glue_checks --suite cuda 2>&1 | sed "s/\"stochastic_bound\": null, //; s/\"fp32_error\": null, //"
 stamp "bench.layers decode B=1,64 with the fused glue"

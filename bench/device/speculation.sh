@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Speculative decoding on the H200 (issue 6), within a 330 s cap:
+# Speculative decoding on the H200 (`moemesh bench speculation`), within a 330 s cap:
 #   1. CUDA correctness tests (drafter on cuda equals cpu; sampled drafts valid)            ~20 s (cap 35)
 #   2. the speculation benchmark with every service on cuda:0: off / fixed / adaptive (adaptive = the
 #      confidence rule + the router's cost-aware widths), temperature 0 and 1, 1 and 8 streams,
@@ -16,8 +16,8 @@ mkdir -p "$RESULTS_DIR"
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/moemesh-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/moemesh-mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 # Several moemesh processes share one GPU: MPS (architecture.md §10). Already running is fine.
-nvidia-cuda-mps-control -d && echo "spec.sh: MPS started" || echo "spec.sh: MPS not started (already running?)"
-trap 'echo quit | nvidia-cuda-mps-control; echo "spec.sh: MPS stopped"' EXIT
+nvidia-cuda-mps-control -d && echo "speculation.sh: MPS started" || echo "speculation.sh: MPS not started (already running?)"
+trap 'echo quit | nvidia-cuda-mps-control; echo "speculation.sh: MPS stopped"' EXIT
 start_s=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - start_s ))s"; }
 

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Issue 7 gaps (session 3, device script `perf7`), call 3 (confirmation after call 2; cap ~120 s): CUDA
-# correctness (bf16 drift bound, decode graphs, prefill paths at Flash width), the layer benchmark with
-# the session-3 defaults (expert rows un-sorted by a gather instead of index_put), and where a B = 1 decode
-# step and the 8K prefill spend their device time.
+# N V4-Flash layers on one GPU (cap ~120 s): CUDA correctness (bf16 drift bound, decode graphs, prefill
+# paths at Flash width), `moemesh bench layers` (decode B = 1/8/64, prefill 2K/8K, against the floor),
+# and where a B = 1 decode step and the 8K prefill spend their device time (`moemesh bench layers-profile`).
 # Run from the repo root by bench/device/run_all.sh with PYTHONPATH and RESULTS_DIR set.
 set -u
 start=$(date +%s)
-stamp() { echo "--- perf7: $(date -u +%H:%M:%S) (+$(( $(date +%s) - start ))s) $*"; }
+stamp() { echo "--- layers: $(date -u +%H:%M:%S) (+$(( $(date +%s) - start ))s) $*"; }
 quiet() { grep --line-buffered -v -i "warn\|debug\|USDT"; }
 
 stamp "CUDA tests"

@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# FP4 grouped experts / FP8 linear (issue 7 item 2), device call 3. Run by bench/device/run_all.sh from
-# the repo root; log to stdout, JSON into $RESULTS_DIR. Each stage has its own timeout (cap 240 s).
-# Calls 1-2 never reached their fp8 stage, so it runs first now.
+# Quantized-weight kernels (`moemesh bench kernels`): the FP8 linear sweep, the FP4 grouped experts with
+# their default configurations, then the CUDA tests of both. Run by bench/device/run_all.sh from the repo
+# root; log to stdout, JSON into $RESULTS_DIR. Each stage has its own timeout (cap 240 s).
 set -u
 : "${RESULTS_DIR:?}"
 nvidia-smi -L
 echo "--- $(date +%T) fp8 linear sweep"
 timeout 105 python3 -m moemesh.bench.kernels --out-dir "$RESULTS_DIR" --only fp8 --no-baselines --tokens 1 2048 64
-echo "--- $(date +%T) model A/B (bf16 kernels vs torch path, expert-kernel choices)"
-timeout 35 python3 bench/device/fp4_model_ab.py
-echo "--- $(date +%T) fp4 experts defaults (warm-up first)"
+echo "--- $(date +%T) fp4 experts, default configurations"
 timeout 30 python3 -m moemesh.bench.kernels --out-dir "$RESULTS_DIR" --only fp4 --sweep none --no-baselines --tokens 1 64 2048
 echo "--- $(date +%T) tests"
 timeout 45 python3 -m pytest -v --tb=line -p no:cacheprovider tests/test_kernels_cuda.py tests/test_quantized_cuda.py \

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # `moemesh serve` on a full-width V4-Flash checkpoint with random weights: SERVE_LAYERS (default 4) main
-  python3 -m moemesh.cli bench make-checkpoint --preset v4-flash --layers "$LAYERS" --out "$CKPT" 2>&1
-  echo "make-checkpoint rc=$? after ${SECONDS}s"; df -h "$(dirname "$CKPT")" | tail -n 1
-# about 16 GB at 4 layers; reused when present), checked by `moemesh check-model --no-forward`, then served
+# layers written once by `moemesh bench make-checkpoint --preset v4-flash` to SERVE_CHECKPOINT (about 16 GB
+# at 4 layers; reused when present), checked by `moemesh check-model --no-forward`, then served
 # with the attention worker and one expert worker on cuda:0 and a second expert worker on the CPU
 # (`--devices cuda:0,cpu --expert-workers 2`), one chat request answered, then `moemesh bench serve`
 # (SERVE_PROMPTS random prompts, 128 tokens in, 32 out) against it through HTTP; its JSON goes to
@@ -14,7 +13,7 @@ mkdir -p "$RESULTS_DIR"
 LAYERS="${SERVE_LAYERS:-4}"
 CKPT="${SERVE_CHECKPOINT:-/tmp/moemesh-serve-${LAYERS}l}"
 PORT="${SERVE_PORT:-8123}"
-RUN_DIR=/tmp/moemesh-serve4l-run
+RUN_DIR=/tmp/moemesh-serve-4layer-run
 SECONDS=0
 # services share cuda:0: NVIDIA MPS runs throughout
 source bench/device/mps.sh
@@ -50,5 +49,5 @@ python3 -m moemesh.cli bench serve --base-url "http://127.0.0.1:$PORT" --endpoin
   --ignore-eos --device-label "H200 + CPU, ${LAYERS}-layer V4-Flash random checkpoint" --result-dir "$RESULTS_DIR" \
   2>&1 | tail -n 30
 curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^moemesh_worker_weight_bytes|^moemesh_.*load' | head -n 20
-curl -s "http://127.0.0.1:$PORT/status.json" > "$RESULTS_DIR/serve4l-status.json"
+curl -s "http://127.0.0.1:$PORT/status.json" > "$RESULTS_DIR/serve-4layer-status.json"
 cp "$RUN_DIR"/logs/*.log "$RESULTS_DIR/" 2>/dev/null

@@ -19,7 +19,7 @@ echo "pytest rc=${PIPESTATUS[0]}"
 
 export MOEMESH_CHECKPOINT_CACHE="${MOEMESH_CHECKPOINT_CACHE:-/tmp/moemesh-checkpoints}"
 echo "=== random checkpoint for bench.fullsize_draft (written once)"
-python3 -c "from bench.fullsize_draft import hub_config; from bench.random_checkpoint import cached_checkpoint; \
+python3 -c "from moemesh.bench.fullsize_draft import hub_config; from moemesh.bench.random_checkpoint import cached_checkpoint; \
 cached_checkpoint(hub_config(False))" 2>&1 | tail -n 3
 echo "=== bench.fullsize_draft on $DEVICE (V4-Flash drafter: 3 stages x 256 FP4 experts)"
 timeout 95 python3 -m moemesh.bench.fullsize_draft --device "$DEVICE" --repeats 5 --warmup 2 --probe --out-dir "$RESULTS_DIR"
