@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = {"hidden": HIDDEN, "top_k": TOP_K, "t_max": T_MAX, "cpu_count": os.cpu_count(),
            "load_average_1_5_15_before": load_before, "load_average_1_5_15_after": os.getloadavg(), "records": records}
     path = write_result("cpu-mailbox", raw,
-                        ratios, out_dir=args.out_dir)
+                        ratios, out_dir=args.out_dir, tag="cpu")
     print(f"wrote {path}")
     return 0
 
