@@ -214,7 +214,7 @@ def markdown_rows(result: dict[str, Any], label: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m moemesh.bench.fullsize_report LABEL=FILE ...`: the markdown rows of bench/NOTES.md (the decode
+    """`python -m moemesh.bench.fullsize_report LABEL=FILE ...`: the markdown tables of docs/performance.md (the decode
     and prefill table, then the speculative runs' table when any file has them)."""
     import json
     import sys

@@ -300,7 +300,7 @@ def _split_ms(summary: dict[str, Any] | None) -> str:
 
 
 def markdown_spec_rows(result: dict[str, Any], label: str) -> list[str]:
-    """One NOTES row per speculative run: | config | routing | B | source (W) | tok/s | tau | verify ms
+    """One markdown row per speculative run: | config | routing | B | source (W) | tok/s | tau | verify ms
     (x plain) | verify attention / wait ms | drafter ms | speedup | output = plain |."""
     rows = []
     for row in result.get("speculative", []):

@@ -1,6 +1,7 @@
-"""`python -m moemesh.bench.hostwork [--device cuda:0] [--out-dir DIR]`: per-Dispatch host work, before and after.
+"""`moemesh bench hostwork [--device cuda:0] [--out-dir DIR]`: per-Dispatch host work of the services' paths,
+against the device-side split as a reference.
 
-Issue 10's full-size figures put a decode step's time in per-layer host work, not in bytes. This
+A full-size decode step spends its time in per-layer host work, not in bytes. This
 benchmark measures that work in isolation, at true width (hidden 4096, top-6 of 256 experts) with a
 tiny expert intermediate size (`--intermediate`, default 256) so that compute does not hide it:
 - expert side: the expert worker (`ExpertWorker`, holding 3/4 of one layer's
@@ -9,11 +10,11 @@ tiny expert intermediate size (`--intermediate`, default 256) so that compute do
   service runner does before sending);
 - attention side: `MoEDispatcher.start` splitting a layer's routing between two expert workers (3/4 and
   1/4 of the experts; tables of 43 layers) and sending both Dispatches over real ZeroMQ sockets
-  (drained by a child process). Over ZeroMQ the split itself is the device split of before (see
-  `MoEDispatcher._start_zmq`); "after" differs by the worker count no longer walked per layer, and the
+  (drained by a child process). Over ZeroMQ the split itself is the device split (see
+  `MoEDispatcher._start_zmq`); the services' path reads the worker count once per router version, and the
   host pieces of the CUDA IPC split (routing read-back, owner split) are timed as components.
-Each is run as the services do it now ("after") and as they did before session 4 ("before":
-`bench/hostwork_legacy.py`, the old code kept only here), for T = 1, 8, 64 tokens. Both are checked to
+Each is run as the services do it ("after" in the JSON) and as the device-side reference does it ("before":
+`bench/hostwork_legacy.py`, kept only here), for T = 1, 8, 64 tokens. Both are checked to
 give identical results (expert outputs bit for bit; the same Dispatch tensors) before anything is timed.
 Figures: µs per Dispatch (expert side) or per layer (attention side, two Dispatches), medians over
 `--iterations` after a warm-up with the variants interleaved (plus the mean total), split into stages by

@@ -167,16 +167,16 @@ def _torch_experts(x_sorted, offsets, weights, swiglu_limit):
 def fp4_sweep_configs(num_tokens: int, sweep: str) -> list:
     """Variants timed per launch (gate-up and down apart); `sweep` none | small | full.
 
-    Run 1 (bench/NOTES.md) settled the decode (ASM_QUAD best everywhere, DOT_SCALED and FMA far
-    behind); "small" now sweeps ASM_QUAD's tile shape, K step, warps and stages, "full" adds the
-    other decodes once more for the record."""
+    ASM_QUAD is the fastest FP4 decode at every shape (DOT_SCALED and FMA far behind); "small" sweeps
+    ASM_QUAD's tile shape, K step, warps and stages, "full" adds the other decodes, "prefill" the taller
+    row tiles that pay once experts see ~100+ rows (8K-token prefill)."""
     from moemesh.common.kernels.fp4_experts import Fp4Decode as D
     from moemesh.common.kernels.fp4_experts import GroupedGemmConfig as C
 
     if sweep == "none":
         return []
     q = D.ASM_QUAD
-    if sweep == "prefill":  # session 3: taller row tiles once experts see ~100+ rows (8K-token prefill)
+    if sweep == "prefill":  # taller row tiles once experts see ~100+ rows (8K-token prefill)
         return [C(128, 128, 64, 8, 3, 1, q), C(128, 64, 64, 8, 3, 1, q), C(128, 128, 64, 8, 4, 1, q),
                 C(128, 64, 128, 8, 3, 1, q)]
     if num_tokens <= 64:
@@ -233,9 +233,9 @@ def bench_fp4_experts(ceilings: dict, quick: bool, no_baselines: bool = False, s
         graph_median_s([lambda: grouped_experts(x_sorted, offsets, weights, swiglu_limit=10.0)])  # warm-up, discarded
         default_s = graph_median_s([lambda: grouped_experts(x_sorted, offsets, weights, swiglu_limit=10.0)])
         gate_up_times, down_times, errors = {}, {}, {}
-        # None = the default each launch chooses itself; then session 1's default (JOIN), then the sweep.
-        session1 = C(64, 128, 64, 8, 3) if num_rows >= 32 * NUM_EXPERTS else C(16, 64, 128, 4, 3)
-        reference_configs = [] if sweep == "prefill" else [session1]
+        # None = the default each launch chooses itself; then the JOIN reference configuration, then the sweep.
+        join_reference = C(64, 128, 64, 8, 3) if num_rows >= 32 * NUM_EXPERTS else C(16, 64, 128, 4, 3)
+        reference_configs = [] if sweep == "prefill" else [join_reference]
         for config in [None, *reference_configs, *fp4_sweep_configs(num_tokens, "none" if quick else sweep)]:
             label = "default" if config is None else config.short()
             for launch, table, fn in (

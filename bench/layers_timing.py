@@ -196,8 +196,8 @@ def time_prefill(side, experts, config, num_tokens: int, *, num_reps: int, seed:
     steps = []
     for rep in range(num_reps + 1):  # the first is warm-up
         # The state is made outside inference mode: the kernels' address tables find a preallocated row
-        # store's tensor through a view's `_base`, which inference tensors do not keep (session 3: every
-        # earlier prefill figure of this benchmark ran the per-sequence torch attention for that reason).
+        # store's tensor through a view's `_base`, which inference tensors do not keep (made inside it, the
+        # prefill would fall back to the per-sequence torch attention).
         state = new_sequence_state(config, num_tokens + 64, side.dtype, device)
         with torch.inference_mode():
             batch = ForwardBatch([SequenceChunk(state, num_tokens)], device)

@@ -1,4 +1,4 @@
-"""The deterministic decode checks of `bench/speculation.py` (issue 6, in the manner of Lucebox's
+"""The deterministic decode checks of `bench/speculation.py` (in the manner of Lucebox's
 bench_ds4_decode.py), kept apart so they can be tested on hand-made runs.
 
 `run_problems` flags one run: a short request (no token, or fewer than max_tokens without EOS; with

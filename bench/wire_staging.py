@@ -8,7 +8,7 @@ decodes it and reads every byte of `hidden` (a sum). Two timings per size:
   libzmq let go of it), the receiver consumes them; time per message.
 - `pingpong`: one message at a time, the receiver answers with an 8-byte frame; time per round trip.
 The receiver's checksum is compared with the sender's, so a reused-while-queued buffer shows up
-as `num_corrupt` (the bug fixed in session 3) instead of a fast number.
+as `num_corrupt` instead of a fast number.
 
 Variants (`--variants`, alternated run by run so that load on the host hits both alike):
 - `fixed`: `send_staged` as it is (every zero-copy frame tracked, common/wire/tracked_send.py);
