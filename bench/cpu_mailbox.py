@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
 from moemesh.bench.results_io import write_result
+from moemesh.bench.timing import median, percentile, time_s
 from moemesh.common.kernels.cpu_mailbox import WaitConfig, load_mailbox
 from moemesh.common.kernels.mailbox_driver import MailboxDriver, wait_until_attached
 from moemesh.common.kernels.mailbox_layout import CombineMode, MailboxLayout, MailboxSegment, Word, make_seq
@@ -44,14 +44,6 @@ from moemesh.bench.cpu_mailbox_worker import WorkerSpec, spawn_worker
 
 HIDDEN, TOP_K, T_MAX = 4096, 6, 64
 WAITS = {"backoff": WaitConfig(), "spin": WaitConfig(spin_us=10_000_000.0)}
-
-
-def _median(values: list[float]) -> float:
-    return float(statistics.median(values)) if values else float("nan")
-
-
-def _p90(values: list[float]) -> float:
-    return sorted(values)[int(0.9 * (len(values) - 1))] if values else float("nan")
 
 
 def run_case(library, mode: str, wait_name: str, num_tokens_list: list[int], args) -> list[dict]:
@@ -112,12 +104,12 @@ def run_case(library, mode: str, wait_name: str, num_tokens_list: list[int], arg
             record = {"mode": mode, "wait": wait_name, "T": num_tokens, "layers": args.layers, "steps": steps,
                       "experts_owned": num_experts if mode == "experts" else 0, "inter": args.inter,
                       "worker_threads": args.threads, "layers_served": served,
-                      "round_trip_us": _median(samples["round_trip"]),
-                      "round_trip_p90_us": _p90(samples["round_trip"]),
-                      "worker_us": _median(samples["worker"]), "hop_us": _median(samples["hop"]),
-                      "hop_p90_us": _p90(samples["hop"]),
-                      "write_us": _median(samples["write"]), "combine_us": _median(samples["combine"]),
-                      "layer_us": _median(samples["layer"]), "step_ms": _median(step_ms)}
+                      "round_trip_us": median(samples["round_trip"]),
+                      "round_trip_p90_us": percentile(samples["round_trip"], 0.9),
+                      "worker_us": median(samples["worker"]), "hop_us": median(samples["hop"]),
+                      "hop_p90_us": percentile(samples["hop"], 0.9),
+                      "write_us": median(samples["write"]), "combine_us": median(samples["combine"]),
+                      "layer_us": median(samples["layer"]), "step_ms": median(step_ms)}
             records.append(record)
             print(f"{mode:8s} {wait_name:8s} T={num_tokens:3d}: round trip {record['round_trip_us']:8.1f} us "
                   f"(p90 {record['round_trip_p90_us']:8.1f}), worker {record['worker_us']:8.1f}, hop {record['hop_us']:7.1f}, "
@@ -181,24 +173,17 @@ def run_gpu_case(library, mode: str, wait_name: str, num_tokens_list: list[int],
                 graph.replay()
             torch.cuda.synchronize(device)
             served0, busy0 = segment.word(Word.SERVED), segment.word(Word.BUSY_NS)
-            step_ms = []
-            for _ in range(steps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                step_ms.append(start.elapsed_time(end))
+            step_ms = [seconds * 1e3 for seconds in time_s(graph.replay, device, repeats=steps)]
             if segment.word(Word.WAIT_ERROR) != 0 or int(step_errors.item()) != 0:
                 raise RuntimeError(f"the GPU waiting side recorded error {segment.word(Word.WAIT_ERROR)} "
                                    f"at seq {segment.word(Word.WAIT_ERROR_SEQ)}")
             served = segment.word(Word.SERVED) - served0
             worker_us = (segment.word(Word.BUSY_NS) - busy0) / max(served, 1) / 1e3
-            layer_us = _median(step_ms) * 1e3 / args.layers
+            layer_us = median(step_ms) * 1e3 / args.layers
             record = {"waiting_side": "gpu", "mode": mode, "wait": wait_name, "T": num_tokens, "layers": args.layers,
                       "steps": steps, "experts_owned": num_experts if mode == "experts" else 0, "inter": args.inter,
-                      "worker_threads": args.threads, "layers_served": served, "step_ms": _median(step_ms),
-                      "step_p90_ms": _p90(step_ms), "layer_us": layer_us, "worker_us": worker_us,
+                      "worker_threads": args.threads, "layers_served": served, "step_ms": median(step_ms),
+                      "step_p90_ms": percentile(step_ms, 0.9), "layer_us": layer_us, "worker_us": worker_us,
                       "hop_us": layer_us - worker_us}
             records.append(record)
             print(f"gpu {mode:8s} {wait_name:8s} T={num_tokens:3d}: layer {layer_us:8.1f} us, worker {worker_us:8.1f}, "
@@ -248,9 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = {"hidden": HIDDEN, "top_k": TOP_K, "t_max": T_MAX, "cpu_count": os.cpu_count(),
            "load_average_1_5_15_before": load_before, "load_average_1_5_15_after": os.getloadavg(), "records": records}
     raw["waiting_side"] = args.waiting_side
-    device_name = "cpu" if args.waiting_side == "cpu" else torch.cuda.get_device_name(0).split()[-1].lower()
-    path = write_result(f"cpu-mailbox-{device_name}", raw,
-                        ratios, out_dir=args.out_dir)
+    path = write_result("cpu-mailbox", raw, ratios, out_dir=args.out_dir,
+                        tag="cpu" if args.waiting_side == "cpu" else None)
     print(f"wrote {path}")
     return 0
 

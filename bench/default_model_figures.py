@@ -1,5 +1,6 @@
 """`python -m moemesh.bench.default_model_figures [--num-verses 200]`: the measured figures of the
-default model (models/kjv-dsv4-mini), on the CPU, written to bench/results/default_model-<UTC>.json.
+default model (models/kjv-dsv4-mini), on the CPU, written to bench/results/default-model-cpu-<UTC>.json
+(bench.results_io).
 
 1. validation loss / perplexity: read from the training log beside the checkpoint (float weights
    and the exported FP8/FP4 files, both measured by `tools.train` on the held-out chapters);
@@ -29,10 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from moemesh.bench.results_io import write_result
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO_ROOT / "models" / "kjv-dsv4-mini"
 DATA_DIR = REPO_ROOT / ".traindata" / "kjv-recite"
-RESULTS_DIR = REPO_ROOT / "bench" / "results"
 QUESTION = "Recite {ref}."
 CONTINUATION_PROMPTS = ("Genesis 1:1 In the beginning God", "Psalms 23:1 The LORD is my shepherd;", "Matthew 5:5 Blessed are the")
 ACCEPTANCE_PROMPTS = ("Genesis 1:1 In the beginning God", "John 3:16 For God so loved",
@@ -47,7 +49,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--acceptance-tokens", type=int, default=48, help="tokens generated per acceptance prompt")
     parser.add_argument("--skew-windows", type=int, default=16, help="held-out windows counted for the skew")
     parser.add_argument("--skip-serve", action="store_true", help="offline figures only")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out-dir", type=Path, default=None, help="where the result JSON goes (default bench/results)")
     return parser
 
 
@@ -198,10 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             results["recitation"] = recitation(server.base_url, well_known, other, args.concurrency)
             print(json.dumps({k: v for k, v in results["recitation"].items() if k != "answers"}), flush=True)
     results.update(offline_figures(args))
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    out = args.out or RESULTS_DIR / f"default_model-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    out = write_result("default-model", results, command=results["command"], out_dir=args.out_dir, tag="cpu")
     summary = {"out": str(out), "acceptance": {k: v["mean_accepted"] for k, v in results["acceptance"].items()},
                "max_over_mean": [round(r["max_over_mean"], 3) for r in results["expert_skew"]["per_layer"]]}
     print(json.dumps(summary), flush=True)

@@ -12,7 +12,7 @@ For T tokens of a [T, D] activation (D = 4096, bf16), K = 6 top-k ids and weight
 
 The expert process runs `EchoExpert` on the real service skeleton (`ServiceRunner`); its
 op is `output = hidden * sum_k(weights)`. Prints median and p90 per case in microseconds
-and writes `bench/results/dispatch-<time>.json` with ratios to the in-process call.
+and writes `bench/results/dispatch-<device>-<time>.json` with ratios to the in-process call.
 
     python -m moemesh.bench.dispatch                       # T = 1, 8, 64, 2048 on the CPU
     python -m moemesh.bench.dispatch --device cuda:0       # tensors on the GPU, pinned staging
@@ -21,13 +21,14 @@ and writes `bench/results/dispatch-<time>.json` with ratios to the in-process ca
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from moemesh.bench.timing import median, percentile, sync, wall_s
 
 DEFAULT_TOKENS = (1, 8, 64, 2048)
 # iterations per token count: enough for a stable median in a few seconds per case
@@ -90,13 +91,9 @@ def serve_expert(endpoint: str, device: str, use_staging: bool) -> int:
     return run_service(service, runner_config)
 
 
-def _percentiles(samples_ns: list[int]) -> dict[str, float]:
-    ordered = sorted(samples_ns)
-    return {
-        "median_us": statistics.median(ordered) / 1000,
-        "p90_us": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] / 1000,
-        "num_iterations": len(ordered),
-    }
+def _percentiles(samples_s: list[float]) -> dict[str, float]:
+    return {"median_us": median(samples_s) * 1e6, "p90_us": percentile(samples_s, 0.9) * 1e6,
+            "num_iterations": len(samples_s)}
 
 
 def _make_dispatch(num_tokens: int, hidden_size: int, top_k: int, device: str) -> Any:
@@ -112,60 +109,35 @@ def _make_dispatch(num_tokens: int, hidden_size: int, top_k: int, device: str) -
                     expert_ids=expert_ids, weights=weights.to(device))
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
+def _time_call(dispatch: Any, iterations: int, device: str) -> list[float]:
+    return wall_s(lambda: expert_op(dispatch).output, device, repeats=iterations)
 
 
-def _time_call(dispatch: Any, iterations: int, device: str) -> list[int]:
-    samples = []
-    for _ in range(iterations):
-        start = time.perf_counter_ns()
-        expert_op(dispatch).output
-        _sync(device)
-        samples.append(time.perf_counter_ns() - start)
-    return samples
-
-
-def _time_codec(dispatch: Any, ring: Any, iterations: int, device: str) -> list[int]:
+def _time_codec(dispatch: Any, ring: Any, iterations: int, device: str) -> list[float]:
     """Both messages through encode + decode and the host<->device copies, no socket."""
     import dataclasses
 
     from moemesh.common.wire import codec
 
-    samples = []
-    for _ in range(iterations):
-        start = time.perf_counter_ns()
+    def round_trip() -> None:
         received = codec.decode(codec.encode(dispatch))
         on_device = dataclasses.replace(received, hidden=ring.to_device(received.hidden),
                                         weights=ring.to_device(received.weights))
         combine = codec.decode(codec.encode(expert_op(on_device)))
         ring.to_device(combine.output)
-        _sync(device)
-        samples.append(time.perf_counter_ns() - start)
-    return samples
+
+    return wall_s(round_trip, device, repeats=iterations)
 
 
-def _time_socket(client: Any, pool: Any, ring: Any, dispatch: Any, iterations: int, device: str) -> list[int]:
-    samples = []
-    for _ in range(iterations):
-        start = time.perf_counter_ns()
-        combine = client.request(dispatch, timeout_s=30, staging=pool)
-        ring.to_device(combine.output)
-        _sync(device)
-        samples.append(time.perf_counter_ns() - start)
-    return samples
+def _time_socket(client: Any, pool: Any, ring: Any, dispatch: Any, iterations: int, device: str) -> list[float]:
+    return wall_s(lambda: ring.to_device(client.request(dispatch, timeout_s=30, staging=pool).output), device,
+                  repeats=iterations)
 
 
-def _time_cuda_ipc(channel: Any, plane: Any, dispatch: Any, iterations: int) -> list[int]:
+def _time_cuda_ipc(channel: Any, plane: Any, dispatch: Any, iterations: int) -> list[float]:
     """Round trips through the shared device rings: write slot, doorbell, CombineSlot, output usable."""
-    import torch
 
-    samples = []
-    for _ in range(iterations):
-        start = time.perf_counter_ns()
+    def round_trip() -> None:
         ticket, slot = plane.try_send(0, dispatch_id=1, step_id=0, layer=dispatch.layer, micro_batch=0,
                                       x=dispatch.hidden, ids=dispatch.expert_ids, weights=dispatch.weights,
                                       slot_mask=None)
@@ -175,10 +147,10 @@ def _time_cuda_ipc(channel: Any, plane: Any, dispatch: Any, iterations: int) -> 
         if isinstance(output, str):
             raise RuntimeError(output)
         output.sum()  # a use of the output on the device, ordered after the expert's event
-        torch.cuda.synchronize()
+        sync("cuda")
         plane.release(0, slot)
-        samples.append(time.perf_counter_ns() - start)
-    return samples
+
+    return wall_s(round_trip, "cuda", repeats=iterations)
 
 
 def _run_cuda_ipc(args: argparse.Namespace, context: Any, run_dir: str, dispatches: dict, raw: dict) -> None:

@@ -23,27 +23,19 @@ import sys
 import time
 from pathlib import Path
 
+from moemesh.bench.timing import median, time_s
+
 def _times_s(fn, inputs: list) -> list[float]:
     """Sorted wall times of fn(*inputs[i]) over inputs[1:], after a warm-up on inputs[0]."""
     fn(*inputs[0])
-    times = []
-    for args in inputs[1:]:
-        began_s = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - began_s)
-    return sorted(times)
+    remaining = iter(inputs[1:])
+    return sorted(time_s(lambda: fn(*next(remaining)), "cpu", repeats=len(inputs) - 1))
 
 
 def _read_bandwidth(torch, num_bytes: int, reps: int = 3) -> float:
     """Bytes read per second by an fp32 sum over `num_bytes` (bandwidth-bound; the kernel only reads)."""
     data = torch.ones(num_bytes // 4, dtype=torch.float32)
-    data.sum()
-    times = []
-    for _ in range(reps):
-        began_s = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - began_s)
-    return num_bytes / sorted(times)[len(times) // 2]
+    return num_bytes / median(time_s(data.sum, "cpu", warmup=1, repeats=reps))
 
 
 def _thread_counts(text: str) -> list[int]:
@@ -163,7 +155,7 @@ def _measure(path: str, runner, held, config, native, args, num_tokens: int, gen
         def fn(hidden, ids, weights):
             expert_rows(held, hidden, ids, weights, None, config.swiglu_limit, False, runner)
     times = _times_s(fn, inputs)
-    seconds = times[len(times) // 2]
+    seconds = median(times)
     return {"path": path, "num_tokens": num_tokens, "top_k": args.top_k, "experts_touched": touched, "s": seconds,
             "s_min": times[0], "s_max": times[-1], "s_per_expert": seconds / touched,
             "weight_read_bytes_per_s": touched * ModelCosts.from_config(config).bytes_per_expert / seconds,

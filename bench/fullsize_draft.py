@@ -29,9 +29,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import statistics
 import time
 from pathlib import Path
+
+from moemesh.bench.timing import floor_ratio, floor_s, median, sync, wall_s
 
 CONTEXT_POSITIONS = 128
 FEATURE_STEP_ROWS = (1, 5)
@@ -128,24 +129,10 @@ class RecordingExperts:
 
 
 # ------------------------------------------------------------------------------------ timing
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_s(fn, device, warmup: int, repeats: int) -> tuple[float, list[float]]:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples), samples
+    """Median and samples of host-clock seconds per call, the device synchronised around each."""
+    samples = wall_s(fn, device, warmup=warmup, repeats=repeats)
+    return median(samples), samples
 
 
 def features_message(step_id: int, request_ids: list[str], start_position: int, num_rows: int, width: int,
@@ -193,10 +180,11 @@ def time_batch(worker, loop, num_requests: int, temperatures: list[float], args,
     bw = ceilings["copy_bytes_per_s"]
     for num_rows in FEATURE_STEP_ROWS:  # rows land at 128.. and are cut back by the next propose's truncate
         message = features_message(1, request_ids, CONTEXT_POSITIONS, num_rows, width, feature_dtype, generator)
-        median, samples = _median_s(lambda: run(worker.handle(message)), device, args.warmup, args.repeats)
+        call_s, samples = _median_s(lambda: run(worker.handle(message)), device, args.warmup, args.repeats)
+        fusion_floor_s = floor_s(groups["fusion_bytes"], bw)
         row["add_features"][f"rows_{num_rows}"] = {
-            "median_s": median, "samples_s": samples, "floor_s": groups["fusion_bytes"] / bw,
-            "ratio_to_floor": median * bw / groups["fusion_bytes"]}
+            "median_s": call_s, "samples_s": samples, "floor_s": fusion_floor_s,
+            "ratio_to_floor": floor_ratio(call_s, fusion_floor_s)}
     assert run(worker.handle(fill)) == m.Ack()  # full rings again: the timed rows evicted the oldest positions
     recorder = RecordingExperts(drafter.experts_fn)
     drafter.set_experts(recorder)
@@ -215,23 +203,23 @@ def time_batch(worker, loop, num_requests: int, temperatures: list[float], args,
     row["expected_distinct_uniform"] = expected_distinct(config.n_routed_experts, config.num_experts_per_tok,
                                                          num_tokens)
     row["propose_floor_bytes"] = floor_bytes
-    row["propose_floor_s"] = floor_bytes / bw
+    row["propose_floor_s"] = floor_s(floor_bytes, bw)
     for temperature in temperatures:
         request = draft_request(3, request_ids, CONTEXT_POSITIONS, temperature, block_size)
         before = (worker.timings.forward_s_total, worker.timings.chains_s_total, worker.timings.num_proposals)
         replies = []
-        median, samples = _median_s(lambda: replies.append(run(worker.handle(request))), device, args.warmup,
+        call_s, samples = _median_s(lambda: replies.append(run(worker.handle(request))), device, args.warmup,
                                     args.repeats)
         calls = worker.timings.num_proposals - before[2]
         reply = replies[-1]
         assert isinstance(reply, m.DraftTokens), reply
         num_drafts = [len(p.token_ids) for p in reply.proposals]
         row["propose"][f"temperature_{temperature:g}"] = {
-            "median_s": median, "samples_s": samples,
+            "median_s": call_s, "samples_s": samples,
             "forward_mean_s": (worker.timings.forward_s_total - before[0]) / calls,
             "chains_mean_s": (worker.timings.chains_s_total - before[1]) / calls,
             "num_drafts_min": min(num_drafts), "num_drafts_max": max(num_drafts),
-            "ratio_to_floor": median / row["propose_floor_s"]}
+            "ratio_to_floor": floor_ratio(call_s, row["propose_floor_s"])}
     run(worker.handle(m.DraftRequest(step_id=4, slots=(), finished_request_ids=tuple(request_ids))))
     return row
 
@@ -263,7 +251,7 @@ def main(argv=None) -> int:
                                                      routing_skew=args.routing_skew, cache_dir=args.checkpoint_cache)
     started = time.perf_counter()
     worker = build_worker(model_dir, args.device)
-    _sync(device)
+    sync(device)
     build_s = time.perf_counter() - started
     drafter = worker.drafter
     sizes = drafter_weight_bytes(drafter)

@@ -15,12 +15,11 @@ Legend: A requests, G = γ slots, C context positions, D hidden, V vocab.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 
 import torch
 
-from moemesh.bench.fullsize_draft import _median_s, _sync
+from moemesh.bench.timing import median, sync, wall_s
 from moemesh.common.wire import messages as m
 
 
@@ -31,7 +30,7 @@ def _forward(drafter, batch):
 
 
 def _median_wall_s(fn, device, repeats: int) -> float:
-    return _median_s(fn, device, 0, repeats)[0]
+    return median(wall_s(fn, device, repeats=repeats))
 
 
 def probe_inputs(worker, loop, num_requests: int, features_message, draft_request, seed_position: int):
@@ -52,12 +51,12 @@ def kernel_profile(drafter, batch, device, num_forwards: int = 3, top: int = 12)
 
     with torch.no_grad():
         _forward(drafter, batch)
-        _sync(device)
+        sync(device)
         wall_s = _median_wall_s(lambda: _forward(drafter, batch), device, num_forwards)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(num_forwards):
                 _forward(drafter, batch)
-            _sync(device)
+            sync(device)
     by_name: dict[str, list[float]] = defaultdict(list)
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
@@ -85,7 +84,7 @@ def graph_replay(drafter, batch, device, repeats: int) -> dict:
         with torch.cuda.graph(graph):
             captured = _forward(drafter, batch)
         graph.replay()
-        torch.cuda.synchronize(device)
+        sync(device)
         matches = bool(torch.equal(captured, eager))
         replay_s = _median_wall_s(graph.replay, device, repeats)
     return {"eager_s": eager_s, "replay_s": replay_s, "speedup": eager_s / replay_s, "replay_matches_eager": matches}

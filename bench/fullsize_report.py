@@ -22,13 +22,14 @@ Legend: L layers, W expert workers.
 
 from __future__ import annotations
 
-import statistics
 from collections import defaultdict
+from functools import partial
 from typing import Any
 
+from moemesh.bench.timing import floor_s as _bytes_floor_s
+from moemesh.bench.timing import median
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else 0.0
+_median0 = partial(median, empty=0.0)  # a field no step measured reads 0
 
 
 def analyse_steps(steps, dispatch_records: list[list[float]], expert_timings: dict[str, dict], *,
@@ -79,7 +80,7 @@ def analyse_steps(steps, dispatch_records: list[list[float]], expert_timings: di
     for step in steps:
         wait_s = sum(fe - fb for _l, _sb, fe, fb in rounds[step.step_id])
         transfer_s = 0.0
-        floor_s = (head_bytes + step.num_tokens * embed_row_bytes) / near_bw
+        floor_s = _bytes_floor_s(head_bytes + step.num_tokens * embed_row_bytes, near_bw)
         near_bytes = far_bytes = 0
         for layer, start_begin, finish_end, _fb in rounds[step.step_id]:
             slowest = max(layer_compute.get((step.step_id, layer, w), 0.0) for w in (near_worker, far_worker))
@@ -89,7 +90,7 @@ def analyse_steps(steps, dispatch_records: list[list[float]], expert_timings: di
             far_layer = touched.get((step.step_id, layer, far_worker), 0) * bytes_per_expert
             near_bytes += near_layer
             far_bytes += far_layer
-            floor_s += max(near_layer / near_bw, far_layer / far_bw if far_bw else 0.0)
+            floor_s += max(_bytes_floor_s(near_layer, near_bw), _bytes_floor_s(far_layer, far_bw) if far_bw else 0.0)
         per_step.append({"step_id": step.step_id, "num_tokens": step.num_tokens, "step_s": step.wall_s,
                          "wait_s": wait_s, "attention_side_s": step.wall_s - wait_s,
                          "expert_s": {w: compute.get((step.step_id, w), 0.0) for w in (near_worker, far_worker)},
@@ -108,21 +109,21 @@ def analyse_steps(steps, dispatch_records: list[list[float]], expert_timings: di
                     if top_k is not None else [])
     summary = {
         "num_steps": len(per_step),
-        "step_s": _median([s["step_s"] for s in per_step]),
-        "attention_side_s": _median([s["attention_side_s"] for s in per_step]),
-        "wait_s": _median([s["wait_s"] for s in per_step]),
-        "near_expert_s": _median([s["expert_s"][near_worker] for s in per_step]),
-        "far_expert_s": _median([s["expert_s"][far_worker] for s in per_step]),
-        "transfer_and_queue_s": _median([s["transfer_and_queue_s"] for s in per_step]),
+        "step_s": _median0([s["step_s"] for s in per_step]),
+        "attention_side_s": _median0([s["attention_side_s"] for s in per_step]),
+        "wait_s": _median0([s["wait_s"] for s in per_step]),
+        "near_expert_s": _median0([s["expert_s"][near_worker] for s in per_step]),
+        "far_expert_s": _median0([s["expert_s"][far_worker] for s in per_step]),
+        "transfer_and_queue_s": _median0([s["transfer_and_queue_s"] for s in per_step]),
         # the slowest worker's hop per layer, summed over layers: building + sending the Dispatches (routing
         # tables, masks, staging copies), send end -> its arrival (wire + queue + decode), its answer ready
         # (or the attention side at finish, whichever is later) -> routed output on the attention device
-        "dispatch_build_s": _median([s["dispatch_build_s"] for s in per_step]),
-        "inbound_s": _median([s["inbound_s"] for s in per_step]),
-        "outbound_s": _median([s["outbound_s"] for s in per_step]),
-        "floor_s": _median([s["floor_s"] for s in per_step]),
-        "near_bytes": _median([s["near_bytes"] for s in per_step]),
-        "far_bytes": _median([s["far_bytes"] for s in per_step]),
+        "dispatch_build_s": _median0([s["dispatch_build_s"] for s in per_step]),
+        "inbound_s": _median0([s["inbound_s"] for s in per_step]),
+        "outbound_s": _median0([s["outbound_s"] for s in per_step]),
+        "floor_s": _median0([s["floor_s"] for s in per_step]),
+        "near_bytes": _median0([s["near_bytes"] for s in per_step]),
+        "far_bytes": _median0([s["far_bytes"] for s in per_step]),
         "near_slot_share": slots[near_worker] / total_slots if total_slots else None,
         "far_slot_share": slots[far_worker] / total_slots if total_slots else None,
         "num_routed_slots": total_slots,
@@ -213,7 +214,7 @@ def markdown_rows(result: dict[str, Any], label: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m moemesh.bench.fullsize_report LABEL=FILE ...`: the markdown rows of bench/NOTES.md (the decode
+    """`python -m moemesh.bench.fullsize_report LABEL=FILE ...`: the markdown tables of docs/performance.md (the decode
     and prefill table, then the speculative runs' table when any file has them)."""
     import json
     import sys

@@ -25,10 +25,14 @@ Legend: B sequences, W drafts per step (--spec-width).
 from __future__ import annotations
 
 import enum
-import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
+
+from moemesh.bench.timing import median
+
+_median_or_none = partial(median, empty=None)
 
 
 class DraftSource(enum.Enum):
@@ -179,10 +183,6 @@ class DrafterDrafts:
         self._context.term()
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def compare_outputs(plain: dict[str, list[int]], spec: dict[str, list[int]], plain_prefix: str,
                     spec_prefix: str) -> dict[str, Any]:
     """Token-for-token equality of the speculative run's outputs with the plain run's, over the
@@ -254,7 +254,7 @@ def spec_row(source: DraftSource, width: int, result, num_warmup: int, plain_ste
     seq_steps = sum(s.num_sequences for s in measured)
     drafted = sum(s.num_drafts for s in measured)
     accepted = sum(s.num_accepted for s in measured)
-    step_s = _median([s.wall_s for s in verify])
+    step_s = _median_or_none([s.wall_s for s in verify])
     draft_s = [s.draft_s for s in verify]
     tokens_per_s = tokens / seconds if seconds else None
     return {
@@ -266,7 +266,7 @@ def spec_row(source: DraftSource, width: int, result, num_warmup: int, plain_ste
         "acceptance_rate": accepted / drafted if drafted else None,
         "verify_step_s": step_s, "plain_step_s": plain_step_s,
         "verify_over_plain_step": step_s / plain_step_s if step_s and plain_step_s else None,
-        "draft_round_trip_s": _median(draft_s) if source is DraftSource.DRAFTER else None,
+        "draft_round_trip_s": _median_or_none(draft_s) if source is DraftSource.DRAFTER else None,
         "speedup_over_plain": tokens_per_s / plain_tokens_per_s if tokens_per_s and plain_tokens_per_s else None,
         "tokens_per_verify_step": [s.num_tokens_gained for s in verify],
         "drafts_per_verify_step": [s.num_drafts for s in verify],
@@ -300,7 +300,7 @@ def _split_ms(summary: dict[str, Any] | None) -> str:
 
 
 def markdown_spec_rows(result: dict[str, Any], label: str) -> list[str]:
-    """One NOTES row per speculative run: | config | routing | B | source (W) | tok/s | tau | verify ms
+    """One markdown row per speculative run: | config | routing | B | source (W) | tok/s | tau | verify ms
     (x plain) | verify attention / wait ms | drafter ms | speedup | output = plain |."""
     rows = []
     for row in result.get("speculative", []):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moemesh.bench.timing import median, time_s
 from moemesh.common.sampling_params import SamplingParams
 
 
@@ -178,21 +179,7 @@ def _copy_bandwidth(device: torch.device, num_bytes: int, reps: int) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     src.fill_(7)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 1):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end) / 1e3)
-        else:
-            began_s = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - began_s)
-    times = sorted(times[1:])
-    return 2 * num_bytes / times[len(times) // 2]
+    return 2 * num_bytes / median(time_s(lambda: dst.copy_(src), device, warmup=1, repeats=reps))
 
 
 def flush_expert_timings(endpoints: dict[str, str], timing_dir, timeout_s: float = 30.0) -> dict[str, dict]:

@@ -1,6 +1,7 @@
-"""`python -m moemesh.bench.hostwork [--device cuda:0] [--out-dir DIR]`: per-Dispatch host work, before and after.
+"""`moemesh bench hostwork [--device cuda:0] [--out-dir DIR]`: per-Dispatch host work of the services' paths,
+against the device-side split as a reference.
 
-At full size a decode step's time goes to per-layer host work, not to bytes. This
+A full-size decode step spends its time in per-layer host work, not in bytes. This
 benchmark measures that work in isolation, at true width (hidden 4096, top-6 of 256 experts) with a
 tiny expert intermediate size (`--intermediate`, default 256) so that compute does not hide it:
 - expert side: the expert worker (`ExpertWorker`, holding 3/4 of one layer's
@@ -9,10 +10,10 @@ tiny expert intermediate size (`--intermediate`, default 256) so that compute do
   service runner does before sending);
 - attention side: `MoEDispatcher.start` splitting a layer's routing between two expert workers (3/4 and
   1/4 of the experts; tables of 43 layers) and sending both Dispatches over real ZeroMQ sockets
-  (drained by a child process). Over ZeroMQ the split itself is the device split of before (see
-  `MoEDispatcher._start_zmq`); "after" differs by the worker count no longer walked per layer, and the
+  (drained by a child process). Over ZeroMQ the split itself is the device split (see
+  `MoEDispatcher._start_zmq`); the services' path reads the worker count once per router version, and the
   host pieces of the CUDA IPC split (routing read-back, owner split) are timed as components.
-Each is run as the services do it ("after") and in the earlier form ("before":
+Each is run as the services do it ("after" in the JSON) and as the device-side reference does it ("before":
 `bench/hostwork_legacy.py`, kept only here), for T = 1, 8, 64 tokens. Both are checked to
 give identical results (expert outputs bit for bit; the same Dispatch tensors) before anything is timed.
 Figures: µs per Dispatch (expert side) or per layer (attention side, two Dispatches), medians over
@@ -36,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from moemesh.bench.timing import median, sync
+
 NUM_EXPERTS = 256
 TOP_K = 6
 HIDDEN = 4096
@@ -46,11 +49,6 @@ def _tick(stages: dict[str, float], name: str, began: float) -> float:
     now = time.perf_counter()
     stages[name] = stages.get(name, 0.0) + (now - began) * 1e6
     return now
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class SyncCounter:
@@ -82,11 +80,11 @@ def profile_calls(device: torch.device, run, num_calls: int = 10) -> dict[str, f
     from torch.profiler import ProfilerActivity, profile
 
     run()
-    torch.cuda.synchronize(device)
+    sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(num_calls):
             run()
-        torch.cuda.synchronize(device)
+        sync(device)
     counts: dict[str, float] = {}
     for event in prof.key_averages():
         if event.key.startswith("cu") and not event.key.startswith("cudaDeviceSynchronize"):
@@ -110,7 +108,7 @@ class Samples:
 
     def summary(self) -> dict[str, float]:
         names = list(dict.fromkeys(name for row in self.rows for name in row))
-        out = {name: statistics.median(row.get(name, 0.0) for row in self.rows) for name in names}
+        out = {name: median([row.get(name, 0.0) for row in self.rows]) for name in names}
         out["mean_total"] = statistics.fmean(row["total"] for row in self.rows)
         out["syncs"] = self.counter.count / max(len(self.rows), 1)
         return out
@@ -215,7 +213,7 @@ def bench_expert(device: torch.device, intermediate: int, token_counts: list[int
             print(f"expert T={num_tokens}: OUTPUTS DIFFER from the legacy path", flush=True)
         row = {"identical_to_before": identical}
         samples = {variant: Samples(device) for variant in ("before", "after", "after_timing_sync")}
-        _sync(device)
+        sync(device)
         for i in range(iterations + 5):  # variants interleaved: machine noise hits each alike
             dispatch = dispatches[i % len(dispatches)]
             for variant, sample in samples.items():
@@ -228,7 +226,7 @@ def bench_expert(device: torch.device, intermediate: int, token_counts: list[int
                         output = after_expert_stages(worker, dispatch, stages)
                     if variant == "after_timing_sync":
                         began_sync = time.perf_counter()
-                        _sync(device)
+                        sync(device)
                         _tick(stages, "timing_sync", began_sync)
                     began_reply = time.perf_counter()
                     reply_copy(worker, output)
@@ -237,7 +235,7 @@ def bench_expert(device: torch.device, intermediate: int, token_counts: list[int
                 sample.add(stages, warm=i >= 5)
         row.update({variant: sample.summary() for variant, sample in samples.items()})
         # the worker's own entry point, end to end (must match "after" within noise)
-        _sync(device)
+        sync(device)
         began = time.perf_counter()
         for i in range(iterations):
             reply_copy(worker, worker.handle_dispatch(dispatches[i % len(dispatches)]).output)
@@ -385,7 +383,7 @@ def bench_start(device: torch.device, token_counts: list[int], iterations: int, 
                 x, ids, weights = layers[i % len(layers)]
                 for variant, sample in samples.items():
                     stages: dict[str, float] = {}
-                    _sync(device)
+                    sync(device)
                     with sample.counter:
                         began = time.perf_counter()
                         if variant == "before":

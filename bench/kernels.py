@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from moemesh.bench.timing import floor_ratio, floor_s, graph_median_s, l2_cleared_s
+
 FP8_SHAPES = {  # name: (N out, K in)
     "wq_a": (1024, 4096),
     "wq_b": (32768, 1024),
@@ -33,49 +35,6 @@ L2_DEFEAT_BYTES = 256 * 1024**2  # > 4x the H200's 60 MB L2
 MAX_COPIES = 64
 
 
-def _bench(fn, rep_ms: int = 100) -> float:
-    """do_bench median in seconds (clears L2 before each call; includes host launch overhead)."""
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e-3
-
-
-def _bench_graph(fns, num_replays: int = 30) -> float:
-    """Median device seconds per call of one CUDA-graph replay that calls every fn once.
-
-    Each fn works on its own copy of the weights (enough copies to exceed L2 several times), so
-    the weights stream from HBM, and the graph removes the Python launch overhead: this is the
-    kernel's own time, as a graph-captured decode step would see it.
-    """
-    import statistics
-
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:  # compile and warm up outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    for _ in range(3):
-        graph.replay()
-    samples = []
-    for _ in range(num_replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3 / len(fns))
-    del graph
-    return statistics.median(samples)
-
-
 def _num_copies(weight_bytes: int) -> int:
     return max(1, min(MAX_COPIES, -(-L2_DEFEAT_BYTES // weight_bytes)))
 
@@ -86,11 +45,11 @@ def measure_ceilings() -> dict:
     num_bytes = 2 * 1024**3
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    copy_s = _bench(lambda: dst.copy_(src))
+    copy_s = l2_cleared_s(lambda: dst.copy_(src))
     del src, dst
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_s = _bench(lambda: a @ b)
+    mm_s = l2_cleared_s(lambda: a @ b)
     return {"copy_bytes_per_s": 2 * num_bytes / copy_s, "bf16_flops_per_s": 2 * 8192**3 / mm_s}
 
 
@@ -154,16 +113,16 @@ def bench_fp8_linear(ceilings: dict, quick: bool, no_baselines: bool = False,
             for config in dict.fromkeys(candidates):
                 if config.split_k > triton_cdiv(num_in, config.block_k):
                     continue
-                times[str(config)] = _bench_graph(
+                times[str(config)] = graph_median_s(
                     [lambda w=w, s=s, c=config: fp8_linear(x, w, s, config=c) for w, s in copies])
                 print(f"fp8 {name} T={num_tokens} {config}: {times[str(config)] * 1e6:.1f} us", flush=True)
             best_config = min(times, key=times.get)
             kernel_s = times[str(heuristic)]
-            host_s = _bench(lambda: fp8_linear(x, copies[0][0], copies[0][1]))
-            torch_s = float("nan") if no_baselines else _bench_graph(
+            host_s = l2_cleared_s(lambda: fp8_linear(x, copies[0][0], copies[0][1]))
+            torch_s = float("nan") if no_baselines else graph_median_s(
                 [lambda w=w, s=s: _torch_fp8_dequant_matmul(x, w, s) for w, s in copies[:8]])
             w_bf16 = [w.to(torch.bfloat16) for w, _ in copies[: max(1, len(copies) // 2)]]
-            bf16_s = _bench_graph([lambda w=w: x @ w.T for w in w_bf16])
+            bf16_s = graph_median_s([lambda w=w: x @ w.T for w in w_bf16])
             print(f"fp8 {name} T={num_tokens} cuBLAS bf16 weight: {bf16_s * 1e6:.1f} us", flush=True)
             rows.append({
                 "kernel": "fp8_linear", "shape": f"{name} T={num_tokens}", "num_tokens": num_tokens,
@@ -171,7 +130,7 @@ def bench_fp8_linear(ceilings: dict, quick: bool, no_baselines: bool = False,
                 "best_config": best_config, "do_bench_with_host_overhead_s": host_s,
                 "torch_dequant_matmul_s": torch_s, "bf16_weight_matmul_s": bf16_s, "all_configs_s": times,
                 "num_weight_copies": len(copies),
-                "floor_s": max(min_bytes / ceilings["copy_bytes_per_s"], flops / ceilings["bf16_flops_per_s"]),
+                "floor_s": max(floor_s(min_bytes, ceilings["copy_bytes_per_s"]), floor_s(flops, ceilings["bf16_flops_per_s"])),
             })
             del w_bf16
         del copies
@@ -208,9 +167,9 @@ def _torch_experts(x_sorted, offsets, weights, swiglu_limit):
 def fp4_sweep_configs(num_tokens: int, sweep: str) -> list:
     """Variants timed per launch (gate-up and down apart); `sweep` none | small | full.
 
-    Run 1 (bench/NOTES.md) settled the decode (ASM_QUAD best everywhere, DOT_SCALED and FMA far
-    behind); "small" now sweeps ASM_QUAD's tile shape, K step, warps and stages, "full" adds the
-    other decodes once more for the record."""
+    ASM_QUAD is the fastest FP4 decode at every shape (DOT_SCALED and FMA far behind); "small" sweeps
+    ASM_QUAD's tile shape, K step, warps and stages, "full" adds the other decodes, "prefill" the taller
+    row tiles that pay once experts see ~100+ rows (8K-token prefill)."""
     from moemesh.common.kernels.fp4_experts import Fp4Decode as D
     from moemesh.common.kernels.fp4_experts import GroupedGemmConfig as C
 
@@ -271,12 +230,12 @@ def bench_fp4_experts(ceilings: dict, quick: bool, no_baselines: bool = False, s
         min_bytes = num_active * bytes_per_expert + 2 * num_rows * HIDDEN * 2
         flops = 2 * num_rows * 3 * HIDDEN * EXPERT_WIDTH
         hidden = grouped_gate_up(x_sorted, offsets, weights, swiglu_limit=10.0)
-        _bench_graph([lambda: grouped_experts(x_sorted, offsets, weights, swiglu_limit=10.0)])  # warm-up, discarded
-        default_s = _bench_graph([lambda: grouped_experts(x_sorted, offsets, weights, swiglu_limit=10.0)])
+        graph_median_s([lambda: grouped_experts(x_sorted, offsets, weights, swiglu_limit=10.0)])  # warm-up, discarded
+        default_s = graph_median_s([lambda: grouped_experts(x_sorted, offsets, weights, swiglu_limit=10.0)])
         gate_up_times, down_times, errors = {}, {}, {}
-        # None = the default each launch chooses itself; then the portable JOIN decode, then the sweep.
-        join_config = C(64, 128, 64, 8, 3) if num_rows >= 32 * NUM_EXPERTS else C(16, 64, 128, 4, 3)
-        reference_configs = [] if sweep == "prefill" else [join_config]
+        # None = the default each launch chooses itself; then the JOIN reference configuration, then the sweep.
+        join_reference = C(64, 128, 64, 8, 3) if num_rows >= 32 * NUM_EXPERTS else C(16, 64, 128, 4, 3)
+        reference_configs = [] if sweep == "prefill" else [join_reference]
         for config in [None, *reference_configs, *fp4_sweep_configs(num_tokens, "none" if quick else sweep)]:
             label = "default" if config is None else config.short()
             for launch, table, fn in (
@@ -285,7 +244,7 @@ def bench_fp4_experts(ceilings: dict, quick: bool, no_baselines: bool = False, s
                 ("down", down_times, lambda c=config: grouped_down(hidden, offsets, weights, config=c)),
             ):
                 try:
-                    table[label] = _bench_graph([fn])
+                    table[label] = graph_median_s([fn])
                     print(f"fp4 T={num_tokens} {launch:7} {label:32} {table[label] * 1e6:9.1f} us", flush=True)
                 except Exception as exc:  # a variant that does not compile here is a result, not a crash
                     errors[f"{launch} {label}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -293,9 +252,9 @@ def bench_fp4_experts(ceilings: dict, quick: bool, no_baselines: bool = False, s
         best_gate_up = min(gate_up_times, key=gate_up_times.get)
         best_down = min(down_times, key=down_times.get)
         best_s = gate_up_times[best_gate_up] + down_times[best_down]
-        host_s = _bench(lambda: grouped_experts(x_sorted, offsets, weights, swiglu_limit=10.0))
+        host_s = l2_cleared_s(lambda: grouped_experts(x_sorted, offsets, weights, swiglu_limit=10.0))
         # Host-synchronising (offsets.tolist()), so not graph-capturable: do_bench, L2 cleared.
-        torch_s = float("nan") if no_baselines else _bench(
+        torch_s = float("nan") if no_baselines else l2_cleared_s(
             lambda: _torch_experts(x_sorted, offsets, weights, 10.0), rep_ms=300)
         rows.append({
             "kernel": "fp4_experts", "shape": f"T={num_tokens} rows={num_rows} experts={num_active}",
@@ -307,7 +266,7 @@ def bench_fp4_experts(ceilings: dict, quick: bool, no_baselines: bool = False, s
                 "down": choose_grouped_config(num_rows, NUM_EXPERTS, out_features=HIDDEN).short()},
             "gate_up_configs_s": gate_up_times, "down_configs_s": down_times, "config_errors": errors,
             "do_bench_with_host_overhead_s": host_s, "torch_dequant_matmul_s": torch_s,
-            "floor_s": max(min_bytes / ceilings["copy_bytes_per_s"], flops / ceilings["bf16_flops_per_s"]),
+            "floor_s": max(floor_s(min_bytes, ceilings["copy_bytes_per_s"]), floor_s(flops, ceilings["bf16_flops_per_s"])),
         })
         print(f"fp4 T={num_tokens}: default {default_s * 1e6:.1f} us, best pair {best_s * 1e6:.1f} us "
               f"({best_gate_up} + {best_down}), floor {rows[-1]['floor_s'] * 1e6:.1f} us", flush=True)
@@ -367,7 +326,7 @@ def _write(ceilings: dict, rows: list[dict], out_dir: Path | None, name: str) ->
             "bandwidth_vs_copy": row["min_bytes"] / row["kernel_s"] / ceilings["copy_bytes_per_s"],
             "rate_vs_bf16_mm": row["flops"] / row["kernel_s"] / ceilings["bf16_flops_per_s"],
             "speedup_vs_torch": row["torch_dequant_matmul_s"] / row["kernel_s"],
-            "time_vs_floor": row["kernel_s"] / row["floor_s"],
+            "time_vs_floor": floor_ratio(row["kernel_s"], row["floor_s"]),
         }
         for row in rows
     }

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import traceback
 from pathlib import Path
+
+from moemesh.bench.timing import floor_ratio, floor_s, graph_median_s, median, time_s
 
 CONTEXT_TOKENS = 4096
 # (block_h, block_n, warps, stages); the first is the default (common.kernels.sparse_attention).
@@ -36,47 +37,14 @@ PREFILL_CONFIGS = ((64, 32, 8, 1, None), (32, 32, 8, 2, None), (64, 16, 8, 1, No
 
 
 def _graph_time(fn, num_replays: int = 20) -> float:
-    """Median seconds of one CUDA-graph replay of fn (warmed up and compiled outside the capture)."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    samples = []
-    for _ in range(num_replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3)
-    del graph
-    return statistics.median(samples)
+    """Median device seconds of `fn` captured in a CUDA graph."""
+    return graph_median_s([fn], replays=num_replays)
 
 
 def _event_time(fn, reps: int = 3) -> float:
     """Median seconds of `fn` over `reps` runs timed with CUDA events, after one warm-up run
     (compiles, allocations) that is waited for."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3)
-    return statistics.median(samples)
+    return median(time_s(fn, "cuda", warmup=1, repeats=reps))
 
 
 def _layer_setup(kind):
@@ -111,19 +79,12 @@ def _decode_layer_time(layer, config, states, backend) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         layer(x, batch)
-    samples = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3)
+    samples = time_s(graph.replay, "cuda", repeats=20)
     del graph
     for state in states:
         for store in state.layers[0].stores():
             store.rollback(1)
-    return statistics.median(samples)
+    return median(samples)
 
 
 def bench_decode(kind_name: str, batch_size: int, ceilings: dict, quick: bool) -> dict:
@@ -158,7 +119,7 @@ def bench_decode(kind_name: str, batch_size: int, ceilings: dict, quick: bool) -
     kv_bytes = batch_size * (keys * head_dim * 2 + 2 * heads * head_dim * 2)
     index_bytes = batch_size * visible_rows * config.index_head_dim * 2 if kind is AttentionKind.CSA else 0
     row = {"kind": kind_name, "batch": batch_size, "context": CONTEXT_TOKENS, "keys_per_token": keys,
-           "core_bytes": kv_bytes, "core_floor_s": kv_bytes / ceilings["copy_bytes_per_s"], "configs": {}}
+           "core_bytes": kv_bytes, "core_floor_s": floor_s(kv_bytes, ceilings["copy_bytes_per_s"]), "configs": {}}
     for block_h, block_n, warps, stages, splits in DECODE_CONFIGS[:3] if quick else DECODE_CONFIGS:
         cfg = SparseAttentionConfig(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages,
                                     num_splits=splits)
@@ -173,7 +134,7 @@ def bench_decode(kind_name: str, batch_size: int, ceilings: dict, quick: bool) -
     times = [v for v in row["configs"].values() if isinstance(v, float)]
     if times:
         row["core_best_s"] = min(times)
-        row["core_best_vs_floor"] = min(times) / row["core_floor_s"]
+        row["core_best_vs_floor"] = floor_ratio(min(times), row["core_floor_s"])
     if kind is AttentionKind.CSA:
         queries = torch.randn(batch_size, config.index_n_heads, config.index_head_dim, device="cuda",
                               dtype=torch.bfloat16)
@@ -181,7 +142,7 @@ def bench_decode(kind_name: str, batch_size: int, ceilings: dict, quick: bool) -
         row["indexer_s"] = _graph_time(lambda: indexer_topk(queries, weights, tables, 0, ratio=ratio,
                                                             topk=config.index_topk))
         row["indexer_scores_s"] = _graph_time(lambda: indexer_scores(queries, weights, tables, 0, ratio=ratio))
-        row["indexer_floor_s"] = index_bytes / ceilings["copy_bytes_per_s"]
+        row["indexer_floor_s"] = floor_s(index_bytes, ceilings["copy_bytes_per_s"])
     for backend in (AttentionBackend.TRITON, AttentionBackend.TORCH):
         try:
             row[f"layer_{backend.value}_s"] = _decode_layer_time(layer, config, states, backend)
@@ -224,7 +185,7 @@ def bench_prefill(kind_name: str, num_tokens: int, ceilings: dict, quick: bool) 
     keys = positions.clamp(max=window - 1) + 1 + visible
     flops = 4 * heads * head_dim * int(keys.sum())
     row = {"kind": kind_name, "tokens": num_tokens, "core_flops": flops,
-           "core_floor_s": flops / ceilings["bf16_flops_per_s"], "configs": {}}
+           "core_floor_s": floor_s(flops, ceilings["bf16_flops_per_s"]), "configs": {}}
     for block_h, block_n, warps, stages, splits in PREFILL_CONFIGS[:3] if quick else PREFILL_CONFIGS:
         cfg = SparseAttentionConfig(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages,
                                     num_splits=splits)
@@ -248,7 +209,7 @@ def bench_prefill(kind_name: str, num_tokens: int, ceilings: dict, quick: bool) 
                                                             topk=config.index_topk))
         row["indexer_scores_s"] = _event_time(lambda: indexer_scores(queries, weights, tables, 0, ratio=ratio))
         index_flops = 2 * config.index_n_heads * config.index_head_dim * int(((positions + 1) // ratio).sum())
-        row["indexer_floor_s"] = index_flops / ceilings["bf16_flops_per_s"]
+        row["indexer_floor_s"] = floor_s(index_flops, ceilings["bf16_flops_per_s"])
     x = torch.randn(num_tokens, config.hidden_size, device="cuda", dtype=torch.bfloat16)
     backends = (AttentionBackend.TRITON,) if quick and num_tokens > 2048 else (AttentionBackend.TRITON,
                                                                                 AttentionBackend.TORCH)

@@ -18,6 +18,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from moemesh.bench.timing import floor_ratio, graph_median_s
+from moemesh.bench.timing import floor_s as bytes_floor_s
+
 HIDDEN, NUM_STREAMS, NUM_HEADS, HEAD_DIM, ROPE_HALF, Q_LORA = 4096, 4, 64, 512, 32, 1024
 NUM_ITERS, EPS = 20, 1e-6
 ROTATE_BYTES = 256 * 1024**2
@@ -97,13 +100,12 @@ def _launches(call, num_calls: int = 5) -> tuple[int, dict[str, float]]:
 
 
 def _time_variant(make_inputs, call, min_bytes: int, forced_torch: bool) -> dict:
-    from moemesh.bench.kernels import _bench_graph
     from moemesh.common.kernels.glue import forced_torch_glue
 
     num_copies = max(2, min(MAX_COPIES, ROTATE_BYTES // max(min_bytes, 1)))
     copies = [make_inputs() for _ in range(num_copies)]
     with forced_torch_glue(forced_torch):
-        seconds = _bench_graph([lambda a=a: call(a) for a in copies])
+        seconds = graph_median_s([lambda a=a: call(a) for a in copies])
         launches, per_kernel_us = _launches(lambda: call(copies[0]))
     return {"seconds": seconds, "launches": launches, "per_kernel_us": per_kernel_us}
 
@@ -112,7 +114,6 @@ def _sweep_mhc(num_tokens: int, device, generator) -> dict:
     """hc_pre with alternative launch configurations (Triton only)."""
     import torch
 
-    from moemesh.bench.kernels import _bench_graph
     from moemesh.common.kernels import mhc
 
     make_inputs, _, _ = _ops(num_tokens, device, generator)["hc_pre"]
@@ -140,7 +141,7 @@ def _sweep_mhc(num_tokens: int, device, generator) -> dict:
     results = {}
     for name, config in variants.items():
         try:
-            results[name] = _bench_graph([lambda a=a, c=config: mhc.hc_pre(*a, NUM_ITERS, EPS, EPS, config=c)
+            results[name] = graph_median_s([lambda a=a, c=config: mhc.hc_pre(*a, NUM_ITERS, EPS, EPS, config=c)
                                           for a in copies])
         except Exception as exc:  # a config the compiler rejects is reported, not fatal
             results[name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             fused = _time_variant(make_inputs, call, min_bytes, forced_torch=False)
             reference = _time_variant(make_inputs, call, min_bytes, forced_torch=True)
-            floor_s = min_bytes / copy_rate
+            floor_s = bytes_floor_s(min_bytes, copy_rate)
             row = {"op": name, "num_tokens": num_tokens, "min_bytes": min_bytes, "floor_s": floor_s,
                    "fused_s": fused["seconds"], "torch_s": reference["seconds"],
                    "fused_launches": fused["launches"], "torch_launches": reference["launches"],
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hc_pre sweep T={num_tokens} (us): " + ", ".join(
                 f"{k} {v * 1e6:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in timings.items()), flush=True)
     ratios = {f"{r['op']} T={r['num_tokens']}": {"speedup_vs_torch": r["torch_s"] / r["fused_s"],
-                                                  "time_vs_floor": r["fused_s"] / r["floor_s"]} for r in rows}
+                                                  "time_vs_floor": floor_ratio(r["fused_s"], r["floor_s"])} for r in rows}
     path = write_result("kernels-fused", {"ceilings": ceilings, "rows": rows, "hc_pre_sweeps": sweeps}, ratios,
                         out_dir=args.out_dir)
     print(f"wrote {path}")

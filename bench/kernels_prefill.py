@@ -18,10 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from moemesh.bench.kernels import (
-    EXPERT_WIDTH, FP8_SHAPES, HIDDEN, NUM_EXPERTS, TOP_K, _bench_graph, _routed_rows, measure_ceilings,
-)
-from moemesh.bench.kernels_attention import _event_time
+from moemesh.bench.kernels import EXPERT_WIDTH, FP8_SHAPES, HIDDEN, NUM_EXPERTS, TOP_K, _routed_rows, measure_ceilings
+from moemesh.bench.timing import graph_median_s, median, time_s
 
 
 def bench_prefill_experts(ceilings: dict, token_counts, reps: int) -> list[dict]:
@@ -54,12 +52,12 @@ def bench_prefill_experts(ceilings: dict, token_counts, reps: int) -> list[dict]
         def dequant_path():
             return grouped_experts_dequant(x, offsets, weights, swiglu_limit=10.0, row_weights=row_weights)
 
-        _bench_graph([fused])  # warm-up replay set, discarded (NOTES: first measurements run slow)
-        fused_s = _bench_graph([fused])
+        graph_median_s([fused])  # warm-up replay set, discarded (the first replay set runs slow)
+        fused_s = graph_median_s([fused])
         print(f"experts T={num_tokens}: fused {fused_s * 1e3:.2f} ms "
               f"({100 * flops / ceilings['bf16_flops_per_s'] / fused_s:.0f} % bf16)", flush=True)
         try:
-            dequant_s = _event_time(dequant_path, reps)
+            dequant_s = median(time_s(dequant_path, "cuda", warmup=1, repeats=reps))
         except RuntimeError as error:  # e.g. no grouped GEMM for this device in this torch: keep the fused row
             rows.append({"num_tokens": num_tokens, "num_rows": num_rows, "flops": flops, "fused_s": fused_s,
                          "dequant_path_error": f"{type(error).__name__}: {error}"[:1000]})
@@ -79,7 +77,7 @@ def bench_prefill_experts(ceilings: dict, token_counts, reps: int) -> list[dict]
                 dequant_fp4_experts(w3[first:last], s3[first:last], gate_up_w[:, EXPERT_WIDTH:])
                 dequant_fp4_experts(w2[first:last], s2[first:last], down_w)
 
-        dequant_all_s = _event_time(dequant_all, reps)
+        dequant_all_s = median(time_s(dequant_all, "cuda", warmup=1, repeats=reps))
         bounds = offsets.tolist()
         chunk_rows = x[:bounds[chunk]]
         ends = offsets[1:chunk + 1].to(torch.int32)
@@ -88,7 +86,7 @@ def bench_prefill_experts(ceilings: dict, token_counts, reps: int) -> list[dict]
             h = _swiglu_bf16(torch._grouped_mm(chunk_rows, gate_up_w.transpose(1, 2), offs=ends), 10.0)
             return torch._grouped_mm(h, down_w.transpose(1, 2), offs=ends)
 
-        gemm_chunk_s = _event_time(gemms_one_chunk, reps)
+        gemm_chunk_s = median(time_s(gemms_one_chunk, "cuda", warmup=1, repeats=reps))
         gemm_s = gemm_chunk_s * num_rows / max(1, bounds[chunk])
         row = {"num_tokens": num_tokens, "num_rows": num_rows, "flops": flops, "fused_s": fused_s,
                "dequant_path_s": dequant_s, "dequant_all_experts_s": dequant_all_s,
@@ -122,11 +120,11 @@ def bench_prefill_fp8(ceilings: dict, token_counts) -> list[dict]:
     rows = []
     for name, (num_out, num_in) in FP8_SHAPES.items():
         weight, scale = random_fp8_linear(num_out, num_in, generator=generator, device="cuda")
-        dequant_s = _bench_graph([lambda: dequant_fp8(weight, scale)])
+        dequant_s = graph_median_s([lambda: dequant_fp8(weight, scale)])
         for num_tokens in token_counts:
             x = torch.randn(num_tokens, num_in, device="cuda", generator=generator).to(torch.bfloat16)
-            kernel_s = _bench_graph([lambda: fp8_linear(x, weight, scale)])
-            path_s = _bench_graph([lambda: fp8_linear_dequant(x, weight, scale)])
+            kernel_s = graph_median_s([lambda: fp8_linear(x, weight, scale)])
+            path_s = graph_median_s([lambda: fp8_linear_dequant(x, weight, scale)])
             flops = 2.0 * num_tokens * num_out * num_in
             error = ((fp8_linear_dequant(x, weight, scale).float() - fp8_linear(x, weight, scale).float()).norm()
                      / fp8_linear(x, weight, scale).float().norm()).item()

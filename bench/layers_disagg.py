@@ -21,7 +21,6 @@ Legend: B sequences, T tokens, D hidden, K top-k.
 
 from __future__ import annotations
 
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from moemesh.bench.timing import median, wall_s
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,18 +160,12 @@ def time_runner_steps(runner: Any, states: list, token_ids, num_micro_batches: i
                       device) -> tuple[float, list, dict]:
     """(median step seconds, first step's outputs [h per micro-batch], overlap stats) over num_steps
     decode steps after one warm-up, each rolled back."""
-    import torch
-
     samples = []
     first = None
     for rep in range(num_steps + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        outputs = runner.forward(rep, decode_inputs(states, token_ids, num_micro_batches))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
+        outputs = []
+        elapsed = wall_s(lambda: outputs.extend(runner.forward(rep, decode_inputs(states, token_ids, num_micro_batches))),
+                         device, repeats=1)[0]
         for state in states:
             state.rollback(1)
         if rep == 0:
@@ -180,7 +175,7 @@ def time_runner_steps(runner: Any, states: list, token_ids, num_micro_batches: i
     stats = getattr(runner, "stats", None)
     overlap = {} if stats is None else {"overlapped_runs": stats.num_overlapped_runs, "layer_runs": stats.num_layer_runs,
                                         "wait_s": stats.wait_s}
-    return statistics.median(samples), first, overlap
+    return median(samples), first, overlap
 
 
 def compare_outputs(reference: list, candidate: list) -> dict:

@@ -21,13 +21,14 @@ Legend: B sequences, T tokens, D hidden, N hc streams.
 
 from __future__ import annotations
 
-import statistics
-import time
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from moemesh.bench.timing import median, wall_s
 
 from moemesh.common.model.batch import ForwardBatch
 
@@ -164,15 +165,13 @@ class SegmentGraphDecode:
 
 def time_segment_graphs(graphs: SegmentGraphDecode, dispatcher: Any, num_steps: int) -> float:
     """Median seconds per decode step over `num_steps` passes of all captured steps (host clock, synced)."""
-    device = graphs.device
-    samples = []
+    passes = itertools.count()
+
+    def one_pass() -> None:
+        step_id = next(passes)
+        for step_index in range(len(graphs.steps)):
+            graphs.step(step_index, dispatcher, step_id=step_id)
+
     with torch.inference_mode():
-        for rep in range(num_steps + 1):  # the first pass is a warm-up
-            torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            for step_index in range(len(graphs.steps)):
-                graphs.step(step_index, dispatcher, step_id=rep)
-            torch.cuda.synchronize(device)
-            if rep:
-                samples.append((time.perf_counter() - start) / len(graphs.steps))
-    return statistics.median(samples)
+        samples = wall_s(one_pass, graphs.device, warmup=1, repeats=num_steps)  # the first pass is a warm-up
+    return median(samples) / len(graphs.steps)

@@ -12,10 +12,11 @@ Legend: B batch, S tokens per sequence in a forward.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
+
+from moemesh.bench.timing import median, sync
 
 MAX_PREFILL_TOKENS_PER_FORWARD = 8192
 
@@ -44,11 +45,6 @@ def build_hf_model(config, device: torch.device, dtype: torch.dtype):
     return model.to(dtype).eval(), transformers.__version__
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_hf_decode(model, vocab_size: int, batch_size: int, context_tokens: int, num_steps: int,
                    device: torch.device, seed: int = 0) -> dict:
     """Fill a B-sequence cache with `context_tokens` tokens, then time `num_steps` decode steps."""
@@ -64,20 +60,20 @@ def time_hf_decode(model, vocab_size: int, batch_size: int, context_tokens: int,
             out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             filled += size
-        _sync(device)
+        sync(device)
         fill_s = time.perf_counter() - fill_start
         samples = []
         for step in range(num_steps + 2):  # two warm-up steps
             ids = torch.randint(0, vocab_size, (batch_size, 1), generator=generator, device=device)
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             out = model(input_ids=ids, past_key_values=cache, use_cache=True)
             cache = out.past_key_values
-            _sync(device)
+            sync(device)
             if step >= 2:
                 samples.append(time.perf_counter() - start)
     return {"batch_size": batch_size, "context_tokens": context_tokens, "prefill_chunk_tokens": chunk,
-            "context_fill_s": fill_s, "step_s": statistics.median(samples), "step_min_s": min(samples),
+            "context_fill_s": fill_s, "step_s": median(samples), "step_min_s": min(samples),
             "num_steps": len(samples)}
 
 

@@ -54,20 +54,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _profile_prefill(side, experts, config, num_tokens: int, num_steps: int, top: int) -> int:
     """Eager prefills under torch.profiler: kernels by device time, and wall vs device time per step."""
-    import time
-
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from moemesh.bench import layers_timing as timing
+    from moemesh.bench.timing import wall_s as wall_times_s
 
     timing.time_prefill(side, experts, config, num_tokens, num_reps=1)  # warm-up (compiles)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    timing.time_prefill(side, experts, config, num_tokens, num_reps=num_steps - 1)
-    sync()
-    wall_s = (time.perf_counter() - start) / num_steps
+    device = side.head.weight.device
+    wall_s = wall_times_s(lambda: timing.time_prefill(side, experts, config, num_tokens, num_reps=num_steps - 1),
+                          device, repeats=1)[0] / num_steps
     on_cuda = side.head.weight.is_cuda
     with profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU]) as prof:
         timing.time_prefill(side, experts, config, num_tokens, num_reps=num_steps - 1)

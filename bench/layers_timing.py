@@ -16,13 +16,12 @@ Legend: B sequences in the batch, T tokens, V vocab.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from moemesh.bench.timing import Marks, median, time_s, wall_s
 from moemesh.common.model.batch import ForwardBatch, SequenceChunk
 from moemesh.common.model.random_init import fill_random_context, new_sequence_state
 
@@ -56,13 +55,7 @@ def measure_ceilings(device: torch.device) -> dict:
 
 
 def _host_median(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return median(time_s(fn, "cpu", warmup=1, repeats=reps))
 
 
 def step_pieces(side, experts, batch: ForwardBatch, token_ids: torch.Tensor,
@@ -132,23 +125,14 @@ def _time_eager(side, experts, states, token_ids, num_steps: int) -> TimedPieces
             batch = _decode_batch(states, device)
             times = {}
             for name, run in step_pieces(side, experts, batch, token_ids):
-                _sync(device)
-                start = time.perf_counter()
-                run()
-                _sync(device)
-                times[name] = time.perf_counter() - start
+                times[name] = wall_s(run, device, repeats=1)[0]
             batch.finish()
             _rollback(states)
             if rep:
                 for name, seconds in times.items():
                     per_piece.setdefault(name, []).append(seconds)
                 steps.append(sum(times.values()))
-    return TimedPieces({n: statistics.median(v) for n, v in per_piece.items()}, statistics.median(steps))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return TimedPieces({n: median(v) for n, v in per_piece.items()}, median(steps))
 
 
 def _time_graphs(side, experts, states, token_ids, num_steps: int, num_graph_steps: int) -> TimedPieces:
@@ -163,12 +147,8 @@ def _time_graphs(side, experts, states, token_ids, num_steps: int, num_graph_ste
             batch = _decode_batch(states, device)
             side_stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side_stream):  # warm-up outside the capture, then undo it
-                torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                for _, run in step_pieces(side, experts, batch, token_ids):
-                    run()
-                torch.cuda.synchronize(device)
-                eager_steps.append(time.perf_counter() - start)
+                pieces = step_pieces(side, experts, batch, token_ids)
+                eager_steps.append(wall_s(lambda: [run() for _, run in pieces], device, repeats=1)[0])
             torch.cuda.current_stream(device).wait_stream(side_stream)
             batch.finish()
             _rollback(states)
@@ -190,27 +170,19 @@ def _time_graphs(side, experts, states, token_ids, num_steps: int, num_graph_ste
         per_piece: dict[str, list[float]] = {}
         step_samples = []
         for _ in range(num_steps):
-            events = []
+            marks = Marks(device)
             for step_graphs in captured:
                 for name, graph in step_graphs:
-                    event = torch.cuda.Event(enable_timing=True)
-                    event.record()
-                    events.append((name, event))
+                    marks.mark(name)
                     graph.replay()
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            end.synchronize()
-            sums: dict[str, float] = {}
-            marks = events + [("end", end)]
-            for (name, event), (_, after) in zip(marks, marks[1:]):
-                sums[name] = sums.get(name, 0.0) + event.elapsed_time(after) * 1e-3 / num_graph_steps
+            sums = marks.seconds()  # summed over the captured steps
             for name, seconds in sums.items():
-                per_piece.setdefault(name, []).append(seconds)
-            step_samples.append(events[0][1].elapsed_time(end) * 1e-3 / num_graph_steps)
+                per_piece.setdefault(name, []).append(seconds / num_graph_steps)
+            step_samples.append(sum(sums.values()) / num_graph_steps)
     del captured, keep_alive
     torch.cuda.synchronize(device)
-    return TimedPieces({n: statistics.median(v) for n, v in per_piece.items()}, statistics.median(step_samples),
-                       eager_step_s=statistics.median(eager_steps[1:] or eager_steps))
+    return TimedPieces({n: median(v) for n, v in per_piece.items()}, median(step_samples),
+                       eager_step_s=median(eager_steps[1:] or eager_steps))
 
 
 def time_prefill(side, experts, config, num_tokens: int, *, num_reps: int, seed: int = 0) -> TimedPieces:
@@ -224,8 +196,8 @@ def time_prefill(side, experts, config, num_tokens: int, *, num_reps: int, seed:
     steps = []
     for rep in range(num_reps + 1):  # the first is warm-up
         # The state is made outside inference mode: the kernels' address tables find a preallocated row
-        # store's tensor through a view's `_base`, which inference tensors do not keep (inside inference
-        # mode the prefill would silently run the per-sequence torch attention).
+        # store's tensor through a view's `_base`, which inference tensors do not keep (made inside it, the
+        # prefill would fall back to the per-sequence torch attention).
         state = new_sequence_state(config, num_tokens + 64, side.dtype, device)
         with torch.inference_mode():
             batch = ForwardBatch([SequenceChunk(state, num_tokens)], device)
@@ -238,26 +210,14 @@ def time_prefill(side, experts, config, num_tokens: int, *, num_reps: int, seed:
             for name, seconds in times.items():
                 per_piece.setdefault(name, []).append(seconds)
             steps.append(sum(times.values()))
-    return TimedPieces({n: statistics.median(v) for n, v in per_piece.items()}, statistics.median(steps),
+    return TimedPieces({n: median(v) for n, v in per_piece.items()}, median(steps),
                        attention_path=attention_path)
 
 
 def _run_timed(pieces: list[Piece], device: torch.device) -> dict[str, float]:
-    if device.type != "cuda":
-        times = {}
-        for name, run in pieces:
-            start = time.perf_counter()
-            run()
-            times[name] = time.perf_counter() - start
-        return times
-    marks = []
+    """Seconds per piece in one pass: CUDA events between pieces (no sync in between), the host clock on the CPU."""
+    marks = Marks(device)
     for name, run in pieces:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        marks.append((name, event))
+        marks.mark(name)
         run()
-    end = torch.cuda.Event(enable_timing=True)
-    end.record()
-    end.synchronize()
-    marks.append(("end", end))
-    return {name: event.elapsed_time(after) * 1e-3 for (name, event), (_, after) in zip(marks, marks[1:])}
+    return marks.seconds()

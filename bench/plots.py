@@ -7,7 +7,7 @@ a 2 ms step is not drawn beside 5,000 tokens/s. A panel shows at most `MAX_BARS_
 in file order; metadata (dates, commits, commands, device names) is text and is left out.
 
 `bench.results_io.write_result` calls `render_beside` for every result it writes, so
-`moemesh bench NAME` leaves `NAME-<time>.png` next to `NAME-<time>.json`. matplotlib (in the
+`moemesh bench NAME` leaves `NAME-<device>-<time>.png` next to `NAME-<device>-<time>.json`. matplotlib (in the
 `test` extra) is optional: without it nothing is drawn (`render_beside` returns None, the command
 says so and exits 0), so running a benchmark never needs it. `render_all` skips a PNG that is
 newer than its JSON.

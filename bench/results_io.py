@@ -1,7 +1,9 @@
-"""Benchmark result files: one JSON per run under bench/results/.
+"""Benchmark result files: one JSON per run under bench/results/, named `<benchmark>-<device>-<UTC time>.json`.
 
 Every benchmark writes date, device, commit, the command that produced it, the raw numbers and
-the ratios it derives, so figures can be compared within one run and traced back later.
+the ratios it derives, so figures can be compared within one run and traced back later. The device
+part of the name is short (`h200`, `h200x2` for a host with two, `cpu`); the record's `device` field
+says the rest (model name, torch version, threads).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +47,20 @@ def describe_device() -> str:
     return f"CPU {cpu} ({cpu_count} threads)" if cpu_count else f"CPU {cpu}"
 
 
+def device_tag() -> str:
+    """Short name of this host's accelerator for result file names: `h200`, `h200x2` (two of them), `cpu`."""
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    if not torch.cuda.is_available():
+        return "cpu"
+    words = [w for w in re.split(r"[^a-z0-9]+", torch.cuda.get_device_name(0).lower()) if w and w != "nvidia"]
+    tag = "".join(words) or "cuda"
+    count = torch.cuda.device_count()
+    return f"{tag}x{count}" if count > 1 else tag
+
+
 def write_result(
     name: str,
     raw: dict,
@@ -52,9 +69,10 @@ def write_result(
     device: str | None = None,
     command: str | None = None,
     out_dir: Path | None = None,
+    tag: str | None = None,
 ) -> Path:
-    """Write `bench/results/<name>-<utc timestamp>.json` (and its plot beside it, bench.plots) and
-    return the JSON's path."""
+    """Write `bench/results/<name>-<tag>-<utc timestamp>.json` (and its plot beside it, bench.plots) and
+    return the JSON's path. `tag` names the device the figures are of (default: `device_tag()`)."""
     now = _dt.datetime.now(_dt.timezone.utc)
     record = {
         "benchmark": name,
@@ -67,9 +85,9 @@ def write_result(
     }
     target_dir = out_dir or RESULTS_DIR
     target_dir.mkdir(parents=True, exist_ok=True)
-    path = target_dir / f"{name}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path = target_dir / f"{name}-{tag or device_tag()}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
     from moemesh.bench.plots import render_beside
 
-    render_beside(path)  # `<name>-<time>.png` beside the JSON; nothing (and a note) without matplotlib
+    render_beside(path)  # the PNG of the same name beside the JSON; nothing (and a note) without matplotlib
     return path

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import platform
 import random
-import statistics
 import time
 
 from moemesh.bench.results_io import write_result
+from moemesh.bench.timing import median, percentile
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.router.scheduler import Request, Scheduler, SchedulerConfig, SequenceResult
 
@@ -79,11 +79,6 @@ def measure(num_seqs: int, num_steps: int, num_drafts: int) -> list[float]:
     return costs_us
 
 
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.scheduler_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--num-steps", type=int, default=400)
@@ -97,15 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     for num_drafts in args.num_drafts:
         for num_seqs in args.seqs:
             costs = measure(num_seqs, args.num_steps, num_drafts)
-            median, p90 = statistics.median(costs), percentile(costs, 0.9)
+            median_us, p90 = median(costs), percentile(costs, 0.9)
             raw[f"seqs_{num_seqs}_drafts_{num_drafts}"] = {
                 "num_running_seqs": num_seqs,
                 "num_drafts": num_drafts,
                 "num_steps": args.num_steps,
-                "median_us": round(median, 2),
+                "median_us": round(median_us, 2),
                 "p90_us": round(p90, 2),
             }
-            print(f"{num_seqs:>12} {num_drafts:>6} {median:>10.1f} {p90:>10.1f} {median / num_seqs:>8.2f}")
+            print(f"{num_seqs:>12} {num_drafts:>6} {median_us:>10.1f} {p90:>10.1f} {median_us / num_seqs:>8.2f}")
     ratios = {}
     for num_drafts in args.num_drafts:
         low, high = raw.get(f"seqs_1_drafts_{num_drafts}"), raw.get(f"seqs_256_drafts_{num_drafts}")
@@ -113,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             ratios[f"median_256_over_1_drafts_{num_drafts}"] = round(high["median_us"] / low["median_us"], 2)
     if not args.no_write:
         device = f"CPU {platform.processor() or platform.machine()} (pure Python {platform.python_version()})"
-        path = write_result("scheduler_cost", raw, ratios, device=device)
+        path = write_result("scheduler", raw, ratios, device=device, tag="cpu")
         print(f"wrote {path}")
     return 0
 

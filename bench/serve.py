@@ -5,7 +5,7 @@ Requests arrive on a Poisson or fixed-rate schedule (or all at once), optionally
 `--max-concurrency` in flight; each streams with usage so token counts are the server's.
 Reported: completed / failed, request and token throughput, goodput under TTFT / TPOT / E2EL
 limits, and mean / median / percentiles of TTFT, TPOT, ITL and E2EL (see serve_metrics for
-the definitions). The result JSON goes to bench/results/serve-<time>.json.
+the definitions). The result JSON goes to bench/results/serve-<device>-<time>.json.
 
     moemesh bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 4 \\
         --random-input-len 1024 --random-output-len 128 --ignore-eos --goodput ttft:2000 tpot:50

@@ -9,7 +9,7 @@
 - Goodput: completed requests that meet every given SLO, per second. A request with one
   output token has no TPOT and meets any TPOT limit.
 Only completed requests enter the distributions and token totals; failures are counted.
-Percentiles interpolate linearly between order statistics (numpy's default).
+Percentiles interpolate linearly between order statistics (numpy's default; bench.timing.percentile).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moemesh.bench.serve_client import RequestRecord
+from moemesh.bench.timing import percentile
 
 DEFAULT_PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0)
 NUM_ERRORS_KEPT = 5
@@ -79,18 +80,6 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
     return tuple(values)
 
 
-def percentile(values: Sequence[float], pct: float) -> float:
-    """The pct-th percentile of a non-empty sample, interpolating linearly between the two
-    nearest order statistics (position pct/100 * (n - 1) in the sorted sample)."""
-    if not values:
-        raise ValueError("percentile of an empty sample")
-    ordered = sorted(values)
-    position = pct / 100.0 * (len(ordered) - 1)
-    below = math.floor(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
-
-
 def percentile_key(pct: float) -> str:
     return f"p{pct:g}"
 
@@ -100,10 +89,10 @@ def distribution_ms(values_s: Sequence[float], percentiles: Sequence[float]) -> 
     if not values_s:
         return None
     values_ms = [v * 1000.0 for v in values_s]
-    summary = {"count": len(values_ms), "mean": statistics.fmean(values_ms), "median": percentile(values_ms, 50.0),
+    summary = {"count": len(values_ms), "mean": statistics.fmean(values_ms), "median": percentile(values_ms, 0.5),
                "std": statistics.pstdev(values_ms)}
     for pct in sorted(set(DEFAULT_PERCENTILES) | set(percentiles)):
-        summary[percentile_key(pct)] = percentile(values_ms, pct)
+        summary[percentile_key(pct)] = percentile(values_ms, pct / 100.0)
     return summary
 
 

@@ -375,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
            "serve_lines": {s.mode: s.first_line.strip() for s in servers}}
     path = write_result("speculation", raw, ratios, device=f"{describe_device()}; serve --devices {args.devices}",
                         command="moemesh bench speculation " + " ".join(argv if argv is not None else sys.argv[1:]),
-                        out_dir=Path(args.out_dir) if args.out_dir else None)
+                        out_dir=Path(args.out_dir) if args.out_dir else None,
+                        tag="cpu" if all(d.strip() == "cpu" for d in args.devices.split(",")) else None)
     print(f"wrote {path}")
     for problem in problems:
         print(f"FAIL {problem}")

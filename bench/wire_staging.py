@@ -23,12 +23,13 @@ Variants (`--variants`, alternated run by run so that load on the host hits both
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from moemesh.bench.timing import median
 
 NUM_TOP_K = 6  # K
 NUM_BUFFERS = 4
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs[name].append(run_case(num_bytes, num_messages, pingpong, name))
             for name in variants:
                 row = dict(runs[name][0])
-                row["us_per_message"] = statistics.median(run["us_per_message"] for run in runs[name])
+                row["us_per_message"] = median([run["us_per_message"] for run in runs[name]])
                 row["us_per_message_runs"] = [round(run["us_per_message"], 1) for run in runs[name]]
                 row["num_corrupt"] = sum(run["num_corrupt"] for run in runs[name])
                 rows.append(row)
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_dir:
         from moemesh.bench import results_io
 
-        results_io.write_result("wire_staging", {"rows": rows}, out_dir=Path(args.out_dir))
+        results_io.write_result("wire-staging", {"rows": rows}, out_dir=Path(args.out_dir))
     return 0
 
 

@@ -24,7 +24,7 @@ def test_tiny_graph_replays_match_eager(case_index):
 
     case = CUDA_CASES[case_index]
     result = run_graph_case(case, tiny_graph_config(), torch.device("cuda"), capture=True, dtype="float32")
-    print(asdict(result))  # shown by `pytest -rA` (bench/device/graphs.sh)
+    print(asdict(result))  # shown by `pytest -rA` (bench/device/decode-graphs.sh)
     num_prefills = len(case.prompt_lengths) + len(case.joins)
     assert result.num_graph_steps == case.num_decode_steps, result
     assert result.eager_reasons == {"not_decode": num_prefills}, result

@@ -66,7 +66,7 @@ def test_fullsize_tiny_split_equals_in_process(tmp_path):
                "--run-dir", str(tmp_path / "run"), "--checkpoint-cache", str(tmp_path / "checkpoints")]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (path,) = out_dir.glob("fullsize-2*.json")  # not fullsize-partial.json
+    (path,) = out_dir.glob("fullsize-*-2*.json")  # not fullsize-partial.json
     raw = json.loads(path.read_text())["raw"]
     assert raw["pair_check"]["ok"] and raw["pair_check"]["num_pairs"] == 4 * 16
     assert raw["context_method"]["routing"] == "near"

@@ -174,7 +174,7 @@ def test_fullsize_tiny_speculation_equals_in_process(tmp_path):
                "--run-dir", str(tmp_path / "run"), "--checkpoint-cache", str(tmp_path / "checkpoints")]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (path,) = out_dir.glob("fullsize-2*.json")
+    (path,) = out_dir.glob("fullsize-*-2*.json")
     raw = json.loads(path.read_text())["raw"]
     assert raw["reference_check"]["ok"]  # the plain split run equals the in-process run
     assert raw["spec_reference_check"]["ok"], raw["spec_reference_check"]

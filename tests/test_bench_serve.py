@@ -16,7 +16,8 @@ from router_support import ScriptedEngine, tiny_tokenizer
 
 from moemesh.bench import serve
 from moemesh.bench.serve_client import RequestRecord
-from moemesh.bench.serve_metrics import SloLimits, parse_goodput, percentile, summarize
+from moemesh.bench.serve_metrics import SloLimits, parse_goodput, summarize
+from moemesh.bench.timing import percentile
 from moemesh.bench.serve_workload import (Arrival, PromptTrimmer, WorkloadRequest, arrival_offsets_s, file_requests,
                                   random_requests)
 from moemesh.common.chat import tokens as tk
@@ -135,7 +136,7 @@ def test_metric_math_on_known_timings():
     assert metrics["e2el_ms"]["p75"] == pytest.approx(300 + 0.75 * 700)
     assert metrics["request_throughput"] == 1.0 and metrics["request_goodput"] == 0.5
     assert metrics["output_throughput"] == 2.5 and metrics["total_token_throughput"] == 27.5
-    assert percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
+    assert percentile([1, 2, 3, 4], 0.9) == pytest.approx(3.7)
     assert SloLimits(max_tpot_ms=1.0).met_by(slow) and not SloLimits(max_tpot_ms=60.0).met_by(fast)
     with pytest.raises(ValueError):
         parse_goodput(["itl:5"])

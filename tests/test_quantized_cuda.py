@@ -92,7 +92,7 @@ def test_model_bf16_kernels_drift_no_more_than_torch_bf16(seed):
     from moemesh.bench.kernels_drift import DriftCase, model_drift
 
     result = model_drift("cuda", DriftCase(seed=seed, hash_routing=True))
-    for row in result["rows"]:  # shown with -s (the device script), for bench/NOTES.md
+    for row in result["rows"]:  # shown with -s (the device script), for docs/performance.md
         print(f"drift seed {seed} {row['phase']:8} {row['point']:12} torch-fp32 {row['torch_vs_fp32']:.4f} "
               f"kernel-fp32 {row['kernel_vs_fp32']:.4f} kernel-torch {row['kernel_vs_torch']:.4f}")
     assert all(count == 0 for counts in result["routing_flips_vs_fp32"].values() for count in counts)

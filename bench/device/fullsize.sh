@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Full-size V4-Flash through moemesh's processes with random weights:
-# attention worker + near expert worker on cuda:0 (MPS), far expert worker on the CPU ("cpu"), then on
-# cuda:1 over ZeroMQ ("gpu1") and over the CUDA IPC data plane ("gpu1ipc": the cuda:1 worker maps cuda:0's
+# Full-size V4-Flash through moemesh's processes with random weights (`moemesh bench fullsize`): the
+# attention worker + near expert worker on cuda:0 (MPS), the far expert worker on the CPU ("cpu") or on
+# cuda:1 over ZeroMQ ("gpu1") or over the CUDA IPC data plane ("gpu1ipc": the cuda:1 worker maps cuda:0's
 # rings and reads / writes them over NVLink).
 # Run from the repo root by bench/device/run_all.sh with PYTHONPATH and RESULTS_DIR set.
 # Weights: a hub-format checkpoint with random weights and the DSpark stages (`moemesh bench
@@ -11,13 +11,14 @@
 # 8-GPU machines).
 # Knobs (environment): FULLSIZE_LAYERS (default 43), FULLSIZE_BUDGET_GIB (default 100 GiB x layers / 43),
 # FULLSIZE_CONTEXT (tokens per sequence, default 256; FULLSIZE_MAX_CONTEXT caps B x context, default 8192),
-# FULLSIZE_CONFIGS (default "gpu1ipc gpu1prefill gpu1graphs"; also cpu, gpu1, gpu1ipcgraphs, cpugraphs,
-# gpu1nostage; the
-# first configuration also pays the Triton compiles, which later ones find in the cache), FULLSIZE_TEST=1
-# runs the CUDA test first,
-# FULLSIZE_CPU_S / FULLSIZE_GPU1_S / FULLSIZE_IPC_S (cap of each configuration; each writes
-# fullsize-partial.json as it goes, copied as <config>-fullsize-partial.json).
-# The default FULLSIZE_CONFIGS "gpu1spec gpu1ipcspec" (about 220 s):
+# FULLSIZE_CONFIGS (default "gpu1spec gpu1ipcspec"; the first configuration also pays the Triton compiles,
+# which later ones find in the cache), FULLSIZE_TEST=1 runs the CUDA test first, FULLSIZE_<CONFIG>_S the cap
+# of each configuration (each writes fullsize-partial.json as it goes, copied as fullsize-<config>-partial.json).
+# Configurations:
+#   cpu / cpugraphs: far experts on the CPU (FULLSIZE_CPU_THREADS), batch FULLSIZE_CPU_BATCH (1,8), eager / CUDA graphs;
+#   gpu1 / gpu1ipc / gpu1graphs / gpu1ipcgraphs: far experts on cuda:1 over ZeroMQ / CUDA IPC, batch
+#     FULLSIZE_GPU1_BATCH (1,8,64), prefill FULLSIZE_PREFILL (2048,8192; not with graphs);
+#   gpu1prefill / gpu1ipcprefill: the 8K prefill alone over ZeroMQ / CUDA IPC;
 #   gpu1spec / gpu1ipcspec: cuda:1 experts over ZeroMQ / CUDA IPC, uniform routing, batch
 #     FULLSIZE_SPEC_BATCH (1,8), each plain decode run repeated with speculation: oracle drafts (the
 #     plain run's own greedy continuation) and the real draft worker (random weights at V4-Flash
@@ -26,7 +27,7 @@
 #   gpu1spec3 / gpu1spec6: the same with oracle drafts on the first 3 / 6 layers, with --spec-diagnose
 #     (plain and verify top-2 logprobs: where outputs part, and by what margin); caps
 #     FULLSIZE_SPEC3_S (60 s) and FULLSIZE_SPEC6_S (45 s);
-#   gpu1ipcprefill: the 8K prefill over CUDA IPC (cap FULLSIZE_IPCPREFILL_S, default 80 s).
+#   gpu1nostage: the attention side's Dispatches sent from their own host tensors (no staging pool).
 set -u
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/moemesh-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/moemesh-mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -35,7 +36,7 @@ collect() {  # every configuration's JSON so far (also when run_all.sh's cap end
   for d in /tmp/fs-*-out; do
     [ -d "$d" ] || continue
     name=$(basename "$d" -out); name=${name#fs-}
-    for f in "$d"/*.json; do [ -e "$f" ] && cp "$f" "$RESULTS_DIR/$name-$(basename "$f")"; done
+    for f in "$d"/*.json; do [ -e "$f" ] && cp "$f" "$RESULTS_DIR/$(basename "$f" | sed "s/^fullsize-/fullsize-$name-/")"; done
   done
 }
 rm -rf /tmp/fs-*-out
@@ -67,14 +68,14 @@ run_config() {  # NAME FAR_DEVICE CAP_S EXTRA...
     --gpu-expert-budget "${BUDGET}GiB" --routing uniform,skewed --decode-steps 5 --warmup-steps 2 \
     --context "$CONTEXT" --max-context-tokens "${FULLSIZE_MAX_CONTEXT:-8192}" --run-dir "/tmp/fs-$name" --out-dir "/tmp/fs-$name-out" "$@" 2>&1 \
     | grep -v '^  step' | cut -c1-600 | tail -n 40
-  for f in "/tmp/fs-$name-out"/*.json; do [ -e "$f" ] && cp "$f" "$RESULTS_DIR/$name-$(basename "$f")"; done
+  for f in "/tmp/fs-$name-out"/*.json; do [ -e "$f" ] && cp "$f" "$RESULTS_DIR/$(basename "$f" | sed "s/^fullsize-/fullsize-$name-/")"; done
   for f in "/tmp/fs-$name"/*.stderr; do
     [ -e "$f" ] || continue
     echo "== $f"; grep -v '"level": "info"' "$f" | tail -n 4 | cut -c1-500
   done
 }
 cpu_result() {  # NAME: the one-GPU-plus-CPU result to compare with (graphs runs with the graphs one)
-  ls "/tmp/fs-$1-out"/fullsize-2*.json "/tmp/fs-$1-out/fullsize-partial.json" 2>/dev/null | head -n 1
+  ls "/tmp/fs-$1-out"/fullsize-*-2*.json "/tmp/fs-$1-out/fullsize-partial.json" 2>/dev/null | head -n 1
 }
 for config in $CONFIGS; do
   graphs=""; case "$config" in *graphs) graphs="--cuda-graphs" ;; esac

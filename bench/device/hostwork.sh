@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Per-Dispatch host work (bench/hostwork.py): the CUDA correctness tests of the changed
-# expert-worker / dispatch paths, then the before/after timings on cuda:0, then the CUDA IPC equality tests
+# Per-Dispatch host work (`moemesh bench hostwork`): the CUDA correctness tests of the expert-worker /
+# dispatch paths, then the timings on cuda:0 (the services' code against the device-side split), then the CUDA IPC equality tests
 # with whatever is left of the cap (120 s). Run from the repo root by bench/device/run_all.sh.
 set -u
 cap_s=${HOSTWORK_CAP_S:-115}

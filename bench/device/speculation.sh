@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Speculative decoding on the H200 (`moemesh bench speculation`), within a 330 s cap:
+#   1. CUDA correctness tests (drafter on cuda equals cpu; sampled drafts valid)            ~20 s (cap 35)
+#   2. the speculation benchmark with every service on cuda:0: off / fixed / adaptive (adaptive = the
+#      confidence rule + the router's cost-aware widths), temperature 0 and 1, 1 and 8 streams,
+#      --repeats 2 (the second repeat rotates the servers' order: the first-measured server looked
+#      slower under MPS)                                                                   ~150 s (cap 215)
+#   3. the same benchmark on this host's CPU (4 threads per process)                      (cap 65)
+# Each benchmark stops starting runs at its --time-budget-s and writes its JSON (bench.results_io)
+# with the runs finished so far even when a run fails, a server does not start, or timeout's SIGTERM
+# arrives; the servers' service logs go beside it. Run by bench/device/run_all.sh from the repo root
+# with PYTHONPATH set; results go to $RESULTS_DIR.
+set -u
+: "${RESULTS_DIR:=$PWD/bench/results}"
+mkdir -p "$RESULTS_DIR"
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/moemesh-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/moemesh-mps-log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+# Several moemesh processes share one GPU: MPS (architecture.md §10). Already running is fine.
+nvidia-cuda-mps-control -d && echo "speculation.sh: MPS started" || echo "speculation.sh: MPS not started (already running?)"
+trap 'echo quit | nvidia-cuda-mps-control; echo "speculation.sh: MPS stopped"' EXIT
+start_s=$(date +%s)
+elapsed() { echo "$(( $(date +%s) - start_s ))s"; }
+
+python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name(0))"
+
+echo "=== CUDA correctness (drafter on cuda equals cpu; sampled drafts valid) [$(elapsed)]"
+timeout -k 5 35 python3 -m pytest -x -q -p no:cacheprovider tests/test_spec_cuda.py 2>&1 | tail -n 15
+
+echo "=== bench speculation on cuda:0, float32, 2 repeats (greedy outputs comparable across modes) [$(elapsed)]"
+timeout -s TERM -k 15 215 python3 -m moemesh.bench.speculation --devices cuda:0 --dtype float32 --max-tokens 64 --streams 8 \
+  --modes off,fixed,adaptive --temperatures 0,1 --repeats 2 --request-timeout-s 25 --time-budget-s 170 \
+  --keep-logs "$RESULTS_DIR/spec-logs-cuda" --out-dir "$RESULTS_DIR"
+echo "bench rc=$? [$(elapsed)]"
+
+echo "=== bench speculation on this host's CPU (4 threads per process), this tree [$(elapsed)]"
+OMP_NUM_THREADS=4 timeout -s TERM -k 10 65 python3 -m moemesh.bench.speculation --devices cpu --modes off,fixed,adaptive \
+  --max-tokens 32 --streams 8 --temperatures 0,1 --request-timeout-s 20 --time-budget-s 40 \
+  --keep-logs "$RESULTS_DIR/spec-logs-cpu" --out-dir "$RESULTS_DIR"
+echo "bench rc=$? [$(elapsed)]"
