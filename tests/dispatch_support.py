@@ -20,7 +20,7 @@ from moemesh.common.wire.transport import Kind, pack_envelope, unpack_envelope
 
 
 def write_tiny_checkpoint(path: Path, seed: int = 5):
-    from moemesh.common.checkpoint.tiny import tiny_config
+    from tiny_checkpoint_support import tiny_config
     from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 
     config = tiny_config(num_experts_per_tok=4)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from moemesh.common.checkpoint.errors import CheckpointError
 from moemesh.common.checkpoint.reader import CheckpointReader
-from moemesh.common.checkpoint.tiny import tiny_config
+from tiny_checkpoint_support import tiny_config
 from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 from moemesh.common.model.config import ConfigError
 

@@ -44,7 +44,7 @@ pytestmark = [
 # ------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from moemesh.common.checkpoint.tiny import tiny_config
+    from tiny_checkpoint_support import tiny_config
     from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
     from tokenizers import Tokenizer
 

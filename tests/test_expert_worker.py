@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from moemesh.common.checkpoint.tiny import tiny_config
+from tiny_checkpoint_support import tiny_config
 from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 from moemesh.common.model.moe import RoutedExperts, sum_slots_in_order
 from moemesh.common.wire.messages import Combine, Dispatch, ErrorCode, ErrorReply, ExpertInventory, QueryInventory

@@ -53,7 +53,7 @@ def _free_port() -> int:
 def checkpoint(tmp_path_factory) -> Path:
     from tokenizers import Tokenizer
 
-    from moemesh.common.checkpoint.tiny import tiny_config
+    from tiny_checkpoint_support import tiny_config
     from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 
     vocab_size = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json")).get_vocab_size(with_added_tokens=True)

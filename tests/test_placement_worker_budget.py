@@ -13,7 +13,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from moemesh.common.checkpoint.tiny import tiny_config
+from tiny_checkpoint_support import tiny_config
 from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 from moemesh.common.placement.budget import MemoryBudget
 from moemesh.common.placement.worker_budget import (

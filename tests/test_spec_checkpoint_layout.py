@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from moemesh.common.checkpoint.tiny import tiny_config
+from tiny_checkpoint_support import tiny_config
 from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 from moemesh.common.wire import messages as m
 from moemesh.services.draft.width import SpeculationConfig, SpeculationMode

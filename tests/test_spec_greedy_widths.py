@@ -18,7 +18,7 @@ import asyncio
 import pytest
 import torch
 
-from moemesh.common.checkpoint.tiny import tiny_config
+from tiny_checkpoint_support import tiny_config
 from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import DraftProposal, DraftRequest, DraftTokens

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moemesh.common.checkpoint.tiny import tiny_config
+from tiny_checkpoint_support import tiny_config
 from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import ScheduledSequence, StepPlan

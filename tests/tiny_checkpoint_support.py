@@ -1,4 +1,4 @@
-"""Tiny hub-format configurations for tests and benchmarks (spec dsv4-model.md §7.2-7.3).
+"""Tiny hub-format configurations for the tests (spec dsv4-model.md §7.2-7.3).
 
 FP8 dims are multiples of 128 or at most 128 (the block size is inferred from the scale grid),
 FP4 expert input dims multiples of 32, >= 16 indexer heads (no top-k ties), every path present:
