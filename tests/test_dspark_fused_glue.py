@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_checkpoint_support import tiny_config
-from moemesh.common.checkpoint.writer import random_hub_state_dict
+from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.config import NumericsConfig
 from moemesh.common.model.dspark import DSparkDrafter, _attend_blocks

@@ -72,9 +72,9 @@ def test_sampling_is_reproducible_with_a_seed(models):
 def _write_tiny_checkpoint(path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from tiny_checkpoint_support import tiny_config as checkpoint_tiny_config
-    from moemesh.common.checkpoint.writer import random_hub_state_dict as checkpoint_random_state
     from moemesh.common.checkpoint.writer import write_checkpoint
+    from tiny_checkpoint_support import random_hub_state_dict as checkpoint_random_state
+    from tiny_checkpoint_support import tiny_config as checkpoint_tiny_config
 
     config = checkpoint_tiny_config()
     write_checkpoint(path, config, checkpoint_random_state(config, seed=9, include_mtp=False))

@@ -1,4 +1,4 @@
-"""Tiny hub-format configurations for the tests (spec dsv4-model.md §7.2-7.3).
+"""Tiny hub-format configurations and random hub-named weights for the tests (spec dsv4-model.md §7.2-7.3).
 
 FP8 dims are multiples of 128 or at most 128 (the block size is inferred from the scale grid),
 FP4 expert input dims multiples of 32, >= 16 indexer heads (no top-k ties), every path present:
@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from moemesh.common.checkpoint.inventory import ParamGroup, StorageKind, TensorSpec, tensor_inventory
 from moemesh.common.model.config import ModelConfig
 
 
@@ -52,3 +55,47 @@ def tiny_hub_config_dict(**overrides: Any) -> dict[str, Any]:
 
 def tiny_config(**overrides: Any) -> ModelConfig:
     return ModelConfig.from_dict(tiny_hub_config_dict(**overrides))
+
+
+def _random_tensor(spec: TensorSpec, config: ModelConfig, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """Non-degenerate values: what transformers zero-initialises (sinks, bias, ape, HC base) is random."""
+    shape = spec.shape
+    stem = spec.name.removesuffix(".weight").rsplit(".", 1)[-1]  # e.g. "kv_norm", "wq_a", "ape"
+
+    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * std + mean).to(dtype)
+
+    if spec.storage is StorageKind.I64:  # tid2eid: distinct experts per token
+        rows = [torch.randperm(config.n_routed_experts, generator=gen)[: shape[1]] for _ in range(shape[0])]
+        return torch.stack(rows).to(torch.int64)
+    name = spec.name
+    if spec.group is ParamGroup.HC or "hc_" in name:
+        if name.endswith("_fn"):
+            return normal(0.02)
+        if name.endswith("_base"):
+            return normal(0.5)
+        return normal(0.1, mean=1.0)  # scale
+    if name.endswith("attn_sink"):
+        return normal(0.5)
+    if name.endswith("gate.bias"):
+        return normal(0.01)
+    if name.endswith(".ape"):
+        return normal(0.1)
+    if "norm" in stem:
+        return normal(0.1, mean=1.0)
+    if name == "embed.weight":
+        return normal(1.0)
+    if len(shape) == 2:  # linears: keep activations O(1)
+        return normal(shape[1] ** -0.5)
+    return normal(0.02)
+
+
+def random_hub_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                          include_mtp: bool = True) -> dict[str, torch.Tensor]:
+    """A full random float state dict in hub names (ints for `tid2eid`), for the tests."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: _random_tensor(spec, config, gen, dtype)
+        for name, spec in tensor_inventory(config).items()
+        if include_mtp or not spec.is_mtp
+    }
