@@ -94,7 +94,7 @@ def bench_fp8_linear(ceilings: dict, quick: bool, no_baselines: bool = False,
                      token_counts: tuple[int, ...] = (1, 64, 2048)) -> list[dict]:
     import torch
 
-    from moemesh.common.kernels.checks import random_fp8_weight
+    from moemesh.bench.checks.quantized_kernels import random_fp8_weight
     from moemesh.common.kernels.fp8_linear import Fp8LinearConfig, choose_fp8_linear_config, device_num_sms, fp8_linear
 
     rows = []
@@ -207,7 +207,7 @@ def bench_fp4_experts(ceilings: dict, quick: bool, no_baselines: bool = False, s
     (an invalid or failing variant is recorded as an error, not fatal), and the best pair."""
     import torch
 
-    from moemesh.common.kernels.checks import random_fp4_weight
+    from moemesh.bench.checks.quantized_kernels import random_fp4_weight
     from moemesh.common.kernels.fp4_experts import (
         ExpertWeights, WeightFormat, choose_grouped_config, grouped_down, grouped_experts, grouped_gate_up,
     )

@@ -29,7 +29,7 @@ from moemesh.bench.timing import floor_ratio, floor_s, graph_median_s, median, t
 
 CONTEXT_TOKENS = 4096
 # (block_h, block_n, warps, stages); the first is the default (common.kernels.sparse_attention).
-# sm_90 compiles (common.kernels.attention_sass, after removing per-element 64-bit divisions):
+# sm_90 compiles (bench.attention_sass, after removing per-element 64-bit divisions):
 # h32n32w8 181 regs (s1) / 196 (s2, cp.async), h16n32w8s2 151, no spills; h64 255 regs, 8-56 bytes spilled.
 DECODE_CONFIGS = ((16, 32, 8, 2, None), (16, 32, 8, 2, 4), (16, 16, 4, 2, None), (32, 32, 8, 1, None),
                   (32, 32, 8, 2, None), (64, 16, 8, 2, None))  # (..., key splits: None = auto)
@@ -50,7 +50,7 @@ def _event_time(fn, reps: int = 3) -> float:
 def _layer_setup(kind):
     import torch
 
-    from moemesh.common.kernels.attention_checks import random_layers
+    from moemesh.bench.checks.attention import random_layers
     from moemesh.common.model.random_init import flash_config
 
     config = flash_config((kind,))

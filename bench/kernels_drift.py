@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--truncating-interpreter", action="store_true",
                         help="keep Triton's interpreter casting fp32 -> bf16 by truncation (its default)")
     args = parser.parse_args(argv)
-    from moemesh.common.kernels.checks import patch_interpreter_bf16_dot, patch_interpreter_bf16_rounding
+    from moemesh.bench.checks.quantized_kernels import patch_interpreter_bf16_dot, patch_interpreter_bf16_rounding
 
     patch_interpreter_bf16_dot()  # both no-ops unless TRITON_INTERPRET=1
     if not args.truncating_interpreter:

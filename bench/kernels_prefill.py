@@ -25,7 +25,7 @@ from moemesh.bench.timing import graph_median_s, median, time_s
 def bench_prefill_experts(ceilings: dict, token_counts, reps: int) -> list[dict]:
     import torch
 
-    from moemesh.common.kernels.checks import random_fp4_weight
+    from moemesh.bench.checks.quantized_kernels import random_fp4_weight
     from moemesh.common.kernels.fp4_experts import ExpertWeights, WeightFormat, grouped_experts
     from moemesh.common.kernels.fp4_prefill import _swiglu_bf16, dequant_fp4_experts, grouped_experts_dequant
     from moemesh.common.kernels.moe_layout import sort_by_expert

@@ -20,8 +20,8 @@ from moemesh.common.wire.transport import Kind, pack_envelope, unpack_envelope
 
 
 def write_tiny_checkpoint(path: Path, seed: int = 5):
-    from moemesh.common.checkpoint.tiny import tiny_config
-    from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+    from moemesh.common.checkpoint.writer import write_checkpoint
+    from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 
     config = tiny_config(num_experts_per_tok=4)
     write_checkpoint(path, config, random_hub_state_dict(config, seed=seed, include_mtp=False))

@@ -34,8 +34,8 @@ if str(REPO_ROOT) not in sys.path:  # when run as a script (the interpreter chil
     sys.path.insert(0, str(REPO_ROOT))
 
 from moemesh.common.model.state import SequenceState  # noqa: E402
-from moemesh.common.model.tiny import tiny_config  # noqa: E402
-from moemesh.services.attention.graph_checks import tiny_graph_config  # noqa: E402
+from moemesh.bench.checks.tiny_model import tiny_config  # noqa: E402
+from moemesh.bench.checks.decode_graphs import tiny_graph_config  # noqa: E402
 from moemesh.services.attention.boundary import Recorder, recording_state, restore_state  # noqa: E402
 from moemesh.services.attention.kv_config import KVPoolConfig  # noqa: E402
 from moemesh.services.attention.kv_pool import BlockTable, KVPool, KVPoolError  # noqa: E402
@@ -257,7 +257,7 @@ def test_a_write_past_the_ring_reach_without_record_write_is_poisoned_and_refuse
 
 
 if __name__ == "__main__":  # the interpreter child of test_kernel_path_snapshots_restore_under_interpreter
-    from moemesh.common.kernels.attention_checks import patch_interpreter_scalar_index
+    from moemesh.bench.checks.attention import patch_interpreter_scalar_index
 
     patch_interpreter_scalar_index()
     for case in run_cases("cuda" if len(sys.argv) > 1 and sys.argv[1] == "cuda" else "cpu"):

@@ -3,7 +3,7 @@
 The whole-model check runs the metadata path (static tables, predicated window closes, split sizes
 from device memory, indexer width classes) with the Triton kernels under TRITON_INTERPRET=1 against
 ModelRunner's eager torch path, over decode steps with sequences joining and leaving and windows of
-both ratios closing (`services.attention.graph_checks`, one child process: the interpreter is chosen
+both ratios closing (`bench.checks.decode_graphs`, one child process: the interpreter is chosen
 at import). The others check the host side: eligibility, width classes and the tables' contents.
 """
 
@@ -26,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def tiny_side():
     from moemesh.common.model.random_init import random_model
-    from moemesh.services.attention.graph_checks import tiny_graph_config
+    from moemesh.bench.checks.decode_graphs import tiny_graph_config
 
     config = tiny_graph_config()
     side, _ = random_model(config, "cpu")
@@ -35,7 +35,7 @@ def tiny_side():
 
 def test_metadata_path_matches_eager_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "moemesh.services.attention.graph_checks", "--suite", "interpret"],
+    proc = subprocess.run([sys.executable, "-m", "moemesh.bench.checks.decode_graphs", "--suite", "interpret"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert records, f"no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}"

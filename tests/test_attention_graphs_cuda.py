@@ -3,7 +3,7 @@
 Graph replays against ModelRunner's eager loop (Triton kernels, per-forward tables), step by step
 and token for token, with sequences joining and leaving, windows of both ratios closing, the
 indexer's width class changing, and two micro-batches: a tiny model in fp32 and V4-Flash width in
-bf16 (`services.attention.graph_checks`). Skipped without CUDA.
+bf16 (`bench.checks.decode_graphs`). Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ FLASH_TOLERANCE = 3e-2  # bf16; padded batches run the linears at the bucket's s
 
 @pytest.mark.parametrize("case_index", [0, 1, 2])
 def test_tiny_graph_replays_match_eager(case_index):
-    from moemesh.services.attention.graph_checks import CUDA_CASES, run_graph_case, tiny_graph_config
+    from moemesh.bench.checks.decode_graphs import CUDA_CASES, run_graph_case, tiny_graph_config
 
     case = CUDA_CASES[case_index]
     result = run_graph_case(case, tiny_graph_config(), torch.device("cuda"), capture=True, dtype="float32")
@@ -35,7 +35,7 @@ def test_tiny_graph_replays_match_eager(case_index):
 
 
 def test_flash_width_graph_replays_match_eager():
-    from moemesh.services.attention.graph_checks import FLASH_CASES, flash_graph_config, run_graph_case
+    from moemesh.bench.checks.decode_graphs import FLASH_CASES, flash_graph_config, run_graph_case
 
     case = FLASH_CASES[0]
     result = run_graph_case(case, flash_graph_config(), torch.device("cuda"), capture=True, dtype="bfloat16")

@@ -17,7 +17,7 @@ from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.batch import SequenceChunk
 from moemesh.common.model.moe import RoutedExperts
 from moemesh.common.model.reference import ReferenceModel
-from moemesh.common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
+from moemesh.bench.checks.tiny_model import random_hub_state_dict, split_hub_state_dict, tiny_config
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.attention.kv_config import KVPoolConfig
 from moemesh.services.attention.kv_pool import KVPool, KVPoolError

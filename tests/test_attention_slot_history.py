@@ -17,7 +17,7 @@ from moemesh.services.attention.slots import Slot, SlotError
 from moemesh.services.router.engine_plan import PlanTranslator
 from moemesh.services.router.scheduler import Scheduler, SchedulerConfig
 from moemesh.services.router.scheduler.request import Request
-from moemesh.services.router.scheduler.sim_engine import SimulatedEngine
+from sim_engine_support import SimulatedEngine
 
 
 def _slot() -> Slot:

@@ -31,8 +31,8 @@ def test_prefill_timing_takes_the_kernel_attention_path():
 if __name__ == "__main__":  # the interpreted child
     import torch
 
-    from moemesh.common.kernels.attention_checks import patch_interpreter_scalar_index
-    from moemesh.common.kernels.checks import patch_interpreter_bf16_dot
+    from moemesh.bench.checks.attention import patch_interpreter_scalar_index
+    from moemesh.bench.checks.quantized_kernels import patch_interpreter_bf16_dot
 
     patch_interpreter_bf16_dot()
     patch_interpreter_scalar_index()

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from moemesh.common.checkpoint.inventory import ParamGroup, StorageKind, tensor_inventory
-from moemesh.common.checkpoint.tiny import tiny_config
+from tiny_checkpoint_support import tiny_config
 from moemesh.common.model.config import ModelConfig
 
 _FLASH = {

@@ -16,8 +16,8 @@ from moemesh.common.checkpoint.errors import CheckpointError
 from moemesh.common.checkpoint.expert_stacks import fp4_to_fp8_block
 from moemesh.common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, pack_fp4_codes
 from moemesh.common.checkpoint.reader import CheckpointReader
-from moemesh.common.checkpoint.tiny import tiny_config
-from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.checkpoint.writer import write_checkpoint
+from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.model.config import NumericsConfig
 from moemesh.common.model.quantized import Fp8Linear
 from moemesh.common.wire.messages import Dispatch

@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from moemesh.common.checkpoint.errors import CheckpointError
 from moemesh.common.checkpoint.reader import CheckpointReader
-from moemesh.common.checkpoint.tiny import tiny_config
-from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.checkpoint.writer import write_checkpoint
+from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.model.config import ConfigError
 
 

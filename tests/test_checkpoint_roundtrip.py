@@ -10,8 +10,8 @@ import torch
 from moemesh.common.checkpoint.inventory import tensor_inventory
 from moemesh.common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, quantize_fp4, quantize_fp8_block
 from moemesh.common.checkpoint.reader import CheckpointReader
-from moemesh.common.checkpoint.tiny import tiny_config
-from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.checkpoint.writer import write_checkpoint
+from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.model.names import hf_to_hub_state_dict, hub_to_hf_state_dict
 
 

@@ -8,8 +8,8 @@ import torch
 
 from moemesh.common.checkpoint.inventory import tensor_inventory
 from moemesh.common.checkpoint.reader import CheckpointReader
-from moemesh.common.checkpoint.tiny import tiny_config
-from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.checkpoint.writer import write_checkpoint
+from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.dspark import DSparkDrafter, dspark_loss_terms, slot_weights, target_features
 

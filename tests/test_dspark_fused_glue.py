@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moemesh.common.checkpoint.tiny import tiny_config
-from moemesh.common.checkpoint.writer import random_hub_state_dict
+from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.config import NumericsConfig
 from moemesh.common.model.dspark import DSparkDrafter, _attend_blocks
@@ -135,7 +134,7 @@ def test_fused_glue_matches_unfused_through_the_kernels(interpreted, dtype, tole
 
 
 if __name__ == "__main__":  # the interpreted child of `interpreted`
-    from moemesh.common.kernels.checks import patch_interpreter_bf16_dot, patch_interpreter_bf16_rounding
+    from moemesh.bench.checks.quantized_kernels import patch_interpreter_bf16_dot, patch_interpreter_bf16_rounding
 
     patch_interpreter_bf16_dot()
     patch_interpreter_bf16_rounding()

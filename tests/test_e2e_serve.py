@@ -44,8 +44,8 @@ pytestmark = [
 # ------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from moemesh.common.checkpoint.tiny import tiny_config
-    from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+    from moemesh.common.checkpoint.writer import write_checkpoint
+    from tiny_checkpoint_support import random_hub_state_dict, tiny_config
     from tokenizers import Tokenizer
 
     vocab_size = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json")).get_vocab_size(with_added_tokens=True)

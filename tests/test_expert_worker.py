@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from moemesh.common.checkpoint.tiny import tiny_config
-from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.checkpoint.writer import write_checkpoint
+from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.model.moe import RoutedExperts, sum_slots_in_order
 from moemesh.common.wire.messages import Combine, Dispatch, ErrorCode, ErrorReply, ExpertInventory, QueryInventory
 from moemesh.services.expert.grouping import group_by_expert, slot_outputs

@@ -3,7 +3,7 @@ against the per-sequence torch path, whole attention layers, under TRITON_INTERP
 
 The interpreter is chosen when a kernel is decorated, so the cases run in one child process that
 sets the variable before importing triton; one JSON line per case comes back (see
-`common.kernels.attention_checks`). Also: the dispatch rules of `default_attention_backend`.
+`bench.checks.attention`). Also: the dispatch rules of `default_attention_backend`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ CASE_IDS = ["indexer_scores", "mixed_prefill_decode_verify", "few_rows_csa", "pr
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, dict]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "moemesh.common.kernels.attention_checks", "--suite", "interpret"],
+    proc = subprocess.run([sys.executable, "-m", "moemesh.bench.checks.attention", "--suite", "interpret"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     results = {}
     for line in proc.stdout.splitlines():

@@ -11,14 +11,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def _cases():
-    from moemesh.common.kernels.attention_checks import cuda_cases
+    from moemesh.bench.checks.attention import cuda_cases
 
     return cuda_cases()
 
 
 @pytest.mark.parametrize("case_index", [0, 1, 2])
 def test_flash_width_matches_torch(case_index):
-    from moemesh.common.kernels.attention_checks import BF16_TOLERANCE, run_case
+    from moemesh.bench.checks.attention import BF16_TOLERANCE, run_case
     from moemesh.common.model.config import AttentionKind
     from moemesh.common.model.random_init import flash_config
 
@@ -31,7 +31,7 @@ def test_flash_width_matches_torch(case_index):
 
 def test_decode_step_replays_in_a_cuda_graph():
     """Captured once, a decode step replayed gives the same output as the eager kernel path."""
-    from moemesh.common.kernels.attention_checks import random_layers
+    from moemesh.bench.checks.attention import random_layers
     from moemesh.common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
     from moemesh.common.model.config import AttentionKind
     from moemesh.common.model.random_init import fill_random_context, flash_config, new_sequence_state
@@ -70,7 +70,7 @@ def test_decode_step_replays_in_a_cuda_graph():
 
 
 def test_indexer_scores_at_flash_width():
-    from moemesh.common.kernels.attention_checks import check_indexer_scores
+    from moemesh.bench.checks.attention import check_indexer_scores
     from moemesh.common.model.config import AttentionKind
     from moemesh.common.model.random_init import flash_config
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(_tool("ptxas")), reason="trit
 
 
 def test_default_sparse_attention_tile_compiles_without_spills():
-    from moemesh.common.kernels.attention_sass import compile_sparse
+    from moemesh.bench.attention_sass import compile_sparse
     from moemesh.common.kernels.sparse_attention import SparseAttentionConfig
 
     default = SparseAttentionConfig()
@@ -27,7 +27,7 @@ def test_default_sparse_attention_tile_compiles_without_spills():
 
 @pytest.mark.parametrize("kernel", ["indexer", "pool_csa", "pool_hca"])
 def test_side_kernels_compile_without_spills(kernel):
-    from moemesh.common.kernels.attention_sass import compile_indexer, compile_pool
+    from moemesh.bench.attention_sass import compile_indexer, compile_pool
 
     compiled = {"indexer": compile_indexer, "pool_csa": lambda: compile_pool(overlap=True),
                 "pool_hca": lambda: compile_pool(overlap=False)}[kernel]()

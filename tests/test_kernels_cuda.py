@@ -12,9 +12,9 @@ pytestmark = [
 
 triton = pytest.importorskip("triton")
 
-from moemesh.common.kernels import checks  # noqa: E402
+from moemesh.bench.checks import quantized_kernels  # noqa: E402
 
-CASES = checks.cuda_cases()
+CASES = quantized_kernels.cuda_cases()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_id for case_id, _ in CASES])

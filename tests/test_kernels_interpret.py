@@ -31,7 +31,7 @@ CASE_IDS = [
 def interpreted_results() -> dict[str, dict]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [sys.executable, "-m", "moemesh.common.kernels.checks", "--suite", "interpret"],
+        [sys.executable, "-m", "moemesh.bench.checks.quantized_kernels", "--suite", "interpret"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240,
     )
     results = {}

@@ -12,15 +12,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from moemesh.common.kernels import glue_check_runs, glue_checks  # noqa: E402
+from moemesh.bench.checks import glue_kernel_runs, glue_kernels  # noqa: E402
 
 ONLY = "mhc"
-INTERPRET_IDS = [case_id for case_id, _ in glue_checks.interpret_cases(ONLY)]
+INTERPRET_IDS = [case_id for case_id, _ in glue_kernels.interpret_cases(ONLY)]
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
-    records, stderr = glue_check_runs.run_interpret_suite(ONLY)
+    records, stderr = glue_kernel_runs.run_interpret_suite(ONLY)
     if not records:
         pytest.fail(f"interpreter run produced no results ({stderr})")
     return records
@@ -93,11 +93,11 @@ def test_bf16x3_needs_bf16_streams():
 
 def test_kernels_compile_for_hopper():
     """ptxas for sm_90 on this machine: what the interpreter accepts must also compile for the GPU."""
-    errors = glue_check_runs.hopper_compile_errors("mhc")
+    errors = glue_kernel_runs.hopper_compile_errors("mhc")
     assert errors and not any(errors.values()), errors
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-CUDA_CASES = glue_checks.cuda_cases(ONLY)
+CUDA_CASES = glue_kernels.cuda_cases(ONLY)
 
 
 @cuda

@@ -12,14 +12,14 @@ import pytest
 
 pytest.importorskip("triton")
 
-from moemesh.common.kernels import glue_check_runs  # noqa: E402
+from moemesh.bench.checks import glue_kernel_runs  # noqa: E402
 
 TOLERANCE = 1e-4  # the torch path's bound in tests/test_model_forward.py
 
 
 @pytest.mark.slow
 def test_tiny_model_through_the_kernels_matches_transformers():
-    records, stderr = glue_check_runs.run_interpret_suite(None, timeout_s=400, suite="model")
+    records, stderr = glue_kernel_runs.run_interpret_suite(None, timeout_s=400, suite="model")
     record = records.get("model_forward")
     assert record is not None, stderr
     assert record["triton_path"], record

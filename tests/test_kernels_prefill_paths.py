@@ -1,4 +1,4 @@
-"""The prefill paths against the fp32 references (`common/kernels/prefill_checks.py`): routed experts by
+"""The prefill paths against the fp32 references (`bench/checks/prefill.py`): routed experts by
 dequantising a chunk of FP4 experts to bf16 + grouped GEMMs (`fp4_prefill.py`), FP8 linears by a transient
 bf16 weight + cuBLAS (`fp8_dequant.py`). Under TRITON_INTERPRET=1 on CPU at small sizes (a child process:
 the interpreter is chosen when a kernel is decorated), and at V4-Flash sizes on CUDA."""
@@ -24,7 +24,7 @@ def _records(stdout: str) -> dict[str, dict]:
 
 def test_interpreted_dequant_exact_and_path_matches_reference():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "moemesh.common.kernels.prefill_checks", "--device", "cpu"],
+    proc = subprocess.run([sys.executable, "-m", "moemesh.bench.checks.prefill", "--device", "cpu"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     records = _records(proc.stdout)
     assert set(records) == {"dequant_exact", "dequant_path_chunks", "fp8_dequant_exact_ragged",
@@ -35,7 +35,7 @@ def test_interpreted_dequant_exact_and_path_matches_reference():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_flash_width():
-    from moemesh.common.kernels.prefill_checks import cases
+    from moemesh.bench.checks.prefill import cases
 
     for case_id, run in cases("cuda"):
         result = run()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from moemesh.common.model.config import AttentionKind, ConfigError, ModelConfig, NumericsConfig, RouterKind, YarnConfig
-from moemesh.common.model.tiny import tiny_config_dict
+from moemesh.bench.checks.tiny_model import tiny_config_dict
 from moemesh.common.placement.presets import v4_flash_hub_dict
 
 FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0]  # 43 main layers + MTP entry

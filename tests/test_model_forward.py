@@ -1,7 +1,7 @@
 """Our DeepSeek-V4 forward against transformers 5.23.0 (fp32 CPU), full, chunked and batched.
 
 Oracle: `DeepseekV4ForCausalLM` built from a seed with every inert-by-default path randomised
-(common.model.tiny). Sequences are >= 5x the largest window/ratio (window 8, HCA ratio 8) and the
+(bench.checks.tiny_model). Sequences are >= 5x the largest window/ratio (window 8, HCA ratio 8) and the
 CSA layers have more closed rows than index_topk, so top-k selection really happens.
 """
 
@@ -18,7 +18,7 @@ from moemesh.common.model.moe import RoutedExperts
 from moemesh.common.model.reference import ReferenceModel
 from moemesh.common.model.rope import RotaryTable, inverse_frequencies
 from moemesh.common.model.config import YarnConfig
-from moemesh.common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
+from moemesh.bench.checks.tiny_model import random_hub_state_dict, split_hub_state_dict, tiny_config
 
 TOLERANCE = 1e-4  # fp32 max abs logit difference; observed ~3e-7
 SEQ_LEN = 56

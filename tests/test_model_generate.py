@@ -11,7 +11,7 @@ from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.generate import GenerationConfig, generate, generate_batch
 from moemesh.common.model.moe import RoutedExperts
 from moemesh.common.model.reference import ReferenceModel
-from moemesh.common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
+from moemesh.bench.checks.tiny_model import random_hub_state_dict, split_hub_state_dict, tiny_config
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,9 +72,9 @@ def test_sampling_is_reproducible_with_a_seed(models):
 def _write_tiny_checkpoint(path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from moemesh.common.checkpoint.tiny import tiny_config as checkpoint_tiny_config
-    from moemesh.common.checkpoint.writer import random_hub_state_dict as checkpoint_random_state
     from moemesh.common.checkpoint.writer import write_checkpoint
+    from tiny_checkpoint_support import random_hub_state_dict as checkpoint_random_state
+    from tiny_checkpoint_support import tiny_config as checkpoint_tiny_config
 
     config = checkpoint_tiny_config()
     write_checkpoint(path, config, checkpoint_random_state(config, seed=9, include_mtp=False))

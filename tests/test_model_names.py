@@ -13,7 +13,7 @@ from moemesh.common.model.names import (
     hub_name_to_hf,
     hub_to_hf_state_dict,
 )
-from moemesh.common.model.tiny import build_hf_model, split_hub_state_dict, tiny_config
+from moemesh.bench.checks.tiny_model import build_hf_model, split_hub_state_dict, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ nothing else.
 - shared_expert_clamp=False: the shared expert's SwiGLU is unclamped (matters only beyond ±limit).
 - route_weight_before_w2=True: routing weight applied to the SwiGLU output before w2 (rounding only).
 - kv_fp8_qat=True: window kv rows and compressed rows FP8-simulated on the nope channels.
-Models are the docs/model.md §7.1 tiny model (weights from transformers' random init, see common.model.tiny).
+Models are the docs/model.md §7.1 tiny model (weights from transformers' random init, see bench.checks.tiny_model).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from moemesh.common.model.moe import MultiHolderExperts, RoutedExperts
 from moemesh.common.model.qat import (E4M3_MAX, fp8_block_scales, fp8_quant_dequant, kv_nope_fp8_qat,
                               pow2_scale_ceil)
 from moemesh.common.model.reference import ReferenceModel
-from moemesh.common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
+from moemesh.bench.checks.tiny_model import random_hub_state_dict, split_hub_state_dict, tiny_config
 
 SEQ_LEN = 56
 # Full vs chunked forwards differ by fp32 rounding (~3e-7). With QAT such a difference can, rarely,

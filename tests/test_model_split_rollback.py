@@ -10,7 +10,7 @@ from moemesh.common.model.batch import SequenceChunk
 from moemesh.common.model.moe import ExpertNotHeld, MultiHolderExperts, RoutedExperts
 from moemesh.common.model.reference import ReferenceModel
 from moemesh.common.model.state import RollbackError
-from moemesh.common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
+from moemesh.bench.checks.tiny_model import random_hub_state_dict, split_hub_state_dict, tiny_config
 
 TOLERANCE = 1e-4
 

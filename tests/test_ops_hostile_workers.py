@@ -82,8 +82,8 @@ envelopes = st.one_of(st.binary(max_size=12),
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from moemesh.common.checkpoint.tiny import tiny_config
-    from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+    from moemesh.common.checkpoint.writer import write_checkpoint
+    from tiny_checkpoint_support import random_hub_state_dict, tiny_config
     from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
 
     config = tiny_config()

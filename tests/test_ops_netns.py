@@ -43,8 +43,8 @@ pytestmark = [
 def checkpoint(tmp_path_factory) -> Path:
     from tokenizers import Tokenizer
 
-    from moemesh.common.checkpoint.tiny import tiny_config
-    from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+    from moemesh.common.checkpoint.writer import write_checkpoint
+    from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 
     vocab_size = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
     config = tiny_config(vocab_size=vocab_size, eos_token_id=EOS_ID)

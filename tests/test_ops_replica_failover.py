@@ -15,8 +15,8 @@ import time
 import pytest
 
 from moemesh.common.checkpoint.reader import CheckpointReader
-from moemesh.common.checkpoint.tiny import tiny_config
-from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.checkpoint.writer import write_checkpoint
+from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.generate import GenerationConfig, generate
 from moemesh.common.model.moe import RoutedExperts

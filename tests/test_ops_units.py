@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from moemesh.common.checkpoint.tiny import tiny_config
+from tiny_checkpoint_support import tiny_config
 from moemesh.common.model.state import SequenceState
 from moemesh.common.runtime.load_progress import LoadProgress, read_progress
 from moemesh.common.wire.errors import ReplyTimeout

@@ -13,8 +13,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from moemesh.common.checkpoint.tiny import tiny_config
-from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.checkpoint.writer import write_checkpoint
+from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.placement.budget import MemoryBudget
 from moemesh.common.placement.worker_budget import (
     attention_worker_budget, check_at_start, draft_weight_bytes, expert_headroom_bytes, expert_worker_budget,

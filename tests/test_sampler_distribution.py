@@ -7,7 +7,7 @@ from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.attention.sampling.draw import sample_from_probs
 from moemesh.services.attention.sampling.rng import Purpose, stream
 from moemesh.services.attention.sampling.sampler import Sampler
-from moemesh.services.attention.sampling.stats import chi_square_p_value
+from chi_square_support import chi_square_p_value
 
 NUM_VOCAB = 12
 NUM_SAMPLES = 20000

@@ -3,7 +3,7 @@
 import torch
 
 from moemesh.services.attention.sampling.rng import Purpose, derive_key, stream, streams_for_rows, uniform
-from moemesh.services.attention.sampling.stats import chi_square_p_value
+from chi_square_support import chi_square_p_value
 
 
 def test_same_key_gives_same_draws_and_fresh_generators():

@@ -15,7 +15,7 @@ from moemesh.services.router.scheduler import (
     SchedulerConfig,
     SequenceResult,
 )
-from moemesh.services.router.scheduler.sim_engine import SimulatedEngine
+from sim_engine_support import SimulatedEngine
 
 
 def make_config(**overrides) -> SchedulerConfig:

@@ -6,7 +6,7 @@ import random
 
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.router.scheduler import FinishReason, Request, Scheduler, SchedulerConfig, SequenceResult
-from moemesh.services.router.scheduler.sim_engine import SimulatedEngine, oracle_drafter
+from sim_engine_support import SimulatedEngine, oracle_drafter
 
 
 def prompt(seed: str, count: int) -> tuple[int, ...]:

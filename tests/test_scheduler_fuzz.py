@@ -12,7 +12,7 @@ import pytest
 
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.router.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
-from moemesh.services.router.scheduler.sim_engine import SimulatedEngine, oracle_drafter
+from sim_engine_support import SimulatedEngine, oracle_drafter
 
 # (name, config): the first pool fits exactly one request of max_model_len.
 CONFIGS = [

@@ -22,12 +22,13 @@ PROGRAM = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, Blocker())
+    sys.path.insert(0, "tests")  # the simulated engine is a test helper
     import moemesh.services.router.scheduler as package
     for module in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"moemesh.services.router.scheduler.{module.name}")
     from moemesh.common.sampling_params import SamplingParams
     from moemesh.services.router.scheduler import Request, Scheduler, SchedulerConfig
-    from moemesh.services.router.scheduler.sim_engine import SimulatedEngine, oracle_drafter
+    from sim_engine_support import SimulatedEngine, oracle_drafter
     engine = SimulatedEngine(Scheduler(SchedulerConfig(num_gpu_blocks=4, max_model_len=512)), drafter=oracle_drafter(2))
     engine.add(Request("r", tuple(range(300)), SamplingParams(max_tokens=20)))
     engine.run_until_done(max_steps=100)

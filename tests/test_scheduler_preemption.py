@@ -13,7 +13,7 @@ from moemesh.services.router.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from moemesh.services.router.scheduler.sim_engine import SimulatedEngine
+from sim_engine_support import SimulatedEngine
 
 
 def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int) -> Request:

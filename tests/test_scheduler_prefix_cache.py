@@ -8,7 +8,7 @@ from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.router.scheduler import Request, RestoreReason, Scheduler, SchedulerConfig
 from moemesh.services.router.scheduler.block_pool import BlockPool
 from moemesh.services.router.scheduler.prefix_cache import ROOT_PARENT_HASH, extend_block_hashes, hash_block_tokens
-from moemesh.services.router.scheduler.sim_engine import SimulatedEngine
+from sim_engine_support import SimulatedEngine
 
 BLOCK = 128
 

@@ -32,14 +32,14 @@ import asyncio
 import pytest
 import torch
 
-from moemesh.common.checkpoint.tiny import tiny_config
-from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.checkpoint.writer import write_checkpoint
+from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.attention.kv_config import KVPoolConfig
 from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
 from moemesh.services.attention.sampling.batch import SamplingBatch
 from moemesh.services.attention.sampling.sampler import process_logits
-from moemesh.services.attention.sampling.stats import chi_square_p_value
+from chi_square_support import chi_square_p_value
 from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
 from moemesh.services.draft.width import SpeculationConfig, SpeculationMode
 from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig

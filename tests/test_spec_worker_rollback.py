@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moemesh.common.checkpoint.tiny import tiny_config
-from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint
+from moemesh.common.checkpoint.writer import write_checkpoint
+from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import ScheduledSequence, StepPlan
 from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster

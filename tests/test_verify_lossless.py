@@ -15,7 +15,7 @@ from moemesh.services.attention.sampling.batch import SamplingBatch
 from moemesh.services.attention.sampling.draw import sample_from_probs
 from moemesh.services.attention.sampling.rng import Purpose, stream
 from moemesh.services.attention.sampling.sampler import process_logits
-from moemesh.services.attention.sampling.stats import chi_square_p_value
+from chi_square_support import chi_square_p_value
 from moemesh.services.attention.sampling.verify import verify
 
 PROMPT = (0, 1)

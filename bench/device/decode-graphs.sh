@@ -12,7 +12,7 @@ left() { echo $(( cap - ($(date +%s) - start) - 5 )); }
 stamp() { echo "--- decode-graphs: $(date -u +%H:%M:%S) $*"; }
 nvidia-smi --query-gpu=name,memory.used --format=csv
 stamp "timing (left $(left)s)"
-timeout -k 5 "$(( $(left) > 110 ? 110 : $(left) ))" python3 -m moemesh.services.attention.graph_bench --batch 1,8,64 \
+timeout -k 5 "$(( $(left) > 110 ? 110 : $(left) ))" python3 -m moemesh.bench.attention_graphs --batch 1,8,64 \
   --layers 4 --context 4096 --steps 10 --experts none,local --out-dir "$RESULTS_DIR" 2>&1 | grep -v '^\s*$' | tail -n 30
 stamp "CUDA tests (left $(left)s)"
 t=tests/test_attention_graphs_cuda.py

@@ -7,7 +7,7 @@ set -u
 start=$(date +%s)
 stamp() { echo "--- fused-glue: $(date -u +%H:%M:%S) (+$(( $(date +%s) - start ))s) $*"; }
 stamp "glue checks at Flash sizes (one JSON line per case)"
-python3 -m moemesh.common.kernels.glue_checks --suite cuda 2>&1 | sed "s/\"stochastic_bound\": null, //; s/\"fp32_error\": null, //"
+python3 -m moemesh.bench.checks.glue_kernels --suite cuda 2>&1 | sed "s/\"stochastic_bound\": null, //; s/\"fp32_error\": null, //"
 stamp "bench.layers decode B=1,64 with the fused glue"
 timeout 75 python3 -m moemesh.bench.layers --no-transformers --batch 1,64 --prefill= --out-dir "$RESULTS_DIR" 2>&1 \
   | grep --line-buffered -v -i "warn\|debug"

@@ -1,4 +1,4 @@
-"""Writing hub-format checkpoints (docs/model.md §4, §7.3) and random weights for tests.
+"""Writing hub-format checkpoints (docs/model.md §4, §7.3).
 
 `write_checkpoint` quantizes a float hub-named state dict with our own FP8/FP4 quantizers, per the
 inventory: FP8 dense linears with `.scale`, FP4 routed experts, BF16 embed/head/norms/compressors/
@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from moemesh.common.checkpoint.errors import CheckpointError
-from moemesh.common.checkpoint.inventory import ParamGroup, StorageKind, TensorSpec, tensor_inventory
+from moemesh.common.checkpoint.inventory import StorageKind, TensorSpec, tensor_inventory
 from moemesh.common.checkpoint.quant import quantize_fp4, quantize_fp8_block
 from moemesh.common.model.config import ModelConfig
 
@@ -124,47 +124,3 @@ def write_checkpoint(
                 shutil.copyfile(source, path / file_name)
     log.info("checkpoint.written", path=str(path), num_entries=len(encoded), num_shards=len(shards))
     return path
-
-
-def _random_tensor(spec: TensorSpec, config: ModelConfig, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    """Non-degenerate values: what transformers zero-initialises (sinks, bias, ape, HC base) is random."""
-    shape = spec.shape
-    stem = spec.name.removesuffix(".weight").rsplit(".", 1)[-1]  # e.g. "kv_norm", "wq_a", "ape"
-
-    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * std + mean).to(dtype)
-
-    if spec.storage is StorageKind.I64:  # tid2eid: distinct experts per token
-        rows = [torch.randperm(config.n_routed_experts, generator=gen)[: shape[1]] for _ in range(shape[0])]
-        return torch.stack(rows).to(torch.int64)
-    name = spec.name
-    if spec.group is ParamGroup.HC or "hc_" in name:
-        if name.endswith("_fn"):
-            return normal(0.02)
-        if name.endswith("_base"):
-            return normal(0.5)
-        return normal(0.1, mean=1.0)  # scale
-    if name.endswith("attn_sink"):
-        return normal(0.5)
-    if name.endswith("gate.bias"):
-        return normal(0.01)
-    if name.endswith(".ape"):
-        return normal(0.1)
-    if "norm" in stem:
-        return normal(0.1, mean=1.0)
-    if name == "embed.weight":
-        return normal(1.0)
-    if len(shape) == 2:  # linears: keep activations O(1)
-        return normal(shape[1] ** -0.5)
-    return normal(0.02)
-
-
-def random_hub_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                          include_mtp: bool = True) -> dict[str, torch.Tensor]:
-    """A full random float state dict in hub names (ints for `tid2eid`), for tests and benchmarks."""
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        name: _random_tensor(spec, config, gen, dtype)
-        for name, spec in tensor_inventory(config).items()
-        if include_mtp or not spec.is_mtp
-    }

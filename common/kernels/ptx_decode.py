@@ -6,7 +6,7 @@ Each decoder places the code's bits into a bf16 bit pattern with shifts and mask
 bytes into 16-bit lanes first) and finishes with `mul.bf16x2` by a power of two that carries the
 ue8m0 scale, so the bf16 results are exact (bf16 multiplies keep subnormal inputs). They feed
 `tl.dot` directly: no fp32 tile, no fp32 -> bf16 conversion. GPU only (the interpreter cannot run
-inline assembly); `decode_probe.py` checks each one bit for bit against `reference.py`.
+inline assembly); `bench/checks/fp4_decode_probe.py` checks each one bit for bit against `reference.py`.
 
 Measured on an H200 (bench/NOTES.md): the "quad" decoders, which read the codes as
 16/32-bit words and return four tiles by k mod 4, need the fewest instructions per element.

@@ -1,7 +1,7 @@
 """A simulated attention worker over integers: executes step plans and checks the contract.
 
 It is the executable statement of what a plan promises the real worker, used by the
-scheduler tests and by bench/scheduler_cost.py. Instead of KV tensors, every written
+scheduler tests. Instead of KV tensors, every written
 position of a block holds a fingerprint of the token there and of every token before it
 (a rolling hash), and a state slot holds how far its sequence has advanced. With checking
 on, it verifies on every step that:

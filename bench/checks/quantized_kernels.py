@@ -1,6 +1,6 @@
 """Kernel-vs-reference comparisons on fresh random inputs, shared by the tests and the benchmark.
 
-`python -m moemesh.common.kernels.checks --suite interpret` runs the small cases (meant for
+`python -m moemesh.bench.checks.quantized_kernels --suite interpret` runs the small cases (meant for
 `TRITON_INTERPRET=1` on CPU) and prints one JSON object per case; `--suite cuda` the real sizes.
 
 Each check draws new random weights over all valid codes (every e2m1 nibble, e4m3 values from a
@@ -305,7 +305,7 @@ def _asm_quad_config(num_tokens: int, out_features: int, in_features: int):
 
 def check_fp4_decode_exact(decode, device: str) -> CheckResult:
     """The decoder against the reference over every byte value: the error is the mismatch count."""
-    from moemesh.common.kernels.decode_probe import mismatches
+    from moemesh.bench.checks.fp4_decode_probe import mismatches
 
     return CheckResult(f"fp4 decode {decode.name} exact on {device}", float(mismatches(decode, device)), 0.0, True)
 

@@ -10,7 +10,7 @@ different lengths in one batch, prefill chunks longer than the ring, windows clo
 chunk, CSA sequences with fewer closed windows than top-k, several tokens per sequence
 (speculative verification) and rollbacks between forwards.
 
-`python -m moemesh.common.kernels.attention_checks --suite interpret` (meant for TRITON_INTERPRET=1 on
+`python -m moemesh.bench.checks.attention --suite interpret` (meant for TRITON_INTERPRET=1 on
 CPU, tiny fp32 layers) or `--suite cuda` (V4-Flash width, bf16) prints one JSON object per case:
 relative error = max over compared tensors of ‖kernel − torch‖ / ‖torch‖.
 Legend: T tokens, D hidden.
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from moemesh.common.kernels.checks import CheckResult, patch_interpreter_bf16_dot
+from moemesh.bench.checks.quantized_kernels import CheckResult, patch_interpreter_bf16_dot
 from moemesh.common.model.attention import Attention
 from moemesh.common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
 from moemesh.common.model.config import AttentionKind, ModelConfig

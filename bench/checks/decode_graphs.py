@@ -10,7 +10,7 @@ ratios and across indexer width classes. Both sides are fed the eager side's gre
 after every step the final streams h and the greedy tokens are compared, and at the end every
 tensor the next step could read (`SequenceState.live_tensors`).
 
-`python -m moemesh.services.attention.graph_checks --suite interpret|cuda|flash [--micro-batches M]` prints one
+`python -m moemesh.bench.checks.decode_graphs --suite interpret|cuda|flash [--micro-batches M]` prints one
 JSON object per case. Legend: T tokens, N hc streams, D hidden, V vocab.
 """
 
@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite", choices=("interpret", "cuda", "flash"), default="interpret")
     args = parser.parse_args(argv)
     if args.suite == "interpret":
-        from moemesh.common.kernels.attention_checks import patch_interpreter_scalar_index
-        from moemesh.common.kernels.checks import patch_interpreter_bf16_dot
+        from moemesh.bench.checks.attention import patch_interpreter_scalar_index
+        from moemesh.bench.checks.quantized_kernels import patch_interpreter_bf16_dot
 
         patch_interpreter_scalar_index()
         patch_interpreter_bf16_dot()

@@ -1,6 +1,6 @@
 """Runs of the glue checks that need their own process or no GPU (used by the tests).
 
-- `run_interpret_suite`: `glue_checks` in a child with TRITON_INTERPRET=1 (the interpreter is chosen
+- `run_interpret_suite`: `glue_kernels` in a child with TRITON_INTERPRET=1 (the interpreter is chosen
   when a kernel is decorated, so it cannot be switched on inside a process that imported the kernels);
 - `model_forward_check`: the tiny model's forward with every glue op on the Triton path (child with
   TRITON_INTERPRET=1 and MOEMESH_TRITON_GLUE_ON_CPU=1) against transformers;
@@ -25,7 +25,7 @@ def model_forward_check(num_tokens: int = 40) -> dict:
     from moemesh.common.model.attention_side import AttentionSide
     from moemesh.common.model.moe import RoutedExperts
     from moemesh.common.model.reference import ReferenceModel
-    from moemesh.common.model.tiny import random_hub_state_dict, split_hub_state_dict, tiny_config
+    from moemesh.bench.checks.tiny_model import random_hub_state_dict, split_hub_state_dict, tiny_config
 
     torch.set_num_threads(1)
     config = tiny_config()
@@ -107,7 +107,7 @@ def run_interpret_suite(only: str | None, timeout_s: float = 240, suite: str = "
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     if suite == "model":
         env["MOEMESH_TRITON_GLUE_ON_CPU"] = "1"
-    command = [sys.executable, "-m", "moemesh.common.kernels.glue_checks", "--suite", suite]
+    command = [sys.executable, "-m", "moemesh.bench.checks.glue_kernels", "--suite", suite]
     if only:
         command += ["--only", only]
     proc = subprocess.run(command, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True,

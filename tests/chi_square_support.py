@@ -1,7 +1,6 @@
 """Goodness of fit of sampled token counts to a distribution (Pearson chi-square).
 
-Used by the sampler/verifier tests and usable by benchmarks that check a deployment's sampling
-distribution. Torch only (no scipy): the p-value is the regularised upper incomplete gamma.
+Used by the sampler, verifier and speculation-distribution tests. Torch only (no scipy): the p-value is the regularised upper incomplete gamma.
 """
 
 from __future__ import annotations

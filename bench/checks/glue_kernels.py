@@ -1,13 +1,13 @@
 """Fused glue kernels (mHC, RMS norm, RoPE) against their torch references on fresh random inputs.
 
-`python -m moemesh.common.kernels.glue_checks --suite interpret [--only mhc|norm]` runs the small cases
+`python -m moemesh.bench.checks.glue_kernels --suite interpret [--only mhc|norm]` runs the small cases
 (meant for `TRITON_INTERPRET=1` on CPU: kernels are called directly on CPU tensors) and prints one
 JSON object per case; `--suite cuda` the V4-Flash sizes through the model's dispatching functions
 (Triton by default, torch under `forced_torch_glue`).
 
 Error measure: ‖out − ref‖ / ‖ref‖ per output, the largest one reported. fp32 cases only differ by
 summation order (≤ 1e-5). bf16 outputs reproduce the reference's roundings, so on the GPU they
-differ by rare one-ulp flips (bound 1e-2, the same as checks.BF16_TOLERANCE); the interpreter
+differ by rare one-ulp flips (bound 1e-2, the same as quantized_kernels.BF16_TOLERANCE); the interpreter
 truncates instead of rounding when it casts to bf16, so its bf16 cases also get 1e-2.
 Sinkhorn: the kernel's comb must be as doubly stochastic as the reference's (row and column sums'
 largest distance from 1 within the reference's + 1e-5).
@@ -324,12 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("mhc", "norm"), default=None)
     args = parser.parse_args(argv)
     if args.suite == "model":
-        from moemesh.common.kernels.glue_check_runs import model_forward_check
+        from moemesh.bench.checks.glue_kernel_runs import model_forward_check
 
         print(json.dumps(model_forward_check()), flush=True)
         return 0
     if args.suite == "interpret":
-        from moemesh.common.kernels.checks import patch_interpreter_bf16_dot
+        from moemesh.bench.checks.quantized_kernels import patch_interpreter_bf16_dot
 
         patch_interpreter_bf16_dot()  # bf16x3's dots
     cases = interpret_cases(args.only) if args.suite == "interpret" else cuda_cases(args.only)

@@ -7,7 +7,7 @@ step (nothing is rolled back), so the graph steps replay with changing positions
 does. Routed experts either run in this process between the segments (`local`: eager, as the in-process
 reference) or are replaced by zeros (`none`: the attention worker's own work only).
 
-`python -m moemesh.services.attention.graph_bench --batch 1,8,64 --layers 4 --context 4096 --out-dir DIR`
+`python -m moemesh.bench.attention_graphs --batch 1,8,64 --layers 4 --context 4096 --out-dir DIR`
 writes `attention-graphs-<stamp>.json` (bench.results_io). Legend: B sequences, L layers.
 """
 
@@ -83,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     from moemesh.common.model.config import NumericsConfig
     from moemesh.common.model.random_init import fill_random_context, flash_config, random_model
     from moemesh.common.model.state import SequenceState
-    from moemesh.services.attention.graph_checks import LocalDispatcher
+    from moemesh.bench.checks.decode_graphs import LocalDispatcher
     from moemesh.services.attention.graph_decode import DecodeGraphConfig, DecodeGraphs
     from moemesh.services.attention.model_runner import ModelRunner
 
     kinds = [AttentionKind.WINDOW, AttentionKind.WINDOW] + [
         AttentionKind.CSA if i % 2 == 0 else AttentionKind.HCA for i in range(args.layers)]
     if args.smoke_cpu:
-        from moemesh.common.kernels.attention_checks import patch_interpreter_scalar_index
+        from moemesh.bench.checks.attention import patch_interpreter_scalar_index
         from moemesh.common.model.random_init import tiny_flash_like_config
 
         patch_interpreter_scalar_index()

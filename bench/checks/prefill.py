@@ -1,7 +1,7 @@
 """Checks of the prefill paths (`fp4_prefill`: routed experts; `fp8_dequant`: FP8 linears) against the
 fp32 references.
 
-`python -m moemesh.common.kernels.prefill_checks [--device cpu|cuda]` prints one JSON line per case (CPU: meant
+`python -m moemesh.bench.checks.prefill [--device cpu|cuda]` prints one JSON line per case (CPU: meant
 for TRITON_INTERPRET=1, small shapes; CUDA: V4-Flash shapes). Cases: both dequantise kernels bit for bit
 against `reference.dequant_fp4` / `dequant_fp8_blockwise` (ragged FP8 edges, a strided FP4 output); the
 experts path (chunks smaller than the expert count, empty experts, an empty chunk) against
@@ -17,7 +17,7 @@ import sys
 import torch
 
 from moemesh.common.kernels import reference
-from moemesh.common.kernels.checks import (
+from moemesh.bench.checks.quantized_kernels import (
     BF16_TOLERANCE, CheckResult, _relative_error, patch_interpreter_bf16_dot, patch_interpreter_bf16_rounding,
     random_expert_layout, random_fp4_weight,
 )

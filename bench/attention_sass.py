@@ -1,6 +1,6 @@
 """Compile the batched attention kernels for sm_90 without a GPU and summarise their machine code.
 
-Usage: python -m moemesh.common.kernels.attention_sass [--kernel sparse|indexer|pool|all]
+Usage: python -m moemesh.bench.attention_sass [--kernel sparse|indexer|pool|all]
 
 Triton ships ptxas, so the V4-Flash specialisations (head_dim 512, 64 heads, CSA top-k / HCA)
 go through the whole Triton + ptxas pipeline here: a compile error, register spills (stack bytes)

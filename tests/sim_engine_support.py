@@ -1,4 +1,4 @@
-"""The router's engine loop in miniature, over the simulated worker: for tests and benchmarks.
+"""The router's engine loop in miniature, over the simulated worker, for the scheduler tests.
 
 `SimulatedEngine.step()` is the hot path's steps 2, 3-5 and 6 (schedule, execute, update)
 with a pluggable drafter; it keeps every request object (also finished ones) and the events
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from moemesh.services.router.scheduler.output import RequestEvent, SchedulerOutput
 from moemesh.services.router.scheduler.request import Request
 from moemesh.services.router.scheduler.scheduler import Scheduler
-from moemesh.services.router.scheduler.sim_worker import SimulatedWorker, fingerprints_of, next_fingerprint
+from sim_worker_support import SimulatedWorker, fingerprints_of, next_fingerprint
 
 # drafter(request, worker) -> draft token ids for the request's next step
 Drafter = Callable[[Request, SimulatedWorker], list[int]]
