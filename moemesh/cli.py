@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "expert": ("service", "run an expert worker from a deployment config"),
     "draft": ("service", "run the DSpark draft worker from a deployment config"),
     "devices": ("devices", "list torch devices and their memory"),
-    "bench": ("bench", "benchmarks: layers, dispatch, serve, scheduler, speculation"),
+    "bench": ("bench", "benchmarks and measuring tools (moemesh bench --list names them)"),
     "placement": ("placement", "plan and apply expert placements"),
     "keys": ("keys", "generate CURVE key pairs for multi-host deployments"),
 }
