@@ -301,7 +301,7 @@ class AttentionWorker(Service):
                 ) -> tuple[dict[str, SequenceResult], dict[str, int]]:
         """(results by request id, rejected drafts by request id). Sequences with drafts are
         verified (speculation.verify_drafted), the others sampled from their one row."""
-        from moemesh.services.attention.sampling import Purpose, stream
+        from moemesh.common.sampling.rng import Purpose, stream
         from moemesh.services.attention.speculation import DraftedRow, verify_drafted
 
         results = {item.scheduled.request_id: SequenceResult(item.scheduled.request_id, ()) for item in work
