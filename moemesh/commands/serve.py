@@ -166,9 +166,8 @@ def _progress(services: dict[str, str], elapsed_s: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moemesh.commands.serve_config import (
-        DRAFT_NAME, ModelMissing, ServeLayout, check_model_dir, draft_block_size, write_deployment,
-    )
+    from moemesh.commands.serve_config import DRAFT_NAME, ServeLayout, draft_block_size, write_deployment
+    from moemesh.common.checkpoint.model_dir import ModelMissing, check_model_dir
     from moemesh.common.speculation_width import SpeculationConfig
     from moemesh.commands.serve_processes import start_service, stop_services
     from moemesh.commands.serve_restarts import RestartPolicy

@@ -37,7 +37,7 @@ from typing import Any
 import structlog
 import torch
 
-from moemesh.common.model.config import ModelConfig
+from moemesh.common.model.config import ModelConfig, resolve_dtype
 from moemesh.common.runtime.service import Service
 from moemesh.common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
 from moemesh.common.wire.messages import (
@@ -76,14 +76,6 @@ class ExpertWorkerConfig:
     # Routed-expert bytes the startup budget leaves this worker (common/placement/worker_budget.py);
     # LoadExperts beyond it is refused, the inventory reports what is left. None: unchecked.
     expert_budget_bytes: int | None = None
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype {dtype!r} is not auto, float32, bfloat16 or float16")
-    return getattr(torch, dtype)
 
 
 def device_memory(device: torch.device) -> tuple[int, int | None]:
