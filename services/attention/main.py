@@ -87,7 +87,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
     from moemesh.common.runtime.logging import configure_logging
     from moemesh.common.runtime.load_progress import progress_dir_for
     from moemesh.common.runtime.service import ServiceConfig, run_service
-    from moemesh.common.security.socket_security import socket_security_for
+    from moemesh.common.runtime.deployment_security import socket_security_for
     from moemesh.common.wire.messages import ServiceRole
     from moemesh.services.attention.recovery import RecoveryConfig, budget_for
     from moemesh.services.attention.routing_config import RoutingStatsConfig

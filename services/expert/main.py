@@ -15,7 +15,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info", expe
     from moemesh.common.placement.worker_holdings import holdings_for
     from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
-    from moemesh.common.security.socket_security import socket_security_for
+    from moemesh.common.runtime.deployment_security import socket_security_for
 
     entry = pick_worker(deployment.expert, name, "expert")
     configure_logging(entry.name, deployment.paths.log_dir, log_level)
