@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moemesh.common.checkpoint.inventory import tensor_inventory
+from moemesh.common.model.inventory import tensor_inventory
 from moemesh.common.checkpoint.reader import CheckpointReader
 from moemesh.common.checkpoint.tiny import tiny_config
 from moemesh.common.checkpoint.writer import random_hub_state_dict, write_checkpoint

@@ -8,7 +8,7 @@ import pytest
 
 from moemesh.common.model.config import AttentionKind, ConfigError, ModelConfig, NumericsConfig, RouterKind, YarnConfig
 from moemesh.common.model.tiny import tiny_config_dict
-from moemesh.common.placement.presets import v4_flash_hub_dict
+from moemesh.common.model.presets import v4_flash_hub_dict
 
 FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0]  # 43 main layers + MTP entry
 

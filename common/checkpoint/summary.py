@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from moemesh.common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES, ParamGroup
+from moemesh.common.model.inventory import SAFETENSORS_DTYPE_BYTES, ParamGroup
 from moemesh.common.checkpoint.reader import CheckpointReader
 from moemesh.common.model.config import AttentionKind, RouterKind
 
