@@ -45,7 +45,7 @@ from moemesh.common.wire.messages import (
     LoadExperts, QueryInventory,
 )
 from moemesh.common.checkpoint.expert_stacks import ExpertDtype, ResidentFormat
-from moemesh.common.model.moe import sum_slots_in_order
+from moemesh.common.kernels.moe_layout import sum_slots_in_order
 from moemesh.services.expert.grouping import group_by_expert, slot_outputs
 from moemesh.services.expert.holdings import ExpertHoldings
 from moemesh.services.expert.ipc_plane import ExpertSlotPlane
