@@ -118,6 +118,7 @@ def test_config_and_names_do_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, common.model.config, common.model.names, common.commands.generate; "
+    code = ("import sys, moemesh.common.model.config, moemesh.common.model.names, moemesh.common.model.presets, "
+            "moemesh.common.model.inventory, moemesh.commands.generate; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
