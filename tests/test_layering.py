@@ -153,6 +153,28 @@ def test_the_scan_sees_the_packages():
     assert len(moemesh_imports(IMPORTS)) > 500
 
 
+def test_the_rules_refuse_what_the_layers_forbid():
+    def allows(src: str, dst: str) -> bool:
+        return layer_allows(layer_of(src), layer_of(dst))
+
+    assert allows("moemesh.services.router.app", "moemesh.services.router.engine")
+    assert allows("moemesh.services.router.app", "moemesh.common.wire.messages")
+    assert allows("moemesh.bench.serve", "moemesh.services.router.main")
+    assert allows("moemesh.commands.serve", "moemesh.services.router.main")
+    assert not allows("moemesh.services.router.app", "moemesh.services.draft.worker")
+    assert not allows("moemesh.services.attention.main", "moemesh.commands.serve_config")
+    assert not allows("moemesh.common.model.dspark", "moemesh.services.attention.sampling.rng")
+    assert not allows("moemesh.bench.soak", "moemesh.commands.serve_config")
+    assert not allows("moemesh.tools.corpus.build", "moemesh.services.router.app")
+    assert not allows("moemesh.commands.bench", "moemesh.bench.serve")
+
+
+def test_nested_imports_and_imported_submodules_are_seen():
+    source = "def f():\n    from moemesh.common import sampling_params\n    import moemesh.services.router.app\n"
+    names = list(imported_names(ast.parse(source), {"moemesh.common.sampling_params"}))
+    assert names == [(2, "moemesh.common.sampling_params"), (3, "moemesh.services.router.app")]
+
+
 def test_each_layer_imports_only_the_layers_below_it():
     violations = [i for i in moemesh_imports(checked(IMPORTS))
                   if not layer_allows(layer_of(i.src), layer_of(i.dst))]
