@@ -35,4 +35,5 @@ class _SourceTreeFinder(importlib.abc.MetaPathFinder):
 
 _package_dir = os.path.dirname(os.path.abspath(__file__))
 if not os.path.isdir(os.path.join(_package_dir, "common")):
-    sys.meta_path.append(_SourceTreeFinder(os.path.dirname(_package_dir)))
+    # ahead of other finders: an editable install of another checkout must not supply these folders
+    sys.meta_path.insert(0, _SourceTreeFinder(os.path.dirname(_package_dir)))
