@@ -3,7 +3,8 @@
 The import root of the distribution. The repository keeps its folders (`common/`, `services/`,
 `bench/`, `tools/`) beside this package; installed, they live inside it (`moemesh.common`,
 `moemesh.services.router`, ...), as `setup.py` maps them. Run from a source tree without
-installing, a finder maps the same four names onto the folders beside this package.
+installing, a finder maps the same four names onto the folders beside this package; it goes first,
+so a source tree on PYTHONPATH wins over an editable install of another checkout.
 """
 
 from __future__ import annotations
@@ -35,5 +36,4 @@ class _SourceTreeFinder(importlib.abc.MetaPathFinder):
 
 _package_dir = os.path.dirname(os.path.abspath(__file__))
 if not os.path.isdir(os.path.join(_package_dir, "common")):
-    # ahead of other finders: an editable install of another checkout must not supply these folders
     sys.meta_path.insert(0, _SourceTreeFinder(os.path.dirname(_package_dir)))
