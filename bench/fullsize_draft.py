@@ -226,7 +226,7 @@ def time_batch(worker, loop, num_requests: int, temperatures: list[float], args,
 
 # ------------------------------------------------------------------------------------ main
 def build_worker(model_dir: Path, device_name: str):
-    from moemesh.services.draft.width import SpeculationConfig, SpeculationMode
+    from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode
     from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig, load_drafter, resolve_numerics
 
     drafter = load_drafter(str(model_dir), device_name, resolve_numerics("auto", device_name))

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from moemesh.common.runtime.logging import configure_logging
     from moemesh.common.runtime.service import ServiceConfig, run_service
     from moemesh.common.wire.messages import ServiceRole
-    from moemesh.services.expert.main import pick_worker
+    from moemesh.common.runtime.deployment import pick_worker
     from moemesh.common.placement.worker_holdings import holdings_for
     from moemesh.services.expert.worker import ExpertWorkerConfig
 

@@ -20,10 +20,12 @@ LOGPROB_TOLERANCE = 1e-4
 
 def build_reference(model_dir: str):
     """(ReferenceModel, config) of the checkpoint at `model_dir`, float32 on the CPU."""
-    from moemesh.commands.generate import _load_model
+    from moemesh.common.checkpoint.reader import CheckpointReader
+    from moemesh.common.checkpoint.reference_model import load_reference_model
+    from moemesh.common.model.config import NumericsConfig
 
-    model, config = _load_model(model_dir, "float32", "cpu")
-    return model, config
+    reader = CheckpointReader(model_dir)
+    return load_reference_model(reader, NumericsConfig(dtype="float32"), "cpu"), reader.config
 
 
 @torch.inference_mode()

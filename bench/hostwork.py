@@ -178,7 +178,7 @@ def reply_copy(worker, output: torch.Tensor) -> None:
 
 def after_expert_stages(worker, dispatch, stages: dict[str, float]) -> torch.Tensor:
     """`ExpertWorker.handle_dispatch` piece by piece (the same calls, timed between them)."""
-    from moemesh.common.model.moe import sum_slots_in_order
+    from moemesh.common.kernels.moe_layout import sum_slots_in_order
 
     began = time.perf_counter()
     selection = worker._select(dispatch)

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from moemesh.common.model.moe import sum_slots_in_order
+from moemesh.common.kernels.moe_layout import sum_slots_in_order
 from moemesh.common.wire.messages import Dispatch
 
 

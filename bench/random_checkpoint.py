@@ -7,7 +7,7 @@ The directory is a checkpoint like the released one, read by the same loaders (`
 `moemesh generate`, transformers): `config.json` (the preset's hub keys, `quantization_config` as
 DeepSeek-V4-Flash has it), `generation_config.json`, a tokenizer sized to the vocabulary,
 `model-0000i-of-0000n.safetensors` shards and `model.safetensors.index.json`. Every tensor of the
-config's inventory (`common.checkpoint.inventory`) is written under its hub name in its stored format:
+config's inventory (`common.model.inventory`) is written under its hub name in its stored format:
 - FP8 linears: float8_e4m3fn codes and a ue8m0 scale per 128 x 128 block;
 - routed experts: FP4 e2m1 codes, two per byte (low nibble = even column), a ue8m0 scale per 32 inputs
   (or FP8 blocks for `expert_dtype fp8`);
@@ -82,7 +82,7 @@ TINY_SETTINGS: dict[str, Any] = dict(
 
 # ------------------------------------------------------------------------------------ configs
 def _flash() -> dict[str, Any]:
-    from moemesh.common.placement.presets import v4_flash_hub_dict
+    from moemesh.common.model.presets import v4_flash_hub_dict
 
     return v4_flash_hub_dict()
 

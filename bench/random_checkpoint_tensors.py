@@ -2,7 +2,7 @@
 has, the bytes of each, and one shard streamed to disk.
 
 `checkpoint_entries(config, routing_skew)` lists every stored entry of the config's inventory
-(`common.checkpoint.inventory`) in file order with the rule its values follow; `entry_chunks` yields an
+(`common.model.inventory`) in file order with the rule its values follow; `entry_chunks` yields an
 entry's bytes in pieces of at most `CHUNK_BYTES` from a generator of its own, seeded by (seed, entry
 name); `write_shard` writes one safetensors file (header, then the entries' bytes) without holding more
 than one piece in memory. The value rules are in `bench.random_checkpoint`'s docstring; the routing skew
@@ -115,7 +115,7 @@ class Entry:
 
     @property
     def num_bytes(self) -> int:
-        from moemesh.common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES
+        from moemesh.common.model.inventory import SAFETENSORS_DTYPE_BYTES
 
         return math.prod(self.shape) * SAFETENSORS_DTYPE_BYTES[self.dtype]
 
@@ -144,7 +144,7 @@ def _plain_role(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
 
 def checkpoint_entries(config, routing_skew: float) -> list[Entry]:
     """Every safetensors entry of `config`'s inventory, in file order, with its value rule."""
-    from moemesh.common.checkpoint.inventory import StorageKind, tensor_inventory
+    from moemesh.common.model.inventory import StorageKind, tensor_inventory
     from moemesh.common.model.config import RouterKind
 
     out = []

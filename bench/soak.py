@@ -167,7 +167,7 @@ class Soak:
     worker on schedule, and samples RSS per service."""
 
     def __init__(self, args) -> None:
-        from moemesh.commands.serve_config import check_model_dir
+        from moemesh.common.checkpoint.model_dir import check_model_dir
 
         self.args = args
         self.model_dir = check_model_dir(args.model)

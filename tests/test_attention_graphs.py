@@ -87,7 +87,7 @@ def test_plan_keys_and_eager_reasons(tiny_side):
 
 def test_tables_fill_matches_eager_tables(tiny_side):
     """Positions, per-sequence fields, padding rows and the split sizes the eager launch would plan."""
-    from moemesh.common.kernels.attention_layout import build_tables, sequence_addresses
+    from moemesh.common.model.attention_tables import build_tables, sequence_addresses
     from moemesh.common.kernels.sparse_attention import default_config, max_keys_of, plan_splits
     from moemesh.common.model.state import SequenceState
     from moemesh.services.attention.graph_tables import StaticDecodeTables, split_keys

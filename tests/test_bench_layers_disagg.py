@@ -45,7 +45,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("per_expert_outputs", [False, True])
 def test_expert_graphs_equal_eager_for_every_size_in_and_out_of_the_buckets(per_expert_outputs):
     from moemesh.common.model.config import AttentionKind
-    from moemesh.common.model.moe import sum_slots_in_order
+    from moemesh.common.kernels.moe_layout import sum_slots_in_order
     from moemesh.common.model.random_init import random_model, tiny_flash_like_config
     from moemesh.services.expert.graphs import ExpertGraphConfig, ExpertGraphs
 

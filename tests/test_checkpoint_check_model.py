@@ -52,5 +52,5 @@ def test_check_model_reports_missing_tensor(checkpoint, tmp_path, capsys):
 
 
 def test_check_model_module_does_not_import_torch():
-    code = "import sys, moemesh.commands.check_model; sys.exit('torch' in sys.modules)"
+    code = "import sys, moemesh.commands.check_model, moemesh.common.placement.worker_sizes; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

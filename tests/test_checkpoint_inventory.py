@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from moemesh.common.checkpoint.inventory import ParamGroup, StorageKind, tensor_inventory
+from moemesh.common.model.inventory import ParamGroup, StorageKind, tensor_inventory
 from tiny_checkpoint_support import tiny_config
 from moemesh.common.model.config import ModelConfig
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from moemesh.common.checkpoint.inventory import tensor_inventory
+from moemesh.common.model.inventory import tensor_inventory
 from moemesh.common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, quantize_fp4, quantize_fp8_block
 from moemesh.common.checkpoint.reader import CheckpointReader
 from moemesh.common.checkpoint.writer import write_checkpoint

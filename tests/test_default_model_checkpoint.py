@@ -36,7 +36,7 @@ def tokenizer():
 
 
 def test_checkpoint_matches_inventory_and_size(reference):
-    from moemesh.common.checkpoint.inventory import StorageKind
+    from moemesh.common.model.inventory import StorageKind
 
     _, reader = reference
     config = reader.config

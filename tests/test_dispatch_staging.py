@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from moemesh.common.model.moe import sum_slots_in_order
+from moemesh.common.kernels.moe_layout import sum_slots_in_order
 from moemesh.common.wire import codec
 from moemesh.common.wire.errors import StagingExhausted
 from moemesh.common.wire.messages import Dispatch

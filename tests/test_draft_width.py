@@ -1,4 +1,4 @@
-"""Speculation width policy (services/draft/width.py): fixed, adaptive, defaults, refusals at start, and
+"""Speculation width policy (common/speculation_width.py): fixed, adaptive, defaults, refusals at start, and
 the cost-aware batch widths (expected committed tokens per second, docs/speculation.md §2.4)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 import random
 
-from moemesh.services.draft.width import (
+from moemesh.common.speculation_width import (
     SpeculationConfig, SpeculationError, SpeculationMode, choose_width, cost_aware_widths, drafting_pays,
     expected_committed_tokens, prefix_survival, survival_curve,
 )
@@ -79,7 +79,7 @@ def test_width_module_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, moemesh.services.draft.width, moemesh.services.draft.main; assert 'torch' not in sys.modules"
+    code = "import sys, moemesh.common.speculation_width, moemesh.services.draft.main; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 

@@ -11,7 +11,7 @@ import torch
 
 from moemesh.common.wire import messages as m
 from moemesh.services.draft.chains import dense_distribution
-from moemesh.services.draft.width import SpeculationConfig, SpeculationMode
+from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode
 from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"

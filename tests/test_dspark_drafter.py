@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moemesh.common.checkpoint.inventory import tensor_inventory
+from moemesh.common.model.inventory import tensor_inventory
 from moemesh.common.checkpoint.reader import CheckpointReader
 from moemesh.common.checkpoint.writer import write_checkpoint
 from tiny_checkpoint_support import random_hub_state_dict, tiny_config

@@ -9,7 +9,8 @@ import torch
 
 from moemesh.common.checkpoint.writer import write_checkpoint
 from tiny_checkpoint_support import random_hub_state_dict, tiny_config
-from moemesh.common.model.moe import RoutedExperts, sum_slots_in_order
+from moemesh.common.kernels.moe_layout import sum_slots_in_order
+from moemesh.common.model.moe import RoutedExperts
 from moemesh.common.wire.messages import Combine, Dispatch, ErrorCode, ErrorReply, ExpertInventory, QueryInventory
 from moemesh.services.expert.grouping import group_by_expert, slot_outputs
 from moemesh.common.placement.worker_holdings import WorkerHoldings, contiguous, owner_table, round_robin

@@ -28,7 +28,7 @@ from moemesh.common.kernels.mailbox_driver import InProcessShare, MailboxDriver,
 from moemesh.common.kernels.mailbox_layout import (CombineMode, MailboxError, MailboxLayout, MailboxSegment, Word,
                                            make_seq, split_seq)
 from moemesh.bench.cpu_mailbox_worker import WorkerSpec, owned_stacks, random_layers, spawn_worker
-from moemesh.common.model.moe import sum_slots_in_order
+from moemesh.common.kernels.moe_layout import sum_slots_in_order
 
 COMPILER = find_compiler()
 pytestmark = pytest.mark.skipif(COMPILER is None or shutil.which(COMPILER) is None, reason="no C compiler")

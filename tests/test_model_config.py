@@ -8,7 +8,7 @@ import pytest
 
 from moemesh.common.model.config import AttentionKind, ConfigError, ModelConfig, NumericsConfig, RouterKind, YarnConfig
 from moemesh.bench.checks.tiny_model import tiny_config_dict
-from moemesh.common.placement.presets import v4_flash_hub_dict
+from moemesh.common.model.presets import v4_flash_hub_dict
 
 FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0]  # 43 main layers + MTP entry
 
@@ -118,6 +118,7 @@ def test_config_and_names_do_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, moemesh.common.model.config, moemesh.common.model.names, moemesh.commands.generate; "
+    code = ("import sys, moemesh.common.model.config, moemesh.common.model.names, moemesh.common.model.presets, "
+            "moemesh.common.model.inventory, moemesh.commands.generate; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

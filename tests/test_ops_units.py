@@ -184,7 +184,7 @@ def test_serve_progress_bar_reads_the_progress_files(tmp_path):
 def test_expected_load_bytes_split_the_checkpoint_by_service(tmp_path):
     """Attention side + every routed expert pair + drafter = the whole inventory; an expert worker's
     share follows its pairs, and progress records get a fraction clamped to [0, 1]."""
-    from moemesh.common.checkpoint.inventory import tensor_inventory
+    from moemesh.common.model.inventory import tensor_inventory
     from moemesh.services.router.status_page_progress import load_sizes_for_config, with_expected
 
     config = tiny_config()

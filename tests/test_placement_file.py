@@ -20,7 +20,7 @@ from moemesh.common.placement.placement_file import (
     validate_placement,
     write_placement,
 )
-from moemesh.common.placement.presets import preset_config
+from moemesh.common.model.presets import preset_config
 
 
 def two_worker_placement(num_layers: int = 3, num_experts: int = 8) -> Placement:

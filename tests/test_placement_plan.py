@@ -10,7 +10,7 @@ from moemesh.common.placement.cost import CostConfig, CostModel, ModelCosts, eva
 from moemesh.common.placement.devices import DeviceSpec, build_devices
 from moemesh.common.placement.placement_file import validate_placement
 from moemesh.common.placement.plan import PlacementInfeasible, PlanConfig, Policy, plan_placement
-from moemesh.common.placement.presets import preset_config
+from moemesh.common.model.presets import preset_config
 from moemesh.common.placement.stats import Phase, RoutingStats
 
 BYTES = 1_000_000

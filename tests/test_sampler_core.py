@@ -7,7 +7,7 @@ import torch
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.attention.sampling.batch import SamplingBatch
 from moemesh.services.attention.sampling.penalties import build_token_history
-from moemesh.services.attention.sampling.rng import Purpose, stream, streams_for_rows
+from moemesh.common.sampling.rng import Purpose, stream, streams_for_rows
 from moemesh.services.attention.sampling.sampler import Sampler, process_logits
 
 NUM_VOCAB = 200

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moemesh.common.sampling_params import SamplingParams
-from moemesh.services.attention.sampling.rng import Purpose, stream, streams_for_rows
+from moemesh.common.sampling.rng import Purpose, stream, streams_for_rows
 from moemesh.services.attention.sampling.sampler import Sampler
 from moemesh.services.attention.sampling.verify import verify
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from moemesh.services.attention.sampling.rng import Purpose, derive_key, stream, streams_for_rows, uniform
+from moemesh.common.sampling.rng import Purpose, derive_key, stream, streams_for_rows, uniform
 from chi_square_support import chi_square_p_value
 
 

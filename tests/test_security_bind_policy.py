@@ -13,7 +13,8 @@ from moemesh.commands import keys as keys_command
 from moemesh.common.runtime.deployment import add_deployment_arguments, derive_endpoints, parse_deployment
 from moemesh.common.security.bind_policy import BindRefused, check_bind_endpoint, needs_curve
 from moemesh.common.security.curve import KeyFileError, load_key_pair
-from moemesh.common.security.socket_security import ROUTER_KEY_NAME, SocketSecurity, socket_security_for
+from moemesh.common.runtime.deployment_security import socket_security_for
+from moemesh.common.security.socket_security import ROUTER_KEY_NAME, SocketSecurity
 from moemesh.common.wire import messages as m
 from moemesh.common.wire.transport import AsyncServer, SyncClient
 

@@ -65,6 +65,7 @@ def test_show_and_the_installed_entry_point(tmp_path):
 
 
 def test_keys_command_imports_no_torch():
-    probe = "import sys, moemesh.commands.keys, moemesh.common.security.socket_security; print('torch' in sys.modules)"
+    probe = ("import sys, moemesh.commands.keys, moemesh.common.runtime.deployment_security; "
+             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60, check=True)
     assert done.stdout.strip() == "False"

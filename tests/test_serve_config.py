@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 from moemesh.cli import main as cli_main
-from moemesh.commands.serve_config import (
-    DEFAULT_MODEL_DIR, ModelMissing, ServeLayout, check_model_dir, expert_devices, render_toml, write_deployment,
-)
+from moemesh.commands.serve_config import DEFAULT_MODEL_DIR, ServeLayout, expert_devices, render_toml, write_deployment
+from moemesh.common.checkpoint.model_dir import ModelMissing, check_model_dir
 from moemesh.common.runtime.deployment import derive_endpoints
 from moemesh.services.router.main import RouterSettings, build_configs
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from moemesh.commands.serve_config import (
-    DataPlane, DataPlaneRefused, ServeLayout, WorkerPlace, check_data_plane, check_deployment_data_plane,
-    write_deployment,
+from moemesh.commands.serve_config import ServeLayout, write_deployment
+from moemesh.common.runtime.data_plane import (
+    DataPlaneRefused, WorkerPlace, check_data_plane, check_deployment_data_plane,
 )
 from moemesh.common.runtime.deployment import DeploymentError, parse_deployment
+from moemesh.common.wire.cuda_ipc import DataPlane
 
 
 def deployment_keys(path) -> dict:

@@ -13,7 +13,7 @@ import torch
 from moemesh.common.checkpoint.writer import write_checkpoint
 from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.wire import messages as m
-from moemesh.services.draft.width import SpeculationConfig, SpeculationMode
+from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode
 from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
 
 BLOCK = 5

@@ -12,7 +12,7 @@ import pytest
 
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import DraftProposal, DraftTokens
-from moemesh.services.draft.width import cost_aware_widths, survival_curve
+from moemesh.common.speculation_width import cost_aware_widths, survival_curve
 from moemesh.services.router.engine_drafts import DraftConfig, DraftCoordinator, width_policy_from_env
 from moemesh.services.router.engine_plan import PlanTranslator
 from moemesh.services.router.scheduler import Request, Scheduler, SchedulerConfig, SequenceResult

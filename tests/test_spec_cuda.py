@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moemesh.common.wire import messages as m
-from moemesh.services.draft.width import SpeculationConfig, SpeculationMode
+from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode
 from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"

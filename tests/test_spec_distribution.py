@@ -41,7 +41,7 @@ from moemesh.services.attention.sampling.batch import SamplingBatch
 from moemesh.services.attention.sampling.sampler import process_logits
 from chi_square_support import chi_square_p_value
 from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from moemesh.services.draft.width import SpeculationConfig, SpeculationMode
+from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode
 from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
 from moemesh.common.placement.worker_holdings import WorkerHoldings
 from moemesh.services.router.scheduler import SchedulerConfig

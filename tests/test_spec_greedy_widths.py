@@ -139,7 +139,7 @@ def test_plain_runs_leave_gaps_in_the_drafters_rings_and_change_nothing(stack):
     """The real draft worker behind the cost policy when drafting never pays (a 200 ms drafter): the
     router skips it, probes now and then, and asks for target features only just before a probe, so
     the drafter's rings have gaps. Proposals still come, and the outputs are the plain ones."""
-    from moemesh.services.draft.width import SpeculationConfig, SpeculationMode
+    from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode
     from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
 
     attention, prompts, expected, path = stack

@@ -5,7 +5,7 @@ import torch
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.attention.sampling.batch import SamplingBatch
 from moemesh.services.attention.sampling.penalties import build_token_history
-from moemesh.services.attention.sampling.rng import Purpose, stream
+from moemesh.common.sampling.rng import Purpose, stream
 from moemesh.services.attention.sampling.sampler import Sampler, process_logits
 from moemesh.services.attention.sampling.verify import verify
 

@@ -12,8 +12,8 @@ import torch
 
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.attention.sampling.batch import SamplingBatch
-from moemesh.services.attention.sampling.draw import sample_from_probs
-from moemesh.services.attention.sampling.rng import Purpose, stream
+from moemesh.common.sampling.draw import sample_from_probs
+from moemesh.common.sampling.rng import Purpose, stream
 from moemesh.services.attention.sampling.sampler import process_logits
 from chi_square_support import chi_square_p_value
 from moemesh.services.attention.sampling.verify import verify

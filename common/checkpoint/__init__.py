@@ -1,4 +1,5 @@
-"""Hub-format DeepSeek-V4 checkpoints: quantization formats (`quant`), the tensor inventory of a
-config (`inventory`), lazy validated reading (`reader`), writing and random weights (`writer`).
+"""Hub-format DeepSeek-V4 checkpoints: quantization formats (`quant`), lazy validated reading
+(`reader`), writing and random weights (`writer`), against the tensor inventory of a config
+(`common.model.inventory`).
 
-Nothing is imported here, so `import common.checkpoint.inventory` stays torch-free."""
+Nothing is imported here, so importing one submodule loads only what it needs."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moemesh.common.checkpoint.errors import CheckpointError
-from moemesh.common.checkpoint.inventory import StorageKind
+from moemesh.common.model.inventory import StorageKind
 from moemesh.common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, quantize_fp8_block
 
 MATRICES = ("w1", "w2", "w3")

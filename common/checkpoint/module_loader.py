@@ -20,7 +20,7 @@ from torch import nn
 
 from moemesh.common.checkpoint.errors import CheckpointError
 from moemesh.common.checkpoint.expert_stacks import FP8_KERNEL_BLOCK
-from moemesh.common.checkpoint.inventory import StorageKind
+from moemesh.common.model.inventory import StorageKind
 from moemesh.common.model.linear import Embedding, Linear
 from moemesh.common.model.quantized import KernelBackend, swap_fp8_linears
 

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from moemesh.common.checkpoint.errors import CheckpointError
-from moemesh.common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES, StorageKind, StoredEntry, TensorSpec, stored_name_index, tensor_inventory
+from moemesh.common.model.inventory import SAFETENSORS_DTYPE_BYTES, StorageKind, StoredEntry, TensorSpec, stored_name_index, tensor_inventory
 from moemesh.common.checkpoint.names_on_disk import EntryRef, ref_shape, resolve_entry
 from moemesh.common.checkpoint.quant import dequantize_fp4, dequantize_fp8_block, e8m0_to_float
 from moemesh.common.model.config import ModelConfig

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from moemesh.common.checkpoint.inventory import SAFETENSORS_DTYPE_BYTES, ParamGroup
+from moemesh.common.model.inventory import SAFETENSORS_DTYPE_BYTES, ParamGroup
 from moemesh.common.checkpoint.reader import CheckpointReader
 from moemesh.common.model.config import AttentionKind, RouterKind
 
@@ -87,19 +87,10 @@ def encode_prompt(path: Path, prompt: str, vocab_size: int) -> tuple[list[int], 
 def run_reference_forward(reader: CheckpointReader, token_ids: list[int], device: str = "cpu",
                           dtype: str = "float32", top_k: int = 5) -> dict[str, Any]:
     """One forward of the reference model over `token_ids`; next-token top-k of the last position."""
-    from moemesh.common.model.attention_side import AttentionSide
+    from moemesh.common.checkpoint.reference_model import load_reference_model
     from moemesh.common.model.config import NumericsConfig
-    from moemesh.common.model.moe import RoutedExperts
-    from moemesh.common.model.reference import ReferenceModel
 
-    config = reader.config
-    numerics = NumericsConfig(dtype=dtype)
-    torch_dtype = numerics.torch_dtype()
-    side = AttentionSide.from_state_dict(config, reader.load_attention_side(config, torch_dtype), numerics,
-                                         device=device)
-    pairs = [(layer, expert) for layer in range(config.num_hidden_layers) for expert in range(config.n_routed_experts)]
-    experts = {pair: tuple(w.to(device) for w in ws) for pair, ws in reader.load_experts(config, pairs, torch_dtype).items()}
-    model = ReferenceModel(side, RoutedExperts.from_config(experts, config, numerics))
+    model = load_reference_model(reader, NumericsConfig(dtype=dtype), device)
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
     logits = model.forward_sequence(ids).float()  # [S, V]
     last = logits[-1]

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from moemesh.common.checkpoint.errors import CheckpointError
-from moemesh.common.checkpoint.inventory import StorageKind, TensorSpec, tensor_inventory
+from moemesh.common.model.inventory import StorageKind, TensorSpec, tensor_inventory
 from moemesh.common.checkpoint.quant import quantize_fp4, quantize_fp8_block
 from moemesh.common.model.config import ModelConfig
 

@@ -31,7 +31,7 @@ from moemesh.common.kernels.cpu_fp4 import ExpertStacks, NativeFp4
 from moemesh.common.kernels.cpu_mailbox import ExpertMath, MailboxLibrary, WaitConfig
 from moemesh.common.kernels.mailbox_layout import (CombineMode, MailboxError, MailboxLayout, MailboxSegment, Word,
                                            WorkerState, make_seq, split_seq)
-from moemesh.common.model.moe import sum_slots_in_order
+from moemesh.common.kernels.moe_layout import sum_slots_in_order
 
 log = structlog.get_logger("mailbox")
 

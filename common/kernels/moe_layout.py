@@ -1,4 +1,6 @@
-"""Sort routed token copies by expert: the layout the grouped expert kernels read.
+"""Sort routed token copies by expert: the layout the grouped expert kernels read; and the one order
+in which every holder of experts adds a token's K slot outputs (`sum_slots_in_order`), so that
+results do not depend on placement.
 
 Legend: T tokens, K top-k, E experts, R = T*K routed rows, D hidden.
 
@@ -50,3 +52,11 @@ def combine_rows(rows: torch.Tensor, layout: ExpertLayout, num_tokens: int) -> t
     out = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
     out.index_add_(0, layout.row_token_ids, rows.to(torch.float32))
     return out
+
+
+def sum_slots_in_order(slot_outputs: torch.Tensor) -> torch.Tensor:
+    """[T, K, D] -> [T, D], adding slot 0, then 1, ... (a fixed order, independent of placement)."""
+    total = slot_outputs[:, 0].clone()
+    for slot in range(1, slot_outputs.shape[1]):
+        total += slot_outputs[:, slot]
+    return total

@@ -74,7 +74,7 @@ class ForwardBatch:
             attention_backend = default_attention_backend(device)
         self.attention_tables = None  # common.kernels.attention_layout.AttentionTables when batched
         if attention_backend is AttentionBackend.TRITON:
-            from moemesh.common.kernels.attention_layout import build_tables
+            from moemesh.common.model.attention_tables import build_tables
 
             states = [chunk.state for chunk in self.chunks]
             self.attention_tables = build_tables(states[0].config, states, self.start_positions,

@@ -100,6 +100,18 @@ class NumericsConfig:
         return getattr(torch, self.dtype)
 
 
+def resolve_dtype(dtype: str, device: str):  # -> torch.dtype; torch imported lazily
+    """The compute dtype a deployment's `dtype` names on `device`: "auto" is float32 on the CPU and
+    bfloat16 elsewhere; float32, bfloat16 and float16 name themselves."""
+    import torch
+
+    if dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype {dtype!r} is not auto, float32, bfloat16 or float16")
+    return getattr(torch, dtype)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int

@@ -305,8 +305,8 @@ class DSparkDrafter(nn.Module):
         """Probabilistic drafting: x_k ~ softmax((U_k + W1[x_{k-1}] W2) / temperature), each draw from
         its own stream `stream(seed, Purpose.DRAFT, output_positions[k])` (independent of the
         verifier's streams, docs/speculation.md §6.5). probs are exactly the distributions sampled from."""
-        from moemesh.services.attention.sampling.draw import sample_from_probs
-        from moemesh.services.attention.sampling.rng import Purpose, stream
+        from moemesh.common.sampling.draw import sample_from_probs
+        from moemesh.common.sampling.rng import Purpose, stream
 
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0 (use greedy_chain for argmax drafting)")

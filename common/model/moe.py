@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moemesh.common.kernels.moe_layout import sum_slots_in_order
 from moemesh.common.model.config import ModelConfig, NumericsConfig, RouterKind
 from moemesh.common.model.linear import Linear, parameter
 
@@ -77,14 +78,6 @@ class SharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         return self.w2(_swiglu(self.w1(x), self.w3(x), self.limit))
-
-
-def sum_slots_in_order(slot_outputs: torch.Tensor) -> torch.Tensor:
-    """[T, K, D] -> [T, D], adding slot 0, then 1, ... (a fixed order, independent of placement)."""
-    total = slot_outputs[:, 0].clone()
-    for slot in range(1, slot_outputs.shape[1]):
-        total += slot_outputs[:, slot]
-    return total
 
 
 class RoutedExperts:

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moemesh.common.kernels.moe_layout import ExpertLayout
+from moemesh.common.kernels.moe_layout import ExpertLayout, sum_slots_in_order
 from moemesh.common.kernels.reference import dequant_fp4, dequant_fp8_blockwise, scale_bytes
 from moemesh.common.model.linear import GroupedLinear, Linear
-from moemesh.common.model.moe import ExpertNotHeld, _swiglu, sum_slots_in_order
+from moemesh.common.model.moe import ExpertNotHeld, _swiglu
 
 FP8_BLOCK = 128
 TORCH_BLOCK_ROWS = 8 * FP8_BLOCK  # output rows dequantised at once on the torch (CPU) path

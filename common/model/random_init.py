@@ -4,7 +4,7 @@ For benchmarks and tests that need true V4-Flash sizes without a checkpoint: `ra
 device)` returns an `AttentionSide` whose FP8 linears (attention, indexer `wq_b`, shared expert) are
 `Fp8Linear`s and a `QuantizedRoutedExperts` with every layer's routed experts stacked in FP4 (or
 FP8 when `config.expert_dtype == "fp8"`). Which tensors are FP8 comes from the checkpoint inventory
-(`common.checkpoint.inventory`), so it matches what a real checkpoint stores; everything else has
+(`common.model.inventory`), so it matches what a real checkpoint stores; everything else has
 the inventory's dtype at the activation dtype (bf16 tensors), fp32 where the model keeps fp32.
 
 Fast by construction: FP8 bytes are drawn as e4m3 values of a normal distribution and FP4 bytes
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moemesh.common.checkpoint.inventory import StorageKind, tensor_inventory
+from moemesh.common.model.inventory import StorageKind, tensor_inventory
 from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.config import AttentionKind, ModelConfig, NumericsConfig
 from moemesh.common.model.quantized import ExpertFormat, KernelBackend, QuantizedRoutedExperts, swap_fp8_linears
@@ -45,8 +45,8 @@ LAYER_KIND_NAMES = {"window": AttentionKind.WINDOW, "csa": AttentionKind.CSA, "h
 
 def flash_config(layer_kinds: list[AttentionKind] | tuple[AttentionKind, ...], **overrides: Any) -> ModelConfig:
     """V4-Flash at true width with the given attention layers (learned routers everywhere;
-    docs/model.md §1.1 values from the placement preset). `overrides` are hub config keys."""
-    from moemesh.common.placement.presets import v4_flash_hub_dict
+    docs/model.md §1.1 values from `presets`). `overrides` are hub config keys."""
+    from moemesh.common.model.presets import v4_flash_hub_dict
 
     d = v4_flash_hub_dict()
     d.update(num_hidden_layers=len(layer_kinds), compress_ratios=[_KIND_CODES[k] for k in layer_kinds],

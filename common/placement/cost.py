@@ -42,7 +42,7 @@ class ModelCosts:
 
     @classmethod
     def from_config(cls, config) -> "ModelCosts":
-        from moemesh.common.checkpoint.inventory import tensor_inventory
+        from moemesh.common.model.inventory import tensor_inventory
 
         expert_bytes: dict[tuple[int, int], int] = {}
         other_bytes = 0

@@ -107,7 +107,7 @@ def _tensor_bytes(spec, element_bytes: int) -> int:
     """A non-expert tensor as a worker holds it (common/checkpoint/module_loader.py): FP8 at its stored
     bytes; a bf16 projection or embedding matrix as stored when that is narrower than the compute dtype;
     norm weights in float32; f32 / i64 as stored; anything else in the compute dtype."""
-    from moemesh.common.checkpoint.inventory import StorageKind
+    from moemesh.common.model.inventory import StorageKind
 
     if spec.is_quantized:
         return spec.num_bytes
@@ -141,7 +141,7 @@ def expert_worker_budget(config, *, service: str, device: str, dtype: str, num_p
 
 
 def attention_weight_bytes(config, element_bytes: int) -> int:
-    from moemesh.common.checkpoint.inventory import tensor_inventory
+    from moemesh.common.model.inventory import tensor_inventory
 
     return sum(_tensor_bytes(spec, element_bytes) for spec in tensor_inventory(config).values()
                if spec.is_attention_side)
@@ -149,7 +149,7 @@ def attention_weight_bytes(config, element_bytes: int) -> int:
 
 def draft_weight_bytes(config, element_bytes: int) -> int:
     """The `mtp.*` tensors plus the drafter's own copy of the embedding and the head."""
-    from moemesh.common.checkpoint.inventory import tensor_inventory
+    from moemesh.common.model.inventory import tensor_inventory
 
     inventory = tensor_inventory(config)
     own = sum(_tensor_bytes(spec, element_bytes) for spec in inventory.values() if spec.is_mtp)
@@ -177,7 +177,7 @@ def kv_block_bytes(config, block_size_tokens: int, element_bytes: int) -> int:
 def attention_worker_budget(config, *, service: str, device: str, dtype: str, block_size_tokens: int,
                             num_primary_blocks: int, num_cpu_blocks: int, free_bytes: int,
                             step: StepShape = StepShape()) -> MemoryBudget:
-    from moemesh.common.checkpoint.inventory import tensor_inventory
+    from moemesh.common.model.inventory import tensor_inventory
 
     element = dtype_bytes(dtype, device)
     weights = attention_weight_bytes(config, element)

@@ -225,6 +225,18 @@ def derive_endpoints(deployment: Deployment) -> Endpoints:
     )
 
 
+def pick_worker(workers, name: str | None, role: str):
+    """The deployment entry called `name` (or the only one when name is None)."""
+    if name is None:
+        if len(workers) != 1:
+            raise DeploymentError(f"{role}: {len(workers)} workers configured, pass --name")
+        return workers[0]
+    for worker in workers:
+        if worker.name == name:
+            return worker
+    raise DeploymentError(f"{role}: no worker named {name!r} (have {[w.name for w in workers]})")
+
+
 # ------------------------------------------------------------------ loading
 
 

@@ -21,12 +21,8 @@ import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import structlog
-
-if TYPE_CHECKING:
-    from moemesh.common.runtime.deployment import SecurityConfig
 
 log = structlog.get_logger("security")
 
@@ -131,12 +127,6 @@ def load_api_keys(keys: Iterable[str] = (), key_file: str | Path | None = None,
     log.info("security.api_keys_loaded", num_keys=api_keys.num_keys, from_file=key_file is not None,
              from_env=bool(env_api_keys(environ)))
     return api_keys
-
-
-def api_keys_from_config(security: SecurityConfig, environ: Mapping[str, str] | None = None) -> ApiKeys | None:
-    """The gateway's keys from a deployment's `[security]` table (flags were folded in as
-    overrides) and the `MOEMESH_API_KEY` environment variable."""
-    return load_api_keys(security.api_keys, security.api_key_file, environ)
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, ConfigError, OSError) as error:
         print(json.dumps({"error": str(error)}) if args.json else f"error: {error}")
         return 1
-    from moemesh.common.checkpoint.worker_sizes import format_totals, tensor_rows, worker_rows
+    from moemesh.common.placement.worker_sizes import format_totals, tensor_rows, worker_rows
     from moemesh.common.runtime.deployment import DeploymentError
 
     summary = summarize(reader)

@@ -37,22 +37,16 @@ def _load_model(path: str, dtype_name: str, device: str, reference_numerics: boo
     import structlog
 
     from moemesh.common.checkpoint.reader import CheckpointReader
-    from moemesh.common.model.attention_side import AttentionSide
+    from moemesh.common.checkpoint.reference_model import load_reference_model
     from moemesh.common.model.config import ModelConfig, NumericsConfig
-    from moemesh.common.model.moe import RoutedExperts
-    from moemesh.common.model.reference import ReferenceModel
 
     config = ModelConfig.load(path)
     numerics = NumericsConfig.reference(dtype_name) if reference_numerics else NumericsConfig(dtype=dtype_name)
-    dtype = numerics.torch_dtype()
-    reader = CheckpointReader(path, config=config)
-    side = AttentionSide.from_state_dict(config, reader.load_attention_side(config, dtype), numerics, device=device)
-    pairs = [(layer, expert) for layer in range(config.num_hidden_layers) for expert in range(config.n_routed_experts)]
-    experts = {pair: tuple(w.to(device) for w in weights)
-               for pair, weights in reader.load_experts(config, pairs, dtype).items()}
+    model = load_reference_model(CheckpointReader(path, config=config), numerics, device)
     structlog.get_logger().info("generate.model_loaded", path=path, dtype=dtype_name, device=device,
-                                num_layers=config.num_hidden_layers, num_expert_pairs=len(experts))
-    return ReferenceModel(side, RoutedExperts.from_config(experts, config, numerics)), config
+                                num_layers=config.num_hidden_layers,
+                                num_expert_pairs=config.num_hidden_layers * config.n_routed_experts)
+    return model, config
 
 
 def _encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:

@@ -45,7 +45,7 @@ def _generate(args: argparse.Namespace) -> int:
     names = list(args.names)
     if args.config:
         from moemesh.common.runtime.deployment import load_deployment
-        from moemesh.common.security.socket_security import deployment_key_names
+        from moemesh.common.runtime.deployment_security import deployment_key_names
 
         names.extend(deployment_key_names(load_deployment(args.config)))
     names = list(dict.fromkeys(check_key_name(name) for name in names))

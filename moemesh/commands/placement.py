@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_config(args: argparse.Namespace, required: bool = True):
     from moemesh.common.model.config import ModelConfig
-    from moemesh.common.placement.presets import preset_config
+    from moemesh.common.model.presets import preset_config
 
     if args.preset:
         return preset_config(args.preset)

@@ -166,10 +166,9 @@ def _progress(services: dict[str, str], elapsed_s: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moemesh.commands.serve_config import (
-        DRAFT_NAME, ModelMissing, ServeLayout, check_model_dir, draft_block_size, write_deployment,
-    )
-    from moemesh.services.draft.width import SpeculationConfig
+    from moemesh.commands.serve_config import DRAFT_NAME, ServeLayout, draft_block_size, write_deployment
+    from moemesh.common.checkpoint.model_dir import ModelMissing, check_model_dir
+    from moemesh.common.speculation_width import SpeculationConfig
     from moemesh.commands.serve_processes import start_service, stop_services
     from moemesh.commands.serve_restarts import RestartPolicy
     from moemesh.commands.serve_model import HubModelMissing, is_hub_id, resolve_model
@@ -377,7 +376,7 @@ def _set_router_width_policy(speculation) -> None:
     `drafter`, the confidence rule alone); fixed and off keep the drafter's widths, always."""
     import os
 
-    from moemesh.services.draft.width import SpeculationMode
+    from moemesh.common.speculation_width import SpeculationMode
     from moemesh.services.router.engine_drafts import WIDTH_POLICY_ENV
 
     if speculation.mode is SpeculationMode.ADAPTIVE:

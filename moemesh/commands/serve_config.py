@@ -8,14 +8,14 @@ exactly the same, validated config. Torch-free.
 
 from __future__ import annotations
 
-import enum
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moemesh.common.runtime.deployment import Deployment, DeploymentError, load_deployment
+from moemesh.common.runtime.data_plane import WorkerPlace, check_data_plane
+from moemesh.common.runtime.deployment import Deployment, load_deployment
+from moemesh.common.wire.cuda_ipc import DataPlane
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "kjv-dsv4-mini"
 
@@ -28,10 +28,6 @@ def draft_block_size(model_dir: str | Path) -> int | None:
     with open(Path(model_dir) / "config.json", encoding="utf-8") as handle:
         value = json.load(handle).get("dspark_block_size")
     return int(value) if value else None
-
-
-class ModelMissing(Exception):
-    """The model directory cannot be served (no config.json or no weights)."""
 
 
 @dataclass(frozen=True)
@@ -58,99 +54,11 @@ class ServeLayout:
     expert_dtype: str = "native"  # what expert workers keep of the routed experts (native, fp8, bf16)
 
 
-class DataPlane(enum.Enum):
-    """How the attention worker's Dispatch/Combine tensors reach the expert workers (README "Fast
-    disaggregated path"): through ZeroMQ frames with pinned host staging, or through CUDA device rings
-    shared once by CUDA IPC, with ZeroMQ carrying only the control message."""
-
-    ZMQ = "zmq"
-    CUDA_IPC = "cuda_ipc"
-
-
-class DataPlaneRefused(DeploymentError):
-    """The deployment asks for a data plane its worker placement cannot use."""
-
-
-@dataclass(frozen=True)
-class WorkerPlace:
-    """Where a worker runs: its torch device and host (None: the router's host)."""
-
-    name: str
-    device: str
-    host: str | None = None
-
-
-def _is_cuda(device: str) -> bool:
-    return device == "cuda" or device.startswith("cuda:")
-
-
-def parse_data_plane(data_plane: str | DataPlane) -> DataPlane:
-    try:
-        return DataPlane(data_plane)
-    except ValueError:
-        choices = ", ".join(p.value for p in DataPlane)
-        raise DataPlaneRefused(f"data plane {data_plane!r} is not one of {choices}") from None
-
-
-def check_data_plane(data_plane: str | DataPlane, attention: WorkerPlace, experts: Sequence[WorkerPlace]) -> DataPlane:
-    """The data plane, or DataPlaneRefused saying why it cannot run.
-
-    cuda_ipc maps device memory between processes, which CUDA allows only on one host: the attention
-    worker and every expert worker must run on CUDA devices of the same host (different GPUs of that
-    host are fine). The worker itself would fall back to ZeroMQ per worker at run time
-    (`attention.data_plane_fallback`); refusing here turns a silent slow path into a clear error at
-    start. A mixed deployment (a CPU or remote expert worker next to local GPU ones) can still pass
-    `moemesh attention --data-plane cuda_ipc` to its attention worker and accept the fallback."""
-    plane = parse_data_plane(data_plane)
-    if plane is DataPlane.ZMQ:
-        return plane
-    if not _is_cuda(attention.device):
-        raise DataPlaneRefused(f"data plane cuda_ipc needs the attention worker on a CUDA device: "
-                               f"{attention.name} is on {attention.device!r}")
-    for expert in experts:
-        if expert.host != attention.host:
-            raise DataPlaneRefused(
-                f"data plane cuda_ipc needs every expert worker on the attention worker's host: {expert.name} "
-                f"is on host {expert.host or 'of the router'}, {attention.name} on {attention.host or 'of the router'}")
-        if not _is_cuda(expert.device):
-            raise DataPlaneRefused(f"data plane cuda_ipc needs every expert worker on a CUDA device: {expert.name} "
-                                   f"is on {expert.device!r} (use zmq, or give it a GPU)")
-    return plane
-
-
-def check_deployment_data_plane(deployment: Deployment, data_plane: str | DataPlane) -> DataPlane:
-    """`check_data_plane` for every attention worker of a deployment file against all its expert workers."""
-    router_host = deployment.router.host  # a worker without a host runs on the router's
-
-    def place(worker) -> WorkerPlace:
-        return WorkerPlace(worker.name, worker.device, worker.host or router_host)
-
-    plane = parse_data_plane(data_plane)
-    experts = [place(w) for w in deployment.expert]
-    for worker in deployment.attention:
-        check_data_plane(plane, place(worker), experts)
-    return plane
-
-
 def check_layout_data_plane(layout: ServeLayout) -> DataPlane:
     """The layout's data plane; `moemesh serve` runs every worker on this host."""
     experts = [WorkerPlace(f"expert-{index}", device)
                for index, device in enumerate(expert_devices(layout.devices, layout.num_expert_workers))]
     return check_data_plane(layout.data_plane, WorkerPlace("attention-0", layout.devices[0]), experts)
-
-
-def check_model_dir(path: str | Path) -> Path:
-    """The model directory, or ModelMissing naming what is absent (the embedded model may not
-    be trained yet: its directory then holds only the tokenizer)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ModelMissing(f"model directory {path} does not exist")
-    missing = [name for name in ("config.json", "tokenizer.json") if not (path / name).is_file()]
-    if not any(path.glob("*.safetensors")):
-        missing.append("*.safetensors weights")
-    if missing:
-        raise ModelMissing(f"model directory {path} has no {', '.join(missing)}; train it or pass --model")
-    return path
 
 
 def expert_devices(devices: tuple[str, ...], num_workers: int) -> list[str]:

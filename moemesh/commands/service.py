@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             return expert_main(deployment, args.name, args.log_level, expert_dtype=args.expert_dtype)
         case "draft":
             from moemesh.services.draft.main import options_from_args, run as draft_run
-            from moemesh.services.draft.width import SpeculationError
+            from moemesh.common.speculation_width import SpeculationError
 
             try:
                 return draft_run(deployment, args.name, args.log_level, options_from_args(args))

@@ -37,8 +37,9 @@ from typing import Any
 import structlog
 import torch
 
-from moemesh.common.kernels.attention_layout import CONTIGUOUS_ROWS_PER_BLOCK, sequence_addresses
+from moemesh.common.kernels.attention_layout import CONTIGUOUS_ROWS_PER_BLOCK
 from moemesh.common.kernels.sparse_attention import default_config
+from moemesh.common.model.attention_tables import sequence_addresses
 from moemesh.common.model.batch import AttentionBackend, SequenceChunk, default_attention_backend
 from moemesh.common.model.state import SequenceState
 from moemesh.services.attention.graph_tables import StaticDecodeTables, index_rows_class

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moemesh.common.kernels.attention_layout import NUM_FIELDS, AttentionTables, sequence_addresses
+from moemesh.common.kernels.attention_layout import NUM_FIELDS, AttentionTables
+from moemesh.common.model.attention_tables import sequence_addresses
 from moemesh.common.model.config import AttentionKind, ModelConfig
 from moemesh.common.model.state import SequenceState
 

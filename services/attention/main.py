@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moemesh.common.runtime.deployment import Deployment, derive_endpoints
+from moemesh.common.runtime.deployment import Deployment, derive_endpoints, pick_worker
 from moemesh.services.attention.kv_config import KVPoolConfig
 
 
@@ -87,12 +87,11 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
     from moemesh.common.runtime.logging import configure_logging
     from moemesh.common.runtime.load_progress import progress_dir_for
     from moemesh.common.runtime.service import ServiceConfig, run_service
-    from moemesh.common.security.socket_security import socket_security_for
+    from moemesh.common.runtime.deployment_security import socket_security_for
     from moemesh.common.wire.messages import ServiceRole
     from moemesh.services.attention.recovery import RecoveryConfig, budget_for
     from moemesh.services.attention.routing_config import RoutingStatsConfig
     from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
-    from moemesh.services.expert.main import pick_worker
     from moemesh.common.placement.worker_holdings import holdings_for
 
     entry = pick_worker(deployment.attention, name, "attention")
@@ -110,7 +109,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
 
         import structlog
 
-        from moemesh.commands.serve_config import DataPlaneRefused, check_deployment_data_plane
+        from moemesh.common.runtime.data_plane import DataPlaneRefused, check_deployment_data_plane
         try:
             check_deployment_data_plane(deployment, data_plane)
         except DataPlaneRefused as error:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moemesh.common.model.moe import sum_slots_in_order
+from moemesh.common.kernels.moe_layout import sum_slots_in_order
 from moemesh.common.wire.cuda_ipc import CudaIpcConfig, DataPlane
 from moemesh.common.wire.errors import ReplyTimeout
 from moemesh.common.wire.messages import Combine, Dispatch, ErrorReply

@@ -98,7 +98,7 @@ class AttentionWorker(Service):
         from moemesh.common.checkpoint.module_loader import module_weight_bytes
         from moemesh.common.checkpoint.reader import CheckpointReader
         from moemesh.common.checkpoint.side_loading import WeightBytes, attention_stored_bytes, load_attention_side
-        from moemesh.common.model.config import NumericsConfig
+        from moemesh.common.model.config import NumericsConfig, resolve_dtype
         from moemesh.services.attention.expert_channel import ExpertChannel
         from moemesh.services.attention.kv_pool import KVPool
         from moemesh.services.attention.model_runner import ModelRunner
@@ -108,7 +108,6 @@ class AttentionWorker(Service):
         from moemesh.services.attention.sampling import Sampler
         from moemesh.services.attention.slots import SlotTable
         from moemesh.common.wire.cuda_ipc import DataPlane
-        from moemesh.services.expert.worker import resolve_dtype
 
         dtype = resolve_dtype(self.config.dtype, self.config.device)
         reader = CheckpointReader(self.config.checkpoint_path, on_progress=self.load_progress)
@@ -301,7 +300,7 @@ class AttentionWorker(Service):
                 ) -> tuple[dict[str, SequenceResult], dict[str, int]]:
         """(results by request id, rejected drafts by request id). Sequences with drafts are
         verified (speculation.verify_drafted), the others sampled from their one row."""
-        from moemesh.services.attention.sampling import Purpose, stream
+        from moemesh.common.sampling.rng import Purpose, stream
         from moemesh.services.attention.speculation import DraftedRow, verify_drafted
 
         results = {item.scheduled.request_id: SequenceResult(item.scheduled.request_id, ()) for item in work

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from moemesh.common.model.dspark import DSparkDrafter
-from moemesh.services.attention.sampling.draw import sample_from_probs
-from moemesh.services.attention.sampling.rng import Purpose, stream
+from moemesh.common.sampling.draw import sample_from_probs
+from moemesh.common.sampling.rng import Purpose, stream
 
 
 @dataclass(frozen=True)

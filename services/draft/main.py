@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moemesh.common.runtime.deployment import Deployment, DeploymentError, derive_endpoints
-from moemesh.services.draft.width import DEFAULT_SURVIVAL_THRESHOLD, SpeculationMode
+from moemesh.common.speculation_width import DEFAULT_SURVIVAL_THRESHOLD, SpeculationMode
 
 DEFAULT_MAX_SUPPORT = 64  # mirrors services.draft.worker (which imports torch; this module must not)
 
@@ -51,7 +51,7 @@ def run(deployment: Deployment, name: str | None = None, log_level: str = "info"
     from moemesh.common.runtime.logging import configure_logging
     from moemesh.common.runtime.service import ServiceConfig, run_service
     from moemesh.common.wire.messages import ServiceRole
-    from moemesh.services.draft.width import SpeculationConfig
+    from moemesh.common.speculation_width import SpeculationConfig
     from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
 
     entry = deployment.draft

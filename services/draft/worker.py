@@ -37,7 +37,7 @@ from moemesh.common.wire.messages import (
 )
 from moemesh.services.draft.chains import RowChains, batched_chains
 from moemesh.services.draft.feature_ring import FeatureRings
-from moemesh.services.draft.width import SpeculationConfig, SpeculationMode, choose_width
+from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode, choose_width
 
 log = structlog.get_logger("draft")
 

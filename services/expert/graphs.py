@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 import torch
 
-from moemesh.common.model.moe import sum_slots_in_order
+from moemesh.common.kernels.moe_layout import sum_slots_in_order
 
 log = structlog.get_logger("expert")
 

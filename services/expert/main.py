@@ -2,19 +2,7 @@
 
 from __future__ import annotations
 
-from moemesh.common.runtime.deployment import Deployment, DeploymentError, derive_endpoints
-
-
-def pick_worker(workers, name: str | None, role: str):
-    """The deployment entry called `name` (or the only one when name is None)."""
-    if name is None:
-        if len(workers) != 1:
-            raise DeploymentError(f"{role}: {len(workers)} workers configured, pass --name")
-        return workers[0]
-    for worker in workers:
-        if worker.name == name:
-            return worker
-    raise DeploymentError(f"{role}: no worker named {name!r} (have {[w.name for w in workers]})")
+from moemesh.common.runtime.deployment import Deployment, derive_endpoints, pick_worker
 
 
 def main(deployment: Deployment, name: str | None, log_level: str = "info", expert_dtype: str | None = None) -> int:
@@ -27,7 +15,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info", expe
     from moemesh.common.placement.worker_holdings import holdings_for
     from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig
 
-    from moemesh.common.security.socket_security import socket_security_for
+    from moemesh.common.runtime.deployment_security import socket_security_for
 
     entry = pick_worker(deployment.expert, name, "expert")
     configure_logging(entry.name, deployment.paths.log_dir, log_level)

@@ -37,7 +37,7 @@ from typing import Any
 import structlog
 import torch
 
-from moemesh.common.model.config import ModelConfig
+from moemesh.common.model.config import ModelConfig, resolve_dtype
 from moemesh.common.runtime.service import Service
 from moemesh.common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
 from moemesh.common.wire.messages import (
@@ -45,7 +45,7 @@ from moemesh.common.wire.messages import (
     LoadExperts, QueryInventory,
 )
 from moemesh.common.checkpoint.expert_stacks import ExpertDtype, ResidentFormat
-from moemesh.common.model.moe import sum_slots_in_order
+from moemesh.common.kernels.moe_layout import sum_slots_in_order
 from moemesh.services.expert.grouping import group_by_expert, slot_outputs
 from moemesh.services.expert.holdings import ExpertHoldings
 from moemesh.services.expert.ipc_plane import ExpertSlotPlane
@@ -76,14 +76,6 @@ class ExpertWorkerConfig:
     # Routed-expert bytes the startup budget leaves this worker (common/placement/worker_budget.py);
     # LoadExperts beyond it is refused, the inventory reports what is left. None: unchecked.
     expert_budget_bytes: int | None = None
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype {dtype!r} is not auto, float32, bfloat16 or float16")
-    return getattr(torch, dtype)
 
 
 def device_memory(device: torch.device) -> tuple[int, int | None]:

@@ -10,7 +10,7 @@ then simply not called (the router's main decides, from the deployment's `[secur
 
 Usage, before the app starts serving:
 
-    install_bearer_auth(app, GatewayAuthConfig(api_keys=api_keys_from_config(deployment.security)))
+    install_bearer_auth(app, GatewayAuthConfig(api_keys=load_api_keys(security.api_keys, security.api_key_file)))
 """
 
 from __future__ import annotations

@@ -198,10 +198,11 @@ def _deployment_holdings(deployment: Deployment) -> dict[str, set[tuple[int, int
 
 def _install_api_keys(app, deployment: Deployment) -> None:
     """Bearer auth at the gateway when `--api-key` / `[security] api_key_file` gives keys."""
-    from moemesh.common.security.api_keys import api_keys_from_config
+    from moemesh.common.security.api_keys import load_api_keys
     from moemesh.services.router.auth_middleware import GatewayAuthConfig, install_bearer_auth
 
-    api_keys = api_keys_from_config(deployment.security)
+    # the [security] table (flags were folded in as overrides) and the MOEMESH_API_KEY environment variable
+    api_keys = load_api_keys(deployment.security.api_keys, deployment.security.api_key_file)
     if api_keys is not None:
         install_bearer_auth(app, GatewayAuthConfig(api_keys))
 
@@ -248,7 +249,8 @@ async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer
     from moemesh.services.router.engine import Engine
     from moemesh.services.router.scheduler import Scheduler
 
-    from moemesh.common.security.socket_security import ROUTER_KEY_NAME, socket_security_for
+    from moemesh.common.runtime.deployment_security import socket_security_for
+    from moemesh.common.security.socket_security import ROUTER_KEY_NAME
 
     security = socket_security_for(deployment, ROUTER_KEY_NAME)  # refuses a bad key set before binding
     context = zmq.asyncio.Context()

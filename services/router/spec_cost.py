@@ -2,7 +2,7 @@
 
 One engine cycle = the attention step (plan sent .. StepResult) + the drafter's round trip
 (DraftRequest .. DraftTokens; none when the router does not ask) + the router's rest (update,
-publish, schedule). The width policy (`services/draft/width.py: cost_aware_widths`) needs the
+publish, schedule). The width policy (`common/speculation_width.py: cost_aware_widths`) needs the
 cycle time as a function of the drafts it verifies, so this module keeps:
 
 - per batch-composition bucket (the number of sequences in the step, rounded up to a power of

@@ -1,7 +1,7 @@
 """The router's cost-aware width policy for adaptive speculation (docs/speculation.md §2.4).
 
 The drafter applies the confidence rule (each block cut where its prefix survival drops below the
-threshold, `services/draft/width.py: choose_width`). On top of that, with `WidthPolicyKind.COST`,
+threshold, `common/speculation_width.py: choose_width`). On top of that, with `WidthPolicyKind.COST`,
 the router decides per engine cycle, for the whole batch:
 
 1. whether to ask the drafter at all (`should_draft`): a drafter round trip is paid whatever the
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from moemesh.services.draft.width import cost_aware_widths, drafting_pays, survival_curve
+from moemesh.common.speculation_width import cost_aware_widths, drafting_pays, survival_curve
 from moemesh.services.router.spec_cost import OnlineStepCost, StepCostModel
 
 

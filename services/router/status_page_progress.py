@@ -4,7 +4,7 @@ progress can be shown as a fraction (the status page's bars, `moemesh serve`'s p
 The reader reports bytes and tensors read so far (common.runtime.load_progress); the total is
 not known to it, because each service reads a different part of one checkpoint. The part is
 known from the model's config and the placement, through the checkpoint inventory
-(common.checkpoint.inventory, torch-free): an attention worker reads every attention-side
+(common.model.inventory, torch-free): an attention worker reads every attention-side
 tensor (not a routed expert, not `mtp.*`), an expert worker the routed experts of its
 (layer, expert) pairs, the draft worker the `mtp.*` blocks. Sizes are the stored entries'
 bytes (quantized weights with their scales), which is what the reader counts.
@@ -53,7 +53,7 @@ class LoadSizes:
 
 def load_sizes_for_config(config: Any) -> LoadSizes:
     """From a `common.model.config.ModelConfig`."""
-    from moemesh.common.checkpoint.inventory import tensor_inventory
+    from moemesh.common.model.inventory import tensor_inventory
 
     attention_bytes = draft_bytes = 0
     pair_bytes: dict[tuple[int, int], int] = {}

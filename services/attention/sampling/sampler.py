@@ -24,7 +24,7 @@ import torch
 
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.attention.sampling.batch import SamplingBatch
-from moemesh.services.attention.sampling.draw import sample_from_logits
+from moemesh.common.sampling.draw import sample_from_logits
 from moemesh.services.attention.sampling.filters import apply_min_p, apply_top_k, apply_top_k_top_p
 from moemesh.services.attention.sampling.logprobs import chosen_logprobs, top_logprobs
 from moemesh.services.attention.sampling.penalties import TokenHistory, apply_penalties, build_token_history

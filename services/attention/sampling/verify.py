@@ -37,9 +37,9 @@ import torch
 
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.attention.sampling.batch import SamplingBatch
-from moemesh.services.attention.sampling.draw import sample_from_probs
+from moemesh.common.sampling.draw import sample_from_probs
 from moemesh.services.attention.sampling.penalties import build_token_history, extend_with_drafts
-from moemesh.services.attention.sampling.rng import Purpose, stream, uniform
+from moemesh.common.sampling.rng import Purpose, stream, uniform
 from moemesh.services.attention.sampling.sampler import process_logits
 
 

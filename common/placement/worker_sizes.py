@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moemesh.common.checkpoint.inventory import StorageKind
+from moemesh.common.model.inventory import StorageKind
 
 _FORMAT = {StorageKind.FP8_BLOCK: "fp8 e4m3 + ue8m0 {rows}x{cols}", StorageKind.FP4_BLOCK: "fp4 e2m1 + ue8m0 1x32"}
 

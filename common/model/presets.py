@@ -1,4 +1,5 @@
-"""Built-in model configs so the planner works without a checkpoint (`--preset v4-flash`).
+"""Built-in model configs: the planner works without a checkpoint (`--preset v4-flash`), and random
+layers at true width start from them (`random_init.flash_config`).
 
 Values are the DeepSeek-V4-Flash hub `config.json` (docs/model.md §1.1); only what shapes the
 tensor inventory matters to the planner, but the whole config is given so it validates as usual.
