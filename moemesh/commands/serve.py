@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         DRAFT_NAME, ModelMissing, ServeLayout, check_model_dir, draft_block_size, write_deployment,
     )
     from moemesh.services.draft.width import SpeculationConfig
-    from moemesh.commands.serve_processes import start_service, stop_services
+    from moemesh.common.runtime.launcher import start_service, stop_services
     from moemesh.commands.serve_restarts import RestartPolicy
     from moemesh.commands.serve_model import HubModelMissing, is_hub_id, resolve_model
     from moemesh.common.runtime.deployment import DeploymentError
@@ -275,7 +275,7 @@ def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: floa
     drafter, ready also waits for it to come up, unless it exits (then serving goes on without it).
     With `run_dir`, the line also carries a load progress bar per worker (the router loads no
     weights), filled by the bytes each is expected to read (`expected_bytes`)."""
-    from moemesh.commands.serve_processes import first_exited, load_progress_bar
+    from moemesh.common.runtime.launcher import first_exited, load_progress_bar
 
     loading_names = [service.name for service in services if service.name != "router"]
 
@@ -312,7 +312,7 @@ def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: floa
 def _wait_for_stop(services, stop: _StopRequested, policy, run_dir: Path) -> str:
     """Restart services that die until a stop is requested ("stopped") or one spends its budget
     (why). `services` is updated in place with the replacements."""
-    from moemesh.commands.serve_processes import restart_service
+    from moemesh.common.runtime.launcher import restart_service
     from moemesh.commands.serve_restarts import ChildRestarter, GaveUp
     from moemesh.commands.serve_config import DRAFT_NAME
     from moemesh.common.runtime.restart_record import restarts_path_for

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moemesh.common.runtime.deployment import Deployment, DeploymentError, load_deployment
+from moemesh.common.runtime.deployment import Deployment, DeploymentError, load_deployment, write_deployment_file
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "kjv-dsv4-mini"
 
@@ -180,39 +180,9 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
     }
 
 
-def render_toml(table: dict[str, Any]) -> str:
-    """TOML for scalars, tables and arrays of tables (strings are JSON-quoted, which TOML
-    basic strings accept for the characters paths and names use)."""
-    lines: list[str] = []
-    for key, value in table.items():
-        if isinstance(value, dict):
-            lines.append(f"[{key}]")
-            lines.extend(f"{name} = {_scalar(item)}" for name, item in value.items())
-            lines.append("")
-        elif isinstance(value, list) and all(isinstance(item, dict) for item in value):
-            for item in value:
-                lines.append(f"[[{key}]]")
-                lines.extend(f"{name} = {_scalar(entry)}" for name, entry in item.items())
-                lines.append("")
-        else:
-            lines.insert(0, f"{key} = {_scalar(value)}")
-    return "\n".join(lines)
-
-
-def _scalar(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    raise TypeError(f"cannot render {type(value).__name__} as a TOML scalar")
-
-
 def write_deployment(layout: ServeLayout) -> tuple[Path, Deployment]:
     """Write `<run_dir>/deployment.toml` and load it back (validation included). Raises
     DataPlaneRefused (a DeploymentError) before writing when the data plane cannot run."""
     check_layout_data_plane(layout)
-    path = Path(layout.run_dir) / "deployment.toml"
-    path.write_text(render_toml(deployment_table(layout)), encoding="utf-8")
+    path = write_deployment_file(Path(layout.run_dir) / "deployment.toml", deployment_table(layout))
     return path, load_deployment(path)
