@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import ErrorReply, StepPlan, StepResult, TokenLogprobs
 from moemesh.services.router.engine_plan import PlanTranslator, TranslatedResult, translate_result
-from moemesh.services.router.scheduler import Request, RequestEvent, RequestStatus, Scheduler, SchedulerConfig
+from moemesh.services.router.scheduler import (Request, RequestEvent, RequestStatus, Scheduler, SchedulerConfig,
+                                               SchedulerOutput)
 from moemesh.services.router.scheduler.stop_checks import max_output_tokens
 
 StepExecutor = Callable[[StepPlan], "StepResult | ErrorReply"]
@@ -121,10 +122,13 @@ class OfflineEngine:
                 self._record(event, None)
 
     # -- one step ------------------------------------------------------------------------
-    def step(self) -> StepRecord:
-        """Schedule, execute the plan(s) on the worker, apply the results."""
+    def step(self, before_execute: Callable[[SchedulerOutput], None] | None = None) -> StepRecord:
+        """Schedule, execute the plan(s) on the worker, apply the results. before_execute(output):
+        called between scheduling and the worker's call (not timed)."""
         output = self.scheduler.schedule()
         self._idle = output.is_empty
+        if before_execute is not None:
+            before_execute(output)
         result = TranslatedResult({}, {})
         began_s = ended_s = time.perf_counter()
         if not output.is_empty:
@@ -148,7 +152,7 @@ class OfflineEngine:
         answers = result.sequence_results.values()
         return StepRecord(
             step_id=output.step_id, num_tokens=output.num_scheduled_tokens, num_sequences=len(output.scheduled),
-            is_decode=all(seq.start_position >= seq.num_prompt_tokens for seq in output.scheduled),
+            is_decode=is_decode(output),
             began_s=began_s, ended_s=ended_s, num_drafts=output.num_draft_tokens,
             num_accepted=sum(answer.num_accepted_drafts for answer in answers),
             num_tokens_gained=sum(len(answer.sampled_token_ids) for answer in answers), events=tuple(events))
@@ -182,6 +186,11 @@ class OfflineEngine:
         if event.finish_reason is not None:
             output.finish_reason = event.finish_reason.value
             output.error = event.error
+
+
+def is_decode(output: SchedulerOutput) -> bool:
+    """Every scheduled sequence is past its prompt (an empty step counts as decode)."""
+    return all(seq.start_position >= seq.num_prompt_tokens for seq in output.scheduled)
 
 
 def _token_logprobs(logprobs: TokenLogprobs, index: int) -> TokenLogprobs:
