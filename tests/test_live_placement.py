@@ -28,7 +28,7 @@ from moemesh.common.wire.messages import (
     ErrorReply, ExpertKey, LoadExperts, PlacementWorker, QueryInventory, SwitchPlacement,
 )
 from moemesh.common.wire.transport import SyncClient
-from moemesh.commands.generate_distributed import scheduler_config
+from moemesh.commands.generate_distributed import scheduler_config, write_split_placement
 from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
 from moemesh.services.router.offline_engine import OfflineEngine
 from moemesh.services.attention.placement_switch import replica_owner_tables
@@ -67,8 +67,10 @@ def setup(tmp_path_factory):
     pairs = [(l, e) for l in range(config.num_hidden_layers) for e in range(config.n_routed_experts)]
     model = ReferenceModel(side, RoutedExperts.from_config(reader.load_experts(config, pairs), config))
     reference = [generate(model, p, GenerationConfig(max_new_tokens=MAX_TOKENS)) for p in PROMPTS]
-    spec = ClusterSpec(model_path=str(path), run_dir=str(tmp_path_factory.mktemp("live_run")), num_expert_workers=3,
-                       placement="round_robin", with_attention=False)
+    run_dir = tmp_path_factory.mktemp("live_run")
+    placement = write_split_placement(str(path), run_dir / "placement.toml", "round_robin", 3, ["cpu"])
+    spec = ClusterSpec(model_path=str(path), run_dir=str(run_dir), num_expert_workers=3, placement=placement,
+                       with_attention=False)
     with LocalCluster(spec) as cluster:
         yield path, config, reference, cluster
     assert cluster.exit_codes == {name: 0 for name in cluster.expert_names}

@@ -1,8 +1,8 @@
 """Expert workers (and an attention worker) as separate processes on this host, for runs without a
 router: `moemesh generate --distributed`, the full-size benchmark, the tests.
 
-`LocalCluster` writes a deployment TOML (common/runtime/deployment.py) and a placement TOML into
-a run directory (ipc:// sockets and each worker's stderr live there too), starts every worker
+`LocalCluster` writes a deployment TOML (common/runtime/deployment.py) into a run directory
+(ipc:// sockets and each worker's stderr live there too), starts every worker
 with the service launcher (common/runtime/launcher.py), waits until each answers a Ping (a
 service binds its endpoint only after it loaded), and on exit stops every process it started:
 SIGTERM (the services drain and exit 0), then SIGKILL after a bound.
@@ -28,7 +28,7 @@ class ClusterSpec:
     model_path: str
     run_dir: str
     num_expert_workers: int = 1
-    placement: str = "round_robin"  # round_robin | contiguous | all (every worker holds every expert)
+    placement: str = "all"  # "all" (every worker holds every expert) or a placement file naming expert-0..N-1
     with_attention: bool = True  # False: expert workers only (the caller runs an attention worker in-process)
     attention_device: str = "cpu"
     expert_devices: tuple[str, ...] = ("cpu",)  # cycled over the expert workers
@@ -74,22 +74,10 @@ class LocalCluster:
         }
 
     def write_files(self) -> Path:
-        from moemesh.common.model.config import ModelConfig
-        from moemesh.common.placement.placement_file import write_placement
-        from moemesh.common.placement.worker_budget import resident_bytes_per_expert
-        from moemesh.common.placement.worker_holdings import contiguous, round_robin
-
         spec = self.spec
         self.run_dir.mkdir(parents=True, exist_ok=True)
         devices = [spec.expert_devices[i % len(spec.expert_devices)] for i in range(spec.num_expert_workers)]
-        placement_key = "all"
-        if spec.placement != "all":
-            config = ModelConfig.load(spec.model_path)
-            build = {"round_robin": round_robin, "contiguous": contiguous}[spec.placement]
-            placement_key = str(self.run_dir / "placement.toml")
-            write_placement(placement_key, build(self.expert_names, devices, config.num_hidden_layers,
-                                                 config.n_routed_experts, resident_bytes_per_expert(config)))
-        table = self.deployment(placement_key, dict(zip(self.expert_names, devices)))
+        table = self.deployment(spec.placement, dict(zip(self.expert_names, devices)))
         return write_deployment_file(self.config_path, table)
 
     # ------------------------------------------------------------------ processes
