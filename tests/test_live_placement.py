@@ -28,7 +28,8 @@ from moemesh.common.wire.messages import (
     ErrorReply, ExpertKey, LoadExperts, PlacementWorker, QueryInventory, SwitchPlacement,
 )
 from moemesh.common.wire.transport import SyncClient
-from moemesh.commands.generate_distributed import scheduler_config, write_split_placement
+from moemesh.commands.generate_distributed import scheduler_config
+from moemesh.commands.serve_config import write_split_placement
 from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
 from moemesh.services.router.offline_engine import OfflineEngine
 from moemesh.services.attention.placement_switch import replica_owner_tables

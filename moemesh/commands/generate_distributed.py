@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from moemesh.commands.serve_config import write_split_placement
 from moemesh.common.runtime.local_cluster import ClusterError, ClusterSpec, LocalCluster
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.router.offline_engine import EngineStepError, OfflineEngine, RemoteAttention, RequestOutput
@@ -34,22 +35,6 @@ def scheduler_config(block_size_tokens: int, num_primary_blocks: int, num_cpu_bl
     return SchedulerConfig(num_gpu_blocks=num_primary_blocks, num_cpu_blocks=num_cpu_blocks,
                            block_size_tokens=block_size_tokens, max_model_len=num_primary_blocks * block_size_tokens,
                            max_num_running_seqs=max_num_running_seqs)
-
-
-def write_split_placement(model_path: str, path: Path, how: str, num_workers: int, devices: Sequence[str]) -> str:
-    """A placement file splitting the model's experts over expert-0..N-1 (round_robin or contiguous)."""
-    from moemesh.common.model.config import ModelConfig
-    from moemesh.common.placement.placement_file import write_placement
-    from moemesh.common.placement.worker_budget import resident_bytes_per_expert
-    from moemesh.common.placement.worker_holdings import contiguous, round_robin
-
-    config = ModelConfig.load(model_path)
-    build = {"round_robin": round_robin, "contiguous": contiguous}[how]
-    names = [f"expert-{i}" for i in range(num_workers)]
-    devices = [devices[i % len(devices)] for i in range(num_workers)]
-    write_placement(path, build(names, devices, config.num_hidden_layers, config.n_routed_experts,
-                                resident_bytes_per_expert(config)))
-    return str(path)
 
 
 def generate_distributed(spec: ClusterSpec, config: SchedulerConfig, prompts: Sequence[Sequence[int]],

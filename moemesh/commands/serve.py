@@ -251,22 +251,9 @@ def _write_placement(model_dir: Path, run_dir: Path, num_workers: int, devices: 
     """With several expert workers, split every layer's experts round-robin (a placement file)."""
     if num_workers == 1:
         return None
-    from moemesh.commands.serve_config import expert_devices
-    from moemesh.common.model.config import ModelConfig
-    from moemesh.common.placement.placement_file import write_placement
-    from moemesh.common.placement.worker_holdings import round_robin
+    from moemesh.commands.serve_config import write_split_placement
 
-    config = ModelConfig.load(model_dir)
-    names = [f"expert-{index}" for index in range(num_workers)]
-    # a planning figure only (one expert as the workers keep it natively); nothing is sized from it here
-    from moemesh.common.placement.worker_budget import resident_bytes_per_expert
-
-    bytes_per_expert = resident_bytes_per_expert(config)
-    placement = round_robin(names, expert_devices(devices, num_workers), config.num_hidden_layers,
-                            config.n_routed_experts, bytes_per_expert)
-    path = run_dir / "placement.toml"
-    write_placement(path, placement)
-    return str(path)
+    return write_split_placement(str(model_dir), run_dir / "placement.toml", "round_robin", num_workers, devices)
 
 
 def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: float, drafter=None,

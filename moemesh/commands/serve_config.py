@@ -158,6 +158,22 @@ def expert_devices(devices: tuple[str, ...], num_workers: int) -> list[str]:
     return [devices[index % len(devices)] for index in range(num_workers)]
 
 
+def write_split_placement(model_path: str, path: Path, how: str, num_workers: int, devices: Sequence[str]) -> str:
+    """A placement file splitting the model's experts over expert-0..N-1 (round_robin or contiguous)."""
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.common.placement.placement_file import write_placement
+    from moemesh.common.placement.worker_budget import resident_bytes_per_expert
+    from moemesh.common.placement.worker_holdings import contiguous, round_robin
+
+    config = ModelConfig.load(model_path)
+    build = {"round_robin": round_robin, "contiguous": contiguous}[how]
+    names = [f"expert-{index}" for index in range(num_workers)]
+    # a planning figure only (one expert as the workers keep it natively); nothing is sized from it here
+    write_placement(path, build(names, expert_devices(tuple(devices), num_workers), config.num_hidden_layers,
+                                config.n_routed_experts, resident_bytes_per_expert(config)))
+    return str(path)
+
+
 def deployment_table(layout: ServeLayout) -> dict[str, Any]:
     experts = []
     for index, device in enumerate(expert_devices(layout.devices, layout.num_expert_workers)):
