@@ -61,6 +61,7 @@ def test_requests_run_to_max_tokens_with_timed_steps():
     assert not first.is_decode and first.num_tokens == 5 and first.num_sequences == 2
     assert all(r.is_decode and r.num_tokens == 2 for r in decode[:3])
     assert all(r.ended_s >= r.began_s for r in records)
+    assert [r.step_id for r in records] == [plan.step_id for plan in worker.plans[:len(records)]]
     assert worker.plans[-1].free_seq_slots  # the finished requests' slots are released on the worker
 
 
@@ -118,3 +119,16 @@ def test_abort_all_releases_the_slots_in_the_next_step():
     assert engine.done and engine.outputs["a"].finish_reason == "abort"
     engine.step()
     assert worker.plans[-1].sequences == () and worker.plans[-1].free_seq_slots
+
+
+def test_a_reused_slot_is_released_by_a_plan_of_its_own_and_the_step_names_the_computing_plan():
+    worker = FakeWorker()
+    config = SchedulerConfig(num_gpu_blocks=4, max_model_len=512, max_num_running_seqs=1)
+    engine = OfflineEngine(config, worker)
+    engine.add_request("a", [1], SamplingParams(max_tokens=1))
+    engine.add_request("b", [2], SamplingParams(max_tokens=1))
+    engine.step()  # a runs and finishes
+    record = engine.step()  # b takes a's slot
+    release, compute = worker.plans[-2:]
+    assert release.sequences == () and release.free_seq_slots == (0,)
+    assert [seq.request_id for seq in compute.sequences] == ["b"] and record.step_id == compute.step_id

@@ -51,7 +51,8 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One scheduler step: its timing (time.perf_counter around the worker's calls) and outcome."""
+    """One scheduler step: its timing (time.perf_counter around the worker's calls) and outcome.
+    step_id: the StepPlan that carried the step's sequences (the worker's step id; 0: nothing sent)."""
 
     step_id: int
     num_tokens: int
@@ -131,6 +132,7 @@ class OfflineEngine:
             before_execute(output)
         result = TranslatedResult({}, {})
         began_s = ended_s = time.perf_counter()
+        plan_step_id = 0
         if not output.is_empty:
             for plan in self.translator.plans_for(output):
                 if self.send_features:
@@ -145,13 +147,14 @@ class OfflineEngine:
                     self.scheduler.update(output, {})
                     raise EngineStepError(f"attention worker answered {type(reply).__name__} to a step plan")
                 result = translate_result(plan, reply)
+                plan_step_id = plan.step_id
             ended_s = time.perf_counter()
         events = self.scheduler.update(output, result.sequence_results)
         for event in events:
             self._record(event, result.logprobs.get(event.request_id))
         answers = result.sequence_results.values()
         return StepRecord(
-            step_id=output.step_id, num_tokens=output.num_scheduled_tokens, num_sequences=len(output.scheduled),
+            step_id=plan_step_id, num_tokens=output.num_scheduled_tokens, num_sequences=len(output.scheduled),
             is_decode=is_decode(output),
             began_s=began_s, ended_s=ended_s, num_drafts=output.num_draft_tokens,
             num_accepted=sum(answer.num_accepted_drafts for answer in answers),
