@@ -31,7 +31,7 @@ up to --decode-steps measured decode steps (greedy; --run-budget-s caps a slow r
 running attention worker, between runs, so one load serves both routings. A refused Dispatch is
 explained (sent vs received) in the run's JSON. Timings and floors: `bench.fullsize_report`. JSON via
 bench.results_io ("fullsize").
-Speculation (--speculation, issue 10 item 2; `bench.fullsize_spec`): after each plain decode run, the
+Speculation (--speculation; `bench.fullsize_spec`): after each plain decode run, the
 same prompts again with drafts from the oracle (the plain run's own greedy continuation: full
 acceptance, and output must equal the plain run's) and/or the DSpark draft worker process reading the
 checkpoint's DSpark stages (V4-Flash drafter shapes; --draft-device, default the far expert device, else

@@ -1,4 +1,4 @@
-"""Speculation in `bench.fullsize` (issue 10 item 2): draft sources and the figures of a speculative run.
+"""Speculation in `bench.fullsize`: draft sources and the figures of a speculative run.
 
 `--speculation oracle,drafter` adds, after each plain decode run (routing, batch), one run per draft
 source over the same prompts, seed and routing, driven by the router's scheduler (drafts: within
