@@ -19,7 +19,8 @@ What runs:
   worker reads them and writes its answers over NVLink: peer copies; common/wire/cuda_ipc.py);
 - the attention worker (`services.attention.worker.AttentionWorker`, the real class, attention +
   shared experts + head on cuda:0) in this process, talking to both over ZeroMQ (the default data
-  plane), driven by `LocalPlanner` plans as `moemesh generate --distributed` drives it.
+  plane), driven by the router's scheduler in-process (`services.router.offline_engine`) as
+  `moemesh generate --distributed` drives it.
 Before anything is timed, every (layer, expert) pair is checked to be served by exactly the worker
 the plan gives it (`bench.fullsize_verify`; a mismatch ends the run, exit status 2, naming the pair).
 Context: one real prefill step of --context random tokens per sequence (--context-routing near:
@@ -150,8 +151,8 @@ def run(args, run_dir: Path) -> dict:
     from moemesh.common.model.config import ModelConfig
     from moemesh.common.placement.cost import ModelCosts
     from moemesh.common.placement.devices import parse_size
+    from moemesh.common.runtime.local_cluster import ClusterSpec
     from moemesh.common.runtime.logging import configure_logging
-    from moemesh.services.attention.local_cluster import ClusterSpec
 
     configure_logging("fullsize", None, args.log_level)
     attention_device = "cpu" if args.tiny else "cuda:0"

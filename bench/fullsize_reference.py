@@ -2,7 +2,7 @@
 
 The same checkpoint loaded by the single-process path of `moemesh generate` (every expert in one
 process, float32 on the CPU), with the same gate biases at the same steps, driven through
-`ReferenceModel.forward` with the batches `LocalPlanner` gives the attention worker when every prompt
+`ReferenceModel.forward` with the batches the router's scheduler gives the attention worker when every prompt
 fits one step (all prompts in one forward, then one token per sequence per step). The split run must
 give the same greedy tokens, and its chosen-token logprobs must agree within `LOGPROB_TOLERANCE`: the
 workers compute the same float32 arithmetic in other groupings (each expert worker sums its own slots,

@@ -35,7 +35,7 @@ _median0 = partial(median, empty=0.0)  # a field no step measured reads 0
 def analyse_steps(steps, dispatch_records: list[list[float]], expert_timings: dict[str, dict], *,
                   near_worker: str, far_worker: str, layer_bytes: list[int], head_bytes: int, embed_row_bytes: int,
                   near_bw: float, far_bw: float, top_k: int | None = None) -> dict[str, Any]:
-    """Breakdown, token shares and floors of `steps` (StepTiming list); see the module docstring."""
+    """Breakdown, token shares and floors of `steps` (TimedStep list); see the module docstring."""
     step_ids = {s.step_id for s in steps}
     rounds = defaultdict(list)  # step -> [(layer, start_begin, finish_end, finish_begin)]
     sent_at = {}  # (step, layer, micro-batch) -> (start_begin, start_end, finish_begin, finish_end)

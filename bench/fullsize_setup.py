@@ -21,14 +21,14 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from moemesh.common.placement.placement_file import Placement, WorkerPlacement, write_placement
-from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
+from moemesh.common.runtime.deployment import write_deployment_file
+from moemesh.common.runtime.launcher import stop_services
+from moemesh.common.runtime.local_cluster import ClusterError, ClusterSpec, LocalCluster
 
 NEAR_WORKER = "expert-near"
 FAR_WORKER = "expert-far"
@@ -94,10 +94,6 @@ def plan_split(config, near_device: str, far_device: str, near_budget_bytes: int
                      costs.bytes_per_expert, share)
 
 
-def _toml_string(text: str) -> str:
-    return json.dumps(text)
-
-
 @dataclass(frozen=True)
 class DraftProcess:
     """The draft worker of a speculative run: its device and fixed width (drafts per request and step)."""
@@ -124,109 +120,43 @@ class FullsizeCluster(LocalCluster):
     def draft_endpoint(self) -> str | None:
         return None if self.draft is None or self.draft_error is not None else self.endpoint_of(self.draft.name)
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, names=None) -> None:
         """The expert workers as LocalCluster waits for them; then the draft worker, whose failure to
         start is recorded in `draft_error` (and its process stopped) instead of ending the run: the
         plain and oracle runs need no drafter."""
-        from moemesh.services.attention.local_cluster import ClusterError
-
-        process = self.processes.pop(self.draft.name, None) if self.draft is not None else None
-        try:
-            super().wait_ready()
-        finally:
-            if process is not None:
-                self.processes[self.draft.name] = process
-        if process is None:
+        super().wait_ready(self.expert_names)
+        if self.draft is None:
             return
-        experts = {name: self.processes.pop(name) for name in self.expert_names if name in self.processes}
         try:
-            super().wait_ready()  # now only the draft worker is in `processes`
+            super().wait_ready([self.draft.name])
         except ClusterError as error:
             self.draft_error = str(error)[:2000]
             print(f"draft worker did not start: {self.draft_error[:600]}", flush=True)
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        finally:
-            self.processes.update(experts)
+            stop_services([self.services.pop(self.draft.name)], drain_s=0.0, margin_s=0.0)
 
     def write_files(self) -> Path:
-        spec = self.spec
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.timing_dir.mkdir(parents=True, exist_ok=True)
         placement_path = self.run_dir / "placement.toml"
         write_placement(placement_path, self.plan.placement)
-        lines = [
-            "[model]", f"path = {_toml_string(str(Path(spec.model_path).resolve()))}",
-            f"dtype = {_toml_string(spec.dtype)}", "",
-            "[paths]", f"run_dir = {_toml_string(str(self.run_dir))}",
-            f"log_dir = {_toml_string(str(self.run_dir / 'logs'))}", "",
-            "[timeouts]", f"dispatch_s = {spec.dispatch_timeout_s}", f"step_s = {spec.step_timeout_s}",
-            "heartbeat_interval_s = 5.0", "",
-            "[[attention]]", f"name = {_toml_string(self.attention_name)}",
-            f"device = {_toml_string(spec.attention_device)}",
-        ]
-        for worker in self.plan.placement.workers:
-            lines += ["", "[[expert]]", f"name = {_toml_string(worker.name)}",
-                      f"device = {_toml_string(worker.device)}", f"placement = {_toml_string(str(placement_path))}"]
+        table = self.deployment(str(placement_path), {w.name: w.device for w in self.plan.placement.workers})
         if self.draft is not None:
-            lines += ["", "[draft]", "enabled = true", f"name = {_toml_string(self.draft.name)}",
-                      f"device = {_toml_string(self.draft.device)}"]
-        path = self.run_dir / "deployment.toml"
-        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        return path
-
-    def _start(self, role: str, name: str, config_path: Path, extra: list[str]) -> None:
-        import os
-        import subprocess
-
-        from moemesh.services.attention.local_cluster import _REPO_ROOT, _die_with_parent
-
-        if role == "draft":
-            command = [sys.executable, "-m", "moemesh.cli", "draft", "--config", str(config_path), "--name", name,
-                       "--log-level", self.spec.log_level, *extra]
-        else:
-            command = [sys.executable, "-m", "moemesh.bench.fullsize_expert", "--config", str(config_path), "--name", name,
-                       "--log-level", self.spec.log_level, "--timing-dir", str(self.timing_dir)]
-        if self.cpu_threads and role != "draft":
-            command += ["--cpu-threads", str(self.cpu_threads)]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
-        stderr_path = self.run_dir / f"{name}.stderr"
-        with open(stderr_path, "ab") as stderr:
-            self.processes[name] = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
-                                                    env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            table["draft"] = {"enabled": True, "name": self.draft.name, "device": self.draft.device}
+        return write_deployment_file(self.config_path, table)
 
     def launch(self) -> None:
         """Start the expert processes and return at once (weights generate while the caller works)."""
-        config_path = self.write_files()
+        self.write_files()
+        threads = ("--cpu-threads", str(self.cpu_threads)) if self.cpu_threads else ()
         try:
             for name in self.expert_names:
-                self._start("expert", name, config_path, [])
+                self.start_worker("expert", name, ("--timing-dir", str(self.timing_dir), *threads),
+                                  module="moemesh.bench.fullsize_expert")
             if self.draft is not None:
-                self._start("draft", self.draft.name, config_path,
-                            ["--speculation", "fixed", "--spec-width", str(self.draft.width)])
+                self.start_worker("draft", self.draft.name, ("--speculation", "fixed", "--spec-width", str(self.draft.width)))
         except BaseException:
             self.stop()
             raise
-
-    def stop(self) -> dict[str, int]:
-        """The draft worker first (SIGTERM, then SIGKILL after the bound), then the expert workers."""
-        import signal
-        import subprocess
-
-        codes = {}
-        process = self.processes.get(self.draft.name) if self.draft is not None else None
-        if process is not None:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=self.spec.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            codes[self.draft.name] = process.returncode
-        return {**codes, **super().stop()}
 
     def holdings(self):
         from moemesh.common.placement.worker_holdings import WorkerHoldings

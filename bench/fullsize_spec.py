@@ -1,8 +1,8 @@
 """Speculation in `bench.fullsize`: draft sources and the figures of a speculative run.
 
 `--speculation oracle,drafter` adds, after each plain decode run (routing, batch), one run per draft
-source over the same prompts, seed and routing, driven by the same `LocalPlanner` (which learned
-drafts: budget, blocks, accepted tokens + bonus, rejected drafts' blocks freed):
+source over the same prompts, seed and routing, driven by the router's scheduler (drafts: within
+the budget and max_tokens, accepted tokens + bonus, rejected drafts' blocks freed):
 - `OracleDrafts` (oracle): drafts are the target's own greedy continuation, recorded in the plain
   run. Greedy verification must accept them all, so the run measures the verification path at full
   acceptance (tau = width + 1, an upper bound); any rejected oracle draft, or any output token that
@@ -87,20 +87,18 @@ class OracleDrafts:
         self.width = width
         self.num_short = 0  # requests the plain run had too few tokens for (drafts cut short)
 
-    def propose(self, planner) -> float:
+    def propose(self, engine) -> float:
         started_s = time.perf_counter()
-        for request in planner.running:
-            if not request.is_caught_up or request.draft_token_ids:
-                continue
-            num_out = len(request.output_token_ids)
-            want = min(self.width, request.max_drafts)
+        for request, max_drafts in engine.draft_candidates():
+            num_out = request.num_output_tokens
+            want = min(self.width, max_drafts)
             drafts = self.plain[request.request_id][num_out:num_out + want]
             self.num_short += int(len(drafts) < want)
             if drafts:
-                planner.set_drafts(request.request_id, drafts)
+                engine.set_drafts(request.request_id, drafts)
         return time.perf_counter() - started_s
 
-    def finish(self, planner) -> None:
+    def finish(self, engine) -> None:
         pass
 
 
@@ -126,19 +124,16 @@ class DrafterDrafts:
         self.num_proposed = 0  # drafts the drafter returned
         self.num_empty = 0  # slots it answered without drafts
 
-    def propose(self, planner) -> float:
+    def propose(self, engine) -> float:
         from moemesh.common.wire.messages import DraftRequest, DraftSlot, DraftTokens, ErrorReply
 
         slots = []
-        for request in planner.running:
-            want = min(self.width, request.max_drafts)
-            if not request.is_caught_up or request.draft_token_ids or want < 1:
-                continue
-            seed_position = len(request.token_ids) - 1
-            slots.append(DraftSlot(request_id=request.request_id, num_draft_tokens=want,
-                                   last_token_ids=(request.token_ids[-1],), start_position=seed_position))
+        for request, max_drafts in engine.draft_candidates():
+            seed_position = request.num_tokens - 1
+            slots.append(DraftSlot(request_id=request.request_id, num_draft_tokens=min(self.width, max_drafts),
+                                   last_token_ids=(request.token_id_at(seed_position),), start_position=seed_position))
             self._known.add(request.request_id)
-        finished = self._finished(planner)
+        finished = self._finished(engine)
         if not slots and not finished:
             return 0.0
         self._step_ids += 1
@@ -155,7 +150,7 @@ class DrafterDrafts:
                 raise RuntimeError(f"draft worker answered {type(reply).__name__} to a DraftRequest")
         for proposal in reply.proposals:
             if proposal.token_ids:
-                planner.set_drafts(proposal.request_id, proposal.token_ids)
+                engine.set_drafts(proposal.request_id, proposal.token_ids)
                 self.num_proposed += len(proposal.token_ids)
             else:
                 self.num_empty += 1
@@ -163,16 +158,16 @@ class DrafterDrafts:
             self.round_trips_s.append(elapsed_s)
         return elapsed_s
 
-    def _finished(self, planner) -> list[str]:
-        done = [rid for rid in self._known if planner.get(rid).finish_reason is not None]
+    def _finished(self, engine) -> list[str]:
+        done = [rid for rid in self._known if engine.outputs[rid].finish_reason is not None]
         self._known.difference_update(done)
         return sorted(done)
 
-    def finish(self, planner) -> None:
+    def finish(self, engine) -> None:
         """Tell the drafter every request of the run is over (their rings go)."""
         from moemesh.common.wire.messages import DraftRequest
 
-        done = self._finished(planner) + sorted(self._known)
+        done = self._finished(engine) + sorted(self._known)
         self._known.clear()
         if done:
             self._step_ids += 1
@@ -245,7 +240,7 @@ def _top(result, request_id: str, position: int) -> list[tuple[int, float]]:
 
 def spec_row(source: DraftSource, width: int, result, num_warmup: int, plain_step_s: float | None,
              plain_tokens_per_s: float | None, batch: int) -> dict[str, Any]:
-    """The figures of one speculative run (see the module docstring) from its StepTimings; plain_*: the
+    """The figures of one speculative run (see the module docstring) from its TimedSteps; plain_*: the
     plain run of the same prompts (its median step and batch / that step)."""
     measured = [s for s in result.steps if s.is_decode][num_warmup:]
     verify = [s for s in measured if s.num_drafts]  # the last steps of a run may have no room for drafts

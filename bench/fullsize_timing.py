@@ -3,9 +3,10 @@
 - `TimedDispatcher` wraps the attention worker's `MoEDispatcher` (the runner calls only `start` and
   `finish`) and records, per MoE layer and micro-batch, the monotonic clock before the dispatch is
   built, after it is sent, and before/after waiting for the answers.
-- `run_requests` drives the in-process `AttentionWorker` with `LocalPlanner` plans (the plans
-  `moemesh generate --distributed` sends) and times every step (`worker.step` returns after the
-  sampled tokens reached the host, so a step's wall time includes all its device work).
+- `run_requests` drives the in-process `AttentionWorker` with the router's scheduler
+  (`services.router.offline_engine`, as `moemesh generate --distributed` does) and times every step
+  (`worker.step` returns after the sampled tokens reached the host, so a step's wall time includes
+  all its device work).
 - `copy_bandwidth`: bytes read + written per second of a large device-to-device copy (CUDA: events;
   CPU: all of torch's threads), the denominator of every weight-bandwidth floor.
 Legend: B sequences, L layers.
@@ -20,6 +21,7 @@ import torch
 
 from moemesh.bench.timing import median, time_s
 from moemesh.common.sampling_params import SamplingParams
+from moemesh.services.router.offline_engine import StepRecord
 
 
 class TimedDispatcher:
@@ -52,29 +54,17 @@ class TimedDispatcher:
         return getattr(self.inner, name)
 
 
-@dataclass
-class StepTiming:
-    step_id: int
-    num_tokens: int
-    num_sequences: int
-    is_decode: bool
-    began_s: float
-    ended_s: float
-    # speculation (zero in plain runs): drafts verified, accepted, tokens the sequences gained, and the
-    # drafter round trip that produced this step's drafts (taken right before the step's plan)
-    num_drafts: int = 0
-    num_accepted: int = 0
-    num_tokens_gained: int = 0
-    draft_s: float = 0.0
+@dataclass(frozen=True)
+class TimedStep(StepRecord):
+    """The engine's record of one step, plus the drafter round trip that produced its drafts (taken
+    right before the step)."""
 
-    @property
-    def wall_s(self) -> float:
-        return self.ended_s - self.began_s
+    draft_s: float = 0.0
 
 
 @dataclass
 class RunResult:
-    steps: list[StepTiming] = field(default_factory=list)
+    steps: list[TimedStep] = field(default_factory=list)
     stopped_early: bool = False  # `stop_after` ended the decode before max_tokens (outputs are then partial)
     outputs: dict[str, list[int]] = field(default_factory=dict)  # request id -> generated tokens
     logprobs: dict[str, list[float]] = field(default_factory=dict)  # chosen-token logprobs (when asked)
@@ -93,9 +83,14 @@ def run_requests(worker, prompts: list[list[int]], max_tokens: int, *, block_siz
                  send_features: bool = False, num_top_logprobs: int | None = None) -> RunResult:
     """Greedy-generate `max_tokens` for every prompt through `worker.step`, timing each step.
 
-    drafts: a draft source (`bench.fullsize_spec`): `drafts.propose(planner) -> seconds` is called
-    before every plan and gives caught-up requests their drafts (`LocalPlanner.set_drafts`);
-    `drafts.finish(planner)` at the end. send_features: every step asks the attention worker to send
+    The router's scheduler plans the steps (`services.router.offline_engine`, as `moemesh generate
+    --distributed` runs; prefix caching off, so every run computes its whole context) and each
+    `StepRecord` carries the step's wall time (`worker.step` returns after the sampled tokens reached
+    the host, so it includes all the step's device work).
+
+    drafts: a draft source (`bench.fullsize_spec`): `drafts.propose(engine) -> seconds` is called
+    before every step and gives caught-up requests their drafts (`OfflineEngine.set_drafts`);
+    `drafts.finish(engine)` at the end. send_features: every step asks the attention worker to send
     the requests' target features to its draft worker. num_top_logprobs: also keep each token's top
     alternatives (and its logprob), a diagnostic of speculative runs (`bench.fullsize_spec`).
 
@@ -103,68 +98,47 @@ def run_requests(worker, prompts: list[list[int]], max_tokens: int, *, block_siz
     the KV cache by then). stop_after(result) -> bool: asked after every decode step; True finishes
     every request there (their slots are released by one more, empty plan) and marks the result
     `stopped_early` — a time cap on slow configurations that keeps the steps measured so far."""
-    from moemesh.common.wire.messages import ErrorReply
-    from moemesh.services.attention.local_plan import LocalPlanConfig, LocalPlanner, LocalRequest, PlanError
+    from moemesh.services.router.offline_engine import OfflineEngine, is_decode
+    from moemesh.services.router.scheduler import SchedulerConfig
 
     num_logprobs = num_top_logprobs if num_top_logprobs is not None else (0 if with_logprobs else None)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, num_logprobs=num_logprobs)
-    requests = [LocalRequest(f"{prefix}-{i}", list(p), params, send_features=send_features)
-                for i, p in enumerate(prompts)]
-    plan_config = LocalPlanConfig(block_size_tokens=block_size_tokens, num_primary_blocks=num_primary_blocks,
-                                  max_num_seqs=max(64, len(prompts)), max_num_batched_tokens=max_batched_tokens,
-                                  max_chunk_tokens=max_batched_tokens)
-    planner = LocalPlanner(plan_config, requests)
+    config = SchedulerConfig(num_gpu_blocks=num_primary_blocks, max_model_len=num_primary_blocks * block_size_tokens,
+                             block_size_tokens=block_size_tokens, max_num_running_seqs=max(64, len(prompts)),
+                             max_num_batched_tokens=max_batched_tokens, long_prefill_token_threshold=max_batched_tokens,
+                             enable_prefix_caching=False)
+    engine = OfflineEngine(config, worker.step, send_features=send_features)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"{prefix}-{index}", prompt, params)
     result = RunResult()
-    prompt_lengths = {r.request_id: len(r.prompt_token_ids) for r in requests}
-    while not planner.done:
-        draft_s = drafts.propose(planner) if drafts is not None else 0.0
-        plan = planner.next_plan()
-        num_tokens = sum(len(s.token_ids) for s in plan.sequences)
-        is_decode = all(s.start_position >= prompt_lengths[s.request_id] for s in plan.sequences)
-        if is_decode and before_decode is not None:
-            before_decode()
-            before_decode = None
-        began_s = time.perf_counter()
-        reply = worker.step(plan)
-        ended_s = time.perf_counter()
-        if isinstance(reply, ErrorReply):
-            raise PlanError(f"attention worker: {reply.code}: {reply.message}")
-        planner.update(reply)
-        result.steps.append(StepTiming(
-            plan.step_id, num_tokens, len(plan.sequences), is_decode, began_s, ended_s,
-            num_drafts=sum(len(s.draft_token_ids) for s in plan.sequences),
-            num_accepted=sum(s.num_draft_accepted for s in reply.sequences),
-            num_tokens_gained=sum(len(s.token_ids) for s in reply.sequences), draft_s=draft_s))
+    pending = [before_decode] if before_decode is not None else []
+
+    def before_execute(output) -> None:
+        if pending and is_decode(output):
+            pending.pop()()
+
+    while not engine.done:
+        draft_s = drafts.propose(engine) if drafts is not None else 0.0
+        record = TimedStep(**vars(engine.step(before_execute)), draft_s=draft_s)
+        result.steps.append(record)
         if on_step is not None:
-            on_step(result.steps[-1])
-        if is_decode and stop_after is not None and not planner.done and stop_after(result):
-            _stop_all(worker, planner)
+            on_step(record)
+        if record.is_decode and stop_after is not None and not engine.done and stop_after(result):
+            engine.abort_all()
             result.stopped_early = True
-            break
+    engine.release_slots()
     if drafts is not None:
-        drafts.finish(planner)
-    for request in requests:
-        if request.error is not None:
-            raise PlanError(f"{request.request_id}: {request.error}")
-        result.outputs[request.request_id] = list(request.output_token_ids)
-        result.logprobs[request.request_id] = [entry.logprobs[0] for entry in request.logprobs]
+        drafts.finish(engine)
+    for request_id, output in engine.outputs.items():
+        if output.error is not None:
+            raise RuntimeError(f"{request_id}: {output.error}")
+        result.outputs[request_id] = list(output.output_token_ids)
+        result.logprobs[request_id] = [entry.logprobs[0] for entry in output.logprobs]
         if num_top_logprobs:
-            result.top_logprobs[request.request_id] = [
+            result.top_logprobs[request_id] = [
                 (tuple(entry.top_token_ids[0]), tuple(entry.top_logprobs[0])) if entry.top_token_ids else ((), ())
-                for entry in request.logprobs]
+                for entry in output.logprobs]
     return result
-
-
-def _stop_all(worker, planner) -> None:
-    """Finish every running request now and send the plan that releases their slots."""
-    from moemesh.common.wire.messages import ErrorReply
-
-    for request in list(planner.running):
-        planner._finish(request, "length")
-    plan = planner.next_plan()  # no sequences, only free_seq_slots
-    reply = worker.step(plan)
-    if isinstance(reply, ErrorReply):
-        raise RuntimeError(f"attention worker refused the releasing plan: {reply.code}: {reply.message}")
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30, reps: int = 5) -> float:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moemesh.commands.serve_config import ServeLayout, deployment_table, render_toml
+from moemesh.commands.serve_config import ServeLayout, deployment_table
+from moemesh.common.runtime.deployment import write_deployment_file
 from moemesh.common.runtime.deployment import DeploymentError, KVConfig, load_deployment
 from moemesh.services.attention.main import add_attention_arguments, kv_pool_config, options_from_args
 from moemesh.services.router.main import RouterSettings, build_configs
@@ -24,7 +25,7 @@ def _deployment(tmp_path, kv: dict | None, overrides=()):
     if kv is not None:
         table["kv"] = kv
     path = tmp_path / "deployment.toml"
-    path.write_text(render_toml(table), encoding="utf-8")
+    write_deployment_file(path, table)
     return load_deployment(path, overrides)
 
 

@@ -120,7 +120,7 @@ def test_pair_check_and_refusal_explained_with_live_workers(tmp_path):
     from moemesh.bench.fullsize_timing import TimedDispatcher, flush_expert_timings, run_requests
     from moemesh.bench.fullsize_verify import PairVerificationError, explain_refusals, planned_pairs, verify_pairs_served
     from moemesh.services.attention.kv_config import KVPoolConfig
-    from moemesh.services.attention.local_cluster import ClusterSpec
+    from moemesh.common.runtime.local_cluster import ClusterSpec
     from moemesh.services.attention.recovery import RecoveryConfig
     from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
     from moemesh.bench.random_checkpoint import cached_checkpoint

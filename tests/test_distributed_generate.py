@@ -27,13 +27,12 @@ from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire import codec
 from moemesh.common.wire.messages import Combine, Dispatch, ErrorCode, ErrorReply
 from moemesh.common.wire.transport import Kind, pack_envelope, unpack_envelope
-from moemesh.services.attention.kv_config import KVPoolConfig
-from moemesh.services.attention.distributed_generate import generate_distributed, plan_config_for
-from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
-from moemesh.services.attention.local_plan import LocalPlanner, LocalRequest
-from moemesh.services.attention.main import AttentionOptions
-from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+from moemesh.commands.generate_distributed import generate_distributed, scheduler_config
 from moemesh.common.placement.worker_holdings import WorkerHoldings, contiguous, round_robin
+from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
+from moemesh.services.attention.kv_config import KVPoolConfig
+from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+from moemesh.services.router.offline_engine import OfflineEngine
 
 PROMPTS = [[5, 9, 17], [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13], list(range(30, 52))]
 MAX_TOKENS = 6
@@ -97,23 +96,28 @@ def _attention(checkpoint, cluster, placement_builder, **options) -> AttentionWo
 
 
 def _run_in_process(worker: AttentionWorker, prompts=PROMPTS, params=GREEDY):
-    requests = [LocalRequest(f"req-{i}", list(p), params) for i, p in enumerate(prompts)]
-    options = AttentionOptions(kv=worker.config.kv)
-    planner = LocalPlanner(plan_config_for(options), requests)
+    """The router's scheduler drives the in-process worker; the outputs, the engine, each plan's logits."""
     logits = []
-    while not planner.done:
-        result, step_logits = worker.run_step(planner.next_plan())
-        planner.update(result)
+
+    def execute(plan):
+        result, step_logits = worker.run_step(plan)
         logits.append(step_logits)
-    return requests, planner, logits
+        return result
+
+    kv = worker.config.kv
+    engine = OfflineEngine(scheduler_config(kv.block_size_tokens, kv.num_primary_blocks, kv.num_cpu_blocks), execute)
+    outputs = [engine.add_request(f"req-{i}", p, params) for i, p in enumerate(prompts)]
+    engine.run()
+    return outputs, engine, logits
 
 
 def test_one_expert_worker_process_matches_the_reference(checkpoint, reference_outputs, tmp_path):
     path, _ = checkpoint
-    spec = ClusterSpec(model_path=str(path), run_dir=str(tmp_path / "run"), num_expert_workers=1)
-    requests = generate_distributed(spec, PROMPTS, GREEDY)
-    assert [r.output_token_ids for r in requests] == reference_outputs
-    assert all(r.error is None for r in requests)
+    spec = ClusterSpec(model_path=str(path), run_dir=str(tmp_path / "run"), num_expert_workers=1,
+                       attention_args=("--kv-primary-blocks", "16"))
+    outputs = generate_distributed(spec, scheduler_config(128, 16, 0), PROMPTS, GREEDY)
+    assert [o.output_token_ids for o in outputs] == reference_outputs
+    assert all(o.error is None for o in outputs)
 
 
 def test_generate_command_with_three_workers_and_micro_batches(checkpoint, reference_outputs, capsys):
@@ -144,7 +148,7 @@ def test_placement_invariant_logits_are_bit_identical_across_placements(checkpoi
     for builder in (round_robin, contiguous):
         worker = _attention(checkpoint, expert_processes, builder, placement_invariant=True)
         requests, _, logits = _run_in_process(worker)
-        runs.append(([r.output_token_ids for r in requests], logits))
+        runs.append(([o.output_token_ids for o in requests], logits))
     (tokens_a, logits_a), (tokens_b, logits_b) = runs
     assert tokens_a == tokens_b == reference_outputs
     assert len(logits_a) == len(logits_b)
@@ -163,14 +167,23 @@ def test_micro_batched_and_plain_runs_give_identical_tokens(checkpoint, expert_p
     assert split.runner.stats.num_overlapped_runs > 0  # attention ran while the other half's dispatch was out
 
 
-def test_kv_blocks_spill_to_the_cpu_tier_and_return(checkpoint, expert_processes, reference_outputs):
-    kv = KVPoolConfig(block_size_tokens=8, num_primary_blocks=6, num_cpu_blocks=8)
+def test_kv_blocks_spill_to_the_cpu_tier_and_return(checkpoint, expert_processes):
+    """Two prompts of 125 tokens in a pool of 3 blocks of 128: both decode into a second block, so
+    one is swapped out to the CPU tier, and back in (a state restore) once the other finished."""
+    path, config = checkpoint
+    prompts = [[(7 * i + 3 * r) % config.vocab_size for i in range(125)] for r in range(2)]
+    reader = CheckpointReader(path, config=config)
+    side = AttentionSide.from_state_dict(config, reader.load_attention_side(config))
+    pairs = [(l, e) for l in range(config.num_hidden_layers) for e in range(config.n_routed_experts)]
+    model = ReferenceModel(side, RoutedExperts.from_config(reader.load_experts(config, pairs), config))
+    expected = [generate(model, prompt, GenerationConfig(max_new_tokens=MAX_TOKENS)) for prompt in prompts]
+    kv = KVPoolConfig(block_size_tokens=128, num_primary_blocks=3, num_cpu_blocks=4)
     worker = _attention(checkpoint, expert_processes, contiguous, kv=kv)
-    requests, planner, _ = _run_in_process(worker)
-    assert planner.num_swapped_out >= 1 and planner.num_swapped_in == planner.num_swapped_out
+    outputs, engine, _ = _run_in_process(worker, prompts)
+    assert engine.scheduler.counters.num_preemptions_swap >= 1
     assert worker.pool.num_blocks_swapped_out >= 1
     assert worker.pool.num_blocks_swapped_in == worker.pool.num_blocks_swapped_out
-    assert [r.output_token_ids for r in requests] == reference_outputs
+    assert [o.output_token_ids for o in outputs] == expected
 
 
 def test_malformed_message_is_dropped_and_the_worker_keeps_serving(checkpoint, expert_processes):

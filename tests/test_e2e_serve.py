@@ -421,15 +421,16 @@ def test_tiny_primary_pool_preempts_by_swap_and_returns_reference_outputs(checkp
     """Router, attention worker and one expert worker from a deployment whose [kv] table gives a
     primary pool too small for the requests at once: sequences are swapped to the CPU tier and
     restored from it (PrefixRestore at a block boundary), and every output is still the reference."""
-    from moemesh.commands.serve_config import ServeLayout, deployment_table, render_toml
-    from moemesh.commands.serve_processes import start_service, stop_services
+    from moemesh.commands.serve_config import ServeLayout, deployment_table
+    from moemesh.common.runtime.deployment import write_deployment_file
+    from moemesh.common.runtime.launcher import start_service, stop_services
 
     port = _free_port()
     table = deployment_table(ServeLayout(model_path=str(checkpoint), run_dir=str(tmp_path), log_dir=str(tmp_path / "logs"),
                                          port=port))
     table["kv"] = {"block_size_tokens": 128, "num_primary_blocks": 7, "num_cpu_blocks": 16, "prefix_caching": True}
     config_path = tmp_path / "deployment.toml"
-    config_path.write_text(render_toml(table), encoding="utf-8")
+    write_deployment_file(config_path, table)
     services = [start_service(role, name, config_path, tmp_path / "logs")
                 for role, name in (("router", "router"), ("attention", "attention-0"), ("expert", "expert-0"))]
     base_url = f"http://127.0.0.1:{port}"

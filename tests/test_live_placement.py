@@ -28,10 +28,10 @@ from moemesh.common.wire.messages import (
     ErrorReply, ExpertKey, LoadExperts, PlacementWorker, QueryInventory, SwitchPlacement,
 )
 from moemesh.common.wire.transport import SyncClient
-from moemesh.services.attention.distributed_generate import plan_config_for
-from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
-from moemesh.services.attention.local_plan import LocalPlanner, LocalRequest
-from moemesh.services.attention.main import AttentionOptions
+from moemesh.commands.generate_distributed import scheduler_config
+from moemesh.commands.serve_config import write_split_placement
+from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
+from moemesh.services.router.offline_engine import OfflineEngine
 from moemesh.services.attention.placement_switch import replica_owner_tables
 from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
 from moemesh.common.placement.worker_holdings import WorkerHoldings, round_robin
@@ -68,8 +68,10 @@ def setup(tmp_path_factory):
     pairs = [(l, e) for l in range(config.num_hidden_layers) for e in range(config.n_routed_experts)]
     model = ReferenceModel(side, RoutedExperts.from_config(reader.load_experts(config, pairs), config))
     reference = [generate(model, p, GenerationConfig(max_new_tokens=MAX_TOKENS)) for p in PROMPTS]
-    spec = ClusterSpec(model_path=str(path), run_dir=str(tmp_path_factory.mktemp("live_run")), num_expert_workers=3,
-                       placement="round_robin", with_attention=False)
+    run_dir = tmp_path_factory.mktemp("live_run")
+    placement = write_split_placement(str(path), run_dir / "placement.toml", "round_robin", 3, ["cpu"])
+    spec = ClusterSpec(model_path=str(path), run_dir=str(run_dir), num_expert_workers=3, placement=placement,
+                       with_attention=False)
     with LocalCluster(spec) as cluster:
         yield path, config, reference, cluster
     assert cluster.exit_codes == {name: 0 for name in cluster.expert_names}
@@ -117,17 +119,18 @@ def test_scale_in_then_out_with_replicas_mid_generation(setup):
                                 (names[2], [p for p in all_pairs if p[1] % 2 == 1], []),
                                 (names[0], [], all_pairs)]),
         ]
-        requests = [LocalRequest(f"req-{i}", list(p), SamplingParams(max_tokens=MAX_TOKENS))
+        kv = worker.config.kv
+        engine = OfflineEngine(scheduler_config(kv.block_size_tokens, kv.num_primary_blocks, kv.num_cpu_blocks),
+                               lambda plan: worker.run_step(plan)[0])
+        requests = [engine.add_request(f"req-{i}", p, SamplingParams(max_tokens=MAX_TOKENS))
                     for i, p in enumerate(PROMPTS)]
-        planner = LocalPlanner(plan_config_for(AttentionOptions(kv=worker.config.kv)), requests)
         reports, num_steps = [], 0
         previous = {names[0]: endpoints[names[0]]}
-        while not planner.done:
+        while not engine.done:
             if num_steps in (1, 3, 5) and stages:
                 reports.append(admin.apply(stages.pop(0), endpoints, previous_endpoints=previous))
                 previous = None
-            result, _ = worker.run_step(planner.next_plan())
-            planner.update(result)
+            engine.step()
             num_steps += 1
         assert not stages, f"generation ended after {num_steps} steps, before every switch"
         assert [r.error for r in requests] == [None] * 3

@@ -26,8 +26,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moemesh.commands.serve_config import ServeLayout, deployment_table, render_toml
-from moemesh.commands.serve_processes import start_service, stop_services, wait_until
+from moemesh.commands.serve_config import ServeLayout, deployment_table
+from moemesh.common.runtime.deployment import write_deployment_file
+from moemesh.common.runtime.launcher import start_service, stop_services, wait_until
 from moemesh.services.attention.recovery import budget_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +93,7 @@ class Cluster:
         table = deployment_table(layout)
         table["timeouts"] = {"dispatch_s": DISPATCH_S, "step_s": STEP_S, "heartbeat_interval_s": 0.25}
         self.config_path = run_dir / "deployment.toml"
-        self.config_path.write_text(render_toml(table), encoding="utf-8")
+        write_deployment_file(self.config_path, table)
         self.services = {}
         for role, name in (("router", "router"), ("attention", "attention-0"), ("expert", "expert-0"),
                            ("expert", "expert-1")):

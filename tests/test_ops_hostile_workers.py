@@ -84,7 +84,7 @@ envelopes = st.one_of(st.binary(max_size=12),
 def cluster(tmp_path_factory):
     from moemesh.common.checkpoint.writer import write_checkpoint
     from tiny_checkpoint_support import random_hub_state_dict, tiny_config
-    from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
+    from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
 
     config = tiny_config()
     path = tmp_path_factory.mktemp("fuzz_ckpt")

@@ -70,7 +70,8 @@ def _reference_text(checkpoint: Path, prompt: str, max_tokens: int) -> str:
 
 class NetnsCluster:
     def __init__(self, hosts: TwoHosts, checkpoint: Path, run_dir: Path) -> None:
-        from moemesh.commands.serve_config import ServeLayout, deployment_table, render_toml
+        from moemesh.commands.serve_config import ServeLayout, deployment_table
+        from moemesh.common.runtime.deployment import write_deployment_file
 
         self.hosts = hosts
         self.log_dir = run_dir / "logs"
@@ -85,7 +86,7 @@ class NetnsCluster:
         table["timeouts"] = {"dispatch_s": 1.5, "step_s": 30.0, "heartbeat_interval_s": 0.25}
         table["security"] = {"keys_dir": str(self.keys_dir)}
         self.config_path = run_dir / "deployment.toml"
-        self.config_path.write_text(render_toml(table), encoding="utf-8")
+        write_deployment_file(self.config_path, table)
         subprocess.run([sys.executable, "-m", "moemesh.cli", "keys", "generate", "--config", str(self.config_path),
                         "--out", str(self.keys_dir)], check=True, cwd=REPO_ROOT, capture_output=True, timeout=60)
         from moemesh.common.runtime.deployment import derive_endpoints, load_deployment

@@ -22,10 +22,9 @@ from moemesh.common.model.generate import GenerationConfig, generate
 from moemesh.common.model.moe import RoutedExperts
 from moemesh.common.model.reference import ReferenceModel
 from moemesh.common.sampling_params import SamplingParams
-from moemesh.services.attention.distributed_generate import plan_config_for
-from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
-from moemesh.services.attention.local_plan import LocalPlanner, LocalRequest
-from moemesh.services.attention.main import AttentionOptions
+from moemesh.commands.generate_distributed import scheduler_config
+from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
+from moemesh.services.router.offline_engine import OfflineEngine, RequestOutput
 from moemesh.services.attention.recovery import RecoveryConfig
 from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
 from moemesh.common.placement.worker_holdings import WorkerHoldings
@@ -65,15 +64,18 @@ def _attention(setup, policy: str, dispatch_timeout_s: float = 30.0) -> Attentio
     return worker
 
 
-def _generate(worker: AttentionWorker, on_step=None) -> list[LocalRequest]:
-    requests = [LocalRequest(f"req-{i}", list(p), SamplingParams(max_tokens=MAX_TOKENS)) for i, p in enumerate(PROMPTS)]
-    planner = LocalPlanner(plan_config_for(AttentionOptions(kv=worker.config.kv)), requests)
+def _generate(worker: AttentionWorker, on_step=None) -> list[RequestOutput]:
+    kv = worker.config.kv
+    engine = OfflineEngine(scheduler_config(kv.block_size_tokens, kv.num_primary_blocks, kv.num_cpu_blocks),
+                           worker.step)  # with recovery (rollback and retry)
+    requests = [engine.add_request(f"req-{i}", p, SamplingParams(max_tokens=MAX_TOKENS)) for i, p in enumerate(PROMPTS)]
     num_steps = 0
-    while not planner.done:
+    while not engine.done:
         if on_step is not None:
             on_step(num_steps)
-        planner.update(worker.step(planner.next_plan()))  # with recovery (rollback and retry)
+        engine.step()
         num_steps += 1
+    engine.release_slots()
     return requests
 
 
@@ -118,8 +120,7 @@ def test_killed_replica_is_routed_around_then_readmitted(setup):
         assert sent[1] == killed["sent"][1] or sent[1] - killed["sent"][1] < sent[0] - killed["sent"][0]
 
         # the worker comes back: the readmission probe finds it holding its pairs, it serves again
-        config_path = cluster.run_dir / "deployment.toml"
-        cluster._start("expert", "expert-1", config_path, [])
+        cluster.start_worker("expert", "expert-1")
         cluster.wait_ready()
         time.sleep(0.3)  # past readmit_interval_s
         before = list(worker.dispatcher.num_slot_tokens_sent)

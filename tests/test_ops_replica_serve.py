@@ -26,8 +26,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moemesh.commands.serve_config import ServeLayout, deployment_table, render_toml
-from moemesh.commands.serve_processes import start_service, stop_services, wait_until
+from moemesh.commands.serve_config import ServeLayout, deployment_table
+from moemesh.common.runtime.deployment import write_deployment_file
+from moemesh.common.runtime.launcher import start_service, stop_services, wait_until
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"
 PROMPTS = ["In the beginning God", "The LORD is my shepherd", "For God so loved", "Blessed are the"]
@@ -73,7 +74,7 @@ class Cluster:
                                              port=port, num_expert_workers=1))
         table["timeouts"] = {"dispatch_s": 2.0, "step_s": 40.0, "heartbeat_interval_s": 0.25}
         self.config_path = run_dir / "deployment.toml"
-        self.config_path.write_text(render_toml(table), encoding="utf-8")
+        write_deployment_file(self.config_path, table)
         self.services = {name: start_service(role, name, self.config_path, self.log_dir)
                          for role, name in (("router", "router"), ("attention", "attention-0"),
                                             ("expert", "expert-0"))}

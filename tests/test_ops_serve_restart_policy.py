@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from moemesh.commands.serve_processes import ServiceProcess, stop_services
+from moemesh.common.runtime.launcher import ServiceProcess, stop_services
 from moemesh.commands.serve_restarts import ChildRestarter, GaveUp, RestartPolicy
 from moemesh.common.runtime.restart_record import read_restarts
 

@@ -23,8 +23,9 @@ import pytest
 
 pytest.importorskip("supervisor")
 
-from moemesh.commands.serve_config import ServeLayout, deployment_table, render_toml  # noqa: E402
-from moemesh.commands.serve_processes import wait_until  # noqa: E402
+from moemesh.commands.serve_config import ServeLayout, deployment_table  # noqa: E402
+from moemesh.common.runtime.deployment import write_deployment_file
+from moemesh.common.runtime.launcher import wait_until  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROGRAM_CONF = REPO_ROOT / "deploy" / "supervisor" / "moemesh.conf"
@@ -108,7 +109,7 @@ class Supervised:
         table = deployment_table(layout)
         table["timeouts"] = {"dispatch_s": 1.5, "step_s": 40.0, "heartbeat_interval_s": 0.25}
         config_path = tmp_dir / "moemesh.toml"
-        config_path.write_text(render_toml(table), encoding="utf-8")
+        write_deployment_file(config_path, table)
         program_conf = tmp_dir / "moemesh.conf"
         program_conf.write_text(program_conf_for(tmp_dir, config_path, self.log_dir))
         self.main_conf = tmp_dir / "supervisord.conf"

@@ -169,7 +169,7 @@ def test_a_written_bench_result_gets_its_plot_beside_it(tmp_path):
 
 
 def test_serve_progress_bar_reads_the_progress_files(tmp_path):
-    from moemesh.commands.serve_processes import load_progress_bar
+    from moemesh.common.runtime.launcher import load_progress_bar
     from moemesh.common.runtime.load_progress import progress_dir_for
 
     LoadProgress("expert-0", "expert", progress_dir_for(tmp_path), min_interval_s=0.0)(3 * 2**20, 4)

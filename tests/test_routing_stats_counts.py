@@ -24,9 +24,8 @@ from moemesh.common.placement.stats import Phase, layer_skew, read_csv
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import ErrorReply, RoutingPhase, RoutingStatsWritten, WriteRoutingStats
 from dispatch_support import ThreadedExpert, expert_worker, write_tiny_checkpoint
-from moemesh.services.attention.distributed_generate import plan_config_for
-from moemesh.services.attention.local_plan import LocalPlanner, LocalRequest
-from moemesh.services.attention.main import AttentionOptions
+from moemesh.commands.generate_distributed import scheduler_config
+from moemesh.services.router.offline_engine import OfflineEngine
 from moemesh.services.attention.routing_config import RoutingStatsConfig
 from moemesh.services.attention.routing_stats import RoutingCounter
 from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
@@ -97,14 +96,18 @@ def _worker(checkpoint, experts, **fields) -> AttentionWorker:
 
 
 def _run(worker: AttentionWorker):
-    requests = [LocalRequest(f"req-{i}", list(p), SamplingParams(max_tokens=MAX_TOKENS)) for i, p in enumerate(PROMPTS)]
-    planner = LocalPlanner(plan_config_for(AttentionOptions(kv=worker.config.kv)), requests)
     summaries = []
-    while not planner.done:
-        result, _ = worker.run_step(planner.next_plan())
-        planner.update(result)
+
+    def execute(plan):
+        result, _ = worker.run_step(plan)
         if result.routing is not None:
             summaries.append(result.routing)
+        return result
+
+    kv = worker.config.kv
+    engine = OfflineEngine(scheduler_config(kv.block_size_tokens, kv.num_primary_blocks, kv.num_cpu_blocks), execute)
+    requests = [engine.add_request(f"req-{i}", p, SamplingParams(max_tokens=MAX_TOKENS)) for i, p in enumerate(PROMPTS)]
+    engine.run()
     return requests, summaries
 
 

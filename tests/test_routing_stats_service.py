@@ -18,22 +18,23 @@ from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import RoutingStatsWritten, StepResult, WriteRoutingStats
 from moemesh.common.wire.transport import SyncClient
 from dispatch_support import write_tiny_checkpoint
-from moemesh.services.attention.distributed_generate import plan_config_for
-from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
-from moemesh.services.attention.local_plan import LocalPlanner, LocalRequest
-from moemesh.services.attention.main import AttentionOptions
+from moemesh.commands.generate_distributed import scheduler_config
+from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
+from moemesh.services.router.offline_engine import OfflineEngine
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _drive(client: SyncClient, prompts: list[list[int]], max_tokens: int) -> int:
-    requests = [LocalRequest(f"req-{i}", p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
-    planner = LocalPlanner(plan_config_for(AttentionOptions()), requests)
-    while not planner.done:
-        reply = client.request(planner.next_plan(), timeout_s=60.0)
+    def execute(plan):
+        reply = client.request(plan, timeout_s=60.0)
         assert isinstance(reply, StepResult), reply
-        planner.update(reply)
-    return sum(len(r.output_token_ids) for r in requests)
+        return reply
+
+    engine = OfflineEngine(scheduler_config(128, 256, 0), execute)
+    outputs = [engine.add_request(f"req-{i}", p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+    engine.run()
+    return sum(len(o.output_token_ids) for o in outputs)
 
 
 def test_routing_stats_are_written_on_request_and_on_sigterm(tmp_path):

@@ -10,7 +10,9 @@ import pytest
 import structlog
 
 from moemesh.common.runtime.deployment import (
-    DeploymentError, add_deployment_arguments, derive_endpoints, load_deployment, parse_deployment,
+    Deployment, DeploymentError, ExpertWorkerConfig, KVConfig, ModelConfig, PathsConfig, TimeoutsConfig,
+    AttentionWorkerConfig, DraftWorkerConfig, add_deployment_arguments, derive_endpoints, format_deployment,
+    load_deployment, parse_deployment, write_deployment_file,
 )
 from moemesh.common.runtime.logging import bound_request, configure_logging
 
@@ -128,3 +130,24 @@ def test_logging_writes_json_with_service_pid_and_bound_request(tmp_path, capsys
             configure_logging("unit", None, "loud")
     finally:
         structlog.reset_defaults()
+
+
+def test_written_deployment_loads_back_equal(tmp_path):
+    deployment = Deployment(
+        model=ModelConfig(path='models/a "quoted" \\ path', dtype="bfloat16"),
+        attention=(AttentionWorkerConfig("attention-0", device="cuda:0", cuda_graphs=True),),
+        expert=(ExpertWorkerConfig("expert-0", device="cuda:0", memory_limit="40GiB"),
+                ExpertWorkerConfig("expert-1", placement=str(tmp_path / "placement.toml"), expert_dtype="fp8")),
+        paths=PathsConfig(run_dir=str(tmp_path), log_dir=str(tmp_path / "logs")),
+        timeouts=TimeoutsConfig(dispatch_s=2.5, step_s=60.0),
+        kv=KVConfig(num_primary_blocks=64, num_cpu_blocks=0, prefix_caching=False),
+        draft=DraftWorkerConfig(enabled=True, device="cuda:1"),
+    )
+    path = write_deployment_file(tmp_path / "deployment.toml", deployment)
+    assert load_deployment(path) == deployment
+    table = {"model": {"path": "m", "flag": True, "n": 2}, "expert": [{"name": "e", "ids": [1, 2]}]}
+    import tomllib
+
+    assert tomllib.loads(format_deployment(table)) == table
+    with pytest.raises(TypeError):
+        format_deployment({"model": {"bad": None}})

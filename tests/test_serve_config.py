@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from moemesh.cli import main as cli_main
-from moemesh.commands.serve_config import DEFAULT_MODEL_DIR, ServeLayout, expert_devices, render_toml, write_deployment
+from moemesh.commands.serve_config import DEFAULT_MODEL_DIR, ServeLayout, expert_devices, write_deployment
 from moemesh.common.checkpoint.model_dir import ModelMissing, check_model_dir
 from moemesh.common.runtime.deployment import derive_endpoints
 from moemesh.services.router.main import RouterSettings, build_configs
@@ -32,15 +32,6 @@ def test_written_deployment_loads_back(tmp_path):
     assert {w.placement for w in deployment.expert} == {str(tmp_path / "placement.toml")}
     endpoints = derive_endpoints(deployment)
     assert endpoints.supervisor == f"ipc://{tmp_path}/supervisor.sock"
-
-
-def test_render_toml_quotes_strings():
-    text = render_toml({"model": {"path": 'a "quoted" \\ path', "flag": True, "n": 2}})
-    import tomllib
-
-    assert tomllib.loads(text) == {"model": {"path": 'a "quoted" \\ path', "flag": True, "n": 2}}
-    with pytest.raises(TypeError):
-        render_toml({"model": {"bad": None}})
 
 
 def test_expert_devices_round_robin():
@@ -85,7 +76,7 @@ def test_router_configs_from_deployment(tmp_path):
 
 def test_router_and_serve_never_import_torch():
     code = ("import sys; import moemesh.services.router.main, moemesh.services.router.engine, moemesh.commands.serve, "
-            "moemesh.commands.serve_processes; import moemesh.cli; moemesh.cli.build_parser(); "
+            "moemesh.common.runtime.launcher; import moemesh.cli; moemesh.cli.build_parser(); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -36,7 +36,7 @@ from moemesh.common.checkpoint.writer import write_checkpoint
 from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.attention.kv_config import KVPoolConfig
-from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
+from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
 from moemesh.services.attention.sampling.batch import SamplingBatch
 from moemesh.services.attention.sampling.sampler import process_logits
 from chi_square_support import chi_square_p_value

@@ -89,7 +89,7 @@ class Stack:
         self.drafter = None
 
     def start(self) -> None:
-        from moemesh.commands.serve_processes import start_service
+        from moemesh.common.runtime.launcher import start_service
 
         with _one_thread_children():
             for role, name in (("router", "router"), ("attention", "attention-0"), ("expert", "expert-0")):
@@ -97,7 +97,7 @@ class Stack:
         self.start_drafter()
 
     def start_drafter(self) -> None:
-        from moemesh.commands.serve_processes import start_service
+        from moemesh.common.runtime.launcher import start_service
 
         with _one_thread_children():
             self.drafter = start_service("draft", "draft", self.config_path, self.log_dir,
@@ -135,7 +135,7 @@ class Stack:
         return events
 
     def stop(self) -> None:
-        from moemesh.commands.serve_processes import stop_services
+        from moemesh.common.runtime.launcher import stop_services
 
         stop_services(self.services + ([self.drafter] if self.drafter is not None else []), 20.0)
 

@@ -23,7 +23,7 @@ from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import DraftProposal, DraftRequest, DraftTokens
 from moemesh.services.attention.kv_config import KVPoolConfig
-from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
+from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
 from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
 from moemesh.common.placement.worker_holdings import WorkerHoldings
 from moemesh.services.router.engine_drafts import DraftConfig, DraftCoordinator

@@ -15,7 +15,7 @@ from moemesh.common.checkpoint.writer import write_checkpoint
 from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import ScheduledSequence, StepPlan
-from moemesh.services.attention.local_cluster import ClusterSpec, LocalCluster
+from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
 from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
 from moemesh.common.placement.worker_holdings import WorkerHoldings
 

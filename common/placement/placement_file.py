@@ -21,16 +21,17 @@ workers; replicas share that expert's tokens. One worker entry per expert worker
     0 = "3,5"
 
 Reading uses the standard library's `tomllib`; writing is a small dedicated writer (the standard
-library has none), so the file stays free of third-party dependencies.
+library has none; strings quoted by `common.security.cli_args.toml_string`, as the deployment writer does), so the file stays free of third-party dependencies.
 """
 
 from __future__ import annotations
 
-import json
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from moemesh.common.security.cli_args import toml_string
 
 FORMAT_VERSION = 1
 ExpertId = tuple[int, int]  # (layer, expert)
@@ -142,16 +143,16 @@ def format_toml(placement: Placement) -> str:
         f"bytes_per_expert = {placement.bytes_per_expert}",
     ]
     if placement.policy is not None:
-        lines.append(f"policy = {_toml_string(placement.policy)}")
+        lines.append(f"policy = {toml_string(placement.policy)}")
     if placement.stats_source is not None:
-        lines.append(f"stats = {_toml_string(placement.stats_source)}")
+        lines.append(f"stats = {toml_string(placement.stats_source)}")
     for worker in placement.workers:
-        lines += ["", "[[workers]]", f"name = {_toml_string(worker.name)}", f"device = {_toml_string(worker.device)}"]
+        lines += ["", "[[workers]]", f"name = {toml_string(worker.name)}", f"device = {toml_string(worker.device)}"]
         if worker.expected_token_share is not None:
             lines.append(f"expected_token_share = {worker.expected_token_share:.6f}")
         for table, ids in (("experts", worker.expert_ids), ("replicas", worker.replica_ids)):
             lines += ["", f"[workers.{table}]"]
-            lines += [f"{layer} = {_toml_string(format_ranges(experts))}" for layer, experts in group_by_layer(ids).items()]
+            lines += [f"{layer} = {toml_string(format_ranges(experts))}" for layer, experts in group_by_layer(ids).items()]
     return "\n".join(lines) + "\n"
 
 
@@ -210,10 +211,6 @@ def _positive_int(value, key: str, source: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise PlacementError(f"{source}: {key}={value!r} must be a positive integer")
     return value
-
-
-def _toml_string(text: str) -> str:
-    return json.dumps(text)  # a JSON string with its escapes is a valid TOML basic string
 
 
 # ---------------------------------------------------------------------------------- validation

@@ -2,8 +2,8 @@
 
 Loads config, tokenizer and weights (dequantized by `common.checkpoint.reader`), then runs all
 prompts together: prefill, then one decode step per token. `--distributed` runs the attention
-worker and `--expert-workers` expert workers as processes over ZeroMQ
-(`services.attention.distributed_generate`).
+worker and `--expert-workers` expert workers as processes over ZeroMQ, scheduled by the router's
+scheduler (`moemesh.commands.generate_distributed`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                              "routing weight before w2, FP8 KV QAT (single-process only)")
     parser.add_argument("--distributed", action="store_true",
                         help="run the attention worker and --expert-workers expert workers as separate processes")
-    from moemesh.services.attention.distributed_generate import add_distributed_arguments
+    from moemesh.commands.generate_distributed import add_distributed_arguments
 
     add_distributed_arguments(parser)
 
@@ -60,13 +60,9 @@ def _encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.distributed:
-        if args.reference_numerics:
-            print("--reference-numerics is not supported with --distributed yet", file=sys.stderr)
-            return 2
-        from moemesh.services.attention.distributed_generate import run_distributed
-
-        return run_distributed(args)
+    if args.distributed and args.reference_numerics:
+        print("--reference-numerics is not supported with --distributed yet", file=sys.stderr)
+        return 2
     if args.max_tokens < 1:
         print(f"--max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
         return 2
@@ -77,15 +73,21 @@ def run(args: argparse.Namespace) -> int:
     from moemesh.common.model.generate import GenerationConfig, generate_batch
     from moemesh.common.runtime.logging import configure_logging
 
-    configure_logging("generate", None)  # events to stderr: stdout is for the output (--json)
+    configure_logging("generate", None, "warning" if args.distributed else "info")  # stderr: stdout is the output
 
     tokenizer_path = Path(args.model) / "tokenizer.json"
     if not tokenizer_path.exists():
         print(f"{tokenizer_path}: not found", file=sys.stderr)
         return 2
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    model, config = _load_model(args.model, args.dtype, args.device, args.reference_numerics)
     prompt_ids = _encode_prompts(tokenizer, args.prompt, args.chat)
+    if args.distributed:
+        from moemesh.commands.generate_distributed import run_distributed
+        from moemesh.common.model.config import ModelConfig
+
+        eos_token_id = ModelConfig.load(args.model).eos_token_id
+        return run_distributed(args, tokenizer, prompt_ids, () if eos_token_id is None else (eos_token_id,))
+    model, config = _load_model(args.model, args.dtype, args.device, args.reference_numerics)
     stop = () if config.eos_token_id is None else (config.eos_token_id,)
     generation = GenerationConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                   stop_token_ids=stop)

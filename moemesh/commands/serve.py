@@ -168,8 +168,8 @@ def _progress(services: dict[str, str], elapsed_s: float) -> str:
 def run(args: argparse.Namespace) -> int:
     from moemesh.commands.serve_config import DRAFT_NAME, ServeLayout, draft_block_size, write_deployment
     from moemesh.common.checkpoint.model_dir import ModelMissing, check_model_dir
+    from moemesh.common.runtime.launcher import start_service, stop_services
     from moemesh.common.speculation_width import SpeculationConfig
-    from moemesh.commands.serve_processes import start_service, stop_services
     from moemesh.commands.serve_restarts import RestartPolicy
     from moemesh.commands.serve_model import HubModelMissing, is_hub_id, resolve_model
     from moemesh.common.runtime.deployment import DeploymentError
@@ -250,22 +250,9 @@ def _write_placement(model_dir: Path, run_dir: Path, num_workers: int, devices: 
     """With several expert workers, split every layer's experts round-robin (a placement file)."""
     if num_workers == 1:
         return None
-    from moemesh.commands.serve_config import expert_devices
-    from moemesh.common.model.config import ModelConfig
-    from moemesh.common.placement.placement_file import write_placement
-    from moemesh.common.placement.worker_holdings import round_robin
+    from moemesh.commands.serve_config import write_split_placement
 
-    config = ModelConfig.load(model_dir)
-    names = [f"expert-{index}" for index in range(num_workers)]
-    # a planning figure only (one expert as the workers keep it natively); nothing is sized from it here
-    from moemesh.common.placement.worker_budget import resident_bytes_per_expert
-
-    bytes_per_expert = resident_bytes_per_expert(config)
-    placement = round_robin(names, expert_devices(devices, num_workers), config.num_hidden_layers,
-                            config.n_routed_experts, bytes_per_expert)
-    path = run_dir / "placement.toml"
-    write_placement(path, placement)
-    return str(path)
+    return write_split_placement(str(model_dir), run_dir / "placement.toml", "round_robin", num_workers, devices)
 
 
 def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: float, drafter=None,
@@ -274,7 +261,7 @@ def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: floa
     drafter, ready also waits for it to come up, unless it exits (then serving goes on without it).
     With `run_dir`, the line also carries a load progress bar per worker (the router loads no
     weights), filled by the bytes each is expected to read (`expected_bytes`)."""
-    from moemesh.commands.serve_processes import first_exited, load_progress_bar
+    from moemesh.common.runtime.launcher import first_exited, load_progress_bar
 
     loading_names = [service.name for service in services if service.name != "router"]
 
@@ -311,7 +298,7 @@ def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: floa
 def _wait_for_stop(services, stop: _StopRequested, policy, run_dir: Path) -> str:
     """Restart services that die until a stop is requested ("stopped") or one spends its budget
     (why). `services` is updated in place with the replacements."""
-    from moemesh.commands.serve_processes import restart_service
+    from moemesh.common.runtime.launcher import restart_service
     from moemesh.commands.serve_restarts import ChildRestarter, GaveUp
     from moemesh.commands.serve_config import DRAFT_NAME
     from moemesh.common.runtime.restart_record import restarts_path_for

@@ -9,12 +9,13 @@ exactly the same, validated config. Torch-free.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from moemesh.common.runtime.data_plane import WorkerPlace, check_data_plane
-from moemesh.common.runtime.deployment import Deployment, load_deployment
+from moemesh.common.runtime.deployment import Deployment, load_deployment, write_deployment_file
 from moemesh.common.wire.cuda_ipc import DataPlane
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "kjv-dsv4-mini"
@@ -66,6 +67,22 @@ def expert_devices(devices: tuple[str, ...], num_workers: int) -> list[str]:
     return [devices[index % len(devices)] for index in range(num_workers)]
 
 
+def write_split_placement(model_path: str, path: Path, how: str, num_workers: int, devices: Sequence[str]) -> str:
+    """A placement file splitting the model's experts over expert-0..N-1 (round_robin or contiguous)."""
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.common.placement.placement_file import write_placement
+    from moemesh.common.placement.worker_budget import resident_bytes_per_expert
+    from moemesh.common.placement.worker_holdings import contiguous, round_robin
+
+    config = ModelConfig.load(model_path)
+    build = {"round_robin": round_robin, "contiguous": contiguous}[how]
+    names = [f"expert-{index}" for index in range(num_workers)]
+    # a planning figure only (one expert as the workers keep it natively); nothing is sized from it here
+    write_placement(path, build(names, expert_devices(tuple(devices), num_workers), config.num_hidden_layers,
+                                config.n_routed_experts, resident_bytes_per_expert(config)))
+    return str(path)
+
+
 def deployment_table(layout: ServeLayout) -> dict[str, Any]:
     experts = []
     for index, device in enumerate(expert_devices(layout.devices, layout.num_expert_workers)):
@@ -88,39 +105,9 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
     }
 
 
-def render_toml(table: dict[str, Any]) -> str:
-    """TOML for scalars, tables and arrays of tables (strings are JSON-quoted, which TOML
-    basic strings accept for the characters paths and names use)."""
-    lines: list[str] = []
-    for key, value in table.items():
-        if isinstance(value, dict):
-            lines.append(f"[{key}]")
-            lines.extend(f"{name} = {_scalar(item)}" for name, item in value.items())
-            lines.append("")
-        elif isinstance(value, list) and all(isinstance(item, dict) for item in value):
-            for item in value:
-                lines.append(f"[[{key}]]")
-                lines.extend(f"{name} = {_scalar(entry)}" for name, entry in item.items())
-                lines.append("")
-        else:
-            lines.insert(0, f"{key} = {_scalar(value)}")
-    return "\n".join(lines)
-
-
-def _scalar(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    raise TypeError(f"cannot render {type(value).__name__} as a TOML scalar")
-
-
 def write_deployment(layout: ServeLayout) -> tuple[Path, Deployment]:
     """Write `<run_dir>/deployment.toml` and load it back (validation included). Raises
     DataPlaneRefused (a DeploymentError) before writing when the data plane cannot run."""
     check_layout_data_plane(layout)
-    path = Path(layout.run_dir) / "deployment.toml"
-    path.write_text(render_toml(deployment_table(layout)), encoding="utf-8")
+    path = write_deployment_file(Path(layout.run_dir) / "deployment.toml", deployment_table(layout))
     return path, load_deployment(path)

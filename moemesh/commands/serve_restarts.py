@@ -30,7 +30,7 @@ from pathlib import Path
 
 import structlog
 
-from moemesh.commands.serve_processes import ServiceProcess
+from moemesh.common.runtime.launcher import ServiceProcess
 from moemesh.common.runtime.restart_record import ChildRestarts, write_restarts
 
 log = structlog.get_logger("serve")
@@ -69,7 +69,7 @@ class ChildRestarter:
     """Watches `services` (a list it updates in place: a restarted service replaces the dead one
     at the same index, so the stop order stays router, attention, experts, drafter).
 
-    `restart(service)` starts the replacement (serve_processes.restart_service in serve; tests
+    `restart(service)` starts the replacement (launcher.restart_service in serve; tests
     pass the same). `optional` names services serving goes on without once their budget is spent.
     """
 

@@ -1,10 +1,12 @@
-"""The child processes of `moemesh serve`: start, watch, stop in order, never orphan.
+"""Service child processes (`moemesh serve`, `generate --distributed`, the benchmarks): start,
+watch, stop in order, never orphan.
 
-Each service runs as `python -m moemesh.cli <role> --config FILE --name NAME` in its own
-session (so a Ctrl-C on the terminal reaches only `serve`, which then stops the services in
-order) with the parent-death signal set to SIGTERM on Linux (so even a SIGKILLed `serve`
-leaves no orphans). Its stderr goes to `<log_dir>/<name>.stderr` (the structured log is in
-`<name>.log`, written by the service itself).
+Each service runs as `python -m moemesh.cli <role> --config FILE --name NAME` (or another module
+taking the same options) in its own session (so a Ctrl-C on the terminal reaches only the
+launcher, which then stops the services in order) with the parent-death signal set to SIGTERM on
+Linux (so even a SIGKILLed launcher leaves no orphans). Its stderr goes to
+`<log_dir>/<name>.stderr` (the structured log is in `<name>.log`, written by the service itself).
+Imports no service.
 
 Stop order matters: the router first (it stops taking HTTP requests and lets the open ones
 finish while the workers are still up), then the attention worker, then the expert
@@ -48,6 +50,7 @@ class ServiceProcess:
     config_path: Path | None = None
     log_dir: Path | None = None
     extra_args: tuple[str, ...] = ()
+    module: str = "moemesh.cli"
 
     @property
     def exit_code(self) -> int | None:
@@ -62,11 +65,14 @@ class ServiceProcess:
 
 
 def start_service(role: str, name: str, config_path: Path, log_dir: Path,
-                  extra_args: tuple[str, ...] = ()) -> ServiceProcess:
-    """extra_args: the service's own options (e.g. the draft worker's --speculation)."""
+                  extra_args: tuple[str, ...] = (), module: str = "moemesh.cli") -> ServiceProcess:
+    """extra_args: the service's own options (e.g. the draft worker's --speculation). module: what
+    `python -m` runs; `moemesh.cli` gets the role as its subcommand, another module (a benchmark's
+    instrumented worker) takes only the options."""
     log_dir.mkdir(parents=True, exist_ok=True)
     stderr_path = log_dir / f"{name}.stderr"
-    command = [sys.executable, "-m", "moemesh.cli", role, "--config", str(config_path), "--name", name, *extra_args]
+    command = [sys.executable, "-m", module, *([role] if module == "moemesh.cli" else []),
+               "--config", str(config_path), "--name", name, *extra_args]
     env = dict(os.environ)
     repo_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
@@ -74,26 +80,27 @@ def start_service(role: str, name: str, config_path: Path, log_dir: Path,
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, env=env,
                                    start_new_session=True, preexec_fn=_die_with_parent)
     log.info("serve.service_started", name=name, role=role, pid=process.pid)
-    return ServiceProcess(name, role, process, stderr_path, Path(config_path), log_dir, tuple(extra_args))
+    return ServiceProcess(name, role, process, stderr_path, Path(config_path), log_dir, tuple(extra_args), module)
 
 
 def restart_service(service: ServiceProcess) -> ServiceProcess:
     """The same service started again with the same command (its stderr file is appended to)."""
     if service.config_path is None or service.log_dir is None:
         raise ValueError(f"{service.name} was not started by start_service: no command to repeat")
-    return start_service(service.role, service.name, service.config_path, service.log_dir, service.extra_args)
+    return start_service(service.role, service.name, service.config_path, service.log_dir, service.extra_args,
+                         service.module)
 
 
-def stop_services(services: list[ServiceProcess], drain_s: float) -> dict[str, int]:
-    """Stop in the given order: SIGTERM, wait up to drain_s + STOP_MARGIN_S, SIGKILL. Returns exit codes."""
+def stop_services(services: list[ServiceProcess], drain_s: float, margin_s: float = STOP_MARGIN_S) -> dict[str, int]:
+    """Stop in the given order: SIGTERM, wait up to drain_s + margin_s, SIGKILL. Returns exit codes."""
     codes: dict[str, int] = {}
     for service in services:
         if service.exit_code is None:
             service.process.send_signal(signal.SIGTERM)
             try:
-                service.process.wait(timeout=drain_s + STOP_MARGIN_S)
+                service.process.wait(timeout=drain_s + margin_s)
             except subprocess.TimeoutExpired:
-                log.warning("serve.service_killed", name=service.name, after_s=drain_s + STOP_MARGIN_S)
+                log.warning("serve.service_killed", name=service.name, after_s=drain_s + margin_s)
                 service.process.kill()
                 service.process.wait()
         codes[service.name] = service.process.returncode
