@@ -29,12 +29,6 @@ SCANNED_FOLDERS = ("moemesh", "common", "services", "bench", "tools")
 PRODUCT_FOLDERS = ("moemesh", "common", "services")
 OLD_ROOTS = ("common", "services", "bench", "tools")
 
-# Files whose imports are not checked yet: test harnesses and benchmarks that still sit inside
-# the product packages, and the attention-side local cluster, each on its way to a new home.
-# Their imports stay out of the common cycle graph too. Delete entries as the files move.
-ALLOWED_FILES = frozenset({
-})
-
 
 @dataclass(frozen=True)
 class Import:
@@ -119,10 +113,6 @@ def layer_allows(src: tuple[str, ...], dst: tuple[str, ...]) -> bool:
     return False
 
 
-def checked(imports: list[Import]) -> list[Import]:
-    return [i for i in imports if i.path not in ALLOWED_FILES]
-
-
 def moemesh_imports(imports: list[Import]) -> list[Import]:
     return [i for i in imports if i.dst == "moemesh" or i.dst.startswith("moemesh.")]
 
@@ -164,13 +154,13 @@ def test_nested_imports_and_imported_submodules_are_seen():
 
 
 def test_each_layer_imports_only_the_layers_below_it():
-    violations = [i for i in moemesh_imports(checked(IMPORTS))
+    violations = [i for i in moemesh_imports(IMPORTS)
                   if not layer_allows(layer_of(i.src), layer_of(i.dst))]
     assert not violations, report(violations, "imports across layers")
 
 
 def test_no_import_uses_the_old_top_level_names():
-    violations = [i for i in checked(IMPORTS) if i.dst.split(".")[0] in OLD_ROOTS]
+    violations = [i for i in IMPORTS if i.dst.split(".")[0] in OLD_ROOTS]
     assert not violations, report(violations, "imports of old top-level names")
 
 
@@ -178,7 +168,7 @@ def test_product_code_imports_neither_bench_nor_tests():
     def is_harness(dst: str) -> bool:
         return dst.split(".")[0] == "tests" or dst == "moemesh.bench" or dst.startswith("moemesh.bench.")
 
-    violations = [i for i in checked(IMPORTS)
+    violations = [i for i in IMPORTS
                   if i.path.split("/")[0] in PRODUCT_FOLDERS and is_harness(i.dst)]
     assert not violations, report(violations, "product imports of bench or tests")
 
@@ -250,7 +240,7 @@ def shortest_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]
 
 def test_common_subpackages_form_no_cycle():
     edges: dict[tuple[str, str], list[Import]] = defaultdict(list)
-    for i in moemesh_imports(checked(IMPORTS)):
+    for i in moemesh_imports(IMPORTS):
         if layer_of(i.src) == layer_of(i.dst) == ("common",):
             a, b = common_node(i.src), common_node(i.dst)
             if a != b:
@@ -270,8 +260,3 @@ def test_common_subpackages_form_no_cycle():
     print("\n".join(message))
     assert not cycles, "\n".join(message)
 
-
-@pytest.mark.parametrize("path", sorted(ALLOWED_FILES))
-def test_allowed_files_exist(path):
-    """An entry for a file that has moved or gone would silently allow nothing; delete it."""
-    assert (REPO_ROOT / path).is_file()
