@@ -22,7 +22,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCANNED_FOLDERS = ("moemesh", "common", "services", "bench", "tools")
