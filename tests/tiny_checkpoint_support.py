@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from moemesh.common.checkpoint.inventory import ParamGroup, StorageKind, TensorSpec, tensor_inventory
+from moemesh.common.model.inventory import ParamGroup, StorageKind, TensorSpec, tensor_inventory
 from moemesh.common.model.config import ModelConfig
 
 
