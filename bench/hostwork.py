@@ -9,8 +9,8 @@ tiny expert intermediate size (`--intermediate`, default 256) so that compute do
   service runner does before sending);
 - attention side: `MoEDispatcher.start` splitting a layer's routing between two expert workers (3/4 and
   1/4 of the experts; tables of 43 layers) and sending both Dispatches over real ZeroMQ sockets
-  (drained by a child process). Over ZeroMQ the split itself is the device split of before (see
-  `MoEDispatcher._start_zmq`); "after" differs by the worker count no longer walked per layer, and the
+  (drained by a child process). Over ZeroMQ the split itself runs on the device as before (see
+  `MoEDispatcher.start`); "after" differs by the worker count no longer walked per layer, and the
   host pieces of the CUDA IPC split (routing read-back, owner split) are timed as components.
 Each is run as the services do it now ("after") and as they did before session 4 ("before":
 `bench/hostwork_legacy.py`, the old code kept only here), for T = 1, 8, 64 tokens. Both are checked to

@@ -102,9 +102,8 @@ def _run_in_process(worker: AttentionWorker, prompts=PROMPTS, params=GREEDY):
     planner = LocalPlanner(plan_config_for(options), requests)
     logits = []
     while not planner.done:
-        result, step_logits = worker.run_step(planner.next_plan())
-        planner.update(result)
-        logits.append(step_logits)
+        planner.update(worker.step(planner.next_plan()))
+        logits.append(worker.last_logits)
     return requests, planner, logits
 
 

@@ -126,7 +126,7 @@ def test_scale_in_then_out_with_replicas_mid_generation(setup):
             if num_steps in (1, 3, 5) and stages:
                 reports.append(admin.apply(stages.pop(0), endpoints, previous_endpoints=previous))
                 previous = None
-            result, _ = worker.run_step(planner.next_plan())
+            result = worker.step(planner.next_plan())
             planner.update(result)
             num_steps += 1
         assert not stages, f"generation ended after {num_steps} steps, before every switch"

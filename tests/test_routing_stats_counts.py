@@ -101,7 +101,7 @@ def _run(worker: AttentionWorker):
     planner = LocalPlanner(plan_config_for(AttentionOptions(kv=worker.config.kv)), requests)
     summaries = []
     while not planner.done:
-        result, _ = worker.run_step(planner.next_plan())
+        result = worker.step(planner.next_plan())
         planner.update(result)
         if result.routing is not None:
             summaries.append(result.routing)
