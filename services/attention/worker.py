@@ -1,13 +1,13 @@
 """The attention worker: executes StepPlans (architecture §2 steps 3 and 5).
 
-`step(plan) -> StepResult` is the one visible loop:
+`step(plan) -> StepResult` is the one entry (retries: recovery.StepRecovery) and the one visible loop:
 
     move KV blocks (swap_out, swap_in)          kv_pool.KVPool.move
     restore slots from blocks (prefix hits,     slots.SlotTable.restore (boundary.py)
       swap-ins) at a block boundary
     position each sequence in its slot          slots.SlotTable.prepare
     split the sequences into micro-batches      split_micro_batches
-    run the layers, dispatching routed experts  model_runner.ModelRunner.forward
+    run the layers, dispatching routed experts  model_runner.ModelRunner.run_segments (eager or graph replays)
     logits of the sequences that sample         AttentionSide.logits
     sample (+ logprobs), or verify drafts       sampling.Sampler; speculation.verify_drafted (rolls back rejects)
     target features to the drafter              speculation.FeatureSender (before the StepResult)
