@@ -237,7 +237,6 @@ class DecodeGraphs:
         segments = LayerSegments(side, batch, tables.token_ids, routed_in, keep_layers=True)
         graph_set = _GraphSet(tables, segments)
         tables.fill([], None, self.scratch)  # warm-up and capture over padding rows only
-        # cos/sin of this step's positions are computed inside each segment (a replay recomputes them)
         if not self.config.capture:
             graph_set.run_segment, graph_set.run_shared = segments.functions(batch.clear_rope_cache)
             return graph_set

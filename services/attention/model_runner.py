@@ -90,13 +90,14 @@ class LayerSegments:
 
     def shared(self, layer: int) -> None:
         self._put("shared", layer, self.side.shared_expert(layer, self.outputs["x"][layer]))
+        if not self.keep_layers:  # what the next segment does not read is released here
+            self.outputs.update(h_in={}, x={}, ids={}, weights={})
 
     def functions(self, before: Callable[[], None] = lambda: None) -> tuple[list[Callable], list[Callable]]:
         """(segment callables [L + 1], shared-expert callables [L]); `before` runs first in each segment."""
         def segment(layer: int) -> None:
             before()
             self.segment(layer)
-
         return ([functools.partial(segment, i) for i in range(self.num_layers + 1)],
                 [functools.partial(self.shared, i) for i in range(self.num_layers)])
 
