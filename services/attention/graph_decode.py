@@ -90,8 +90,8 @@ class _GraphSet:
     graphs: list[Any] = field(default_factory=list)  # keeps the CUDAGraph objects alive
 
 
-def capture_segments(segments: LayerSegments, pool: Any, device: torch.device,
-                     before: Callable[[], None] = lambda: None, warm_up: bool = True) -> tuple[list[Callable], list[Callable], list[Any]]:
+def capture_segments(segments: LayerSegments, pool: Any, device: torch.device, before: Callable = lambda: None,
+                     warm_up: bool = True) -> tuple[list[Callable], list[Callable], list[Any]]:
     """CUDA graphs of every segment of `segments` in `pool` -> (segment replays [L + 1], shared-expert
     replays [L], the graphs). warm_up: first run every segment once eagerly on a side stream (Triton
     compiles and workspaces outside the capture); `before` runs first in each segment."""
@@ -135,7 +135,6 @@ class DecodeGraphs:
         self.config = config
         self.device = torch.device(device)
         self.buckets = tuple(sorted(config.buckets))
-        self.num_layers = side.config.num_hidden_layers
         move_rope_tables(side, self.device)  # no host-to-device copy inside a captured segment
         self.scratch = SequenceState(side.config, dtype=side.dtype, device=self.device)  # padding rows write here
         self._sets: dict[tuple, _GraphSet] = {}
