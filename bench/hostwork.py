@@ -10,8 +10,8 @@ tiny expert intermediate size (`--intermediate`, default 256) so that compute do
   service runner does before sending);
 - attention side: `MoEDispatcher.start` splitting a layer's routing between two expert workers (3/4 and
   1/4 of the experts; tables of 43 layers) and sending both Dispatches over real ZeroMQ sockets
-  (drained by a child process). Over ZeroMQ the split itself is the device split (see
-  `MoEDispatcher._start_zmq`); the services' path reads the worker count once per router version, and the
+  (drained by a child process). Over ZeroMQ the split itself runs on the device (see
+  `MoEDispatcher.start`); "after" reads the worker count once per placement version, and the
   host pieces of the CUDA IPC split (routing read-back, owner split) are timed as components.
 Each is run as the services do it ("after" in the JSON) and as the device-side reference does it ("before":
 `bench/hostwork_legacy.py`, kept only here), for T = 1, 8, 64 tokens. Both are checked to

@@ -100,8 +100,8 @@ def _run_in_process(worker: AttentionWorker, prompts=PROMPTS, params=GREEDY):
     logits = []
 
     def execute(plan):
-        result, step_logits = worker.run_step(plan)
-        logits.append(step_logits)
+        result = worker.step(plan)
+        logits.append(worker.last_logits)
         return result
 
     kv = worker.config.kv

@@ -1,5 +1,5 @@
-"""`MoEDispatcher.start`'s host split (the CUDA IPC path) sends exactly the Dispatches of the device-side
-split (bench/hostwork_legacy.py keeps that one; the ZeroMQ path still uses it), the worker count is read
+"""`MoEDispatcher.start`'s one split sends exactly the Dispatches of the reference device-side split
+(bench/hostwork_legacy.py) whether it runs on the host (CUDA IPC) or the device (ZeroMQ), the worker count is read
 once per router version, and the quantized expert worker stays within its sync budget on CUDA: none per
 Dispatch before its reply (host-tensor Dispatches) and one for device-tensor Dispatches (CUDA IPC)."""
 

@@ -65,7 +65,7 @@ def test_recovery_retries_after_the_expert_answers_again():
         calls.append(plan.step_id)
         if len(calls) == 1:
             raise ReplyTimeout("ipc://x", "dispatch", 0.1)
-        return StepResult(plan.step_id, (SequenceResult("a", (9,)),)), None
+        return StepResult(plan.step_id, (SequenceResult("a", (9,)),))
 
     forgotten = []
     recovery = StepRecovery(RecoveryConfig(max_attempts=3, budget_s=5), _FakeSlots(), compute,
@@ -81,7 +81,7 @@ def test_recovery_logs_a_stalled_reply_with_the_steps_requests():
     stalls = [[("ipc://expert-0", 2.5)], []]  # the first step's reply came late, the second's in time
 
     def compute(plan):
-        return StepResult(plan.step_id, (SequenceResult("a", (9,)),)), None
+        return StepResult(plan.step_id, (SequenceResult("a", (9,)),))
 
     recovery = StepRecovery(RecoveryConfig(max_attempts=3, budget_s=5), _FakeSlots(), compute,
                             lambda: None, lambda: True, take_stalls=lambda: stalls.pop(0))

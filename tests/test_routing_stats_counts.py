@@ -99,7 +99,7 @@ def _run(worker: AttentionWorker):
     summaries = []
 
     def execute(plan):
-        result, _ = worker.run_step(plan)
+        result = worker.step(plan)
         if result.routing is not None:
             summaries.append(result.routing)
         return result

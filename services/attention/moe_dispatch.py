@@ -17,8 +17,8 @@ placement-invariant prefill beyond the slot size) is copied up synchronously ins
 Host work of `start`: with CUDA IPC, one device->host read-back per layer and micro-batch
 (`_routing_on_host`: ids and route weights in one transfer, the only host sync); owners, per-worker
 counts, token rows and slot masks are then computed on the host and each worker's rows and mask go
-up asynchronously (same rows, same masks, same order as the device split). Over ZeroMQ the split
-stays on the device (`_start_zmq`: a read-back per count and per worker's rows), see its docstring.
+up asynchronously. Over ZeroMQ the same split runs on the device (a read-back per count and per
+worker's rows), see `start`.
 Replicas and down workers: a `ReplicaRouter` (replica_routing.py) holds every pair's holders.
 Layers where no expert has two live copies use a precomputed owner table (`owner_host`); layers
 with a choice count the tokens per expert (on the host) and let the router pick a copy per
@@ -64,7 +64,7 @@ class ExpertWorkerLost(DispatchError):
 
 @dataclass(frozen=True)
 class HostRouting:
-    """One layer's routing read back to the host: ids [T, K] int64, weights [T, K]."""
+    """One layer's routing where `start` splits it (host under CUDA IPC, else device): ids, weights [T, K]."""
 
     ids: torch.Tensor
     weights: torch.Tensor
@@ -206,30 +206,34 @@ class MoEDispatcher:
         return HostRouting(pinned[0].long(), pinned[1])
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        """A small host tensor on the attention device without a host sync (pinned, asynchronous)."""
-        if self.device.type != "cuda":
+        """A small host tensor on the attention device without a host sync (pinned, asynchronous); a
+        tensor already there as it is."""
+        if self.device.type != "cuda" or host.device.type != "cpu":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def start(self, step_id: int, micro_batch: int, layer: int, x: torch.Tensor, ids: torch.Tensor,
               weights: torch.Tensor) -> PendingMoE:
         """x [T, D], ids [T, K], weights [T, K] -> a ticket; every Dispatch is sent before returning.
-        CUDA IPC: one host sync (the routing read-back), none when one worker holds the whole layer."""
+        One split for every transport: per worker (ascending) its token rows and slot mask, sent over its
+        CUDA IPC ring if it has one, else over ZeroMQ. It runs on the host after one routing read-back with
+        CUDA IPC (none when one worker holds the layer, `_start_whole`), on the device over ZeroMQ (measured
+        full size: the host split made CUDA IPC steps faster, ZeroMQ ones slower); same rows, masks, order."""
         self._grow_counters()
         whole = self._start_whole(step_id, micro_batch, layer, x, ids, weights)
         if whole is not None:
             return whole
-        if self.slot_plane is None:
-            return self._start_zmq(step_id, micro_batch, layer, x, ids, weights)
-        if self.slot_plane.num_unconfirmed:
-            self.slot_plane.confirm_all()  # the host sync below must not wait behind a dead worker's flag
-        routing = self._routing_on_host(ids, weights)
-        owner, slot_tokens = self._owner_of_slots(layer, routing.ids)  # [T, K] host
+        routing = HostRouting(ids, weights)
+        if self.slot_plane is not None:
+            if self.slot_plane.num_unconfirmed:
+                self.slot_plane.confirm_all()  # the host sync below must not wait behind a dead worker's flag
+            routing = self._routing_on_host(ids, weights)
+        owner, slot_tokens = self._owner_of_slots(layer, routing.ids)  # [T, K] where the routing is
         sent = []
         for worker_index, num_slot_tokens in slot_tokens.items():
-            mask = owner == worker_index  # [T, K] host
-            token_index = mask.any(dim=1).nonzero().squeeze(1)  # [T_w] host
-            slot_mask = mask[token_index]  # [T_w, K] host
+            mask = owner == worker_index  # [T, K]
+            token_index = mask.any(dim=1).nonzero().squeeze(1)  # [T_w]
+            slot_mask = mask[token_index]  # [T_w, K]
             device_index = self._upload(token_index)  # finish adds the answer at these rows
             self._dispatch_ids += 1
             if self.slot_plane is not None:
@@ -244,7 +248,7 @@ class MoEDispatcher:
                     sent.append(_Sent(worker_index, sent_slot[0], device_index, device_mask, self._dispatch_ids,
                                       num_slot_tokens, slot=sent_slot[1]))
                     continue
-            # this worker refused the rings or has no free slot: over ZeroMQ
+            # no rings (ZeroMQ data plane), or this worker refused them or has no free slot: over ZeroMQ
             sent.append(self._send_over_channel(
                 worker_index, num_slot_tokens, step_id, layer, micro_batch, x[device_index],
                 routing.ids[token_index], routing.weights[token_index], slot_mask, device_index,
@@ -267,26 +271,6 @@ class MoEDispatcher:
         self.num_slot_tokens_in_flight[worker_index] += num_slot_tokens
         self.num_slot_tokens_sent[worker_index] += num_slot_tokens
         return _Sent(worker_index, ticket, token_index, finish_mask, self._dispatch_ids, num_slot_tokens)
-
-    def _start_zmq(self, step_id: int, micro_batch: int, layer: int, x: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor) -> PendingMoE:
-        """The ZeroMQ data plane's split, on the device: owner lookup, per-worker counts and rows read back
-        (a host sync per read), Dispatches of device tensors staged by the channel. Why not the host split
-        of the CUDA IPC path: on a full-size two-GPU run the host split made ZeroMQ
-        steps slower (B = 1: dispatch build 84 -> 154 ms, inbound 25 -> 124 ms a step) while it made CUDA IPC
-        steps faster (build 55 -> 25 ms). The cause is not identified, so this path keeps the device split
-        (with the worker count read once per router version, `_grow_counters`)."""
-        owner, slot_tokens = self._owner_of_slots(layer, ids)  # [T, K] on the device
-        sent = []
-        for worker_index, num_slot_tokens in slot_tokens.items():
-            mask = owner == worker_index  # [T, K]
-            token_index = mask.any(dim=1).nonzero().squeeze(1)  # [T_w]
-            slot_mask = mask[token_index]
-            self._dispatch_ids += 1
-            sent.append(self._send_over_channel(worker_index, num_slot_tokens, step_id, layer, micro_batch,
-                                                x[token_index], ids[token_index], weights[token_index], slot_mask,
-                                                token_index, slot_mask))
-        return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
 
     def _start_whole(self, step_id: int, micro_batch: int, layer: int, x: torch.Tensor, ids: torch.Tensor,
                      weights: torch.Tensor) -> PendingMoE | None:

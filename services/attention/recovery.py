@@ -145,7 +145,7 @@ def rollback_slots(slots: SlotTable, plan: StepPlan, marks: dict[int, SlotMark])
 class StepRecovery:
     """Runs a step with bounded retries (see the module docstring).
 
-    compute(plan) -> (StepResult, logits) is the worker's step without block moves;
+    compute(plan) -> StepResult is the worker's step without block moves;
     `forget_in_flight()` drops the channel's outstanding tickets; `probe()` -> bool: every
     pair is served again (all workers answer). `failover` (failover.ExpertFailover, optional)
     marks a lost worker down and says whether replicas cover it; without it every loss waits.
@@ -177,7 +177,7 @@ class StepRecovery:
         for attempt in range(1, self.config.max_attempts + 1):
             marks = mark_slots(self.slots, current)
             try:
-                result = self.compute(current)[0]
+                result = self.compute(current)
             except LOST_EXPERT_ERRORS as error:
                 cause = f"{type(error).__name__}: {error}"
                 worker = _lost_worker(error)
@@ -251,7 +251,7 @@ class StepRecovery:
 
 
 def build_step_recovery(worker: Any) -> StepRecovery:
-    """The StepRecovery of a loaded AttentionWorker (its slots, compute_step, channel, config)."""
+    """The StepRecovery of a loaded AttentionWorker (its slots, _compute_step, channel, config)."""
     from moemesh.services.attention.failover import ExpertFailover
 
     config = worker.config
@@ -277,7 +277,7 @@ def build_step_recovery(worker: Any) -> StepRecovery:
         stalls, channel.stalls = channel.stalls, []
         return stalls
 
-    return StepRecovery(config.recovery, worker.slots, worker.compute_step, forget_in_flight, probe, failover,
+    return StepRecovery(config.recovery, worker.slots, worker._compute_step, forget_in_flight, probe, failover,
                         take_stalls)
 
 

@@ -1,13 +1,13 @@
 """The attention worker: executes StepPlans (docs/design.md §2 steps 3 and 5).
 
-`step(plan) -> StepResult` is the one visible loop:
+`step(plan) -> StepResult` is the one entry (retries: recovery.StepRecovery) and the one visible loop:
 
     move KV blocks (swap_out, swap_in)          kv_pool.KVPool.move
     restore slots from blocks (prefix hits,     slots.SlotTable.restore (boundary.py)
       swap-ins) at a block boundary
     position each sequence in its slot          slots.SlotTable.prepare
     split the sequences into micro-batches      split_micro_batches
-    run the layers, dispatching routed experts  model_runner.ModelRunner.forward
+    run the layers, dispatching routed experts  model_runner.ModelRunner.run_segments (eager or graph replays)
     logits of the sequences that sample         AttentionSide.logits
     sample (+ logprobs), or verify drafts       sampling.Sampler; speculation.verify_drafted (rolls back rejects)
     target features to the drafter              speculation.FeatureSender (before the StepResult)
@@ -88,6 +88,7 @@ class AttentionWorker(Service):
     def __init__(self, config: AttentionWorkerConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        self.last_logits: torch.Tensor | None = None
 
     async def load(self) -> None:
         self.load_now()
@@ -178,7 +179,9 @@ class AttentionWorker(Service):
 
     # ------------------------------------------------------------------ the loop
     def step(self, plan: StepPlan) -> StepResult:
-        """run_step, retried within a bound when an expert worker is lost (recovery.StepRecovery)."""
+        """The one step entry: block moves, then `_compute_step`, retried within a bound when an expert worker
+        is lost (recovery.StepRecovery). `last_logits`: the logits [R, V] of the sequences that sampled (plan
+        order; one row each, or 1 + drafts rows for a sequence with drafts) in the last computed attempt."""
         self.pool.move(plan.swap_out, plan.swap_in)
         self._step_routing = None
         result = self.recovery.run(plan)
@@ -186,21 +189,16 @@ class AttentionWorker(Service):
             result = dataclasses.replace(result, routing=self._step_routing)
         return result
 
-    def run_step(self, plan: StepPlan) -> tuple[StepResult, torch.Tensor | None]:
-        """The StepResult and the logits [R, V] of the sequences that sampled (plan order; one row
-        each, or 1 + drafts rows for a sequence with drafts). No retries."""
-        self.pool.move(plan.swap_out, plan.swap_in)
-        return self.compute_step(plan)
-
     @torch.inference_mode()
-    def compute_step(self, plan: StepPlan) -> tuple[StepResult, torch.Tensor | None]:
-        """run_step without the block moves (what a retry repeats)."""
+    def _compute_step(self, plan: StepPlan) -> StepResult:
+        """One attempt of `step` without the block moves (what a retry repeats)."""
         work, errors = self._prepare(plan)
         groups = split_micro_batches(len(work), self.config.num_micro_batches)
         micro_batches = [self._micro_batch_inputs([work[i] for i in group]) for group in groups]
         decode_masks = [self._decode_mask([work[i] for i in group]) for group in groups]
         finals = self.runner.forward(plan.step_id, micro_batches, decode_masks) if work else []
         logits = self._sampling_logits(work, groups, finals)
+        self.last_logits = logits
         results, rejected = self._sample(work, self._masked_logits(work, logits, plan.token_masks))
         self._send_features(plan.step_id, work, groups, rejected)
         self.slots.free(plan.free_seq_slots)
@@ -210,7 +208,7 @@ class AttentionWorker(Service):
         routing = self.routing.step_done() if work else None
         self._step_routing = routing  # for step(): the summary survives recovery's merge
         return StepResult(step_id=plan.step_id, sequences=tuple(by_id[s.request_id] for s in plan.sequences),
-                          routing=routing), logits
+                          routing=routing)
 
     # ------------------------------------------------------------------ helpers
     def _prepare(self, plan: StepPlan) -> tuple[list[_Work], dict[str, SequenceResult]]:
