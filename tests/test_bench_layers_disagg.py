@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from moemesh.bench.layers import main
 
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; on a GPU the CUDA tests below cover it")
 def test_disaggregated_bench_runs_both_planes_and_matches_in_process(tmp_path):
     code = main(["--tiny", "--layers", "csa,hca", "--batch", "1,4", "--context", "40", "--prefill", "",
                  "--steps", "1", "--no-transformers", "--disaggregated", "--data-planes", "zmq,cuda_ipc",
@@ -35,10 +41,6 @@ def test_disaggregated_bench_runs_both_planes_and_matches_in_process(tmp_path):
 
 
 # ----------------------------------------------------------------------------- CUDA graphs (CUDA only)
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @cuda
