@@ -42,7 +42,7 @@ from moemesh.common.model.attention import Attention, attend_with_sink
 from moemesh.common.model.attention_side import Block
 from moemesh.common.model.config import AttentionKind, ModelConfig, NumericsConfig, RouterKind
 from moemesh.common.model.hyper import hc_head, hc_post, hc_pre
-from moemesh.common.model.linear import Embedding, Linear, RMSNorm, parameter
+from moemesh.common.model.linear import Embedding, Linear, RMSNorm, assign_frozen, parameter
 from moemesh.common.model.moe import ExpertsFn, RoutedExperts
 from moemesh.common.model.rope import inverse_rope, rms_norm_rope
 
@@ -162,15 +162,7 @@ class DSparkDrafter(nn.Module):
                         numerics: NumericsConfig | None = None, device: torch.device | str = "cpu") -> "DSparkDrafter":
         """hub_sd: `mtp.*` tensors (hub names, e.g. from `CheckpointReader.load_mtp`), routed experts
         included; other names are ignored. Weights frozen, on `device`."""
-        drafter = cls(config, embed, head, numerics, device="meta")
-        own = drafter.state_dict()
-        missing = [name for name in own if name not in hub_sd]
-        if missing:
-            raise KeyError(f"drafter tensors missing from the state dict: {missing[:10]}")
-        cast = {name: hub_sd[name].to(device=device, dtype=own[name].dtype) for name in own}
-        drafter.load_state_dict(cast, strict=True, assign=True)
-        for param in drafter.parameters():
-            param.requires_grad_(False)
+        drafter = assign_frozen(cls(config, embed, head, numerics, device="meta"), hub_sd, device, "drafter")
         weights = {}
         for j in range(len(drafter.mtp)):
             for expert in range(config.n_routed_experts):
