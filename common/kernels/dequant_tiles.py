@@ -8,6 +8,7 @@ odd-k columns as two [BN, BK/2] tiles (no interleaving join: the caller splits x
 runs two dots), `fp4_packed_tile` the raw bytes and scale bytes for `tl.dot_scaled`. These run
 everywhere, the interpreter included; the faster inline-PTX decoders are in `ptx_decode.py`. The e2m1 and e4m3 values times a power of two are exact
 in fp32 and in bf16 (same exponent range), so the cast loses nothing.
+The `load_*` functions read a tile's codes and scale bytes; the inline-PTX decoders use them too.
 """
 
 from __future__ import annotations
