@@ -55,7 +55,7 @@ def _ops(num_tokens: int, device, generator):
                    lambda a: hyper.hc_pre(*a, NUM_ITERS, EPS, EPS),
                    h_bytes + num_mix * k * 4 + d_bytes + t * (NUM_STREAMS + NUM_STREAMS**2) * 4),
         "hc_pre_normed": (lambda: (randn(t, NUM_STREAMS, HIDDEN), *mhc_weights(num_mix), randn(HIDDEN, dtype=f32)),
-                          lambda a: hyper.hc_pre_normed(*a[:4], NUM_ITERS, EPS, EPS, a[4], EPS),
+                          lambda a: hyper.hc_pre(*a[:4], NUM_ITERS, EPS, EPS, out_norm=(a[4], EPS)),
                           h_bytes + num_mix * k * 4 + d_bytes + t * (NUM_STREAMS + NUM_STREAMS**2) * 4),
         "hc_pre_then_rms_norm": (lambda: (randn(t, NUM_STREAMS, HIDDEN), *mhc_weights(num_mix),
                                           randn(HIDDEN, dtype=f32)),

@@ -1,4 +1,4 @@
-"""The DSpark drafter through the fused glue (`hc_pre_normed`, `rms_norm_rope`, `inverse_rope`) gives the
+"""The DSpark drafter through the fused glue (`hc_pre` with out_norm, `rms_norm_rope`, `inverse_rope`) gives the
 outputs of the unfused composition it replaced (hc_pre then the block norm; norm then RoPE; RoPE by -sin).
 
 CPU torch path: bit-equal (the fused entry points run the same two-step torch code there).

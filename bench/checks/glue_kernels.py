@@ -83,7 +83,7 @@ def _mhc_inputs(num_tokens, num_streams, hidden, num_mix, dtype, device, generat
 
 def check_hc_pre(case_id, num_tokens, num_streams, hidden, num_iters, dtype, device, kernel_fn, config=None,
                  normed: bool = False):
-    """normed: kernel_fn has hyper.hc_pre_normed's extra (norm_weight, out_eps) arguments (mhc.hc_pre: out_norm)."""
+    """normed: kernel_fn (hyper.hc_pre or mhc.hc_pre) is given out_norm = (norm_weight, eps)."""
     from moemesh.common.kernels.glue import forced_torch_glue
     from moemesh.common.model import hyper, linear
 
@@ -96,9 +96,7 @@ def check_hc_pre(case_id, num_tokens, num_streams, hidden, num_iters, dtype, dev
             ref = (linear.rms_norm(ref[0], norm_weight, NORM_EPS), *ref[1:])
     _poison(device)
     kwargs = {"config": config} if config is not None else {}
-    if normed and kernel_fn is hyper.hc_pre_normed:
-        out = kernel_fn(*args, num_iters, HC_EPS, NORM_EPS, norm_weight, NORM_EPS, **kwargs)
-    elif normed:
+    if normed:
         out = kernel_fn(*args, num_iters, HC_EPS, NORM_EPS, out_norm=(norm_weight, NORM_EPS), **kwargs)
     else:
         out = kernel_fn(*args, num_iters, HC_EPS, NORM_EPS, **kwargs)
@@ -131,7 +129,7 @@ def check_hc_post(case_id, num_tokens, num_streams, hidden, dtype, device, kerne
 
 def check_hc_head(case_id, num_tokens, num_streams, hidden, dtype, device, kernel_fn, normed: bool = False,
                   **kwargs):
-    """normed: kernel_fn is hyper.hc_head_normed (or mhc.hc_head, given out_norm)."""
+    """normed: kernel_fn (hyper.hc_head or mhc.hc_head) is given out_norm = (norm_weight, eps)."""
     from moemesh.common.kernels.glue import forced_torch_glue
     from moemesh.common.model import hyper, linear
 
@@ -144,9 +142,7 @@ def check_hc_head(case_id, num_tokens, num_streams, hidden, dtype, device, kerne
         if normed:
             ref = linear.rms_norm(ref, norm_weight, NORM_EPS)
     _poison(device)
-    if normed and kernel_fn is hyper.hc_head_normed:
-        out = kernel_fn(h, fn, base, scale, HC_EPS, NORM_EPS, norm_weight, NORM_EPS, **kwargs)
-    elif normed:
+    if normed:
         out = kernel_fn(h, fn, base, scale, HC_EPS, NORM_EPS, out_norm=(norm_weight, NORM_EPS), **kwargs)
     else:
         out = kernel_fn(h, fn, base, scale, HC_EPS, NORM_EPS, **kwargs)
@@ -296,10 +292,10 @@ def cuda_cases(only: str | None = None) -> list[Case]:
     for num_tokens in (1, 2048):
         case = f"hc_pre_normed_t{num_tokens}"
         mhc_cases.append((case, lambda c=case, t=num_tokens: check_hc_pre(c, t, 4, 4096, 20, bf16, cuda,
-                                                                          hyper.hc_pre_normed, normed=True)))
+                                                                          hyper.hc_pre, normed=True)))
         case = f"hc_head_normed_t{num_tokens}"
         mhc_cases.append((case, lambda c=case, t=num_tokens: check_hc_head(c, t, 4, 4096, bf16, cuda,
-                                                                           hyper.hc_head_normed, normed=True)))
+                                                                           hyper.hc_head, normed=True)))
     for num_tokens in (1, 2048):
         case = f"hc_post_t{num_tokens}"
         mhc_cases.append((case, lambda c=case, t=num_tokens: check_hc_post(c, t, 4, 4096, bf16, cuda, hyper.hc_post)))

@@ -330,7 +330,7 @@ def hc_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `common.model.hyper.hc_pre`: (x [T, D] h.dtype, post [T, N] fp32, comb [T, N, N] fp32).
 
-    out_norm (weight [D] fp32, eps): x comes back as RMSNorm(x) (`hyper.hc_pre_normed`), same launches.
+    out_norm (weight [D] fp32, eps): x comes back as RMSNorm(x) (as in `hyper.hc_pre`), same launches.
     """
     if num_sinkhorn_iters < 1:
         raise ValueError("num_sinkhorn_iters must be >= 1")

@@ -17,6 +17,43 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moemesh.common.kernels.dequant_tiles import (
+    load_fp4_group_scales, load_fp4_groups, load_fp8_block_scales, load_fp8_codes,
+)
+
+# (magnitude shift, sign shift) that place a code's bits in a 16-bit lane: e2m1 low nibble (bits
+# 2..0 -> 8..6, bit 3 -> 15), e2m1 high nibble (bits 6..4 -> 8..6, bit 7 -> 15), e4m3 byte
+# (bits 6..0 -> 10..4, bit 7 -> 15).
+_E2M1_LOW, _E2M1_HIGH, _E4M3_BYTE = (6, 12), (2, 8), (4, 8)
+_E2M1_MAGNITUDE_MASK, _E4M3_MAGNITUDE_MASK = "0x01C001C0", "0x07F007F0"
+
+
+def _asm_block(registers: str, lines: list[str]) -> tl.constexpr:
+    """One PTX scope declaring `registers` (b32) and running `lines`, one instruction a line."""
+    return tl.constexpr("\n{\n" + "".join(f"{line};\n" for line in [f".reg .b32 {registers}", *lines]) + "}\n")
+
+
+def _placed_outputs(operands: list[tuple[str, tuple[int, int], str]], magnitude_mask: str,
+                    bias: bool = False) -> list[str]:
+    """Output $i from operands[i] = (code register, (magnitude shift, sign shift), scale register).
+
+    Each output: the codes' magnitude bits and sign placed in both 16-bit lanes of `t`, then (with
+    `bias`) times the register `bias`, then times the scale pair."""
+    lines = []
+    for out, (codes, (magnitude_shift, sign_shift), scale) in enumerate(operands):
+        lines += [
+            f"shl.b32 t, {codes}, {magnitude_shift}", f"and.b32 t, t, {magnitude_mask}",
+            f"shl.b32 u, {codes}, {sign_shift}", "and.b32 u, u, 0x80008000", "or.b32 t, t, u",
+            *(["mul.bf16x2 t, t, bias"] if bias else []), f"mul.bf16x2 ${out}, t, {scale}",
+        ]
+    return lines
+
+
+@triton.jit
+def _bf16x2_power_pair(s, exponent_offset: tl.constexpr):
+    """int32 scale bytes s -> bf16x2 registers holding 2^(s + exponent_offset - 127) in both lanes."""
+    return ((s + exponent_offset) << 7) * 65537
+
 
 # Four packed bytes b0..b3 (and their four scale bytes s0..s3) -> bf16x2 registers:
 # $0 = even(b0, b1), $1 = even(b2, b3), $2 = odd(b0, b1), $3 = odd(b2, b3), even = low nibble.
@@ -25,47 +62,14 @@ import triton.language as tl
 # LUT[code] * 2^-126 (codes 0 and 1 as bf16 subnormals); times 2^126 (bf16 multiplies keep
 # subnormals) that is LUT[code], times the scale byte placed in the bf16 exponent, 2^(s - 127).
 # Both products are exact for scale bytes 1..254.
-_E2M1_BF16_ASM = tl.constexpr("""
-{
-.reg .b32 z, bias, lo, hi, slo, shi, t, u;
-mov.b32 z, 0;
-mov.b32 bias, 0x7E807E80;
-prmt.b32 lo, $4, z, 0x4140;
-prmt.b32 hi, $4, z, 0x4342;
-prmt.b32 slo, $5, z, 0x4140;
-prmt.b32 shi, $5, z, 0x4342;
-shl.b32 slo, slo, 7;
-shl.b32 shi, shi, 7;
-shl.b32 t, lo, 6;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, lo, 12;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 t, t, bias;
-mul.bf16x2 $0, t, slo;
-shl.b32 t, hi, 6;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, hi, 12;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 t, t, bias;
-mul.bf16x2 $1, t, shi;
-shl.b32 t, lo, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, lo, 8;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 t, t, bias;
-mul.bf16x2 $2, t, slo;
-shl.b32 t, hi, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, hi, 8;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 t, t, bias;
-mul.bf16x2 $3, t, shi;
-}
-""")
+_E2M1_BF16_ASM = _asm_block("z, bias, lo, hi, slo, shi, t, u", [
+    "mov.b32 z, 0", "mov.b32 bias, 0x7E807E80",
+    "prmt.b32 lo, $4, z, 0x4140", "prmt.b32 hi, $4, z, 0x4342",
+    "prmt.b32 slo, $5, z, 0x4140", "prmt.b32 shi, $5, z, 0x4342",
+    "shl.b32 slo, slo, 7", "shl.b32 shi, shi, 7",
+    *_placed_outputs([("lo", _E2M1_LOW, "slo"), ("hi", _E2M1_LOW, "shi"),
+                      ("lo", _E2M1_HIGH, "slo"), ("hi", _E2M1_HIGH, "shi")], _E2M1_MAGNITUDE_MASK, bias=True),
+])
 
 
 @triton.jit
@@ -77,16 +81,9 @@ def fp4_tile_halves_bf16_asm(
     About 4 instructions per element (prmt, shift/and/or placement, two bf16x2 multiplies) and no
     fp32 -> bf16 conversion; GPU only (the interpreter cannot run inline assembly).
     """
-    NUM_GROUPS: tl.constexpr = BLOCK_K // 32
-    offs_g = tl.arange(0, NUM_GROUPS)  # [G]
-    offs_b = tl.arange(0, 16)
-    byte_cols = (k_begin // 2) + offs_g[:, None] * 16 + offs_b[None, :]  # [G, 16]
-    packed = tl.load(
-        w_ptr + offs_n[:, None, None] * stride_wn + byte_cols[None, :, :], mask=mask_n[:, None, None], other=0
-    ).to(tl.uint8, bitcast=True)  # [BN, G, 16]
-    s = tl.load(s_ptr + offs_n[:, None] * stride_sn + (k_begin // 32) + offs_g[None, :], mask=mask_n[:, None],
-                other=127).to(tl.uint8, bitcast=True)  # [BN, G]
-    s_full = tl.broadcast_to(s[:, :, None], [BLOCK_N, NUM_GROUPS, 16])  # [BN, G, 16]
+    packed = load_fp4_groups(w_ptr, offs_n, mask_n, k_begin, stride_wn, BLOCK_K)  # [BN, G, 16] uint8
+    s = load_fp4_group_scales(s_ptr, offs_n, mask_n, k_begin, stride_sn, BLOCK_K).to(tl.uint8, bitcast=True)
+    s_full = tl.broadcast_to(s[:, :, None], packed.shape)  # [BN, G, 16]
     even, odd = tl.inline_asm_elementwise(
         _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r", [packed, s_full], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
     )
@@ -97,40 +94,13 @@ def fp4_tile_halves_bf16_asm(
 # ready bf16x2 pair 2^(s - 17) (inputs $5..$8 for elements 0..3): one multiply per pair, no scale
 # unpacking. The result is W * 2^-16 (exact for scale bytes 18..144, where every product stays a
 # normal bf16); the caller multiplies its fp32 accumulator by 2^16 once after the K loop.
-_E2M1_BF16_FOLDED_ASM = tl.constexpr("""
-{
-.reg .b32 z, lo, hi, s01, s23, t, u;
-mov.b32 z, 0;
-prmt.b32 lo, $4, z, 0x4140;
-prmt.b32 hi, $4, z, 0x4342;
-prmt.b32 s01, $5, $6, 0x7610;
-prmt.b32 s23, $7, $8, 0x7610;
-shl.b32 t, lo, 6;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, lo, 12;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $0, t, s01;
-shl.b32 t, hi, 6;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, hi, 12;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $1, t, s23;
-shl.b32 t, lo, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, lo, 8;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $2, t, s01;
-shl.b32 t, hi, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, hi, 8;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $3, t, s23;
-}
-""")
+_E2M1_BF16_FOLDED_ASM = _asm_block("z, lo, hi, s01, s23, t, u", [
+    "mov.b32 z, 0",
+    "prmt.b32 lo, $4, z, 0x4140", "prmt.b32 hi, $4, z, 0x4342",
+    "prmt.b32 s01, $5, $6, 0x7610", "prmt.b32 s23, $7, $8, 0x7610",
+    *_placed_outputs([("lo", _E2M1_LOW, "s01"), ("hi", _E2M1_LOW, "s23"),
+                      ("lo", _E2M1_HIGH, "s01"), ("hi", _E2M1_HIGH, "s23")], _E2M1_MAGNITUDE_MASK),
+])
 FOLDED_SCALE_SHIFT = tl.constexpr(65536.0)  # 2^16: the factor the folded decode leaves out
 
 
@@ -142,17 +112,9 @@ def fp4_tile_halves_bf16_folded_asm(
 
     About 3 instructions per element. Exact for scale bytes 18..144 (real checkpoints: ~110..130).
     """
-    NUM_GROUPS: tl.constexpr = BLOCK_K // 32
-    offs_g = tl.arange(0, NUM_GROUPS)  # [G]
-    offs_b = tl.arange(0, 16)
-    byte_cols = (k_begin // 2) + offs_g[:, None] * 16 + offs_b[None, :]  # [G, 16]
-    packed = tl.load(
-        w_ptr + offs_n[:, None, None] * stride_wn + byte_cols[None, :, :], mask=mask_n[:, None, None], other=0
-    ).to(tl.uint8, bitcast=True)  # [BN, G, 16]
-    s = tl.load(s_ptr + offs_n[:, None] * stride_sn + (k_begin // 32) + offs_g[None, :], mask=mask_n[:, None],
-                other=127).to(tl.int32)  # [BN, G]
-    pair = ((s + 110) << 7) * 65537  # [BN, G] bf16x2 (2^(s - 17), 2^(s - 17))
-    pair_full = tl.broadcast_to(pair[:, :, None], [BLOCK_N, NUM_GROUPS, 16])  # [BN, G, 16]
+    packed = load_fp4_groups(w_ptr, offs_n, mask_n, k_begin, stride_wn, BLOCK_K)  # [BN, G, 16] uint8
+    pair = fp4_scale_pairs(s_ptr, offs_n, mask_n, k_begin, stride_sn, BLOCK_K)  # [BN, G]
+    pair_full = tl.broadcast_to(pair[:, :, None], packed.shape)  # [BN, G, 16]
     even, odd = tl.inline_asm_elementwise(
         _E2M1_BF16_FOLDED_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, pair_full], dtype=(tl.bfloat16, tl.bfloat16),
         is_pure=True, pack=4,
@@ -163,39 +125,13 @@ def fp4_tile_halves_bf16_folded_asm(
 # One 32-bit register = two uint16 elements = 8 codes, k = 4j..4j+3 for each element j; outputs
 # $0..$3 = the codes with k % 4 == 0, 1, 2, 3 of both elements (bf16x2, W * 2^-16 as in the folded
 # decode); $4 the codes, $5 / $6 the bf16x2 scale pairs 2^(s - 17) of the two elements.
-_E2M1_QUAD_ASM = tl.constexpr("""
-{
-.reg .b32 z, b0, b1, sc, t, u;
-mov.b32 z, 0;
-prmt.b32 b0, $4, z, 0x4240;
-prmt.b32 b1, $4, z, 0x4341;
-prmt.b32 sc, $5, $6, 0x7610;
-shl.b32 t, b0, 6;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, b0, 12;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $0, t, sc;
-shl.b32 t, b0, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, b0, 8;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $1, t, sc;
-shl.b32 t, b1, 6;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, b1, 12;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $2, t, sc;
-shl.b32 t, b1, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, b1, 8;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $3, t, sc;
-}
-""")
+_E2M1_QUAD_ASM = _asm_block("z, b0, b1, sc, t, u", [
+    "mov.b32 z, 0",
+    "prmt.b32 b0, $4, z, 0x4240", "prmt.b32 b1, $4, z, 0x4341",
+    "prmt.b32 sc, $5, $6, 0x7610",
+    *_placed_outputs([("b0", _E2M1_LOW, "sc"), ("b0", _E2M1_HIGH, "sc"),
+                      ("b1", _E2M1_LOW, "sc"), ("b1", _E2M1_HIGH, "sc")], _E2M1_MAGNITUDE_MASK),
+])
 
 
 @triton.jit
@@ -204,10 +140,8 @@ def fp4_scale_pairs(s_ptr, offs_n, mask_n, k_begin, stride_sn, BLOCK_K: tl.const
 
     Separate from the decode so that the kernel can load the next K step's scales one step ahead
     (a plain register prefetch: Triton's pipeliner does not stage these byte loads)."""
-    offs_g = tl.arange(0, BLOCK_K // 32)  # [G]
-    s = tl.load(s_ptr + offs_n[:, None] * stride_sn + (k_begin // 32) + offs_g[None, :], mask=mask_n[:, None],
-                other=127).to(tl.int32)  # [BN, G]
-    return ((s + 110) << 7) * 65537
+    s = load_fp4_group_scales(s_ptr, offs_n, mask_n, k_begin, stride_sn, BLOCK_K).to(tl.int32)  # [BN, G]
+    return _bf16x2_power_pair(s, 110)
 
 
 @triton.jit
@@ -225,7 +159,7 @@ def fp4_scale_pairs_from_words(s_ptr, offs_n, mask_n, k_begin, stride_sn, BLOCK_
     shifts = 8 * tl.arange(0, 4)  # [4] little-endian byte g of a word = group 4w + g
     s = ((words[:, :, None] >> shifts[None, None, :]) & 0xFF).to(tl.int32)  # [BN, BK/128, 4]
     s = tl.reshape(s, [words.shape[0], BLOCK_K // 32])  # [BN, G]
-    return ((s + 110) << 7) * 65537
+    return _bf16x2_power_pair(s, 110)
 
 
 @triton.jit
@@ -261,64 +195,28 @@ def fp4_tile_quarters_bf16_asm(
 # mantissa bits (value 2^-120 times the e4m3 value, e4m3 subnormals as bf16 subnormals), the sign
 # moves to bit 15; one multiply by 2^(s - 7) = 2^120 * 2^(s - 127) finishes. Exact for scale bytes
 # <= 134 (NaN codes are not handled: checkpoints have none).
-_E4M3_BF16_ASM = tl.constexpr("""
-{
-.reg .b32 z, lo, hi, s01, s23, t, u;
-mov.b32 z, 0;
-prmt.b32 lo, $2, z, 0x4140;
-prmt.b32 hi, $2, z, 0x4342;
-prmt.b32 s01, $3, $4, 0x7610;
-prmt.b32 s23, $5, $6, 0x7610;
-shl.b32 t, lo, 4;
-and.b32 t, t, 0x07F007F0;
-shl.b32 u, lo, 8;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $0, t, s01;
-shl.b32 t, hi, 4;
-and.b32 t, t, 0x07F007F0;
-shl.b32 u, hi, 8;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $1, t, s23;
-}
-""")
+_E4M3_BF16_ASM = _asm_block("z, lo, hi, s01, s23, t, u", [
+    "mov.b32 z, 0",
+    "prmt.b32 lo, $2, z, 0x4140", "prmt.b32 hi, $2, z, 0x4342",
+    "prmt.b32 s01, $3, $4, 0x7610", "prmt.b32 s23, $5, $6, 0x7610",
+    *_placed_outputs([("lo", _E4M3_BYTE, "s01"), ("hi", _E4M3_BYTE, "s23")], _E4M3_MAGNITUDE_MASK),
+])
 
 
 # Two uint32 words (4 e4m3 codes each, k = 4j..4j+3) -> four bf16x2 registers by k mod 4: $0..$3,
 # inputs $4 / $5 the words of elements j and j + 1, $6 / $7 their scale pairs 2^(s - 7). Each byte
-# is moved to the high half of a 16-bit lane by prmt, so one shift right by 4 places exponent and
-# mantissa and the sign is already at bit 15.
-_E4M3_QUAD_ASM = tl.constexpr("""
-{
-.reg .b32 sc, t, u;
-prmt.b32 sc, $6, $7, 0x7610;
-prmt.b32 t, $4, $5, 0x4400;
-shr.b32 u, t, 4;
-and.b32 u, u, 0x07F007F0;
-and.b32 t, t, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $0, t, sc;
-prmt.b32 t, $4, $5, 0x5511;
-shr.b32 u, t, 4;
-and.b32 u, u, 0x07F007F0;
-and.b32 t, t, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $1, t, sc;
-prmt.b32 t, $4, $5, 0x6622;
-shr.b32 u, t, 4;
-and.b32 u, u, 0x07F007F0;
-and.b32 t, t, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $2, t, sc;
-prmt.b32 t, $4, $5, 0x7733;
-shr.b32 u, t, 4;
-and.b32 u, u, 0x07F007F0;
-and.b32 t, t, 0x80008000;
-or.b32 t, t, u;
-mul.bf16x2 $3, t, sc;
-}
-""")
+# is moved to the high half of a 16-bit lane by prmt (selectors 0x4400, 0x5511, 0x6622, 0x7733 for
+# byte 0..3 of both words), so one shift right by 4 places exponent and mantissa and the sign is
+# already at bit 15.
+_E4M3_QUAD_ASM = _asm_block("sc, t, u", ["prmt.b32 sc, $6, $7, 0x7610"] + [
+    line
+    for byte in range(4)
+    for line in (
+        f"prmt.b32 t, $4, $5, 0x{byte + 4}{byte + 4}{byte}{byte}", "shr.b32 u, t, 4",
+        f"and.b32 u, u, {_E4M3_MAGNITUDE_MASK}", "and.b32 t, t, 0x80008000", "or.b32 t, t, u",
+        f"mul.bf16x2 ${byte}, t, sc",
+    )
+])
 
 
 @triton.jit
@@ -334,9 +232,8 @@ def fp8_tile_quarters_bf16_asm(w_ptr, s_ptr, offs_n, mask_n, k_begin, num_cols, 
     w32_ptr = w_ptr.to(tl.pointer_type(tl.uint32))
     words = tl.load(w32_ptr + offs_n[:, None] * (stride_wn // 4) + offs_w[None, :],
                     mask=mask_n[:, None] & (offs_w[None, :] < num_cols // 4), other=0)  # [BN, BK/4]
-    s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k_begin // 128, mask=mask_n, other=127).to(tl.int32)  # [BN]
-    pair = ((s + 120) << 7) * 65537  # [BN] bf16x2 (2^(s - 7), 2^(s - 7))
-    pair_full = tl.broadcast_to(pair[:, None], words.shape)  # [BN, BK/4]
+    s = load_fp8_block_scales(s_ptr, offs_n, mask_n, k_begin, stride_sn)  # [BN]
+    pair_full = tl.broadcast_to(_bf16x2_power_pair(s, 120)[:, None], words.shape)  # [BN, BK/4] 2^(s - 7) pairs
     return tl.inline_asm_elementwise(
         _E4M3_QUAD_ASM, "=r,=r,=r,=r,r,r,r,r", [words, pair_full],
         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
@@ -348,15 +245,9 @@ def fp8_tile_bf16_asm(w_ptr, s_ptr, offs_n, mask_n, k_begin, num_cols, stride_wn
     """As `fp8_tile`, decoded to bf16 by inline PTX (~3 instructions per element, no fp16/fp32 detour).
 
     GPU only; exact for scale bytes <= 134 (weights below 2^7 * 448)."""
-    offs_k = k_begin + tl.arange(0, BLOCK_K)
-    w_bytes = tl.load(
-        w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-        mask=mask_n[:, None] & (offs_k[None, :] < num_cols),
-        other=0,
-    )  # [BN, BK]
-    s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k_begin // 128, mask=mask_n, other=127).to(tl.int32)  # [BN]
-    pair = ((s + 120) << 7) * 65537  # [BN] bf16x2 (2^(s - 7), 2^(s - 7))
-    pair_full = tl.broadcast_to(pair[:, None], w_bytes.shape)  # [BN, BK]
+    w_bytes = load_fp8_codes(w_ptr, offs_n, mask_n, k_begin, num_cols, stride_wn, BLOCK_K)  # [BN, BK]
+    s = load_fp8_block_scales(s_ptr, offs_n, mask_n, k_begin, stride_sn)  # [BN]
+    pair_full = tl.broadcast_to(_bf16x2_power_pair(s, 120)[:, None], w_bytes.shape)  # [BN, BK] 2^(s - 7) pairs
     return tl.inline_asm_elementwise(
         _E4M3_BF16_ASM, "=r,=r,r,r,r,r,r", [w_bytes.to(tl.uint8, bitcast=True), pair_full], dtype=tl.bfloat16,
         is_pure=True, pack=4,

@@ -23,7 +23,7 @@ from moemesh.common.model.attention import Attention
 from moemesh.common.model.batch import ForwardBatch
 from moemesh.common.model.config import ModelConfig, NumericsConfig
 from moemesh.common.model.hyper import hc_head, hc_post, hc_pre
-from moemesh.common.model.linear import Embedding, Linear, RMSNorm, parameter
+from moemesh.common.model.linear import Embedding, Linear, RMSNorm, assign_frozen, parameter
 from moemesh.common.model.moe import Gate, SharedExpert
 
 
@@ -75,18 +75,9 @@ class AttentionSide(nn.Module):
 
         hub_sd may also hold routed experts / mtp tensors; they are ignored. Tensors are cast to the
         parameter dtypes and moved to `device`."""
-        side = cls(config, numerics, device="meta")
-        own = side.state_dict()
         if config.tie_word_embeddings and "head.weight" not in hub_sd:
             hub_sd = {**hub_sd, "head.weight": hub_sd["embed.weight"]}
-        missing = [name for name in own if name not in hub_sd]
-        if missing:
-            raise KeyError(f"attention-side tensors missing from the state dict: {missing[:10]}")
-        cast = {name: hub_sd[name].to(device=device, dtype=own[name].dtype) for name in own}
-        side.load_state_dict(cast, strict=True, assign=True)
-        for param in side.parameters():
-            param.requires_grad_(False)
-        return side
+        return assign_frozen(cls(config, numerics, device="meta"), hub_sd, device, "attention-side")
 
     # ----------------------------------------------------------------------------- steps
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:

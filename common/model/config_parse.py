@@ -8,6 +8,7 @@ scalar `compress_rate_csa` / `compress_rate_hca`; `partial_rotary_factor` > `qk_
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 from moemesh.common.model.config import (
@@ -92,14 +93,7 @@ def _parse_layer_types(d: dict[str, Any], num_layers: int) -> tuple[tuple[Attent
         extra = tuple(int(code) for code in legacy[num_layers:])
     explicit = d.get("layer_types")
     if explicit is not None:
-        kinds = []
-        for index, name in enumerate(explicit):
-            try:
-                kinds.append(AttentionKind(name))
-            except ValueError:
-                allowed = ", ".join(kind.value for kind in AttentionKind)
-                raise ConfigError(f"layer_types[{index}]={name!r} is not one of {allowed}") from None
-        return tuple(kinds[:num_layers]), extra
+        return _parse_kinds("layer_types", explicit, AttentionKind)[:num_layers], extra
     if legacy is not None:
         return tuple(_CODE_TO_KIND[code] for code in legacy[:num_layers]), extra
     # transformers' default: two HCA bootstrap layers, then HCA/CSA alternating (V4-Pro-like).
@@ -108,16 +102,22 @@ def _parse_layer_types(d: dict[str, Any], num_layers: int) -> tuple[tuple[Attent
     return tuple(kinds), extra
 
 
+def _parse_kinds(field: str, names: list, kind_enum: type[enum.Enum]) -> tuple:
+    """A config list of enum values -> the enum members; ConfigError naming the first unknown one."""
+    kinds = []
+    for index, name in enumerate(names):
+        try:
+            kinds.append(kind_enum(name))
+        except ValueError:
+            allowed = ", ".join(kind.value for kind in kind_enum)
+            raise ConfigError(f"{field}[{index}]={name!r} is not one of {allowed}") from None
+    return tuple(kinds)
+
+
 def _parse_mlp_layer_types(d: dict[str, Any], num_layers: int) -> tuple[RouterKind, ...]:
     explicit = d.get("mlp_layer_types")
     if explicit is not None:
-        kinds = []
-        for index, name in enumerate(explicit):
-            try:
-                kinds.append(RouterKind(name))
-            except ValueError:
-                raise ConfigError(f"mlp_layer_types[{index}]={name!r} is not one of hash_moe, moe") from None
-        return tuple(kinds[:num_layers])
+        return _parse_kinds("mlp_layer_types", explicit, RouterKind)[:num_layers]
     num_hash = d.get("num_hash_layers")
     num_hash = _DEFAULT_NUM_HASH_LAYERS if num_hash is None else _as_int("num_hash_layers", num_hash)
     if num_hash < 0:

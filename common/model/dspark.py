@@ -41,8 +41,8 @@ from torch import nn
 from moemesh.common.model.attention import Attention, attend_with_sink
 from moemesh.common.model.attention_side import Block
 from moemesh.common.model.config import AttentionKind, ModelConfig, NumericsConfig, RouterKind
-from moemesh.common.model.hyper import hc_head, hc_post, hc_pre_normed
-from moemesh.common.model.linear import Embedding, Linear, RMSNorm, parameter
+from moemesh.common.model.hyper import hc_head, hc_post, hc_pre
+from moemesh.common.model.linear import Embedding, Linear, RMSNorm, assign_frozen, parameter
 from moemesh.common.model.moe import ExpertsFn, RoutedExperts
 from moemesh.common.model.rope import inverse_rope, rms_norm_rope
 
@@ -162,15 +162,7 @@ class DSparkDrafter(nn.Module):
                         numerics: NumericsConfig | None = None, device: torch.device | str = "cpu") -> "DSparkDrafter":
         """hub_sd: `mtp.*` tensors (hub names, e.g. from `CheckpointReader.load_mtp`), routed experts
         included; other names are ignored. Weights frozen, on `device`."""
-        drafter = cls(config, embed, head, numerics, device="meta")
-        own = drafter.state_dict()
-        missing = [name for name in own if name not in hub_sd]
-        if missing:
-            raise KeyError(f"drafter tensors missing from the state dict: {missing[:10]}")
-        cast = {name: hub_sd[name].to(device=device, dtype=own[name].dtype) for name in own}
-        drafter.load_state_dict(cast, strict=True, assign=True)
-        for param in drafter.parameters():
-            param.requires_grad_(False)
+        drafter = assign_frozen(cls(config, embed, head, numerics, device="meta"), hub_sd, device, "drafter")
         weights = {}
         for j in range(len(drafter.mtp)):
             for expert in range(config.n_routed_experts):
@@ -229,7 +221,7 @@ class DSparkDrafter(nn.Module):
         main_x [A, C, D]; context_positions [A, C] int; context_valid [A, C] bool (False = no such
         position, e.g. before the start of the sequence); block_token_ids / block_positions [A, G].
         Returns the pre-norm hidden state of every slot [A, G, D] (after the last stage's hc_head).
-        Each site's hc_pre and its block norm run as `hc_pre_normed` (the norm inside hc_pre's finish
+        Each site's hc_pre and its block norm run as one `hc_pre(..., out_norm=)` (the norm inside hc_pre's finish
         launch on CUDA). The final hc_head stays unfused: the confidence head needs its pre-norm
         output, and `base_logits` applies the norm.
         """
@@ -241,14 +233,12 @@ class DSparkDrafter(nn.Module):
         e = self.embed(flat_ids)
         h = e.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [A·G, N, D]
         for j, stage in enumerate(self.mtp):
-            x, post, comb = hc_pre_normed(h, stage.hc_attn_fn, stage.hc_attn_base, stage.hc_attn_scale,
-                                          c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, stage.attn_norm.weight,
-                                          stage.attn_norm.eps)
+            x, post, comb = hc_pre(h, stage.hc_attn_fn, stage.hc_attn_base, stage.hc_attn_scale, c.hc_sinkhorn_iters,
+                                   c.hc_eps, c.rms_norm_eps, out_norm=(stage.attn_norm.weight, stage.attn_norm.eps))
             y = self._stage_attention(stage.attn, x, main_x, context_positions, context_valid, block_positions)
             h = hc_post(y, h, post, comb)
-            x, post, comb = hc_pre_normed(h, stage.hc_ffn_fn, stage.hc_ffn_base, stage.hc_ffn_scale,
-                                          c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, stage.ffn_norm.weight,
-                                          stage.ffn_norm.eps)
+            x, post, comb = hc_pre(h, stage.hc_ffn_fn, stage.hc_ffn_base, stage.hc_ffn_scale, c.hc_sinkhorn_iters,
+                                   c.hc_eps, c.rms_norm_eps, out_norm=(stage.ffn_norm.weight, stage.ffn_norm.eps))
             ids, weights = stage.ffn.gate(x, flat_ids)
             y = self.experts_fn(j, x, ids, weights) + stage.ffn.shared_experts(x)
             h = hc_post(y, h, post, comb)

@@ -27,12 +27,17 @@ def hc_pre(
     num_sinkhorn_iters: int,
     hc_eps: float,
     norm_eps: float,
+    out_norm: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (x [T, D] in h's dtype, post [T, N] fp32, comb [T, N, N] fp32)."""
-    if use_triton_glue(h, fn, base, scale):
+    """Returns (x [T, D] in h's dtype, post [T, N] fp32, comb [T, N, N] fp32).
+
+    out_norm (weight [D] fp32, eps): x comes back as RMSNorm(x), the block's attn_norm / ffn_norm; on
+    CUDA the norm runs in hc_pre's finish launch (one launch fewer per site), same roundings as a
+    separate `rms_norm`."""
+    if use_triton_glue(h, fn, base, scale, *_norm_weight(out_norm)):
         from moemesh.common.kernels import mhc
 
-        return mhc.hc_pre(h, fn, base, scale, num_sinkhorn_iters, hc_eps, norm_eps)
+        return mhc.hc_pre(h, fn, base, scale, num_sinkhorn_iters, hc_eps, norm_eps, out_norm=out_norm)
     num_tokens, num_streams, _ = h.shape
     flat = unweighted_rms_norm(h.reshape(num_tokens, -1).float(), norm_eps)  # [T, N·D]
     mix = F.linear(flat, fn.float())  # [T, M]
@@ -48,28 +53,7 @@ def hc_pre(
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     x = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)  # [T, D]
-    return x, post, comb
-
-
-def hc_pre_normed(
-    h: torch.Tensor,  # [T, N, D]
-    fn: torch.Tensor,  # [M, N·D]
-    base: torch.Tensor,  # [M]
-    scale: torch.Tensor,  # [3]
-    num_sinkhorn_iters: int,
-    hc_eps: float,
-    norm_eps: float,
-    norm_weight: torch.Tensor,  # [D] fp32: the block's attn_norm / ffn_norm weight
-    out_eps: float,  # that RMSNorm's eps
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`hc_pre` followed by `RMSNorm` of x -> (normed x [T, D], post, comb); on CUDA the norm runs in
-    hc_pre's finish launch (one launch fewer per site). Same roundings as the two calls."""
-    if use_triton_glue(h, fn, base, scale, norm_weight):
-        from moemesh.common.kernels import mhc
-
-        return mhc.hc_pre(h, fn, base, scale, num_sinkhorn_iters, hc_eps, norm_eps, out_norm=(norm_weight, out_eps))
-    x, post, comb = hc_pre(h, fn, base, scale, num_sinkhorn_iters, hc_eps, norm_eps)
-    return rms_norm(x, norm_weight, out_eps), post, comb
+    return _normed(x, out_norm), post, comb
 
 
 def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -89,31 +73,24 @@ def hc_head(
     scale: torch.Tensor,  # [1]
     hc_eps: float,
     norm_eps: float,
+    out_norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """Final collapse of the streams (no Sinkhorn) -> [T, D]."""
-    if use_triton_glue(h, fn, base, scale):
+    """Final collapse of the streams (no Sinkhorn) -> [T, D]; out_norm (weight [D] fp32, eps): followed
+    by the final `RMSNorm`, one launch fewer on CUDA."""
+    if use_triton_glue(h, fn, base, scale, *_norm_weight(out_norm)):
         from moemesh.common.kernels import mhc
 
-        return mhc.hc_head(h, fn, base, scale, hc_eps, norm_eps)
+        return mhc.hc_head(h, fn, base, scale, hc_eps, norm_eps, out_norm=out_norm)
     flat = unweighted_rms_norm(h.reshape(h.shape[0], -1).float(), norm_eps)
     mix = F.linear(flat, fn.float())  # [T, N]
     weights = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
-    return (weights.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
+    return _normed((weights.unsqueeze(-1) * h).sum(dim=1).to(h.dtype), out_norm)
 
 
-def hc_head_normed(
-    h: torch.Tensor,  # [T, N, D]
-    fn: torch.Tensor,  # [N, N·D]
-    base: torch.Tensor,  # [N]
-    scale: torch.Tensor,  # [1]
-    hc_eps: float,
-    norm_eps: float,
-    norm_weight: torch.Tensor,  # [D] fp32: the final norm's weight
-    out_eps: float,
-) -> torch.Tensor:
-    """`hc_head` followed by the final `RMSNorm` -> [T, D]; one launch fewer on CUDA."""
-    if use_triton_glue(h, fn, base, scale, norm_weight):
-        from moemesh.common.kernels import mhc
+def _norm_weight(out_norm: tuple[torch.Tensor, float] | None) -> tuple[torch.Tensor, ...]:
+    """The norm weight as a tensor the glue dispatch must also see on CUDA (none without out_norm)."""
+    return () if out_norm is None else (out_norm[0],)
 
-        return mhc.hc_head(h, fn, base, scale, hc_eps, norm_eps, out_norm=(norm_weight, out_eps))
-    return rms_norm(hc_head(h, fn, base, scale, hc_eps, norm_eps), norm_weight, out_eps)
+
+def _normed(x: torch.Tensor, out_norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+    return x if out_norm is None else rms_norm(x, *out_norm)

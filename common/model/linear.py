@@ -110,3 +110,19 @@ class Embedding(nn.Module):
 def parameter(*shape: int, dtype: torch.dtype, device=None) -> nn.Parameter:
     """An uninitialised, non-trainable parameter (filled by `load_state_dict`)."""
     return _parameter(*shape, dtype=dtype, device=device)
+
+
+def assign_frozen(module: nn.Module, hub_sd: dict[str, torch.Tensor], device: torch.device | str,
+                  what: str) -> nn.Module:
+    """Fill a module built on the meta device from `hub_sd` (its own names; others are ignored): each
+    tensor cast to its parameter's dtype, moved to `device`, frozen. KeyError names the first
+    missing tensors of `what`."""
+    own = module.state_dict()
+    missing = [name for name in own if name not in hub_sd]
+    if missing:
+        raise KeyError(f"{what} tensors missing from the state dict: {missing[:10]}")
+    cast = {name: hub_sd[name].to(device=device, dtype=own[name].dtype) for name in own}
+    module.load_state_dict(cast, strict=True, assign=True)
+    for param in module.parameters():
+        param.requires_grad_(False)
+    return module

@@ -75,29 +75,22 @@ def _fail(path: str, expected: str, value: Any) -> WireError:
 # ---------------------------------------------------------------- scalars
 
 
-def _int_codec() -> tuple[Encoder, Decoder]:
+# type hint -> (name in errors, the exact types accepted: no subclasses, so a bool is no int, and the
+# conversion of an accepted value, None to pass it through)
+_SCALARS: dict[type, tuple[str, tuple[type, ...], Callable[[Any], Any] | None]] = {
+    bool: ("bool", (bool,), None),
+    int: ("int", (int,), None),
+    float: ("float", (float, int), float),
+    bytes: ("bytes", (bytes, bytearray, memoryview), bytes),
+}
+
+
+def _scalar_codec(name: str, accepted: tuple[type, ...],
+                  convert: Callable[[Any], Any] | None) -> tuple[Encoder, Decoder]:
     def check(value, path, ctx):
-        if type(value) is not int:
-            raise _fail(path, "int", value)
-        return value
-
-    return check, check
-
-
-def _float_codec() -> tuple[Encoder, Decoder]:
-    def check(value, path, ctx):
-        if type(value) not in (float, int):
-            raise _fail(path, "float", value)
-        return float(value)
-
-    return check, check
-
-
-def _bool_codec() -> tuple[Encoder, Decoder]:
-    def check(value, path, ctx):
-        if type(value) is not bool:
-            raise _fail(path, "bool", value)
-        return value
+        if type(value) not in accepted:
+            raise _fail(path, name, value)
+        return value if convert is None else convert(value)
 
     return check, check
 
@@ -109,15 +102,6 @@ def _str_codec() -> tuple[Encoder, Decoder]:
         if len(value) > ctx.limits.max_str_bytes:
             raise WireError(f"{path}: string longer than {ctx.limits.max_str_bytes}")
         return value
-
-    return check, check
-
-
-def _bytes_codec() -> tuple[Encoder, Decoder]:
-    def check(value, path, ctx):
-        if type(value) not in (bytes, bytearray, memoryview):
-            raise _fail(path, "bytes", value)
-        return bytes(value)
 
     return check, check
 
@@ -321,16 +305,10 @@ def compile_type(tp: Any) -> tuple[Encoder, Decoder]:
         return _tensor_codec()
     if tp is Any:
         return _plain_codec()
-    if tp is bool:
-        return _bool_codec()
-    if tp is int:
-        return _int_codec()
-    if tp is float:
-        return _float_codec()
+    if isinstance(tp, type) and tp in _SCALARS:
+        return _scalar_codec(*_SCALARS[tp])
     if tp is str:
         return _str_codec()
-    if tp is bytes:
-        return _bytes_codec()
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return _enum_codec(tp)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):

@@ -205,23 +205,15 @@ class AsyncServer:
         self.socket.close(linger=0)
 
 
-def _connect_dealer(context: zmq.Context, endpoint: str, security: SocketSecurity | None) -> zmq.Socket:
-    """A DEALER socket, secured as a CURVE client when `security` says so, connected to `endpoint`."""
-    socket = _new_socket(context, zmq.DEALER)
-    if security is not None:
-        _secure_or_close(socket, security.secure_client, endpoint)
-    socket.connect(endpoint)
-    return socket
-
-
-class AsyncClient:
-    """A DEALER connected to one server; requests may overlap; replies matched by id."""
+class _DealerClient:
+    """A DEALER socket connected to one server (a CURVE client when `security` says so), with the
+    reply types it accepts, the request ids it hands out and its count of late replies."""
 
     def __init__(
         self,
         endpoint: str,
         *,
-        context: zmq.asyncio.Context,
+        context: zmq.Context,
         limits: WireLimits = DEFAULT_LIMITS,
         accept: Iterable[type] | None = None,
         default_timeout_s: float = 5.0,
@@ -231,15 +223,36 @@ class AsyncClient:
         self.limits = limits
         self.accept = frozenset(accept) if accept is not None else None
         self.default_timeout_s = default_timeout_s
-        self.socket = _connect_dealer(context, endpoint, security)
+        self.socket = _new_socket(context, zmq.DEALER)
+        if security is not None:
+            _secure_or_close(self.socket, security.secure_client, endpoint)
+        self.socket.connect(endpoint)
         self._ids = itertools.count(1)
+        self.num_late_replies = 0
+
+    def _bound_s(self, timeout_s: float | None) -> float:
+        return self.default_timeout_s if timeout_s is None else timeout_s
+
+    def _log_dropped(self, error: Exception) -> None:
+        log.warning("wire.dropped", endpoint=self.endpoint, reason=str(error)[:200])
+
+    def _count_late_reply(self, correlation_id: int) -> None:
+        self.num_late_replies += 1
+        log.warning("wire.late_reply", endpoint=self.endpoint, correlation_id=correlation_id)
+
+
+class AsyncClient(_DealerClient):
+    """A DEALER connected to one server (zmq.asyncio context); requests may overlap; replies
+    matched by id."""
+
+    def __init__(self, endpoint: str, **options: Any) -> None:  # options: as `_DealerClient`
+        super().__init__(endpoint, **options)
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
-        self.num_late_replies = 0
 
     async def request(self, message: Any, timeout_s: float | None = None, staging: Any = None) -> Any:
         """The reply message (possibly an ErrorReply), or ReplyTimeout after timeout_s."""
-        bound_s = self.default_timeout_s if timeout_s is None else timeout_s
+        bound_s = self._bound_s(timeout_s)
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read_replies())
         correlation_id = next(self._ids)
@@ -256,7 +269,7 @@ class AsyncClient:
 
     async def notify(self, message: Any, timeout_s: float | None = None) -> None:
         """Send one-way; bounded so that a full queue to a dead peer cannot hang the caller."""
-        bound_s = self.default_timeout_s if timeout_s is None else timeout_s
+        bound_s = self._bound_s(timeout_s)
         try:
             async with asyncio.timeout(bound_s):
                 await self._send(Kind.NOTIFY, next(self._ids), message, None)
@@ -273,17 +286,16 @@ class AsyncClient:
             try:
                 kind, correlation_id = unpack_envelope(frames[0])
             except (WireError, IndexError) as error:
-                log.warning("wire.dropped", endpoint=self.endpoint, reason=str(error)[:200])
+                self._log_dropped(error)
                 continue
             future = self._pending.get(correlation_id)
             if future is None or future.done() or kind is not Kind.REPLY:
-                self.num_late_replies += 1
-                log.warning("wire.late_reply", endpoint=self.endpoint, correlation_id=correlation_id)
+                self._count_late_reply(correlation_id)
                 continue
             try:
                 future.set_result(codec.decode(frames[1:], limits=self.limits, accept=self.accept))
             except WireError as error:
-                log.warning("wire.dropped", endpoint=self.endpoint, reason=str(error)[:200])
+                self._log_dropped(error)
                 future.set_exception(error)
 
     async def close(self) -> None:
@@ -296,29 +308,11 @@ class AsyncClient:
         self.socket.close(linger=0)
 
 
-class SyncClient:
+class SyncClient(_DealerClient):
     """Blocking DEALER client, one request at a time; for loops that must not yield."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        context: zmq.Context,
-        limits: WireLimits = DEFAULT_LIMITS,
-        accept: Iterable[type] | None = None,
-        default_timeout_s: float = 5.0,
-        security: SocketSecurity | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self.limits = limits
-        self.accept = frozenset(accept) if accept is not None else None
-        self.default_timeout_s = default_timeout_s
-        self.socket = _connect_dealer(context, endpoint, security)
-        self._ids = itertools.count(1)
-        self.num_late_replies = 0
-
     def request(self, message: Any, timeout_s: float | None = None, staging: Any = None) -> Any:
-        bound_s = self.default_timeout_s if timeout_s is None else timeout_s
+        bound_s = self._bound_s(timeout_s)
         deadline = time.monotonic() + bound_s
         correlation_id = next(self._ids)
         if not self.socket.poll(int(bound_s * 1000), zmq.POLLOUT):
@@ -336,11 +330,10 @@ class SyncClient:
             try:
                 kind, reply_id = unpack_envelope(reply[0])
             except WireError as error:
-                log.warning("wire.dropped", endpoint=self.endpoint, reason=str(error)[:200])
+                self._log_dropped(error)
                 continue
             if reply_id != correlation_id or kind is not Kind.REPLY:
-                self.num_late_replies += 1
-                log.warning("wire.late_reply", endpoint=self.endpoint, correlation_id=reply_id)
+                self._count_late_reply(reply_id)
                 continue
             return codec.decode(reply[1:], limits=self.limits, accept=self.accept)
 

@@ -14,7 +14,8 @@ into the format the worker keeps (`holdings.ExpertHoldings`, `--expert-dtype nat
   received ids and mask (selection.py), so a ZeroMQ Dispatch needs no host sync before the reply's copy.
 - dense matrices (float checkpoints, `bf16`): rows grouped by expert (grouping.py), each expert once.
 Admin messages (`LoadExperts`, `DropExperts`, `QueryInventory`) change or report what is held; each
-answers with an `ExpertInventory` that carries the resident and the stored bytes of the held experts.
+answers with an `ExpertInventory` that carries the resident and the stored bytes of the held experts;
+a load beyond the worker's expert budget is refused (budget.py).
 
 Data path: a Dispatch's tensors go to the device by plain copies for quantized holdings (with the
 landing ring, several small tensors per Dispatch, the two-GPU ZeroMQ run at B = 64 took 12 ms per
@@ -30,7 +31,6 @@ Legend: T tokens, K top-k slots, D hidden, R selected (token, slot) rows.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +41,12 @@ from moemesh.common.model.config import ModelConfig, resolve_dtype
 from moemesh.common.runtime.service import Service
 from moemesh.common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
 from moemesh.common.wire.messages import (
-    AttachCudaIpc, Combine, Dispatch, DispatchSlot, DropExperts, ErrorCode, ErrorReply, ExpertInventory, ExpertKey,
-    LoadExperts, QueryInventory,
+    AttachCudaIpc, Combine, Dispatch, DispatchSlot, DropExperts, ErrorCode, ErrorReply, ExpertInventory, LoadExperts,
+    QueryInventory,
 )
 from moemesh.common.checkpoint.expert_stacks import ExpertDtype, ResidentFormat
 from moemesh.common.kernels.moe_layout import sum_slots_in_order
+from moemesh.services.expert.budget import expert_inventory, load_refusal
 from moemesh.services.expert.grouping import group_by_expert, slot_outputs
 from moemesh.services.expert.holdings import ExpertHoldings
 from moemesh.services.expert.ipc_plane import ExpertSlotPlane
@@ -76,19 +77,6 @@ class ExpertWorkerConfig:
     # Routed-expert bytes the startup budget leaves this worker (common/placement/worker_budget.py);
     # LoadExperts beyond it is refused, the inventory reports what is left. None: unchecked.
     expert_budget_bytes: int | None = None
-
-
-def device_memory(device: torch.device) -> tuple[int, int | None]:
-    """(bytes used, bytes total or None): allocator bytes on CUDA, resident set size on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
-    try:
-        with open("/proc/self/statm", encoding="ascii") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), None
-    except OSError:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None
 
 
 class ExpertWorker(Service):
@@ -184,7 +172,8 @@ class ExpertWorker(Service):
             case Dispatch():
                 return self.handle_dispatch(message)
             case LoadExperts(placement_version=version, experts=keys, checkpoint_path=path):
-                refusal = self._load_refusal([(k.layer, k.expert) for k in keys])
+                refusal = load_refusal(self.config, self.device, self.holdings, self._model_config,
+                                       [(k.layer, k.expert) for k in keys])
                 if refusal is not None:
                     return refusal
                 self.load_pairs([(k.layer, k.expert) for k in keys], path or self.config.checkpoint_path)
@@ -402,39 +391,7 @@ class ExpertWorker(Service):
         return self.holdings.resident_bytes()
 
     def inventory(self) -> ExpertInventory:
-        used, total = device_memory(self.device)
-        budget = self.config.expert_budget_bytes
-        resident = self.num_weight_bytes()
-        return ExpertInventory(
-            name=self.config.name, device=str(self.device), placement_version=self.placement_version,
-            experts=tuple(ExpertKey(layer=l, expert=e) for l, e in self.holdings.pairs),
-            num_weight_bytes=resident, memory_used_bytes=used, memory_total_bytes=total,
-            free_budget_bytes=None if budget is None else budget - resident,
-            num_stored_weight_bytes=self.holdings.stored_bytes())
-
-    def _load_refusal(self, pairs) -> ErrorReply | None:
-        """ErrorReply naming the device and the shortfall when `pairs` do not fit the budget left."""
-        budget = self.config.expert_budget_bytes
-        new = {(int(l), int(e)) for l, e in pairs} - set(self.holdings.pairs)
-        if budget is None or not new or self._model_config is None:
-            return None
-        from moemesh.common.placement.worker_budget import resident_bytes_per_expert
-
-        if len(self.holdings):  # what the held experts really take
-            per_expert = -(-self.num_weight_bytes() // len(self.holdings))
-        else:
-            per_expert = resident_bytes_per_expert(self._model_config, self.config.expert_dtype)
-        needed = self.num_weight_bytes() + len(new) * per_expert
-        if needed <= budget:
-            return None
-        from moemesh.common.placement.devices import format_bytes
-
-        log.error("expert.load_refused", name=self.config.name, device=str(self.device), num_new=len(new),
-                  needed_bytes=needed, budget_bytes=budget)
-        return ErrorReply(code=ErrorCode.OVERLOADED, message=(
-            f"{self.config.name} on {self.device}: {len(new)} more experts need {format_bytes(needed)} in all, the "
-            f"budget for experts is {format_bytes(budget)}; short by {format_bytes(needed - budget)}"))
-
+        return expert_inventory(self.config, self.device, self.placement_version, self.holdings)
 
 def dispatch_shape_problem(dispatch: Dispatch) -> str | None:
     """Why the Dispatch's tensor shapes disagree (from their metadata: no device work), or None."""

@@ -4,12 +4,8 @@
 (docs/design.md §2): validate the body, refuse overload before tokenizing, tokenize, hand
 `GenerationRequest`s to the engine and stream or collect what comes back.
 
-Hostile input costs little: a body over `max_body_bytes` is refused from its Content-Length
-(or as it streams in), nesting deeper than `max_json_depth` before parsing, a prompt that
-cannot fit the context from its byte count before tokenizing (prompt_tokens.py: only where
-the tokenizer bounds the bytes per token). Large bodies are parsed and long prompts tokenized
-in worker threads, at most `max_concurrent_tokenizations` at once, so the event loop (and
-`/health`) stays responsive.
+Reading, parsing, admitting and tokenizing the body (and refusing hostile input cheaply):
+request_intake.py.
 
 Stopping (`begin_drain`, `cut_open_requests`): new requests get 503 with Retry-After while
 open ones finish; what is still open at the drain timeout ends with an error (a final error
@@ -22,9 +18,7 @@ import asyncio
 import hashlib
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import anyio
 import structlog
@@ -32,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from tokenizers import Tokenizer
 
-from moemesh.common.chat import ChatEncodingError, ChatOutputParser, encode_messages
+from moemesh.common.chat import ChatOutputParser
 from moemesh.common.chat import tokens as chat_tokens
 from moemesh.services.router import responses
 from moemesh.services.router.detokenizer import IncrementalDetokenizer, TokenBytes
@@ -41,14 +35,8 @@ from moemesh.services.router.fanout import ChoiceFanOut
 from moemesh.services.router.gateway_config import GatewayConfig
 from moemesh.services.router.guided_decoding import GrammarTokenizer
 from moemesh.services.router.metrics import RouterMetrics
-from moemesh.services.router.prompt_tokens import prompt_tokens_for
-from moemesh.services.router.protocol import CommonOptions, ProtocolError, decode_body
-from moemesh.services.router.request_parsing import (
-    ChatRequest,
-    CompletionRequest,
-    parse_chat_request,
-    parse_completion_request,
-)
+from moemesh.services.router.protocol import ProtocolError
+from moemesh.services.router.request_intake import Overloaded, RequestIntake, RequestPlan
 from moemesh.services.router.sequence_output import ChoiceDelta, SequenceOutput
 from moemesh.services.router.streaming import DONE, KEEP_ALIVE, ClientDisconnected, SSEResponse, run_until_disconnect, sse_data
 
@@ -67,44 +55,20 @@ def derive_seed(seed: int | None, choice_index: int) -> int | None:
     return int.from_bytes(digest, "little") >> 1
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """Everything needed to run one accepted request."""
-
-    endpoint: str  # "chat" | "completions"
-    response_id: str
-    model: str
-    options: CommonOptions
-    prompt_ids: list[list[int]]
-    num_logprobs: int | None
-    thinking: bool = False
-    tools_enabled: bool = False
-    prompt_param: str = "messages"  # the field the prompt came in, for errors
-    echo_texts: tuple[str, ...] | None = None  # completions with echo: each prompt's text
-
-
-class _Overloaded(Exception):
-    def __init__(self, reason: str, retry_after_s: float) -> None:
-        super().__init__(reason)
-        self.retry_after_s = retry_after_s
-
-
 class Gateway:
     def __init__(self, config: GatewayConfig, engine: EngineClient, tokenizer: Tokenizer, metrics: RouterMetrics) -> None:
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.intake = RequestIntake(config, engine, tokenizer)
         self.token_bytes = TokenBytes(tokenizer)
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         # sequence delimiters: past an ignored EOS the model starts a new text with BOS; chat
         # (which keeps special tokens for its parser) shows neither (see _fan_out)
         bos_id = tokenizer.token_to_id(chat_tokens.BOS)
         self.grammar_tokenizer = GrammarTokenizer(tokenizer, config.eos_token_ids)
         self.think_end_token_id = tokenizer.token_to_id(chat_tokens.THINK_END)
         self.delimiter_token_ids = frozenset((*config.eos_token_ids, *(() if bos_id is None else (bos_id,))))
-        self.prompt_tokens = config.prompt_tokens or prompt_tokens_for(tokenizer)
-        self._work_limiter: anyio.CapacityLimiter | None = None  # made on the event loop, at first use
         self.draining = False
         self._open_fanouts: set[ChoiceFanOut] = set()
         self._all_closed = asyncio.Event()
@@ -112,148 +76,26 @@ class Gateway:
 
     # --- endpoints ---------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
-        arrival_s = time.monotonic()
-        if self.draining:
-            return self._draining_response("chat")
-        try:
-            raw = await self._read_body(request)
-            parsed, prompt = await self._off_loop(len(raw), self._prepare_chat, raw)
-            model = self._check_model(parsed.options.model)
-            self._admit(len(raw))
-            prompt_ids = await self._tokenize([prompt], parsed.add_special_tokens, param="messages")
-            plan = _Plan("chat", f"chatcmpl-{uuid.uuid4().hex}", model, parsed.options, prompt_ids,
-                         parsed.num_logprobs, parsed.thinking, parsed.tools is not None)
-        except _Overloaded as overload:
-            return self._overloaded("chat", overload)
-        except ProtocolError as error:
-            return self._client_error("chat", error)
-        return await self._generate(request, plan, arrival_s)
+        return await self._serve("chat", request, self.intake.chat_plan)
 
     async def completions(self, request: Request) -> Response:
+        return await self._serve("completions", request, self.intake.completion_plan)
+
+    async def _serve(self, endpoint: str, request: Request, plan_of) -> Response:
+        """The request planned by `plan_of` (request_intake.py) and generated; 503 while
+        draining, 429 when overloaded, 4xx for a client's mistake."""
         arrival_s = time.monotonic()
         if self.draining:
-            return self._draining_response("completions")
+            return self._draining_response(endpoint)
         try:
-            raw = await self._read_body(request)
-            parsed = await self._off_loop(len(raw), self._prepare_completion, raw)
-            model = self._check_model(parsed.options.model)
-            self._admit(len(raw))
-            texts = [p for p in parsed.prompts if isinstance(p, str)]
-            text_ids = iter(await self._tokenize(texts, parsed.add_special_tokens, param="prompt"))
-            prompt_ids = [next(text_ids) if isinstance(p, str) else self._check_ids(p) for p in parsed.prompts]
-            echo_texts = None
-            if parsed.echo:
-                echo_texts = tuple(p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=True)
-                                   for p in parsed.prompts)
-            plan = _Plan("completions", f"cmpl-{uuid.uuid4().hex}", model, parsed.options, prompt_ids,
-                         parsed.num_logprobs, prompt_param="prompt", echo_texts=echo_texts)
-        except _Overloaded as overload:
-            return self._overloaded("completions", overload)
+            plan = await plan_of(request)
+        except Overloaded as overload:
+            return self._overloaded(endpoint, overload)
         except ProtocolError as error:
-            return self._client_error("completions", error)
+            return self._client_error(endpoint, error)
         return await self._generate(request, plan, arrival_s)
 
-    # --- validation helpers ------------------------------------------------------------
-    def _prepare_chat(self, raw: bytes) -> tuple[ChatRequest, str]:
-        """Bytes -> parsed request and the encoded prompt text (pure: runs in a worker thread
-        for large bodies)."""
-        body = decode_body(raw, max_depth=self.config.max_json_depth)
-        parsed = parse_chat_request(body, max_num_choices=self.config.max_num_choices,
-                                    default_temperature=self.config.default_temperature,
-                                    default_thinking=self.config.default_thinking,
-                                    vocab_size=self.vocab_size)
-        try:
-            prompt = encode_messages(parsed.messages, tools=parsed.tools, thinking=parsed.thinking,
-                                     reasoning_effort=parsed.reasoning_effort)
-        except ChatEncodingError as error:
-            raise ProtocolError(str(error), param="messages") from None
-        return parsed, prompt
-
-    def _prepare_completion(self, raw: bytes) -> CompletionRequest:
-        body = decode_body(raw, max_depth=self.config.max_json_depth)
-        return parse_completion_request(body, max_num_choices=self.config.max_num_choices,
-                                        default_temperature=self.config.default_temperature,
-                                        max_num_prompts=self.config.max_num_prompts,
-                                        vocab_size=self.vocab_size)
-
-    async def _off_loop(self, num_bytes: int, work, *args):
-        """`work(*args)` inline for a small body, else in a worker thread (bounded in number), so
-        parsing and encoding a large body does not stall the event loop."""
-        if num_bytes <= self.config.num_bytes_parsed_inline:
-            return work(*args)
-        return await anyio.to_thread.run_sync(work, *args, limiter=self._limiter())
-
-    async def _read_body(self, request: Request) -> bytes:
-        """The size limit holds before any byte is read when Content-Length is given, and while
-        reading otherwise."""
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ProtocolError(f"request body of {declared} bytes exceeds the limit of {limit} bytes", status=413,
-                                code="body_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ProtocolError(f"request body exceeds the limit of {limit} bytes", status=413,
-                                    code="body_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    def _limiter(self) -> anyio.CapacityLimiter:
-        if self._work_limiter is None:
-            self._work_limiter = anyio.CapacityLimiter(self.config.max_concurrent_tokenizations)
-        return self._work_limiter
-
-    def _check_model(self, model: str | None) -> str:
-        if not self.config.serves(model):
-            raise ProtocolError(f"The model '{model}' does not exist", param="model", status=404,
-                                code="model_not_found")
-        return model or self.config.model_name
-
-    def _admit(self, num_body_bytes: int) -> None:
-        # Before tokenizing: about 4 bytes of JSON per token is a cheap, generous estimate.
-        rejection = self.engine.admission_check(max(1, num_body_bytes // 4))
-        if rejection is not None:
-            raise _Overloaded(rejection.reason, rejection.retry_after_s)
-
-    async def _tokenize(self, texts: list[str], add_special_tokens: bool, *, param: str) -> list[list[int]]:
-        """Token ids of text prompts; each is refused from its byte count first when that
-        already shows it cannot fit the context (prompt_tokens.py says when that bound holds).
-        Long texts are tokenized in a worker thread."""
-        limit = self.config.max_model_len
-        for text in texts:
-            at_least = self.prompt_tokens.min_num_tokens(text, add_special_tokens)
-            if at_least is not None and at_least >= limit:
-                raise ProtocolError(f"the prompt has at least {at_least} tokens; this model's context is {limit} "
-                                    f"tokens", param=param, code="context_length_exceeded")
-        if not texts:
-            return []
-        if sum(len(text) for text in texts) <= self.config.num_chars_tokenized_inline:
-            return self.prompt_tokens.encode(self.tokenizer, texts, add_special_tokens)
-        return await anyio.to_thread.run_sync(self.prompt_tokens.encode, self.tokenizer, texts, add_special_tokens,
-                                              limiter=self._limiter())
-
-    def _check_ids(self, ids: list[int]) -> list[int]:
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise ProtocolError(f"token ids must be in [0, {self.vocab_size})", param="prompt")
-        return list(ids)
-
-    def _max_tokens(self, num_prompt_tokens: int, options: CommonOptions, prompt_param: str) -> int:
-        limit = self.config.max_model_len
-        if num_prompt_tokens >= limit:
-            raise ProtocolError(f"the prompt has {num_prompt_tokens} tokens; this model's context is {limit} tokens",
-                                param=prompt_param, code="context_length_exceeded")
-        room = limit - num_prompt_tokens
-        requested = options.max_tokens
-        if requested is None:
-            return min(room, self.config.default_max_tokens or room)
-        if requested > room:
-            raise ProtocolError(f"{options.max_tokens_param} {requested} + prompt {num_prompt_tokens} tokens exceeds "
-                                f"the context of {limit} tokens", param=options.max_tokens_param,
-                                code="context_length_exceeded")
-        return requested
-
+    # --- refusals ----------------------------------------------------------------------
     def _client_error(self, endpoint: str, error: ProtocolError) -> Response:
         outcome = "not_found" if error.status == 404 else "bad_request"
         self.metrics.requests.labels(endpoint, outcome).inc()
@@ -265,6 +107,12 @@ class Gateway:
         error = ProtocolError("the server is shutting down; retry on another replica or later", status=503,
                               error_type="service_unavailable_error", code="shutting_down")
         return error_response(error, headers={"Retry-After": str(self.config.retry_after_draining_s)})
+
+    def _overloaded(self, endpoint: str, overload: Overloaded) -> Response:
+        self.metrics.requests.labels(endpoint, "rejected").inc()
+        error = ProtocolError(f"server overloaded: {overload}", status=429, error_type="rate_limit_error",
+                              code="overloaded")
+        return error_response(error, headers={"Retry-After": str(max(1, math.ceil(overload.retry_after_s)))})
 
     # --- stopping ----------------------------------------------------------------------
     def begin_drain(self) -> None:
@@ -295,18 +143,12 @@ class Gateway:
         if not self._open_fanouts:
             self._all_closed.set()
 
-    def _overloaded(self, endpoint: str, overload: _Overloaded) -> Response:
-        self.metrics.requests.labels(endpoint, "rejected").inc()
-        error = ProtocolError(f"server overloaded: {overload}", status=429, error_type="rate_limit_error",
-                              code="overloaded")
-        return error_response(error, headers={"Retry-After": str(max(1, math.ceil(overload.retry_after_s)))})
-
     # --- generation --------------------------------------------------------------------
-    def _fan_out(self, plan: _Plan, arrival_s: float) -> ChoiceFanOut:
+    def _fan_out(self, plan: RequestPlan, arrival_s: float) -> ChoiceFanOut:
         options = plan.options
         requests, outputs = [], []
         for prompt_index, prompt_ids in enumerate(plan.prompt_ids):
-            max_tokens = self._max_tokens(len(prompt_ids), options, plan.prompt_param)
+            max_tokens = self.intake.max_tokens(len(prompt_ids), options, plan.prompt_param)
             for choice in range(options.num_choices):
                 index = prompt_index * options.num_choices + choice
                 # EOS ends a request in the scheduler unless ignore_eos; as a stop id it would end
@@ -337,7 +179,7 @@ class Gateway:
         return ChoiceFanOut(self.engine, requests, outputs, self.metrics, arrival_monotonic_s=arrival_s,
                             deadline_monotonic_s=deadline_s)
 
-    async def _generate(self, request: Request, plan: _Plan, arrival_s: float) -> Response:
+    async def _generate(self, request: Request, plan: RequestPlan, arrival_s: float) -> Response:
         try:
             fanout = self._fan_out(plan, arrival_s)
         except ProtocolError as error:
@@ -371,7 +213,7 @@ class Gateway:
         await fanout.close()
         self._untrack(fanout)
 
-    def _usage(self, plan: _Plan, outputs: list[SequenceOutput]) -> responses.UsageTotals:
+    def _usage(self, plan: RequestPlan, outputs: list[SequenceOutput]) -> responses.UsageTotals:
         usage = responses.combine_usage(outputs, [len(p) for p in plan.prompt_ids], plan.options.num_choices)
         self.metrics.cached_prompt_tokens.inc(usage.num_cached_tokens)
         if usage.speculative is not None:
@@ -383,7 +225,7 @@ class Gateway:
         reasons = {o.finish_reason for o in outputs}
         return "engine_error" if "error" in reasons else "timeout" if "abort" in reasons else "ok"
 
-    def _complete(self, plan: _Plan, outputs: list[SequenceOutput]) -> Response:
+    def _complete(self, plan: RequestPlan, outputs: list[SequenceOutput]) -> Response:
         outcome = self._outcome(outputs)
         self.metrics.requests.labels(plan.endpoint, outcome).inc()
         if outcome == "engine_error":
@@ -405,12 +247,12 @@ class Gateway:
                                                  echo_texts=self._echo_per_choice(plan)))
 
     @staticmethod
-    def _echo_per_choice(plan: _Plan) -> list[str] | None:
+    def _echo_per_choice(plan: RequestPlan) -> list[str] | None:
         if plan.echo_texts is None:
             return None
         return [text for text in plan.echo_texts for _ in range(plan.options.num_choices)]
 
-    async def _stream(self, plan: _Plan, fanout: ChoiceFanOut) -> AsyncIterator[bytes]:
+    async def _stream(self, plan: RequestPlan, fanout: ChoiceFanOut) -> AsyncIterator[bytes]:
         created = int(time.time())
         chat = plan.endpoint == "chat"
         with_logprobs = plan.num_logprobs is not None

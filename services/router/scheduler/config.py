@@ -18,6 +18,14 @@ def num_blocks_for_tokens(num_tokens: int, block_size_tokens: int) -> int:
     return -(-num_tokens // block_size_tokens)
 
 
+# field -> the least value it may take
+_MINIMUMS = {
+    "max_model_len": 2, "num_gpu_blocks": 1, "num_cpu_blocks": 0, "max_num_batched_tokens": 1,
+    "long_prefill_token_threshold": 1, "max_num_running_seqs": 1, "max_waiting_requests": 1,
+    "max_waiting_prompt_tokens": 1,
+}
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one scheduler (one attention data-parallel rank).
@@ -53,26 +61,8 @@ class SchedulerConfig:
                 f"block_size_tokens must be a positive multiple of {COMPRESSOR_WINDOW_TOKENS}, "
                 f"got {self.block_size_tokens}"
             )
-        if self.max_model_len < 2:
-            problems.append(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.num_gpu_blocks < 1:
-            problems.append(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
-        if self.num_cpu_blocks < 0:
-            problems.append(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
-        if self.max_num_batched_tokens < 1:
-            problems.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.long_prefill_token_threshold < 1:
-            problems.append(
-                f"long_prefill_token_threshold must be >= 1, got {self.long_prefill_token_threshold}"
-            )
-        if self.max_num_running_seqs < 1:
-            problems.append(f"max_num_running_seqs must be >= 1, got {self.max_num_running_seqs}")
-        if self.max_waiting_requests < 1:
-            problems.append(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
-        if self.max_waiting_prompt_tokens < 1:
-            problems.append(
-                f"max_waiting_prompt_tokens must be >= 1, got {self.max_waiting_prompt_tokens}"
-            )
+        problems += [f"{name} must be >= {least}, got {getattr(self, name)}"
+                     for name, least in _MINIMUMS.items() if getattr(self, name) < least]
         if not problems:
             needed = num_blocks_for_tokens(self.max_model_len, self.block_size_tokens)
             if needed > self.num_gpu_blocks:
