@@ -220,7 +220,7 @@ def choose_config(num_tokens: int, num_experts: int, hidden: int) -> GateConfig:
         block_e = min(padded, 64)
         programs = triton.cdiv(num_tokens, block_t) * (padded // block_e)
         splits = max(1, min(TARGET_PROGRAMS // programs, hidden // MIN_D_PER_SPLIT))
-        return GateConfig(block_t, block_e, 64, splits)
+        return GateConfig(block_t, block_e, 64, splits, num_warps=8)
     return GateConfig(32, padded, 32, 1, num_warps=8)
 
 
