@@ -4,17 +4,22 @@
 TRITON_INTERPRET=1 on CPU: the kernel is called on CPU tensors) and prints one JSON object per
 case; `cuda_cases()` are the V4-Flash sizes (E 256, D 4096, K 6, bf16) on a GPU.
 
-Criteria: ids equal exactly; weights within WEIGHT_TOLERANCE[dtype] relative, element by element
-(fp32: summation order and the last bit of exp/log; bf16: one rounding, 2^-8; most bf16 weights are
-bit-equal). "grid" inputs are small multiples of powers of two whose products and sums are exact in
-fp32 in any order, so the kernel's logits equal the reference's bit for bit and its ids must match
-even where scores tie (the tie rule: the lowest expert id among equal values at the K-th place).
-"normal" inputs are Gaussian, as trained weights look.
+Criteria: weights within WEIGHT_TOLERANCE[dtype] relative, element by element (fp32: summation
+order and the last bit of exp/log; bf16: two roundings, 2^-6, for a logit rounded the other way by
+cuBLAS; from equal logits bf16 weights are bit-equal). "grid" inputs are small multiples of powers of
+two whose products and sums are exact in fp32 in any order, so the kernel's logits equal the
+reference's bit for bit and its ids must equal the reference's in every row, ties included (the tie
+rule: the lowest expert id among equal values at the K-th place). "normal" inputs are Gaussian, as
+trained weights look; there a row's ids may differ only where the reference's K-th and (K+1)-th
+biased scores are within two roundings of the score (a logit summed in another order can round the
+other way), and such rows' weights are not compared. On the GPU the grid references run with
+cuBLAS's reduced-precision bf16 reductions off, so their logits are exact too.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import zlib
@@ -24,7 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
-WEIGHT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8}
+WEIGHT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6}
 ROUTE_SCALE = 1.5
 
 
@@ -37,13 +42,15 @@ class GateCheck:
     tolerance: float
     bit_equal_weights: float  # share of weights equal bit for bit
     boundary_ties: int = 0  # learned rows whose K-th and (K+1)-th biased scores are equal
+    near_tie_mismatches: int = 0  # of mismatched_rows, those allowed ("normal" inputs: near ties)
     ties_required: bool = False
     kernel_ran: bool = True
 
     @property
     def passed(self) -> bool:
         ties_ok = self.boundary_ties > 0 or not self.ties_required
-        return self.ids_equal and self.weight_error <= self.tolerance and self.kernel_ran and ties_ok
+        ids_ok = self.ids_equal or self.near_tie_mismatches == self.mismatched_rows
+        return ids_ok and self.weight_error <= self.tolerance and self.kernel_ran and ties_ok
 
 
 def make_gate(num_experts: int, hidden: int, top_k: int, hashed: bool, dtype, device, *, vocab: int = 64):
@@ -86,22 +93,50 @@ def fill_gate(gate, x_rows: int, inputs: str, bias: str, generator) -> tuple[tor
     return x.to(dtype), token_ids
 
 
-def boundary_ties(gate, x: torch.Tensor) -> int:
-    """Rows of a learned gate where the K-th and (K+1)-th largest s + bias are equal (torch path)."""
+def boundary_margins(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Learned gates (torch path): per row the K-th minus the (K+1)-th largest s + bias, and the
+    spacing of x's dtype at the K-th score (its last-bit value); None for hash gates."""
     if hasattr(gate, "tid2eid") or gate.top_k >= gate.weight.shape[0]:
-        return 0
+        return None
     scores = torch.nn.functional.softplus(torch.nn.functional.linear(x, gate.weight)).sqrt()
-    ranked = (scores + gate.bias).sort(dim=-1, descending=True).values
-    return int((ranked[:, gate.top_k - 1] == ranked[:, gate.top_k]).sum())
+    ranked, order = (scores + gate.bias).sort(dim=-1, descending=True)
+    kth_score = scores.gather(1, order[:, gate.top_k - 1:gate.top_k]).squeeze(1).float().abs().clamp_min(1e-30)
+    spacing = torch.exp2(torch.floor(torch.log2(kth_score))) * torch.finfo(scores.dtype).eps
+    return ranked[:, gate.top_k - 1] - ranked[:, gate.top_k], spacing
 
 
-def compare(case_id, out, ref, dtype, ties: int = 0, ties_required: bool = False,
+@contextlib.contextmanager
+def exact_cublas_sums(on: bool):
+    """Within the block (when on), cuBLAS keeps fp32 reductions for bf16 matmuls."""
+    matmul = torch.backends.cuda.matmul
+    previous = matmul.allow_bf16_reduced_precision_reduction
+    if on:
+        matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = previous
+
+
+def compare(case_id, out, ref, dtype, margins=None, ties_required: bool = False, near_ties_allowed: bool = False,
             kernel_ran: bool = True) -> GateCheck:
+    """margins: `boundary_margins` of the reference; near_ties_allowed: rows with a margin within two
+    spacings may differ in ids (their weights are then not compared)."""
     (ids, weights), (ref_ids, ref_weights) = out, ref
     row_ok = (ids == ref_ids).all(dim=-1)
-    error = ((weights.double() - ref_weights.double()).abs() / ref_weights.double().abs().clamp_min(1e-30)).max()
+    ties, near_tie_mismatches, compared = 0, 0, row_ok
+    if margins is not None:
+        margin, spacing = (m.to(row_ok.device) for m in margins)
+        ties = int((margin == 0).sum())
+        if near_ties_allowed:
+            near_tie_mismatches = int((~row_ok & (margin <= 2 * spacing)).sum())
+    if not near_ties_allowed:
+        compared = torch.ones_like(row_ok)
+    error = ((weights.double() - ref_weights.double()).abs() / ref_weights.double().abs().clamp_min(1e-30))
+    error = error[compared].max() if bool(compared.any()) else torch.zeros(())
     return GateCheck(case_id, bool(row_ok.all()), int((~row_ok).sum()), float(error), WEIGHT_TOLERANCE[dtype],
-                     float((weights == ref_weights).double().mean()), ties, ties_required, kernel_ran)
+                     float((weights == ref_weights).double().mean()), ties, near_tie_mismatches, ties_required,
+                     kernel_ran)
 
 
 def check_gate(case_id, num_tokens, num_experts, hidden, top_k, *, hashed=False, bias="random", inputs="grid",
@@ -114,14 +149,14 @@ def check_gate(case_id, num_tokens, num_experts, hidden, top_k, *, hashed=False,
     generator = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
     module = make_gate(num_experts, hidden, top_k, hashed, dtype, device)
     x, token_ids = fill_gate(module, num_tokens, inputs, bias, generator)
-    with forced_torch_glue():
+    with forced_torch_glue(), exact_cublas_sums(inputs == "grid"):
         ref = module(x, token_ids)
-        ties = boundary_ties(module, x)
+        margins = boundary_margins(module, x)
     out = gate_kernel.gate(x, module.weight, top_k=top_k, route_scale=ROUTE_SCALE,
                            bias=module.bias if not hashed and kernel_bias else None,
                            tid2eid=module.tid2eid if hashed else None, token_ids=token_ids if hashed else None,
                            config=config)
-    return compare(case_id, out, ref, dtype, ties)
+    return compare(case_id, out, ref, dtype, margins, near_ties_allowed=inputs == "normal")
 
 
 def tie_rule_ids(scores: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -146,15 +181,15 @@ def check_tie_rule(case_id, dtype=torch.float32, device="cpu", config=None) -> G
     with forced_torch_glue():
         ref = module(x, token_ids)
         scores = torch.nn.functional.softplus(torch.nn.functional.linear(x, module.weight)).sqrt().float()
-        ties = boundary_ties(module, x)
+        margins = boundary_margins(module, x)
     out = gate_kernel.gate(x, module.weight, top_k=top_k, route_scale=ROUTE_SCALE, bias=module.bias, config=config)
-    result = compare(case_id, out, ref, dtype, ties, ties_required=True)
+    result = compare(case_id, out, ref, dtype, margins, ties_required=True)
     rule_ok = torch.equal(out[0].cpu(), tie_rule_ids(scores.cpu(), top_k))
     if device == "cuda":  # torch.topk on CUDA picks the same set
         topk_ids = torch.topk(scores, top_k, dim=-1, sorted=False).indices.sort(dim=-1).values
         rule_ok = rule_ok and torch.equal(topk_ids.cpu(), out[0].cpu())
     return GateCheck(case_id, result.ids_equal and rule_ok, result.mismatched_rows, result.weight_error,
-                     result.tolerance, result.bit_equal_weights, ties, True)
+                     result.tolerance, result.bit_equal_weights, result.boundary_ties, 0, True)
 
 
 def check_dispatch(case_id, hashed: bool, device="cpu") -> GateCheck:
