@@ -1,7 +1,8 @@
 """Runs of the glue checks that need their own process or no GPU (used by the tests).
 
-- `run_interpret_suite`: `glue_kernels` (or another check module, e.g. `gate_kernel`) in a child with TRITON_INTERPRET=1 (the interpreter is chosen
-  when a kernel is decorated, so it cannot be switched on inside a process that imported the kernels);
+- `run_interpret_suite`: `glue_kernels` (or another check module, e.g. `gate_kernel`) in a child with
+  TRITON_INTERPRET=1 (the interpreter is chosen when a kernel is decorated, so it cannot be switched on
+  inside a process that imported the kernels);
 - `model_forward_check`: the tiny model's forward with every glue op on the Triton path (child with
   TRITON_INTERPRET=1 and MOEMESH_TRITON_GLUE_ON_CPU=1) against transformers;
 - `hopper_compile_errors`: every kernel variant compiled for sm_90 by ptxas, no GPU needed.

@@ -48,7 +48,8 @@ import triton.language as tl
 
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
-FMA_MAX_TOKENS = 8  # up to this many rows: multiply-add GEMV; above: tl.dot
+FMA_MAX_TOKENS = 1  # up to this many rows: multiply-add GEMV; above: tl.dot (rows padded to 16)
+FMA_TILE_ELEMENTS = 8192  # BT · BE · BD products per GEMV step
 TARGET_PROGRAMS = 128  # about one program per SM on an H200 for decode
 MIN_D_PER_SPLIT = 256
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch's default: softplus(z) = z above it
@@ -206,22 +207,20 @@ def padded_experts(num_experts: int) -> int:
 
 
 def choose_config(num_tokens: int, num_experts: int, hidden: int) -> GateConfig:
-    """Decode: ~TARGET_PROGRAMS programs over experts × D slices; prefill: whole rows per program."""
+    """About TARGET_PROGRAMS programs over row blocks × expert blocks × D slices; above 256 rows
+    each program covers all experts (no expert split), above ~4K rows no D split either."""
     padded = padded_experts(num_experts)
     if num_tokens <= FMA_MAX_TOKENS:
         block_t = triton.next_power_of_2(max(num_tokens, 1))
         block_e = min(padded, 16)
         e_blocks = padded // block_e
         splits = max(1, min(TARGET_PROGRAMS // e_blocks, hidden // MIN_D_PER_SPLIT))
-        block_d = min(triton.next_power_of_2(hidden), max(32, 4096 // (block_t * block_e)))
+        block_d = min(triton.next_power_of_2(hidden), max(32, FMA_TILE_ELEMENTS // (block_t * block_e)))
         return GateConfig(block_t, block_e, block_d, splits)
-    if num_tokens <= 256:
-        block_t = 16
-        block_e = min(padded, 64)
-        programs = triton.cdiv(num_tokens, block_t) * (padded // block_e)
-        splits = max(1, min(TARGET_PROGRAMS // programs, hidden // MIN_D_PER_SPLIT))
-        return GateConfig(block_t, block_e, 64, splits, num_warps=8)
-    return GateConfig(32, padded, 32, 1, num_warps=8)
+    block_t, block_e, block_d = (16, min(padded, 64), 64) if num_tokens <= 256 else (32, padded, 32)
+    programs = triton.cdiv(num_tokens, block_t) * (padded // block_e)
+    splits = max(1, min(TARGET_PROGRAMS // programs, hidden // MIN_D_PER_SPLIT))
+    return GateConfig(block_t, block_e, block_d, splits, num_warps=8)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
