@@ -1,4 +1,4 @@
-"""Fused per-layer glue (mHC, RMS norms, RoPE) against its torch code on CUDA, V4-Flash shapes.
+"""Fused per-layer glue (mHC, RMS norms, RoPE, the MoE gate) against its torch code on CUDA, V4-Flash shapes.
 
 Usage: python -m moemesh.bench.kernels_fused [--out-dir DIR] [--tokens 1,8,64,2048] [--sweep]
 
@@ -8,7 +8,9 @@ sees), for the Triton path (default dispatch) and the torch path (`forced_torch_
 launches per call (torch.profiler, eager); the fewest bytes the op must move (each input read once,
 each output written once) and time / floor at the copy bandwidth measured in the same run.
 Several input copies are rotated so that large inputs come from HBM; the small decode inputs stay
-in L2, as they would in a decode step. --sweep also times mHC launch configurations.
+in L2, as they would in a decode step; the gate's weight [256, 4096] bf16 (2 MiB) is rotated over
+GATE_COPIES copies, more than L2 holds, as in a decode step where 43 layers' weights pass between two
+uses, so its floor is the weight's bytes / copy bandwidth. --sweep also times mHC launch configurations.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ HIDDEN, NUM_STREAMS, NUM_HEADS, HEAD_DIM, ROPE_HALF, Q_LORA = 4096, 4, 64, 512, 
 NUM_ITERS, EPS = 20, 1e-6
 ROTATE_BYTES = 256 * 1024**2
 MAX_COPIES = 16
+GATE_COPIES = 64  # 128 MiB of gate weights: more than the 60 MB L2
+NUM_EXPERTS, TOP_K, HASH_LAYER, LEARNED_LAYER = 256, 6, 0, 3  # V4-Flash: layers 0-2 hash-routed
 
 
 def _ops(num_tokens: int, device, generator):
     """name -> (make_inputs() -> tuple, call(inputs) -> tensor(s), min bytes per call)."""
     import torch
 
-    from moemesh.common.model import hyper, linear, rope
+    from moemesh.common.model import hyper, linear, moe, presets, rope
 
     bf16, f32 = torch.bfloat16, torch.float32
     num_mix = (2 + NUM_STREAMS) * NUM_STREAMS
@@ -47,8 +51,21 @@ def _ops(num_tokens: int, device, generator):
         a = randn(num_tokens, ROPE_HALF, dtype=f32, scale=100)
         return a.cos(), a.sin()
 
+    flash = presets.preset_config("v4-flash")
+
+    def gate_inputs(layer):
+        gate = moe.Gate(flash, layer, dtype=bf16, device=device).requires_grad_(False)
+        gate.weight.copy_(randn(NUM_EXPERTS, HIDDEN, scale=HIDDEN**-0.5))
+        if hasattr(gate, "bias"):
+            gate.bias.copy_(randn(NUM_EXPERTS, dtype=f32, scale=0.1))
+        else:
+            gate.tid2eid.copy_(torch.randint(0, NUM_EXPERTS, gate.tid2eid.shape, generator=generator, device=device))
+        token_ids = torch.randint(0, flash.vocab_size, (num_tokens,), generator=generator, device=device)
+        return randn(num_tokens, HIDDEN), gate, token_ids
+
     t = num_tokens
     h_bytes, d_bytes = t * k * 2, t * HIDDEN * 2
+    gate_bytes = NUM_EXPERTS * HIDDEN * 2 + d_bytes + t * TOP_K * (8 + 2)  # W, x, ids + weights
     heads_bytes = t * NUM_HEADS * HEAD_DIM * 2
     return {
         "hc_pre": (lambda: (randn(t, NUM_STREAMS, HIDDEN), *mhc_weights(num_mix)),
@@ -80,6 +97,9 @@ def _ops(num_tokens: int, device, generator):
                          lambda a: rope.rms_norm_rope(a[0], a[2], a[3], EPS, a[1]), 2 * t * HEAD_DIM * 2),
         "inverse_rope_heads": (lambda: (randn(t, NUM_HEADS, HEAD_DIM), *angles()),
                                lambda a: rope.inverse_rope(*a), 2 * heads_bytes),
+        "gate_learned": (lambda: gate_inputs(LEARNED_LAYER), lambda a: a[1](a[0], a[2]),
+                         gate_bytes + NUM_EXPERTS * 4),
+        "gate_hash": (lambda: gate_inputs(HASH_LAYER), lambda a: a[1](a[0], a[2]), gate_bytes + t * (8 + TOP_K * 8)),
     }
 
 
@@ -99,10 +119,10 @@ def _launches(call, num_calls: int = 5) -> tuple[int, dict[str, float]]:
     return sum(e.count for e in events) // num_calls, per_kernel
 
 
-def _time_variant(make_inputs, call, min_bytes: int, forced_torch: bool) -> dict:
+def _time_variant(make_inputs, call, min_bytes: int, forced_torch: bool, max_copies: int = MAX_COPIES) -> dict:
     from moemesh.common.kernels.glue import forced_torch_glue
 
-    num_copies = max(2, min(MAX_COPIES, ROTATE_BYTES // max(min_bytes, 1)))
+    num_copies = max(2, min(max_copies, ROTATE_BYTES // max(min_bytes, 1)))
     copies = [make_inputs() for _ in range(num_copies)]
     with forced_torch_glue(forced_torch):
         seconds = graph_median_s([lambda a=a: call(a) for a in copies])
@@ -177,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, (make_inputs, call, min_bytes) in ops.items():
             if args.ops and name not in args.ops.split(","):
                 continue
-            fused = _time_variant(make_inputs, call, min_bytes, forced_torch=False)
-            reference = _time_variant(make_inputs, call, min_bytes, forced_torch=True)
+            copies = GATE_COPIES if name.startswith("gate") else MAX_COPIES
+            fused = _time_variant(make_inputs, call, min_bytes, forced_torch=False, max_copies=copies)
+            reference = _time_variant(make_inputs, call, min_bytes, forced_torch=True, max_copies=copies)
             floor_s = bytes_floor_s(min_bytes, copy_rate)
             row = {"op": name, "num_tokens": num_tokens, "min_bytes": min_bytes, "floor_s": floor_s,
                    "fused_s": fused["seconds"], "torch_s": reference["seconds"],

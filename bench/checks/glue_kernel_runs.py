@@ -1,7 +1,8 @@
 """Runs of the glue checks that need their own process or no GPU (used by the tests).
 
-- `run_interpret_suite`: `glue_kernels` in a child with TRITON_INTERPRET=1 (the interpreter is chosen
-  when a kernel is decorated, so it cannot be switched on inside a process that imported the kernels);
+- `run_interpret_suite`: `glue_kernels` (or another check module, e.g. `gate_kernel`) in a child with
+  TRITON_INTERPRET=1 (the interpreter is chosen when a kernel is decorated, so it cannot be switched on
+  inside a process that imported the kernels);
 - `model_forward_check`: the tiny model's forward with every glue op on the Triton path (child with
   TRITON_INTERPRET=1 and MOEMESH_TRITON_GLUE_ON_CPU=1) against transformers;
 - `hopper_compile_errors`: every kernel variant compiled for sm_90 by ptxas, no GPU needed.
@@ -95,8 +96,8 @@ def hopper_compile_errors(only: str | None = None) -> dict[str, str | None]:
 
 
 def run_interpret_suite(only: str | None, timeout_s: float = 240, suite: str = "interpret",
-                        ) -> tuple[dict[str, dict], str]:
-    """Run a suite in a child with TRITON_INTERPRET=1 -> ({case_id: record}, child's stderr).
+                        module: str = "moemesh.bench.checks.glue_kernels") -> tuple[dict[str, dict], str]:
+    """Run a check module's suite in a child with TRITON_INTERPRET=1 -> ({case_id: record}, child's stderr).
 
     suite "model" also sets MOEMESH_TRITON_GLUE_ON_CPU=1 (the whole tiny model through the kernels).
     """
@@ -107,7 +108,7 @@ def run_interpret_suite(only: str | None, timeout_s: float = 240, suite: str = "
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     if suite == "model":
         env["MOEMESH_TRITON_GLUE_ON_CPU"] = "1"
-    command = [sys.executable, "-m", "moemesh.bench.checks.glue_kernels", "--suite", suite]
+    command = [sys.executable, "-m", module, "--suite", suite]
     if only:
         command += ["--only", only]
     proc = subprocess.run(command, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True,

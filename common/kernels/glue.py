@@ -1,7 +1,7 @@
-"""Which implementation runs the per-layer glue (mHC, RMS norms, RoPE): Triton on CUDA, torch elsewhere.
+"""Which implementation runs the per-layer glue (mHC, RMS norms, RoPE, MoE gate): Triton on CUDA, torch elsewhere.
 
-The torch code in `common/model/{hyper,linear,rope}.py` is the CPU path and the fp32 oracle; the
-Triton kernels in `common/kernels/{mhc,norm_rope}.py` replace it on CUDA tensors because the torch
+The torch code in `common/model/{hyper,linear,rope,moe}.py` is the CPU path and the fp32 oracle; the
+Triton kernels in `common/kernels/{mhc,norm_rope,gate}.py` replace it on CUDA tensors because the torch
 version launches hundreds of 1–2 µs kernels per layer (bench/NOTES.md, "Where the time goes").
 
 Rules (read on every call, so a test or a benchmark may flip the switch between calls):

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moemesh.common.kernels.glue import use_triton_glue
 from moemesh.common.kernels.moe_layout import sum_slots_in_order
 from moemesh.common.model.config import ModelConfig, NumericsConfig, RouterKind
 from moemesh.common.model.linear import Linear, parameter
@@ -31,7 +32,12 @@ class ExpertNotHeld(KeyError):
 
 class Gate(nn.Module):
     """Affinity s = sqrt(softplus(x · Wᵀ)); learned layers pick top-k of s + bias (bias only for
-    selection), hash layers take tid2eid[token]; weights = scale · s[ids] / Σ s[ids]."""
+    selection), hash layers take tid2eid[token]; weights = scale · s[ids] / Σ s[ids].
+
+    Ties in s + bias at the k-th place select the lowest expert ids (torch.topk's choice on CUDA;
+    the CPU path gets it from a stable sort). On CUDA one Triton launch computes all of it
+    (`common/kernels/gate.py`); the torch code below is the CPU path and the reference, and
+    `MOEMESH_TORCH_GLUE=1` forces it on CUDA too (`common/kernels/glue.py`)."""
 
     def __init__(self, config: ModelConfig, layer: int, *, dtype: torch.dtype, device=None) -> None:
         super().__init__()
@@ -46,11 +52,19 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D], token_ids [T] -> ids [T, K] int64 ascending, weights [T, K] (x's dtype)."""
+        hashed = self.kind is RouterKind.HASH
+        if use_triton_glue(x, self.weight, *([token_ids] if hashed else [])):
+            from moemesh.common.kernels import gate as gate_kernel
+
+            if gate_kernel.supports(x, self.weight):
+                return gate_kernel.gate(x, self.weight, top_k=self.top_k, route_scale=self.routed_scaling_factor,
+                                        bias=None if hashed else self.bias, tid2eid=self.tid2eid if hashed else None,
+                                        token_ids=token_ids if hashed else None)
         scores = F.softplus(F.linear(x, self.weight)).sqrt()  # [T, E]
-        if self.kind is RouterKind.HASH:
+        if hashed:
             ids = self.tid2eid[token_ids].long()
-        else:
-            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        else:  # top-k with ties to the lowest id
+            ids = torch.sort(scores + self.bias, dim=-1, descending=True, stable=True).indices[:, :self.top_k]
         ids = ids.sort(dim=-1).values
         weights = scores.gather(1, ids)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -39,7 +39,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "kernels-prefill": Benchmark("moemesh.bench.kernels_prefill",
                                  "routed experts at prefill sizes: fused FP4 kernel against dequantise + GEMM"),
     "kernels-fused": Benchmark("moemesh.bench.kernels_fused",
-                               "fused per-layer glue (mHC, RMS norm, RoPE) against its torch code"),
+                               "fused per-layer glue (mHC, RMS norm, RoPE, MoE gate) against its torch code"),
     "kernels-drift": Benchmark("moemesh.bench.kernels_drift",
                                "bf16 drift of the quantized model, layer by layer and op by op, against fp32"),
     "attention-sass": Benchmark("moemesh.bench.attention_sass",
