@@ -1,0 +1,166 @@
+"""Routed experts held by the attention worker itself (`[[attention]] placement`), against the reference.
+
+A tiny FP8/FP4 checkpoint with top-4 routing; an in-process attention worker holds every expert, or
+half of them with one expert worker process holding the rest, or every expert with a replica in the
+expert worker. Tokens equal the single-process reference's; in placement-invariant mode the logits
+equal the all-remote run's bit for bit. A live placement switch moves the local pairs out and back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.checkpoint.writer import write_checkpoint
+from moemesh.common.model.attention_side import AttentionSide
+from moemesh.common.model.generate import GenerationConfig, generate
+from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.reference import ReferenceModel
+from moemesh.common.placement.worker_holdings import WorkerHoldings, all_pairs
+from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
+from moemesh.common.sampling_params import SamplingParams
+from moemesh.common.wire.messages import Ack, ExpertKey, PlacementWorker, SwitchPlacement
+from moemesh.commands.generate_distributed import scheduler_config
+from moemesh.services.attention.expert_channel import local_endpoint
+from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+from moemesh.services.router.offline_engine import OfflineEngine
+from tiny_checkpoint_support import random_hub_state_dict, tiny_config
+
+PROMPTS = [[5, 9, 17], [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13], list(range(30, 52))]
+GREEDY = SamplingParams(max_tokens=6)
+NAME = "attention-test"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    config = tiny_config(num_experts_per_tok=4)
+    path = tmp_path_factory.mktemp("local_ckpt")
+    write_checkpoint(path, config, random_hub_state_dict(config, seed=21, include_mtp=False))
+    return path, config
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(checkpoint):
+    path, config = checkpoint
+    reader = CheckpointReader(path, config=config)
+    side = AttentionSide.from_state_dict(config, reader.load_attention_side(config))
+    pairs = list(all_pairs(config.num_hidden_layers, config.n_routed_experts))
+    model = ReferenceModel(side, RoutedExperts.from_config(reader.load_experts(config, pairs), config))
+    return [generate(model, prompt, GenerationConfig(max_new_tokens=GREEDY.max_tokens)) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def expert_process(checkpoint, tmp_path_factory):
+    """One expert worker process holding every expert; each test's placement decides what it serves."""
+    path, _ = checkpoint
+    spec = ClusterSpec(model_path=str(path), run_dir=str(tmp_path_factory.mktemp("experts")), num_expert_workers=1,
+                       placement="all", with_attention=False)
+    with LocalCluster(spec) as cluster:
+        yield cluster
+    assert cluster.exit_codes == {name: 0 for name in cluster.expert_names}
+
+
+@pytest.fixture
+def open_workers():
+    workers: list[AttentionWorker] = []
+    yield workers
+    for worker in workers:
+        asyncio.run(worker.close())
+
+
+def _pairs(config, keep) -> tuple[tuple[int, int], ...]:
+    return tuple(p for p in all_pairs(config.num_hidden_layers, config.n_routed_experts) if keep(p[1]))
+
+
+def _attention(checkpoint, open_workers, cluster, remote, local, **options) -> AttentionWorker:
+    """remote: (primary, replicas) pairs of the expert process, or None (no expert worker); local: pairs held here."""
+    path, _ = checkpoint
+    names = () if remote is None else tuple(cluster.expert_names)
+    worker = AttentionWorker(AttentionWorkerConfig(
+        name=NAME, checkpoint_path=str(path), expert_endpoints=tuple(cluster.endpoint_of(n) for n in names),
+        expert_workers=tuple(WorkerHoldings(n, *remote) for n in names),
+        local_holdings=None if local is None else WorkerHoldings(NAME, local), dispatch_timeout_s=30.0, **options))
+    worker.load_now()
+    open_workers.append(worker)
+    return worker
+
+
+def _run(worker: AttentionWorker):
+    """(output tokens per prompt, logits of every step)."""
+    logits = []
+
+    def execute(plan):
+        result = worker.step(plan)
+        logits.append(worker.last_logits)
+        return result
+
+    kv = worker.config.kv
+    engine = OfflineEngine(scheduler_config(kv.block_size_tokens, kv.num_primary_blocks, kv.num_cpu_blocks), execute)
+    outputs = [engine.add_request(f"req-{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    engine.run()
+    assert all(o.error is None for o in outputs)
+    return [o.output_token_ids for o in outputs], logits
+
+
+def _same_logits(a, b) -> bool:
+    return len(a) == len(b) and all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_all_experts_in_the_attention_worker_match_the_reference(checkpoint, open_workers, expert_process,
+                                                                 reference_outputs):
+    _, config = checkpoint
+    worker = _attention(checkpoint, open_workers, expert_process, None, _pairs(config, lambda e: True))
+    tokens, _ = _run(worker)
+    assert tokens == reference_outputs
+    assert worker.channel.num_requests == 0  # nothing left the process
+    assert worker.dispatcher.num_slot_tokens_sent[worker.dispatcher.local_index] > 0
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_split_and_all_local_runs_are_bit_identical_to_the_all_remote_run(checkpoint, open_workers, expert_process,
+                                                                         reference_outputs, micro_batches):
+    _, config = checkpoint
+    every, even, odd = (_pairs(config, keep) for keep in (lambda e: True, lambda e: e % 2 == 0, lambda e: e % 2))
+    options = dict(placement_invariant=True, num_micro_batches=micro_batches)
+    remote = _attention(checkpoint, open_workers, expert_process, (every, ()), None, **options)
+    split = _attention(checkpoint, open_workers, expert_process, (odd, ()), even, **options)
+    local = _attention(checkpoint, open_workers, expert_process, None, every, **options)
+    runs = [_run(worker) for worker in (remote, split, local)]
+    assert [tokens for tokens, _ in runs] == [reference_outputs] * 3
+    assert _same_logits(runs[0][1], runs[1][1]) and _same_logits(runs[0][1], runs[2][1])
+    sent = split.dispatcher.num_slot_tokens_sent
+    assert sent[split.dispatcher.local_index] > 0 and sent[0] > 0  # both holders computed their share
+    assert split.dispatcher.num_slot_tokens_in_flight == [0, 0]
+
+
+def test_partial_sums_with_a_remote_replica_of_local_experts(checkpoint, open_workers, expert_process,
+                                                              reference_outputs):
+    _, config = checkpoint
+    every, odd = _pairs(config, lambda e: True), _pairs(config, lambda e: e % 2)
+    worker = _attention(checkpoint, open_workers, expert_process, ((), odd), every, num_micro_batches=2)
+    tokens, _ = _run(worker)
+    assert tokens == reference_outputs
+    assert worker.dispatcher.router.has_choice(0)  # odd experts have two live copies
+    assert worker.recovery.failover.all_answer()  # the local holder always counts as answering
+
+
+def test_placement_switch_moves_local_pairs_out_and_back(checkpoint, open_workers, expert_process,
+                                                         reference_outputs):
+    _, config = checkpoint
+    every, even, odd = (_pairs(config, keep) for keep in (lambda e: True, lambda e: e % 2 == 0, lambda e: e % 2))
+    worker = _attention(checkpoint, open_workers, expert_process, (odd, ()), even)
+    remote = PlacementWorker("expert-0", expert_process.endpoint_of("expert-0"),
+                             tuple(ExpertKey(layer=l, expert=e) for l, e in every))
+    assert isinstance(asyncio.run(worker.handle(SwitchPlacement(placement_version=1, workers=(remote,)))), Ack)
+    tokens, _ = _run(worker)
+    assert tokens == reference_outputs
+    assert worker.dispatcher.num_slot_tokens_sent[worker.dispatcher.local_index] == 0
+    back = (PlacementWorker(NAME, local_endpoint(NAME), tuple(ExpertKey(layer=l, expert=e) for l, e in even)),
+            PlacementWorker("expert-0", remote.endpoint, tuple(ExpertKey(layer=l, expert=e) for l, e in odd)))
+    assert isinstance(asyncio.run(worker.handle(SwitchPlacement(placement_version=2, workers=back))), Ack)
+    tokens, _ = _run(worker)
+    assert tokens == reference_outputs
+    assert worker.dispatcher.num_slot_tokens_sent[worker.dispatcher.local_index] > 0
