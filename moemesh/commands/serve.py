@@ -186,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
         model_name = args.model if is_hub_id(args.model) else None  # clients name it as they asked for it
         devices = _parse_devices(args.devices)
         num_expert_workers = len(devices) if args.expert_workers is None else args.expert_workers
-        experts_in_attention = _experts_in_attention(args.experts_in_attention, devices, args.expert_workers)
+        experts_in_attention = _experts_in_attention(args.experts_in_attention, devices, args.expert_workers,
+                                                     args.expert_dtype)
         if num_expert_workers < 1:
             raise ValueError(f"--expert-workers must be >= 1, got {num_expert_workers}")
         if args.recovery_timeout is not None and not args.recovery_timeout > 0:
@@ -254,11 +255,15 @@ def run(args: argparse.Namespace) -> int:
     return 1
 
 
-def _experts_in_attention(value: str, devices: tuple[str, ...], expert_workers: int | None) -> str:
-    """`--experts-in-attention` resolved: "all", "none" or a placement file's absolute path (ValueError when
-    the file does not exist)."""
+def _experts_in_attention(value: str, devices: tuple[str, ...], expert_workers: int | None, expert_dtype: str) -> str:
+    """`--experts-in-attention` resolved: "all", "none" or a placement file's absolute path. ValueError when
+    the file does not exist, or with an `--expert-dtype` conversion (the attention worker keeps experts as stored)."""
     if value == "auto":
-        return "all" if len(set(devices)) == 1 and expert_workers is None else "none"
+        one_device = len(set(devices)) == 1 and expert_workers is None
+        return "all" if one_device and expert_dtype == "native" else "none"
+    if value != "none" and expert_dtype != "native":
+        raise ValueError(f"--expert-dtype {expert_dtype} converts experts in expert workers only; the attention "
+                         "worker keeps its own as stored: use --experts-in-attention none")
     if value in ("all", "none"):
         return value
     path = Path(value)
