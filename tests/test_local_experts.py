@@ -82,17 +82,18 @@ def _attention(checkpoint, open_workers, cluster, remote, local, **options) -> A
     worker = AttentionWorker(AttentionWorkerConfig(
         name=NAME, checkpoint_path=str(path), expert_endpoints=tuple(cluster.endpoint_of(n) for n in names),
         expert_workers=tuple(WorkerHoldings(n, *remote) for n in names),
-        local_holdings=None if local is None else WorkerHoldings(NAME, local), dispatch_timeout_s=30.0, **options))
+        local_holdings=None if local is None else WorkerHoldings(NAME, local), **{"dispatch_timeout_s": 30.0, **options}))
     worker.load_now()
     open_workers.append(worker)
     return worker
 
 
-def _run(worker: AttentionWorker):
-    """(output tokens per prompt, logits of every step)."""
+def _run(worker: AttentionWorker, before_step=lambda num_steps: None):
+    """(output tokens per prompt, logits of every step); before_step(steps so far) runs before each step."""
     logits = []
 
     def execute(plan):
+        before_step(len(logits))
         result = worker.step(plan)
         logits.append(worker.last_logits)
         return result
@@ -164,3 +165,57 @@ def test_placement_switch_moves_local_pairs_out_and_back(checkpoint, open_worker
     tokens, _ = _run(worker)
     assert tokens == reference_outputs
     assert worker.dispatcher.num_slot_tokens_sent[worker.dispatcher.local_index] > 0
+
+
+def test_a_lost_remote_replica_is_retried_on_the_local_copy(checkpoint, open_workers, reference_outputs, tmp_path):
+    path, config = checkpoint
+    every = _pairs(config, lambda e: True)
+    spec = ClusterSpec(model_path=str(path), run_dir=str(tmp_path / "run"), num_expert_workers=1, placement="all",
+                       with_attention=False)
+    with LocalCluster(spec) as cluster:
+        worker = _attention(checkpoint, open_workers, cluster, ((), every), every, dispatch_timeout_s=1.0)
+
+        def kill_at_step_two(num_steps: int) -> None:
+            if num_steps == 2:
+                cluster.processes["expert-0"].kill()
+                cluster.processes["expert-0"].wait(10)
+
+        tokens, _ = _run(worker, kill_at_step_two)
+    assert tokens == reference_outputs
+    assert worker.recovery.num_replica_retries >= 1 and worker.recovery.num_failed_steps == 0
+    assert worker.dispatcher.router.down == {0}  # the expert worker; the local copy served the retry
+    assert worker.dispatcher.num_slot_tokens_sent[0] > 0  # the remote copy had carried tokens before
+
+
+@pytest.mark.parametrize("device, dtype", [
+    ("cpu", torch.float32),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+])
+def test_local_slot_outputs_equal_the_expert_workers_bit_for_bit(checkpoint, device, dtype):
+    """The attention worker's share, computed on the whole micro-batch with a mask, equals what an expert
+    worker answers for the same slots sent as its own rows."""
+    from moemesh.services.attention.local_experts import LocalExperts
+    from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig
+    from moemesh.common.wire.messages import Dispatch
+
+    path, config = checkpoint
+    layer, num_tokens, top_k = 1, 11, config.num_experts_per_tok
+    even = tuple((layer, e) for e in range(0, config.n_routed_experts, 2))
+    local = LocalExperts(torch.device(device), dtype)
+    local.load(CheckpointReader(path, config=config), even)
+    remote = ExpertWorker(ExpertWorkerConfig(name="expert-even", checkpoint_path=str(path), device=device,
+                                             dtype=str(dtype).removeprefix("torch."), pairs=even))
+    asyncio.run(remote.load())
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(num_tokens, config.hidden_size, generator=generator).to(dtype)
+    ids = torch.stack([torch.randperm(config.n_routed_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    route = torch.rand(num_tokens, top_k, generator=generator)
+    mask = ids % 2 == 0  # [T, K]
+    rows = mask.any(dim=1).nonzero().squeeze(1)  # the tokens an expert worker would get
+    ours = local.slot_outputs(layer, x.to(device), ids.to(device), route.to(device), mask.to(device)).cpu()
+    answer = remote.handle_dispatch(Dispatch(dispatch_id=1, step_id=1, layer=layer, micro_batch=0, hidden=x[rows],
+                                             expert_ids=ids[rows].int(), weights=route[rows],
+                                             per_expert_outputs=True, slot_mask=mask[rows])).output.cpu()
+    assert mask.any() and not mask.all()
+    assert torch.equal(ours[rows][mask[rows]], answer.to(ours.dtype)[mask[rows]])
+    assert not ours[~mask].any()
