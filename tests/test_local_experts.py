@@ -219,3 +219,22 @@ def test_local_slot_outputs_equal_the_expert_workers_bit_for_bit(checkpoint, dev
     assert mask.any() and not mask.all()
     assert torch.equal(ours[rows][mask[rows]], answer.to(ours.dtype)[mask[rows]])
     assert not ours[~mask].any()
+
+
+def test_check_model_counts_the_attention_workers_own_experts(checkpoint, tmp_path):
+    from moemesh.common.placement.worker_sizes import worker_rows
+    from moemesh.common.runtime.deployment import write_deployment_file
+
+    path, config = checkpoint
+    rows = {}
+    for placements in (("none", "all"), ("all", "none")):
+        table = {"model": {"path": str(path)}, "attention": [{"name": "attention-0", "placement": placements[0]}],
+                 "expert": [{"name": "expert-0", "placement": placements[1]}]}
+        deployment = write_deployment_file(tmp_path / f"{placements[0]}.toml", table)
+        rows[placements[0]] = {row["name"]: row for row in worker_rows(CheckpointReader(path, config=config),
+                                                                       deployment_path=str(deployment))}
+    remote, local = rows["none"], rows["all"]
+    assert local["attention-0"]["num_pairs"] == config.num_hidden_layers * config.n_routed_experts
+    assert local["expert-0"]["num_pairs"] == 0 and local["expert-0"]["stored_bytes"] == 0
+    for key in ("stored_bytes", "resident_bytes"):
+        assert local["attention-0"][key] == remote["attention-0"][key] + remote["expert-0"][key]

@@ -226,10 +226,11 @@ def expert_headroom_bytes(budget: MemoryBudget) -> int:
 
 def worker_resident_bytes(config, role: str, *, device: str = "cpu", dtype: str = "auto", num_pairs: int = 0,
                           expert_dtype: str = "native") -> int:
-    """Weight bytes a worker of `role` ("attention", "expert", "draft") will hold (`moemesh check-model`)."""
+    """Weight bytes a worker of `role` ("attention", "expert", "draft") will hold (`moemesh check-model`);
+    num_pairs: its routed experts (an attention worker keeps its own as stored)."""
     element = dtype_bytes(dtype, device)
     if role == "expert":
         return num_pairs * resident_bytes_per_expert(config, expert_dtype)
     if role == "attention":
-        return attention_weight_bytes(config, element)
+        return attention_weight_bytes(config, element) + num_pairs * resident_bytes_per_expert(config)
     return draft_weight_bytes(config, element)
