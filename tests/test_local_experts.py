@@ -212,7 +212,8 @@ def test_local_slot_outputs_equal_the_expert_workers_bit_for_bit(checkpoint, dev
     route = torch.rand(num_tokens, top_k, generator=generator)
     mask = ids % 2 == 0  # [T, K]
     rows = mask.any(dim=1).nonzero().squeeze(1)  # the tokens an expert worker would get
-    ours = local.slot_outputs(layer, x.to(device), ids.to(device), route.to(device), mask.to(device)).cpu()
+    ours = local.slot_outputs(layer, x.to(device), ids.to(device), route.to(device), mask.to(device),
+                              int(mask.sum())).cpu()  # the slot count, as the dispatcher passes it
     answer = remote.handle_dispatch(Dispatch(dispatch_id=1, step_id=1, layer=layer, micro_batch=0, hidden=x[rows],
                                              expert_ids=ids[rows].int(), weights=route[rows],
                                              per_expert_outputs=True, slot_mask=mask[rows])).output.cpu()
@@ -238,3 +239,44 @@ def test_check_model_counts_the_attention_workers_own_experts(checkpoint, tmp_pa
     assert local["expert-0"]["num_pairs"] == 0 and local["expert-0"]["stored_bytes"] == 0
     for key in ("stored_bytes", "resident_bytes"):
         assert local["attention-0"][key] == remote["attention-0"][key] + remote["expert-0"][key]
+
+
+_SELECTED_ROWS_SCRIPT = """
+import sys, torch
+from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.model.quantized import KernelBackend
+from moemesh.services.attention.local_experts import LocalExperts
+reader = CheckpointReader(sys.argv[1])
+config = reader.config
+layer, top_k = 1, config.num_experts_per_tok
+local = LocalExperts(torch.device("cpu"), torch.bfloat16)
+local.load(reader, [(layer, e) for e in range(0, config.n_routed_experts, 2)])
+local.holdings.experts.backend = KernelBackend.KERNEL
+generator = torch.Generator().manual_seed(4)
+x = torch.randn(7, config.hidden_size, generator=generator).to(torch.bfloat16)
+ids = torch.stack([torch.randperm(config.n_routed_experts, generator=generator)[:top_k] for _ in range(7)])
+route = torch.rand(7, top_k, generator=generator)
+mask = ids % 2 == 0
+selected = local.slot_outputs(layer, x, ids, route, mask, int(mask.sum())).float()
+every_row = local.slot_outputs(layer, x, ids, route, mask).float()
+assert mask.any() and not mask.all() and selected[mask].abs().sum() > 0
+assert not selected[~mask].any(), "unselected slots must stay zero"
+assert torch.allclose(selected, every_row, rtol=2e-2, atol=2e-2), (selected - every_row).abs().max()
+print("ok")
+"""
+
+
+def test_selected_rows_on_the_grouped_kernels_equal_the_every_row_path(checkpoint):
+    """The CUDA path of a split layer (only the selected rows through the grouped kernels), on the CPU
+    under the Triton interpreter, against the path that computes every slot's row and masks after."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path, _ = checkpoint
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", _SELECTED_ROWS_SCRIPT, str(path)], capture_output=True, text=True,
+                          env=env, timeout=500)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -281,7 +281,8 @@ class MoEDispatcher:
                        slot_mask: torch.Tensor | None, num_slot_tokens: int) -> _Sent:
         """The local share of the micro-batch (x [T, D], ids / weights [T, K], slot_mask [T, K] on the device,
         None: every slot), computed now: [T, K, D] per slot in placement-invariant mode, else its sum [T, D]."""
-        per_slot = self.local_experts.slot_outputs(layer, x, ids, weights, slot_mask)  # [T, K, D]
+        per_slot = self.local_experts.slot_outputs(layer, x, ids, weights, slot_mask,
+                                                   None if slot_mask is None else num_slot_tokens)  # [T, K, D]
         output = per_slot if self.placement_invariant else sum_slots_in_order(per_slot)
         self.num_slot_tokens_in_flight[self.local_index] += num_slot_tokens
         self.num_slot_tokens_sent[self.local_index] += num_slot_tokens
