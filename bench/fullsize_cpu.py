@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from moemesh.bench.results_io import write_result
     from moemesh.common.kernels import cpu_fp4
     from moemesh.common.model.config import ModelConfig
-    from moemesh.services.expert.cpu_experts import CpuBlockRunner
+    from moemesh.common.model.cpu_experts import CpuBlockRunner
     from moemesh.bench.hostwork import random_held_experts
     from moemesh.common.placement.cost import ModelCosts
 
@@ -142,7 +142,7 @@ def _measure(path: str, runner, held, config, native, args, num_tokens: int, gen
     import torch
 
     from moemesh.common.kernels import cpu_fp4
-    from moemesh.services.expert.cpu_experts import expert_rows
+    from moemesh.common.model.cpu_experts import expert_rows
     from moemesh.common.placement.cost import ModelCosts
 
     reps = args.reps if path != "torch_pool" else 2

@@ -48,7 +48,7 @@ def legacy_expert_stages(worker, dispatch: Dispatch, stages: dict[str, float]) -
     experts = worker._experts
     held = experts._layers[dispatch.layer]
     if worker.device.type == "cpu" and held.fmt is ExpertFormat.FP4:
-        from moemesh.services.expert.cpu_experts import expert_rows
+        from moemesh.common.model.cpu_experts import expert_rows
 
         per_slot = expert_rows(held, hidden, ids, route_weights, selected, experts.swiglu_limit,
                                experts.route_weight_before_w2, worker._cpu_runner)

@@ -35,7 +35,7 @@ def _tiny_config(num_layers: int = 4) -> ModelConfig:
 def test_cpu_fp4_linear_equals_reference_dequantisation():
     from moemesh.common.kernels.reference import dequant_fp4
     from moemesh.common.model.random_init import random_fp4_stack
-    from moemesh.services.expert.cpu_experts import fp4_linear_blocked
+    from moemesh.common.model.cpu_experts import fp4_linear_blocked
 
     generator = torch.Generator().manual_seed(3)
     packed, scale = random_fp4_stack(1, 96, 128, generator=generator)
@@ -182,7 +182,7 @@ def test_gpu_expert_worker_path_matches_cpu_path():
     from moemesh.common.model.random_init import flash_config
     from moemesh.common.model.config import AttentionKind
     from moemesh.common.model.quantized import QuantizedRoutedExperts
-    from moemesh.services.expert.cpu_experts import expert_rows
+    from moemesh.common.model.cpu_experts import expert_rows
     from moemesh.bench.hostwork import random_held_experts
     from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig
 

@@ -219,7 +219,7 @@ def test_expert_rows_native_equals_quantized_routed_experts(dtype):
     """The worker's CPU path on the native kernel against `QuantizedRoutedExperts`' torch path and the
     torch-block path of `expert_rows`, on the same held bytes (half the experts held, a slot mask)."""
     from moemesh.common.model.quantized import KernelBackend, QuantizedRoutedExperts
-    from moemesh.services.expert.cpu_experts import CpuBlockRunner, expert_rows
+    from moemesh.common.model.cpu_experts import CpuBlockRunner, expert_rows
     from moemesh.bench.hostwork import random_held_experts
 
     config = _worker_config()
@@ -250,7 +250,7 @@ def test_expert_rows_native_equals_quantized_routed_experts(dtype):
 
 
 def test_runner_linear_native_equals_blocked():
-    from moemesh.services.expert.cpu_experts import CpuBlockRunner, fp4_linear, fp4_linear_blocked
+    from moemesh.common.model.cpu_experts import CpuBlockRunner, fp4_linear, fp4_linear_blocked
 
     generator = torch.Generator().manual_seed(8)
     packed, scale = random_fp4_stack(1, 70, 192, generator=generator)
@@ -268,7 +268,7 @@ def test_runner_linear_native_equals_blocked():
 
 
 def test_env_forces_torch_and_missing_compiler_falls_back(monkeypatch):
-    from moemesh.services.expert.cpu_experts import CpuBlockRunner
+    from moemesh.common.model.cpu_experts import CpuBlockRunner
 
     monkeypatch.setenv(cpu_fp4.KERNEL_ENV, "torch")
     assert cpu_fp4.native_kernel() is None and "torch" in cpu_fp4.unavailable_reason()

@@ -178,7 +178,7 @@ class _HeldLayer:
 def test_mailbox_equals_cpu_expert_worker_path(library, layers, gates, fleet):
     """The expert worker's CPU path (`cpu_experts.expert_rows` on the native kernel) on the same layer
     gives the mailbox's routed output bit for bit."""
-    from moemesh.services.expert.cpu_experts import CpuBlockRunner, expert_rows
+    from moemesh.common.model.cpu_experts import CpuBlockRunner, expert_rows
 
     segments, _ = fleet
     driver = MailboxDriver(library, segments[(CombineMode.SLOTS, "alternate")], SPLITS["alternate"], timeout_s=10.0)

@@ -46,7 +46,8 @@ KILL_STREAM_TOKENS = 96
 
 
 def _serve(tmp_path_factory, *args):
-    server = start_serve(tmp_path_factory.mktemp("restart"), *args)
+    # the experts in expert-0 (not in the attention worker, serve's one-device default): its kills matter
+    server = start_serve(tmp_path_factory.mktemp("restart"), "--experts-in-attention", "none", *args)
     if "moemesh serving" not in server.first_line:
         server.stop()
         pytest.fail(f"serve did not start: {server.first_line!r}\n{server.logs()}")

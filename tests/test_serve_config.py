@@ -34,6 +34,24 @@ def test_written_deployment_loads_back(tmp_path):
     assert endpoints.supervisor == f"ipc://{tmp_path}/supervisor.sock"
 
 
+def test_experts_in_attention_resolve_and_reach_the_deployment(tmp_path):
+    from moemesh.commands.serve import _experts_in_attention
+
+    assert _experts_in_attention("auto", ("cpu",), None, "native") == "all"
+    assert _experts_in_attention("auto", ("cuda:0",), 2, "native") == "none"  # asked for expert workers
+    assert _experts_in_attention("auto", ("cuda:0", "cuda:1"), None, "native") == "none"
+    assert _experts_in_attention("auto", ("cuda:0",), None, "fp8") == "none"  # converting needs an expert worker
+    with pytest.raises(ValueError, match="as stored"):
+        _experts_in_attention("all", ("cuda:0",), None, "fp8")
+    with pytest.raises(ValueError, match="placement file"):
+        _experts_in_attention(str(tmp_path / "absent.toml"), ("cpu",), None, "native")
+    layout = ServeLayout(model_path="/models/x", run_dir=str(tmp_path), log_dir=str(tmp_path / "logs"),
+                         num_expert_workers=2, experts_in_attention="all")
+    _, deployment = write_deployment(layout)
+    assert deployment.attention[0].placement == "all"
+    assert [w.placement for w in deployment.expert] == ["none", "none"]
+
+
 def test_expert_devices_round_robin():
     assert expert_devices(("cpu",), 3) == ["cpu", "cpu", "cpu"]
     assert expert_devices(("cuda:0", "cuda:1"), 3) == ["cuda:0", "cuda:1", "cuda:0"]

@@ -306,15 +306,16 @@ class QuantizedRoutedExperts:
         return self._layers[layer].num_bytes_per_expert()
 
     def per_expert_outputs(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                           slot_mask: torch.Tensor | None = None) -> torch.Tensor:
+                           slot_mask: torch.Tensor | None = None, *, check_held: bool = True) -> torch.Tensor:
         """Weighted output of every (token, slot) -> [T, K, D]; zero where slot_mask is False.
 
         Raises ExpertNotHeld if a selected slot's expert is not here (checked without a host sync
-        only when this holder has every expert of the layer and no mask is given)."""
+        only when this holder has every expert of the layer and no mask is given). check_held=False:
+        the caller's mask selects held experts only; no check, so no host sync on a device."""
         held = self._layers.get(layer)
         if held is None:
             raise ExpertNotHeld(f"layer {layer} has no experts here")
-        if slot_mask is not None or not held.holds_all:
+        if check_held and (slot_mask is not None or not held.holds_all):
             selected = torch.ones_like(ids, dtype=torch.bool) if slot_mask is None else slot_mask
             missing = selected & ~held.held[ids]
             if bool(missing.any()):

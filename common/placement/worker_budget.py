@@ -176,12 +176,16 @@ def kv_block_bytes(config, block_size_tokens: int, element_bytes: int) -> int:
 
 def attention_worker_budget(config, *, service: str, device: str, dtype: str, block_size_tokens: int,
                             num_primary_blocks: int, num_cpu_blocks: int, free_bytes: int,
-                            step: StepShape = StepShape()) -> MemoryBudget:
+                            step: StepShape = StepShape(), num_local_pairs: int = 0) -> MemoryBudget:
+    """num_local_pairs: routed experts its own placement gives it (kept as stored)."""
     from moemesh.common.model.inventory import tensor_inventory
 
     element = dtype_bytes(dtype, device)
     weights = attention_weight_bytes(config, element)
     loading = _largest_fp8_matrix(s for s in tensor_inventory(config).values() if s.is_attention_side) * element
+    expert_bytes = num_local_pairs * resident_bytes_per_expert(config)
+    if num_local_pairs:
+        loading = max(loading, expert_load_peak_bytes(config, "native", min(num_local_pairs, config.n_routed_experts)))
     per_block = kv_block_bytes(config, block_size_tokens, element)
     on_cpu = device.split(":")[0] == "cpu"
     kv = per_block * (num_primary_blocks + (num_cpu_blocks if on_cpu else 0))
@@ -189,9 +193,9 @@ def attention_worker_budget(config, *, service: str, device: str, dtype: str, bl
     hc_mult = getattr(config, "hc_mult", 1) or 1
     activations = tokens * config.hidden_size * (2 * hc_mult + 8) * element  # residual streams + intermediates
     activations += step.max_num_seqs * config.vocab_size * 4  # fp32 logits of the sampled rows
-    return MemoryBudget(service, device, free_bytes, weights_bytes=weights, kv_pool_bytes=kv,
+    return MemoryBudget(service, device, free_bytes, weights_bytes=weights, kv_pool_bytes=kv, expert_bytes=expert_bytes,
                         activation_bytes=activations, load_peak_bytes=loading,
-                        reserve_bytes=_reserve(weights + kv + activations))
+                        reserve_bytes=_reserve(weights + kv + activations + expert_bytes))
 
 
 def draft_worker_budget(config, *, service: str, device: str, dtype: str, free_bytes: int,
@@ -222,10 +226,11 @@ def expert_headroom_bytes(budget: MemoryBudget) -> int:
 
 def worker_resident_bytes(config, role: str, *, device: str = "cpu", dtype: str = "auto", num_pairs: int = 0,
                           expert_dtype: str = "native") -> int:
-    """Weight bytes a worker of `role` ("attention", "expert", "draft") will hold (`moemesh check-model`)."""
+    """Weight bytes a worker of `role` ("attention", "expert", "draft") will hold (`moemesh check-model`);
+    num_pairs: its routed experts (an attention worker keeps its own as stored)."""
     element = dtype_bytes(dtype, device)
     if role == "expert":
         return num_pairs * resident_bytes_per_expert(config, expert_dtype)
     if role == "attention":
-        return attention_weight_bytes(config, element)
+        return attention_weight_bytes(config, element) + num_pairs * resident_bytes_per_expert(config)
     return draft_weight_bytes(config, element)

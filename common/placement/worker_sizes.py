@@ -63,7 +63,7 @@ def worker_rows(reader, *, deployment_path: str | None = None, placement_path: s
         if role == "expert":
             stored = _expert_stored(reader, pairs)
         elif role == "attention":
-            stored = attention_stored_bytes(reader)
+            stored = attention_stored_bytes(reader) + _expert_stored(reader, pairs)
         else:
             stored = drafter_stored_bytes(reader)
         resident = worker_resident_bytes(config, role, device=device, dtype=worker_dtype, num_pairs=len(pairs),
@@ -78,7 +78,8 @@ def worker_rows(reader, *, deployment_path: str | None = None, placement_path: s
 
         deployment = load_deployment(deployment_path)
         for worker in deployment.attention:
-            add(worker.name, "attention", worker.device, worker_dtype=deployment.model.dtype)
+            held = holdings_for(worker.name, worker.placement, config.num_hidden_layers, config.n_routed_experts).held
+            add(worker.name, "attention", worker.device, held, worker_dtype=deployment.model.dtype)
         for worker in deployment.expert:
             held = holdings_for(worker.name, worker.placement, config.num_hidden_layers, config.n_routed_experts).held
             add(worker.name, "expert", worker.device, held, deployment.model.dtype, worker.expert_dtype)

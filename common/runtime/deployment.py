@@ -38,6 +38,7 @@ Example (every key optional except the model path and one attention and expert w
     [[attention]]
     name = "attention-0"
     device = "cuda:0"
+    placement = "none"             # routed experts it computes itself, as [[expert]] placement (default none)
 
     [[expert]]
     name = "expert-0"
@@ -138,6 +139,7 @@ class AttentionWorkerConfig:
     memory_limit: str | None = None  # "40GiB": plan within this much of the device (None: its free memory)
     data_plane: str = "zmq"  # "cuda_ipc": Dispatch/Combine tensors through device rings shared by CUDA IPC
     cuda_graphs: bool = False  # replay decode steps as CUDA graphs per batch bucket (CUDA devices)
+    placement: str = "none"  # routed experts it holds and computes itself: "none", "all" or a placement file
 
 
 @dataclass(frozen=True)

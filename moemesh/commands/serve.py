@@ -74,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         "shared by IPC (every worker on a CUDA device of this host; refused otherwise)")
     parser.add_argument("--cuda-graphs", choices=("on", "off"), default="off",
                         help="the attention worker replays decode steps as CUDA graphs per batch bucket (CUDA only)")
+    parser.add_argument("--experts-in-attention", default="auto", metavar="auto|all|none|FILE",
+                        help="routed experts the attention worker holds and computes itself, without a hop: all "
+                             "(expert workers join empty), none, or a placement file naming attention-0 and every "
+                             "expert worker; auto (default): all when every worker runs on one device and "
+                             "--expert-workers is not given, else none")
     parser.add_argument("--max-restarts", type=int, default=5,
                         help="restarts in a row of a service that keeps dying within --restart-stable-s "
                              "before serve gives up (default 5; 0: stop serving when any service exits)")
@@ -181,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
         model_name = args.model if is_hub_id(args.model) else None  # clients name it as they asked for it
         devices = _parse_devices(args.devices)
         num_expert_workers = len(devices) if args.expert_workers is None else args.expert_workers
+        experts_in_attention = _experts_in_attention(args.experts_in_attention, devices, args.expert_workers,
+                                                     args.expert_dtype)
         if num_expert_workers < 1:
             raise ValueError(f"--expert-workers must be >= 1, got {num_expert_workers}")
         if args.recovery_timeout is not None and not args.recovery_timeout > 0:
@@ -199,14 +206,16 @@ def run(args: argparse.Namespace) -> int:
     api_key_file = _write_api_key_file(args, run_dir)
     log_dir = Path(args.log_dir).resolve() if args.log_dir else run_dir / "logs"
     configure_logging("serve", log_dir, "warning")
-    placement_path = _write_placement(model_dir, run_dir, num_expert_workers, devices)
+    placement_path = (_write_placement(model_dir, run_dir, num_expert_workers, devices)
+                      if experts_in_attention == "none" else None)
     layout = ServeLayout(model_path=str(model_dir.resolve()), run_dir=str(run_dir), log_dir=str(log_dir),
                          host=args.host, port=args.port, num_expert_workers=num_expert_workers, devices=devices,
                          dtype=args.dtype, placement_path=placement_path, with_drafter=speculation.enabled,
                          data_plane=args.data_plane, cuda_graphs=args.cuda_graphs == "on",
                          api_key_file=api_key_file, recovery_timeout_s=args.recovery_timeout,
                          model_name=model_name, drain_s=args.drain_timeout,
-                         router_limits=request_limits(args), expert_dtype=args.expert_dtype)
+                         router_limits=request_limits(args), expert_dtype=args.expert_dtype,
+                         experts_in_attention=experts_in_attention)
     try:
         config_path, deployment = write_deployment(layout)
     except DeploymentError as error:
@@ -244,6 +253,23 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"moemesh serve: {outcome}; logs in {log_dir}", file=sys.stderr)
     return 1
+
+
+def _experts_in_attention(value: str, devices: tuple[str, ...], expert_workers: int | None, expert_dtype: str) -> str:
+    """`--experts-in-attention` resolved: "all", "none" or a placement file's absolute path. ValueError when
+    the file does not exist, or with an `--expert-dtype` conversion (the attention worker keeps experts as stored)."""
+    if value == "auto":
+        one_device = len(set(devices)) == 1 and expert_workers is None
+        return "all" if one_device and expert_dtype == "native" else "none"
+    if value != "none" and expert_dtype != "native":
+        raise ValueError(f"--expert-dtype {expert_dtype} converts experts in expert workers only; the attention "
+                         "worker keeps its own as stored: use --experts-in-attention none")
+    if value in ("all", "none"):
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"--experts-in-attention: {value} is not all, none, auto or a placement file")
+    return str(path.resolve())
 
 
 def _write_placement(model_dir: Path, run_dir: Path, num_workers: int, devices: tuple[str, ...]) -> str | None:

@@ -53,6 +53,9 @@ class ServeLayout:
     drain_s: float = 30.0  # the router lets open requests finish this long on SIGTERM
     router_limits: tuple[tuple[str, int], ...] = ()  # [router] request limits: (key, value), e.g. max_json_depth
     expert_dtype: str = "native"  # what expert workers keep of the routed experts (native, fp8, bf16)
+    # routed experts the attention worker computes itself: "none", "all" (expert workers join empty) or a
+    # placement file naming attention-0 and every expert worker (`--experts-in-attention`)
+    experts_in_attention: str = "none"
 
 
 def check_layout_data_plane(layout: ServeLayout) -> DataPlane:
@@ -87,6 +90,8 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
     experts = []
     for index, device in enumerate(expert_devices(layout.devices, layout.num_expert_workers)):
         placement = "all" if layout.placement_path is None else layout.placement_path
+        if layout.experts_in_attention != "none":
+            placement = "none" if layout.experts_in_attention == "all" else layout.experts_in_attention
         experts.append({"name": f"expert-{index}", "device": device, "placement": placement,
                         **({"expert_dtype": layout.expert_dtype} if layout.expert_dtype != "native" else {})})
     return {
@@ -98,7 +103,8 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
                      **({"recovery_s": float(layout.recovery_timeout_s)} if layout.recovery_timeout_s is not None else {})},
         "attention": [{"name": "attention-0", "device": layout.devices[0],
                        **({"data_plane": layout.data_plane} if layout.data_plane != "zmq" else {}),
-                       **({"cuda_graphs": True} if layout.cuda_graphs else {})}],
+                       **({"cuda_graphs": True} if layout.cuda_graphs else {}),
+                       **({"placement": layout.experts_in_attention} if layout.experts_in_attention != "none" else {})}],
         "expert": experts,
         **({"draft": {"enabled": True, "name": DRAFT_NAME, "device": layout.devices[0]}} if layout.with_drafter else {}),
         **({"security": {"api_key_file": layout.api_key_file}} if layout.api_key_file is not None else {}),

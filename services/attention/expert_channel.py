@@ -21,6 +21,10 @@ as the receive side raises ReplyTimeout: the step fails, the worker does not han
 With CURVE keys in the deployment, each socket is made a CURVE client of its expert worker
 (`SocketSecurity.secure_client`) before it connects.
 
+An endpoint `local:<name>` (`local_endpoint`) names the attention worker's own experts
+(local_experts.py): it takes a channel index like any worker, so placements and replica tables
+address it the same way, but it has no socket and nothing is ever sent to it.
+
 A channel dropped without `close()` closes its sockets when it is collected (a weakref
 finalizer, which runs before any garbage Context's __del__): otherwise a worker caught in a
 reference cycle would have its Context terminated by the cycle collector while the sockets are
@@ -55,6 +59,16 @@ log = structlog.get_logger("attention")
 # about 17 MB, and buffers come back as soon as libzmq has written them, not when replies arrive.
 DEFAULT_DISPATCH_STAGING = StagingConfig(num_buffers=16, buffer_bytes=32 << 20)
 _MAX_ALIGN_PAD_BYTES = 64  # staging aligns each tensor to at most this many bytes
+LOCAL_SCHEME = "local:"
+
+
+def local_endpoint(attention_name: str) -> str:
+    """The channel endpoint of the experts held by attention worker `attention_name` itself."""
+    return f"{LOCAL_SCHEME}{attention_name}"
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    return endpoint.startswith(LOCAL_SCHEME)
 
 
 def staged_bytes_upper_bound(message: Any) -> int:
@@ -82,6 +96,9 @@ class ExpertChannel:
         self.sockets = []
         try:
             for endpoint in self.endpoints:
+                if is_local_endpoint(endpoint):
+                    self.sockets.append(None)  # computed in-process by the dispatcher
+                    continue
                 socket = context.socket(zmq.DEALER)
                 self.sockets.append(socket)
                 socket.setsockopt(zmq.LINGER, 0)
@@ -183,4 +200,5 @@ class ExpertChannel:
 
 def _close_sockets(sockets: list[zmq.Socket]) -> None:
     for socket in sockets:
-        socket.close(linger=0)
+        if socket is not None:
+            socket.close(linger=0)

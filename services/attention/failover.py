@@ -96,6 +96,8 @@ class ExpertFailover:
 
         if worker_index >= len(self.dispatcher.channel.endpoints):
             return False
+        if worker_index == self.dispatcher.local_index:  # this process's own experts: always held
+            return True
         client = SyncClient(self.endpoint(worker_index), context=self.context, accept=(ExpertInventory, ErrorReply),
                             default_timeout_s=timeout_s, security=self.security)
         try:

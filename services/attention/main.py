@@ -101,6 +101,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
     model_config = ModelConfig.load(deployment.model.path)
     holdings = tuple(holdings_for(w.name, w.placement, model_config.num_hidden_layers, model_config.n_routed_experts)
                      for w in deployment.expert)
+    local = holdings_for(entry.name, entry.placement, model_config.num_hidden_layers, model_config.n_routed_experts)
     kv = options.kv or kv_pool_config(deployment)
     data_plane = options.data_plane if options.data_plane is not None else entry.data_plane
     cuda_graphs = options.cuda_graphs if options.cuda_graphs is not None else entry.cuda_graphs
@@ -116,7 +117,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
             structlog.get_logger().error("attention.data_plane_refused", error=str(error))
             print(f"moemesh attention: {error}", file=sys.stderr)
             return 2
-    if not _budget_fits(entry, deployment, model_config, kv):
+    if not _budget_fits(entry, deployment, model_config, kv, len(local.held)):
         return 3  # the plan does not fit the device: the message is on stderr and in the log
     worker = AttentionWorker(AttentionWorkerConfig(
         name=entry.name, checkpoint_path=deployment.model.path,
@@ -126,7 +127,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
         routing_stats=RoutingStatsConfig(out_path=options.routing_stats_out),
         recovery=RecoveryConfig(budget_s=budget_for(deployment.timeouts.step_s, deployment.timeouts.dispatch_s)),
         security=security, draft_endpoint=endpoints.draft, replica_policy=options.replica_policy,
-        data_plane=data_plane, cuda_graphs=cuda_graphs))
+        data_plane=data_plane, cuda_graphs=cuda_graphs, local_holdings=local))
     service_config = ServiceConfig(name=entry.name, role=ServiceRole.ATTENTION,
                                    endpoint=endpoints.attention[entry.name], supervisor_endpoint=endpoints.supervisor,
                                    device=entry.device, heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s,
@@ -135,9 +136,9 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
     return run_service(worker, service_config)
 
 
-def _budget_fits(entry, deployment: Deployment, model_config, kv: KVPoolConfig) -> bool:
-    """Log `attention.memory_budget` (weights, KV pools, activations) against the device's free
-    memory before loading anything; False (message on stderr) when it does not fit."""
+def _budget_fits(entry, deployment: Deployment, model_config, kv: KVPoolConfig, num_local_pairs: int) -> bool:
+    """Log `attention.memory_budget` (weights, its own routed experts, KV pools, activations) against the
+    device's free memory before loading anything; False (message on stderr) when it does not fit."""
     import sys
 
     from moemesh.common.placement.worker_budget import attention_worker_budget, check_at_start, measure_free_bytes
@@ -145,7 +146,8 @@ def _budget_fits(entry, deployment: Deployment, model_config, kv: KVPoolConfig) 
     budget = attention_worker_budget(
         model_config, service="attention", device=entry.device, dtype=deployment.model.dtype,
         block_size_tokens=kv.block_size_tokens, num_primary_blocks=kv.num_primary_blocks,
-        num_cpu_blocks=kv.num_cpu_blocks, free_bytes=measure_free_bytes(entry.device, entry.memory_limit))
+        num_cpu_blocks=kv.num_cpu_blocks, free_bytes=measure_free_bytes(entry.device, entry.memory_limit),
+        num_local_pairs=num_local_pairs)
     refusal = check_at_start(budget, entry.name)
     if refusal is not None:
         print(refusal, file=sys.stderr)

@@ -25,6 +25,11 @@ with a choice count the tokens per expert (on the host) and let the router pick 
 expert, least outstanding work first (`num_slot_tokens_in_flight` per worker) or in turn.
 A worker that times out or refuses raises `ExpertWorkerLost` naming its channel index, so
 recovery can mark it down and retry on the live replicas.
+Local experts: pairs the placement gives the attention worker itself (local_experts.py) have a channel
+index like any worker (endpoint `local:<name>`, no socket). `start` sends every remote worker's rows
+first, then computes the local share in-process on the whole micro-batch with a device mask (device
+work only), so it overlaps the remote workers; `finish` adds it at its index like any answer. A layer
+held only here never leaves the device and needs no host sync.
 Data plane: with `data_plane=cuda_ipc` a Dispatch to a worker that mapped this attention worker's
 device rings travels as a `DispatchSlot` (tensors in a shared device slot, ZeroMQ carries the control
 message; dispatch_slots.py, common/wire/cuda_ipc.py); a layer held by a single worker then goes to it
@@ -44,7 +49,8 @@ from moemesh.common.wire.errors import ReplyTimeout
 from moemesh.common.wire.messages import Combine, Dispatch, ErrorReply
 from moemesh.common.wire.staging import RecvStagingRing
 from moemesh.services.attention.dispatch_slots import SlotPlane
-from moemesh.services.attention.expert_channel import ExpertChannel
+from moemesh.services.attention.expert_channel import ExpertChannel, is_local_endpoint
+from moemesh.services.attention.local_experts import LocalExperts
 from moemesh.services.attention.replica_routing import ReplicaPolicy, ReplicaRouter
 
 
@@ -79,6 +85,7 @@ class _Sent:
     dispatch_id: int
     num_slot_tokens: int  # expert-slot pairs this worker computes (its share of the work)
     slot: int | None = None  # CUDA IPC ring slot holding this Dispatch (None: sent over ZeroMQ)
+    local_output: torch.Tensor | None = None  # computed here (local experts): [T, D], or [T, K, D] per slot
 
 
 @dataclass
@@ -97,9 +104,14 @@ class MoEDispatcher:
     def __init__(self, channel: ExpertChannel, owner_table: list[list[int]], *, placement_invariant: bool,
                  device: torch.device, num_recv_slots: int = 4, recv_slot_bytes: int = 32 << 20,
                  replica_policy: ReplicaPolicy = ReplicaPolicy.LEAST_LOADED,
-                 data_plane: DataPlane = DataPlane.ZMQ, cuda_ipc: CudaIpcConfig = CudaIpcConfig()) -> None:
+                 data_plane: DataPlane = DataPlane.ZMQ, cuda_ipc: CudaIpcConfig = CudaIpcConfig(),
+                 local_experts: LocalExperts | None = None) -> None:
         self.channel = channel
         self.device = device
+        self.local_experts = local_experts  # held in this process; channel index `local_index` (None: none)
+        self.local_index = next((i for i, e in enumerate(channel.endpoints) if is_local_endpoint(e)), None)
+        if (self.local_index is None) != (local_experts is None):
+            raise ValueError("local experts need the channel's local endpoint, and it needs them")
         # CUDA IPC rings per worker (dispatch_slots.py), None: every Dispatch over ZeroMQ
         self.slot_plane = (SlotPlane(channel, cuda_ipc, device, placement_invariant=placement_invariant,
                                      on_lost=lambda w, cause: ExpertWorkerLost(w, channel.endpoints[w], cause))
@@ -220,6 +232,10 @@ class MoEDispatcher:
         CUDA IPC (none when one worker holds the layer, `_start_whole`), on the device over ZeroMQ (measured
         full size: the host split made CUDA IPC steps faster, ZeroMQ ones slower); same rows, masks, order."""
         self._grow_counters()
+        if self.local_index is not None and not self.router.has_choice(layer) and \
+                self._single_holder(layer) == self.local_index:  # every expert of the layer is here
+            sent = [self._compute_local(layer, x, ids, weights, None, ids.numel())]
+            return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
         whole = self._start_whole(step_id, micro_batch, layer, x, ids, weights)
         if whole is not None:
             return whole
@@ -231,6 +247,8 @@ class MoEDispatcher:
         owner, slot_tokens = self._owner_of_slots(layer, routing.ids)  # [T, K] where the routing is
         sent = []
         for worker_index, num_slot_tokens in slot_tokens.items():
+            if worker_index == self.local_index:
+                continue  # computed below, once every remote worker has its rows
             mask = owner == worker_index  # [T, K]
             token_index = mask.any(dim=1).nonzero().squeeze(1)  # [T_w]
             slot_mask = mask[token_index]  # [T_w, K]
@@ -253,7 +271,22 @@ class MoEDispatcher:
                 worker_index, num_slot_tokens, step_id, layer, micro_batch, x[device_index],
                 routing.ids[token_index], routing.weights[token_index], slot_mask, device_index,
                 self._upload(slot_mask) if self.placement_invariant else slot_mask))
+        if self.local_index in slot_tokens:
+            local_mask = self._upload(owner == self.local_index)  # [T, K] on the attention device
+            sent.append(self._compute_local(layer, x, ids, weights, local_mask, slot_tokens[self.local_index]))
+            sent.sort(key=lambda entry: entry.worker_index)  # finish adds in ascending worker index
         return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
+
+    def _compute_local(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       slot_mask: torch.Tensor | None, num_slot_tokens: int) -> _Sent:
+        """The local share of the micro-batch (x [T, D], ids / weights [T, K], slot_mask [T, K] on the device,
+        None: every slot), computed now: [T, K, D] per slot in placement-invariant mode, else its sum [T, D]."""
+        per_slot = self.local_experts.slot_outputs(layer, x, ids, weights, slot_mask,
+                                                   None if slot_mask is None else num_slot_tokens)  # [T, K, D]
+        output = per_slot if self.placement_invariant else sum_slots_in_order(per_slot)
+        self.num_slot_tokens_in_flight[self.local_index] += num_slot_tokens
+        self.num_slot_tokens_sent[self.local_index] += num_slot_tokens
+        return _Sent(self.local_index, 0, slice(None), slot_mask, 0, num_slot_tokens, local_output=output)
 
     def _send_over_channel(self, worker_index: int, num_slot_tokens: int, step_id: int, layer: int,
                            micro_batch: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
@@ -315,10 +348,14 @@ class MoEDispatcher:
         else:
             routed = torch.zeros(pending.num_tokens, pending.hidden_size, dtype=pending.dtype, device=pending.device)
         for sent in pending.sent:  # ascending worker index
-            answer = self._answer(pending, sent)
+            if sent.local_output is None:
+                output = self._to_device(self._answer(pending, sent)).to(pending.dtype)
+            else:
+                output = sent.local_output.to(pending.dtype)
             self.num_slot_tokens_in_flight[sent.worker_index] -= sent.num_slot_tokens
-            output = self._to_device(answer).to(pending.dtype)
-            if self.placement_invariant:  # [T_w, K, D]: take only our slots from this worker
+            if self.placement_invariant and sent.slot_mask is None:  # [T, K, D]: every slot is this holder's
+                per_slot[sent.token_index] = output
+            elif self.placement_invariant:  # [T_w, K, D]: take only our slots from this worker
                 rows = per_slot[sent.token_index]
                 per_slot[sent.token_index] = torch.where(sent.slot_mask[..., None], output, rows)
             else:  # [T_w, D]

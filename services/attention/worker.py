@@ -14,7 +14,8 @@
     release finished slots                      slots.SlotTable.free
 
 It holds everything of the model except the routed experts, which it reaches through
-`MoEDispatcher` (one Dispatch per expert worker per MoE layer and micro-batch). Stop tokens
+`MoEDispatcher` (one Dispatch per expert worker per MoE layer and micro-batch), save those its own
+placement entry gives it (`local_holdings`, local_experts.py), which the dispatcher computes here. Stop tokens
 and max_tokens are the router's business: the worker returns the token it sampled.
 Legend: B sequences that sample, V vocab, K top logprobs.
 """
@@ -68,6 +69,8 @@ class AttentionWorkerConfig:
     # CUDA graphs of decode steps by batch-size bucket (services/attention/graph_decode.py; CUDA devices only;
     # prefill, verification and steps that do not fit a bucket run eagerly)
     cuda_graphs: bool = False
+    # (layer, expert) pairs this worker holds and computes itself (its `[[attention]] placement`); None: none
+    local_holdings: WorkerHoldings | None = None
 
 
 def split_micro_batches(num_sequences: int, num_micro_batches: int) -> list[range]:
@@ -115,19 +118,20 @@ class AttentionWorker(Service):
         model_config = reader.config
         numerics = NumericsConfig(dtype=str(dtype).removeprefix("torch."))
         self.side = load_attention_side(reader, numerics, self.device)
-        self.weight_bytes = WeightBytes(resident=module_weight_bytes(self.side),
-                                        stored=attention_stored_bytes(reader))
+        endpoints, workers, local = self._local_experts(reader, dtype)
+        self.weight_bytes = WeightBytes(resident=module_weight_bytes(self.side) + local_bytes(local, "resident"),
+                                        stored=attention_stored_bytes(reader) + local_bytes(local, "stored"))
         self.report_weight_bytes(self.device, self.weight_bytes.resident, self.weight_bytes.stored)
         self.pool = KVPool(model_config, self.config.kv, self.side.dtype, self.device)
         self.slots = SlotTable(model_config, self.pool, self.side.dtype, self.device)
         self._zmq_context = zmq.Context()
-        self.channel = ExpertChannel(self.config.expert_endpoints, context=self._zmq_context,
+        self.channel = ExpertChannel(endpoints, context=self._zmq_context,
                                      timeout_s=self.config.dispatch_timeout_s, security=self.config.security)
-        owner = owner_table(self.config.expert_workers, model_config.num_hidden_layers, model_config.n_routed_experts)
+        owner = owner_table(workers, model_config.num_hidden_layers, model_config.n_routed_experts)
         self.dispatcher = MoEDispatcher(self.channel, owner, placement_invariant=self.config.placement_invariant,
                                         device=self.device, replica_policy=self.config.replica_policy,
-                                        data_plane=DataPlane(self.config.data_plane))
-        self.dispatcher.set_holders(pair_holders(self.config.expert_workers, model_config.num_hidden_layers,
+                                        data_plane=DataPlane(self.config.data_plane), local_experts=local)
+        self.dispatcher.set_holders(pair_holders(workers, model_config.num_hidden_layers,
                                                  model_config.n_routed_experts))  # replicas share load from the start
         self.routing = RoutingCounter(model_config.num_hidden_layers, model_config.n_routed_experts,
                                       model_config.num_experts_per_tok, self.device,
@@ -142,10 +146,25 @@ class AttentionWorker(Service):
         self.recovery = build_step_recovery(self)
         self._install_speculation(model_config)
         log.info("attention.loaded", name=self.config.name, device=str(self.device), dtype=str(dtype),
-                 num_expert_workers=len(self.config.expert_endpoints), num_micro_batches=self.config.num_micro_batches,
+                 num_expert_workers=len(self.config.expert_endpoints),
+                 num_local_experts=0 if local is None else len(local.pairs), num_micro_batches=self.config.num_micro_batches,
                  placement_invariant=self.config.placement_invariant, kv_bytes_per_block=self.pool.num_bytes_per_block(),
                  resident_weight_bytes=self.weight_bytes.resident, stored_weight_bytes=self.weight_bytes.stored,
                  cuda_graphs=self.runner.graphs is not None)
+
+    def _local_experts(self, reader, dtype: torch.dtype):
+        """(channel endpoints, their holdings, LocalExperts or None): the expert workers, then this worker
+        itself (`local:<name>`) when its placement gives it pairs, which are loaded here."""
+        endpoints, workers = list(self.config.expert_endpoints), list(self.config.expert_workers)
+        holdings = self.config.local_holdings
+        if holdings is None or not holdings.held:
+            return endpoints, workers, None
+        from moemesh.services.attention.expert_channel import local_endpoint
+        from moemesh.services.attention.local_experts import LocalExperts
+
+        local = LocalExperts(self.device, dtype)
+        local.load(reader, holdings.held)
+        return [*endpoints, local_endpoint(self.config.name)], [*workers, holdings], local
 
     async def handle(self, message: Any) -> Any:
         match message:
@@ -376,6 +395,11 @@ class AttentionWorker(Service):
                 offset += len(scheduled.token_ids)
         if rows:
             self.feature_sender.send(target_features_message(step_id, rows, self.runner.captured))
+
+
+def local_bytes(local, kind: str) -> int:
+    """The local experts' resident or stored bytes (0 without local experts)."""
+    return 0 if local is None else getattr(local.holdings, f"{kind}_bytes")()
 
 
 def _token_mask_problem(scheduled, token_masks: torch.Tensor | None) -> str | None:

@@ -7,9 +7,9 @@ weighted output [T, K, D] (zeros for slots that are not ours) so that the attent
 K slots in slot order itself.
 
 Weights come from the checkpoint directory, read pair by pair from the memory-mapped shards straight
-into the format the worker keeps (`holdings.ExpertHoldings`, `--expert-dtype native|fp8|bf16`):
+into the format the worker keeps (`common.checkpoint.expert_holdings.ExpertHoldings`, `--expert-dtype native|fp8|bf16`):
 - FP4 / FP8 stacks per layer (`QuantizedRoutedExperts`): on CUDA with 16-bit activations the grouped
-  Triton kernels on the selected rows; on the CPU the native FP4 kernel (`cpu_experts`), FP8 experts
+  Triton kernels on the selected rows; on the CPU the native FP4 kernel (`common.model.cpu_experts`), FP8 experts
   dequantised one matrix at a time. Row selection and the kernels' row layout run on the host from the
   received ids and mask (selection.py), so a ZeroMQ Dispatch needs no host sync before the reply's copy.
 - dense matrices (float checkpoints, `bf16`): rows grouped by expert (grouping.py), each expert once.
@@ -48,7 +48,7 @@ from moemesh.common.checkpoint.expert_stacks import ExpertDtype, ResidentFormat
 from moemesh.common.kernels.moe_layout import sum_slots_in_order
 from moemesh.services.expert.budget import expert_inventory, load_refusal
 from moemesh.services.expert.grouping import group_by_expert, slot_outputs
-from moemesh.services.expert.holdings import ExpertHoldings
+from moemesh.common.checkpoint.expert_holdings import ExpertHoldings
 from moemesh.services.expert.ipc_plane import ExpertSlotPlane
 from moemesh.services.expert.selection import (
     HeldTable, RowSelection, held_tables, routing_on_host, select_rows, sorted_layout,
@@ -61,7 +61,7 @@ log = structlog.get_logger("expert")
 class ExpertWorkerConfig:
     """name: service name; checkpoint_path: model directory; pairs: (layer, expert) held at start;
     dtype: "auto" (float32 on CPU, bfloat16 elsewhere) or a torch dtype name (activations);
-    expert_dtype: "native", "fp8" or "bf16" (what is kept of the routed experts, holdings.py)."""
+    expert_dtype: "native", "fp8" or "bf16" (what is kept of the routed experts, common/checkpoint/expert_holdings.py)."""
 
     name: str
     checkpoint_path: str
@@ -96,7 +96,7 @@ class ExpertWorker(Service):
         self._reply_pool: SendStagingPool | None = None
         self._recv_ring: RecvStagingRing | None = None
         self._last_reply_fits = True
-        self._cpu_runner = None  # cpu_experts.CpuBlockRunner: FP4 blocks on a thread pool (CPU devices)
+        self._cpu_runner = None  # common.model.cpu_experts.CpuBlockRunner: FP4 blocks on a thread pool (CPU devices)
         self._tables: dict[int, HeldTable] = {}  # host held/stack-index tables per layer (selection.py)
         self._tables_of = None  # the holder they were built from
         self.slot_plane = ExpertSlotPlane(self.device, config.name)  # CUDA IPC rings of attention workers
@@ -149,7 +149,7 @@ class ExpertWorker(Service):
         new = self.holdings.load(reader, pairs)
         self.read_entry_names.extend(reader.read_entry_names)
         if self.device.type == "cpu" and self.holdings.format is ResidentFormat.FP4 and self._cpu_runner is None:
-            from moemesh.services.expert.cpu_experts import CpuBlockRunner
+            from moemesh.common.model.cpu_experts import CpuBlockRunner
 
             # parallel over FP4 blocks on Python threads, each torch op single-threaded (see CpuBlockRunner)
             self._cpu_runner = CpuBlockRunner(torch.get_num_threads())
@@ -327,7 +327,7 @@ class ExpertWorker(Service):
                                 top_k, self.swiglu_limit, self.config.route_weight_before_w2)
         held = experts._layers[layer]
         if self.device.type == "cpu" and held.fmt is ExpertFormat.FP4:
-            from moemesh.services.expert.cpu_experts import expert_rows
+            from moemesh.common.model.cpu_experts import expert_rows
 
             return expert_rows(held, hidden, selection.expert_ids, route_weights.to(self.device),
                                selection.selected, experts.swiglu_limit, experts.route_weight_before_w2,

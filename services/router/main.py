@@ -225,9 +225,11 @@ def _status_sources(deployment: Deployment, supervisor):
             model = json.load(handle)
         from moemesh.common.placement.worker_holdings import holdings_for  # torch-free
 
-        for worker in deployment.expert:
+        for worker in (*deployment.attention, *deployment.expert):  # an attention worker may hold experts too
             held = holdings_for(worker.name, worker.placement, int(model["num_hidden_layers"]),
                                 int(model["n_routed_experts"])).held
+            if not held and worker in deployment.attention:
+                continue
             layers: dict[int, list[int]] = {}
             for layer, expert in held:
                 layers.setdefault(int(layer), []).append(int(expert))

@@ -40,14 +40,15 @@ class LoadSizes:
 
     def expected_for(self, role: str, name: str, placement: Mapping[str, Mapping[int, Iterable[int]]]) -> int | None:
         """Bytes service `name` of `role` ("attention", "expert", "draft") reads; None when unknown
-        (an expert worker the placement does not name)."""
-        if role == "attention":
-            return self.attention_bytes
+        (an expert worker the placement does not name). An attention worker also reads the experts it holds."""
         if role == "draft":
             return self.draft_bytes
-        if role == "expert" and name in placement:
+        if role == "attention" and name not in placement:
+            return self.attention_bytes
+        if name in placement:
             layers = placement[name]
-            return self.expert_bytes((layer, expert) for layer, experts in layers.items() for expert in experts)
+            held = self.expert_bytes((layer, expert) for layer, experts in layers.items() for expert in experts)
+            return held + (self.attention_bytes if role == "attention" else 0)
         return None
 
 
@@ -98,7 +99,9 @@ def expected_bytes_for_deployment(deployment: Any) -> dict[str, int]:
     from moemesh.common.placement.worker_holdings import holdings_for  # torch-free
 
     sizes = load_sizes(str(deployment.model.path))
-    expected = {worker.name: sizes.attention_bytes for worker in deployment.attention}
+    expected = {worker.name: sizes.attention_bytes + sizes.expert_bytes(
+        holdings_for(worker.name, worker.placement, sizes.num_layers, sizes.num_experts).held)
+        for worker in deployment.attention}  # plus the routed experts it holds itself
     for worker in deployment.expert:
         held = holdings_for(worker.name, worker.placement, sizes.num_layers, sizes.num_experts).held
         expected[worker.name] = sizes.expert_bytes(held)
