@@ -121,7 +121,7 @@ def test_scale_in_then_out_with_replicas_mid_generation(setup):
         ]
         kv = worker.config.kv
         engine = OfflineEngine(scheduler_config(kv.block_size_tokens, kv.num_primary_blocks, kv.num_cpu_blocks),
-                               lambda plan: worker.run_step(plan)[0])
+                               worker.step)
         requests = [engine.add_request(f"req-{i}", p, SamplingParams(max_tokens=MAX_TOKENS))
                     for i, p in enumerate(PROMPTS)]
         reports, num_steps = [], 0
