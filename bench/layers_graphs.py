@@ -42,7 +42,6 @@ class SegmentGraphDecode:
         self.states = states
         self.groups = split_micro_batches(len(states), num_micro_batches)
         self.device = token_ids.device
-        self.pool = torch.cuda.graph_pool_handle()
         self.steps: list[list[SegmentRun]] = []
         self._graphs: list = []  # keeps the CUDAGraph objects alive
         self._runner: ModelRunner | None = None
@@ -81,7 +80,10 @@ class SegmentGraphDecode:
     def _capture(self, token_ids: torch.Tensor) -> list[SegmentRun]:
         runs = []
         for segments in self._segments(token_ids):
-            run_segment, run_shared, graphs = capture_segments(segments, self.pool, self.device, warm_up=False)
+            # a pool per micro-batch: a shared pool is safe only for graphs replayed in the order they were
+            # captured, and the layer loop interleaves the micro-batches' segments
+            pool = torch.cuda.graph_pool_handle()
+            run_segment, run_shared, graphs = capture_segments(segments, pool, self.device, warm_up=False)
             runs.append(SegmentRun(segments, segments.token_ids.shape[0], run_segment, run_shared,
                                    lambda: None))  # the positions are baked in: nothing to advance
             self._graphs.append(graphs)

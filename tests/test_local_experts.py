@@ -276,7 +276,8 @@ def test_selected_rows_on_the_grouped_kernels_equal_the_every_row_path(checkpoin
 
     path, _ = checkpoint
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
+                                                     os.environ.get("PYTHONPATH")) if p)}
     done = subprocess.run([sys.executable, "-c", _SELECTED_ROWS_SCRIPT, str(path)], capture_output=True, text=True,
                           env=env, timeout=500)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
