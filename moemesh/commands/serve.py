@@ -72,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--data-plane", choices=("zmq", "cuda_ipc"), default="zmq",
                         help="how Dispatch/Combine tensors reach expert workers: ZeroMQ (default) or CUDA device rings "
                         "shared by IPC (every worker on a CUDA device of this host; refused otherwise)")
-    parser.add_argument("--cuda-graphs", choices=("on", "off"), default="off",
-                        help="the attention worker replays decode steps as CUDA graphs per batch bucket (CUDA only)")
+    parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                        help="the attention worker replays decode steps as CUDA graphs per batch bucket (bit-identical "
+                        "to eager steps); auto: on when the attention worker runs on a CUDA device")
     parser.add_argument("--experts-in-attention", default="auto", metavar="auto|all|none|FILE",
                         help="routed experts the attention worker holds and computes itself, without a hop: all "
                              "(expert workers join empty), none, or a placement file naming attention-0 and every "
@@ -211,7 +212,9 @@ def run(args: argparse.Namespace) -> int:
     layout = ServeLayout(model_path=str(model_dir.resolve()), run_dir=str(run_dir), log_dir=str(log_dir),
                          host=args.host, port=args.port, num_expert_workers=num_expert_workers, devices=devices,
                          dtype=args.dtype, placement_path=placement_path, with_drafter=speculation.enabled,
-                         data_plane=args.data_plane, cuda_graphs=args.cuda_graphs == "on",
+                         data_plane=args.data_plane,
+                         cuda_graphs=args.cuda_graphs == "on" or (args.cuda_graphs == "auto"
+                                                                  and devices[0].startswith("cuda")),
                          api_key_file=api_key_file, recovery_timeout_s=args.recovery_timeout,
                          model_name=model_name, drain_s=args.drain_timeout,
                          router_limits=request_limits(args), expert_dtype=args.expert_dtype,
