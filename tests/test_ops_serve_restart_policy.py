@@ -1,4 +1,4 @@
-"""`moemesh serve`'s restart policy (common/commands/serve_restarts.py) on real child processes:
+"""`moemesh serve`'s restart policy (moemesh/commands/serve_restarts.py) on real child processes:
 a dead child is started again after its backoff (not before), in place in the service list, with
 a restart record on disk and `serve.child_restarted` events; the backoff doubles while processes
 die quickly, and a process that ran `stable_after_s` starts afresh (backoff and budget); a required

@@ -5,7 +5,7 @@ features per K step, S split-K parts.
 
 The default (`choose_grouped_config`) is a table of the best configurations measured on an H200
 per launch (gate-up or down) and per bucket of mean rows per expert; the figures it cites are in
-bench/NOTES.md and the result files named there. Variants exist so that one benchmark run can
+docs/performance.md and the result files named there. Variants exist so that one benchmark run can
 sweep them (`bench/kernels.py`); each one is correct everywhere it is accepted (`validate`).
 """
 
@@ -125,7 +125,7 @@ def choose_grouped_config(num_rows: int, num_experts: int, *, out_features: int 
     """The default launch configuration: the best measured on an H200 per bucket of rows per expert.
 
     Measured (µs, gate-up / down, V4-Flash 256 experts × 4096 × 2048, CUDA-graph replays, weights
-    from HBM; bench/NOTES.md, results kernels-fp4-T*-20261129T1955*Z.json):
+    from HBM; docs/performance.md, results kernels-fp4-T*-20261129T1955*Z.json):
 
     | rows (tokens × 6) | JOIN | HALVES | ASM_QUAD (default) |
     |---|---|---|---|
@@ -148,7 +148,7 @@ def choose_grouped_config(num_rows: int, num_experts: int, *, out_features: int 
         decode = Fp4Decode.ASM_QUAD if gpu_decode else Fp4Decode.JOIN
         # 128-row tiles decode each weight tile for twice the rows: at 49,152 rows (8K tokens, ~192 per
         # expert) gate-up / down 7643 / 4056 -> 6307 / 3181 µs; at 12,288 rows (~48 per expert, tiles mostly
-        # empty) 2187 / 1154 -> 3206 / 1573 µs (bench/NOTES.md). The switch point between
+        # empty) 2187 / 1154 -> 3206 / 1573 µs (docs/performance.md). The switch point between
         # the two measured sizes is an interpolation: one 128-row tile costs ~1.4 64-row tiles.
         block_m = 128 if mean_rows_per_expert >= TALL_TILE_MIN_MEAN_ROWS and gpu_decode else 64
         return GroupedGemmConfig(block_m=block_m, block_n=128, block_k=64, num_warps=8, num_stages=3,

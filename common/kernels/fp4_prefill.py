@@ -10,7 +10,7 @@ bandwidth-bound kernel (FP4 read + bf16 written: ~4.3x the FP4 bytes), and the G
 `torch._grouped_mm` (CUTLASS grouped GEMM on Hopper) on plain bf16 operands. That costs a transient
 bf16 copy of C experts (bounded by `max_scratch_bytes`) and one host sync per call (the chunk row
 ranges): prefill only, never in a captured decode step. Worth it only when experts see many rows;
-`prefer_dequant_path` says when (measured on the H200, bench/NOTES.md).
+`prefer_dequant_path` says when (measured on the H200, docs/performance.md).
 
 Numerics: gate and up come back from the GEMM rounded to bf16 (grouped_mm has no fp32 output), the
 SwiGLU runs in fp32 and rounds once, the down product is rounded to bf16 and then scaled by the row
@@ -82,7 +82,7 @@ class PrefillPath(enum.Enum):
     AUTO = "auto"  # this module when `prefer_dequant_path` says so
 
 
-DEFAULT_PREFILL_PATH = PrefillPath.FUSED  # measured faster than `dequant` below ~20K tokens (bench/NOTES.md)
+DEFAULT_PREFILL_PATH = PrefillPath.FUSED  # measured faster than `dequant` below ~20K tokens (docs/performance.md)
 
 
 def prefill_path() -> PrefillPath:

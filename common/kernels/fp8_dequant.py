@@ -3,7 +3,7 @@
 Legend: T tokens, N out features, K in features.
 
 Why: the fused `fp8_linear` kernel converts each weight tile in its main loop and reaches 47-54 % of
-the bf16 matmul rate at T = 2048, where cuBLAS on a bf16 weight is ~2x faster (bench/NOTES.md,
+the bf16 matmul rate at T = 2048, where cuBLAS on a bf16 weight is ~2x faster (docs/performance.md,
 "fp8_linear" run 2: wq_b 360 vs 197 us, wo_b 320 vs 168 us). Dequantising a 33.5 MB FP8 matrix costs
 ~25 us (33.5 MB read, 67 MB written), so above ~1K tokens the bf16 copy pays for itself many times.
 The copy is transient (one matrix at a time, freed after the call): the model stays FP8 on the
@@ -26,7 +26,7 @@ from moemesh.common.kernels.dequant_tiles import fp8_tile
 from moemesh.common.kernels.reference import FP8_BLOCK_SIZE
 
 PATH_ENV = "MOEMESH_FP8_PREFILL"
-MIN_TOKENS = 1024  # at and above: dequantise + cuBLAS (measured faster from here; bench/NOTES.md)
+MIN_TOKENS = 1024  # at and above: dequantise + cuBLAS (measured faster from here; docs/performance.md)
 BLOCK_N = 64
 BLOCK_K = 128
 

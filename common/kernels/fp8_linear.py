@@ -76,7 +76,7 @@ def device_num_sms(device: torch.device) -> int:
 
 # Whether the inline-PTX e4m3 decode (asm_decode + asm_quad) is the default, per bucket, where it
 # can run (bf16 activations, compiled kernels, K a multiple of 4). Measured on an H200
-# (kernels-fp8-T*-20261129T212*Z.json, bench/NOTES.md): decode T=64 equal or 3-9 % faster on all six
+# (kernels-fp8-h200x2-20261129T212201Z.json, docs/performance.md): decode T=64 equal or 3-9 % faster on all six
 # V4-Flash shapes, T=1 2-5 % faster on four (wq_a 5.8 -> 6.1 us slower); prefill T=2048 8-65 % slower.
 PTX_DECODE_BY_DEFAULT = {"decode": True, "prefill": False}
 
@@ -95,7 +95,7 @@ def choose_fp8_linear_config(
 
 def _heuristic_tiles(num_tokens: int, out_features: int, in_features: int, num_sms: int) -> Fp8LinearConfig:
     if num_tokens > DECODE_MAX_TOKENS:
-        # Measured on an H200 at T=2048 (bench/NOTES.md): BK=64 with 4 stages wins from N=2048 up;
+        # Measured on an H200 at T=2048 (docs/performance.md): BK=64 with 4 stages wins from N=2048 up;
         # N<=512 needs narrower tiles to fill the SMs.
         if out_features <= 512:
             return Fp8LinearConfig(block_n=64, block_t=128, block_k=128, split_k=1, num_warps=4, num_stages=4)

@@ -2,7 +2,7 @@
 
 The torch code in `common/model/{hyper,linear,rope,moe}.py` is the CPU path and the fp32 oracle; the
 Triton kernels in `common/kernels/{mhc,norm_rope,gate}.py` replace it on CUDA tensors because the torch
-version launches hundreds of 1–2 µs kernels per layer (bench/NOTES.md, "Where the time goes").
+version launches hundreds of 1–2 µs kernels per layer (docs/performance.md, "Where the time goes").
 
 Rules (read on every call, so a test or a benchmark may flip the switch between calls):
 - `MOEMESH_TORCH_GLUE=1` forces the torch path on CUDA too (comparisons, bisecting a wrong result);

@@ -8,7 +8,7 @@ ue8m0 scale, so the bf16 results are exact (bf16 multiplies keep subnormal input
 `tl.dot` directly: no fp32 tile, no fp32 -> bf16 conversion. GPU only (the interpreter cannot run
 inline assembly); `bench/checks/fp4_decode_probe.py` checks each one bit for bit against `reference.py`.
 
-Measured on an H200 (bench/NOTES.md): the "quad" decoders, which read the codes as
+Measured on an H200 (docs/performance.md): the "quad" decoders, which read the codes as
 16/32-bit words and return four tiles by k mod 4, need the fewest instructions per element.
 """
 

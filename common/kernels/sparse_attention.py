@@ -48,7 +48,7 @@ class SparseAttentionConfig:
     max_splits: int = 4  # H200 run 3: 4 splits beat 9-20 at B = 1 / 8 (31 vs 40 µs, 33 vs 36 µs, CSA)
 
 
-# H200 runs 1-2 (bench/NOTES.md): decode B = 64 best with 16 heads per program and cp.async (108 µs
+# H200 runs 1-2 (docs/performance.md): decode B = 64 best with 16 heads per program and cp.async (108 µs
 # CSA, 40 µs HCA; 32 heads: 116 / 48 µs), prefill 8K with 64 (5.0 ms CSA; 32 heads: 1.8x slower in run 1).
 DECODE_CONFIG = SparseAttentionConfig(block_h=16, block_n=32, num_warps=8, num_stages=2)
 PREFILL_CONFIG = SparseAttentionConfig(block_h=64, block_n=32, num_warps=8, num_stages=1)

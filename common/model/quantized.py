@@ -239,7 +239,7 @@ def _unsort_rows(y: torch.Tensor, row_slot_ids: torch.Tensor) -> torch.Tensor:
     """y [R, D] in expert order -> [R, D] in slot-flat order (row i of y is slot row_slot_ids[i]).
 
     A gather through the inverse permutation: the scatter `rows[row_slot_ids] = y` it replaces ran as
-    torch's index_put at ~0.9 ms per 8K-token layer (bench/NOTES.md), a gather at ~0.1."""
+    torch's index_put at ~0.9 ms per 8K-token layer (docs/performance.md), a gather at ~0.1."""
     inverse = torch.empty_like(row_slot_ids)
     inverse[row_slot_ids] = torch.arange(row_slot_ids.numel(), device=row_slot_ids.device, dtype=row_slot_ids.dtype)
     return y.index_select(0, inverse)

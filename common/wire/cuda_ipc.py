@@ -72,7 +72,7 @@ class CudaIpcConfig:
     max_tokens: int = 2048
     attach_timeout_s: float = 30.0
     # "events" by default: "flags" is faster (no host round trip per hop) but a dead expert can leave the
-    # attention stream waiting behind a host sync until a watchdog exists (bench/NOTES.md, run 3)
+    # attention stream waiting behind a host sync until a watchdog exists (docs/performance.md, run 3)
     sync: str = "events"
 
 

@@ -6,7 +6,7 @@
     moemesh placement show placement.toml [--preset v4-flash]
     moemesh placement show --url http://router:8000    (the expert workers registered with a router)
 
-    moemesh placement apply placement.toml --url http://router:8000   (common/commands/placement_apply.py)
+    moemesh placement apply placement.toml --url http://router:8000   (moemesh/commands/placement_apply.py)
 
 Pure Python: no torch.
 """

@@ -108,7 +108,7 @@ def request_limits(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
 
 
 def _parse_devices(text: str) -> tuple[str, ...]:
-    """The devices of `--devices`; `auto`: every CUDA GPU, else the CPU (common/commands/devices.py)."""
+    """The devices of `--devices`; `auto`: every CUDA GPU, else the CPU (moemesh/commands/devices.py)."""
     if text.strip() == "auto":
         from moemesh.commands.devices import auto_devices
 
