@@ -46,17 +46,31 @@ HIDDEN, TOP_K, T_MAX = 4096, 6, 64
 WAITS = {"backoff": WaitConfig(), "spin": WaitConfig(spin_us=10_000_000.0)}
 
 
+def _spawn_worker(segment: MailboxSegment, mode: str, wait: WaitConfig, args):
+    """The worker process serving `segment`: it owns every expert (`experts`) or none (`echo`)."""
+    owned_by = 0 if mode == "experts" else 1  # echo: the worker (index 0) owns nothing
+    owner_rows = tuple(tuple([owned_by] * args.experts) for _ in range(args.layers))
+    spec = WorkerSpec(((str(segment.path), owner_rows),), 0, seed=3, hidden_size=HIDDEN, inter_size=args.inter,
+                      swiglu_limit=10.0, num_threads=args.threads, spin_us=wait.spin_us,
+                      sleep_min_us=wait.sleep_min_us, sleep_max_us=wait.sleep_max_us, pin_cpu=args.worker_cpu)
+    return spawn_worker(spec)
+
+
+def _stop_worker(segment: MailboxSegment, process) -> None:
+    segment.set_word(Word.STOP, 1)
+    try:
+        process.communicate(timeout=60)
+    except Exception:
+        process.kill()
+        process.communicate()
+
+
 def run_case(library, mode: str, wait_name: str, num_tokens_list: list[int], args) -> list[dict]:
     wait = WAITS[wait_name]
     layout = MailboxLayout(T_MAX, HIDDEN, TOP_K, False, CombineMode.PARTIAL)
     segment = MailboxSegment.create(layout, 0)
     num_experts = args.experts
-    owned_by = 0 if mode == "experts" else 1  # echo: the worker (index 0) owns nothing
-    owner_rows = tuple(tuple([owned_by] * num_experts) for _ in range(args.layers))
-    spec = WorkerSpec(((str(segment.path), owner_rows),), 0, seed=3, hidden_size=HIDDEN, inter_size=args.inter,
-                      swiglu_limit=10.0, num_threads=args.threads, spin_us=wait.spin_us,
-                      sleep_min_us=wait.sleep_min_us, sleep_max_us=wait.sleep_max_us)
-    process = spawn_worker(spec)
+    process = _spawn_worker(segment, mode, wait, args)
     records = []
     try:
         wait_until_attached(segment, process.pid, 300.0)
@@ -115,12 +129,7 @@ def run_case(library, mode: str, wait_name: str, num_tokens_list: list[int], arg
                   f"(p90 {record['round_trip_p90_us']:8.1f}), worker {record['worker_us']:8.1f}, hop {record['hop_us']:7.1f}, "
                   f"layer {record['layer_us']:8.1f} us, step {record['step_ms']:7.2f} ms", flush=True)
     finally:
-        segment.set_word(Word.STOP, 1)
-        try:
-            process.communicate(timeout=60)
-        except Exception:
-            process.kill()
-            process.communicate()
+        _stop_worker(segment, process)
         segment.close()
     return records
 
@@ -135,12 +144,7 @@ def run_gpu_case(library, mode: str, wait_name: str, num_tokens_list: list[int],
     segment = MailboxSegment.create(layout, 0)
     register_host_segment(segment)
     num_experts = args.experts
-    owned_by = 0 if mode == "experts" else 1
-    owner_rows = tuple(tuple([owned_by] * num_experts) for _ in range(args.layers))
-    spec = WorkerSpec(((str(segment.path), owner_rows),), 0, seed=3, hidden_size=HIDDEN, inter_size=args.inter,
-                      swiglu_limit=10.0, num_threads=args.threads, spin_us=wait.spin_us,
-                      sleep_min_us=wait.sleep_min_us, sleep_max_us=wait.sleep_max_us, pin_cpu=args.worker_cpu)
-    process = spawn_worker(spec)
+    process = _spawn_worker(segment, mode, wait, args)
     records = []
     try:
         wait_until_attached(segment, process.pid, 300.0)
@@ -191,12 +195,7 @@ def run_gpu_case(library, mode: str, wait_name: str, num_tokens_list: list[int],
                   flush=True)
             del graph
     finally:
-        segment.set_word(Word.STOP, 1)
-        try:
-            process.communicate(timeout=60)
-        except Exception:
-            process.kill()
-            process.communicate()
+        _stop_worker(segment, process)
         torch.cuda.synchronize(device)
         unregister_host_segment(segment)
         segment.close()

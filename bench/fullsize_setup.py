@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from moemesh.common.placement.placement_file import Placement, WorkerPlacement, write_placement
-from moemesh.common.runtime.deployment import write_deployment_file
+from moemesh.common.runtime.deployment_writer import write_deployment_file
 from moemesh.common.runtime.launcher import stop_services
 from moemesh.common.runtime.local_cluster import ClusterError, ClusterSpec, LocalCluster
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from moemesh.commands.serve_config import ServeLayout, deployment_table
-from moemesh.common.runtime.deployment import write_deployment_file
+from moemesh.common.runtime.deployment_writer import write_deployment_file
 from moemesh.common.runtime.deployment import DeploymentError, KVConfig, load_deployment
 from moemesh.services.attention.main import add_attention_arguments, kv_pool_config, options_from_args
 from moemesh.services.router.main import RouterSettings, build_configs

@@ -422,7 +422,7 @@ def test_tiny_primary_pool_preempts_by_swap_and_returns_reference_outputs(checkp
     primary pool too small for the requests at once: sequences are swapped to the CPU tier and
     restored from it (PrefixRestore at a block boundary), and every output is still the reference."""
     from moemesh.commands.serve_config import ServeLayout, deployment_table
-    from moemesh.common.runtime.deployment import write_deployment_file
+    from moemesh.common.runtime.deployment_writer import write_deployment_file
     from moemesh.common.runtime.launcher import start_service, stop_services
 
     port = _free_port()

@@ -11,7 +11,9 @@ import pytest
 import torch
 import zmq
 
-from moemesh.bench.hostwork import Drain, RecordingChannel, SyncCounter, build_expert_worker, make_dispatch
+from moemesh.bench.hostwork import build_expert_worker, make_dispatch
+from moemesh.bench.hostwork_attention import Drain, RecordingChannel
+from moemesh.bench.hostwork_measure import SyncCounter
 from moemesh.bench.hostwork_legacy import legacy_expert_stages, legacy_start_stages
 from moemesh.common.wire.messages import ErrorCode, ErrorReply
 from moemesh.services.attention.expert_channel import ExpertChannel

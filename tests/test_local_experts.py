@@ -224,7 +224,7 @@ def test_local_slot_outputs_equal_the_expert_workers_bit_for_bit(checkpoint, dev
 
 def test_check_model_counts_the_attention_workers_own_experts(checkpoint, tmp_path):
     from moemesh.common.placement.worker_sizes import worker_rows
-    from moemesh.common.runtime.deployment import write_deployment_file
+    from moemesh.common.runtime.deployment_writer import write_deployment_file
 
     path, config = checkpoint
     rows = {}

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from moemesh.commands.serve_config import ServeLayout, deployment_table
-from moemesh.common.runtime.deployment import write_deployment_file
+from moemesh.common.runtime.deployment_writer import write_deployment_file
 from moemesh.common.runtime.launcher import start_service, stop_services, wait_until
 from moemesh.services.attention.recovery import budget_for
 

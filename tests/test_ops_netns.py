@@ -71,7 +71,7 @@ def _reference_text(checkpoint: Path, prompt: str, max_tokens: int) -> str:
 class NetnsCluster:
     def __init__(self, hosts: TwoHosts, checkpoint: Path, run_dir: Path) -> None:
         from moemesh.commands.serve_config import ServeLayout, deployment_table
-        from moemesh.common.runtime.deployment import write_deployment_file
+        from moemesh.common.runtime.deployment_writer import write_deployment_file
 
         self.hosts = hosts
         self.log_dir = run_dir / "logs"

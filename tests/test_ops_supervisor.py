@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("supervisor")
 
 from moemesh.commands.serve_config import ServeLayout, deployment_table  # noqa: E402
-from moemesh.common.runtime.deployment import write_deployment_file
+from moemesh.common.runtime.deployment_writer import write_deployment_file
 from moemesh.common.runtime.launcher import wait_until  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -11,9 +11,10 @@ import structlog
 
 from moemesh.common.runtime.deployment import (
     Deployment, DeploymentError, ExpertWorkerConfig, KVConfig, ModelConfig, PathsConfig, TimeoutsConfig,
-    AttentionWorkerConfig, DraftWorkerConfig, add_deployment_arguments, derive_endpoints, format_deployment,
-    load_deployment, parse_deployment, write_deployment_file,
+    AttentionWorkerConfig, DraftWorkerConfig, add_deployment_arguments, derive_endpoints, load_deployment,
+    parse_deployment,
 )
+from moemesh.common.runtime.deployment_writer import format_deployment, write_deployment_file
 from moemesh.common.runtime.logging import bound_request, configure_logging
 
 EXAMPLE = """

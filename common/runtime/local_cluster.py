@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moemesh.common.runtime.deployment import write_deployment_file
+from moemesh.common.runtime.deployment_writer import write_deployment_file
 from moemesh.common.runtime.launcher import ServiceProcess, start_service, stop_services
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from moemesh.common.runtime.data_plane import WorkerPlace, check_data_plane
-from moemesh.common.runtime.deployment import Deployment, load_deployment, write_deployment_file
+from moemesh.common.runtime.deployment import Deployment, load_deployment
+from moemesh.common.runtime.deployment_writer import write_deployment_file
 from moemesh.common.wire.cuda_ipc import DataPlane
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "kjv-dsv4-mini"
