@@ -3,9 +3,10 @@
 # FP8/FP4 kernels against torch at V4-Flash shapes and the bf16 drift bound, the expert worker's GPU path,
 # sampler and speculation kernels, CUDA IPC and ZeroMQ staging (outputs equal to in-process), prefix-cache
 # boundary snapshots on the kernel path, a checkpoint's drafter on the GPU.
-# Run by bench/device/run_all.sh from the repo root with PYTHONPATH set.
+# Run by bench/device/run_all.sh from the repo root with PYTHONPATH set; CUDA_TESTS_WORKERS (default 4) pytest-xdist
+# workers share the GPU, one test file each.
 set -u
-python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider --timeout 200 \
+python3 -m pytest -q -rfEs -n "${CUDA_TESTS_WORKERS:-4}" --tb=short -p no:cacheprovider --timeout 200 \
   tests/test_quantized_cuda.py tests/test_kernels_cuda.py tests/test_hostwork_dispatch.py \
   tests/test_draft_random_checkpoint.py tests/test_spec_cuda.py tests/test_sampler_cuda.py \
   tests/test_wire_cuda_ipc.py "tests/test_bench_fullsize.py::test_gpu_expert_worker_path_matches_cpu_path" \
