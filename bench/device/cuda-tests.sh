@@ -11,4 +11,5 @@ python3 -m pytest -q -rfEs -n "${CUDA_TESTS_WORKERS:-4}" --tb=short -p no:cachep
   tests/test_draft_random_checkpoint.py tests/test_spec_cuda.py tests/test_sampler_cuda.py \
   tests/test_wire_cuda_ipc.py "tests/test_bench_fullsize.py::test_gpu_expert_worker_path_matches_cpu_path" \
   tests/test_guided_masks.py tests/test_wire_staging.py tests/test_attention_boundary_kernels.py \
-  tests/test_attention_prefix_restore.py tests/test_bench_layers_disagg.py 2>&1
+  tests/test_attention_prefix_restore.py tests/test_bench_layers_disagg.py tests/test_step_graph_cuda.py \
+  tests/test_attention_graphs_cuda.py tests/test_local_experts.py 2>&1

@@ -8,7 +8,9 @@ process's entry when its role has several. Heavy imports (torch for the workers)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -47,6 +49,23 @@ def deployment_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the service; with MOEMESH_PROFILE_DIR set, under cProfile (its main thread, where the service's
+    loop and handlers run), the statistics written at exit to `<dir>/<role>-<name>-<pid>.prof`."""
+    profile_dir = os.environ.get("MOEMESH_PROFILE_DIR")
+    if not profile_dir:
+        return _run(args)
+    import cProfile
+
+    profiler = cProfile.Profile()
+    try:
+        return profiler.runcall(_run, args)
+    finally:
+        target = Path(profile_dir) / f"{args.command_name}-{args.name or 'main'}-{os.getpid()}.prof"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(target)
+
+
+def _run(args: argparse.Namespace) -> int:
     from moemesh.common.runtime.deployment import DeploymentError, load_deployment
 
     try:

@@ -14,6 +14,14 @@ share a memory pool: a step replays exactly one of them, and what a set keeps be
 (per-layer outputs) stays referenced, so another set can only reuse memory that is dead outside its
 own step. Different micro-batch indices never share a pool (their replays interleave within a step).
 
+When this process computes every routed expert itself (`MoEDispatcher.every_layer_here`: the placement
+gives each layer to the attention worker alone, on capturable kernels), a step of one micro-batch needs
+no message and no host wait between layers, so the whole layer loop is captured as one graph instead:
+`ModelRunner.run_segments` itself runs under the capture (segments, routing counts, the in-process
+experts, shared experts, combines), and a step is one replay (`DecodeGraphs.execute`). Its routing
+counts take per-row phases from a static tensor whose padding rows are not counted. A step graph is
+tied to the routing table it was captured under and captured again after a placement change.
+
 A step runs eagerly instead (the runner's eager segments; logged once per reason) when any
 micro-batch has a sequence with more than one new token (prefill chunks, speculative verification),
 more sequences than the largest bucket, stores the kernels cannot address, mixed row-store layouts,
@@ -25,6 +33,7 @@ Legend: T tokens (= sequences), Tb bucket tokens, L layers, N hc streams, D hidd
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -41,6 +50,7 @@ from moemesh.common.model.batch import AttentionBackend, SequenceChunk, default_
 from moemesh.common.model.state import SequenceState
 from moemesh.services.attention.graph_tables import StaticDecodeTables, index_rows_class
 from moemesh.services.attention.model_runner import LayerSegments, SegmentRun
+from moemesh.services.attention.routing_stats import NOT_COUNTED
 
 log = structlog.get_logger("attention")
 
@@ -91,6 +101,21 @@ class _GraphSet:
     graphs: list[Any] = field(default_factory=list)  # keeps the CUDAGraph objects alive
 
 
+@dataclass
+class _StepGraph:
+    """One micro-batch's whole decode step as one CUDA graph: `graph_set` (tables and segments it reads),
+    `phases` [Tb] int64 routing-count phase per row (padding: NOT_COUNTED), `finals` [Tb, N, D] the final
+    streams, `captured` the speculation hook's [Tb, D] means, `routing_token` the (routing table,
+    version) it was captured under."""
+
+    graph_set: _GraphSet
+    phases: torch.Tensor
+    finals: torch.Tensor
+    captured: list[torch.Tensor]
+    routing_token: tuple
+    graph: Any
+
+
 def capture_segments(segments: LayerSegments, pool: Any, device: torch.device, before: Callable = lambda: None,
                      warm_up: bool = True) -> tuple[list[Callable], list[Callable], list[Any]]:
     """CUDA graphs of every segment of `segments` in `pool` -> (segment replays [L + 1], shared-expert
@@ -123,6 +148,7 @@ def capture_segments(segments: LayerSegments, pool: Any, device: torch.device, b
 @dataclass
 class GraphStats:
     num_graph_steps: int = 0
+    num_step_graph_steps: int = 0  # of which replayed as one graph of the whole step
     num_eager_steps: int = 0
     num_captures: int = 0
     eager_reasons: dict[str, int] = field(default_factory=dict)
@@ -139,6 +165,7 @@ class DecodeGraphs:
         move_rope_tables(side, self.device)  # no host-to-device copy inside a captured segment
         self.scratch = SequenceState(side.config, dtype=side.dtype, device=self.device)  # padding rows write here
         self._sets: dict[tuple, _GraphSet] = {}
+        self._step_graphs: dict[tuple, _StepGraph] = {}
         self._pools: dict[int, Any] = {}  # micro-batch index -> graph memory pool
         self._logged: set[str] = set()
         self.stats = GraphStats()
@@ -203,12 +230,92 @@ class DecodeGraphs:
         return (index, bucket, index_rows, geometry), None
 
     # ------------------------------------------------------------------ the step
+    def execute(self, runner, step_id: int, micro_batches: list[tuple[torch.Tensor, list[SequenceChunk]]],
+                decode_masks: list[torch.Tensor | None]) -> list[torch.Tensor] | None:
+        """Run one step on graphs -> final streams [T_i, N, D] per micro-batch (views of static buffers, valid
+        until the next step), advancing the states; None when the step must run eagerly. One replay of a
+        whole-step graph when the runner's dispatcher computes every layer here and there is one
+        micro-batch, else the runner's loop over segment replays."""
+        keys = self.plan(micro_batches)
+        if keys is None:
+            return None
+        if self.config.capture and len(keys) == 1 and runner.dispatcher.every_layer_here():
+            (token_ids, chunks), = micro_batches
+            return [self._replay_step(runner, keys[0], token_ids, chunks, decode_masks[0])]
+        return runner.run_segments(step_id, self._segment_runs(keys, micro_batches), decode_masks)
+
+    def _replay_step(self, runner, key: tuple, token_ids: torch.Tensor, chunks: list[SequenceChunk],
+                     decode_mask: torch.Tensor | None) -> torch.Tensor:
+        dispatcher = runner.dispatcher
+        routing_token = (dispatcher.router, dispatcher.router.version, runner.capture_layer_ids)
+        step_graph = self._step_graphs.get(key)
+        if step_graph is None or step_graph.routing_token != routing_token:
+            self._step_graphs.pop(key, None)  # its memory goes back to the pool before the new capture
+            step_graph = self._capture_step(runner, key, routing_token)
+            self._step_graphs[key] = step_graph
+        members = [chunk.state for chunk in chunks]
+        num_real = len(members)
+        step_graph.graph_set.tables.fill(members, token_ids, self.scratch)
+        step_graph.phases[num_real:].fill_(NOT_COUNTED)
+        if decode_mask is None:
+            step_graph.phases[:num_real].zero_()
+        else:
+            step_graph.phases[:num_real].copy_(decode_mask)
+        step_graph.graph.replay()
+        _commit_one_token(members)
+        runner.captured = [[mean[:num_real] for mean in step_graph.captured]]
+        num_layers = self.side.config.num_hidden_layers
+        runner.stats.num_layer_runs += num_layers
+        dispatcher.record_local_work(num_real * self.side.config.num_experts_per_tok * num_layers)
+        self.stats.num_graph_steps += 1
+        self.stats.num_step_graph_steps += 1
+        return step_graph.finals[:num_real]
+
+    def _capture_step(self, runner, key: tuple, routing_token: tuple) -> _StepGraph:
+        """Capture `runner.run_segments` over the segment functions of a new set of static tables: one
+        eager warm-up on a side stream (Triton compiles, workspaces), then the capture. The runner's
+        statistics and speculation outputs are restored afterwards (neither run was a real step)."""
+        started_s = time.perf_counter()
+        graph_set, batch = self._tables_and_segments(key)
+        bucket = key[1]
+        phases = torch.full((bucket,), NOT_COUNTED, dtype=torch.long, device=self.device)  # [Tb]
+        segment_fns, shared_fns = graph_set.segments.functions(batch.clear_rope_cache)
+        run = SegmentRun(graph_set.segments, bucket, segment_fns, shared_fns, finish=lambda: None)
+        saved = (dataclasses.replace(runner.stats), runner.captured,
+                 list(runner.dispatcher.num_slot_tokens_sent))
+
+        def whole_step() -> torch.Tensor:
+            return runner.run_segments(0, [run], [phases])[0]
+
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            whole_step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        if key[0] not in self._pools:
+            self._pools[key[0]] = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pools[key[0]], capture_error_mode="thread_local"):
+            finals = whole_step()  # [Tb, N, D]
+        captured = runner.captured[0]
+        runner.stats, runner.captured, runner.dispatcher.num_slot_tokens_sent = saved
+        self.stats.num_captures += 1
+        log.info("attention.step_graph_captured", micro_batch=key[0], bucket=bucket, index_rows=key[2],
+                 paged=key[3][0], num_layers=self.side.config.num_hidden_layers,
+                 elapsed_s=round(time.perf_counter() - started_s, 3))
+        return _StepGraph(graph_set, phases, finals, captured, routing_token, graph)
+
     def runs(self, micro_batches: list[tuple[torch.Tensor, list[SequenceChunk]]]) -> list[SegmentRun] | None:
         """One decode step's SegmentRuns (tables filled, segments replayed), or None when it runs eagerly.
         The final streams the runner returns are views of static buffers: valid until the set replays again."""
         keys = self.plan(micro_batches)
         if keys is None:
             return None
+        return self._segment_runs(keys, micro_batches)
+
+    def _segment_runs(self, keys: list[tuple], micro_batches: list[tuple[torch.Tensor, list[SequenceChunk]]]
+                      ) -> list[SegmentRun]:
         runs = []
         for key, (token_ids, chunks) in zip(keys, micro_batches):
             if key not in self._sets:
@@ -222,7 +329,8 @@ class DecodeGraphs:
         return runs
 
     # ------------------------------------------------------------------ building sets
-    def _build(self, key: tuple) -> _GraphSet:
+    def _tables_and_segments(self, key: tuple) -> tuple[_GraphSet, GraphBatch]:
+        """Static tables of `key` (filled with padding rows only) and the segments over them, not captured."""
         _, bucket, index_rows, (paged, rows_per_block) = key
         side = self.side
         rows_per_block = dict(rows_per_block)
@@ -237,6 +345,11 @@ class DecodeGraphs:
         segments = LayerSegments(side, batch, tables.token_ids, routed_in, keep_layers=True)
         graph_set = _GraphSet(tables, segments)
         tables.fill([], None, self.scratch)  # warm-up and capture over padding rows only
+        return graph_set, batch
+
+    def _build(self, key: tuple) -> _GraphSet:
+        graph_set, batch = self._tables_and_segments(key)
+        segments, bucket, index_rows, paged = graph_set.segments, key[1], key[2], key[3][0]
         if not self.config.capture:
             graph_set.run_segment, graph_set.run_shared = segments.functions(batch.clear_rope_cache)
             return graph_set

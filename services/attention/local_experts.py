@@ -22,7 +22,7 @@ import torch
 from moemesh.common.checkpoint.expert_holdings import ExpertHoldings
 from moemesh.common.checkpoint.expert_stacks import ExpertDtype, ResidentFormat
 from moemesh.common.model.moe import RoutedExperts
-from moemesh.common.model.quantized import _use_kernel
+from moemesh.common.model.quantized import KernelBackend, _use_kernel
 
 
 class LocalExperts:
@@ -45,6 +45,15 @@ class LocalExperts:
     @property
     def pairs(self) -> list[tuple[int, int]]:
         return self.holdings.pairs
+
+    def capturable(self, device: torch.device) -> bool:
+        """Whether `slot_outputs` over every slot (no mask) runs on `device` without a host sync, so a CUDA
+        graph can capture it: quantized stacks on the grouped kernels (16-bit activations on CUDA)."""
+        experts = self.holdings.experts
+        if device.type != "cuda" or experts is None:
+            return False
+        return experts.backend is KernelBackend.KERNEL or (
+            experts.backend is KernelBackend.AUTO and self.dtype in (torch.bfloat16, torch.float16))
 
     def slot_outputs(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                      slot_mask: torch.Tensor | None, num_selected: int | None = None) -> torch.Tensor:

@@ -151,11 +151,16 @@ class ModelRunner:
                 decode_masks: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """[(token_ids [T_i], chunks_i)] -> final streams h [T_i, N, D] per micro-batch; advances states.
         decode_masks[i] [T_i] bool marks generated tokens for the routing counts (None: all prompt).
-        With graphs, a decode step's outputs are views of static buffers, valid until the next step."""
-        runs = self.graphs.runs(micro_batches) if self.graphs is not None else None  # None: an eager step
-        if runs is None:
-            runs = [eager_run(self.side, token_ids, chunks) for token_ids, chunks in micro_batches]
-        return self.run_segments(step_id, runs, decode_masks)
+        With graphs (graph_decode.DecodeGraphs.execute: the whole step as one replay when every routed expert
+        is computed here, else replays of the segments), a decode step's outputs are views of static buffers,
+        valid until the next step."""
+        masks = list(decode_masks or [None] * len(micro_batches))
+        if self.graphs is not None:  # graph replays: one for the whole step, or one per segment
+            finals = self.graphs.execute(self, step_id, micro_batches, masks)
+            if finals is not None:
+                return finals
+        runs = [eager_run(self.side, token_ids, chunks) for token_ids, chunks in micro_batches]
+        return self.run_segments(step_id, runs, masks)
 
     def run_segments(self, step_id: int, runs: list[SegmentRun],
                      decode_masks: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:

@@ -117,6 +117,7 @@ class MoEDispatcher:
                                      on_lost=lambda w, cause: ExpertWorkerLost(w, channel.endpoints[w], cause))
                            if DataPlane(data_plane) is DataPlane.CUDA_IPC else None)
         self._single_holders: tuple | None = None  # (router version, router, {layer: sole holder or None})
+        self._every_layer_here: tuple = (None, False)  # ((router, version), every_layer_here()) cached
         self._counted_router: ReplicaRouter | None = None  # the router (and version) _num_router_workers is of
         self._counted_version = 0
         self._num_router_workers = 0
@@ -328,6 +329,24 @@ class MoEDispatcher:
         sent = [_Sent(worker_index, sent_slot[0], slice(None), every_slot, self._dispatch_ids, num_slot_tokens,
                       slot=sent_slot[1])]
         return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
+
+    def every_layer_here(self) -> bool:
+        """Whether this process computes every routed expert of every layer: each layer's only holder is the
+        attention worker itself (no replicas) and its kernels need no host sync. A decode step then sends
+        no message and waits on nothing, so its whole layer loop can be one CUDA graph (graph_decode.py).
+        Cached per routing table and version."""
+        token = (self.router, self.router.version)
+        if self._every_layer_here[0] != token:
+            here = (self.local_index is not None and self.local_experts.capturable(self.device)
+                    and all(not self.router.has_choice(layer) and self._single_holder(layer) == self.local_index
+                            for layer in range(len(self.router.base))))
+            self._every_layer_here = (token, here)
+        return self._every_layer_here[1]
+
+    def record_local_work(self, num_slot_tokens: int) -> None:
+        """Count expert-slot pairs computed here by a replayed step graph (which does not run `start`)."""
+        self._grow_counters()
+        self.num_slot_tokens_sent[self.local_index] += num_slot_tokens
 
     def _single_holder(self, layer: int) -> int | None:
         """The one worker holding every expert of `layer` (None: several), cached per router version."""

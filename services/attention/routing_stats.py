@@ -11,7 +11,8 @@ the status page's heat map).
 
 Phases: a token is a prefill token when it is part of the prompt (scheduled while its sequence
 has no output tokens yet) and a decode token otherwise; the worker decides per sequence and
-passes one bool per token.
+passes one bool per token. A captured step graph passes phase indices instead (int64 [T]: 0, 1,
+or `NOT_COUNTED` for its padding rows), counted into a third plane that nothing reads.
 Legend: T tokens, K top-k slots, L layers, E routed experts, P phases (0 prefill, 1 decode).
 """
 
@@ -29,6 +30,7 @@ from moemesh.services.attention.routing_config import RoutingStatsConfig  # noqa
 log = structlog.get_logger("attention")
 
 _PHASES = (Phase.PREFILL, Phase.DECODE)  # index along P
+NOT_COUNTED = len(_PHASES)  # the phase index of rows that are not counted (a step graph's padding)
 _WIRE_PHASES = {Phase.PREFILL: RoutingPhase.PREFILL, Phase.DECODE: RoutingPhase.DECODE, Phase.UNSPLIT: RoutingPhase.ALL}
 
 
@@ -43,7 +45,9 @@ class RoutingCounter:
         self.num_experts = num_experts
         self.num_experts_per_tok = num_experts_per_tok
         self.summary_every_steps = summary_every_steps
-        self.counts = torch.zeros(len(_PHASES), num_layers, num_experts, dtype=torch.long, device=device)  # [P, L, E]
+        # [P + 1, L, E]: the phases, then the plane of rows not counted; `counts` [P, L, E] views the phases
+        self._planes = torch.zeros(len(_PHASES) + 1, num_layers, num_experts, dtype=torch.long, device=device)
+        self.counts = self._planes[: len(_PHASES)]
         self.num_steps = 0
 
     def step_done(self) -> RoutingSummary | None:
@@ -54,14 +58,15 @@ class RoutingCounter:
         return self.summary()
 
     def add(self, layer: int, ids: torch.Tensor, is_decode: torch.Tensor | None) -> None:
-        """ids [T, K] expert ids of one layer; is_decode [T] bool (None: every token is prefill)."""
+        """ids [T, K] expert ids of one layer; is_decode [T] bool, or int64 phase indices where
+        `NOT_COUNTED` marks rows to leave out (None: every token is prefill)."""
         # Flat index into counts [P, L, E]; index_add_ has a fixed output size, so unlike bincount
         # (which reads max(ids) back to size its output) it never waits for the device.
         flat = ids.reshape(-1).long() + layer * self.num_experts  # [T*K]
         if is_decode is not None:
             phase = is_decode.to(device=ids.device, dtype=torch.long)[:, None].expand_as(ids).reshape(-1)  # [T*K]
             flat = flat + phase * (self.num_layers * self.num_experts)
-        self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat))
+        self._planes.view(-1).index_add_(0, flat, torch.ones_like(flat))
 
     def snapshot(self) -> RoutingStats:
         """The counts so far as a RoutingStats (one device->host copy)."""

@@ -1,0 +1,113 @@
+"""The whole decode step as one CUDA graph (graph_decode.DecodeGraphs.execute) when the attention worker
+computes every routed expert itself, on the embedded default model (FP4 experts, bf16).
+
+The same requests run through an attention worker with every expert in its own process, once with CUDA
+graphs and once eagerly, driven by the router's scheduler (`OfflineEngine`): the greedy tokens are equal,
+the logits agree to bf16 rounding, every decode step was one replay of a step graph, and the routing
+counts per (phase, layer) add up to the same number of slots (padding rows of a bucket are not
+counted). A new routing table (a placement switch) makes the next step capture again. Skipped without
+CUDA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+MODEL = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"
+PROMPTS = [[5, 9, 17], [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13], list(range(30, 52))]
+NAME = "attention-step-graph"
+
+
+def _worker(cuda_graphs: bool):
+    from moemesh.common.checkpoint.reader import CheckpointReader
+    from moemesh.common.placement.worker_holdings import WorkerHoldings, all_pairs
+    from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+
+    config = CheckpointReader(MODEL).config
+    pairs = tuple(all_pairs(config.num_hidden_layers, config.n_routed_experts))
+    worker = AttentionWorker(AttentionWorkerConfig(
+        name=NAME, checkpoint_path=str(MODEL), expert_endpoints=(), expert_workers=(), device="cuda",
+        cuda_graphs=cuda_graphs, local_holdings=WorkerHoldings(NAME, pairs)))
+    worker.load_now()
+    return worker
+
+
+def _run(worker, prompts, max_tokens: int, before_step=lambda num_steps: None):
+    """(output tokens per prompt, logits [R, V] of every step) through the router's scheduler."""
+    from moemesh.commands.generate_distributed import scheduler_config
+    from moemesh.common.sampling_params import SamplingParams
+    from moemesh.services.router.offline_engine import OfflineEngine
+
+    logits = []
+
+    def execute(plan):
+        before_step(len(logits))
+        result = worker.step(plan)
+        logits.append(None if worker.last_logits is None else worker.last_logits.float().cpu())
+        return result
+
+    kv = worker.config.kv
+    engine = OfflineEngine(scheduler_config(kv.block_size_tokens, kv.num_primary_blocks, kv.num_cpu_blocks), execute)
+    outputs = [engine.add_request(f"req-{i}", p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+    engine.run()
+    assert all(o.error is None for o in outputs)
+    return [o.output_token_ids for o in outputs], logits
+
+
+def _slots_per_phase_and_layer(worker) -> torch.Tensor:
+    return worker.routing.counts.sum(dim=-1).cpu()  # [P, L]: counted slots
+
+
+@pytest.fixture
+def workers():
+    made = []
+    yield made
+    for worker in made:
+        asyncio.run(worker.close())
+
+
+def test_step_graph_matches_the_eager_step(workers):
+    graphed, eager = _worker(True), _worker(False)
+    workers += [graphed, eager]
+    assert graphed.dispatcher.every_layer_here()
+    got_tokens, got_logits = _run(graphed, PROMPTS, max_tokens=12)
+    want_tokens, want_logits = _run(eager, PROMPTS, max_tokens=12)
+    assert got_tokens == want_tokens
+    assert len(got_logits) == len(want_logits)
+    for got, want in zip(got_logits, want_logits):
+        if want is None:
+            assert got is None
+            continue
+        assert float((got - want).norm() / want.norm()) < 2e-2
+    stats = graphed.runner.graphs.stats
+    assert stats.num_step_graph_steps > 0
+    assert stats.num_step_graph_steps == stats.num_graph_steps  # every graph step was one replay
+    # three sequences decode in a bucket of 4 at times: its padding row is not counted
+    assert torch.equal(_slots_per_phase_and_layer(graphed), _slots_per_phase_and_layer(eager))
+    assert graphed.dispatcher.num_slot_tokens_sent == eager.dispatcher.num_slot_tokens_sent
+
+
+def test_a_new_routing_table_captures_the_step_again(workers):
+    worker = _worker(True)
+    workers.append(worker)
+    dispatcher = worker.dispatcher
+    captures = []  # captures so far, before each step
+
+    def switch_at_step_four(num_steps: int) -> None:
+        captures.append(worker.runner.graphs.stats.num_captures)
+        if num_steps == 4:  # the same holders in a new table: what a placement switch installs
+            dispatcher.set_holders(dispatcher.router.holders)
+
+    tokens, _ = _run(worker, PROMPTS[:1], max_tokens=8, before_step=switch_at_step_four)
+    assert captures[1] == 0 and captures[2] == 1  # step 0 prefills, step 1 captures
+    assert captures[5] == captures[4] + 1  # step 4 ran under the new table: captured again
+    eager = _worker(False)
+    workers.append(eager)
+    reference, _ = _run(eager, PROMPTS[:1], max_tokens=8)
+    assert tokens == reference
