@@ -54,6 +54,7 @@ class ServeBenchConfig:
     slo: SloLimits
     percentiles: tuple[float, ...]
     timeout_s: float
+    warmup_requests: int = 0  # sent (and waited for) before the timed requests, left out of every figure
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -62,6 +63,8 @@ class ServeBenchConfig:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not self.timeout_s > 0:
             raise ValueError("timeout_s must be > 0")
+        if self.warmup_requests < 0:
+            raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
 
     def to_json(self) -> dict:
         body = asdict(self)
@@ -79,8 +82,11 @@ class BenchmarkRun:
     max_concurrency_reached: int
 
 
-async def run_benchmark(config: ServeBenchConfig, workload: list[WorkloadRequest]) -> BenchmarkRun:
-    """Send `workload` on the configured schedule and return every request's record.
+async def run_benchmark(config: ServeBenchConfig, workload: list[WorkloadRequest],
+                        warmup: list[WorkloadRequest] = ()) -> BenchmarkRun:
+    """Send `warmup` (at most max_concurrency at a time, all waited for, not recorded: the server's first
+    requests of a shape pay its compiles and graph captures), then `workload` on the configured schedule,
+    and return every request's record.
 
     Each request waits for its arrival time, then for a concurrency slot, then is sent: as in
     vllm, time spent waiting for a slot is not part of its TTFT or E2EL, and the peak number in
@@ -108,6 +114,18 @@ async def run_benchmark(config: ServeBenchConfig, workload: list[WorkloadRequest
                 finally:
                     in_flight -= 1
 
+        if warmup:
+            warm_slots = asyncio.Semaphore(config.max_concurrency or len(warmup))
+
+            async def warm(index: int, body: dict) -> RequestRecord:
+                async with warm_slots:
+                    return await send_request(client, index, config.endpoint, body)
+
+            warmed = await asyncio.gather(*(warm(i, build_body(config.endpoint, request, options))
+                                            for i, request in enumerate(warmup)))
+            failed = [record.error for record in warmed if record.error]
+            log.info("bench.serve_warmed_up", num_requests=len(warmup), num_failed=len(failed),
+                     errors=failed[:3])
         log.info("bench.serve_started", model=model, num_prompts=len(workload), url=config.base_url)
         start_s = time.perf_counter()
         records = await asyncio.gather(*(one(index, start_s) for index in range(len(workload))))
@@ -155,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
     parser.add_argument("--percentiles", default="50,90,99", help="comma-separated, e.g. 50,90,99,99.9")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per-request read timeout")
+    parser.add_argument("--warmup-requests", type=int, default=0,
+                        help="requests of the same shape (other prompts) sent first and left out of the figures")
     parser.add_argument("--device-label", default=None, help="what the server runs on, for the result file")
     parser.add_argument("--result-dir", type=Path, default=None, help="default: bench/results/")
     parser.add_argument("--no-write", action="store_true", help="print only; write no JSON")
@@ -167,17 +187,23 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         num_prompts=args.num_prompts, request_rate=args.request_rate, arrival=Arrival(args.arrival),
         seed=args.seed, max_concurrency=args.max_concurrency, temperature=args.temperature,
         ignore_eos=args.ignore_eos, slo=parse_goodput(args.goodput),
-        percentiles=parse_percentiles(args.percentiles), timeout_s=args.timeout_s)
+        percentiles=parse_percentiles(args.percentiles), timeout_s=args.timeout_s,
+        warmup_requests=args.warmup_requests)
 
 
-def build_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
+def build_workload(args: argparse.Namespace, num_prompts: int | None = None, seed: int | None = None
+                   ) -> list[WorkloadRequest]:
+    """The timed requests, or with num_prompts / seed given the warm-up ones (a file's first lines; random
+    prompts of the same lengths from another seed)."""
+    num_prompts = args.num_prompts if num_prompts is None else num_prompts
     if args.dataset == "file":
         if not args.dataset_path:
             raise ValueError("--dataset file needs --dataset-path")
-        return file_requests(args.dataset_path, args.num_prompts, default_max_tokens=args.random_output_len)
+        return file_requests(args.dataset_path, num_prompts, default_max_tokens=args.random_output_len)
     trimmer = PromptTrimmer(args.tokenizer) if args.tokenizer else None
-    return random_requests(args.num_prompts, input_len=args.random_input_len, output_len=args.random_output_len,
-                           range_ratio=args.random_range_ratio, seed=args.seed, trimmer=trimmer)
+    return random_requests(num_prompts, input_len=args.random_input_len, output_len=args.random_output_len,
+                           range_ratio=args.random_range_ratio, seed=args.seed if seed is None else seed,
+                           trimmer=trimmer)
 
 
 def _ratios(metrics: dict) -> dict:
@@ -199,10 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         workload = build_workload(args)
+        warmup = build_workload(args, config.warmup_requests, args.seed + 1) if config.warmup_requests else []
     except (ValueError, OSError) as error:
         parser.error(str(error))
     try:
-        run = _run_async(run_benchmark(config, workload))
+        run = _run_async(run_benchmark(config, workload, warmup))
     except (httpx.HTTPError, RuntimeError, ValueError) as error:
         print(f"bench serve: cannot benchmark {config.base_url}: {type(error).__name__}: {error}")
         return 1

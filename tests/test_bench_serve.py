@@ -215,6 +215,17 @@ def test_concurrency_cap_is_respected(server, engine, tmp_path):
     assert code == 0 and engine.max_running == 6
 
 
+def test_warmup_requests_are_sent_first_and_left_out(server, engine, tmp_path):
+    code, result = run_bench(server, tmp_path, "--num-prompts", "3", "--warmup-requests", "2", "--max-concurrency",
+                             "1", "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos")
+    metrics = result["raw"]["metrics"]
+    assert code == 0 and len(engine.submitted) == 5  # 2 warm-up + 3 timed
+    assert (metrics["num_requests"], metrics["completed"], metrics["total_output_tokens"]) == (3, 3, 12)
+    assert len(result["raw"]["requests"]) == 3 and result["raw"]["config"]["warmup_requests"] == 2
+    timed_prompts = {tuple(r.prompt_token_ids) for r in engine.submitted[2:]}
+    assert not timed_prompts & {tuple(r.prompt_token_ids) for r in engine.submitted[:2]}  # other prompts
+
+
 def test_fixed_rate_spreads_the_sends(server, engine, tmp_path):
     code, result = run_bench(server, tmp_path, "--num-prompts", "5", "--request-rate", "20", "--arrival", "fixed",
                              "--random-input-len", "8", "--random-output-len", "2")

@@ -74,6 +74,10 @@ class LocalDispatcher:
     def finish(self, ticket: _Ticket) -> torch.Tensor:
         return ticket.routed
 
+    def every_layer_here(self) -> bool:
+        """False: the experts here may sync with the host, so steps replay segment graphs."""
+        return False
+
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()

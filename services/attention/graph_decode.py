@@ -18,7 +18,8 @@ When this process computes every routed expert itself (`MoEDispatcher.every_laye
 gives each layer to the attention worker alone, on capturable kernels), a step of one micro-batch needs
 no message and no host wait between layers, so the whole layer loop is captured as one graph instead:
 `ModelRunner.run_segments` itself runs under the capture (segments, routing counts, the in-process
-experts, shared experts, combines), and a step is one replay (`DecodeGraphs.execute`). Its routing
+experts, shared experts, combines), then the head over every row, and a step is one replay
+(`DecodeGraphs.execute`; the worker samples from the graph's logits, `ModelRunner.step_logits`). Its routing
 counts take per-row phases from a static tensor whose padding rows are not counted. A step graph is
 tied to the routing table it was captured under and captured again after a placement change.
 
@@ -105,12 +106,13 @@ class _GraphSet:
 class _StepGraph:
     """One micro-batch's whole decode step as one CUDA graph: `graph_set` (tables and segments it reads),
     `phases` [Tb] int64 routing-count phase per row (padding: NOT_COUNTED), `finals` [Tb, N, D] the final
-    streams, `captured` the speculation hook's [Tb, D] means, `routing_token` the (routing table,
-    version) it was captured under."""
+    streams, `logits` [Tb, V] the head's output of every row, `captured` the speculation hook's [Tb, D]
+    means, `routing_token` the (routing table, version, hook layers) it was captured under."""
 
     graph_set: _GraphSet
     phases: torch.Tensor
     finals: torch.Tensor
+    logits: torch.Tensor
     captured: list[torch.Tensor]
     routing_token: tuple
     graph: Any
@@ -264,6 +266,7 @@ class DecodeGraphs:
         step_graph.graph.replay()
         _commit_one_token(members)
         runner.captured = [[mean[:num_real] for mean in step_graph.captured]]
+        runner.step_logits = step_graph.logits[:num_real]
         num_layers = self.side.config.num_hidden_layers
         runner.stats.num_layer_runs += num_layers
         dispatcher.record_local_work(num_real * self.side.config.num_experts_per_tok * num_layers)
@@ -284,8 +287,9 @@ class DecodeGraphs:
         saved = (dataclasses.replace(runner.stats), runner.captured,
                  list(runner.dispatcher.num_slot_tokens_sent))
 
-        def whole_step() -> torch.Tensor:
-            return runner.run_segments(0, [run], [phases])[0]
+        def whole_step() -> tuple[torch.Tensor, torch.Tensor]:
+            finals = runner.run_segments(0, [run], [phases])[0]  # [Tb, N, D]
+            return finals, self.side.logits(finals)  # [Tb, V]
 
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -297,14 +301,14 @@ class DecodeGraphs:
             self._pools[key[0]] = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pools[key[0]], capture_error_mode="thread_local"):
-            finals = whole_step()  # [Tb, N, D]
+            finals, logits = whole_step()
         captured = runner.captured[0]
         runner.stats, runner.captured, runner.dispatcher.num_slot_tokens_sent = saved
         self.stats.num_captures += 1
         log.info("attention.step_graph_captured", micro_batch=key[0], bucket=bucket, index_rows=key[2],
                  paged=key[3][0], num_layers=self.side.config.num_hidden_layers,
                  elapsed_s=round(time.perf_counter() - started_s, 3))
-        return _StepGraph(graph_set, phases, finals, captured, routing_token, graph)
+        return _StepGraph(graph_set, phases, finals, logits, captured, routing_token, graph)
 
     def runs(self, micro_batches: list[tuple[torch.Tensor, list[SequenceChunk]]]) -> list[SegmentRun] | None:
         """One decode step's SegmentRuns (tables filled, segments replayed), or None when it runs eagerly.

@@ -145,6 +145,9 @@ class ModelRunner:
         self.capture_layer_ids: frozenset[int] = frozenset()
         self.captured: list[list[torch.Tensor]] = []
         self.graphs = None  # services.attention.graph_decode.DecodeGraphs: CUDA graphs of decode steps
+        # logits [T, V] of every token of the last step when a step graph computed them (one micro-batch,
+        # rows in order; a view valid until the next step), else None
+        self.step_logits: torch.Tensor | None = None
 
     @torch.inference_mode()
     def forward(self, step_id: int, micro_batches: list[tuple[torch.Tensor, list[SequenceChunk]]],
@@ -155,6 +158,7 @@ class ModelRunner:
         is computed here, else replays of the segments), a decode step's outputs are views of static buffers,
         valid until the next step."""
         masks = list(decode_masks or [None] * len(micro_batches))
+        self.step_logits = None
         if self.graphs is not None:  # graph replays: one for the whole step, or one per segment
             finals = self.graphs.execute(self, step_id, micro_batches, masks)
             if finals is not None:

@@ -288,7 +288,10 @@ class AttentionWorker(Service):
                 offset += len(work[index].scheduled.token_ids)
                 if work[index].scheduled.do_sample:  # the seed slot and every draft slot
                     ends.extend(range(offset - 1 - len(work[index].scheduled.draft_token_ids), offset))
-            if ends:
+            step_logits = self.runner.step_logits  # [T, V] of every row, from a step graph (one group)
+            if step_logits is not None and ends == list(range(step_logits.shape[0])):
+                rows.append(step_logits)
+            elif ends:
                 rows.append(self.side.logits(h, torch.tensor(ends, device=self.device)))  # [b, V]
         return torch.cat(rows) if rows else None
 

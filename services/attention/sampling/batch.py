@@ -16,10 +16,14 @@ from moemesh.common.sampling_params import SamplingParams
 
 
 def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    if not rows:  # most groups of most steps: no host-to-device copy
+        return torch.empty(0, dtype=torch.int64, device=device)
     return torch.tensor(list(rows), dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _floats(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    if not values:
+        return torch.empty(0, dtype=torch.float32, device=device)
     return torch.tensor(list(values), dtype=torch.float32).to(device, non_blocking=True)
 
 

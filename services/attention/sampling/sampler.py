@@ -53,7 +53,8 @@ def _update_rows(
 def process_logits(
     logits: torch.Tensor, batch: SamplingBatch, history: TokenHistory | None
 ) -> torch.Tensor:
-    """The logits each row samples from. logits [B, V] (any float dtype) -> new [B, V] float32.
+    """The logits each row samples from. logits [B, V] (any float dtype) -> [B, V] float32: a new tensor,
+    or the input itself when it is float32 and nothing applies (greedy rows without bias or penalties).
 
     `history` must cover batch.penalty_rows (in that order) when there are any.
     The input is never modified.
@@ -74,7 +75,8 @@ def process_logits(
             batch.repetition_penalties,
         )
         processed = _update_rows(processed, batch.penalty_index, rows)
-    processed = processed / batch.temperatures.unsqueeze(1)  # greedy rows divide by 1
+    if batch.sampled_rows:  # greedy rows divide by 1: a batch of greedy rows skips the division
+        processed = processed / batch.temperatures.unsqueeze(1)
     if batch.top_k_rows:
         rows = apply_top_k(
             processed.index_select(0, batch.top_k_index), batch.top_ks, batch.max_top_k
@@ -166,10 +168,15 @@ class Sampler:
         """As sample(), from a prepared batch and history (a worker may keep these across steps)."""
         processed = process_logits(logits, batch, history)  # [B, V]
         token_ids = choose_tokens(processed, batch, generators)  # [B]
-        top_ids, top_values = top_logprobs(processed, batch.max_num_logprobs)  # [B, K]
+        log_norm = torch.logsumexp(processed, dim=-1, keepdim=True)  # [B, 1]
+        if batch.max_num_logprobs:
+            top_ids, top_values = top_logprobs(processed, batch.max_num_logprobs, log_norm)  # [B, K]
+        else:
+            top_ids = torch.empty(batch.num_rows, 0, dtype=torch.int64, device=processed.device)
+            top_values = torch.empty(batch.num_rows, 0, dtype=torch.float32, device=processed.device)
         return SamplerOutput(
             token_ids=token_ids,
-            logprobs=chosen_logprobs(processed, token_ids),
+            logprobs=chosen_logprobs(processed, token_ids, log_norm[:, 0]),
             top_logprob_ids=top_ids,
             top_logprobs=top_values,
         )
