@@ -15,18 +15,13 @@ import torch
 
 from moemesh.common.checkpoint.reader import CheckpointReader
 from moemesh.common.checkpoint.writer import write_checkpoint
-from moemesh.common.model.attention_side import AttentionSide
-from moemesh.common.model.generate import GenerationConfig, generate
-from moemesh.common.model.moe import RoutedExperts
-from moemesh.common.model.reference import ReferenceModel
-from moemesh.common.placement.worker_holdings import WorkerHoldings, all_pairs
+from moemesh.common.placement.worker_holdings import all_pairs
 from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import Ack, ExpertKey, PlacementWorker, SwitchPlacement
-from moemesh.commands.generate_distributed import scheduler_config
 from moemesh.services.attention.expert_channel import local_endpoint
-from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from moemesh.services.router.offline_engine import OfflineEngine
+from moemesh.services.attention.worker import AttentionWorker
+from attention_worker_support import attention_worker, reference_tokens, run_offline
 from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 
 PROMPTS = [[5, 9, 17], [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13], list(range(30, 52))]
@@ -45,11 +40,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference_outputs(checkpoint):
     path, config = checkpoint
-    reader = CheckpointReader(path, config=config)
-    side = AttentionSide.from_state_dict(config, reader.load_attention_side(config))
-    pairs = list(all_pairs(config.num_hidden_layers, config.n_routed_experts))
-    model = ReferenceModel(side, RoutedExperts.from_config(reader.load_experts(config, pairs), config))
-    return [generate(model, prompt, GenerationConfig(max_new_tokens=GREEDY.max_tokens)) for prompt in PROMPTS]
+    return reference_tokens(path, config, PROMPTS, GREEDY.max_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -77,33 +68,14 @@ def _pairs(config, keep) -> tuple[tuple[int, int], ...]:
 
 def _attention(checkpoint, open_workers, cluster, remote, local, **options) -> AttentionWorker:
     """remote: (primary, replicas) pairs of the expert process, or None (no expert worker); local: pairs held here."""
-    path, _ = checkpoint
-    names = () if remote is None else tuple(cluster.expert_names)
-    worker = AttentionWorker(AttentionWorkerConfig(
-        name=NAME, checkpoint_path=str(path), expert_endpoints=tuple(cluster.endpoint_of(n) for n in names),
-        expert_workers=tuple(WorkerHoldings(n, *remote) for n in names),
-        local_holdings=None if local is None else WorkerHoldings(NAME, local), **{"dispatch_timeout_s": 30.0, **options}))
-    worker.load_now()
+    worker = attention_worker(checkpoint[0], cluster, remote, local, NAME, **options)
     open_workers.append(worker)
     return worker
 
 
 def _run(worker: AttentionWorker, before_step=lambda num_steps: None):
     """(output tokens per prompt, logits of every step); before_step(steps so far) runs before each step."""
-    logits = []
-
-    def execute(plan):
-        before_step(len(logits))
-        result = worker.step(plan)
-        logits.append(worker.last_logits)
-        return result
-
-    kv = worker.config.kv
-    engine = OfflineEngine(scheduler_config(kv.block_size_tokens, kv.num_primary_blocks, kv.num_cpu_blocks), execute)
-    outputs = [engine.add_request(f"req-{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-    engine.run()
-    assert all(o.error is None for o in outputs)
-    return [o.output_token_ids for o in outputs], logits
+    return run_offline(worker, PROMPTS, GREEDY, before_step)
 
 
 def _same_logits(a, b) -> bool:

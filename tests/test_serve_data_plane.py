@@ -1,6 +1,7 @@
 """The data-plane key of `moemesh serve`'s layout and of deployment files: zmq everywhere, cuda_ipc only
-when the attention worker and every expert worker run on CUDA devices of one host (refused clearly
-otherwise, before anything is written or started)."""
+when the attention worker and every expert worker run on CUDA devices of one host, mailbox only with a
+CPU expert worker on the attention worker's host (refused clearly otherwise, before anything is written
+or started)."""
 
 from __future__ import annotations
 
@@ -70,8 +71,18 @@ def test_cuda_ipc_refused_off_the_gpu_before_writing(tmp_path, devices, culprit)
     assert not (tmp_path / "deployment.toml").exists()
 
 
+def test_mailbox_needs_a_cpu_expert_worker_of_this_host(tmp_path):
+    path, deployment = write_deployment(_layout(tmp_path, ("cuda:0", "cpu"), "mailbox"))
+    assert deployment.attention[0].data_plane == "mailbox" and deployment_keys(path)["data_plane"] == "mailbox"
+    with pytest.raises(DataPlaneRefused, match="mailbox needs an expert worker on the CPU"):
+        write_deployment(_layout(tmp_path / "gpus", ("cuda:0", "cuda:1"), "mailbox"))
+    remote_cpu = WorkerPlace("expert-0", "cpu", host="10.0.0.2")
+    with pytest.raises(DataPlaneRefused, match="mailbox"):
+        check_data_plane("mailbox", WorkerPlace("attention-0", "cuda:0", host="10.0.0.1"), [remote_cpu])
+
+
 def test_unknown_data_plane_refused(tmp_path):
-    with pytest.raises(DataPlaneRefused, match="'rdma' is not one of zmq, cuda_ipc"):
+    with pytest.raises(DataPlaneRefused, match="'rdma' is not one of zmq, cuda_ipc, mailbox"):
         write_deployment(_layout(tmp_path, ("cuda:0",), "rdma"))
 
 

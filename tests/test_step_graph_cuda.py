@@ -39,25 +39,10 @@ def _worker(cuda_graphs: bool):
 
 
 def _run(worker, prompts, max_tokens: int, before_step=lambda num_steps: None):
-    """(output tokens per prompt, logits [R, V] of every step) through the router's scheduler."""
-    from moemesh.commands.generate_distributed import scheduler_config
     from moemesh.common.sampling_params import SamplingParams
-    from moemesh.services.router.offline_engine import OfflineEngine
+    from attention_worker_support import run_offline
 
-    logits = []
-
-    def execute(plan):
-        before_step(len(logits))
-        result = worker.step(plan)
-        logits.append(None if worker.last_logits is None else worker.last_logits.float().cpu())
-        return result
-
-    kv = worker.config.kv
-    engine = OfflineEngine(scheduler_config(kv.block_size_tokens, kv.num_primary_blocks, kv.num_cpu_blocks), execute)
-    outputs = [engine.add_request(f"req-{i}", p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
-    engine.run()
-    assert all(o.error is None for o in outputs)
-    return [o.output_token_ids for o in outputs], logits
+    return run_offline(worker, prompts, SamplingParams(max_tokens=max_tokens), before_step)
 
 
 def _slots_per_phase_and_layer(worker) -> torch.Tensor:

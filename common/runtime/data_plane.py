@@ -1,9 +1,9 @@
 """Whether a deployment's data plane can run where its workers are placed.
 
 The data plane (`common.wire.cuda_ipc.DataPlane`) is how the attention worker's Dispatch/Combine
-tensors reach the expert workers: ZeroMQ frames with pinned host staging, or CUDA device rings
+tensors reach the expert workers: ZeroMQ frames with pinned host staging, CUDA device rings
 shared once by CUDA IPC, with ZeroMQ carrying only the control message (README "Fast
-disaggregated path"). `moemesh serve` checks its layout and the attention worker checks a
+disaggregated path"), or host-memory mailboxes served by a native loop in CPU expert workers. `moemesh serve` checks its layout and the attention worker checks a
 deployment file with the same rules, before anything starts. Torch-free.
 """
 
@@ -53,6 +53,8 @@ def check_data_plane(data_plane: str | DataPlane, attention: WorkerPlace, expert
     plane = parse_data_plane(data_plane)
     if plane is DataPlane.ZMQ:
         return plane
+    if plane is DataPlane.MAILBOX:
+        return _check_mailbox(attention, experts)
     if not _is_cuda(attention.device):
         raise DataPlaneRefused(f"data plane cuda_ipc needs the attention worker on a CUDA device: "
                                f"{attention.name} is on {attention.device!r}")
@@ -65,6 +67,15 @@ def check_data_plane(data_plane: str | DataPlane, attention: WorkerPlace, expert
             raise DataPlaneRefused(f"data plane cuda_ipc needs every expert worker on a CUDA device: {expert.name} "
                                    f"is on {expert.device!r} (use zmq, or give it a GPU)")
     return plane
+
+
+def _check_mailbox(attention: WorkerPlace, experts: Sequence[WorkerPlace]) -> DataPlane:
+    """mailbox shares host memory: the CPU expert workers of the attention worker's host take it; GPU and
+    remote expert workers stay on ZeroMQ (each refuses the offer), so at least one must qualify."""
+    if not any(expert.host == attention.host and expert.device == "cpu" for expert in experts):
+        raise DataPlaneRefused(f"data plane mailbox needs an expert worker on the CPU of {attention.name}'s host; "
+                               f"the expert workers are on {sorted({e.device for e in experts}) or 'no device'}")
+    return DataPlane.MAILBOX
 
 
 def check_deployment_data_plane(deployment: Deployment, data_plane: str | DataPlane) -> DataPlane:

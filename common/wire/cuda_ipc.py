@@ -60,6 +60,7 @@ class DataPlane(StrEnum):
 
     ZMQ = "zmq"  # tensor frames through pinned host staging: any device, any host
     CUDA_IPC = "cuda_ipc"  # shared device rings, ZeroMQ carries the control message (same host, CUDA)
+    MAILBOX = "mailbox"  # host-memory mailbox and a native worker loop, no message per layer (same host, CPU experts)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ from moemesh.common.wire.messages_data import (  # noqa: F401
     SharedCudaBuffer,
     AttachCudaIpc,
     CudaIpcAttached,
+    AttachMailbox,
+    MailboxAttached,
     DispatchSlot,
     CombineSlot,
     FeatureSegment,
@@ -83,7 +85,7 @@ CONTROL_MESSAGES: tuple[type, ...] = (
     StepPlan, StepResult, DraftRequest, DraftTokens,
 )
 DATA_MESSAGES: tuple[type, ...] = (Dispatch, Combine, TargetFeatures, AttachCudaIpc, CudaIpcAttached, DispatchSlot,
-                                   CombineSlot)
+                                   CombineSlot, AttachMailbox, MailboxAttached)
 ADMIN_MESSAGES: tuple[type, ...] = (
     LoadExperts, DropExperts, QueryInventory, ExpertInventory, MemoryReport, WriteRoutingStats, RoutingStatsWritten,
     SwitchPlacement,

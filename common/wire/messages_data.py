@@ -109,6 +109,35 @@ class CudaIpcAttached:
 
 
 @dataclass(frozen=True)
+class AttachMailbox:
+    """Attention -> expert, once per channel and routing table: serve this attention worker's MoE layers
+    through the host-memory mailbox at `segment_path` (docs/device-step.md: layout, sequence numbers,
+    errors) with the native worker loop, no message per layer. The worker computes the pairs
+    (owned_layers[i], owned_experts[i]) for this channel: its share of the attention worker's owner
+    table. Answered by MailboxAttached; refused (accepted False, with the reason) when `host_id` is not
+    its host, it does not run FP4 experts on the CPU, it does not hold a pair, or the segment does not
+    check. A new AttachMailbox on the same channel replaces the previous one."""
+
+    TYPE: ClassVar[str] = "attach_mailbox"
+    channel_id: str
+    host_id: str
+    segment_path: str
+    owned_layers: tuple[int, ...]
+    owned_experts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MailboxAttached:
+    """Expert -> attention: whether the worker loop of `channel_id` runs; pid: the process serving it."""
+
+    TYPE: ClassVar[str] = "mailbox_attached"
+    channel_id: str
+    accepted: bool
+    reason: str = ""
+    pid: int = 0
+
+
+@dataclass(frozen=True)
 class DispatchSlot:
     """A Dispatch whose tensors are in slot `slot` of the attached rings of `channel_id` (the
     first num_tokens rows; slot_mask valid iff has_slot_mask). Answered by CombineSlot."""

@@ -69,9 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="DSpark speculative decoding (default: adaptive when the checkpoint has a drafter)")
     parser.add_argument("--spec-width", type=int, default=None,
                         help="drafts per request (fixed) or their cap (adaptive); at most dspark_block_size")
-    parser.add_argument("--data-plane", choices=("zmq", "cuda_ipc"), default="zmq",
-                        help="how Dispatch/Combine tensors reach expert workers: ZeroMQ (default) or CUDA device rings "
-                        "shared by IPC (every worker on a CUDA device of this host; refused otherwise)")
+    parser.add_argument("--data-plane", choices=("zmq", "cuda_ipc", "mailbox"), default="zmq",
+                        help="how Dispatch/Combine tensors reach expert workers: ZeroMQ (default), CUDA device rings "
+                        "shared by IPC (every worker on a CUDA device of this host; refused otherwise), or host-memory "
+                        "mailboxes with a native loop in the CPU expert workers (no message per layer; one micro-batch)")
     parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                         help="the attention worker replays decode steps as CUDA graphs per batch bucket (bit-identical "
                         "to eager steps); auto: on when the attention worker runs on a CUDA device")

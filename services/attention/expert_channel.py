@@ -45,7 +45,7 @@ import zmq
 
 from moemesh.common.wire import codec
 from moemesh.common.wire.errors import ReplyTimeout, WireError
-from moemesh.common.wire.messages import Combine, CombineSlot, CudaIpcAttached, ErrorReply
+from moemesh.common.wire.messages import Combine, CombineSlot, CudaIpcAttached, ErrorReply, MailboxAttached
 from moemesh.common.wire.schema import DEFAULT_LIMITS, WireLimits
 from moemesh.common.wire.staging import SendStagingPool, StagingConfig, send_staged
 from moemesh.common.wire.transport import Kind, pack_envelope, unpack_envelope
@@ -162,7 +162,7 @@ class ExpertChannel:
                         log.warning("attention.late_reply", endpoint=self.endpoints[worker_index], reply_id=reply_id)
                         continue
                     self._arrived[reply_id] = codec.decode(frames[1:], limits=self.limits,
-                                                           accept=(Combine, CombineSlot, CudaIpcAttached,
+                                                           accept=(Combine, CombineSlot, CudaIpcAttached, MailboxAttached,
                                                                    ErrorReply))
                 except WireError as error:
                     log.warning("attention.reply_dropped", endpoint=self.endpoints[worker_index],

@@ -45,9 +45,10 @@ def add_attention_arguments(parser) -> None:
     parser.add_argument("--replica-policy", choices=("least_loaded", "round_robin"), default="least_loaded",
                         help="which copy of a replicated expert gets its tokens: the worker with the least work in "
                         "flight (default) or each copy in turn")
-    parser.add_argument("--data-plane", choices=("zmq", "cuda_ipc"), default=None,
-                        help="how Dispatch/Combine tensors travel: through ZeroMQ (default), or through CUDA device "
-                        "rings shared by IPC with expert workers on CUDA devices of this host (others stay on ZeroMQ)")
+    parser.add_argument("--data-plane", choices=("zmq", "cuda_ipc", "mailbox"), default=None,
+                        help="how Dispatch/Combine tensors travel: through ZeroMQ (default), through CUDA device "
+                        "rings shared by IPC with expert workers on CUDA devices of this host, or through host-memory "
+                        "mailboxes with CPU expert workers of this host (others stay on ZeroMQ)")
     parser.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
                         help="replay decode steps as CUDA graphs captured per batch-size bucket (CUDA devices only; "
                         "prefill, verification and steps that fit no bucket stay eager)")

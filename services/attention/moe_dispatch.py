@@ -30,6 +30,10 @@ index like any worker (endpoint `local:<name>`, no socket). `start` sends every 
 first, then computes the local share in-process on the whole micro-batch with a device mask (device
 work only), so it overlaps the remote workers; `finish` adds it at its index like any answer. A layer
 held only here never leaves the device and needs no host sync.
+Mailboxes: with `data_plane=mailbox`, a layer without replicas whose holders are this process and CPU
+expert workers of this host that accepted a mailbox (mailbox_plane.py) posts the whole micro-batch into
+each worker's mailbox, computes the local share meanwhile, and `finish` waits on each worker's done word
+(no ZeroMQ message per layer; the workers pick their slots from the owner table they were given).
 Data plane: with `data_plane=cuda_ipc` a Dispatch to a worker that mapped this attention worker's
 device rings travels as a `DispatchSlot` (tensors in a shared device slot, ZeroMQ carries the control
 message; dispatch_slots.py, common/wire/cuda_ipc.py); a layer held by a single worker then goes to it
@@ -51,6 +55,7 @@ from moemesh.common.wire.staging import RecvStagingRing
 from moemesh.services.attention.dispatch_slots import SlotPlane
 from moemesh.services.attention.expert_channel import ExpertChannel, is_local_endpoint
 from moemesh.services.attention.local_experts import LocalExperts
+from moemesh.services.attention.mailbox_plane import MailboxConfig, MailboxPlane
 from moemesh.services.attention.replica_routing import ReplicaPolicy, ReplicaRouter
 
 
@@ -86,6 +91,7 @@ class _Sent:
     num_slot_tokens: int  # expert-slot pairs this worker computes (its share of the work)
     slot: int | None = None  # CUDA IPC ring slot holding this Dispatch (None: sent over ZeroMQ)
     local_output: torch.Tensor | None = None  # computed here (local experts): [T, D], or [T, K, D] per slot
+    mailbox: bool = False  # posted into the worker's mailbox; ticket: the sequence number to collect
 
 
 @dataclass
@@ -105,7 +111,8 @@ class MoEDispatcher:
                  device: torch.device, num_recv_slots: int = 4, recv_slot_bytes: int = 32 << 20,
                  replica_policy: ReplicaPolicy = ReplicaPolicy.LEAST_LOADED,
                  data_plane: DataPlane = DataPlane.ZMQ, cuda_ipc: CudaIpcConfig = CudaIpcConfig(),
-                 local_experts: LocalExperts | None = None) -> None:
+                 local_experts: LocalExperts | None = None, mailbox: MailboxConfig = MailboxConfig(),
+                 channel_prefix: str = "attention") -> None:
         self.channel = channel
         self.device = device
         self.local_experts = local_experts  # held in this process; channel index `local_index` (None: none)
@@ -116,6 +123,10 @@ class MoEDispatcher:
         self.slot_plane = (SlotPlane(channel, cuda_ipc, device, placement_invariant=placement_invariant,
                                      on_lost=lambda w, cause: ExpertWorkerLost(w, channel.endpoints[w], cause))
                            if DataPlane(data_plane) is DataPlane.CUDA_IPC else None)
+        # host-memory mailboxes of CPU expert workers (mailbox_plane.py), made at the first layer (its shapes)
+        self.mailbox_config = mailbox if DataPlane(data_plane) is DataPlane.MAILBOX else None
+        self.mailbox_plane: MailboxPlane | None = None
+        self.channel_prefix = channel_prefix
         self._single_holders: tuple | None = None  # (router version, router, {layer: sole holder or None})
         self._every_layer_here: tuple = (None, False)  # ((router, version), every_layer_here()) cached
         self._counted_router: ReplicaRouter | None = None  # the router (and version) _num_router_workers is of
@@ -238,6 +249,8 @@ class MoEDispatcher:
             sent = [self._compute_local(layer, x, ids, weights, None, ids.numel())]
             return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
         whole = self._start_whole(step_id, micro_batch, layer, x, ids, weights)
+        if whole is None and self.mailbox_config is not None:
+            whole = self._start_mailboxes(micro_batch, layer, x, ids, weights)
         if whole is not None:
             return whole
         routing = HostRouting(ids, weights)
@@ -348,6 +361,47 @@ class MoEDispatcher:
         self._grow_counters()
         self.num_slot_tokens_sent[self.local_index] += num_slot_tokens
 
+    def _start_mailboxes(self, micro_batch: int, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                         weights: torch.Tensor) -> PendingMoE | None:
+        """Mailbox path: every remote holder of the layer takes the whole micro-batch through its mailbox, the
+        local share (if any) is computed meanwhile; None when that does not apply (replicas, too many rows,
+        a holder without a mailbox)."""
+        config = self.mailbox_config
+        if micro_batch != 0 or self.router.has_choice(layer) or x.shape[0] > config.max_tokens:
+            return None
+        if self.mailbox_plane is None:
+            self.mailbox_plane = MailboxPlane(
+                self.channel, config, hidden_size=x.shape[1], top_k=ids.shape[1], dtype=x.dtype,
+                placement_invariant=self.placement_invariant, channel_prefix=self.channel_prefix,
+                on_lost=lambda w, cause: ExpertWorkerLost(w, self.channel.endpoints[w], cause))
+        plane = self.mailbox_plane
+        self._refresh_tables()
+        holders = sorted(set(self.router.base[layer]))
+        remote = [w for w in holders if w != self.local_index]
+        token = (self.router, self.router.version)
+        if not remote or not all(plane.ready(w, token, self._owned_pairs) for w in remote):
+            return None
+        slot_owner = self.owner[layer][ids.long()]  # [T, K] worker index per slot, on the attention device
+        counts = torch.bincount(self.owner_host[layer][ids.long().cpu()].reshape(-1),
+                                minlength=len(self.num_slot_tokens_in_flight)).tolist()
+        sent = []
+        for worker_index in remote:
+            seq = plane.post(worker_index, layer, x, ids, weights)
+            self.num_slot_tokens_in_flight[worker_index] += counts[worker_index]
+            self.num_slot_tokens_sent[worker_index] += counts[worker_index]
+            mask = slot_owner == worker_index if self.placement_invariant else None  # [T, K]: its slots
+            sent.append(_Sent(worker_index, seq, slice(None), mask, 0, counts[worker_index], mailbox=True))
+        if self.local_index in holders:
+            sent.append(self._compute_local(layer, x, ids, weights, slot_owner == self.local_index,
+                                            counts[self.local_index]))
+            sent.sort(key=lambda entry: entry.worker_index)  # finish adds in ascending worker index
+        return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
+
+    def _owned_pairs(self, worker_index: int) -> list[tuple[int, int]]:
+        """The (layer, expert) pairs `worker_index` computes under the current table, on layers without replicas."""
+        return [(layer, expert) for layer, row in enumerate(self.router.base) if not self.router.has_choice(layer)
+                for expert, owner in enumerate(row) if owner == worker_index]
+
     def _single_holder(self, layer: int) -> int | None:
         """The one worker holding every expert of `layer` (None: several), cached per router version."""
         cache = self._single_holders
@@ -367,10 +421,13 @@ class MoEDispatcher:
         else:
             routed = torch.zeros(pending.num_tokens, pending.hidden_size, dtype=pending.dtype, device=pending.device)
         for sent in pending.sent:  # ascending worker index
-            if sent.local_output is None:
-                output = self._to_device(self._answer(pending, sent)).to(pending.dtype)
-            else:
+            if sent.local_output is not None:
                 output = sent.local_output.to(pending.dtype)
+            elif sent.mailbox:
+                output = self.mailbox_plane.collect(sent.worker_index, pending.layer, sent.ticket, pending.num_tokens)
+                output = output.to(pending.device, pending.dtype)
+            else:
+                output = self._to_device(self._answer(pending, sent)).to(pending.dtype)
             self.num_slot_tokens_in_flight[sent.worker_index] -= sent.num_slot_tokens
             if self.placement_invariant and sent.slot_mask is None:  # [T, K, D]: every slot is this holder's
                 per_slot[sent.token_index] = output

@@ -35,6 +35,7 @@ from moemesh.common.wire.messages import (
     SwitchPlacement, TokenLogprobs, WriteRoutingStats,
 )
 from moemesh.services.attention.kv_config import KVPoolConfig
+from moemesh.services.attention.mailbox_plane import MailboxConfig
 from moemesh.services.attention.recovery import RecoveryConfig, build_step_recovery
 from moemesh.services.attention.routing_config import RoutingStatsConfig
 from moemesh.common.placement.worker_holdings import WorkerHoldings, owner_table
@@ -71,6 +72,8 @@ class AttentionWorkerConfig:
     cuda_graphs: bool = False
     # (layer, expert) pairs this worker holds and computes itself (its `[[attention]] placement`); None: none
     local_holdings: WorkerHoldings | None = None
+    # data_plane "mailbox": rows per mailbox, how long a layer waits for a worker (mailbox_plane.py)
+    mailbox: MailboxConfig = field(default_factory=MailboxConfig)
 
 
 def split_micro_batches(num_sequences: int, num_micro_batches: int) -> list[range]:
@@ -113,6 +116,9 @@ class AttentionWorker(Service):
         from moemesh.services.attention.slots import SlotTable
         from moemesh.common.wire.cuda_ipc import DataPlane
 
+        if DataPlane(self.config.data_plane) is DataPlane.MAILBOX and self.config.num_micro_batches > 1:
+            raise ValueError(f"data plane mailbox carries one micro-batch at a time; num_micro_batches is "
+                             f"{self.config.num_micro_batches}")
         dtype = resolve_dtype(self.config.dtype, self.config.device)
         reader = CheckpointReader(self.config.checkpoint_path, on_progress=self.load_progress)
         model_config = reader.config
@@ -130,7 +136,8 @@ class AttentionWorker(Service):
         owner = owner_table(workers, model_config.num_hidden_layers, model_config.n_routed_experts)
         self.dispatcher = MoEDispatcher(self.channel, owner, placement_invariant=self.config.placement_invariant,
                                         device=self.device, replica_policy=self.config.replica_policy,
-                                        data_plane=DataPlane(self.config.data_plane), local_experts=local)
+                                        data_plane=DataPlane(self.config.data_plane), local_experts=local,
+                                        mailbox=self.config.mailbox, channel_prefix=self.config.name)
         self.dispatcher.set_holders(pair_holders(workers, model_config.num_hidden_layers,
                                                  model_config.n_routed_experts))  # replicas share load from the start
         self.routing = RoutingCounter(model_config.num_hidden_layers, model_config.n_routed_experts,
@@ -192,6 +199,8 @@ class AttentionWorker(Service):
             self.routing.write(self.config.routing_stats.out_path)  # SIGTERM drains, then closes: stats land
         if getattr(self, "feature_sender", None) is not None:
             self.feature_sender.close()
+        if getattr(self, "dispatcher", None) is not None and self.dispatcher.mailbox_plane is not None:
+            self.dispatcher.mailbox_plane.close()  # the workers' loops stop, the segments are unlinked
         if hasattr(self, "channel"):
             self.channel.close()
             self._zmq_context.term()

@@ -41,8 +41,8 @@ from moemesh.common.model.config import ModelConfig, resolve_dtype
 from moemesh.common.runtime.service import Service
 from moemesh.common.wire.staging import RecvStagingRing, SendStagingPool, StagingConfig
 from moemesh.common.wire.messages import (
-    AttachCudaIpc, Combine, Dispatch, DispatchSlot, DropExperts, ErrorCode, ErrorReply, ExpertInventory, LoadExperts,
-    QueryInventory,
+    AttachCudaIpc, AttachMailbox, Combine, Dispatch, DispatchSlot, DropExperts, ErrorCode, ErrorReply, ExpertInventory,
+    LoadExperts, MailboxAttached, QueryInventory,
 )
 from moemesh.common.checkpoint.expert_stacks import ExpertDtype, ResidentFormat
 from moemesh.common.kernels.moe_layout import sum_slots_in_order
@@ -50,6 +50,7 @@ from moemesh.services.expert.budget import expert_inventory, load_refusal
 from moemesh.services.expert.grouping import group_by_expert, slot_outputs
 from moemesh.common.checkpoint.expert_holdings import ExpertHoldings
 from moemesh.services.expert.ipc_plane import ExpertSlotPlane
+from moemesh.services.expert.mailbox_plane import ExpertMailboxes
 from moemesh.services.expert.selection import (
     HeldTable, RowSelection, held_tables, routing_on_host, select_rows, sorted_layout,
 )
@@ -80,7 +81,7 @@ class ExpertWorkerConfig:
 
 
 class ExpertWorker(Service):
-    accepts = (Dispatch, LoadExperts, DropExperts, QueryInventory, AttachCudaIpc, DispatchSlot)
+    accepts = (Dispatch, LoadExperts, DropExperts, QueryInventory, AttachCudaIpc, DispatchSlot, AttachMailbox)
 
     def __init__(self, config: ExpertWorkerConfig, model_config: ModelConfig | None = None) -> None:
         self.config = config
@@ -100,6 +101,7 @@ class ExpertWorker(Service):
         self._tables: dict[int, HeldTable] = {}  # host held/stack-index tables per layer (selection.py)
         self._tables_of = None  # the holder they were built from
         self.slot_plane = ExpertSlotPlane(self.device, config.name)  # CUDA IPC rings of attention workers
+        self.mailboxes = ExpertMailboxes(self.device, config.name)  # host-memory mailboxes (native loops)
         # CUDA graphs of the quantized holder's per-layer work by token bucket (services/expert/graphs.py); None: eager
         self.graphs: Any = None
 
@@ -161,6 +163,9 @@ class ExpertWorker(Service):
                  load_s=round(time.monotonic() - started, 3))
         self.report_weight_bytes(self.device, self.holdings.resident_bytes(), self.holdings.stored_bytes())
 
+    async def close(self) -> None:
+        self.mailboxes.close()  # the native loops stop between layers
+
     @property
     def swiglu_limit(self) -> float | None:
         return self._model_config.swiglu_limit if self._model_config is not None else None
@@ -190,6 +195,13 @@ class ExpertWorker(Service):
                 return self.slot_plane.attach(message)
             case DispatchSlot():
                 return self.handle_dispatch_slot(message)
+            case AttachMailbox():
+                model = self._model_config
+                if model is None:
+                    return MailboxAttached(channel_id=message.channel_id, accepted=False, reason="no experts loaded")
+                threads = self._cpu_runner.num_threads if self._cpu_runner is not None else 1
+                return self.mailboxes.attach(message, self.holdings, model.num_hidden_layers, model.n_routed_experts,
+                                             self.swiglu_limit, self.config.route_weight_before_w2, threads)
         return ErrorReply(code=ErrorCode.UNEXPECTED, message=f"{type(message).TYPE} not handled")
 
     @torch.inference_mode()

@@ -1,0 +1,189 @@
+"""The host-memory mailbox side of `MoEDispatcher`: CPU expert workers on this host, no message per layer.
+
+With `data_plane = "mailbox"` the dispatcher offers each expert worker, the first time a layer it holds
+runs, a mailbox (docs/device-step.md: one shared segment per attention/expert pair, a dispatch word the
+attention worker releases, a done word the worker releases, each a sequence number `epoch << 16 |
+layer`). The offer (`AttachMailbox`, ZeroMQ, once per routing table) names the pairs the worker computes
+for this attention worker: its share of the owner table on layers without replicas. A worker that
+accepts runs a native loop that waits on the segment (services/expert/mailbox_plane.py); one that
+refuses (another host, a GPU worker, experts not in FP4) is remembered and stays on ZeroMQ
+(`attention.data_plane_fallback`, logged once per worker).
+
+Per layer (`post`, then `collect`): the whole micro-batch's hidden rows, top-k ids and route weights are
+written into the segment and the dispatch word released; the worker computes the slots of the pairs it
+owns (nothing is split or counted on the attention side) and releases the done word; `collect` waits for
+it, bounded by `timeout_s`, and reads the partial sum [T, D] (or, placement-invariant, the per-slot
+outputs [T, K, D]). A wait that times out, or a worker's error word, writes the segment's wait-error line
+and raises the dispatcher's `ExpertWorkerLost` (built by `on_lost`), so recovery rolls the step back and
+retries on a replica or a restarted worker; the lost worker's mailbox is dropped and offered again when it
+is used next. The waits here are the CPU stand-in of the waiting side (the attention worker's host
+thread waits, spinning briefly, then backing off); `common/kernels/mailbox_gpu.py` has the same waits
+as GPU kernels.
+A mailbox holds one layer of one micro-batch at a time: the worker configuration refuses it with more
+than one micro-batch. A micro-batch with more rows than a mailbox (`max_tokens`: long prefill chunks)
+goes over ZeroMQ.
+Legend: T tokens, K top-k slots, D hidden, L layers, E routed experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from moemesh.common.kernels.cpu_mailbox import WaitConfig
+from moemesh.common.kernels.mailbox_layout import CombineMode, MailboxError, MailboxLayout, MailboxSegment, Word, make_seq
+from moemesh.common.wire.cuda_ipc import host_identity
+from moemesh.common.wire.errors import ReplyTimeout
+from moemesh.common.wire.messages import AttachMailbox, MailboxAttached
+
+log = structlog.get_logger("attention")
+
+
+@dataclass(frozen=True)
+class MailboxConfig:
+    """max_tokens: rows a mailbox carries (a larger micro-batch goes over ZeroMQ); timeout_s: how long a
+    layer waits for a worker before it counts as lost; attach_timeout_s: for the offer and the worker
+    thread to come up."""
+
+    max_tokens: int = 256
+    timeout_s: float = 2.0
+    attach_timeout_s: float = 10.0
+    wait: WaitConfig = WaitConfig()
+
+
+@dataclass
+class _Mailbox:
+    segment: MailboxSegment
+    pid: int
+    epoch: int = 1
+    last_layer: int = -1  # the last layer posted: a layer at or below it starts a new epoch
+
+
+class MailboxPlane:
+    def __init__(self, channel, config: MailboxConfig, *, hidden_size: int, top_k: int, dtype: torch.dtype,
+                 placement_invariant: bool, on_lost: Callable[[int, str], Exception],
+                 channel_prefix: str = "attention") -> None:
+        from moemesh.common.kernels.cpu_mailbox import load_mailbox
+
+        self.channel = channel
+        self.config = config
+        self.layout = MailboxLayout(config.max_tokens, hidden_size, top_k, hidden_bf16=dtype == torch.bfloat16,
+                                    combine=CombineMode.SLOTS if placement_invariant else CombineMode.PARTIAL)
+        self.on_lost = on_lost
+        self.channel_prefix = channel_prefix
+        self.library = load_mailbox()
+        self._boxes: dict[int, _Mailbox] = {}
+        self._refused: set[int] = set()
+        self._table_token: object = None  # the routing table the attached mailboxes were offered under
+        self.num_layers_posted = 0
+
+    # ------------------------------------------------------------------ attach
+    def ready(self, worker_index: int, table_token: object, owned: Callable[[int], list[tuple[int, int]]]) -> bool:
+        """Whether worker `worker_index` takes this table's layers by mailbox, offering one when it has none.
+        table_token: identifies the routing table (a new one re-offers every mailbox); owned(w): the pairs
+        worker w computes under it."""
+        if table_token != self._table_token:
+            self.reset()
+            self._table_token = table_token
+        if worker_index in self._boxes:
+            return True
+        if worker_index in self._refused:
+            return False
+        return self._offer(worker_index, owned(worker_index))
+
+    def _offer(self, worker_index: int, pairs: list[tuple[int, int]]) -> bool:
+        from moemesh.common.kernels.mailbox_driver import wait_until_attached
+
+        endpoint = self.channel.endpoints[worker_index]
+        segment = MailboxSegment.create(self.layout, worker_index)
+        message = AttachMailbox(channel_id=f"{self.channel_prefix}/{worker_index}", host_id=host_identity(),
+                                segment_path=str(segment.path), owned_layers=tuple(p[0] for p in pairs),
+                                owned_experts=tuple(p[1] for p in pairs))
+        saved_timeout_s = self.channel.timeout_s
+        self.channel.timeout_s = self.config.attach_timeout_s
+        try:
+            reply = self.channel.receive(worker_index, self.channel.send(worker_index, message))
+            if isinstance(reply, MailboxAttached) and reply.accepted:
+                wait_until_attached(segment, reply.pid, self.config.attach_timeout_s)
+        except (ReplyTimeout, TimeoutError) as error:
+            reply = f"{type(error).__name__}: {error}"
+        finally:
+            self.channel.timeout_s = saved_timeout_s
+        if isinstance(reply, MailboxAttached) and reply.accepted:
+            self._boxes[worker_index] = _Mailbox(segment, reply.pid)
+            log.info("attention.data_plane", endpoint=endpoint, data_plane="mailbox", worker_pid=reply.pid,
+                     num_pairs=len(pairs), max_tokens=self.layout.t_max, timeout_s=self.config.timeout_s)
+            return True
+        segment.close()
+        self._refused.add(worker_index)
+        reason = reply.reason if isinstance(reply, MailboxAttached) else str(reply)
+        log.warning("attention.data_plane_fallback", endpoint=endpoint, data_plane="zmq", reason=reason[:300])
+        return False
+
+    # ------------------------------------------------------------------ per layer
+    def post(self, worker_index: int, layer: int, hidden: torch.Tensor, ids: torch.Tensor,
+             weights: torch.Tensor) -> int:
+        """Write one layer's rows (hidden [T, D], ids / weights [T, K]) into the worker's mailbox and release
+        its dispatch word -> the sequence number to collect."""
+        box = self._boxes[worker_index]
+        if layer <= box.last_layer:
+            box.epoch += 1
+        box.last_layer = layer
+        segment, num_rows = box.segment, hidden.shape[0]
+        if self.layout.hidden_bf16:
+            segment.hidden[:num_rows] = hidden.detach().to("cpu", torch.bfloat16).view(torch.int16).numpy().view(
+                segment.hidden.dtype)
+        else:
+            segment.hidden[:num_rows] = hidden.detach().to("cpu", torch.float32).numpy()
+        segment.ids[:num_rows] = ids.detach().to("cpu", torch.int32).numpy()
+        segment.weights[:num_rows] = weights.detach().to("cpu", torch.float32).numpy()
+        seq = make_seq(box.epoch, layer)
+        self.library.post(segment, seq, num_rows)
+        self.num_layers_posted += 1
+        return seq
+
+    def collect(self, worker_index: int, layer: int, seq: int, num_rows: int) -> torch.Tensor:
+        """Wait for the worker's answer to `seq` -> its fp32 output [T, D] (per slot: [T, K, D]); raises
+        on_lost(worker) when it does not answer within timeout_s or reports an error."""
+        box = self._boxes.get(worker_index)
+        if box is None:
+            raise self.on_lost(worker_index, f"layer {layer}: no mailbox")
+        segment = box.segment
+        status, seen = self.library.wait(segment.word_address(Word.DONE_SEQ), seq, self.config.timeout_s,
+                                         self.config.wait)
+        cause = None
+        if status != 0:
+            code = MailboxError.TIMEOUT if status == 1 else MailboxError.PROTOCOL
+            for word, value in ((Word.WAIT_ERROR_SEQ, seq), (Word.WAIT_ERROR_SEEN, seen),
+                                (Word.WAIT_ERROR_WORKER, worker_index), (Word.WAIT_ERROR, int(code))):
+                segment.set_word(word, value)
+            cause = (f"layer {layer}: no answer within {self.config.timeout_s:.1f} s" if status == 1
+                     else f"layer {layer}: done word {seen} past {seq}")
+        elif segment.word(Word.WORKER_ERROR_SEQ) == seq:  # written before the done release: visible now
+            cause = (f"layer {layer}: worker error {MailboxError(segment.word(Word.WORKER_ERROR)).name} "
+                     f"(detail {segment.word(Word.WORKER_ERROR_DETAIL)})")
+        if cause is not None:
+            self.forget(worker_index)
+            raise self.on_lost(worker_index, f"mailbox: {cause}")
+        return torch.from_numpy(segment.combine[:num_rows]).clone()
+
+    # ------------------------------------------------------------------ lifecycle
+    def forget(self, worker_index: int) -> None:
+        """Drop a worker's mailbox (it failed, or may have restarted): offered again when used next."""
+        box = self._boxes.pop(worker_index, None)
+        self._refused.discard(worker_index)
+        if box is not None:
+            self.library.store_release(box.segment.word_address(Word.STOP), 1)  # an attached loop ends between layers
+            box.segment.close()
+
+    def reset(self) -> None:
+        """A new routing table: every mailbox is offered again (with its new pairs) when used next."""
+        for worker_index in list(self._boxes):
+            self.forget(worker_index)
+        self._refused.clear()
+
+    def close(self) -> None:
+        self.reset()

@@ -1,0 +1,83 @@
+"""The expert side of the host-memory mailbox: a native worker loop per attention worker, no message per layer.
+
+`attach(AttachMailbox, holdings, ...) -> MailboxAttached`: when the attention worker is on this host and
+this worker keeps FP4 experts on the CPU, map its segment and start a `MailboxWorker` (common/kernels/
+cpu_mailbox.py: a C thread that waits on the segment's dispatch word, runs the FP4 kernel over the slots
+of the pairs it owns and releases the done word; docs/device-step.md has the protocol). Otherwise refuse
+with the reason; the attention worker then stays on ZeroMQ for this worker.
+The thread keeps the stacks it was started with referenced, so a later LoadExperts / DropExperts that
+rebuilds the holder never frees memory the thread reads; the attention worker attaches again (a new
+segment and table) when its routing table changes, which replaces the channel's thread.
+"""
+
+from __future__ import annotations
+
+import os
+
+import structlog
+import torch
+
+from moemesh.common.checkpoint.expert_holdings import ExpertHoldings
+from moemesh.common.checkpoint.expert_stacks import ResidentFormat
+from moemesh.common.wire.cuda_ipc import host_identity
+from moemesh.common.wire.messages import AttachMailbox, MailboxAttached
+
+log = structlog.get_logger("expert")
+
+
+class ExpertMailboxes:
+    def __init__(self, device: torch.device, name: str = "expert") -> None:
+        self.device = torch.device(device)
+        self.name = name
+        self._workers: dict[str, object] = {}  # channel id -> running cpu_mailbox.MailboxWorker
+
+    def attach(self, message: AttachMailbox, holdings: ExpertHoldings, num_layers: int, num_experts: int,
+               swiglu_limit: float | None, route_before_w2: bool, num_threads: int) -> MailboxAttached:
+        self._stop(message.channel_id)  # a new table for this channel replaces the old thread
+        try:
+            worker = self._start(message, holdings, num_layers, num_experts, swiglu_limit, route_before_w2,
+                                 num_threads)
+        except (ValueError, OSError, RuntimeError) as error:
+            reason = f"{type(error).__name__}: {error}"[:300]
+            log.warning("expert.mailbox_refused", name=self.name, channel_id=message.channel_id, reason=reason)
+            return MailboxAttached(channel_id=message.channel_id, accepted=False, reason=reason)
+        self._workers[message.channel_id] = worker
+        log.info("expert.mailbox_attached", name=self.name, channel_id=message.channel_id,
+                 segment=message.segment_path, num_pairs=len(message.owned_layers), num_threads=num_threads)
+        return MailboxAttached(channel_id=message.channel_id, accepted=True, pid=os.getpid())
+
+    def _start(self, message: AttachMailbox, holdings: ExpertHoldings, num_layers: int, num_experts: int,
+               swiglu_limit: float | None, route_before_w2: bool, num_threads: int):
+        from moemesh.common.kernels.cpu_fp4 import ExpertStacks
+        from moemesh.common.kernels.cpu_mailbox import ExpertMath, MailboxWorker, load_mailbox
+        from moemesh.common.kernels.mailbox_layout import MailboxSegment
+
+        if self.device.type != "cpu":
+            raise ValueError(f"expert worker {self.name} is on {self.device}, not the CPU")
+        if message.host_id != host_identity():
+            raise ValueError(f"peer host {message.host_id!r} is not this host {host_identity()!r}")
+        if holdings.format is not ResidentFormat.FP4 or holdings.experts is None:
+            raise ValueError(f"experts kept as {holdings.format}, not FP4")
+        if len(message.owned_layers) != len(message.owned_experts):
+            raise ValueError("owned_layers and owned_experts differ in length")
+        layers = holdings.experts._layers
+        local = torch.full((num_layers, num_experts), -1, dtype=torch.int64)  # [L, E] stack index or -1
+        for layer, expert in zip(message.owned_layers, message.owned_experts):
+            held = layers.get(layer)
+            if held is None or not 0 <= expert < num_experts or not bool(held.held[expert]):
+                raise ValueError(f"pair ({layer}, {expert}) is not held here")
+            local[layer, expert] = held.local[expert]
+        stacks = [ExpertStacks.from_tensors(h.w1, h.s1, h.w3, h.s3, h.w2, h.s2) if (h := layers.get(layer)) is not None
+                  and bool((local[layer] >= 0).any()) else None for layer in range(num_layers)]
+        segment = MailboxSegment.attach(message.segment_path)
+        return MailboxWorker(load_mailbox(), segment, stacks, local, ExpertMath(swiglu_limit, route_before_w2),
+                             num_threads=num_threads)
+
+    def _stop(self, channel_id: str) -> None:
+        worker = self._workers.pop(channel_id, None)
+        if worker is not None:
+            worker.stop()
+
+    def close(self) -> None:
+        for channel_id in list(self._workers):
+            self._stop(channel_id)
