@@ -14,14 +14,17 @@ share a memory pool: a step replays exactly one of them, and what a set keeps be
 (per-layer outputs) stays referenced, so another set can only reuse memory that is dead outside its
 own step. Different micro-batch indices never share a pool (their replays interleave within a step).
 
-When this process computes every routed expert itself (`MoEDispatcher.every_layer_here`: the placement
-gives each layer to the attention worker alone, on capturable kernels), a step of one micro-batch needs
-no message and no host wait between layers, so the whole layer loop is captured as one graph instead:
+When a step runs on the device alone (`MoEDispatcher.device_step_ready`: each layer's holders, without
+replicas, are the attention worker itself on capturable kernels or CPU expert workers reached through
+mailboxes, whose posts, waits and combines are kernels), a step of one micro-batch needs no message and
+no host wait between layers, so the whole layer loop is captured as one graph instead:
 `ModelRunner.run_segments` itself runs under the capture (segments, routing counts, the in-process
 experts, shared experts, combines), then the head over every row, and a step is one replay
 (`DecodeGraphs.execute`; the worker samples from the graph's logits, `ModelRunner.step_logits`). Its routing
 counts take per-row phases from a static tensor whose padding rows are not counted. A step graph is
-tied to the routing table it was captured under and captured again after a placement change.
+tied to the routing table (and the mailbox segments) it was captured under and captured again after a
+placement change or a worker's new mailbox; after each replay the mailboxes' error words are read once
+(`MoEDispatcher.confirm_all`), so a worker that did not answer fails the step before it is committed.
 
 A step runs eagerly instead (the runner's eager segments; logged once per reason) when any
 micro-batch has a sequence with more than one new token (prefill chunks, speculative verification),
@@ -241,7 +244,7 @@ class DecodeGraphs:
         keys = self.plan(micro_batches)
         if keys is None:
             return None
-        if self.config.capture and len(keys) == 1 and runner.dispatcher.every_layer_here():
+        if self.config.capture and len(keys) == 1 and runner.dispatcher.device_step_ready(keys[0][1]):
             (token_ids, chunks), = micro_batches
             return [self._replay_step(runner, keys[0], token_ids, chunks, decode_masks[0])]
         return runner.run_segments(step_id, self._segment_runs(keys, micro_batches), decode_masks)
@@ -249,7 +252,9 @@ class DecodeGraphs:
     def _replay_step(self, runner, key: tuple, token_ids: torch.Tensor, chunks: list[SequenceChunk],
                      decode_mask: torch.Tensor | None) -> torch.Tensor:
         dispatcher = runner.dispatcher
-        routing_token = (dispatcher.router, dispatcher.router.version, runner.capture_layer_ids)
+        mailboxes = dispatcher.mailbox_plane  # captured steps name the mailboxes' segments: a new one recaptures
+        routing_token = (dispatcher.router, dispatcher.router.version, runner.capture_layer_ids,
+                         None if mailboxes is None else mailboxes.generation)
         step_graph = self._step_graphs.get(key)
         if step_graph is None or step_graph.routing_token != routing_token:
             self._step_graphs.pop(key, None)  # its memory goes back to the pool before the new capture
@@ -264,6 +269,7 @@ class DecodeGraphs:
         else:
             step_graph.phases[:num_real].copy_(decode_mask)
         step_graph.graph.replay()
+        dispatcher.confirm_all()  # a mailbox wait that failed in the replay raises here, before any commit
         _commit_one_token(members)
         runner.captured = [[mean[:num_real] for mean in step_graph.captured]]
         runner.step_logits = step_graph.logits[:num_real]

@@ -16,9 +16,14 @@ it, bounded by `timeout_s`, and reads the partial sum [T, D] (or, placement-inva
 outputs [T, K, D]). A wait that times out, or a worker's error word, writes the segment's wait-error line
 and raises the dispatcher's `ExpertWorkerLost` (built by `on_lost`), so recovery rolls the step back and
 retries on a replica or a restarted worker; the lost worker's mailbox is dropped and offered again when it
-is used next. The waits here are the CPU stand-in of the waiting side (the attention worker's host
-thread waits, spinning briefly, then backing off); `common/kernels/mailbox_gpu.py` has the same waits
-as GPU kernels.
+is used next. Two waiting sides, one protocol:
+- attention worker on the CPU: the host thread writes the rows, releases the word and waits (spinning
+  briefly, then backing off); a failure raises at once from `collect`;
+- attention worker on CUDA: every part is a kernel (`common/kernels/mailbox_gpu.py`: the segment's pages
+  registered with CUDA, the step's epoch a device word advanced by the first kernel of the step, the
+  post, a spin-wait with a timeout, the combine read), so the host neither writes nor waits per layer
+  and a whole step can be one CUDA graph (graph_decode.py). A wait that fails records the epoch in
+  `step_errors` [W] on the device; `confirm` reads it once at the end of the step and raises then.
 A mailbox holds one layer of one micro-batch at a time: the worker configuration refuses it with more
 than one micro-batch. A micro-batch with more rows than a mailbox (`max_tokens`: long prefill chunks)
 goes over ZeroMQ.
@@ -34,7 +39,9 @@ import structlog
 import torch
 
 from moemesh.common.kernels.cpu_mailbox import WaitConfig
-from moemesh.common.kernels.mailbox_layout import CombineMode, MailboxError, MailboxLayout, MailboxSegment, Word, make_seq
+from moemesh.common.kernels.mailbox_layout import (
+    LAYER_BITS, CombineMode, MailboxError, MailboxLayout, MailboxSegment, Word, make_seq,
+)
 from moemesh.common.wire.cuda_ipc import host_identity
 from moemesh.common.wire.errors import ReplyTimeout
 from moemesh.common.wire.messages import AttachMailbox, MailboxAttached
@@ -50,7 +57,7 @@ class MailboxConfig:
 
     max_tokens: int = 256
     timeout_s: float = 2.0
-    attach_timeout_s: float = 10.0
+    attach_timeout_s: float = 30.0  # the worker may build its native library first
     wait: WaitConfig = WaitConfig()
 
 
@@ -58,18 +65,18 @@ class MailboxConfig:
 class _Mailbox:
     segment: MailboxSegment
     pid: int
-    epoch: int = 1
-    last_layer: int = -1  # the last layer posted: a layer at or below it starts a new epoch
+    gpu: object = None  # common.kernels.mailbox_gpu.GpuMailbox on a CUDA waiting side
 
 
 class MailboxPlane:
     def __init__(self, channel, config: MailboxConfig, *, hidden_size: int, top_k: int, dtype: torch.dtype,
-                 placement_invariant: bool, on_lost: Callable[[int, str], Exception],
+                 device: torch.device, placement_invariant: bool, on_lost: Callable[[int, str], Exception],
                  channel_prefix: str = "attention") -> None:
         from moemesh.common.kernels.cpu_mailbox import load_mailbox
 
         self.channel = channel
         self.config = config
+        self.device = torch.device(device)
         self.layout = MailboxLayout(config.max_tokens, hidden_size, top_k, hidden_bf16=dtype == torch.bfloat16,
                                     combine=CombineMode.SLOTS if placement_invariant else CombineMode.PARTIAL)
         self.on_lost = on_lost
@@ -78,6 +85,11 @@ class MailboxPlane:
         self._boxes: dict[int, _Mailbox] = {}
         self._refused: set[int] = set()
         self._table_token: object = None  # the routing table the attached mailboxes were offered under
+        self.generation = 0  # grows whenever a mailbox is attached or dropped (captured graphs name segments)
+        self.epoch = 0  # the step's epoch on a CPU waiting side
+        if self.device.type == "cuda":  # on a CUDA waiting side both live on the device
+            self.device_epoch = torch.zeros(1, dtype=torch.int64, device=self.device)  # [1]
+            self.step_errors = torch.zeros(channel.num_workers, dtype=torch.int64, device=self.device)  # [W]
         self.num_layers_posted = 0
 
     # ------------------------------------------------------------------ attach
@@ -112,8 +124,16 @@ class MailboxPlane:
             reply = f"{type(error).__name__}: {error}"
         finally:
             self.channel.timeout_s = saved_timeout_s
+        gpu = None
         if isinstance(reply, MailboxAttached) and reply.accepted:
-            self._boxes[worker_index] = _Mailbox(segment, reply.pid)
+            try:
+                gpu = self._gpu_side(segment)
+            except RuntimeError as error:  # the pages could not be registered with CUDA
+                self.library.store_release(segment.word_address(Word.STOP), 1)
+                reply = f"{type(error).__name__}: {error}"
+        if isinstance(reply, MailboxAttached) and reply.accepted:
+            self._boxes[worker_index] = _Mailbox(segment, reply.pid, gpu)
+            self.generation += 1
             log.info("attention.data_plane", endpoint=endpoint, data_plane="mailbox", worker_pid=reply.pid,
                      num_pairs=len(pairs), max_tokens=self.layout.t_max, timeout_s=self.config.timeout_s)
             return True
@@ -123,15 +143,32 @@ class MailboxPlane:
         log.warning("attention.data_plane_fallback", endpoint=endpoint, data_plane="zmq", reason=reason[:300])
         return False
 
-    # ------------------------------------------------------------------ per layer
+    def _gpu_side(self, segment: MailboxSegment):
+        if self.device.type != "cuda":
+            return None
+        from moemesh.common.kernels.mailbox_gpu import GpuMailbox, register_host_segment
+
+        register_host_segment(segment)
+        return GpuMailbox(segment, self.device_epoch, self.step_errors, timeout_ns=int(self.config.timeout_s * 1e9))
+
+    # ------------------------------------------------------------------ per step and layer
+    def begin_step(self) -> None:
+        """A new epoch, before the step's first post (on CUDA a kernel, so a captured step advances it too)."""
+        self.epoch += 1
+        if self.device.type == "cuda":
+            from moemesh.common.kernels.mailbox_gpu import advance_epoch
+
+            advance_epoch(self.device_epoch)
+
     def post(self, worker_index: int, layer: int, hidden: torch.Tensor, ids: torch.Tensor,
              weights: torch.Tensor) -> int:
         """Write one layer's rows (hidden [T, D], ids / weights [T, K]) into the worker's mailbox and release
-        its dispatch word -> the sequence number to collect."""
+        its dispatch word -> the sequence number to collect (on CUDA: kernels, the number lives on the device)."""
         box = self._boxes[worker_index]
-        if layer <= box.last_layer:
-            box.epoch += 1
-        box.last_layer = layer
+        self.num_layers_posted += 1
+        if box.gpu is not None:
+            box.gpu.post(layer, hidden, ids, weights)
+            return -1
         segment, num_rows = box.segment, hidden.shape[0]
         if self.layout.hidden_bf16:
             segment.hidden[:num_rows] = hidden.detach().to("cpu", torch.bfloat16).view(torch.int16).numpy().view(
@@ -140,9 +177,8 @@ class MailboxPlane:
             segment.hidden[:num_rows] = hidden.detach().to("cpu", torch.float32).numpy()
         segment.ids[:num_rows] = ids.detach().to("cpu", torch.int32).numpy()
         segment.weights[:num_rows] = weights.detach().to("cpu", torch.float32).numpy()
-        seq = make_seq(box.epoch, layer)
+        seq = make_seq(self.epoch, layer)
         self.library.post(segment, seq, num_rows)
-        self.num_layers_posted += 1
         return seq
 
     def collect(self, worker_index: int, layer: int, seq: int, num_rows: int) -> torch.Tensor:
@@ -151,6 +187,10 @@ class MailboxPlane:
         box = self._boxes.get(worker_index)
         if box is None:
             raise self.on_lost(worker_index, f"layer {layer}: no mailbox")
+        if box.gpu is not None:  # the stream waits (bounded); `confirm` reads the outcome after the step
+            box.gpu.wait(layer)
+            return box.gpu.combine_into(torch.empty((num_rows, *self.layout.combine_shape[1:]), dtype=torch.float32,
+                                                    device=self.device), num_rows)
         segment = box.segment
         status, seen = self.library.wait(segment.word_address(Word.DONE_SEQ), seq, self.config.timeout_s,
                                          self.config.wait)
@@ -170,13 +210,44 @@ class MailboxPlane:
             raise self.on_lost(worker_index, f"mailbox: {cause}")
         return torch.from_numpy(segment.combine[:num_rows]).clone()
 
+    def confirm(self) -> None:
+        """After a CUDA step (not while one is captured): raise on_lost for the first worker whose wait failed
+        in this step's epoch, naming the layer from its segment's wait-error line (one read of the device)."""
+        if self.device.type != "cuda" or not self._boxes or torch.cuda.is_current_stream_capturing():
+            return
+        from moemesh.common.kernels.mailbox_driver import read_wait_error
+
+        values = torch.cat([self.device_epoch, self.step_errors]).tolist()
+        epoch = values[0]
+        for worker_index in sorted(self._boxes):
+            segment = self._boxes[worker_index].segment
+            if values[1 + worker_index] == epoch:  # its wait timed out (or saw a later seq) in this step
+                failure = read_wait_error(segment)
+                detail = (f"layer {failure.layer}: no answer within {self.config.timeout_s:.1f} s"
+                          if failure is not None and failure.code is MailboxError.TIMEOUT
+                          else failure.describe() if failure is not None else "wait failed")
+            elif segment.word(Word.WORKER_ERROR_SEQ) >> LAYER_BITS == epoch:  # the worker failed a layer
+                detail = (f"layer {segment.word(Word.WORKER_ERROR_SEQ) & ((1 << LAYER_BITS) - 1)}: worker error "
+                          f"{MailboxError(segment.word(Word.WORKER_ERROR)).name} (detail "
+                          f"{segment.word(Word.WORKER_ERROR_DETAIL)})")
+            else:
+                continue
+            self.forget(worker_index)
+            raise self.on_lost(worker_index, f"mailbox: {detail}")
+
     # ------------------------------------------------------------------ lifecycle
     def forget(self, worker_index: int) -> None:
         """Drop a worker's mailbox (it failed, or may have restarted): offered again when used next."""
         box = self._boxes.pop(worker_index, None)
         self._refused.discard(worker_index)
         if box is not None:
+            self.generation += 1
             self.library.store_release(box.segment.word_address(Word.STOP), 1)  # an attached loop ends between layers
+            if box.gpu is not None:
+                from moemesh.common.kernels.mailbox_gpu import unregister_host_segment
+
+                torch.cuda.synchronize(self.device)  # no kernel may still address the pages
+                unregister_host_segment(box.segment)
             box.segment.close()
 
     def reset(self) -> None:

@@ -112,7 +112,9 @@ class MoEDispatcher:
                  replica_policy: ReplicaPolicy = ReplicaPolicy.LEAST_LOADED,
                  data_plane: DataPlane = DataPlane.ZMQ, cuda_ipc: CudaIpcConfig = CudaIpcConfig(),
                  local_experts: LocalExperts | None = None, mailbox: MailboxConfig = MailboxConfig(),
-                 channel_prefix: str = "attention") -> None:
+                 channel_prefix: str = "attention", model_shape: tuple[int, int, torch.dtype] | None = None) -> None:
+        """model_shape: (hidden size, top-k, activation dtype), to make the mailboxes at once (else at the
+        first layer)."""
         self.channel = channel
         self.device = device
         self.local_experts = local_experts  # held in this process; channel index `local_index` (None: none)
@@ -141,6 +143,8 @@ class MoEDispatcher:
         self._dispatch_ids = 0
         self.num_slot_tokens_in_flight: list[int] = []  # per worker: sent, Combine not received yet
         self.num_slot_tokens_sent: list[int] = []  # per worker, cumulative (load-spread statistics)
+        if self.mailbox_config is not None and model_shape is not None:
+            self._make_mailbox_plane(*model_shape)
 
     def set_router(self, router: ReplicaRouter) -> None:
         """Replace the routing table (between steps only: nothing may be in flight)."""
@@ -193,6 +197,8 @@ class MoEDispatcher:
         """Receive every deferred CUDA IPC reply (the end of a step); raises ExpertWorkerLost like finish."""
         if self.slot_plane is not None:
             self.slot_plane.confirm_all()
+        if self.mailbox_plane is not None:  # a CUDA waiting side's failed waits of this step
+            self.mailbox_plane.confirm()
 
     def _owner_of_slots(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
         """ids [T, K] int64 -> (owner [T, K] worker index, on the device of ids; {worker: expert-slot
@@ -244,6 +250,10 @@ class MoEDispatcher:
         CUDA IPC (none when one worker holds the layer, `_start_whole`), on the device over ZeroMQ (measured
         full size: the host split made CUDA IPC steps faster, ZeroMQ ones slower); same rows, masks, order."""
         self._grow_counters()
+        if self.mailbox_config is not None and layer == 0 and micro_batch == 0:
+            if self.mailbox_plane is None:
+                self._make_mailbox_plane(x.shape[1], ids.shape[1], x.dtype)
+            self.mailbox_plane.begin_step()  # before any post of the step (a kernel on CUDA: captured too)
         if self.local_index is not None and not self.router.has_choice(layer) and \
                 self._single_holder(layer) == self.local_index:  # every expert of the layer is here
             sent = [self._compute_local(layer, x, ids, weights, None, ids.numel())]
@@ -292,11 +302,12 @@ class MoEDispatcher:
         return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
 
     def _compute_local(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       slot_mask: torch.Tensor | None, num_slot_tokens: int) -> _Sent:
+                       slot_mask: torch.Tensor | None, num_slot_tokens: int, count_known: bool = True) -> _Sent:
         """The local share of the micro-batch (x [T, D], ids / weights [T, K], slot_mask [T, K] on the device,
-        None: every slot), computed now: [T, K, D] per slot in placement-invariant mode, else its sum [T, D]."""
-        per_slot = self.local_experts.slot_outputs(layer, x, ids, weights, slot_mask,
-                                                   None if slot_mask is None else num_slot_tokens)  # [T, K, D]
+        None: every slot), computed now: [T, K, D] per slot in placement-invariant mode, else its sum [T, D].
+        count_known False: num_slot_tokens was not counted (no read-back), so every slot runs, masked."""
+        num_selected = num_slot_tokens if slot_mask is not None and count_known else None
+        per_slot = self.local_experts.slot_outputs(layer, x, ids, weights, slot_mask, num_selected)  # [T, K, D]
         output = per_slot if self.placement_invariant else sum_slots_in_order(per_slot)
         self.num_slot_tokens_in_flight[self.local_index] += num_slot_tokens
         self.num_slot_tokens_sent[self.local_index] += num_slot_tokens
@@ -366,24 +377,17 @@ class MoEDispatcher:
         """Mailbox path: every remote holder of the layer takes the whole micro-batch through its mailbox, the
         local share (if any) is computed meanwhile; None when that does not apply (replicas, too many rows,
         a holder without a mailbox)."""
-        config = self.mailbox_config
-        if micro_batch != 0 or self.router.has_choice(layer) or x.shape[0] > config.max_tokens:
+        if micro_batch != 0 or x.shape[0] > self.mailbox_config.max_tokens or not self._mailboxes_take(layer):
             return None
-        if self.mailbox_plane is None:
-            self.mailbox_plane = MailboxPlane(
-                self.channel, config, hidden_size=x.shape[1], top_k=ids.shape[1], dtype=x.dtype,
-                placement_invariant=self.placement_invariant, channel_prefix=self.channel_prefix,
-                on_lost=lambda w, cause: ExpertWorkerLost(w, self.channel.endpoints[w], cause))
         plane = self.mailbox_plane
-        self._refresh_tables()
         holders = sorted(set(self.router.base[layer]))
         remote = [w for w in holders if w != self.local_index]
-        token = (self.router, self.router.version)
-        if not remote or not all(plane.ready(w, token, self._owned_pairs) for w in remote):
-            return None
         slot_owner = self.owner[layer][ids.long()]  # [T, K] worker index per slot, on the attention device
-        counts = torch.bincount(self.owner_host[layer][ids.long().cpu()].reshape(-1),
-                                minlength=len(self.num_slot_tokens_in_flight)).tolist()
+        if ids.device.type == "cpu":  # per-worker slot counts (load statistics); not read back from a device
+            counts = torch.bincount(self.owner_host[layer][ids.long()].reshape(-1),
+                                    minlength=len(self.num_slot_tokens_in_flight)).tolist()
+        else:
+            counts = [0] * len(self.num_slot_tokens_in_flight)
         sent = []
         for worker_index in remote:
             seq = plane.post(worker_index, layer, x, ids, weights)
@@ -393,9 +397,39 @@ class MoEDispatcher:
             sent.append(_Sent(worker_index, seq, slice(None), mask, 0, counts[worker_index], mailbox=True))
         if self.local_index in holders:
             sent.append(self._compute_local(layer, x, ids, weights, slot_owner == self.local_index,
-                                            counts[self.local_index]))
+                                            counts[self.local_index], count_known=ids.device.type == "cpu"))
             sent.sort(key=lambda entry: entry.worker_index)  # finish adds in ascending worker index
         return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
+
+    def _make_mailbox_plane(self, hidden_size: int, top_k: int, dtype: torch.dtype) -> None:
+        self.mailbox_plane = MailboxPlane(
+            self.channel, self.mailbox_config, hidden_size=hidden_size, top_k=top_k, dtype=dtype, device=self.device,
+            placement_invariant=self.placement_invariant, channel_prefix=self.channel_prefix,
+            on_lost=lambda w, cause: ExpertWorkerLost(w, self.channel.endpoints[w], cause))
+
+    def _mailboxes_take(self, layer: int) -> bool:
+        """Whether every remote holder of `layer` (no replicas) has a mailbox, offering those without one."""
+        if self.mailbox_plane is None or self.router.has_choice(layer):
+            return False
+        self._refresh_tables()
+        remote = sorted(set(self.router.base[layer]) - {self.local_index})
+        token = (self.router, self.router.version)
+        return bool(remote) and all(self.mailbox_plane.ready(w, token, self._owned_pairs) for w in remote)
+
+    def device_step_ready(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` rows runs on the device alone, layer after layer, so one CUDA graph
+        can hold it: each layer's holders (no replicas) are this process (capturable kernels) or expert
+        workers reached through mailboxes that carry that many rows (offered here if they have none)."""
+        if self.every_layer_here():
+            return True
+        if self.device.type != "cuda" or self.mailbox_plane is None or num_tokens > self.mailbox_config.max_tokens:
+            return False
+        for layer, row in enumerate(self.router.base):
+            if self.local_index in row and not self.local_experts.capturable(self.device):
+                return False
+            if set(row) != {self.local_index} and not self._mailboxes_take(layer):
+                return False
+        return True
 
     def _owned_pairs(self, worker_index: int) -> list[tuple[int, int]]:
         """The (layer, expert) pairs `worker_index` computes under the current table, on layers without replicas."""

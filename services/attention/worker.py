@@ -137,7 +137,9 @@ class AttentionWorker(Service):
         self.dispatcher = MoEDispatcher(self.channel, owner, placement_invariant=self.config.placement_invariant,
                                         device=self.device, replica_policy=self.config.replica_policy,
                                         data_plane=DataPlane(self.config.data_plane), local_experts=local,
-                                        mailbox=self.config.mailbox, channel_prefix=self.config.name)
+                                        mailbox=self.config.mailbox, channel_prefix=self.config.name,
+                                        model_shape=(model_config.hidden_size, model_config.num_experts_per_tok,
+                                                     self.side.dtype))
         self.dispatcher.set_holders(pair_holders(workers, model_config.num_hidden_layers,
                                                  model_config.n_routed_experts))  # replicas share load from the start
         self.routing = RoutingCounter(model_config.num_hidden_layers, model_config.n_routed_experts,

@@ -1,0 +1,126 @@
+"""A decode step on the GPU with part of the routed experts on the CPU, as one CUDA graph: the attention worker
+(embedded default model, bf16, CUDA graphs) holds the even experts itself and reaches a CPU expert worker
+process holding the odd ones through a host-memory mailbox whose post, wait and combine are GPU kernels.
+
+Greedy tokens equal the run with every expert in the attention worker, every decode step is one replay
+of a step graph, and the CPU worker's native loop served the layers. A worker frozen with SIGSTOP is
+named after the mailbox timeout (the wait kernel gives up; the error word is read after the replay) and,
+thawed within the recovery budget, takes a new mailbox and the run completes. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+MODEL = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"
+PROMPTS = [[5, 9, 17], [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13], list(range(30, 52))]
+NAME = "attention-mailbox-graph"
+
+
+@pytest.fixture(scope="module")
+def config():
+    from moemesh.common.checkpoint.reader import CheckpointReader
+
+    return CheckpointReader(MODEL).config
+
+
+@pytest.fixture
+def cpu_experts(tmp_path):
+    from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
+
+    spec = ClusterSpec(model_path=str(MODEL), run_dir=str(tmp_path / "run"), num_expert_workers=1, placement="all",
+                       with_attention=False, expert_devices=("cpu",))
+    with LocalCluster(spec) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def workers():
+    made = []
+    yield made
+    for worker in made:
+        asyncio.run(worker.close())
+
+
+def _pairs(config, keep):
+    from moemesh.common.placement.worker_holdings import all_pairs
+
+    return tuple(p for p in all_pairs(config.num_hidden_layers, config.n_routed_experts) if keep(p[1]))
+
+
+def _run(worker, before_step=lambda num_steps: None):
+    from moemesh.common.sampling_params import SamplingParams
+    from attention_worker_support import run_offline
+
+    return run_offline(worker, PROMPTS, SamplingParams(max_tokens=10), before_step)
+
+
+def _split_worker(config, cpu_experts, workers, **options):
+    from moemesh.services.attention.mailbox_plane import MailboxConfig
+    from attention_worker_support import attention_worker
+
+    worker = attention_worker(MODEL, cpu_experts, [(_pairs(config, lambda e: e % 2 == 1), ())],
+                              _pairs(config, lambda e: e % 2 == 0), NAME, device="cuda", cuda_graphs=True,
+                              data_plane="mailbox", **{"mailbox": MailboxConfig(timeout_s=1.0), **options})
+    workers.append(worker)
+    return worker
+
+
+def test_split_step_graph_matches_the_all_local_run(config, cpu_experts, workers):
+    from attention_worker_support import attention_worker
+
+    local = attention_worker(MODEL, cpu_experts, None, _pairs(config, lambda e: True), NAME, device="cuda",
+                             cuda_graphs=True)
+    workers.append(local)
+    want_tokens, want_logits = _run(local)
+    split = _split_worker(config, cpu_experts, workers)
+    assert split.dispatcher.device_step_ready(1)
+    got_tokens, got_logits = _run(split)
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logits, want_logits):
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert float((got - want).norm() / want.norm()) < 2e-2
+    stats = split.runner.graphs.stats
+    assert stats.num_step_graph_steps > 0 and stats.num_step_graph_steps == stats.num_graph_steps
+    plane = split.dispatcher.mailbox_plane
+    assert list(plane._boxes) == [0] and plane._boxes[0].gpu is not None
+    served = plane._boxes[0].segment.word(_word("SERVED"))
+    assert served >= stats.num_step_graph_steps * config.num_hidden_layers  # the native loop ran every layer
+
+
+def _word(name: str):
+    from moemesh.common.kernels.mailbox_layout import Word
+
+    return Word[name]
+
+
+def test_a_frozen_cpu_worker_fails_the_replay_and_the_run_recovers(config, cpu_experts, workers):
+    from moemesh.common.sampling_params import SamplingParams
+    from moemesh.services.attention.recovery import RecoveryConfig
+    from attention_worker_support import run_offline
+
+    split = _split_worker(config, cpu_experts, workers, recovery=RecoveryConfig(budget_s=8.0))
+    pid = cpu_experts.processes["expert-0"].pid
+
+    def freeze_at_step_four(num_steps: int) -> None:
+        if num_steps == 4:
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(2.5, os.kill, (pid, signal.SIGCONT)).start()
+
+    try:
+        tokens, _ = run_offline(split, PROMPTS, SamplingParams(max_tokens=10), freeze_at_step_four)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    reference, _ = _run(_split_worker(config, cpu_experts, workers))
+    assert tokens == reference
+    assert split.recovery.num_recovered_steps >= 1 and split.recovery.num_failed_steps == 0
