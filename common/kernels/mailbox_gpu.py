@@ -93,7 +93,7 @@ def _post_slot_kernel(hidden_ptr, ids_ptr, weights_ptr, slot_hidden_ptr, slot_id
                       num_row_blocks: tl.constexpr, DISPATCH_SEQ_WORD: tl.constexpr, NUM_ROWS_WORD: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, LAYER_SHIFT: tl.constexpr):
     # program (row, column block): one block of one row's hidden values; column block 0 also the row's ids
-    # and weights. The last program to finish (a counter that only grows) releases the flag.
+    # and weights. The last program to finish (a counter zeroed before the launch) releases the flag.
     row = tl.program_id(0)
     column_block = tl.program_id(1)
     columns = column_block * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -109,7 +109,7 @@ def _post_slot_kernel(hidden_ptr, ids_ptr, weights_ptr, slot_hidden_ptr, slot_id
     _fence_sys(epoch_ptr)
     num_programs = num_rows * num_row_blocks
     finished = tl.atomic_add(blocks_done_ptr, 1, sem="acq_rel", scope="gpu") + 1
-    if finished % num_programs == 0:
+    if finished == num_programs:
         _fence_sys(epoch_ptr)
         seq = (tl.load(epoch_ptr) << LAYER_SHIFT) | layer
         tl.store(words_ptr + NUM_ROWS_WORD // 8, num_rows.to(tl.int64))
@@ -181,7 +181,7 @@ class GpuMailbox:
         self.slot_ids = DeviceAddress(base + ids, torch.int32)
         self.slot_weights = DeviceAddress(base + weights, torch.float32)
         self.combine = DeviceAddress(base + combine, torch.float32)
-        self.blocks_done = torch.zeros(1, dtype=torch.int64, device=device)  # grows by one per block posted
+        self.blocks_done = torch.zeros(1, dtype=torch.int64, device=device)  # blocks of the current post done
         self.block_d = min(1024, triton.next_power_of_2(layout.hidden_size))
         self.block_k = triton.next_power_of_2(max(layout.top_k, 1))
 
@@ -192,6 +192,7 @@ class GpuMailbox:
             raise ValueError(f"rows [{num_rows}, {hidden_size}] do not fit the slot "
                              f"[{self.layout.t_max}, {self.layout.hidden_size}]")
         column_blocks = triton.cdiv(hidden_size, self.block_d)
+        self.blocks_done.zero_()  # stream-ordered after the previous post: posts of any row count follow each other
         _post_slot_kernel[(num_rows, column_blocks)](
             hidden.contiguous(), ids.to(torch.int32).contiguous(), weights.contiguous(), self.slot_hidden,
             self.slot_ids, self.slot_weights, self.words, self.blocks_done, self.epoch, layer, num_rows, hidden_size,
