@@ -39,6 +39,10 @@ class ZeroDispatcher:
     def finish(self, ticket: _Ticket) -> torch.Tensor:
         return ticket.routed
 
+    def device_step_ready(self, num_tokens: int) -> bool:
+        """False: decode steps replay the segment graphs (what this benchmark times)."""
+        return False
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":

@@ -74,7 +74,7 @@ class LocalDispatcher:
     def finish(self, ticket: _Ticket) -> torch.Tensor:
         return ticket.routed
 
-    def every_layer_here(self) -> bool:
+    def device_step_ready(self, num_tokens: int) -> bool:
         """False: the experts here may sync with the host, so steps replay segment graphs."""
         return False
 
