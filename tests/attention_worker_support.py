@@ -3,13 +3,14 @@
 `attention_worker` builds and loads one (remote: the expert processes' (primary, replica) pairs, or None for
 none; local: the pairs it holds itself); `run_offline` runs prompts through it with `OfflineEngine` and
 returns the output tokens and every step's sampling logits; `reference_tokens` is the single-process
-reference model's greedy continuation.
+reference model's greedy continuation; `tiny_fp4_checkpoint` writes the tiny top-4 checkpoint they run.
 """
 
 from __future__ import annotations
 
 from moemesh.commands.generate_distributed import scheduler_config
 from moemesh.common.checkpoint.reader import CheckpointReader
+from moemesh.common.checkpoint.writer import write_checkpoint
 from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.generate import GenerationConfig, generate
 from moemesh.common.model.moe import RoutedExperts
@@ -17,6 +18,7 @@ from moemesh.common.model.reference import ReferenceModel
 from moemesh.common.placement.worker_holdings import WorkerHoldings, all_pairs
 from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
 from moemesh.services.router.offline_engine import OfflineEngine
+from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 
 
 def attention_worker(path, cluster, remote, local, name: str = "attention-test", **options) -> AttentionWorker:
@@ -57,3 +59,10 @@ def reference_tokens(path, config, prompts, max_new_tokens: int) -> list[list[in
     pairs = list(all_pairs(config.num_hidden_layers, config.n_routed_experts))
     model = ReferenceModel(side, RoutedExperts.from_config(reader.load_experts(config, pairs), config))
     return [generate(model, prompt, GenerationConfig(max_new_tokens=max_new_tokens)) for prompt in prompts]
+
+
+def tiny_fp4_checkpoint(path, seed: int):
+    """A tiny checkpoint (FP8 linears, FP4 experts, top-4 routing, no drafter) written to `path` -> (path, config)."""
+    config = tiny_config(num_experts_per_tok=4)
+    write_checkpoint(path, config, random_hub_state_dict(config, seed=seed, include_mtp=False))
+    return path, config

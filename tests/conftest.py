@@ -52,6 +52,17 @@ def _fresh_structlog():
     structlog.reset_defaults()
 
 
+@pytest.fixture
+def open_workers():
+    """A list a test appends the in-process attention workers it builds to; each is closed afterwards."""
+    import asyncio
+
+    workers: list = []
+    yield workers
+    for worker in workers:
+        asyncio.run(worker.close())
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank_of_module = {name: rank for rank, name in enumerate(FIRST_MODULES)}

@@ -14,15 +14,13 @@ import pytest
 import torch
 
 from moemesh.common.checkpoint.reader import CheckpointReader
-from moemesh.common.checkpoint.writer import write_checkpoint
 from moemesh.common.placement.worker_holdings import all_pairs
 from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import Ack, ExpertKey, PlacementWorker, SwitchPlacement
 from moemesh.services.attention.expert_channel import local_endpoint
 from moemesh.services.attention.worker import AttentionWorker
-from attention_worker_support import attention_worker, reference_tokens, run_offline
-from tiny_checkpoint_support import random_hub_state_dict, tiny_config
+from attention_worker_support import attention_worker, reference_tokens, run_offline, tiny_fp4_checkpoint
 
 PROMPTS = [[5, 9, 17], [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13], list(range(30, 52))]
 GREEDY = SamplingParams(max_tokens=6)
@@ -31,10 +29,7 @@ NAME = "attention-test"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    config = tiny_config(num_experts_per_tok=4)
-    path = tmp_path_factory.mktemp("local_ckpt")
-    write_checkpoint(path, config, random_hub_state_dict(config, seed=21, include_mtp=False))
-    return path, config
+    return tiny_fp4_checkpoint(tmp_path_factory.mktemp("local_ckpt"), seed=21)
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +47,6 @@ def expert_process(checkpoint, tmp_path_factory):
     with LocalCluster(spec) as cluster:
         yield cluster
     assert cluster.exit_codes == {name: 0 for name in cluster.expert_names}
-
-
-@pytest.fixture
-def open_workers():
-    workers: list[AttentionWorker] = []
-    yield workers
-    for worker in workers:
-        asyncio.run(worker.close())
 
 
 def _pairs(config, keep) -> tuple[tuple[int, int], ...]:

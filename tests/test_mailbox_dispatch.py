@@ -11,7 +11,6 @@ the run completes; never thawed, the step fails with that cause.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import threading
@@ -19,14 +18,12 @@ import time
 
 import pytest
 
-from moemesh.common.checkpoint.writer import write_checkpoint
 from moemesh.common.placement.worker_holdings import all_pairs
 from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.attention.mailbox_plane import MailboxConfig
 from moemesh.services.attention.recovery import RecoveryConfig
-from attention_worker_support import attention_worker, reference_tokens, run_offline
-from tiny_checkpoint_support import random_hub_state_dict, tiny_config
+from attention_worker_support import attention_worker, reference_tokens, run_offline, tiny_fp4_checkpoint
 
 PROMPTS = [[5, 9, 17], [100, 101, 7, 3, 3, 40, 2, 77, 9, 10, 11, 12, 13], list(range(30, 52))]
 GREEDY = SamplingParams(max_tokens=6)
@@ -35,10 +32,7 @@ NAME = "attention-mailbox"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    config = tiny_config(num_experts_per_tok=4)
-    path = tmp_path_factory.mktemp("mailbox_ckpt")
-    write_checkpoint(path, config, random_hub_state_dict(config, seed=23, include_mtp=False))
-    return path, config
+    return tiny_fp4_checkpoint(tmp_path_factory.mktemp("mailbox_ckpt"), seed=23)
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +43,6 @@ def experts(checkpoint, tmp_path_factory):
                        placement="all", with_attention=False)
     with LocalCluster(spec) as cluster:
         yield cluster
-
-
-@pytest.fixture
-def open_workers():
-    workers = []
-    yield workers
-    for worker in workers:
-        asyncio.run(worker.close())
 
 
 def _pairs(config, keep):

@@ -10,7 +10,6 @@ thawed within the recovery budget, takes a new mailbox and the run completes. Sk
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import threading
@@ -43,14 +42,6 @@ def cpu_experts(tmp_path):
         yield cluster
 
 
-@pytest.fixture
-def workers():
-    made = []
-    yield made
-    for worker in made:
-        asyncio.run(worker.close())
-
-
 def _pairs(config, keep):
     from moemesh.common.placement.worker_holdings import all_pairs
 
@@ -64,25 +55,25 @@ def _run(worker, before_step=lambda num_steps: None):
     return run_offline(worker, PROMPTS, SamplingParams(max_tokens=10), before_step)
 
 
-def _split_worker(config, cpu_experts, workers, **options):
+def _split_worker(config, cpu_experts, open_workers, **options):
     from moemesh.services.attention.mailbox_plane import MailboxConfig
     from attention_worker_support import attention_worker
 
     worker = attention_worker(MODEL, cpu_experts, [(_pairs(config, lambda e: e % 2 == 1), ())],
                               _pairs(config, lambda e: e % 2 == 0), NAME, device="cuda", cuda_graphs=True,
                               data_plane="mailbox", **{"mailbox": MailboxConfig(timeout_s=1.0), **options})
-    workers.append(worker)
+    open_workers.append(worker)
     return worker
 
 
-def test_split_step_graph_matches_the_all_local_run(config, cpu_experts, workers):
+def test_split_step_graph_matches_the_all_local_run(config, cpu_experts, open_workers):
     from attention_worker_support import attention_worker
 
     local = attention_worker(MODEL, cpu_experts, None, _pairs(config, lambda e: True), NAME, device="cuda",
                              cuda_graphs=True)
-    workers.append(local)
+    open_workers.append(local)
     want_tokens, want_logits = _run(local)
-    split = _split_worker(config, cpu_experts, workers)
+    split = _split_worker(config, cpu_experts, open_workers)
     assert split.dispatcher.device_step_ready(1)
     got_tokens, got_logits = _run(split)
     assert got_tokens == want_tokens
@@ -104,12 +95,12 @@ def _word(name: str):
     return Word[name]
 
 
-def test_a_frozen_cpu_worker_fails_the_replay_and_the_run_recovers(config, cpu_experts, workers):
+def test_a_frozen_cpu_worker_fails_the_replay_and_the_run_recovers(config, cpu_experts, open_workers):
     from moemesh.common.sampling_params import SamplingParams
     from moemesh.services.attention.recovery import RecoveryConfig
     from attention_worker_support import run_offline
 
-    split = _split_worker(config, cpu_experts, workers, recovery=RecoveryConfig(budget_s=8.0))
+    split = _split_worker(config, cpu_experts, open_workers, recovery=RecoveryConfig(budget_s=8.0))
     pid = cpu_experts.processes["expert-0"].pid
 
     def freeze_at_step_four(num_steps: int) -> None:
@@ -121,6 +112,6 @@ def test_a_frozen_cpu_worker_fails_the_replay_and_the_run_recovers(config, cpu_e
         tokens, _ = run_offline(split, PROMPTS, SamplingParams(max_tokens=10), freeze_at_step_four)
     finally:
         os.kill(pid, signal.SIGCONT)
-    reference, _ = _run(_split_worker(config, cpu_experts, workers))
+    reference, _ = _run(_split_worker(config, cpu_experts, open_workers))
     assert tokens == reference
     assert split.recovery.num_recovered_steps >= 1 and split.recovery.num_failed_steps == 0

@@ -11,7 +11,6 @@ CUDA.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -49,17 +48,9 @@ def _slots_per_phase_and_layer(worker) -> torch.Tensor:
     return worker.routing.counts.sum(dim=-1).cpu()  # [P, L]: counted slots
 
 
-@pytest.fixture
-def workers():
-    made = []
-    yield made
-    for worker in made:
-        asyncio.run(worker.close())
-
-
-def test_step_graph_matches_the_eager_step(workers):
+def test_step_graph_matches_the_eager_step(open_workers):
     graphed, eager = _worker(True), _worker(False)
-    workers += [graphed, eager]
+    open_workers += [graphed, eager]
     assert graphed.dispatcher.every_layer_here()
     got_tokens, got_logits = _run(graphed, PROMPTS, max_tokens=12)
     want_tokens, want_logits = _run(eager, PROMPTS, max_tokens=12)
@@ -78,9 +69,9 @@ def test_step_graph_matches_the_eager_step(workers):
     assert graphed.dispatcher.num_slot_tokens_sent == eager.dispatcher.num_slot_tokens_sent
 
 
-def test_a_new_routing_table_captures_the_step_again(workers):
+def test_a_new_routing_table_captures_the_step_again(open_workers):
     worker = _worker(True)
-    workers.append(worker)
+    open_workers.append(worker)
     dispatcher = worker.dispatcher
     captures = []  # captures so far, before each step
 
@@ -93,6 +84,6 @@ def test_a_new_routing_table_captures_the_step_again(workers):
     assert captures[1] == 0 and captures[2] == 1  # step 0 prefills, step 1 captures
     assert captures[5] == captures[4] + 1  # step 4 ran under the new table: captured again
     eager = _worker(False)
-    workers.append(eager)
+    open_workers.append(eager)
     reference, _ = _run(eager, PROMPTS[:1], max_tokens=8)
     assert tokens == reference

@@ -216,7 +216,8 @@ def test_a_killed_expert_fails_the_step_cleanly_and_leaves_no_stream_waiting():
     from moemesh.common.model.random_init import random_model, tiny_flash_like_config
     from moemesh.services.attention.expert_channel import ExpertChannel
     from moemesh.services.attention.model_runner import ModelRunner
-    from moemesh.services.attention.moe_dispatch import ExpertWorkerLost, MoEDispatcher
+    from moemesh.services.attention.dispatch_tickets import ExpertWorkerLost
+    from moemesh.services.attention.moe_dispatch import MoEDispatcher
 
     device = torch.device("cuda", torch.cuda.current_device())
     config = tiny_flash_like_config([AttentionKind.CSA, AttentionKind.HCA], kernel_friendly=True)

@@ -248,7 +248,7 @@ def expert_rows(held, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Te
 _stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # held layer -> its cpu_fp4.ExpertStacks
 
 
-def _layer_stacks(held):
+def layer_stacks(held):
     """The byte views of a held layer's stacks, made once per layer object (views cost ~20 us a call)."""
     from moemesh.common.kernels.cpu_fp4 import ExpertStacks
 
@@ -266,6 +266,6 @@ def _native_expert_rows(runner: CpuBlockRunner, held, hidden: torch.Tensor, ids:
     rows stay zero)."""
     num_tokens, top_k = ids.shape
     out = torch.zeros(num_tokens * top_k, hidden.shape[1], dtype=torch.float32)  # [T·K, D]
-    runner.native.routed_experts(hidden, ids, weights, slot_mask, held.local, _layer_stacks(held), swiglu_limit,
+    runner.native.routed_experts(hidden, ids, weights, slot_mask, held.local, layer_stacks(held), swiglu_limit,
                                  route_weight_before_w2, out, runner.num_threads)
     return out.view(num_tokens, top_k, -1).to(hidden.dtype)

@@ -275,7 +275,8 @@ class DecodeGraphs:
         runner.step_logits = step_graph.logits[:num_real]
         num_layers = self.side.config.num_hidden_layers
         runner.stats.num_layer_runs += num_layers
-        dispatcher.record_local_work(num_real * self.side.config.num_experts_per_tok * num_layers)
+        if dispatcher.every_layer_here():  # every slot computed here (with mailboxes, not counted: no read-back)
+            dispatcher.record_local_work(num_real * self.side.config.num_experts_per_tok * num_layers)
         self.stats.num_graph_steps += 1
         self.stats.num_step_graph_steps += 1
         return step_graph.finals[:num_real]

@@ -43,7 +43,6 @@ Legend: T tokens, K top-k slots, D hidden, W expert workers, L layers, E routed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -53,57 +52,12 @@ from moemesh.common.wire.errors import ReplyTimeout
 from moemesh.common.wire.messages import Combine, Dispatch, ErrorReply
 from moemesh.common.wire.staging import RecvStagingRing
 from moemesh.services.attention.dispatch_slots import SlotPlane
+from moemesh.services.attention.dispatch_tickets import ExpertWorkerLost, HostRouting, PendingMoE, _Sent
 from moemesh.services.attention.expert_channel import ExpertChannel, is_local_endpoint
+from moemesh.services.attention.layer_holders import LayerHolders
 from moemesh.services.attention.local_experts import LocalExperts
 from moemesh.services.attention.mailbox_plane import MailboxConfig, MailboxPlane
 from moemesh.services.attention.replica_routing import ReplicaPolicy, ReplicaRouter
-
-
-class DispatchError(RuntimeError):
-    """An expert worker answered a Dispatch with an error (or with a Combine that does not match)."""
-
-
-class ExpertWorkerLost(DispatchError):
-    """One expert worker did not answer a Dispatch usably (timeout, error reply, wrong reply);
-    `worker_index` is its channel index, so recovery can route around it."""
-
-    def __init__(self, worker_index: int, endpoint: str, cause: str) -> None:
-        super().__init__(f"expert worker {worker_index} ({endpoint}): {cause}")
-        self.worker_index = worker_index
-        self.endpoint = endpoint
-
-
-@dataclass(frozen=True)
-class HostRouting:
-    """One layer's routing where `start` splits it (host under CUDA IPC, else device): ids, weights [T, K]."""
-
-    ids: torch.Tensor
-    weights: torch.Tensor
-
-
-@dataclass
-class _Sent:
-    worker_index: int
-    ticket: int
-    token_index: torch.Tensor | slice  # [T_w] rows (on the attention device) sent to this worker (slice: all rows)
-    slot_mask: torch.Tensor  # [T_w, K] bool, on the attention device where finish or the ring reads it, else host
-    dispatch_id: int
-    num_slot_tokens: int  # expert-slot pairs this worker computes (its share of the work)
-    slot: int | None = None  # CUDA IPC ring slot holding this Dispatch (None: sent over ZeroMQ)
-    local_output: torch.Tensor | None = None  # computed here (local experts): [T, D], or [T, K, D] per slot
-    mailbox: bool = False  # posted into the worker's mailbox; ticket: the sequence number to collect
-
-
-@dataclass
-class PendingMoE:
-    layer: int
-    micro_batch: int
-    num_tokens: int
-    num_slots: int
-    hidden_size: int
-    dtype: torch.dtype
-    device: torch.device
-    sent: list[_Sent]
 
 
 class MoEDispatcher:
@@ -129,8 +83,7 @@ class MoEDispatcher:
         self.mailbox_config = mailbox if DataPlane(data_plane) is DataPlane.MAILBOX else None
         self.mailbox_plane: MailboxPlane | None = None
         self.channel_prefix = channel_prefix
-        self._single_holders: tuple | None = None  # (router version, router, {layer: sole holder or None})
-        self._every_layer_here: tuple = (None, False)  # ((router, version), every_layer_here()) cached
+        self._holders: LayerHolders | None = None  # of the current router and version (`_layer_holders`)
         self._counted_router: ReplicaRouter | None = None  # the router (and version) _num_router_workers is of
         self._counted_version = 0
         self._num_router_workers = 0
@@ -255,7 +208,7 @@ class MoEDispatcher:
                 self._make_mailbox_plane(x.shape[1], ids.shape[1], x.dtype)
             self.mailbox_plane.begin_step()  # before any post of the step (a kernel on CUDA: captured too)
         if self.local_index is not None and not self.router.has_choice(layer) and \
-                self._single_holder(layer) == self.local_index:  # every expert of the layer is here
+                self._layer_holders().sole(layer) == self.local_index:  # every expert of the layer is here
             sent = [self._compute_local(layer, x, ids, weights, None, ids.numel())]
             return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
         whole = self._start_whole(step_id, micro_batch, layer, x, ids, weights)
@@ -336,7 +289,7 @@ class MoEDispatcher:
         (dispatch_slots.py); None when that does not apply."""
         if self.slot_plane is None or self.router.has_choice(layer):
             return None
-        worker_index = self._single_holder(layer)
+        worker_index = self._layer_holders().sole(layer)
         if worker_index is None:
             return None
         self._dispatch_ids += 1
@@ -357,15 +310,9 @@ class MoEDispatcher:
     def every_layer_here(self) -> bool:
         """Whether this process computes every routed expert of every layer: each layer's only holder is the
         attention worker itself (no replicas) and its kernels need no host sync. A decode step then sends
-        no message and waits on nothing, so its whole layer loop can be one CUDA graph (graph_decode.py).
-        Cached per routing table and version."""
-        token = (self.router, self.router.version)
-        if self._every_layer_here[0] != token:
-            here = (self.local_index is not None and self.local_experts.capturable(self.device)
-                    and all(not self.router.has_choice(layer) and self._single_holder(layer) == self.local_index
-                            for layer in range(len(self.router.base))))
-            self._every_layer_here = (token, here)
-        return self._every_layer_here[1]
+        no message and waits on nothing, so its whole layer loop can be one CUDA graph (graph_decode.py)."""
+        return (self._layer_holders().all_held_by(self.local_index)
+                and self.local_experts.capturable(self.device))
 
     def record_local_work(self, num_slot_tokens: int) -> None:
         """Count expert-slot pairs computed here by a replayed step graph (which does not run `start`)."""
@@ -380,7 +327,7 @@ class MoEDispatcher:
         if micro_batch != 0 or x.shape[0] > self.mailbox_config.max_tokens or not self._mailboxes_take(layer):
             return None
         plane = self.mailbox_plane
-        holders = sorted(set(self.router.base[layer]))
+        holders = self._layer_holders().holders[layer]
         remote = [w for w in holders if w != self.local_index]
         slot_owner = self.owner[layer][ids.long()]  # [T, K] worker index per slot, on the attention device
         if ids.device.type == "cpu":  # per-worker slot counts (load statistics); not read back from a device
@@ -409,12 +356,13 @@ class MoEDispatcher:
 
     def _mailboxes_take(self, layer: int) -> bool:
         """Whether every remote holder of `layer` (no replicas) has a mailbox, offering those without one."""
-        if self.mailbox_plane is None or self.router.has_choice(layer):
+        holders = self._layer_holders()
+        if self.mailbox_plane is None or holders.choice[layer]:
             return False
         self._refresh_tables()
-        remote = sorted(set(self.router.base[layer]) - {self.local_index})
+        remote = [w for w in holders.holders[layer] if w != self.local_index]
         token = (self.router, self.router.version)
-        return bool(remote) and all(self.mailbox_plane.ready(w, token, self._owned_pairs) for w in remote)
+        return bool(remote) and all(self.mailbox_plane.ready(w, token, holders.owned_pairs) for w in remote)
 
     def device_step_ready(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` rows runs on the device alone, layer after layer, so one CUDA graph
@@ -424,28 +372,17 @@ class MoEDispatcher:
             return True
         if self.device.type != "cuda" or self.mailbox_plane is None or num_tokens > self.mailbox_config.max_tokens:
             return False
-        for layer, row in enumerate(self.router.base):
+        for layer, row in enumerate(self._layer_holders().holders):
             if self.local_index in row and not self.local_experts.capturable(self.device):
                 return False
-            if set(row) != {self.local_index} and not self._mailboxes_take(layer):
+            if row != (self.local_index,) and not self._mailboxes_take(layer):
                 return False
         return True
 
-    def _owned_pairs(self, worker_index: int) -> list[tuple[int, int]]:
-        """The (layer, expert) pairs `worker_index` computes under the current table, on layers without replicas."""
-        return [(layer, expert) for layer, row in enumerate(self.router.base) if not self.router.has_choice(layer)
-                for expert, owner in enumerate(row) if owner == worker_index]
-
-    def _single_holder(self, layer: int) -> int | None:
-        """The one worker holding every expert of `layer` (None: several), cached per router version."""
-        cache = self._single_holders
-        if cache is None or cache[0] != self.router.version or cache[1] is not self.router:
-            cache = (self.router.version, self.router, {})
-            self._single_holders = cache
-        if layer not in cache[2]:
-            holders = set(self.router.base[layer])
-            cache[2][layer] = next(iter(holders)) if len(holders) == 1 else None
-        return cache[2][layer]
+    def _layer_holders(self) -> LayerHolders:
+        if self._holders is None or not self._holders.current(self.router):
+            self._holders = LayerHolders.of(self.router)
+        return self._holders
 
     def finish(self, pending: PendingMoE) -> torch.Tensor:
         """Wait for every answer of `pending` -> routed output [T, D], combined in the fixed order."""

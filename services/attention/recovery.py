@@ -48,7 +48,7 @@ import structlog
 from moemesh.common.model.state import RollbackError, SequenceState
 from moemesh.common.wire.errors import ReplyTimeout
 from moemesh.common.wire.messages import SequenceResult, StepPlan, StepResult
-from moemesh.services.attention.moe_dispatch import DispatchError
+from moemesh.services.attention.dispatch_tickets import DispatchError
 
 if TYPE_CHECKING:
     from moemesh.services.attention.slots import SlotTable

@@ -48,9 +48,9 @@ class ExpertMailboxes:
 
     def _start(self, message: AttachMailbox, holdings: ExpertHoldings, num_layers: int, num_experts: int,
                swiglu_limit: float | None, route_before_w2: bool, num_threads: int):
-        from moemesh.common.kernels.cpu_fp4 import ExpertStacks
         from moemesh.common.kernels.cpu_mailbox import ExpertMath, MailboxWorker, load_mailbox
         from moemesh.common.kernels.mailbox_layout import MailboxSegment
+        from moemesh.common.model.cpu_experts import layer_stacks
 
         if self.device.type != "cpu":
             raise ValueError(f"expert worker {self.name} is on {self.device}, not the CPU")
@@ -67,8 +67,8 @@ class ExpertMailboxes:
             if held is None or not 0 <= expert < num_experts or not bool(held.held[expert]):
                 raise ValueError(f"pair ({layer}, {expert}) is not held here")
             local[layer, expert] = held.local[expert]
-        stacks = [ExpertStacks.from_tensors(h.w1, h.s1, h.w3, h.s3, h.w2, h.s2) if (h := layers.get(layer)) is not None
-                  and bool((local[layer] >= 0).any()) else None for layer in range(num_layers)]
+        owned_layers = set(message.owned_layers)
+        stacks = [layer_stacks(layers[layer]) if layer in owned_layers else None for layer in range(num_layers)]
         segment = MailboxSegment.attach(message.segment_path)
         return MailboxWorker(load_mailbox(), segment, stacks, local, ExpertMath(swiglu_limit, route_before_w2),
                              num_threads=num_threads)
