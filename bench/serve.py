@@ -5,7 +5,10 @@ Requests arrive on a Poisson or fixed-rate schedule (or all at once), optionally
 `--max-concurrency` in flight; each streams with usage so token counts are the server's.
 Reported: completed / failed, request and token throughput, goodput under TTFT / TPOT / E2EL
 limits, and mean / median / percentiles of TTFT, TPOT, ITL and E2EL (see serve_metrics for
-the definitions). The result JSON goes to bench/results/serve-<device>-<time>.json.
+the definitions). Against a moemesh server it also reports what the decode steps of the run cost the
+attention worker's host (`server_decode_steps`: the mean decode step time at the router, ZeroMQ messages
+for layers and, when the server runs with `MOEMESH_COUNT_HOST_SYNCS=1`, synchronising CUDA calls, per
+step and per layer, from `/status.json` before and after the run). The result JSON goes to bench/results/serve-<device>-<time>.json.
 
     moemesh bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 4 \\
         --random-input-len 1024 --random-output-len 128 --ignore-eos --goodput ttft:2000 tpot:50
@@ -80,6 +83,7 @@ class BenchmarkRun:
     records: list[RequestRecord]
     duration_s: float  # first send -> last completion
     max_concurrency_reached: int
+    server_decode_steps: dict | None = None  # a moemesh server's decode step counters over the run
 
 
 async def run_benchmark(config: ServeBenchConfig, workload: list[WorkloadRequest],
@@ -127,10 +131,44 @@ async def run_benchmark(config: ServeBenchConfig, workload: list[WorkloadRequest
             log.info("bench.serve_warmed_up", num_requests=len(warmup), num_failed=len(failed),
                      errors=failed[:3])
         log.info("bench.serve_started", model=model, num_prompts=len(workload), url=config.base_url)
+        counters_before = await _decode_step_counters(client)
         start_s = time.perf_counter()
         records = await asyncio.gather(*(one(index, start_s) for index in range(len(workload))))
         duration_s = time.perf_counter() - start_s
-    return BenchmarkRun(model, list(records), duration_s, max_in_flight)
+        counters_after = await _decode_step_counters(client)
+    return BenchmarkRun(model, list(records), duration_s, max_in_flight,
+                        decode_step_costs(counters_before, counters_after))
+
+
+async def _decode_step_counters(client: httpx.AsyncClient) -> dict | None:
+    """A moemesh server's `/status.json` decode step counters; None from other servers."""
+    try:
+        response = await client.get("/status.json")
+        return response.json()["engine"]["decode_step_counters"] if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def decode_step_costs(before: dict | None, after: dict | None) -> dict | None:
+    """The counters' difference over a run -> decode steps, ZeroMQ layer messages and host syncs per step and
+    per layer (host syncs None when the server did not count them)."""
+    if before is None or after is None:
+        return None
+    num_steps = after["num_steps"] - before["num_steps"]
+    seconds = after["seconds"] - before["seconds"]
+    num_layers = after["num_layers"]
+    messages = after["data_messages"] - before["data_messages"]
+    sync_steps = after["host_sync_steps"] - before["host_sync_steps"]
+    syncs = after["host_syncs"] - before["host_syncs"]
+    per_step = messages / num_steps if num_steps else None
+    syncs_per_step = syncs / sync_steps if sync_steps else None
+    return {"num_decode_steps": num_steps, "num_layers": num_layers,
+            "decode_step_ms": seconds / num_steps * 1e3 if num_steps else None,
+            "data_messages_per_step": per_step,
+            "data_messages_per_layer": per_step / num_layers if per_step is not None and num_layers else None,
+            "host_syncs_counted_steps": sync_steps, "host_syncs_per_step": syncs_per_step,
+            "host_syncs_per_layer": (syncs_per_step / num_layers if syncs_per_step is not None and num_layers
+                                     else None)}
 
 
 def _run_async(coroutine):
@@ -238,11 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {run.model} at {config.base_url} ({config.endpoint.value}), {config.num_prompts} prompts, "
           f"rate {config.request_rate} req/s ({config.arrival.value}), max concurrency {config.max_concurrency}")
     print(format_table(metrics, config.percentiles))
+    if run.server_decode_steps is not None:
+        costs = run.server_decode_steps
+        print(f"server decode steps: {costs['num_decode_steps']}, {costs['num_layers']} layers, "
+              f"{costs['decode_step_ms']} ms each; ZeroMQ layer messages per step {costs['data_messages_per_step']}, "
+              f"host syncs per step {costs['host_syncs_per_step']} (counted in {costs['host_syncs_counted_steps']} steps)")
     if not args.no_write:
         raw = {"config": dict(config.to_json(), model=run.model, dataset=args.dataset,
                               dataset_path=args.dataset_path, random_input_len=args.random_input_len,
                               random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio),
-               "metrics": metrics,
+               "metrics": metrics, "server_decode_steps": run.server_decode_steps,
                "requests": [request_summary(record) for record in run.records]}
         device = args.device_label or f"server at {config.base_url} (client {platform.node()})"
         command = shlex.join(["moemesh", "bench", "serve", *(argv if argv is not None else sys.argv[1:])])

@@ -34,15 +34,17 @@ def attention_worker(path, cluster, remote, local, name: str = "attention-test",
     return worker
 
 
-def run_offline(worker: AttentionWorker, prompts, sampling, before_step=lambda num_steps: None):
+def run_offline(worker: AttentionWorker, prompts, sampling, before_step=lambda num_steps: None, counters=None):
     """(output tokens per prompt, the sampling logits of every step, on the host); before_step(steps so far)
-    runs before each step."""
+    runs before each step; counters (a list): every step's StepCounters appended."""
     logits = []
 
     def execute(plan):
         before_step(len(logits))
         result = worker.step(plan)
         logits.append(None if worker.last_logits is None else worker.last_logits.float().cpu())
+        if counters is not None:
+            counters.append(result.counters)
         return result
 
     kv = worker.config.kv

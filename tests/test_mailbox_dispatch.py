@@ -63,9 +63,15 @@ def test_mailbox_runs_equal_the_reference_and_the_zeromq_run(checkpoint, experts
     by_expert = (_pairs(config, lambda p: p[1] % 2 == 0), _pairs(config, lambda p: p[1] % 2 == 1))
     for shares, workers_per_layer in ((by_layer, 1), (by_expert, 2)):
         zmq = _worker(checkpoint, experts, open_workers, shares, data_plane="zmq")
-        want_tokens, want_logits = run_offline(zmq, PROMPTS, GREEDY)
+        zmq_counters, counters = [], []
+        want_tokens, want_logits = run_offline(zmq, PROMPTS, GREEDY, counters=zmq_counters)
         worker = _worker(checkpoint, experts, open_workers, shares, data_plane="mailbox")
-        tokens, logits = run_offline(worker, PROMPTS, GREEDY)
+        tokens, logits = run_offline(worker, PROMPTS, GREEDY, counters=counters)
+        # the step counters the router adds up: ZeroMQ messages for layers, none through the mailboxes
+        decode, zmq_decode = [c for c in counters if c.decode], [c for c in zmq_counters if c.decode]
+        assert decode and len(decode) == len(zmq_decode)
+        assert all(c.data_messages == config.num_hidden_layers * workers_per_layer for c in zmq_decode)
+        assert all(c.data_messages == 0 and c.host_syncs == -1 for c in decode)  # CPU: syncs not counted
         assert tokens == want_tokens == reference
         assert len(logits) == len(want_logits)  # same placement, same sums in the same order: bit for bit
         assert all(a is None and b is None or bool((a == b).all()) for a, b in zip(logits, want_logits))

@@ -71,11 +71,17 @@ def test_cuda_ipc_refused_off_the_gpu_before_writing(tmp_path, devices, culprit)
     assert not (tmp_path / "deployment.toml").exists()
 
 
-def test_mailbox_needs_a_cpu_expert_worker_of_this_host(tmp_path):
+def test_mailbox_needs_a_cpu_expert_worker_of_this_host_or_one_on_its_gpu(tmp_path):
     path, deployment = write_deployment(_layout(tmp_path, ("cuda:0", "cpu"), "mailbox"))
     assert deployment.attention[0].data_plane == "mailbox" and deployment_keys(path)["data_plane"] == "mailbox"
-    with pytest.raises(DataPlaneRefused, match="mailbox needs an expert worker on the CPU"):
-        write_deployment(_layout(tmp_path / "gpus", ("cuda:0", "cuda:1"), "mailbox"))
+    (tmp_path / "gpus").mkdir()
+    _, on_gpus = write_deployment(_layout(tmp_path / "gpus", ("cuda:0", "cuda:1"), "mailbox"))
+    assert [w.device for w in on_gpus.expert] == ["cuda:0", "cuda:1"]  # expert-0 shares the attention GPU
+    attention = WorkerPlace("attention-0", "cuda:0")
+    with pytest.raises(DataPlaneRefused, match="mailbox needs an expert worker on the CPU .* or on its GPU"):
+        check_data_plane("mailbox", attention, [WorkerPlace("expert-0", "cuda:1"), WorkerPlace("expert-1", "cuda:2")])
+    assert check_data_plane("mailbox", attention, [WorkerPlace("expert-0", "cuda:1"),
+                                                   WorkerPlace("expert-1", "cuda:0")]) == "mailbox"
     remote_cpu = WorkerPlace("expert-0", "cpu", host="10.0.0.2")
     with pytest.raises(DataPlaneRefused, match="mailbox"):
         check_data_plane("mailbox", WorkerPlace("attention-0", "cuda:0", host="10.0.0.1"), [remote_cpu])

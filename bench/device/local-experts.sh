@@ -6,6 +6,7 @@
 # each (the texts must match) and `moemesh bench serve`, single stream, 16 prompts, 64 in / 64 out.
 # Run by bench/device/run_all.sh from the repo root with PYTHONPATH and RESULTS_DIR set.
 set -u
+source bench/device/serve-wait.sh
 : "${RESULTS_DIR:=$PWD/bench/results}"
 mkdir -p "$RESULTS_DIR"
 source bench/device/mps.sh
@@ -21,12 +22,7 @@ for where in all none; do
   python3 -m moemesh.cli serve --devices cuda:0 --port "$PORT" --cuda-graphs on --speculation off \
     --experts-in-attention "$where" "${extra[@]}" --run-dir "$RUN_DIR" > "$RUN_DIR.serve.log" 2>&1 &
   pid=$!
-  ready=0
-  for _ in $(seq 1 120); do
-    if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; then ready=1; break; fi
-    kill -0 $pid 2>/dev/null || break
-    sleep 1
-  done
+  wait_ready "$PORT" "$pid" 120
   echo "=== experts in attention: $where, ready=$ready"
   if [ "$ready" = 1 ]; then
     curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \

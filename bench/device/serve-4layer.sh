@@ -8,6 +8,7 @@
 # $RESULTS_DIR and the services' load events to the log.
 # Run by bench/device/run_all.sh from the repo root with PYTHONPATH and RESULTS_DIR set.
 set -u
+source bench/device/serve-wait.sh
 : "${RESULTS_DIR:=$PWD/bench/results}"
 mkdir -p "$RESULTS_DIR"
 LAYERS="${SERVE_LAYERS:-4}"
@@ -30,12 +31,7 @@ python3 -m moemesh.cli serve --model "$CKPT" --expert-workers 2 --devices cuda:0
   --run-dir "$RUN_DIR" --ready-timeout "${SERVE_READY_S:-600}" > "$RUN_DIR.serve.log" 2>&1 &
 SERVE_PID=$!
 mps_on_exit='kill -TERM $SERVE_PID 2>/dev/null; wait $SERVE_PID; echo "serve exited"' 
-ready=0
-for _ in $(seq 1 "${SERVE_READY_S:-600}"); do
-  if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; then ready=1; break; fi
-  if ! kill -0 $SERVE_PID 2>/dev/null; then break; fi
-  sleep 1
-done
+wait_ready "$PORT" "$SERVE_PID" "${SERVE_READY_S:-600}"
 echo "ready=$ready after ${SECONDS}s"
 grep -h '"event": "[a-z_.]*load[a-z_.]*"' "$RUN_DIR"/logs/*.log 2>/dev/null | cut -c1-400 | tail -n 12
 if [ "$ready" != 1 ]; then tail -n 40 "$RUN_DIR.serve.log"; exit 1; fi

@@ -5,6 +5,7 @@
 # single stream (16 prompts, 64 tokens out) with CUDA graphs off and on. JSON to $RESULTS_DIR.
 # Run by bench/device/run_all.sh from the repo root with PYTHONPATH and RESULTS_DIR set.
 set -u
+source bench/device/serve-wait.sh
 : "${RESULTS_DIR:=$PWD/bench/results}"
 mkdir -p "$RESULTS_DIR"
 # services share cuda:0: NVIDIA MPS runs throughout
@@ -18,12 +19,7 @@ for graphs in off on; do
   python3 -m moemesh.cli serve --port "$PORT" --cuda-graphs "$graphs" --run-dir "$RUN_DIR" --speculation off \
     > "$RUN_DIR.serve.log" 2>&1 &
   pid=$!
-  ready=0
-  for _ in $(seq 1 240); do
-    if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; then ready=1; break; fi
-    kill -0 $pid 2>/dev/null || break
-    sleep 1
-  done
+  wait_ready "$PORT" "$pid" 240
   echo "=== cuda graphs $graphs: ready=$ready after ${SECONDS}s"
   if [ "$ready" = 1 ]; then
     grep -h '"event": "attention.loaded"' "$RUN_DIR"/logs/*.log | cut -c1-300

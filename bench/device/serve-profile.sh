@@ -8,6 +8,7 @@
 # the router's and the attention worker's functions by own and cumulative time.
 # Run by bench/device/run_all.sh from the repo root with PYTHONPATH and RESULTS_DIR set.
 set -u
+source bench/device/serve-wait.sh
 : "${RESULTS_DIR:=$PWD/bench/results}"
 mkdir -p "$RESULTS_DIR"
 PORT=8127
@@ -21,12 +22,7 @@ for run in ${PROFILE_RUNS:-plain profiled}; do
   python3 -m moemesh.cli serve --devices cuda:0 --port "$PORT" --speculation off --run-dir "$RUN_DIR" $EXTRA \
     > "$RUN_DIR.serve.log" 2>&1 &
   pid=$!
-  ready=0
-  for _ in $(seq 1 180); do
-    if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; then ready=1; break; fi
-    kill -0 $pid 2>/dev/null || break
-    sleep 1
-  done
+  wait_ready "$PORT" "$pid" 180
   echo "=== $run: ready=$ready"
   if [ "$ready" != 1 ]; then tail -n 30 "$RUN_DIR.serve.log"; kill -TERM $pid; wait $pid; continue; fi
   curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \

@@ -3,8 +3,10 @@
 The data plane (`common.wire.cuda_ipc.DataPlane`) is how the attention worker's Dispatch/Combine
 tensors reach the expert workers: ZeroMQ frames with pinned host staging, CUDA device rings
 shared once by CUDA IPC, with ZeroMQ carrying only the control message (README "Fast
-disaggregated path"), or host-memory mailboxes served by a native loop in CPU expert workers. `moemesh serve` checks its layout and the attention worker checks a
-deployment file with the same rules, before anything starts. Torch-free.
+disaggregated path"), or mailboxes with no message per layer: host memory served by a native loop in CPU
+expert workers, device memory served by a CUDA graph per step in expert workers on the attention worker's
+GPU. `moemesh serve` checks its layout and the attention worker checks a deployment file with the same
+rules, before anything starts. Torch-free.
 """
 
 from __future__ import annotations
@@ -69,12 +71,19 @@ def check_data_plane(data_plane: str | DataPlane, attention: WorkerPlace, expert
     return plane
 
 
+def _same_gpu(a: str, b: str) -> bool:
+    return _is_cuda(a) and _is_cuda(b) and (a == b or "cuda" in (a, b))
+
+
 def _check_mailbox(attention: WorkerPlace, experts: Sequence[WorkerPlace]) -> DataPlane:
-    """mailbox shares host memory: the CPU expert workers of the attention worker's host take it; GPU and
-    remote expert workers stay on ZeroMQ (each refuses the offer), so at least one must qualify."""
-    if not any(expert.host == attention.host and expert.device == "cpu" for expert in experts):
-        raise DataPlaneRefused(f"data plane mailbox needs an expert worker on the CPU of {attention.name}'s host; "
-                               f"the expert workers are on {sorted({e.device for e in experts}) or 'no device'}")
+    """mailbox: the CPU expert workers of the attention worker's host (host memory) and the expert workers on
+    the attention worker's own GPU (device memory, CUDA IPC) take it; workers elsewhere stay on ZeroMQ (each
+    refuses the offer), so at least one must qualify."""
+    if not any(expert.host == attention.host and (expert.device == "cpu" or _same_gpu(expert.device, attention.device))
+               for expert in experts):
+        raise DataPlaneRefused(f"data plane mailbox needs an expert worker on the CPU of {attention.name}'s host or "
+                               f"on its GPU ({attention.device}); the expert workers are on "
+                               f"{sorted({e.device for e in experts}) or 'no device'}")
     return DataPlane.MAILBOX
 
 

@@ -42,6 +42,7 @@ from moemesh.common.wire.messages_step import (  # noqa: F401
     SequenceResult,
     LayerRoutingSkew,
     RoutingSummary,
+    StepCounters,
     StepResult,
 )
 from moemesh.common.wire.messages_draft import (  # noqa: F401

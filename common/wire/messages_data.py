@@ -112,11 +112,13 @@ class CudaIpcAttached:
 class AttachMailbox:
     """Attention -> expert, once per channel and routing table: serve this attention worker's MoE layers
     through the host-memory mailbox at `segment_path` (docs/device-step.md: layout, sequence numbers,
-    errors) with the native worker loop, no message per layer. The worker computes the pairs
+    errors) with the native worker loop, no message per layer. A GPU worker on the attention worker's
+    device takes `device_region` instead (the mailbox in device memory, CUDA IPC) and replays a CUDA
+    graph per step, the host segment's dispatch word its doorbell. The worker computes the pairs
     (owned_layers[i], owned_experts[i]) for this channel: its share of the attention worker's owner
     table. Answered by MailboxAttached; refused (accepted False, with the reason) when `host_id` is not
-    its host, it does not run FP4 experts on the CPU, it does not hold a pair, or the segment does not
-    check. A new AttachMailbox on the same channel replaces the previous one."""
+    its host, it runs neither FP4 experts on the CPU nor quantized experts on the offered GPU, it does not
+    hold a pair, or the segment does not check. A new AttachMailbox on the same channel replaces the previous one."""
 
     TYPE: ClassVar[str] = "attach_mailbox"
     channel_id: str
@@ -124,17 +126,21 @@ class AttachMailbox:
     segment_path: str
     owned_layers: tuple[int, ...]
     owned_experts: tuple[int, ...]
+    device_region: SharedCudaBuffer | None = None  # a CUDA attention worker: the same layout in its device memory
+    timeout_s: float = 2.0  # a GPU worker's graph gives up a step after waiting this long for a layer
 
 
 @dataclass(frozen=True)
 class MailboxAttached:
-    """Expert -> attention: whether the worker loop of `channel_id` runs; pid: the process serving it."""
+    """Expert -> attention: whether the worker loop of `channel_id` runs; pid: the process serving it;
+    on_device: it serves the device region (a GPU worker), not the host segment."""
 
     TYPE: ClassVar[str] = "mailbox_attached"
     channel_id: str
     accepted: bool
     reason: str = ""
     pid: int = 0
+    on_device: bool = False
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,20 @@ class RoutingSummary:
 
 
 @dataclass(frozen=True)
+class StepCounters:
+    """What one step cost the attention worker's host, counted while it ran (retries included): `decode`
+    every sequence computed one new token (plus its drafts); `num_layers` the model's; `data_messages`
+    ZeroMQ messages sent to expert workers for layers (Dispatch, DispatchSlot; not the step plan and
+    result, nor a mailbox offer); `host_syncs` synchronising CUDA calls torch saw (its sync debug mode,
+    `MOEMESH_COUNT_HOST_SYNCS=1`), -1 when not counted."""
+
+    decode: bool
+    num_layers: int
+    data_messages: int
+    host_syncs: int = -1
+
+
+@dataclass(frozen=True)
 class StepResult:
     """Attention worker -> router, the answer to one StepPlan (same step_id). `routing` is
     attached every few steps (the worker's `summary_every_steps`), None otherwise."""
@@ -144,3 +158,4 @@ class StepResult:
     step_id: int
     sequences: tuple[SequenceResult, ...]
     routing: RoutingSummary | None = None
+    counters: StepCounters | None = None

@@ -45,7 +45,9 @@ import zmq
 
 from moemesh.common.wire import codec
 from moemesh.common.wire.errors import ReplyTimeout, WireError
-from moemesh.common.wire.messages import Combine, CombineSlot, CudaIpcAttached, ErrorReply, MailboxAttached
+from moemesh.common.wire.messages import (
+    Combine, CombineSlot, CudaIpcAttached, Dispatch, DispatchSlot, ErrorReply, MailboxAttached,
+)
 from moemesh.common.wire.schema import DEFAULT_LIMITS, WireLimits
 from moemesh.common.wire.staging import SendStagingPool, StagingConfig, send_staged
 from moemesh.common.wire.transport import Kind, pack_envelope, unpack_envelope
@@ -114,6 +116,7 @@ class ExpertChannel:
         self._in_flight: dict[int, Any] = {}  # correlation id -> message whose own tensors are on the wire, or None
         self._arrived: dict[int, Any] = {}  # correlation id -> reply received before it was asked for
         self.num_requests = 0
+        self.num_layer_messages = 0  # Dispatch and DispatchSlot sent: a layer's work over ZeroMQ (step counters)
         self.num_unstaged_sends = 0
 
     @property
@@ -142,6 +145,8 @@ class ExpertChannel:
             keep_alive = message  # zero-copy from its own tensors: keep them until the reply
         self._in_flight[correlation_id] = keep_alive
         self.num_requests += 1
+        if isinstance(message, (Dispatch, DispatchSlot)):
+            self.num_layer_messages += 1
         return correlation_id
 
     def receive(self, worker_index: int, correlation_id: int) -> Combine | ErrorReply:

@@ -24,7 +24,8 @@ experts, shared experts, combines), then the head over every row, and a step is 
 counts take per-row phases from a static tensor whose padding rows are not counted. A step graph is
 tied to the routing table (and the mailbox segments) it was captured under and captured again after a
 placement change or a worker's new mailbox; after each replay the mailboxes' error words are read once
-(`MoEDispatcher.confirm_all`), so a worker that did not answer fails the step before it is committed.
+(`MoEDispatcher.confirm_all`, read after the step's sampling by `confirm_deferred`), so a worker that did not
+answer fails the attempt before anything leaves the worker (recovery rolls its states back).
 
 A step runs eagerly instead (the runner's eager segments; logged once per reason) when any
 micro-batch has a sequence with more than one new token (prefill chunks, speculative verification),
@@ -269,7 +270,9 @@ class DecodeGraphs:
         else:
             step_graph.phases[:num_real].copy_(decode_mask)
         step_graph.graph.replay()
-        dispatcher.confirm_all()  # a mailbox wait that failed in the replay raises here, before any commit
+        # a mailbox wait that failed in the replay raises after sampling (AttentionWorker: confirm_deferred), so
+        # the host samples while the GPU runs; recovery rolls the committed token back like any failed attempt
+        dispatcher.confirm_all(defer_mailboxes=True)
         _commit_one_token(members)
         runner.captured = [[mean[:num_real] for mean in step_graph.captured]]
         runner.step_logits = step_graph.logits[:num_real]

@@ -171,6 +171,9 @@ class ModelRunner:
         """The layer loop over the micro-batches `runs` -> final streams h [T_i, N, D] per micro-batch."""
         num_layers = self.config.num_hidden_layers
         masks = list(decode_masks or [None] * len(runs))
+        begin = getattr(self.dispatcher, "begin_step", None)
+        if begin is not None and runs:  # first thing of the step: expert workers' graphs start while layer 0 runs
+            begin(runs[0].num_tokens)
         pending: list = [None] * len(runs)
         captured: list[list[torch.Tensor]] = [[] for _ in runs]
         for layer in range(num_layers + 1):

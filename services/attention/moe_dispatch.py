@@ -94,6 +94,8 @@ class MoEDispatcher:
         self.recv_slot_bytes = recv_slot_bytes
         self.num_unstaged_receives = 0
         self._dispatch_ids = 0
+        self._step_begun = False  # begin_step ran for the step under way (start at layer 0 then does not)
+        self._mailbox_step_ready: tuple | None = None  # (router, version, mailbox generation) found step-ready
         self.num_slot_tokens_in_flight: list[int] = []  # per worker: sent, Combine not received yet
         self.num_slot_tokens_sent: list[int] = []  # per worker, cumulative (load-spread statistics)
         if self.mailbox_config is not None and model_shape is not None:
@@ -140,18 +142,34 @@ class MoEDispatcher:
             self.num_slot_tokens_in_flight += [0] * missing
             self.num_slot_tokens_sent += [0] * missing
 
+    def begin_step(self, num_rows: int) -> None:
+        """The start of a step of `num_rows` rows in micro-batch 0 (before its first layer): the mailboxes' new
+        epoch and GPU workers' doorbells (kernels on CUDA, so a captured step rings them too), early enough
+        that a worker's graph is waiting when layer 0 posts."""
+        if self.mailbox_plane is not None:
+            self.mailbox_plane.begin_step(num_rows)
+            self._step_begun = True
+
     def reset_in_flight(self) -> None:
         """Forget outstanding work (recovery dropped the tickets of a failed attempt)."""
         self.num_slot_tokens_in_flight = [0] * len(self.num_slot_tokens_in_flight)
         if self.slot_plane is not None:
             self.slot_plane.reset()
 
-    def confirm_all(self) -> None:
-        """Receive every deferred CUDA IPC reply (the end of a step); raises ExpertWorkerLost like finish."""
+    def confirm_all(self, defer_mailboxes: bool = False) -> None:
+        """Receive every deferred CUDA IPC reply (the end of a step); raises ExpertWorkerLost like finish.
+        defer_mailboxes: the mailboxes' outcome is read by `confirm_deferred` after the step's own host sync
+        (a replayed step graph: the host samples meanwhile; a failure then still fails the attempt)."""
         if self.slot_plane is not None:
             self.slot_plane.confirm_all()
         if self.mailbox_plane is not None:  # a CUDA waiting side's failed waits of this step
-            self.mailbox_plane.confirm()
+            self.mailbox_plane.confirm(defer=defer_mailboxes)
+
+    def confirm_deferred(self) -> None:
+        """Raise ExpertWorkerLost for a mailbox wait that failed in the step `confirm_all(defer_mailboxes=True)`
+        ended (call after the step's sampled tokens were read, before anything leaves the worker)."""
+        if self.mailbox_plane is not None:
+            self.mailbox_plane.confirm_deferred()
 
     def _owner_of_slots(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
         """ids [T, K] int64 -> (owner [T, K] worker index, on the device of ids; {worker: expert-slot
@@ -206,7 +224,9 @@ class MoEDispatcher:
         if self.mailbox_config is not None and layer == 0 and micro_batch == 0:
             if self.mailbox_plane is None:
                 self._make_mailbox_plane(x.shape[1], ids.shape[1], x.dtype)
-            self.mailbox_plane.begin_step()  # before any post of the step (a kernel on CUDA: captured too)
+            if not self._step_begun:  # the layer loop did not call begin_step
+                self.mailbox_plane.begin_step(x.shape[0])
+            self._step_begun = False
         if self.local_index is not None and not self.router.has_choice(layer) and \
                 self._layer_holders().sole(layer) == self.local_index:  # every expert of the layer is here
             sent = [self._compute_local(layer, x, ids, weights, None, ids.numel())]
@@ -214,6 +234,8 @@ class MoEDispatcher:
         whole = self._start_whole(step_id, micro_batch, layer, x, ids, weights)
         if whole is None and self.mailbox_config is not None:
             whole = self._start_mailboxes(micro_batch, layer, x, ids, weights)
+            if whole is None and self.mailbox_plane is not None and micro_batch == 0:
+                self.mailbox_plane.skip(layer, self._layer_holders().holders[layer])  # GPU workers' graphs go on
         if whole is not None:
             return whole
         routing = HostRouting(ids, weights)
@@ -329,7 +351,9 @@ class MoEDispatcher:
         plane = self.mailbox_plane
         holders = self._layer_holders().holders[layer]
         remote = [w for w in holders if w != self.local_index]
-        slot_owner = self.owner[layer][ids.long()]  # [T, K] worker index per slot, on the attention device
+        local_here = self.local_index in holders
+        # [T, K] worker index per slot, on the attention device: for the local share's mask and per-slot combine
+        slot_owner = self.owner[layer][ids.long()] if local_here or self.placement_invariant else None
         if ids.device.type == "cpu":  # per-worker slot counts (load statistics); not read back from a device
             counts = torch.bincount(self.owner_host[layer][ids.long()].reshape(-1),
                                     minlength=len(self.num_slot_tokens_in_flight)).tolist()
@@ -342,7 +366,7 @@ class MoEDispatcher:
             self.num_slot_tokens_sent[worker_index] += counts[worker_index]
             mask = slot_owner == worker_index if self.placement_invariant else None  # [T, K]: its slots
             sent.append(_Sent(worker_index, seq, slice(None), mask, 0, counts[worker_index], mailbox=True))
-        if self.local_index in holders:
+        if local_here:
             sent.append(self._compute_local(layer, x, ids, weights, slot_owner == self.local_index,
                                             counts[self.local_index], count_known=ids.device.type == "cpu"))
             sent.sort(key=lambda entry: entry.worker_index)  # finish adds in ascending worker index
@@ -372,11 +396,15 @@ class MoEDispatcher:
             return True
         if self.device.type != "cuda" or self.mailbox_plane is None or num_tokens > self.mailbox_config.max_tokens:
             return False
+        token = (self.router, self.router.version, self.mailbox_plane.generation)
+        if self._mailbox_step_ready == token:  # checked once per routing table and set of mailboxes
+            return True
         for layer, row in enumerate(self._layer_holders().holders):
             if self.local_index in row and not self.local_experts.capturable(self.device):
                 return False
             if row != (self.local_index,) and not self._mailboxes_take(layer):
                 return False
+        self._mailbox_step_ready = (self.router, self.router.version, self.mailbox_plane.generation)
         return True
 
     def _layer_holders(self) -> LayerHolders:
@@ -386,6 +414,11 @@ class MoEDispatcher:
 
     def finish(self, pending: PendingMoE) -> torch.Tensor:
         """Wait for every answer of `pending` -> routed output [T, D], combined in the fixed order."""
+        if not self.placement_invariant and len(pending.sent) == 1 and pending.sent[0].mailbox:
+            sent = pending.sent[0]  # one mailbox holder answers for every row: its partial sums are the output
+            output = self.mailbox_plane.collect(sent.worker_index, pending.layer, sent.ticket, pending.num_tokens)
+            self.num_slot_tokens_in_flight[sent.worker_index] -= sent.num_slot_tokens
+            return output.to(pending.device, pending.dtype)
         if self.placement_invariant:
             per_slot = torch.zeros(pending.num_tokens, pending.num_slots, pending.hidden_size, dtype=pending.dtype,
                                    device=pending.device)  # [T, K, D]

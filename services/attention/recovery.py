@@ -29,8 +29,10 @@ Invariants and reasons:
   `SequenceState` retains only `max_rollback_tokens` (8) tokens of history, so a continuing
   prefill chunk longer than that cannot be undone and that one sequence fails with an error
   (the rest of the step is retried).
-- Sampling happens after the whole forward, so a failed attempt never sampled a token and
-  the retry draws exactly what the first attempt would have drawn (same seed, same position).
+- Sampling happens after the whole forward; a failed attempt has sampled a token only when a step
+  graph's mailbox outcome is read after sampling (`confirm_deferred`), and the rollback drops it
+  (output ids back to the mark). Draws are keyed by seed and position, so the retry draws exactly
+  what the first attempt would have drawn.
 - Retrying on replicas needs no wait, so a worker with a live twin costs one dispatch timeout
   per step that hit it; the dead worker stays out of the tables until a probe finds it back.
 """

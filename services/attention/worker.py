@@ -38,6 +38,7 @@ from moemesh.services.attention.kv_config import KVPoolConfig
 from moemesh.services.attention.mailbox_plane import MailboxConfig
 from moemesh.services.attention.recovery import RecoveryConfig, build_step_recovery
 from moemesh.services.attention.routing_config import RoutingStatsConfig
+from moemesh.services.attention.step_counters import StepCounting
 from moemesh.common.placement.worker_holdings import WorkerHoldings, owner_table
 
 log = structlog.get_logger("attention")
@@ -153,6 +154,7 @@ class AttentionWorker(Service):
                 self.side, DecodeGraphConfig(max_blocks_per_sequence=self.config.kv.num_primary_blocks), self.device)
         self.sampler = Sampler()
         self.recovery = build_step_recovery(self)
+        self.counting = StepCounting(self.channel, self.device, model_config.num_hidden_layers)
         self._install_speculation(model_config)
         log.info("attention.loaded", name=self.config.name, device=str(self.device), dtype=str(dtype),
                  num_expert_workers=len(self.config.expert_endpoints),
@@ -214,7 +216,7 @@ class AttentionWorker(Service):
         order; one row each, or 1 + drafts rows for a sequence with drafts) in the last computed attempt."""
         self.pool.move(plan.swap_out, plan.swap_in)
         self._step_routing = None
-        result = self.recovery.run(plan)
+        result = self.counting.count(plan, self.recovery.run)  # with its StepCounters
         if result.routing is None and self._step_routing is not None:  # recovery rebuilds the result without it
             result = dataclasses.replace(result, routing=self._step_routing)
         return result
@@ -230,6 +232,7 @@ class AttentionWorker(Service):
         logits = self._sampling_logits(work, groups, finals)
         self.last_logits = logits
         results, rejected = self._sample(work, self._masked_logits(work, logits, plan.token_masks))
+        self.dispatcher.confirm_deferred()  # a step graph's mailbox waits: a lost worker fails the attempt here
         self._send_features(plan.step_id, work, groups, rejected)
         self.slots.free(plan.free_seq_slots)
         log.debug("attention.step_done", step_id=plan.step_id, num_sequences=len(work),

@@ -46,6 +46,7 @@ from moemesh.services.router.engine_recovery import EngineRecovery
 from moemesh.services.router.engine_streams import RequestStream
 from moemesh.services.router.guided_decoding import attach_token_masks
 from moemesh.services.router.scheduler import Request, RequestEvent, Scheduler, SchedulerOutput
+from moemesh.services.router.step_totals import DecodeStepTotals
 
 log = structlog.get_logger("router")
 
@@ -82,6 +83,7 @@ class Engine(EngineRecovery):
         self.num_steps = 0
         self.num_failed_steps = 0
         self.step_seconds_total = 0.0  # wall time in attention steps (send plan .. StepResult), for benchmarks
+        self.decode_step_totals = DecodeStepTotals()  # the attention worker's counters over decode steps
         self.routing_summary = None  # the attention worker's latest RoutingSummary (for /metrics skew gauges)
         self._attention_pid: int | None = None  # the attention worker process the KV bookkeeping describes
 
@@ -180,6 +182,7 @@ class Engine(EngineRecovery):
             "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
             "num_steps": self.num_steps,
             "step_seconds_total": self.step_seconds_total,
+            "decode_step_counters": self.decode_step_totals.to_json(),
             **(self.drafts.stats() if self.drafts is not None else {}),
             **({"routing_summary": self.routing_summary} if self.routing_summary is not None else {}),
         }
@@ -261,6 +264,7 @@ class Engine(EngineRecovery):
         result = TranslatedResult({}, {})
         self.health_tracker.record_step_started()
         started_s = time.perf_counter()
+        step_counters = []  # the attention worker's, per plan
         try:
             for plan in self.translator.plans_for(output):
                 if self.drafts is not None:
@@ -270,6 +274,7 @@ class Engine(EngineRecovery):
                 match reply:
                     case StepResult():
                         result = translate_result(plan, reply)
+                        step_counters.append(reply.counters)
                         if reply.routing is not None:
                             self.routing_summary = reply.routing
                     case ErrorReply(code=code, message=message):
@@ -286,6 +291,8 @@ class Engine(EngineRecovery):
         self.num_steps += 1
         step_s = time.perf_counter() - started_s
         self.step_seconds_total += step_s
+        for counters in step_counters:
+            self.decode_step_totals.add(counters, step_s / len(step_counters))
         if self.drafts is not None:  # the cost-aware width policy learns the step cost from it
             self.drafts.observe_step(output, step_s)
         self.health_tracker.record_step_ok()
