@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 # pytest-xdist workers for `make test` (2 fits the 2-core CI machine; TEST_WORKERS=0 runs serially)
 TEST_WORKERS ?= 2
 
-.PHONY: serve test install install-test clean
+.PHONY: serve test test-long install install-test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,11 @@ serve: $(VENV)/.installed
 	$(VENV)/bin/moemesh serve
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20 -m "not long_context" tests
+
+# the long-context oracle comparisons (16K and 32K tokens against transformers; several minutes on 2 cores)
+test-long: $(VENV)/.installed-test
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m long_context tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -162,6 +162,10 @@ class AttentionWorker(Service):
                  placement_invariant=self.config.placement_invariant, kv_bytes_per_block=self.pool.num_bytes_per_block(),
                  resident_weight_bytes=self.weight_bytes.resident, stored_weight_bytes=self.weight_bytes.stored,
                  cuda_graphs=self.runner.graphs is not None)
+        kv = self.config.kv
+        log.info("attention.kv_capacity", name=self.config.name, device=str(self.device),
+                 tokens=kv.num_primary_blocks * kv.block_size_tokens, cpu_tier_tokens=kv.num_cpu_blocks * kv.block_size_tokens,
+                 bytes_per_token=self.pool.num_bytes_per_block() // kv.block_size_tokens)
 
     def _local_experts(self, reader, dtype: torch.dtype):
         """(channel endpoints, their holdings, LocalExperts or None): the expert workers, then this worker

@@ -1,0 +1,159 @@
+"""KV rows as stored: bf16, or FP8 in the layout the production V4 kernels read, and what a context token costs.
+
+Main rows (window rows and compressed rows; head dim = nope + rope, 448 + 64 in V4-Flash), FP8 layout:
+    bytes [0, nope)                  the nope channels as e4m3 codes, in blocks of 64
+    bytes [nope, nope + 2·rope)      the rope channels as bf16
+    bytes [.., + ceil(nope / 64))    one ue8m0 scale per block (the byte is the exponent + 127: 2^(byte − 127))
+    pad to a multiple of 8           (V4-Flash: 448 + 128 + 7 + 1 = 584 bytes)
+Each block's scale is the power of two `common.model.qat` computes (amax floored at 1e-4, times 1/448, rounded
+up), so a row the reference's FP8 QAT already rounded (`kv_nope_fp8_qat`) packs and unpacks to exactly itself,
+and packing any row gives the QAT's values: FP8 storage with `kv_fp8_qat` on is the reference's arithmetic.
+Indexer rows (head dim 128), FP8 layout: the channels as e4m3 codes, then one fp32 scale (the row's amax
+floored at 1e-4, over 448): 132 bytes. No reference rounds the indexer's keys this way (the reference uses
+a Hadamard rotation and FP4), so selection near a tie may differ from bf16 rows.
+
+`KVStorage` names the format; `kv_bytes_per_token` adds up what one more context token stores across the
+model's layers (compressed rows grow by 1 / ratio per token; window rows are a fixed cost per sequence).
+Legend: R rows (any leading dims), C channels, B blocks, N nope channels, P rope channels.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from moemesh.common.model.config import AttentionKind, ModelConfig
+from moemesh.common.model.qat import ACT_QUANT_AMAX_FLOOR, E4M3_MAX, KV_FP8_BLOCK_SIZE, fp8_block_scales
+
+UE8M0_BIAS = 127
+_ROW_ALIGN = 8
+
+
+class KVStorage(enum.Enum):
+    BF16 = "bf16"
+    FP8 = "fp8"
+
+
+def _align(num_bytes: int) -> int:
+    return -(-num_bytes // _ROW_ALIGN) * _ROW_ALIGN
+
+
+@dataclass(frozen=True)
+class MainRowLayout:
+    """Byte layout of one FP8 main row (see module doc)."""
+
+    nope_dim: int
+    rope_dim: int
+    block_size: int = KV_FP8_BLOCK_SIZE
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.nope_dim // self.block_size)
+
+    @property
+    def rope_offset(self) -> int:
+        return self.nope_dim
+
+    @property
+    def scale_offset(self) -> int:
+        return self.nope_dim + 2 * self.rope_dim
+
+    @property
+    def row_bytes(self) -> int:
+        return _align(self.scale_offset + self.num_blocks)
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> MainRowLayout:
+        return cls(config.nope_head_dim, config.qk_rope_head_dim)
+
+
+@dataclass(frozen=True)
+class IndexerRowLayout:
+    dim: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim + 4  # codes, then the fp32 scale (V4-Flash: 132; not padded, as the production pool)
+
+
+def pack_main_rows(rows: torch.Tensor, layout: MainRowLayout) -> torch.Tensor:
+    """rows [R, N + P] (any float dtype) -> uint8 [R, row_bytes]."""
+    nope, rope = rows[..., :layout.nope_dim], rows[..., layout.nope_dim:]
+    if rope.shape[-1] != layout.rope_dim:
+        raise ValueError(f"rows of {rows.shape[-1]} channels, the layout holds {layout.nope_dim} + {layout.rope_dim}")
+    leading = rows.shape[:-1]
+    scales = fp8_block_scales(nope.reshape(-1, layout.nope_dim), layout.block_size)  # [R, B] powers of two
+    padded = torch.zeros(scales.shape[0], layout.num_blocks * layout.block_size, dtype=torch.float32,
+                         device=rows.device)
+    padded[:, :layout.nope_dim] = nope.reshape(-1, layout.nope_dim).float()
+    blocks = padded.view(-1, layout.num_blocks, layout.block_size)  # [R, B, b]
+    codes = (blocks / scales[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    out = torch.zeros(scales.shape[0], layout.row_bytes, dtype=torch.uint8, device=rows.device)
+    out[:, :layout.nope_dim] = codes.view(torch.uint8).flatten(1)[:, :layout.nope_dim]
+    out[:, layout.rope_offset:layout.scale_offset] = (
+        rope.reshape(-1, layout.rope_dim).to(torch.bfloat16).contiguous().view(torch.uint8))
+    exponents = torch.frexp(scales)[1] - 1  # scale = 2^(exponent)
+    out[:, layout.scale_offset:layout.scale_offset + layout.num_blocks] = (exponents + UE8M0_BIAS).to(torch.uint8)
+    return out.view(*leading, layout.row_bytes)
+
+
+def unpack_main_rows(packed: torch.Tensor, layout: MainRowLayout) -> torch.Tensor:
+    """uint8 [R, row_bytes] -> float32 [R, N + P]."""
+    leading = packed.shape[:-1]
+    flat = packed.reshape(-1, layout.row_bytes)
+    codes = torch.zeros(flat.shape[0], layout.num_blocks * layout.block_size, dtype=torch.uint8, device=flat.device)
+    codes[:, :layout.nope_dim] = flat[:, :layout.nope_dim]
+    values = codes.view(torch.float8_e4m3fn).float().view(-1, layout.num_blocks, layout.block_size)  # [R, B, b]
+    exponents = flat[:, layout.scale_offset:layout.scale_offset + layout.num_blocks].to(torch.int32) - UE8M0_BIAS
+    nope = torch.ldexp(values, exponents[..., None]).flatten(1)[:, :layout.nope_dim]
+    rope = flat[:, layout.rope_offset:layout.scale_offset].contiguous().view(torch.bfloat16).float()
+    return torch.cat([nope, rope], dim=-1).view(*leading, layout.nope_dim + layout.rope_dim)
+
+
+def pack_indexer_rows(rows: torch.Tensor, layout: IndexerRowLayout) -> torch.Tensor:
+    """rows [R, C] -> uint8 [R, C + 4]: e4m3 codes with one fp32 scale per row."""
+    leading = rows.shape[:-1]
+    flat = rows.reshape(-1, layout.dim).float()
+    scale = flat.abs().amax(dim=-1, keepdim=True).clamp_min(ACT_QUANT_AMAX_FLOOR) / E4M3_MAX  # [R, 1]
+    codes = (flat / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    out = torch.cat([codes.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=-1)
+    return out.view(*leading, layout.row_bytes)
+
+
+def unpack_indexer_rows(packed: torch.Tensor, layout: IndexerRowLayout) -> torch.Tensor:
+    """uint8 [R, C + 4] -> float32 [R, C]."""
+    leading = packed.shape[:-1]
+    flat = packed.reshape(-1, layout.row_bytes)
+    codes = flat[:, :layout.dim].contiguous().view(torch.float8_e4m3fn).float()
+    scale = flat[:, layout.dim:].contiguous().view(torch.float32)  # [R, 1]
+    return (codes * scale).view(*leading, layout.dim)
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    """Bytes one more context token stores, per layer kind and in all (compressed rows and indexer rows grow
+    with the context), and the fixed window rows of one sequence."""
+
+    per_token_by_kind: dict[str, float]
+    per_token: float
+    window_bytes_per_sequence: int
+
+
+def kv_bytes_per_token(config: ModelConfig, storage: KVStorage) -> KVBytes:
+    """The whole model's KV growth per context token in `storage` (main layers only)."""
+    if storage is KVStorage.FP8:
+        main_row = MainRowLayout.of(config).row_bytes
+        indexer_row = IndexerRowLayout(config.index_head_dim).row_bytes
+    else:
+        main_row, indexer_row = 2 * config.head_dim, 2 * config.index_head_dim
+    by_kind = {"csa": 0.0, "csa_indexer": 0.0, "hca": 0.0}
+    for kind in config.layer_types:
+        if kind is AttentionKind.CSA:
+            by_kind["csa"] += main_row / config.csa_compress_ratio
+            by_kind["csa_indexer"] += indexer_row / config.csa_compress_ratio
+        elif kind is AttentionKind.HCA:
+            by_kind["hca"] += main_row / config.hca_compress_ratio
+    window = config.num_hidden_layers * config.sliding_window * main_row
+    return KVBytes(by_kind, sum(by_kind.values()), window)
