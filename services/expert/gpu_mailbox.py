@@ -70,7 +70,6 @@ class GpuMailboxWorker:
         self.owned = owned
         self.owns_all = owned.all(dim=1).tolist()  # [L]: every expert of the layer is this worker's (no mask)
         self.layers = layers
-        self.num_experts = owned.shape[1]
         self.wait = wait
         self.name = name
         self.slots = segment.layout.combine is CombineMode.SLOTS
