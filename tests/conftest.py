@@ -7,12 +7,24 @@ module-scoped fixtures (servers, clusters, checkpoints) start once. The modules 
 other worker idles. System tests take free ports and
 keep their sockets and files under their own tmp dirs, so modules on different workers do not
 meet.
+
+Idle OpenMP threads sleep (`OMP_WAIT_POLICY=PASSIVE`, set here before torch loads, so this
+process and every service a test starts inherit it): by default each torch process's intra-op
+threads spin-wait after every parallel region, and a served model runs four or five such
+processes per worker. On a 2-core host the spinning threads of one worker's services take the
+cores the other worker's services wait for, and every step runs several times slower. The
+policy changes how an idle thread waits, not how many threads compute or what they compute; a
+value already in the environment is kept.
 """
 
 from __future__ import annotations
 
-import pytest
-import structlog
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import structlog  # noqa: E402
 
 # The longest modules on a 2-core machine, longest first (measured with `--durations`); a module
 # missing here only starts later.
@@ -26,6 +38,7 @@ FIRST_MODULES = (
     "test_spec_distribution.py",
     "test_attention_boundary_kernels.py",
     "test_spec_drafter_death.py",
+    "test_long_context_oracle.py",
     "test_ops_hostile_connections.py",
     "test_kernels_mhc_model.py",
     "test_distributed_generate.py",

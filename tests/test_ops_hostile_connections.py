@@ -87,7 +87,9 @@ async def _one_connection(port: int, index: int, hold: asyncio.Event, ready: lis
         writer.close()
 
 
-async def _flood(port: int, num_connections: int, chat: dict = CHAT) -> None:
+async def _flood(port: int, num_connections: int, chat: dict = CHAT, engaged=None) -> None:
+    """Open `num_connections` hostile clients, hold them all open at once, then drop them. `engaged`:
+    a predicate the drop also waits for (up to 60 s), e.g. that the engine was seen holding the flood."""
     hold = asyncio.Event()
     ready: list[int] = []
     tasks = [asyncio.create_task(_one_connection(port, index, hold, ready, chat)) for index in range(num_connections)]
@@ -95,6 +97,9 @@ async def _flood(port: int, num_connections: int, chat: dict = CHAT) -> None:
     while len(ready) + sum(task.done() for task in tasks) < num_connections and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await asyncio.sleep(1.0)  # let requests reach the engine
+    deadline = time.monotonic() + 60
+    while engaged is not None and not engaged() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
     hold.set()
     results = await asyncio.gather(*tasks, return_exceptions=True)
     errors = [result for result in results if isinstance(result, BaseException)]
@@ -174,10 +179,15 @@ def test_dropped_connections_to_a_real_server_free_every_block(served):
             peak["num_requests"] = max(peak["num_requests"], seen["num_running"] + seen["num_waiting"])
             time.sleep(0.1)
 
+    def engaged() -> bool:
+        return peak["num_requests"] >= 10 and peak["kv_gpu"] >= 10
+
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        asyncio.run(_flood(port, NUM_REAL_CONNECTIONS, chat))
+        # the connections are dropped once the engine was seen holding the flood: on a loaded host one
+        # step can outlast the fixed second, and requests dropped while still queued never take a block
+        asyncio.run(_flood(port, NUM_REAL_CONNECTIONS, chat, engaged))
     finally:
         flooding.set()
         watcher.join(30)

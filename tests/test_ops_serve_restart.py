@@ -68,6 +68,27 @@ def _complete(server, prompt: str, max_tokens: int) -> dict:
     return reply.json()
 
 
+def _post_all(server, requests: list[tuple[str, dict]]) -> list[dict]:
+    """The replies to (path, body) requests sent at once (the engine decodes them in the same steps;
+    greedy outputs do not depend on what shares a step), each asserted 200."""
+    async def post_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(client.post(f"{server.base_url}{path}", json={"model": MODEL, **body})
+                                          for path, body in requests))
+
+    replies = asyncio.run(post_all())
+    for reply in replies:
+        assert reply.status_code == 200, reply.text
+    return [reply.json() for reply in replies]
+
+
+def _texts(server, prompts, max_tokens: int) -> dict[str, str]:
+    """Greedy ignore_eos texts of `prompts`, requested at once."""
+    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    replies = _post_all(server, [("/v1/completions", {**body, "prompt": prompt}) for prompt in prompts])
+    return {prompt: reply["choices"][0]["text"] for prompt, reply in zip(prompts, replies)}
+
+
 def _pid(server, name: str) -> int | None:
     """The pid of serve's child running service `name` (from /proc: the router is not on
     /status.json, and a restarted router knows running workers' pids only from new Readys)."""
@@ -146,17 +167,15 @@ def test_ignore_eos_generates_and_shows_text_past_eos(server):
     "The LORD is my shepherd;" ends at once with EOS and chat "Recite John 11:35" after
     "Jesus wept."; with ignore_eos both go on to max_tokens, and chat shows the text after EOS
     (without the EOS / BOS markers), extending the text it showed without ignore_eos."""
-    body = {"model": MODEL, "prompt": "The LORD is my shepherd;", "max_tokens": 12, "temperature": 0}
-    stopped = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=300).json()
+    body = {"prompt": "The LORD is my shepherd;", "max_tokens": 12, "temperature": 0}
+    chat = {"messages": [{"role": "user", "content": "Recite John 11:35"}], "max_tokens": 24, "temperature": 0}
+    stopped, ignored, short, long = _post_all(server, [
+        ("/v1/completions", body), ("/v1/completions", {**body, "ignore_eos": True}),
+        ("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "ignore_eos": True})])
     assert stopped["choices"][0]["finish_reason"] == "stop", stopped
-    ignored = httpx.post(f"{server.base_url}/v1/completions", json={**body, "ignore_eos": True}, timeout=300).json()
     assert ignored["choices"][0]["finish_reason"] == "length" and ignored["usage"]["completion_tokens"] == 12
     assert ignored["choices"][0]["text"].strip()
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Recite John 11:35"}], "max_tokens": 24,
-            "temperature": 0}
-    short = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, timeout=300).json()["choices"][0]
-    long = httpx.post(f"{server.base_url}/v1/chat/completions", json={**chat, "ignore_eos": True},
-                      timeout=300).json()["choices"][0]
+    short, long = short["choices"][0], long["choices"][0]
     assert short["finish_reason"] == "stop" and long["finish_reason"] == "length"
     shown, more = short["message"]["content"], long["message"]["content"]
     assert more.startswith(shown) and len(more.strip()) > len(shown.strip()) + 10, (shown, more)
@@ -164,7 +183,7 @@ def test_ignore_eos_generates_and_shows_text_past_eos(server):
 
 
 def test_sigkilled_expert_worker_is_restarted_and_streams_end_cleanly(server):
-    reference = {prompt: _complete(server, prompt, KILL_STREAM_TOKENS)["choices"][0]["text"] for prompt in PROMPTS}
+    reference = _texts(server, PROMPTS, KILL_STREAM_TOKENS)
     old_pid = _pid(server, "expert-0")
     assert old_pid is not None
     outcomes = asyncio.run(_streams_with_kill(server, PROMPTS, old_pid, max_tokens=KILL_STREAM_TOKENS))
@@ -190,8 +209,7 @@ def test_sigkilled_expert_worker_is_restarted_and_streams_end_cleanly(server):
     assert _status_pid(server, "expert-0") == new_pid  # its new Ready
     restarted = [e for e in _serve_events(server) if e["event"] == "serve.child_restarted"]
     assert [e["name"] for e in restarted] == ["expert-0"] and restarted[0]["pid"] == _pid(server, "expert-0")
-    for prompt in PROMPTS:
-        assert _complete(server, prompt, KILL_STREAM_TOKENS)["choices"][0]["text"] == reference[prompt]
+    assert _texts(server, PROMPTS, KILL_STREAM_TOKENS) == reference
 
 
 def test_sigkilled_attention_worker_fails_fast_and_prefix_cache_starts_afresh(server):
