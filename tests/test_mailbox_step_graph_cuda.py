@@ -80,6 +80,20 @@ def _assert_logits_close(got_logits, want_logits):
             assert float((got - want).norm() / want.norm()) < 2e-2
 
 
+def _split_equals_zmq(config, experts, open_workers):
+    """The split through mailboxes against the same split over ZeroMQ: tokens equal, logits within bf16
+    rounding, every decode step one replay of a step graph -> (the mailbox worker, its logits)."""
+    zmq_tokens, zmq_logits = _run(_split_worker(config, experts, open_workers, data_plane="zmq"))
+    split = _split_worker(config, experts, open_workers)
+    assert split.dispatcher.device_step_ready(1)
+    got_tokens, got_logits = _run(split)
+    assert got_tokens == zmq_tokens
+    _assert_logits_close(got_logits, zmq_logits)
+    stats = split.runner.graphs.stats
+    assert stats.num_step_graph_steps > 0 and stats.num_step_graph_steps == stats.num_graph_steps
+    return split, got_logits
+
+
 def test_split_step_graph_matches_the_zmq_split_and_the_all_local_run(config, cpu_experts, open_workers):
     from attention_worker_support import attention_worker
 
@@ -87,15 +101,9 @@ def test_split_step_graph_matches_the_zmq_split_and_the_all_local_run(config, cp
                              cuda_graphs=True)
     open_workers.append(local)
     local_tokens, local_logits = _run(local)
-    zmq_tokens, zmq_logits = _run(_split_worker(config, cpu_experts, open_workers, data_plane="zmq"))
-    split = _split_worker(config, cpu_experts, open_workers)
-    assert split.dispatcher.device_step_ready(1)
-    got_tokens, got_logits = _run(split)
-    assert got_tokens == zmq_tokens
-    _assert_logits_close(got_logits, zmq_logits)
+    split, got_logits = _split_equals_zmq(config, cpu_experts, open_workers)
     _assert_logits_close(got_logits[:2], local_logits[:2])  # the prefill step and the first decode step
     stats = split.runner.graphs.stats
-    assert stats.num_step_graph_steps > 0 and stats.num_step_graph_steps == stats.num_graph_steps
     plane = split.dispatcher.mailbox_plane
     assert list(plane._boxes) == [0] and plane._boxes[0].gpu is not None
     served = plane._boxes[0].segment.word(_word("SERVED"))
@@ -148,14 +156,8 @@ def test_gpu_expert_worker_serves_the_step_graph_through_a_device_mailbox(config
     """An expert worker on the attention worker's GPU (MPS where the device script starts it) maps the mailbox
     from the attention worker's device memory and replays one graph per step: tokens equal the same split over
     ZeroMQ, every decode step is one replay, and the worker answered every layer of it."""
-    zmq_tokens, zmq_logits = _run(_split_worker(config, gpu_experts, open_workers, data_plane="zmq"))
-    split = _split_worker(config, gpu_experts, open_workers)
-    assert split.dispatcher.device_step_ready(1)
-    got_tokens, got_logits = _run(split)
-    assert got_tokens == zmq_tokens
-    _assert_logits_close(got_logits, zmq_logits)
+    split, _ = _split_equals_zmq(config, gpu_experts, open_workers)
     stats = split.runner.graphs.stats
-    assert stats.num_step_graph_steps > 0 and stats.num_step_graph_steps == stats.num_graph_steps
     box = split.dispatcher.mailbox_plane._boxes[0]
     assert box.on_device and box.gpu.device_region is not None
     launched = box.segment.word(_word("SERVED"))  # layers the worker's replays covered

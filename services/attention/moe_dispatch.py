@@ -30,10 +30,9 @@ index like any worker (endpoint `local:<name>`, no socket). `start` sends every 
 first, then computes the local share in-process on the whole micro-batch with a device mask (device
 work only), so it overlaps the remote workers; `finish` adds it at its index like any answer. A layer
 held only here never leaves the device and needs no host sync.
-Mailboxes: with `data_plane=mailbox`, a layer without replicas whose holders are this process and CPU
-expert workers of this host that accepted a mailbox (mailbox_plane.py) posts the whole micro-batch into
-each worker's mailbox, computes the local share meanwhile, and `finish` waits on each worker's done word
-(no ZeroMQ message per layer; the workers pick their slots from the owner table they were given).
+Mailboxes: with `data_plane=mailbox`, a layer whose remote holders all accepted a mailbox posts the whole
+micro-batch into each (mailbox_layers.py), computes the local share meanwhile, and `finish` waits on each
+worker's done word.
 Data plane: with `data_plane=cuda_ipc` a Dispatch to a worker that mapped this attention worker's
 device rings travels as a `DispatchSlot` (tensors in a shared device slot, ZeroMQ carries the control
 message; dispatch_slots.py, common/wire/cuda_ipc.py); a layer held by a single worker then goes to it
@@ -56,6 +55,7 @@ from moemesh.services.attention.dispatch_tickets import ExpertWorkerLost, HostRo
 from moemesh.services.attention.expert_channel import ExpertChannel, is_local_endpoint
 from moemesh.services.attention.layer_holders import LayerHolders
 from moemesh.services.attention.local_experts import LocalExperts
+from moemesh.services.attention.mailbox_layers import MailboxLayers
 from moemesh.services.attention.mailbox_plane import MailboxConfig, MailboxPlane
 from moemesh.services.attention.replica_routing import ReplicaPolicy, ReplicaRouter
 
@@ -79,10 +79,11 @@ class MoEDispatcher:
         self.slot_plane = (SlotPlane(channel, cuda_ipc, device, placement_invariant=placement_invariant,
                                      on_lost=lambda w, cause: ExpertWorkerLost(w, channel.endpoints[w], cause))
                            if DataPlane(data_plane) is DataPlane.CUDA_IPC else None)
-        # host-memory mailboxes of CPU expert workers (mailbox_plane.py), made at the first layer (its shapes)
-        self.mailbox_config = mailbox if DataPlane(data_plane) is DataPlane.MAILBOX else None
-        self.mailbox_plane: MailboxPlane | None = None
-        self.channel_prefix = channel_prefix
+        # the mailboxes of expert workers on this host (mailbox_layers.py), None on another data plane
+        self.mailboxes = (MailboxLayers(channel, mailbox, device=device, placement_invariant=placement_invariant,
+                                        channel_prefix=channel_prefix,
+                                        on_lost=lambda w, cause: ExpertWorkerLost(w, channel.endpoints[w], cause))
+                          if DataPlane(data_plane) is DataPlane.MAILBOX else None)
         self._holders: LayerHolders | None = None  # of the current router and version (`_layer_holders`)
         self._counted_router: ReplicaRouter | None = None  # the router (and version) _num_router_workers is of
         self._counted_version = 0
@@ -94,12 +95,10 @@ class MoEDispatcher:
         self.recv_slot_bytes = recv_slot_bytes
         self.num_unstaged_receives = 0
         self._dispatch_ids = 0
-        self._step_begun = False  # begin_step ran for the step under way (start at layer 0 then does not)
-        self._mailbox_step_ready: tuple | None = None  # (router, version, mailbox generation) found step-ready
         self.num_slot_tokens_in_flight: list[int] = []  # per worker: sent, Combine not received yet
         self.num_slot_tokens_sent: list[int] = []  # per worker, cumulative (load-spread statistics)
-        if self.mailbox_config is not None and model_shape is not None:
-            self._make_mailbox_plane(*model_shape)
+        if self.mailboxes is not None and model_shape is not None:
+            self.mailboxes.make_plane(*model_shape)
 
     def set_router(self, router: ReplicaRouter) -> None:
         """Replace the routing table (between steps only: nothing may be in flight)."""
@@ -146,9 +145,8 @@ class MoEDispatcher:
         """The start of a step of `num_rows` rows in micro-batch 0 (before its first layer): the mailboxes' new
         epoch and GPU workers' doorbells (kernels on CUDA, so a captured step rings them too), early enough
         that a worker's graph is waiting when layer 0 posts."""
-        if self.mailbox_plane is not None:
-            self.mailbox_plane.begin_step(num_rows)
-            self._step_begun = True
+        if self.mailboxes is not None:
+            self.mailboxes.begin_step(num_rows)
 
     def reset_in_flight(self) -> None:
         """Forget outstanding work (recovery dropped the tickets of a failed attempt)."""
@@ -221,18 +219,15 @@ class MoEDispatcher:
         CUDA IPC (none when one worker holds the layer, `_start_whole`), on the device over ZeroMQ (measured
         full size: the host split made CUDA IPC steps faster, ZeroMQ ones slower); same rows, masks, order."""
         self._grow_counters()
-        if self.mailbox_config is not None and layer == 0 and micro_batch == 0:
-            if self.mailbox_plane is None:
-                self._make_mailbox_plane(x.shape[1], ids.shape[1], x.dtype)
-            if not self._step_begun:  # the layer loop did not call begin_step
-                self.mailbox_plane.begin_step(x.shape[0])
-            self._step_begun = False
+        if self.mailboxes is not None and self.mailboxes.plane is None and layer == 0 and micro_batch == 0:
+            self.mailboxes.make_plane(x.shape[1], ids.shape[1], x.dtype)  # no model shape was given
+            self.mailboxes.begin_step(x.shape[0])  # the plane's first step begins here
         if self.local_index is not None and not self.router.has_choice(layer) and \
                 self._layer_holders().sole(layer) == self.local_index:  # every expert of the layer is here
             sent = [self._compute_local(layer, x, ids, weights, None, ids.numel())]
             return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
         whole = self._start_whole(step_id, micro_batch, layer, x, ids, weights)
-        if whole is None and self.mailbox_config is not None:
+        if whole is None and self.mailboxes is not None:
             whole = self._start_mailboxes(micro_batch, layer, x, ids, weights)
             if whole is None and self.mailbox_plane is not None and micro_batch == 0:
                 self.mailbox_plane.skip(layer, self._layer_holders().holders[layer])  # GPU workers' graphs go on
@@ -346,9 +341,8 @@ class MoEDispatcher:
         """Mailbox path: every remote holder of the layer takes the whole micro-batch through its mailbox, the
         local share (if any) is computed meanwhile; None when that does not apply (replicas, too many rows,
         a holder without a mailbox)."""
-        if micro_batch != 0 or x.shape[0] > self.mailbox_config.max_tokens or not self._mailboxes_take(layer):
+        if micro_batch != 0 or x.shape[0] > self.mailboxes.config.max_tokens or not self._mailboxes_take(layer):
             return None
-        plane = self.mailbox_plane
         holders = self._layer_holders().holders[layer]
         remote = [w for w in holders if w != self.local_index]
         local_here = self.local_index in holders
@@ -359,34 +353,23 @@ class MoEDispatcher:
                                     minlength=len(self.num_slot_tokens_in_flight)).tolist()
         else:
             counts = [0] * len(self.num_slot_tokens_in_flight)
-        sent = []
+        sent = self.mailboxes.post(layer, remote, x, ids, weights, slot_owner, counts)
         for worker_index in remote:
-            seq = plane.post(worker_index, layer, x, ids, weights)
             self.num_slot_tokens_in_flight[worker_index] += counts[worker_index]
             self.num_slot_tokens_sent[worker_index] += counts[worker_index]
-            mask = slot_owner == worker_index if self.placement_invariant else None  # [T, K]: its slots
-            sent.append(_Sent(worker_index, seq, slice(None), mask, 0, counts[worker_index], mailbox=True))
         if local_here:
             sent.append(self._compute_local(layer, x, ids, weights, slot_owner == self.local_index,
                                             counts[self.local_index], count_known=ids.device.type == "cpu"))
             sent.sort(key=lambda entry: entry.worker_index)  # finish adds in ascending worker index
         return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
 
-    def _make_mailbox_plane(self, hidden_size: int, top_k: int, dtype: torch.dtype) -> None:
-        self.mailbox_plane = MailboxPlane(
-            self.channel, self.mailbox_config, hidden_size=hidden_size, top_k=top_k, dtype=dtype, device=self.device,
-            placement_invariant=self.placement_invariant, channel_prefix=self.channel_prefix,
-            on_lost=lambda w, cause: ExpertWorkerLost(w, self.channel.endpoints[w], cause))
+    @property
+    def mailbox_plane(self) -> MailboxPlane | None:
+        return None if self.mailboxes is None else self.mailboxes.plane
 
     def _mailboxes_take(self, layer: int) -> bool:
-        """Whether every remote holder of `layer` (no replicas) has a mailbox, offering those without one."""
-        holders = self._layer_holders()
-        if self.mailbox_plane is None or holders.choice[layer]:
-            return False
         self._refresh_tables()
-        remote = [w for w in holders.holders[layer] if w != self.local_index]
-        token = (self.router, self.router.version)
-        return bool(remote) and all(self.mailbox_plane.ready(w, token, holders.owned_pairs) for w in remote)
+        return self.mailboxes.takes(layer, self._layer_holders(), self.local_index, (self.router, self.router.version))
 
     def device_step_ready(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` rows runs on the device alone, layer after layer, so one CUDA graph
@@ -394,18 +377,12 @@ class MoEDispatcher:
         workers reached through mailboxes that carry that many rows (offered here if they have none)."""
         if self.every_layer_here():
             return True
-        if self.device.type != "cuda" or self.mailbox_plane is None or num_tokens > self.mailbox_config.max_tokens:
+        if self.mailboxes is None:
             return False
-        token = (self.router, self.router.version, self.mailbox_plane.generation)
-        if self._mailbox_step_ready == token:  # checked once per routing table and set of mailboxes
-            return True
-        for layer, row in enumerate(self._layer_holders().holders):
-            if self.local_index in row and not self.local_experts.capturable(self.device):
-                return False
-            if row != (self.local_index,) and not self._mailboxes_take(layer):
-                return False
-        self._mailbox_step_ready = (self.router, self.router.version, self.mailbox_plane.generation)
-        return True
+        self._refresh_tables()
+        return self.mailboxes.step_ready(num_tokens, self._layer_holders(), self.local_index,
+                                         lambda: self.local_experts.capturable(self.device),
+                                         (self.router, self.router.version))
 
     def _layer_holders(self) -> LayerHolders:
         if self._holders is None or not self._holders.current(self.router):
@@ -414,24 +391,20 @@ class MoEDispatcher:
 
     def finish(self, pending: PendingMoE) -> torch.Tensor:
         """Wait for every answer of `pending` -> routed output [T, D], combined in the fixed order."""
-        if not self.placement_invariant and len(pending.sent) == 1 and pending.sent[0].mailbox:
-            sent = pending.sent[0]  # one mailbox holder answers for every row: its partial sums are the output
-            output = self.mailbox_plane.collect(sent.worker_index, pending.layer, sent.ticket, pending.num_tokens)
-            self.num_slot_tokens_in_flight[sent.worker_index] -= sent.num_slot_tokens
-            return output.to(pending.device, pending.dtype)
+        if not self.placement_invariant and len(pending.sent) == 1:
+            sent = pending.sent[0]
+            if isinstance(sent.token_index, slice) and (sent.local_output is not None or sent.mailbox):
+                # one holder answered every row with a tensor of its own (not a ring view): its partial sums
+                # are the output, with no zero fill and add
+                self.num_slot_tokens_in_flight[sent.worker_index] -= sent.num_slot_tokens
+                return self._output(pending, sent)
         if self.placement_invariant:
             per_slot = torch.zeros(pending.num_tokens, pending.num_slots, pending.hidden_size, dtype=pending.dtype,
                                    device=pending.device)  # [T, K, D]
         else:
             routed = torch.zeros(pending.num_tokens, pending.hidden_size, dtype=pending.dtype, device=pending.device)
         for sent in pending.sent:  # ascending worker index
-            if sent.local_output is not None:
-                output = sent.local_output.to(pending.dtype)
-            elif sent.mailbox:
-                output = self.mailbox_plane.collect(sent.worker_index, pending.layer, sent.ticket, pending.num_tokens)
-                output = output.to(pending.device, pending.dtype)
-            else:
-                output = self._to_device(self._answer(pending, sent)).to(pending.dtype)
+            output = self._output(pending, sent)
             self.num_slot_tokens_in_flight[sent.worker_index] -= sent.num_slot_tokens
             if self.placement_invariant and sent.slot_mask is None:  # [T, K, D]: every slot is this holder's
                 per_slot[sent.token_index] = output
@@ -443,6 +416,15 @@ class MoEDispatcher:
             if sent.slot is not None:  # the ring output was consumed above (stream order): slot reusable
                 self.slot_plane.release(sent.worker_index, sent.slot)
         return sum_slots_in_order(per_slot) if self.placement_invariant else routed
+
+    def _output(self, pending: PendingMoE, sent: _Sent) -> torch.Tensor:
+        """One holder's answer on the attention device in the activation dtype (waits for it)."""
+        if sent.local_output is not None:
+            return sent.local_output.to(pending.dtype)
+        if sent.mailbox:
+            output = self.mailbox_plane.collect(sent.worker_index, pending.layer, sent.ticket, pending.num_tokens)
+            return output.to(pending.device, pending.dtype)
+        return self._to_device(self._answer(pending, sent)).to(pending.dtype)
 
     def _to_device(self, received: torch.Tensor) -> torch.Tensor:
         """A received (read-only, host) tensor on the attention device, through the landing ring."""
