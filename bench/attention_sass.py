@@ -1,6 +1,6 @@
 """Compile the batched attention kernels for sm_90 without a GPU and summarise their machine code.
 
-Usage: python -m moemesh.bench.attention_sass [--kernel sparse|indexer|pool|all]
+Usage: python -m moemesh.bench.attention_sass [--kernel sparse|sparse-fp8|fp8-writes|indexer|pool|all]
 
 Triton ships ptxas, so the V4-Flash specialisations (head_dim 512, 64 heads, CSA top-k / HCA)
 go through the whole Triton + ptxas pipeline here: a compile error, register spills (stack bytes)
@@ -30,7 +30,8 @@ def _compile(kernel, signature: dict, constexprs: dict, num_warps: int, num_stag
 
 
 def compile_sparse(*, block_h: int, block_n: int, num_warps: int, num_stages: int = 2, use_topk: bool = True,
-                   split: bool = False, head_dim: int = 512, paged: bool = False):
+                   split: bool = False, head_dim: int = 512, paged: bool = False, fp8_rows: bool = False):
+    """fp8_rows: window and compressed rows in the 584-byte FP8 layout (448 e4m3 + 64 bf16 channels)."""
     from moemesh.common.kernels.sparse_attention import _sparse_attention_kernel
 
     signature = {"q_ptr": "*bf16", "new_kv_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
@@ -40,8 +41,11 @@ def compile_sparse(*, block_h: int, block_n: int, num_warps: int, num_stages: in
                  "rows_per_block": "i32", "keys_per_split": "i32", "num_splits": "i32"}
     constexprs = {"WINDOW": 128, "RATIO": 4 if use_topk else 128, "USE_TOPK": use_topk, "NUM_FIELDS_": NUM_FIELDS,
                   "F_WIN_ADDR": int(Field.WINDOW_ADDR), "F_WIN_RING": int(Field.WINDOW_RING),
-                  "F_ROWS_ADDR": int(Field.ROWS_ADDR), "HEAD_DIM": head_dim, "ELEM_BYTES": 2, "BLOCK_H": block_h,
-                  "BLOCK_N": block_n, "SPLIT": split, "IEEE": False, "PAGED": paged}
+                  "F_ROWS_ADDR": int(Field.ROWS_ADDR), "HEAD_DIM": head_dim,
+                  "ROW_BYTES": 584 if fp8_rows else 2 * head_dim, "ROW_ALIGN": 8 if fp8_rows else 16,
+                  "BLOCK_H": block_h, "BLOCK_N": block_n, "SPLIT": split, "IEEE": False, "PAGED": paged,
+                  "FP8": fp8_rows, "NOPE": head_dim - 64 if fp8_rows else 0, "SCALE_BLOCK": 64 if fp8_rows else 1,
+                  "SCALE_OFFSET": head_dim - 64 + 128 if fp8_rows else 0}
     return _compile(_sparse_attention_kernel, signature, constexprs, num_warps, num_stages)
 
 
@@ -55,6 +59,24 @@ def compile_indexer(*, block_n: int = 64, num_warps: int = 4):
                   "ELEM_BYTES": 2, "BLOCK_HEADS": 64, "BLOCK_N": block_n, "BLOCKS_PER_PROGRAM": 8, "IEEE": False,
                   "PAGED": False}
     return _compile(_indexer_scores_kernel, signature, constexprs, num_warps, 2)
+
+
+def compile_fp8_row_writes(*, ring: bool, src: str = "*bf16", predicated: bool = False):
+    """The FP8 main-row writers at V4-Flash width (448 + 64 channels, 584-byte rows): window ring or compressed rows."""
+    from moemesh.common.kernels.kv_write import _write_fp8_ring_kernel, _write_fp8_rows_kernel
+
+    layout = dict(NOPE=448, ROPE=64, BLOCK=64, NUM_BLOCKS=7, BLOCKS_P2=8, ROPE_P2=64, SCALE_OFFSET=576, ROW_BYTES=584)
+    if ring:
+        signature = {"src_ptr": src, "token_seq_ptr": "*i32", "positions_ptr": "*i64", "seq_info_ptr": "*i64",
+                     "fields_ptr": "*i64"}
+        constexprs = {"NUM_FIELDS_": NUM_FIELDS, "F_ADDR": int(Field.WINDOW_ADDR), "F_RING": int(Field.WINDOW_RING),
+                      **layout}
+        return _compile(_write_fp8_ring_kernel, signature, constexprs, 4, 1)
+    signature = {"rows_ptr": src, "closing_ptr": "*i64", "token_seq_ptr": "*i32", "positions_ptr": "*i64",
+                 "fields_ptr": "*i64", "block_ids_ptr": "*i64", "block_stride": "i32", "rows_per_block": "i64"}
+    constexprs = {"RATIO": 4, "NUM_FIELDS_": NUM_FIELDS, "F_ROWS": int(Field.ROWS_ADDR), "PREDICATED": predicated,
+                  **layout}
+    return _compile(_write_fp8_rows_kernel, signature, constexprs, 4, 1)
 
 
 def compile_pool(*, overlap: bool = True):
@@ -74,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     from moemesh.bench.kernel_sass import summarise
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", choices=("sparse", "indexer", "pool", "all"), default="all")
+    parser.add_argument("--kernel", choices=("sparse", "sparse-fp8", "fp8-writes", "indexer", "pool", "all"),
+                        default="all")
     args = parser.parse_args(argv)
     jobs = []
     if args.kernel in ("sparse", "all"):
@@ -84,6 +107,15 @@ def main(argv: list[str] | None = None) -> int:
                                                                                          num_warps=w, num_stages=s)))
         jobs.append(("sparse_hca_split", lambda: compile_sparse(block_h=16, block_n=32, num_warps=8, num_stages=1,
                                                                 use_topk=False, split=True)))
+    if args.kernel in ("sparse-fp8", "all"):  # FP8 main rows: the decode tile and the FP8 prefill tile
+        for block_h, warps, stages in ((16, 8, 2), (32, 8, 1)):
+            for use_topk in (True, False):
+                jobs.append((f"sparse_fp8_h{block_h}_s{stages}_{'csa' if use_topk else 'hca'}",
+                             lambda h=block_h, w=warps, s=stages, k=use_topk: compile_sparse(
+                                 block_h=h, block_n=32, num_warps=w, num_stages=s, use_topk=k, fp8_rows=True)))
+    if args.kernel in ("fp8-writes", "all"):
+        jobs.append(("fp8_ring_write", lambda: compile_fp8_row_writes(ring=True)))
+        jobs.append(("fp8_rows_write", lambda: compile_fp8_row_writes(ring=False, predicated=True)))
     if args.kernel in ("indexer", "all"):
         jobs.append(("indexer_n64", lambda: compile_indexer()))
     if args.kernel in ("pool", "all"):

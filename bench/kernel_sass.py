@@ -18,7 +18,7 @@ import sys
 HIDDEN, EXPERT_WIDTH, NUM_EXPERTS = 4096, 2048, 256
 
 
-def compile_grouped(config, *, fused_gate_up: bool, weight_format: int = 0):
+def compile_grouped(config, *, fused_gate_up: bool, weight_format: int = 0, x_quartered: bool = False):
     """The compiled kernel (triton CompiledKernel) for one launch of V4-Flash experts."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
@@ -37,7 +37,7 @@ def compile_grouped(config, *, fused_gate_up: bool, weight_format: int = 0):
         "IN_FEATURES": in_features, "WEIGHT_FORMAT": weight_format, "FP4_DECODE": int(config.fp4_decode),
         "FUSE_SWIGLU": fused_gate_up, "HAS_LIMIT": fused_gate_up, "HAS_ROW_WEIGHTS": False,
         "SPLIT_K": config.split_k, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-        "BLOCK_K": config.block_k, "BLOCK_E": NUM_EXPERTS,
+        "BLOCK_K": config.block_k, "BLOCK_E": NUM_EXPERTS, "X_QUARTERED": x_quartered,
     }
     for name in constexprs:
         signature[name] = "constexpr"

@@ -1,9 +1,10 @@
 """Where a decode step's device time goes: torch.profiler over eager decode steps of `bench.layers`' stack.
 
-Usage: python -m moemesh.bench.layers_profile [--layers csa,hca] [--batch 1] [--context 4096] [--steps 3]
+Usage: python -m moemesh.bench.layers_profile [--layers csa,hca] [--batch 1] [--context 4096] [--steps 3] [--graphs]
        python -m moemesh.bench.layers_profile --prefill 8192 [--steps 2]
 Prints the kernels by total device time and the number of kernel launches per step (a CUDA graph
-removes host gaps, not the ~2-3 us each small kernel costs on the device). With `--prefill N` it
+removes host gaps, not the ~2-3 us each small kernel costs on the device); with `--graphs` it profiles
+replays of each piece's CUDA graph instead (what `bench.layers` times and counts). With `--prefill N` it
 profiles one-forward prefills of an N-token prompt instead (as `bench.layers` times them, eager)
 and also prints the step's wall time against its summed device time: a large gap means the host
 (Python loops, syncs) and not the kernels holds the prefill back.
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25, help="kernels listed")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--tiny", action="store_true", help="a small model of the same structure (CPU smoke run)")
+    parser.add_argument("--graphs", action="store_true", help="profile CUDA-graph replays, piece by piece")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     kinds = [LAYER_KIND_NAMES[k] for k in args.layers.split(",")]
@@ -39,6 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill:
         return _profile_prefill(side, experts, config, args.prefill, args.steps, args.top)
     states = timing.decode_states(config, args.batch, args.context, torch.bfloat16, device, 0)
+    if args.graphs:
+        timed = timing.time_decode(side, experts, states, config.vocab_size, num_steps=1, profile_kernels=True)
+        for piece, seen in timed.kernels.items():
+            print(f"{piece}: {seen['kernels']:.1f} kernels + {seen['copies']:.1f} copies, "
+                  f"{seen['device_us']:.1f} us device time per replay")
+            for name, us, count in seen["top"][:args.top]:
+                print(f"  {us:9.2f} us {count:5.2f}x  {name}")
+        return 0
     timing.time_decode(side, experts, states, config.vocab_size, num_steps=1, use_graphs=False)  # warm-up
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         timing.time_decode(side, experts, states, config.vocab_size, num_steps=args.steps - 1, use_graphs=False)

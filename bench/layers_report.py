@@ -49,7 +49,16 @@ def _decode_summary(entry: dict, raw: dict, config, kinds: list[AttentionKind]) 
         "model43_tok_s": entry["batch_size"] / t43,
         "model43_floor_tok_s": entry["batch_size"] / floor43,
         "stand_ins": stand_ins,
+        "kernels_per_layer": _kernels_per_layer(entry, len(kinds)),
     }
+
+
+def _kernels_per_layer(entry: dict, num_layers: int) -> list[float] | None:
+    """Kernels the profiler saw in one replay of each layer's graph (None when not profiled)."""
+    pieces = entry.get("kernels_per_piece")
+    if not pieces:
+        return None
+    return [pieces[f"layer{i}"]["kernels"] for i in range(num_layers)]
 
 
 def _prefill_summary(entry: dict, raw: dict, config, kinds: list[AttentionKind]) -> dict:
@@ -149,6 +158,9 @@ def _goals(decode: list[dict], prefill: list[dict], goals: dict) -> dict:
     check("prefill_8k_fraction_of_bf16", p8["fraction_of_bf16"] if p8 else None,
           goals["prefill_8k_min_fraction_of_bf16"], False)
     check("single_stream_tok_s", b1["model43_tok_s"] if b1 else None, goals["single_stream_min_tok_s"], False)
+    kernels = b1.get("kernels_per_layer") if b1 else None
+    check("decode_b1_kernels_per_layer", max(kernels) if kernels else None,
+          goals["decode_b1_max_kernels_per_layer"], True)
     longest = max(prefill, key=lambda p: (p["num_tokens"], p["model43_tok_s"])) if prefill else None
     check("prefill_tok_s", longest["model43_tok_s"] if longest else None, goals["prefill_min_tok_s"], False)
     return out
@@ -168,8 +180,9 @@ def print_table(raw: dict, ratios: dict) -> None:
         layers = " ".join(f"{_us(t)}/{_us(f)}/{r:.1f}x" for t, f, r in zip(d["layer_s"], d["layer_floor_s"],
                                                                       d["layer_ratio"]))
         eager = f"{d['eager_over_graph']:.1f}" if d["eager_over_graph"] else "-"
+        kernels = "/".join(f"{k:.0f}" for k in d["kernels_per_layer"]) if d.get("kernels_per_layer") else "-"
         print(f"  b={d['batch_size']:<3} {layers} | {_us(d['step_s'])} ({_us(d['step_floor_s'])}) | "
-              f"{d['model43_tok_s']:,.0f} ({d['model43_floor_tok_s']:,.0f}) | {eager}")
+              f"{d['model43_tok_s']:,.0f} ({d['model43_floor_tok_s']:,.0f}) | {eager} | kernels/layer {kernels}")
     print("\nPREFILL (per layer; ms)  tokens | layer time/floor/ratio | bf16 share | 43L tok/s (floor)")
     for p in ratios["prefill"]:
         layers = " ".join(f"{t * 1e3:.1f}/{f * 1e3:.1f}/{r:.1f}x" for t, f, r in zip(p["layer_s"], p["layer_floor_s"],

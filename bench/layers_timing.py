@@ -36,6 +36,7 @@ class TimedPieces:
     step_s: float
     eager_step_s: float | None = None
     attention_path: str | None = None  # prefill: "kernels" (batched Triton attention) or "torch" (reference loop)
+    kernels: dict | None = None  # decode in graphs: per piece, what the profiler saw in one replay (`profile_pieces`)
 
 
 def measure_ceilings(device: torch.device) -> dict:
@@ -75,7 +76,7 @@ def step_pieces(side, experts, batch: ForwardBatch, token_ids: torch.Tensor,
             ids, weights = side.gate(layer, x, token_ids)
             shared = side.shared_expert(layer, x)
             routed = experts(layer, x, ids, weights)
-            buf["h"] = side.ffn_post(layer, routed + shared, h, post, comb)
+            buf["h"] = side.ffn_post(layer, routed, h, post, comb, shared=shared)
         return run
 
     def head() -> None:
@@ -106,14 +107,15 @@ def _rollback(states, num_tokens: int = 1) -> None:
 
 
 def time_decode(side, experts, states, vocab_size: int, *, num_steps: int, num_graph_steps: int = 4,
-                use_graphs: bool = True, seed: int = 0) -> TimedPieces:
-    """Median time of one decode step (one new token for every state) and of each piece."""
+                use_graphs: bool = True, seed: int = 0, profile_kernels: bool = False) -> TimedPieces:
+    """Median time of one decode step (one new token for every state) and of each piece; with
+    `profile_kernels` (graphs only) also the kernels of each piece's replay (`profile_pieces`)."""
     device = side.head.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     token_ids = torch.randint(0, vocab_size, (len(states),), generator=generator, device=device)  # [B]
     if device.type != "cuda" or not use_graphs:
         return _time_eager(side, experts, states, token_ids, num_steps)
-    return _time_graphs(side, experts, states, token_ids, num_steps, num_graph_steps)
+    return _time_graphs(side, experts, states, token_ids, num_steps, num_graph_steps, profile_kernels)
 
 
 def _time_eager(side, experts, states, token_ids, num_steps: int) -> TimedPieces:
@@ -135,7 +137,8 @@ def _time_eager(side, experts, states, token_ids, num_steps: int) -> TimedPieces
     return TimedPieces({n: median(v) for n, v in per_piece.items()}, median(steps))
 
 
-def _time_graphs(side, experts, states, token_ids, num_steps: int, num_graph_steps: int) -> TimedPieces:
+def _time_graphs(side, experts, states, token_ids, num_steps: int, num_graph_steps: int,
+                 profile_kernels: bool = False) -> TimedPieces:
     device = token_ids.device
     pool = torch.cuda.graph_pool_handle()
     captured: list[list[tuple[str, torch.cuda.CUDAGraph]]] = []
@@ -179,10 +182,38 @@ def _time_graphs(side, experts, states, token_ids, num_steps: int, num_graph_ste
             for name, seconds in sums.items():
                 per_piece.setdefault(name, []).append(seconds / num_graph_steps)
             step_samples.append(sum(sums.values()) / num_graph_steps)
+        kernels = profile_pieces(captured, device) if profile_kernels else None
     del captured, keep_alive
     torch.cuda.synchronize(device)
     return TimedPieces({n: median(v) for n, v in per_piece.items()}, median(step_samples),
-                       eager_step_s=median(eager_steps[1:] or eager_steps))
+                       eager_step_s=median(eager_steps[1:] or eager_steps), kernels=kernels)
+
+
+def profile_pieces(captured: list[list[tuple[str, "torch.cuda.CUDAGraph"]]], device: torch.device,
+                   num_top: int = 40) -> dict:
+    """Kernels per replay of each piece's graphs, seen by torch.profiler (CUPTI records the kernels a graph
+    launches): {piece: {"kernels": n, "copies": n, "device_us": t, "top": [[name, us, count], ...]}}, each
+    figure per replay, averaged over the captured steps (a CSA step that closes a window runs more)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    num_steps = len(captured)
+    for index, (name, _) in enumerate(captured[0]):
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for step_graphs in captured:
+                step_graphs[index][1].replay()
+            torch.cuda.synchronize(device)
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        is_copy = [e.key.startswith(("Memcpy", "Memset")) for e in events]
+        out[name] = {
+            "kernels": sum(e.count for e, c in zip(events, is_copy) if not c) / num_steps,
+            "copies": sum(e.count for e, c in zip(events, is_copy) if c) / num_steps,
+            "device_us": sum(e.self_device_time_total for e in events) / num_steps,
+            "top": [[e.key[:120], round(e.self_device_time_total / num_steps, 2), e.count / num_steps]
+                    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:num_top]],
+        }
+    return out
 
 
 def time_prefill(side, experts, config, num_tokens: int, *, num_reps: int, seed: int = 0) -> TimedPieces:

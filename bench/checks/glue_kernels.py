@@ -106,7 +106,8 @@ def check_hc_pre(case_id, num_tokens, num_streams, hidden, num_iters, dtype, dev
                      _stochastic_error(out[2]), _stochastic_error(ref[2]) + STOCHASTIC_SLACK)
 
 
-def check_hc_post(case_id, num_tokens, num_streams, hidden, dtype, device, kernel_fn, **kwargs):
+def check_hc_post(case_id, num_tokens, num_streams, hidden, dtype, device, kernel_fn, with_addend: bool = False,
+                  **kwargs):
     from moemesh.common.kernels.glue import forced_torch_glue
     from moemesh.common.model import hyper
 
@@ -114,12 +115,15 @@ def check_hc_post(case_id, num_tokens, num_streams, hidden, dtype, device, kerne
     h, fn, base, scale = _mhc_inputs(num_tokens, num_streams, hidden, (2 + num_streams) * num_streams, dtype,
                                      device, generator)
     y = torch.randn(num_tokens, hidden, generator=generator, device=device).to(dtype)
+    addend = torch.randn(num_tokens, hidden, generator=generator, device=device).to(dtype) if with_addend else None
     with forced_torch_glue():
         _, post, comb = hyper.hc_pre(h, fn, base, scale, 20, HC_EPS, NORM_EPS)
-        ref = hyper.hc_post(y, h, post, comb)
+        ref = hyper.hc_post(y, h, post, comb, y_addend=addend)
     _poison(device)
-    out = kernel_fn(y, h, post, comb, **kwargs)
+    out = kernel_fn(y, h, post, comb, **({"y_addend": addend} if with_addend else {}), **kwargs)
     error, finite = _relative_error([out], [ref])
+    if with_addend:
+        y = y + addend  # the block output both computed from
     # fp64 oracle from the same (rounded) coefficients: which of the two is nearer the exact sum
     post64, comb64 = post.to(dtype).double(), comb.to(dtype).double()
     exact = post64.unsqueeze(-1) * y.double().unsqueeze(-2) + torch.matmul(comb64.transpose(-1, -2), h.double())
@@ -234,6 +238,8 @@ def interpret_cases(only: str | None = None) -> list[Case]:
         ("hc_post_n4", lambda: check_hc_post("hc_post_n4", 3, 4, 80, f32, cpu, mhc.hc_post, block_d=32)),
         ("hc_post_n3", lambda: check_hc_post("hc_post_n3", 2, 3, 32, f32, cpu, mhc.hc_post, block_d=16)),
         ("hc_post_bf16", lambda: check_hc_post("hc_post_bf16", 3, 4, 64, bf16, cpu, mhc.hc_post, block_d=32)),
+        ("hc_post_n4_addend", lambda: check_hc_post("hc_post_n4_addend", 3, 4, 80, f32, cpu, mhc.hc_post,
+                                                    with_addend=True, block_d=32)),
         ("hc_head_n4", lambda: check_hc_head("hc_head_n4", 5, 4, 48, f32, cpu, mhc.hc_head, config=odd)),
         ("hc_pre_normed_d48", lambda: check_hc_pre("hc_pre_normed_d48", 3, 4, 48, 20, f32, cpu, mhc.hc_pre, odd,
                                                    normed=True)),
@@ -299,6 +305,8 @@ def cuda_cases(only: str | None = None) -> list[Case]:
     for num_tokens in (1, 2048):
         case = f"hc_post_t{num_tokens}"
         mhc_cases.append((case, lambda c=case, t=num_tokens: check_hc_post(c, t, 4, 4096, bf16, cuda, hyper.hc_post)))
+        mhc_cases.append((f"{case}_addend", lambda c=f"{case}_addend", t=num_tokens: check_hc_post(
+            c, t, 4, 4096, bf16, cuda, hyper.hc_post, with_addend=True)))
         case = f"hc_head_t{num_tokens}"
         mhc_cases.append((case, lambda c=case, t=num_tokens: check_hc_head(c, t, 4, 4096, bf16, cuda, hyper.hc_head)))
     norm_specs = [

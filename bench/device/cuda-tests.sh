@@ -3,7 +3,8 @@
 # FP8/FP4 kernels against torch at V4-Flash shapes and the bf16 drift bound, the expert worker's GPU path,
 # sampler and speculation kernels, CUDA IPC and ZeroMQ staging (outputs equal to in-process), prefix-cache
 # boundary snapshots on the kernel path, a checkpoint's drafter on the GPU, the whole-step graph (all experts here, or
-# split with CPU expert workers through mailboxes).
+# split with CPU expert workers through mailboxes), the routed-expert row layout and the k-quartered gate-up/down handoff.
+# CUDA_TESTS_EXTRA adds test files.
 # Run by bench/device/run_all.sh from the repo root with PYTHONPATH set; CUDA_TESTS_WORKERS (default 4) pytest-xdist
 # workers share the GPU, one test file each, under NVIDIA MPS (tests start expert worker processes on the same GPU,
 # and the device mailbox's spin-waits need the processes' kernels to run side by side).
@@ -15,4 +16,5 @@ python3 -m pytest -q -rfEs -n "${CUDA_TESTS_WORKERS:-4}" --tb=short -p no:cachep
   tests/test_wire_cuda_ipc.py "tests/test_bench_fullsize.py::test_gpu_expert_worker_path_matches_cpu_path" \
   tests/test_guided_masks.py tests/test_wire_staging.py tests/test_attention_boundary_kernels.py \
   tests/test_attention_prefix_restore.py tests/test_bench_layers_disagg.py tests/test_step_graph_cuda.py \
-  tests/test_attention_graphs_cuda.py tests/test_local_experts.py tests/test_mailbox_step_graph_cuda.py 2>&1
+  tests/test_attention_graphs_cuda.py tests/test_local_experts.py tests/test_mailbox_step_graph_cuda.py \
+  tests/test_route_layout_cuda.py tests/test_quartered_handoff.py ${CUDA_TESTS_EXTRA:-} 2>&1

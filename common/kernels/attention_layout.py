@@ -23,12 +23,18 @@ CUDA-graph capture, with one host-to-device copy):
 Every per-token quantity (window start, visible rows) is recomputed in the kernels from the
 position, so one table serves decode, speculative verification (several tokens per sequence)
 and chunked prefill alike.
+
+Row formats: indexer rows are always in `state_dtype` (the activation dtype). Window rings and compressed
+rows are too, unless `main_rows` gives the FP8 main-row layout (`common.model.kv_rows.MainRowLayout`: e4m3
+non-rotary channels, bf16 rotary channels, one ue8m0 byte per block of 64); the kernels then quantize on write
+and dequantize in registers on read, with `row_bytes` between rows.
 Legend: L layers, B sequences, T tokens, F fields, NB blocks per sequence, Nc closing tokens.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 import torch
 
@@ -51,6 +57,40 @@ class Field(enum.IntEnum):
 NUM_FIELDS = len(Field)
 
 
+class MainRowBytes(Protocol):
+    """What the kernels read of an FP8 main-row layout (`common.model.kv_rows.MainRowLayout`)."""
+
+    @property
+    def nope_dim(self) -> int: ...
+
+    @property
+    def rope_dim(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def rope_offset(self) -> int: ...
+
+    @property
+    def scale_offset(self) -> int: ...
+
+    @property
+    def row_bytes(self) -> int: ...
+
+
+def check_main_row_layout(layout: MainRowBytes, head_dim: int) -> None:
+    """The FP8 rows the kernels handle: nope + rope = head_dim, the scale bytes one aligned 8-byte word."""
+    if layout.nope_dim + layout.rope_dim != head_dim:
+        raise ValueError(f"FP8 rows of {layout.nope_dim} + {layout.rope_dim} channels for head_dim {head_dim}")
+    if layout.num_blocks > 8 or layout.scale_offset % 8 or layout.row_bytes % 8 or layout.nope_dim % 2:
+        raise ValueError(f"FP8 row layout {layout}: the kernels need at most 8 scale blocks, an even nope width and "
+                         f"8-byte aligned scale bytes and rows")
+
+
 class AttentionTables:
     """The device tables of one forward (see the module docstring). Built from sequence states by
     `common.model.attention_tables.build_tables`."""
@@ -58,8 +98,9 @@ class AttentionTables:
     def __init__(self, fields: torch.Tensor, seq_info: torch.Tensor, token_seq: torch.Tensor,
                  positions: torch.Tensor, block_ids: torch.Tensor, rows_per_block: dict[tuple[int, str], int],
                  closing: dict[int, tuple[torch.Tensor, int]], max_rows_visible: dict[int, int],
-                 max_position: int, state_dtype: torch.dtype) -> None:
-        self.state_dtype = state_dtype  # dtype of every ring and row store of the forward
+                 max_position: int, state_dtype: torch.dtype, main_rows: MainRowBytes | None = None) -> None:
+        self.state_dtype = state_dtype  # the activation dtype: indexer rows, and main rows unless main_rows
+        self.main_rows = main_rows  # FP8 layout of the window rings and compressed rows (None: in state_dtype)
         self.fields = fields  # [L, B, F]
         self.seq_info = seq_info  # [B, 3]
         self.token_seq = token_seq  # [T] int32

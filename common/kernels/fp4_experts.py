@@ -8,6 +8,13 @@ Two launches per expert layer (docs/model.md §2.9):
    both products accumulated in one program (same x tile, two weight tiles) and the SwiGLU and
    clamps applied in the epilogue; `swiglu_limit=None` skips the clamps (shared expert, ref.).
 2. `grouped_down`: y = h W2^T -> [R, D], optionally times a per-row routing weight.
+Rows may be addressed through indices instead of copies: gate-up reads row r of x at `x_row_ids[r]`
+(the token a routed row copies) and down writes row r at `out_row_ids[r]` (its slot t·K + k), zeros
+for the rows past every expert's (masked slots). Between the two, h travels k-quartered when down
+decodes with ASM_QUAD at 128-wide K steps (`quartered_handoff`): within each 128-column block, column
+4j + r sits at r·32 + j, so down loads the four k-mod-4 quarters its four dots take as contiguous
+tiles, straight into the dots' shared-memory operand (no split of x in registers, no store to shared
+memory and fence per dot); the products and their order are unchanged, so are the results.
 
 Weights are stacked over experts: FP4 (routed experts) [E, N, K/2] bytes + ue8m0 [E, N, K/32], or
 FP8 [E, N, K] e4m3 + ue8m0 [E, ceil(N/128), ceil(K/128)] (the `--expert-dtype fp8` layout, and the
@@ -46,9 +53,13 @@ from moemesh.common.kernels.ptx_decode import (
 from moemesh.common.kernels.reference import FP4_BLOCK_SIZE, FP8_BLOCK_SIZE, scale_bytes
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
+# Block width of the k-quartered row layout: gate-up writes its SwiGLU rows that way when down reads them
+# with ASM_QUAD at this K step (`quartered_handoff`), so down loads x's four quarters as contiguous tiles.
+QUARTER_BLOCK = tl.constexpr(128)
+
 __all__ = [
     "ExpertWeights", "Fp4Decode", "GroupedGemmConfig", "WeightFormat", "choose_grouped_config",
-    "grouped_down", "grouped_experts", "grouped_gate_up",
+    "grouped_down", "grouped_experts", "grouped_gate_up", "quarter_columns", "quartered_handoff",
 ]
 
 
@@ -97,6 +108,26 @@ def _find_tile(offsets_ptr, tile_id, num_experts, BLOCK_M: tl.constexpr, BLOCK_E
     row_begin = tl.sum(tl.where(mine, row_lo, 0), 0) + (tile_id - tiles_before) * BLOCK_M
     row_end = tl.sum(tl.where(mine, row_hi, 0), 0)
     return expert, row_begin, row_end
+
+
+@triton.jit
+def _store_unrouted_zeros(out_ptr, out_rows_ptr, offsets_ptr, tile_id, pid_n, pid_s, num_experts, num_rows,
+                          out_features, stride_or, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_E: tl.constexpr):
+    """Zeros into the output rows `out_rows[r]` of the rows r in [offsets[E], num_rows) (no expert), tile
+    `tile_id` counted after every expert's tiles; split-K part 0 only. Nothing where the tile is past them."""
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    row_lo = tl.load(offsets_ptr + experts, mask=valid, other=0)  # [BE]
+    row_hi = tl.load(offsets_ptr + experts + 1, mask=valid, other=0)  # [BE]
+    expert_tiles = tl.sum((row_hi - row_lo + BLOCK_M - 1) // BLOCK_M, 0)
+    offs_m = tl.load(offsets_ptr + num_experts) + (tile_id - expert_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    mask_m = (offs_m < num_rows) & (pid_s == 0)
+    out_rows = tl.load(out_rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+    tl.store(out_ptr + out_rows[:, None] * stride_or + offs_n[None, :], zeros,
+             mask=mask_m[:, None] & (offs_n < out_features)[None, :])
 
 
 @triton.jit
@@ -169,6 +200,26 @@ def _accumulate(acc, x, w_ptr, s_ptr, scales, offs_n, mask_n, k_begin, num_cols,
 
 
 @triton.jit
+def _quartered_columns(cols):
+    """Column c of a row stored k-quartered: within each QUARTER_BLOCK-wide block, k = 4j + r at r·(block/4) + j."""
+    QUARTER: tl.constexpr = QUARTER_BLOCK // 4
+    return (cols // QUARTER_BLOCK) * QUARTER_BLOCK + (cols % 4) * QUARTER + (cols % QUARTER_BLOCK) // 4
+
+
+@triton.jit
+def _quarter_dots(acc, x_0, x_1, x_2, x_3, w_ptr, scales, offs_n, mask_n, k_begin, stride_wn,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BN, BM] += W[offs_n, k_begin:+BK] @ x^T with x given as its four k-mod-4 quarters [BM, BK/4]
+    (ASM_QUAD's decode and its four dots, the same products in the same order)."""
+    q0, q1, q2, q3 = fp4_tile_quarters_bf16_asm(w_ptr, scales, offs_n, mask_n, k_begin, stride_wn,
+                                                BLOCK_N, BLOCK_K)  # [BN, BK/4] each
+    acc = tl.dot(q0, tl.trans(x_0), acc)
+    acc = tl.dot(q1, tl.trans(x_1), acc)
+    acc = tl.dot(q2, tl.trans(x_2), acc)
+    return tl.dot(q3, tl.trans(x_3), acc)
+
+
+@triton.jit
 def _grouped_kernel(
     x_ptr, wa_ptr, sa_ptr, wb_ptr, sb_ptr, out_ptr, offsets_ptr, row_weights_ptr, partial_ptr, counter_ptr,
     num_experts, out_features, swiglu_limit,
@@ -176,15 +227,26 @@ def _grouped_kernel(
     IN_FEATURES: tl.constexpr, WEIGHT_FORMAT: tl.constexpr, FP4_DECODE: tl.constexpr, FUSE_SWIGLU: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_ROW_WEIGHTS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    x_rows_ptr=None, out_rows_ptr=None, num_rows=None,
+    X_QUARTERED: tl.constexpr = False, OUT_QUARTERED: tl.constexpr = False,
 ):
     tile_id = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     expert, row_begin, row_end = _find_tile(offsets_ptr, tile_id, num_experts, BLOCK_M, BLOCK_E)
     if expert >= num_experts:
+        if out_rows_ptr is not None:  # the tiles after every expert's: zeros for the rows without an expert
+            _store_unrouted_zeros(out_ptr, out_rows_ptr, offsets_ptr, tile_id, pid_n, pid_s, num_experts, num_rows,
+                                  out_features, stride_or, BLOCK_M, BLOCK_N, BLOCK_E)
         return
     offs_m = row_begin + tl.arange(0, BLOCK_M)  # [BM]
     mask_m = offs_m < row_end
+    x_rows = offs_m  # [BM] the row of x each tile row reads
+    if x_rows_ptr is not None:
+        x_rows = tl.load(x_rows_ptr + offs_m, mask=mask_m, other=0)
+    out_rows = offs_m  # [BM] the output row each tile row writes
+    if out_rows_ptr is not None:
+        out_rows = tl.load(out_rows_ptr + offs_m, mask=mask_m, other=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     mask_n = offs_n < out_features
     expert64 = expert.to(tl.int64)
@@ -193,6 +255,7 @@ def _grouped_kernel(
     wb_ptr += expert64 * stride_we
     sb_ptr += expert64 * stride_se
     offs_k = tl.arange(0, BLOCK_K)
+    offs_quarter = tl.arange(0, BLOCK_K // 4)
     K_STEPS: tl.constexpr = IN_FEATURES // BLOCK_K // SPLIT_K
 
     # FMA with one row per tile keeps per-column partial sums ("wide", no reduction per K step).
@@ -207,16 +270,30 @@ def _grouped_kernel(
     scales_b = fp4_scale_pairs(sb_ptr, offs_n, mask_n & (PREFETCH and FUSE_SWIGLU), k_first, stride_sn, BLOCK_K)
     for step in range(0, K_STEPS):
         k_begin = k_first + step * BLOCK_K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xr + (k_begin + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
         ahead = mask_n & (PREFETCH and step + 1 < K_STEPS)
         next_a = fp4_scale_pairs(sa_ptr, offs_n, ahead, k_begin + BLOCK_K, stride_sn, BLOCK_K)
-        acc_a = _accumulate(acc_a, x, wa_ptr, sa_ptr, scales_a, offs_n, mask_n, k_begin, IN_FEATURES, stride_wn,
-                            stride_sn, WEIGHT_FORMAT, FP4_DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
+        if X_QUARTERED:  # x's quarters are contiguous: loaded straight into the dots' shared-memory operand
+            x_row = x_ptr + x_rows[:, None] * stride_xr + k_begin + offs_quarter[None, :]  # [BM, BK/4]
+            x_0 = tl.load(x_row, mask=mask_m[:, None], other=0.0)
+            x_1 = tl.load(x_row + BLOCK_K // 4, mask=mask_m[:, None], other=0.0)
+            x_2 = tl.load(x_row + BLOCK_K // 2, mask=mask_m[:, None], other=0.0)
+            x_3 = tl.load(x_row + 3 * (BLOCK_K // 4), mask=mask_m[:, None], other=0.0)
+            acc_a = _quarter_dots(acc_a, x_0, x_1, x_2, x_3, wa_ptr, scales_a, offs_n, mask_n, k_begin, stride_wn,
+                                  BLOCK_N, BLOCK_K)
+        else:
+            x = tl.load(x_ptr + x_rows[:, None] * stride_xr + (k_begin + offs_k)[None, :], mask=mask_m[:, None],
+                        other=0.0)
+            acc_a = _accumulate(acc_a, x, wa_ptr, sa_ptr, scales_a, offs_n, mask_n, k_begin, IN_FEATURES, stride_wn,
+                                stride_sn, WEIGHT_FORMAT, FP4_DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
         scales_a = next_a
         if FUSE_SWIGLU:
             next_b = fp4_scale_pairs(sb_ptr, offs_n, ahead, k_begin + BLOCK_K, stride_sn, BLOCK_K)
-            acc_b = _accumulate(acc_b, x, wb_ptr, sb_ptr, scales_b, offs_n, mask_n, k_begin, IN_FEATURES, stride_wn,
-                                stride_sn, WEIGHT_FORMAT, FP4_DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
+            if X_QUARTERED:
+                acc_b = _quarter_dots(acc_b, x_0, x_1, x_2, x_3, wb_ptr, scales_b, offs_n, mask_n, k_begin,
+                                      stride_wn, BLOCK_N, BLOCK_K)
+            else:
+                acc_b = _accumulate(acc_b, x, wb_ptr, sb_ptr, scales_b, offs_n, mask_n, k_begin, IN_FEATURES,
+                                    stride_wn, stride_sn, WEIGHT_FORMAT, FP4_DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
             scales_b = next_b
 
     if WIDE:
@@ -256,7 +333,8 @@ def _grouped_kernel(
     if HAS_ROW_WEIGHTS:
         row_weight = tl.load(row_weights_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
         result = result * row_weight[None, :]
-    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_or + offs_n[:, None]
+    out_cols = _quartered_columns(offs_n) if OUT_QUARTERED else offs_n  # [BN]
+    out_ptrs = out_ptr + out_rows[None, :].to(tl.int64) * stride_or + out_cols[:, None]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
@@ -279,14 +357,24 @@ def _launch(
     x: torch.Tensor, expert_offsets: torch.Tensor, w_a: torch.Tensor, s_a: torch.Tensor,
     w_b: torch.Tensor | None, s_b: torch.Tensor | None, weight_format: WeightFormat, *,
     swiglu_limit: float | None, row_weights: torch.Tensor | None, out_dtype: torch.dtype,
-    config: GroupedGemmConfig,
+    config: GroupedGemmConfig, x_row_ids: torch.Tensor | None = None, out_row_ids: torch.Tensor | None = None,
+    x_quartered: bool = False, out_quartered: bool = False,
 ) -> torch.Tensor:
-    num_rows, in_features = x.shape
+    num_rows = _num_rows(x, x_row_ids)
+    in_features = x.shape[1]
+    for name, row_ids in (("x_row_ids", x_row_ids), ("out_row_ids", out_row_ids)):
+        if row_ids is not None and (row_ids.shape != (num_rows,) or row_ids.stride(0) != 1):
+            raise ValueError(f"{name} must be contiguous [{num_rows}], got {tuple(row_ids.shape)}")
     num_experts, out_features = w_a.shape[0], w_a.shape[1]
     validate(config, in_features=in_features, is_fp4=weight_format == WeightFormat.FP4_E2M1,
              x_is_bf16=x.dtype == torch.bfloat16)
     if expert_offsets.shape != (num_experts + 1,):
         raise ValueError(f"expert_offsets must have {num_experts + 1} entries, got {tuple(expert_offsets.shape)}")
+    if x_quartered and not _reads_quartered(config, weight_format, in_features):
+        raise ValueError(f"k-quartered x needs FP4 weights, ASM_QUAD and block_k {QUARTER_BLOCK.value}, "
+                         f"got {config.short()}")
+    if out_quartered and out_features % QUARTER_BLOCK.value:
+        raise ValueError(f"k-quartered output needs a multiple of {QUARTER_BLOCK.value} features, got {out_features}")
     _check_weight(w_a, s_a, weight_format, in_features)
     fuse = w_b is not None
     if fuse:
@@ -300,7 +388,8 @@ def _launch(
     out = torch.empty(num_rows, out_features, dtype=out_dtype, device=x.device)
     if num_rows == 0:
         return out
-    max_tiles = min(num_rows, triton.cdiv(num_rows, config.block_m) + num_experts)
+    num_groups = num_experts + (out_row_ids is not None)  # rows without an expert: one more group of tiles
+    max_tiles = min(num_rows, triton.cdiv(num_rows, config.block_m) + num_groups)
     grid = (max_tiles, triton.cdiv(out_features, config.block_n), config.split_k)
     if config.split_k > 1:
         num_parts = 2 if fuse else 1
@@ -319,19 +408,55 @@ def _launch(
         FUSE_SWIGLU=fuse, HAS_LIMIT=swiglu_limit is not None, HAS_ROW_WEIGHTS=row_weights is not None,
         SPLIT_K=config.split_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         BLOCK_E=triton.next_power_of_2(num_experts),
+        x_rows_ptr=x_row_ids, out_rows_ptr=out_row_ids, num_rows=num_rows if out_row_ids is not None else None,
+        X_QUARTERED=x_quartered, OUT_QUARTERED=out_quartered,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
 
-def _default_config(x: torch.Tensor, weights: ExpertWeights, out_features: int) -> GroupedGemmConfig:
-    config = choose_grouped_config(x.shape[0], weights.num_experts, out_features=out_features,
-                                   x_is_bf16=x.dtype == torch.bfloat16,
-                                   is_fp4=weights.weight_format == WeightFormat.FP4_E2M1, num_sms=_num_sms(x.device))
+def _num_rows(x: torch.Tensor, x_row_ids: torch.Tensor | None) -> int:
+    """R: the rows a launch computes (x's rows, or one per entry of x_row_ids)."""
+    return x.shape[0] if x_row_ids is None else x_row_ids.shape[0]
+
+
+def _default_config(x: torch.Tensor, weights: ExpertWeights, out_features: int,
+                    num_rows: int | None = None) -> GroupedGemmConfig:
+    return _config_for(x.shape[0] if num_rows is None else num_rows, x.shape[1], out_features, x.dtype, x.device,
+                       weights)
+
+
+def _config_for(num_rows: int, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device,
+                weights: ExpertWeights) -> GroupedGemmConfig:
+    config = choose_grouped_config(num_rows, weights.num_experts, out_features=out_features,
+                                   x_is_bf16=dtype == torch.bfloat16,
+                                   is_fp4=weights.weight_format == WeightFormat.FP4_E2M1, num_sms=_num_sms(device))
     # The K loop must split evenly; a width that does not (never at V4-Flash sizes) runs unsplit.
-    if (x.shape[1] // config.block_k) % config.split_k:
+    if (in_features // config.block_k) % config.split_k:
         config = dataclasses.replace(config, split_k=1)
     return config
+
+
+def _reads_quartered(config: GroupedGemmConfig, weight_format: WeightFormat, in_features: int) -> bool:
+    return (weight_format == WeightFormat.FP4_E2M1 and config.fp4_decode == Fp4Decode.ASM_QUAD
+            and config.block_k == QUARTER_BLOCK.value and in_features % QUARTER_BLOCK.value == 0)
+
+
+def quartered_handoff(num_rows: int, weights: ExpertWeights, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether gate-up hands its SwiGLU rows to down k-quartered: when down's default launch over
+    `num_rows` rows decodes with ASM_QUAD at QUARTER_BLOCK-wide K steps (decode and short prefill on the
+    GPU). Down then loads each quarter of a K step as one contiguous tile (no split of x in registers);
+    the products and their order are ASM_QUAD's, so the results are the same bits."""
+    config = _config_for(num_rows, weights.intermediate_size, weights.hidden_size, dtype, device, weights)
+    return _reads_quartered(config, weights.weight_format, weights.intermediate_size)
+
+
+def quarter_columns(x: torch.Tensor) -> torch.Tensor:
+    """The torch reference of the k-quartered layout: [R, C] -> [R, C], within each QUARTER_BLOCK-wide block
+    column 4j + r moved to r·(QUARTER_BLOCK/4) + j (C a multiple of QUARTER_BLOCK)."""
+    num_rows, num_cols = x.shape
+    block = QUARTER_BLOCK.value
+    return x.reshape(num_rows, num_cols // block, block // 4, 4).transpose(2, 3).reshape(num_rows, num_cols)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -343,25 +468,40 @@ def _num_sms(device: torch.device) -> int:
 def grouped_gate_up(
     x_sorted: torch.Tensor, expert_offsets: torch.Tensor, weights: ExpertWeights, *,
     swiglu_limit: float | None, out_dtype: torch.dtype | None = None, config: GroupedGemmConfig | None = None,
+    x_row_ids: torch.Tensor | None = None, quartered_out: bool = False,
 ) -> torch.Tensor:
-    """x_sorted [R, D] -> SwiGLU hidden [R, I] in `out_dtype` (default x's dtype)."""
-    config = config or _default_config(x_sorted, weights, weights.intermediate_size)
+    """x_sorted [R, D] -> SwiGLU hidden [R, I] in `out_dtype` (default x's dtype).
+
+    With `x_row_ids` [R] int32, x_sorted is any [T, D] and row r reads x_sorted[x_row_ids[r]] (no
+    gathered copy of x); the launch, and every row's result, is that of `x_sorted[x_row_ids]`.
+    With `quartered_out` the rows come k-quartered (`quarter_columns`), for `grouped_down(hidden_quartered=True)`."""
+    num_rows = _num_rows(x_sorted, x_row_ids)
+    config = config or _default_config(x_sorted, weights, weights.intermediate_size, num_rows)
     return _launch(
         x_sorted, expert_offsets, weights.w1, weights.s1, weights.w3, weights.s3, weights.weight_format,
         swiglu_limit=swiglu_limit, row_weights=None, out_dtype=out_dtype or x_sorted.dtype, config=config,
+        x_row_ids=x_row_ids, out_quartered=quartered_out,
     )
 
 
 def grouped_down(
     hidden: torch.Tensor, expert_offsets: torch.Tensor, weights: ExpertWeights, *,
     row_weights: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-    config: GroupedGemmConfig | None = None,
+    config: GroupedGemmConfig | None = None, out_row_ids: torch.Tensor | None = None,
+    hidden_quartered: bool = False,
 ) -> torch.Tensor:
-    """hidden [R, I] -> [R, D], each row times `row_weights[r]` (fp32 [R]) when given."""
+    """hidden [R, I] -> [R, D], each row times `row_weights[r]` (fp32 [R]) when given; `hidden_quartered`:
+    hidden's rows are k-quartered (`grouped_gate_up(quartered_out=True)`, see `quartered_handoff`).
+
+    With `out_row_ids` [R] int32 (a permutation of 0..R-1), row r's result goes to output row
+    out_row_ids[r] (the sorted-order result scattered in the same launch); rows r from expert_offsets[E]
+    on have no expert: their output rows come out as exact zeros, without reading `hidden`. Every
+    output row is written."""
     config = config or _default_config(hidden, weights, weights.w2.shape[1])
     return _launch(
         hidden, expert_offsets, weights.w2, weights.s2, None, None, weights.weight_format,
         swiglu_limit=None, row_weights=row_weights, out_dtype=out_dtype or hidden.dtype, config=config,
+        out_row_ids=out_row_ids, x_quartered=hidden_quartered,
     )
 
 
@@ -370,5 +510,7 @@ def grouped_experts(
     swiglu_limit: float | None, row_weights: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The whole routed-expert computation for rows sorted by expert: [R, D] -> [R, D]."""
-    hidden = grouped_gate_up(x_sorted, expert_offsets, weights, swiglu_limit=swiglu_limit)
-    return grouped_down(hidden, expert_offsets, weights, row_weights=row_weights, out_dtype=out_dtype)
+    quartered = quartered_handoff(x_sorted.shape[0], weights, x_sorted.dtype, x_sorted.device)
+    hidden = grouped_gate_up(x_sorted, expert_offsets, weights, swiglu_limit=swiglu_limit, quartered_out=quartered)
+    return grouped_down(hidden, expert_offsets, weights, row_weights=row_weights, out_dtype=out_dtype,
+                        hidden_quartered=quartered)

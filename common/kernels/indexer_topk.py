@@ -1,15 +1,23 @@
-"""Lightning-indexer scores of every token of a forward in one launch, then one top-k (docs/model.md §2.6).
+"""Lightning-indexer scores of every token of a forward in one launch, then one top-k launch (docs/model.md §2.6).
 
 score[t, w] = Σ_h weight[t, h] · ReLU(q[t, h] · k_w) · d^-1/2 for rows w < (p+1)//m visible at t's
 position p, -inf elsewhere (rows of other tokens' sequences differ: each token reads its own
 sequence's indexer rows through the address tables of `common.kernels.attention_layout`).
 One program covers (token, a few consecutive blocks of rows) with all heads at once: per block one
 [H, d] x [d, BN] dot, ReLU, the weighted sum over heads (blocks past the token's visible rows are
-written -inf without loads: half of them in a causal prefill). `torch.topk` (unsorted) on [T, N]
-then picks K rows per token; only tokens that see more than K rows use them, and for those every
-pick is visible (more than K finite scores, invisible ones are -inf). Tokens that see at most K
-rows attend to all of them, so when no token of the forward sees more than K rows the indexer is
-skipped altogether.
+written -inf without loads: half of them in a causal prefill). Then K rows per token are picked; only
+tokens that see more than K rows use them, and for those every pick is visible (more than K finite
+scores, invisible ones are -inf). Tokens that see at most K rows attend to all of them, so when no
+token of the forward sees more than K rows the indexer is skipped altogether.
+
+The pick (`top_k_columns`): at decode sizes (at most TOPK_KERNEL_MAX_TOKENS tokens) one program per token
+finds the K-th largest score by a radix select over the scores' order-preserving 32-bit keys (four
+passes of an 8-bit digit histogram, the scores read once when they fit one block), then writes the
+columns of the larger scores and as many of the equal ones as K needs, lowest columns first, in
+ascending column order: one launch (torch.topk's one-block select: ~15 µs for 1K columns on an H100).
+torch.topk picks for larger forwards. Both select the same set up to which columns of
+scores equal to the K-th are taken; the keys order floats as torch's radix select does (-0.0 below
++0.0, NaN above every number).
 Legend: T tokens, H indexer heads, d indexer head dim, N = most visible rows of any token, BN rows
 per block, K top-k.
 """
@@ -101,12 +109,107 @@ def indexer_scores(queries: torch.Tensor, head_weights: torch.Tensor, tables: At
 
 def indexer_topk(queries: torch.Tensor, head_weights: torch.Tensor, tables: AttentionTables, layer: int, *,
                  ratio: int, topk: int, block_n: int = 64) -> torch.Tensor:
-    """-> topk_ids [T, topk] int64 (torch.topk's own; no cast launch), the picks in any order; only rows of
-    tokens that see more than
-    `topk` rows are meaningful (the others attend to every visible row, see sparse_attention).
+    """-> topk_ids [T, topk] int64, the picks in any order (ascending at decode sizes); only rows of tokens that
+    see more than `topk` rows are meaningful (the others attend to every visible row, see sparse_attention).
     When no token sees more than `topk` rows, nothing is computed (an empty [T, topk])."""
     num_rows = tables.max_rows_visible(ratio)
     if num_rows <= topk:
         return torch.empty(queries.shape[0], topk, dtype=torch.int64, device=queries.device)
     scores = indexer_scores(queries, head_weights, tables, layer, ratio=ratio, block_n=block_n)
-    return scores.topk(topk, dim=-1, sorted=False).indices
+    return top_k_columns(scores, topk)
+
+
+# ------------------------------------------------------------------------------------------ top-k
+TOPK_KERNEL_MAX_TOKENS = 64  # more rows of scores: torch.topk (its multi-block select fills the GPU better)
+TOPK_MAX_BLOCK = 4096  # widest row kept in registers across the passes (~16K tokens of CSA context)
+_RADIX_BITS = 8
+_NUM_DIGITS = 32 // _RADIX_BITS
+
+
+@triton.jit
+def _sortable_keys(scores):
+    """fp32 -> uint32 keys in the floats' order, as torch's radix select maps them: negative floats have every
+    bit flipped, the others their sign bit set (so -0.0 < +0.0); NaN is the largest key."""
+    bits = scores.to(tl.uint32, bitcast=True)
+    keys = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    return tl.where(scores != scores, 0xFFFFFFFF, keys)
+
+
+@triton.jit
+def _load_keys(row_ptr, columns, num_cols):
+    valid = columns < num_cols
+    return _sortable_keys(tl.load(row_ptr + columns, mask=valid, other=0.0)), valid
+
+
+@triton.jit
+def _digit_histogram(keys, valid, prefix, DIGIT: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """Counts [2^RADIX_BITS] of digit DIGIT (0 = most significant) over the valid keys whose higher digits
+    equal `prefix`'s."""
+    SHIFT: tl.constexpr = 32 - RADIX_BITS * (DIGIT + 1)
+    match = valid
+    if DIGIT > 0:
+        match = match & ((keys >> (SHIFT + RADIX_BITS)) == (prefix >> (SHIFT + RADIX_BITS)))
+    digits = ((keys >> SHIFT) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
+    return tl.histogram(digits, 1 << RADIX_BITS, mask=match)
+
+
+@triton.jit
+def _topk_kernel(scores_ptr, out_ptr, num_cols, k, stride_row,
+                 ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, NUM_DIGITS: tl.constexpr):
+    # scores [T, N] fp32 -> out [T, k] int64; one program per row
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = scores_ptr + row * stride_row
+    columns = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 1 << RADIX_BITS)
+    if ONE_BLOCK:  # the row stays in registers for every pass
+        row_keys, row_valid = _load_keys(row_ptr, columns, num_cols)
+    # Radix select, most significant digit first: `prefix` holds the digits of the k-th largest key found so far,
+    # `remaining` how many keys sharing those digits are still to take.
+    prefix = tl.full([], 0, tl.uint32)
+    remaining = k
+    for digit in tl.static_range(NUM_DIGITS):
+        if ONE_BLOCK:
+            counts = _digit_histogram(row_keys, row_valid, prefix, digit, RADIX_BITS)
+        else:
+            counts = tl.zeros([1 << RADIX_BITS], dtype=tl.int32)
+            for start in range(0, num_cols, BLOCK):
+                keys, valid = _load_keys(row_ptr, start + columns, num_cols)
+                counts += _digit_histogram(keys, valid, prefix, digit, RADIX_BITS)
+        at_or_above = tl.cumsum(counts, 0, reverse=True)  # [bins] keys with this digit or a larger one
+        chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1), 0)  # the k-th largest key's digit
+        remaining -= tl.sum(tl.where(bins > chosen, counts, 0), 0)
+        prefix = prefix | (chosen.to(tl.uint32) << (32 - RADIX_BITS * (digit + 1)))
+    # prefix is now the k-th largest key: take every larger key and the first `remaining` equal ones
+    num_written = 0
+    num_equal_seen = 0
+    for start in range(0, num_cols, BLOCK):
+        if ONE_BLOCK:
+            keys, valid = row_keys, row_valid
+        else:
+            keys, valid = _load_keys(row_ptr, start + columns, num_cols)
+        greater = (valid & (keys > prefix)).to(tl.int32)
+        equal = (valid & (keys == prefix)).to(tl.int32)
+        equal_rank = num_equal_seen + tl.cumsum(equal, 0) - equal  # among the equal keys, in column order
+        take = greater | (equal & (equal_rank < remaining).to(tl.int32))
+        slots = num_written + tl.cumsum(take, 0) - take
+        tl.store(out_ptr + row * k + slots, (start + columns).to(tl.int64), mask=take != 0)
+        num_written += tl.sum(take, 0)
+        num_equal_seen += tl.sum(equal, 0)
+
+
+def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [T, N] fp32 -> [T, k] int64: the columns of each row's k largest scores (see the module docstring:
+    one launch, ascending columns, ties to the lowest columns, at decode sizes; torch.topk's otherwise)."""
+    num_tokens, num_cols = scores.shape
+    if not 0 < k <= num_cols:
+        raise ValueError(f"top-{k} of {num_cols} columns")
+    if num_tokens > TOPK_KERNEL_MAX_TOKENS or scores.dtype != torch.float32:
+        return scores.topk(k, dim=-1, sorted=False).indices
+    out = torch.empty(num_tokens, k, dtype=torch.int64, device=scores.device)
+    if num_tokens == 0:
+        return out
+    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+    block = min(TOPK_MAX_BLOCK, max(128, triton.next_power_of_2(num_cols)))
+    _topk_kernel[(num_tokens,)](scores, out, num_cols, k, scores.stride(0), ONE_BLOCK=num_cols <= block, BLOCK=block,
+                                RADIX_BITS=_RADIX_BITS, NUM_DIGITS=_NUM_DIGITS, num_warps=4 if block <= 2048 else 8)
+    return out

@@ -17,7 +17,16 @@ With `tables.closing_predicated` (static decode tables of a captured step, whose
 every replay) the "closing tokens" are every token of the forward and the kernels test (pos + 1)
 mod m == 0 themselves: non-closing tokens pool zeros and write nothing, so the launch shape does
 not depend on which windows close.
-Legend: T tokens, C channels, m ratio, d row dim, Nc closing tokens, B sequences, F fields.
+
+FP8 main rows (`tables.main_rows`, the layout of common/model/kv_rows.py): the window ring writes and
+the compressed row writes quantize each row in the kernel, one program per row, to exactly the bytes
+`pack_main_rows` gives: per block of 64 non-rotary channels the scale 2^ceil(log2(max(amax, 1e-4) / 448))
+(its ue8m0 byte = the exponent + 127), the codes e4m3(clamp(x / scale, ±448)) rounded to nearest even,
+the rotary channels rounded to bf16 (nearest even), the pad bytes zero. Both roundings are done with
+integer operations, identical on the GPU and in the interpreter. The compressor's input rings and the
+indexer rows are written as they are.
+Legend: T tokens, C channels, m ratio, d row dim, Nc closing tokens, B sequences, F fields,
+NB scale blocks (padded to a power of two), b block size, P rotary channels.
 """
 
 from __future__ import annotations
@@ -26,7 +35,65 @@ import torch
 import triton
 import triton.language as tl
 
-from moemesh.common.kernels.attention_layout import NUM_FIELDS, AttentionTables, Field
+from moemesh.common.kernels.attention_layout import (
+    NUM_FIELDS, AttentionTables, Field, MainRowBytes, check_main_row_layout,
+)
+
+E4M3_MAX = tl.constexpr(448.0)
+AMAX_FLOOR = tl.constexpr(1e-4)  # common/model/qat.py ACT_QUANT_AMAX_FLOOR: an all-zero block keeps a finite scale
+
+
+@triton.jit
+def _e4m3_codes(y):
+    """fp32 y with |y| <= 448 -> e4m3fn codes (uint8), rounded to nearest, ties to even, as torch's cast.
+
+    Normals (|y| >= 2^-6): drop 20 of the 23 mantissa bits with the round-to-nearest-even carry, then
+    rebias the exponent (127 -> 7). Subnormals: |y| + 2^14 rounds |y| to a multiple of 2^-9 (the fp32 ulp
+    at 2^14), whose low mantissa bits are then the code."""
+    bits = y.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    normal = ((magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20) - (120 << 3)
+    subnormal = (tl.abs(y) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    code = tl.where(magnitude >= 0x3C800000, normal, subnormal) | tl.where(bits < 0, 0x80, 0)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """fp32 -> bf16 bit patterns (uint16), rounded to nearest, ties to even (torch's rounding)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+
+
+@triton.jit
+def _store_fp8_main_row(src_ptr, dst_addr, write, NOPE: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr,
+                        NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, ROPE_P2: tl.constexpr,
+                        SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr):
+    """One row src [NOPE + ROPE] (any float dtype) -> the FP8 main row at byte address dst_addr (when write)."""
+    dst = dst_addr.to(tl.pointer_type(tl.uint8))
+    blocks = tl.arange(0, BLOCKS_P2)
+    channels = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [NB, b]
+    in_nope = (channels < NOPE) & write
+    x = tl.load(src_ptr + channels, mask=in_nope, other=0.0).to(tl.float32)  # [NB, b]
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)  # [NB]
+    ratio_bits = (amax * (1.0 / E4M3_MAX)).to(tl.int32, bitcast=True)  # a normal fp32: amax >= 1e-4
+    scale_byte = ((ratio_bits >> 23) & 0xFF) + ((ratio_bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2) + 127
+    inverse_scale = ((254 - scale_byte) << 23).to(tl.float32, bitcast=True)  # 2^-(scale_byte - 127), exact
+    y = tl.minimum(tl.maximum(x * inverse_scale[:, None], -E4M3_MAX), E4M3_MAX)
+    tl.store(dst + channels, _e4m3_codes(y), mask=in_nope)
+    lanes = tl.arange(0, ROPE_P2)
+    rope = tl.load(src_ptr + NOPE + lanes, mask=(lanes < ROPE) & write, other=0.0).to(tl.float32)  # [P]
+    tl.store((dst_addr + NOPE).to(tl.pointer_type(tl.uint16)) + lanes, _bf16_bits(rope), mask=(lanes < ROPE) & write)
+    tl.store(dst + SCALE_OFFSET + blocks, scale_byte.to(tl.uint8), mask=(blocks < NUM_BLOCKS) & write)
+    pad = SCALE_OFFSET + NUM_BLOCKS + tl.arange(0, 8)  # zeros up to the 8-byte aligned row end
+    tl.store(dst + pad, tl.zeros([8], dtype=tl.uint8), mask=(pad < ROW_BYTES) & write)
+
+
+def _fp8_row_constants(layout: MainRowBytes, head_dim: int) -> dict:
+    check_main_row_layout(layout, head_dim)
+    return dict(NOPE=layout.nope_dim, ROPE=layout.rope_dim, BLOCK=layout.block_size, NUM_BLOCKS=layout.num_blocks,
+                BLOCKS_P2=triton.next_power_of_2(layout.num_blocks), ROPE_P2=triton.next_power_of_2(layout.rope_dim),
+                SCALE_OFFSET=layout.scale_offset, ROW_BYTES=layout.row_bytes)
 
 
 @triton.jit
@@ -54,12 +121,40 @@ def _write_rings_kernel(src_ptr, src2_ptr, dst_like_ptr, token_seq_ptr, position
                      mask=mask)
 
 
+@triton.jit
+def _write_fp8_ring_kernel(src_ptr, token_seq_ptr, positions_ptr, seq_info_ptr, fields_ptr,
+                           NUM_FIELDS_: tl.constexpr, F_ADDR: tl.constexpr, F_RING: tl.constexpr,
+                           NOPE: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+                           BLOCKS_P2: tl.constexpr, ROPE_P2: tl.constexpr, SCALE_OFFSET: tl.constexpr,
+                           ROW_BYTES: tl.constexpr):
+    t = tl.program_id(0)
+    b = tl.load(token_seq_ptr + t)
+    pos = tl.load(positions_ptr + t)
+    chunk_end = tl.load(seq_info_ptr + b * 3) + tl.load(seq_info_ptr + b * 3 + 2)
+    fields = fields_ptr + b.to(tl.int64) * NUM_FIELDS_
+    ring = tl.load(fields + F_RING)
+    write = pos >= chunk_end - ring  # else a later token of the chunk owns this slot
+    dst_addr = tl.load(fields + F_ADDR) + (pos % ring) * ROW_BYTES
+    _store_fp8_main_row(src_ptr + t.to(tl.int64) * (NOPE + ROPE), dst_addr, write, NOPE, ROPE, BLOCK, NUM_BLOCKS,
+                        BLOCKS_P2, ROPE_P2, SCALE_OFFSET, ROW_BYTES)
+
+
 def write_rings(src: torch.Tensor, ring_like: torch.Tensor, tables: AttentionTables, layer: int,
                 address_field: Field, ring_field: Field, *, second: tuple[torch.Tensor, Field] | None = None,
                 block_c: int = 512) -> None:
     """src [T, C] -> each token's slot of the ring at `address_field` (size at `ring_field`);
     `second` = (src2 [T, C], its ring's field) writes a same-shaped ring in the same launch (the
-    compressor's K and Z). ring_like: any ring of this kind (gives the dtype)."""
+    compressor's K and Z). ring_like: any ring of this kind (gives the dtype). The window rings
+    (`Field.WINDOW_ADDR`) of FP8 tables (`tables.main_rows`) get FP8 rows, quantized here."""
+    if tables.main_rows is not None and address_field is Field.WINDOW_ADDR:
+        if second is not None:
+            raise ValueError("FP8 window rows are written one ring at a time")
+        src = src.contiguous()
+        _write_fp8_ring_kernel[(src.shape[0],)](
+            src, tables.token_seq, tables.positions, tables.seq_info, tables.layer_fields(layer),
+            NUM_FIELDS_=NUM_FIELDS, F_ADDR=int(address_field), F_RING=int(ring_field),
+            **_fp8_row_constants(tables.main_rows, src.shape[1]), num_warps=4)
+        return
     src = src.contiguous()
     src2 = second[0].contiguous() if second is not None else src
     num_tokens, num_channels = src.shape
@@ -179,16 +274,46 @@ def _write_rows_kernel(rows_ptr, dst_like_ptr, closing_ptr, token_seq_ptr, posit
     tl.store(dst + channels, values.to(dst_like_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _write_fp8_rows_kernel(rows_ptr, closing_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                           block_stride, rows_per_block, RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr,
+                           F_ROWS: tl.constexpr, PREDICATED: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                           BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr,
+                           ROPE_P2: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr):
+    i = tl.program_id(0)
+    t = tl.load(closing_ptr + i)
+    b = tl.load(token_seq_ptr + t).to(tl.int64)
+    position = tl.load(positions_ptr + t)
+    row = position // RATIO
+    write = position >= 0
+    if PREDICATED:  # only tokens closing a window write; the others look up row 0's block (always in the table)
+        write = (position + 1) % RATIO == 0
+        row = tl.where(write, row, 0)
+    block = tl.load(block_ids_ptr + b * block_stride + row // rows_per_block)
+    dst_addr = tl.load(fields_ptr + b * NUM_FIELDS_ + F_ROWS) + (block * rows_per_block + row % rows_per_block) * (
+        ROW_BYTES)
+    _store_fp8_main_row(rows_ptr + i.to(tl.int64) * (NOPE + ROPE), dst_addr, write, NOPE, ROPE, BLOCK, NUM_BLOCKS,
+                        BLOCKS_P2, ROPE_P2, SCALE_OFFSET, ROW_BYTES)
+
+
 def write_rows(rows: torch.Tensor, dst_like: torch.Tensor, tables: AttentionTables, layer: int, *, ratio: int,
                indexer: bool, block_d: int = 512) -> None:
-    """rows [Nc, d] (closing order) -> compressed row pos // m of each closing token's sequence."""
+    """rows [Nc, d] (closing order) -> compressed row pos // m of each closing token's sequence.
+    dst_like: a tensor of the stores' dtype; main rows of FP8 tables (`tables.main_rows`) are quantized here."""
     closing, num_closing = tables.closing_tokens(ratio)
     if num_closing == 0:
         return
     rows = rows.contiguous()
+    which = "indexer" if indexer else "compressor"
+    if tables.main_rows is not None and not indexer:
+        _write_fp8_rows_kernel[(num_closing,)](
+            rows, closing, tables.token_seq, tables.positions, tables.layer_fields(layer), tables.block_ids,
+            tables.block_ids.shape[1], tables.rows_per_block(layer, which), RATIO=ratio, NUM_FIELDS_=NUM_FIELDS,
+            F_ROWS=int(Field.ROWS_ADDR), PREDICATED=tables.closing_predicated,
+            **_fp8_row_constants(tables.main_rows, rows.shape[1]), num_warps=4)
+        return
     row_dim = rows.shape[1]
     block_d = min(block_d, triton.next_power_of_2(row_dim))
-    which = "indexer" if indexer else "compressor"
     grid = (num_closing, triton.cdiv(row_dim, block_d))
     _write_rows_kernel[grid](rows, dst_like, closing, tables.token_seq, tables.positions, tables.layer_fields(layer),
                              tables.block_ids, row_dim, tables.block_ids.shape[1], tables.rows_per_block(layer, which),

@@ -16,7 +16,8 @@ The torch functions in `common/model/hyper.py` are the reference; these compute 
   slice 0 stores post and comb. hc_head runs the same two launches with HEAD=True (no post/comb).
 - `_hc_post_kernel` (grid [T, D/BD]): h'[t, k, d] = post_k·y[t, d] + Σ_j comb[j, k]·h[t, j, d], with the
   reference's three roundings to h's dtype reproduced (post·y, the matmul, the sum), so bf16 results
-  match torch bit for bit up to fp32 summation order.
+  match torch bit for bit up to fp32 summation order; y may come as two addends (the MoE's routed and
+  shared outputs), summed and rounded to the dtype first as torch's `routed + shared` does.
 No launch reads a value on the host or sizes a buffer from data: all of it can be captured in a CUDA graph.
 """
 
@@ -245,8 +246,9 @@ def _hc_finish_kernel(h_ptr, mix_part_ptr, sq_part_ptr, base_ptr, scale_ptr, x_p
 
 @triton.jit
 def _hc_post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, hidden,
-                    N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr):
-    # y [T, D], h [T, N, D] (same dtype), post [T, N], comb [T, N, N] fp32 -> out [T, N, D]
+                    N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr, addend_ptr=None):
+    # y [T, D] (+ addend [T, D], rounded to the dtype), h [T, N, D] (same dtype), post [T, N],
+    # comb [T, N, N] fp32 -> out [T, N, D]
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
@@ -256,6 +258,9 @@ def _hc_post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, hidden,
     stream_mask = streams < N
     post = tl.load(post_ptr + pid_t * N + streams, mask=stream_mask, other=0.0).to(dtype).to(tl.float32)
     y = tl.load(y_ptr + pid_t.to(tl.int64) * hidden + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    if addend_ptr is not None:  # y + addend in the dtype, as torch adds two tensors of it
+        addend = tl.load(addend_ptr + pid_t.to(tl.int64) * hidden + dims, mask=dim_mask, other=0.0).to(tl.float32)
+        y = (y + addend).to(dtype).to(tl.float32)
     scaled = (post[:, None] * y[None, :]).to(dtype).to(tl.float32)  # [NP, BD], rounded as torch's post·y
     mixed = tl.zeros([NP, BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(N):
@@ -372,11 +377,13 @@ def hc_head(
 
 
 def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            block_d: int | None = None) -> torch.Tensor:
-    """Same contract as `common.model.hyper.hc_post`: y [T, D], h [T, N, D] -> [T, N, D] in h's dtype."""
-    if y.dtype != h.dtype:
-        raise ValueError(f"y dtype {y.dtype} != h dtype {h.dtype}")
+            block_d: int | None = None, y_addend: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `common.model.hyper.hc_post`: y [T, D] (+ y_addend [T, D]), h [T, N, D] -> [T, N, D]
+    in h's dtype."""
+    if y.dtype != h.dtype or (y_addend is not None and y_addend.dtype != y.dtype):
+        raise ValueError(f"y dtype {y.dtype}, y_addend {None if y_addend is None else y_addend.dtype} != h dtype {h.dtype}")
     y, h = y.contiguous(), h.contiguous()
+    y_addend = None if y_addend is None else y_addend.contiguous()
     post, comb = post.float().contiguous(), comb.float().contiguous()
     num_tokens, num_streams, hidden = h.shape
     out = torch.empty_like(h)
@@ -385,5 +392,5 @@ def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
     block_d = block_d or (256 if num_tokens <= 64 else 1024)
     grid = (num_tokens, triton.cdiv(hidden, block_d))
     _hc_post_kernel[grid](y, h, post, comb, out, hidden, N=num_streams, NP=triton.next_power_of_2(num_streams),
-                          BLOCK_D=block_d, num_warps=4)
+                          BLOCK_D=block_d, addend_ptr=y_addend, num_warps=4)
     return out

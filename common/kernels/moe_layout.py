@@ -6,7 +6,9 @@ Legend: T tokens, K top-k, E experts, R = T*K routed rows, D hidden.
 
 All of this stays on the device and never synchronises with the host, so it can run inside a
 CUDA graph: the number of rows per expert is only known on the device, and the grouped kernels
-read it from `expert_offsets` themselves.
+read it from `expert_offsets` themselves. `route_layout.py` builds the same stable layout in one
+Triton launch (what the quantized experts' kernel path reads) and runs the slot sum in one launch
+on CUDA; the torch code here is the reference of both.
 """
 
 from __future__ import annotations
@@ -55,7 +57,24 @@ def combine_rows(rows: torch.Tensor, layout: ExpertLayout, num_tokens: int) -> t
 
 
 def sum_slots_in_order(slot_outputs: torch.Tensor) -> torch.Tensor:
-    """[T, K, D] -> [T, D], adding slot 0, then 1, ... (a fixed order, independent of placement)."""
+    """[T, K, D] -> [T, D], adding slot 0, then 1, ... (a fixed order, independent of placement).
+
+    On CUDA one Triton launch (`route_layout.sum_slots_kernel`, bit-identical to the torch loop) where
+    the glue runs Triton (`glue.use_triton_glue`); elsewhere, and for dtypes or layouts the kernel does
+    not take, the torch loop."""
+    from moemesh.common.kernels.glue import use_triton_glue
+
+    if (slot_outputs.dim() == 3 and slot_outputs.shape[1] > 0 and slot_outputs.stride(2) == 1
+            and use_triton_glue(slot_outputs)):
+        from moemesh.common.kernels.route_layout import SUM_DTYPES, sum_slots_kernel
+
+        if slot_outputs.dtype in SUM_DTYPES:
+            return sum_slots_kernel(slot_outputs)
+    return sum_slots_in_order_torch(slot_outputs)
+
+
+def sum_slots_in_order_torch(slot_outputs: torch.Tensor) -> torch.Tensor:
+    """Reference of `sum_slots_in_order`: K - 1 in-place additions after a copy of slot 0 ([T, K, D] -> [T, D])."""
     total = slot_outputs[:, 0].clone()
     for slot in range(1, slot_outputs.shape[1]):
         total += slot_outputs[:, slot]

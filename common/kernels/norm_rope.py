@@ -13,6 +13,12 @@ rounding of it is reproduced, so bf16 results match it up to fp32 summation orde
 The rotary channels are re-read as even/odd vectors (strided) and normalised again with the same row
 scale rather than shuffled in registers; they are ≤ 1/8 of a row here.
 Writes a new tensor (callers keep their input). Graph-capturable: no host reads.
+
+Angles without cos/sin tensors: `rope_cos_sin` computes (cos, sin) of positions · ω in one launch, and
+`window_rows_norm_rope` rotates compressed rows at their window's first position, computing the angles
+itself from the closing tokens' positions (and rounding the fp32 pooled rows to the output dtype first,
+as the torch path's cast does). Both take the fp32 product position · ω as `RotaryTable.cos_sin` does,
+and `tl.cos` / `tl.sin` are libdevice's cosf / sinf, the functions torch's CUDA cos and sin call.
 """
 
 from __future__ import annotations
@@ -44,16 +50,15 @@ def _normed(x, row_scale, weight_ptr, cols, col_mask, NORM: tl.constexpr, dtype:
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, out_ptr, weight_ptr, cos_ptr, sin_ptr, rows_per_token, num_channels, rope_half, eps,
-                      NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
-                      BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
-    # x [R, C] -> out [R, C]; cos/sin [T, H] fp32 with T = R / rows_per_token
-    row = tl.program_id(0).to(tl.int64)
-    dtype = out_ptr.dtype.element_ty
-    row_ptr = x_ptr + row * num_channels
+def _norm_rope_row(row_ptr, out_row_ptr, weight_ptr, cos, sin, num_channels, rope_half, eps,
+                   NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
+                   BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One row [C]: values rounded to the output dtype as read (a no-op for rows already in it), optional
+    norm, optional rotation of the trailing 2·H channels by (cos, sin) [BH] fp32."""
+    dtype = out_row_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_C)
     col_mask = cols < num_channels
-    x = tl.load(row_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)  # [BC]
+    x = tl.load(row_ptr + cols, mask=col_mask, other=0.0).to(dtype).to(tl.float32)  # [BC]
     row_scale = 1.0
     if NORM != 0:
         row_scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / num_channels + eps)
@@ -61,24 +66,68 @@ def _norm_rope_kernel(x_ptr, out_ptr, weight_ptr, cos_ptr, sin_ptr, rows_per_tok
     nope = num_channels
     if ROPE:
         nope = num_channels - 2 * rope_half
-    tl.store(out_ptr + row * num_channels + cols, y.to(dtype), mask=cols < nope)
+    tl.store(out_row_ptr + cols, y.to(dtype), mask=cols < nope)
     if ROPE:
-        token = row // rows_per_token
         pairs = tl.arange(0, BLOCK_H)
         pair_mask = pairs < rope_half
         even_cols = nope + 2 * pairs
         odd_cols = even_cols + 1
-        even = tl.load(row_ptr + even_cols, mask=pair_mask, other=0.0).to(tl.float32)
-        odd = tl.load(row_ptr + odd_cols, mask=pair_mask, other=0.0).to(tl.float32)
+        even = tl.load(row_ptr + even_cols, mask=pair_mask, other=0.0).to(dtype).to(tl.float32)
+        odd = tl.load(row_ptr + odd_cols, mask=pair_mask, other=0.0).to(dtype).to(tl.float32)
         even = _normed(even, row_scale, weight_ptr, even_cols, pair_mask, NORM, dtype)
         odd = _normed(odd, row_scale, weight_ptr, odd_cols, pair_mask, NORM, dtype)
-        cos = tl.load(cos_ptr + token * rope_half + pairs, mask=pair_mask, other=0.0)
-        sin = tl.load(sin_ptr + token * rope_half + pairs, mask=pair_mask, other=0.0)
         if INVERSE:
             sin = -sin
-        out_row = out_ptr + row * num_channels
-        tl.store(out_row + even_cols, (even * cos - odd * sin).to(dtype), mask=pair_mask)
-        tl.store(out_row + odd_cols, (odd * cos + even * sin).to(dtype), mask=pair_mask)
+        tl.store(out_row_ptr + even_cols, (even * cos - odd * sin).to(dtype), mask=pair_mask)
+        tl.store(out_row_ptr + odd_cols, (odd * cos + even * sin).to(dtype), mask=pair_mask)
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, out_ptr, weight_ptr, cos_ptr, sin_ptr, rows_per_token, num_channels, rope_half, eps,
+                      NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
+                      BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+    # x [R, C] -> out [R, C]; cos/sin [T, H] fp32 with T = R / rows_per_token
+    row = tl.program_id(0).to(tl.int64)
+    pairs = tl.arange(0, BLOCK_H)
+    cos = tl.zeros([BLOCK_H], dtype=tl.float32)
+    sin = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if ROPE:
+        token = row // rows_per_token
+        cos = tl.load(cos_ptr + token * rope_half + pairs, mask=pairs < rope_half, other=0.0)
+        sin = tl.load(sin_ptr + token * rope_half + pairs, mask=pairs < rope_half, other=0.0)
+    _norm_rope_row(x_ptr + row * num_channels, out_ptr + row * num_channels, weight_ptr, cos, sin, num_channels,
+                   rope_half, eps, NORM, ROPE, INVERSE, BLOCK_C, BLOCK_H)
+
+
+@triton.jit
+def _window_rows_norm_rope_kernel(x_ptr, out_ptr, weight_ptr, inv_freq_ptr, positions_ptr, tokens_ptr, num_channels,
+                                  rope_half, eps, RATIO: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+    # x [Nc, C] (pooled rows, any float dtype) -> out [Nc, C]; row i rotated at positions[tokens[i]] // m · m
+    row = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + tl.load(tokens_ptr + row))
+    window_start = (position // RATIO) * RATIO  # positions are >= 0: truncation is the floor
+    pairs = tl.arange(0, BLOCK_H)
+    inv_freq = tl.load(inv_freq_ptr + pairs, mask=pairs < rope_half, other=0.0)
+    angles = window_start.to(tl.float32) * inv_freq  # [BH], as `RotaryTable.cos_sin`
+    _norm_rope_row(x_ptr + row * num_channels, out_ptr + row * num_channels, weight_ptr, tl.cos(angles),
+                   tl.sin(angles), num_channels, rope_half, eps, 2, True, False, BLOCK_C, BLOCK_H)
+
+
+@triton.jit
+def _cos_sin_kernel(positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, num_positions, rope_half,
+                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    # positions [N] int -> cos, sin [N, H] fp32 of positions · inv_freq
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    pairs = tl.arange(0, BLOCK_H)  # [BH]
+    row_mask = rows < num_positions
+    pair_mask = pairs < rope_half
+    positions = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.float32)
+    inv_freq = tl.load(inv_freq_ptr + pairs, mask=pair_mask, other=0.0)
+    angles = positions[:, None] * inv_freq[None, :]  # [BR, BH]
+    offsets = rows[:, None].to(tl.int64) * rope_half + pairs[None, :]
+    mask = row_mask[:, None] & pair_mask[None, :]
+    tl.store(cos_ptr + offsets, tl.cos(angles), mask=mask)
+    tl.store(sin_ptr + offsets, tl.sin(angles), mask=mask)
 
 
 def _num_warps(block_c: int) -> int:
@@ -138,3 +187,52 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Same as `common.model.rope.apply_rope(x, cos, -sin if inverse else sin)`."""
     return norm_rope(x, norm=NormKind.NONE, cos=cos, sin=sin, inverse=inverse)
+
+
+def window_rows_norm_rope(
+    x: torch.Tensor,  # [Nc, C] pooled rows (fp32)
+    *,
+    weight: torch.Tensor,  # [C] fp32
+    eps: float,
+    inv_freq: torch.Tensor,  # [H] fp32
+    positions: torch.Tensor,  # [T] int, every token of the forward
+    tokens: torch.Tensor,  # [Nc] int, flat index of the token that closed each row's window
+    ratio: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows of closed compression windows -> `norm_rope(x.to(out_dtype), WEIGHTED, cos, sin)` at each window's
+    first position (positions[tokens] // ratio · ratio), the angles computed in the launch from `inv_freq`:
+    one launch for what the torch path does in nine (gather, floor-divide, multiply, cast, angles, cos, sin,
+    the cast of x, norm + RoPE). Returns [Nc, C] in out_dtype."""
+    num_rows, num_channels = x.shape
+    rope_half = inv_freq.shape[0]
+    if tokens.shape != (num_rows,) or 2 * rope_half > num_channels or weight.shape != (num_channels,):
+        raise ValueError(f"x {tuple(x.shape)}, tokens {tuple(tokens.shape)}, inv_freq {tuple(inv_freq.shape)} "
+                         f"and weight {tuple(weight.shape)} do not fit")
+    x = x.contiguous()
+    out = torch.empty(num_rows, num_channels, dtype=out_dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    block_c = triton.next_power_of_2(num_channels)
+    _window_rows_norm_rope_kernel[(num_rows,)](
+        x, out, weight.contiguous(), inv_freq.float().contiguous(), positions.contiguous(), tokens.contiguous(),
+        num_channels, rope_half, float(eps), RATIO=ratio, BLOCK_C=block_c,
+        BLOCK_H=triton.next_power_of_2(rope_half), num_warps=_num_warps(block_c))
+    return out
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, block_rows: int = 16
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [N] int, inv_freq [H] fp32 -> (cos, sin) [N, H] fp32 of the fp32 angles positions · inv_freq,
+    one launch (`RotaryTable.cos_sin` in torch is four: cast, multiply, cos, sin)."""
+    num_positions, rope_half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty(num_positions, rope_half, dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if num_positions == 0:
+        return cos, sin
+    block_h = triton.next_power_of_2(rope_half)
+    block_rows = min(block_rows, triton.next_power_of_2(num_positions))
+    _cos_sin_kernel[(triton.cdiv(num_positions, block_rows),)](
+        positions.contiguous(), inv_freq.float().contiguous(), cos, sin, num_positions, rope_half,
+        BLOCK_R=block_rows, BLOCK_H=block_h, num_warps=1 if block_rows * block_h <= 512 else 4)
+    return cos, sin

@@ -15,6 +15,14 @@ materialised. One program covers (token, block of heads, split of the keys); wit
 split (flash-decoding, for small batches that would leave SMs idle) each split writes an
 unnormalised partial (acc, max, sum) and `_combine_kernel` merges them with the sink.
 
+Stored rows are in the activation dtype, or FP8 main rows (`tables.main_rows`, common/model/kv_rows.py):
+then each key block is dequantized in registers, e4m3 code × 2^(scale byte − 127) for the non-rotary
+channels (the row's scale bytes read as two 32-bit words, the block's byte shifted out) and the bf16
+rotary channels as they are, in q's dtype (exact in bf16 and fp32); nothing is dequantized to memory.
+Rows of this forward's own tokens come from `new_kv` as computed in either case; with FP8 rows a
+program runs over its stored keys first and over those rows after, so the dequantizing loop loads
+one kind of row.
+
 Every per-token quantity comes from the position and the tables of
 `common.kernels.attention_layout`, so the same kernel serves decode, verification of several
 draft tokens per sequence (each is a query with its own position: causal by construction) and
@@ -32,7 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moemesh.common.kernels.attention_layout import CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field
+from moemesh.common.kernels.attention_layout import (
+    CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field, check_main_row_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -52,19 +62,24 @@ class SparseAttentionConfig:
 # CSA, 40 µs HCA; 32 heads: 116 / 48 µs), prefill 8K with 64 (5.0 ms CSA; 32 heads: 1.8x slower in run 1).
 DECODE_CONFIG = SparseAttentionConfig(block_h=16, block_n=32, num_warps=8, num_stages=2)
 PREFILL_CONFIG = SparseAttentionConfig(block_h=64, block_n=32, num_warps=8, num_stages=1)
+# FP8 rows: dequantizing a key block takes registers; 64 heads per program spill (sm_90 ptxas: 792 stack bytes),
+# 32 do not (`moemesh bench attention-sass`). Decode's tile does not spill with FP8 rows either. Untimed.
+PREFILL_FP8_CONFIG = SparseAttentionConfig(block_h=32, block_n=32, num_warps=8, num_stages=1)
 PREFILL_MIN_TOKENS = 256
 
 
-def default_config(num_tokens: int) -> SparseAttentionConfig:
-    return PREFILL_CONFIG if num_tokens >= PREFILL_MIN_TOKENS else DECODE_CONFIG
+def default_config(num_tokens: int, fp8_rows: bool = False) -> SparseAttentionConfig:
+    if num_tokens < PREFILL_MIN_TOKENS:
+        return DECODE_CONFIG
+    return PREFILL_FP8_CONFIG if fp8_rows else PREFILL_CONFIG
 
 
 @triton.jit
-def _key_pointers(j, valid, t, b, n_win, win_lo, ring_base, use_picks, chunk_start, chunk_offset, ring_addr,
-                  ring_size, rows_addr, topk_ptr, topk_stride, block_ids_ptr, block_stride, rows_per_block,
-                  new_kv_ptr, HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, USE_TOPK: tl.constexpr,
-                  PAGED: tl.constexpr):
-    """Row pointers [BN] (to the first channel of each key) for key indices j of token t.
+def _key_rows(j, valid, t, b, n_win, win_lo, ring_base, use_picks, chunk_start, chunk_offset, ring_addr,
+              ring_size, rows_addr, topk_ptr, topk_stride, block_ids_ptr, block_stride, rows_per_block,
+              ROW_BYTES: tl.constexpr, ALIGN: tl.constexpr, USE_TOPK: tl.constexpr, PAGED: tl.constexpr):
+    """For key indices j [BN] of token t: (stored row byte address [BN] int64, from_new [BN] bool: the key is
+    row new_row [BN] of this forward's new_kv instead).
 
     No 64-bit division in here (it compiles to a slow subroutine per element): the ring slot of
     window key j is ring_base + j wrapped once (j < window <= ring), row blocks divide in 32 bits
@@ -87,12 +102,59 @@ def _key_pointers(j, valid, t, b, n_win, win_lo, ring_base, use_picks, chunk_sta
         row_index = block * rows_per_block + (row_id % rows_per_block)
     else:
         row_index = row_id.to(tl.int64)
-    row_addr = rows_addr + row_index * (HEAD_DIM * ELEM_BYTES)
-    win_addr = ring_addr + tl.where(is_win, ring_slot, 0).to(tl.int64) * (HEAD_DIM * ELEM_BYTES)
-    addr = tl.multiple_of(tl.where(is_win, win_addr, row_addr), 16)  # rows start 16-byte aligned
+    row_addr = rows_addr + row_index * ROW_BYTES
+    win_addr = ring_addr + tl.where(is_win, ring_slot, 0).to(tl.int64) * ROW_BYTES
+    addr = tl.multiple_of(tl.where(is_win, win_addr, row_addr), ALIGN)  # rows start ALIGN-byte aligned
+    return addr, from_new, new_row.to(tl.int64)
+
+
+@triton.jit
+def _plain_keys(addr, from_new, new_row, valid, new_kv_ptr, dims, HEAD_DIM: tl.constexpr):
+    """Keys [BN, hd] from rows stored in new_kv's dtype (16-byte aligned), or from new_kv itself."""
     ext = addr.to(tl.pointer_type(new_kv_ptr.dtype.element_ty))
-    new = new_kv_ptr + new_row.to(tl.int64) * HEAD_DIM
-    return tl.multiple_of(tl.where(from_new, new, ext), 16)
+    new = new_kv_ptr + new_row * HEAD_DIM
+    rows = tl.multiple_of(tl.where(from_new, new, ext), 16)
+    return tl.load(rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _fp8_keys(addr, stored, dims, NOPE: tl.constexpr, BLOCK: tl.constexpr, SCALE_OFFSET: tl.constexpr,
+              KEY_DTYPE: tl.constexpr):
+    """Keys [BN, hd] in KEY_DTYPE from the FP8 main rows at byte addresses addr [BN] (rows where `stored`),
+    dequantized in registers: e4m3 code × 2^(scale byte − 127) for the nope channels, the bf16 rope channels."""
+    is_nope = dims < NOPE  # [hd]
+    codes = tl.load(addr.to(tl.pointer_type(tl.uint8))[:, None] + dims[None, :],
+                    mask=stored[:, None] & is_nope[None, :], other=0)  # [BN, hd] e4m3 bytes
+    rope = tl.load((addr + NOPE).to(tl.pointer_type(tl.bfloat16))[:, None] + (dims - NOPE)[None, :],
+                   mask=stored[:, None] & ~is_nope[None, :], other=0.0)  # [BN, hd] bf16
+    scale_words = (addr + SCALE_OFFSET).to(tl.pointer_type(tl.int32))
+    low = tl.load(scale_words, mask=stored, other=0)  # [BN] the scale bytes of blocks 0-3
+    high = tl.load(scale_words + 1, mask=stored, other=0)  # [BN] blocks 4-7
+    block = dims // BLOCK  # [hd]
+    word = tl.where((block < 4)[None, :], low[:, None], high[:, None])  # [BN, hd]
+    scale_bits = ((word >> ((block & 3) * 8)[None, :]) & 0xFF) << 23  # [BN, hd]
+    scale = scale_bits.to(tl.float32, bitcast=True).to(KEY_DTYPE)  # 2^(byte - 127), exact in bf16 too
+    nope = codes.to(tl.float8e4nv, bitcast=True).to(KEY_DTYPE) * scale  # exact: 4 significant bits
+    return tl.where(is_nope[None, :], nope, rope.to(KEY_DTYPE))
+
+
+@triton.jit
+def _attend_block(q, keys, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """Keys [BN, hd] (= values; `valid` [BN]) into the online softmax of q [BH, hd] -> (m_i, l_i, acc)."""
+    if IEEE:
+        logits = tl.dot(q, tl.trans(keys), input_precision="ieee")
+    else:
+        logits = tl.dot(q, tl.trans(keys))
+    logits = tl.where(valid[None, :], logits * scale, float("-inf"))  # [BH, BN]
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(logits - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(keys.dtype), keys, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(keys.dtype), keys)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -102,8 +164,10 @@ def _sparse_attention_kernel(
         scale, num_heads, topk_stride, block_stride, rows_per_block, keys_per_split, num_splits, split_size_ptr,
         WINDOW: tl.constexpr, RATIO: tl.constexpr, USE_TOPK: tl.constexpr, NUM_FIELDS_: tl.constexpr,
         F_WIN_ADDR: tl.constexpr, F_WIN_RING: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
-        HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, SPLIT_SIZE_ON_DEVICE: tl.constexpr):
+        HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, SPLIT_SIZE_ON_DEVICE: tl.constexpr,
+        FP8: tl.constexpr, NOPE: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_OFFSET: tl.constexpr):
     t = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -139,27 +203,37 @@ def _sparse_attention_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    for j0 in range(lo, hi, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        valid = j < hi
-        rows = _key_pointers(j, valid, t, b, n_win, win_lo, ring_base, use_picks, chunk_start, chunk_offset,
-                             ring_addr, ring_size, rows_addr, topk_ptr, topk_stride, block_ids_ptr, block_stride,
-                             rows_per_block, new_kv_ptr, HEAD_DIM, ELEM_BYTES, USE_TOPK, PAGED)
-        keys = tl.load(rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)  # [BN, hd]
-        if IEEE:
-            logits = tl.dot(q, tl.trans(keys), input_precision="ieee")
-        else:
-            logits = tl.dot(q, tl.trans(keys))
-        logits = tl.where(valid[None, :], logits * scale, float("-inf"))  # [BH, BN]
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(logits - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(keys.dtype), keys, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(keys.dtype), keys)
-        m_i = m_new
+    if FP8:  # the stored keys (FP8 rows; the split's keys of this forward skipped), then this forward's (new_kv)
+        new_lo = tl.minimum(tl.maximum(chunk_start - win_lo, 0), n_win)  # window keys new_lo .. n_win-1 are new
+        gap_lo = tl.minimum(tl.maximum(new_lo, lo), hi)
+        gap_hi = tl.maximum(tl.minimum(n_win, hi), gap_lo)  # this split's new keys: gap_lo .. gap_hi-1
+        num_stored = (hi - lo) - (gap_hi - gap_lo)
+        for s0 in range(0, num_stored, BLOCK_N):
+            stored_index = lo + s0 + tl.arange(0, BLOCK_N)
+            valid = stored_index < lo + num_stored
+            j = tl.where(stored_index >= gap_lo, stored_index + (gap_hi - gap_lo), stored_index)
+            addr, _, _ = _key_rows(j, valid, t, b, n_win, win_lo, ring_base, use_picks, chunk_start, chunk_offset,
+                                   ring_addr, ring_size, rows_addr, topk_ptr, topk_stride, block_ids_ptr,
+                                   block_stride, rows_per_block, ROW_BYTES, ROW_ALIGN, USE_TOPK, PAGED)
+            keys = _fp8_keys(addr, valid, dims, NOPE, SCALE_BLOCK, SCALE_OFFSET, q.dtype)  # [BN, hd]
+            m_i, l_i, acc = _attend_block(q, keys, valid, m_i, l_i, acc, scale, IEEE)
+        for j0 in range(gap_lo, gap_hi, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            valid = j < gap_hi
+            new_row = (chunk_offset + win_lo + j - chunk_start).to(tl.int64)
+            keys = tl.load(new_kv_ptr + new_row[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None],
+                           other=0.0)  # [BN, hd]
+            m_i, l_i, acc = _attend_block(q, keys, valid, m_i, l_i, acc, scale, IEEE)
+    else:
+        for j0 in range(lo, hi, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            valid = j < hi
+            addr, from_new, new_row = _key_rows(j, valid, t, b, n_win, win_lo, ring_base, use_picks, chunk_start,
+                                                chunk_offset, ring_addr, ring_size, rows_addr, topk_ptr,
+                                                topk_stride, block_ids_ptr, block_stride, rows_per_block, ROW_BYTES,
+                                                ROW_ALIGN, USE_TOPK, PAGED)
+            keys = _plain_keys(addr, from_new, new_row, valid, new_kv_ptr, dims, HEAD_DIM)  # [BN, hd]
+            m_i, l_i, acc = _attend_block(q, keys, valid, m_i, l_i, acc, scale, IEEE)
     if SPLIT:
         part = (t.to(tl.int64) * num_splits + split) * num_heads + heads  # [BH]
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_mask[:, None])
@@ -249,13 +323,13 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
                      tables: AttentionTables, layer: int, *, window: int, ratio: int,
                      topk_ids: torch.Tensor | None = None, config: SparseAttentionConfig | None = None
                      ) -> torch.Tensor:
-    """q [T, H, hd], new_kv [T, hd] (this forward's rows, same dtype as the stores), sink [H] fp32,
+    """q [T, H, hd], new_kv [T, hd] (this forward's rows, in the activation dtype), sink [H] fp32,
     topk_ids [T, K] int (CSA; any order, read only for tokens seeing more than K rows)
     -> out [T, H, hd] in q's dtype.
 
     ratio: 0 for window-only layers; HCA attends every closed row when topk_ids is None."""
     num_tokens, num_heads, head_dim = q.shape
-    config = config or default_config(num_tokens)
+    config = config or default_config(num_tokens, fp8_rows=tables.main_rows is not None)
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim={head_dim} must be a power of two")
     q = q.contiguous()
@@ -289,6 +363,9 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
     rows_per_block = tables.rows_per_block(layer, "compressor") if ratio else 1
     paged = rows_per_block != CONTIGUOUS_ROWS_PER_BLOCK
     rows_per_block = rows_per_block if paged else 1
+    fp8 = tables.main_rows  # FP8 main rows, or None: rows in new_kv's dtype
+    if fp8 is not None:
+        check_main_row_layout(fp8, head_dim)
     grid = (num_tokens, num_head_blocks, num_splits)
     _sparse_attention_kernel[grid](
         q, new_kv, out, part_acc, part_ml, sink, topk_ids,
@@ -297,8 +374,11 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
         keys_per_split, num_splits, split_size_ptr,
         WINDOW=window, RATIO=ratio, USE_TOPK=use_topk, NUM_FIELDS_=NUM_FIELDS,
         F_WIN_ADDR=int(Field.WINDOW_ADDR), F_WIN_RING=int(Field.WINDOW_RING), F_ROWS_ADDR=int(Field.ROWS_ADDR),
-        HEAD_DIM=head_dim, ELEM_BYTES=new_kv.element_size(), BLOCK_H=block_h, BLOCK_N=config.block_n,
+        HEAD_DIM=head_dim, ROW_BYTES=fp8.row_bytes if fp8 is not None else head_dim * new_kv.element_size(),
+        ROW_ALIGN=8 if fp8 is not None else 16, BLOCK_H=block_h, BLOCK_N=config.block_n,
         SPLIT=split, IEEE=q.dtype == torch.float32, PAGED=paged, SPLIT_SIZE_ON_DEVICE=device_split_size is not None,
+        FP8=fp8 is not None, NOPE=fp8.nope_dim if fp8 is not None else 0,
+        SCALE_BLOCK=fp8.block_size if fp8 is not None else 1, SCALE_OFFSET=fp8.scale_offset if fp8 is not None else 0,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if split:
         _combine_kernel[(num_tokens, num_head_blocks)](part_acc, part_ml, sink, out, num_heads, num_splits,

@@ -2,11 +2,12 @@
 
 Same mathematics as the per-sequence torch path of `common/model/attention.py`, in this order
 (each step one launch for the whole batch, through the address tables the ForwardBatch built):
-1. compressor (CSA/HCA): pool the windows this forward closes (old inputs from the input rings,
-   new ones from the projections), norm + RoPE at w·m (+ FP8 QAT when set) over all closed rows
-   at once, write the rows into each sequence's row store, then the new inputs into the rings;
-2. indexer (CSA): the same for its own compressor, then scores of every token against its own
-   sequence's indexer rows and one top-k;
+1. compressor (CSA/HCA): its projections (K, Z; one launch at decode sizes), pool the windows this
+   forward closes (old inputs from the input rings, new ones from the projections), norm + RoPE at
+   w·m (angles computed in that launch; + FP8 QAT when set) over all closed rows at once, write the
+   rows into each sequence's row store, then the new inputs into the rings;
+2. indexer (CSA): the same for its own compressor (its projections and the head weights in one
+   launch), then scores of every token against its own sequence's indexer rows and one top-k;
 3. sparse attention over window ∪ rows with the sink;
 4. the new kv rows into the window rings (after 3: a long chunk would overwrite rows still read);
 5. advance every store's counter (the data was written in place by the kernels).
@@ -27,7 +28,7 @@ from moemesh.common.kernels.indexer_topk import indexer_topk
 from moemesh.common.kernels.kv_write import pool_windows, write_rings, write_rows
 from moemesh.common.kernels.sparse_attention import sparse_attention
 from moemesh.common.model.qat import kv_nope_fp8_qat
-from moemesh.common.model.rope import RotaryTable, rms_norm_rope
+from moemesh.common.model.rope import RotaryTable, window_rows_norm_rope
 
 
 def _record_writes(batch, layer: int, which: str, *tensors: torch.Tensor) -> None:
@@ -66,9 +67,8 @@ def _emit_rows(compressor, kv_in: torch.Tensor, score_in: torch.Tensor, tables: 
                           row_dim=compressor.row_dim, indexer=indexer)  # [Nc, d] fp32
     if pooled.shape[0]:
         closing, _ = tables.closing_tokens(ratio)
-        row_positions = torch.div(tables.positions[closing], ratio, rounding_mode="floor") * ratio
-        cos, sin = rope.cos_sin(row_positions)
-        rows = rms_norm_rope(pooled.to(kv_in.dtype), cos, sin, compressor.norm.eps, weight=compressor.norm.weight)
+        rows = window_rows_norm_rope(pooled, compressor.norm.weight, compressor.norm.eps, rope, tables.positions,
+                                     closing, ratio, kv_in.dtype)  # [Nc, d], rotated at each window's start
         if compressor.fp8_qat_nope_dim is not None:
             rows = kv_nope_fp8_qat(rows, compressor.fp8_qat_nope_dim)
         write_rows(rows, rows.new_empty(0, dtype=tables.state_dtype), tables, layer, ratio=ratio, indexer=indexer)
@@ -92,11 +92,11 @@ def batched_attention_core(attn, batch, q: torch.Tensor, kv: torch.Tensor, x: to
         _record_writes(batch, layer, "compressor", kv_in, score_in)
         _emit_rows(attn.compressor, kv_in, score_in, tables, layer, attn.rope, indexer=False)
     if attn.indexer is not None:
-        ikv_in, iscore_in = attn.indexer.compressor.project(x, batch.positions)
+        ikv_in, iscore_in, head_weights = attn.indexer.project_inputs(x, batch.positions)
         _record_writes(batch, layer, "indexer", ikv_in, iscore_in)
         _emit_rows(attn.indexer.compressor, ikv_in, iscore_in, tables, layer, attn.rope, indexer=True)
         if tables.max_rows_visible(ratio) > attn.indexer.topk:  # else every visible row is attended
-            queries, head_weights = attn.indexer.project_queries(q_lat, x, cos, sin)
+            queries = attn.indexer.rotated_queries(q_lat, cos, sin)
             topk_ids = indexer_topk(queries.to(tables.state_dtype), head_weights, tables, layer, ratio=ratio,
                                     topk=attn.indexer.topk)
         else:

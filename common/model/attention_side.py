@@ -8,8 +8,8 @@ at a time, with the routed-expert dispatch between `gate` and `ffn_post`:
     for layer:  h = attn_block(layer, h, batch)
                 x, post, comb = ffn_pre(layer, h)
                 ids, weights = gate(layer, x, token_ids)
-                y = routed(layer, x, ids, weights) + shared_expert(layer, x)
-                h = ffn_post(layer, y, h, post, comb)
+                h = ffn_post(layer, routed(layer, x, ids, weights), h, post, comb,
+                             shared=shared_expert(layer, x))
     logits = logits(h)
 Legend: T tokens, N hc streams, D hidden, K top-k, V vocab.
 """
@@ -109,10 +109,10 @@ class AttentionSide(nn.Module):
     def shared_expert(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return self.layers[layer].ffn.shared_experts(x)
 
-    def ffn_post(self, layer: int, y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-                 ) -> torch.Tensor:
-        """y [T, D] = routed + shared -> h [T, N, D]."""
-        return hc_post(y, h, post, comb)
+    def ffn_post(self, layer: int, y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 shared: torch.Tensor | None = None) -> torch.Tensor:
+        """y [T, D] = routed + shared (or y = routed and `shared` [T, D], added inside hc_post) -> h [T, N, D]."""
+        return hc_post(y, h, post, comb, y_addend=shared)
 
     def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, N, D] -> normed [T, D] (input of the head)."""

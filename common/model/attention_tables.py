@@ -28,15 +28,17 @@ class RowsLocation:
     block_ids: tuple[int, ...] = ()
 
 
-def rows_location(store: CompressorStore, dtype: torch.dtype) -> RowsLocation | None:
+def rows_location(store: CompressorStore) -> RowsLocation | None:
     """The rows of `store` as the kernels address them, or None when they cannot be addressed in
     place (an unknown row store): the caller then keeps the torch path.
 
     Known layouts: the store's own tensor; a row store exposing `pool` [blocks, P, d] plus
     `rows_per_block` and `table.block_ids` (services/attention/kv_pool.PagedRowStore); a row store
     whose `read(1)` is a view into one fixed contiguous tensor (random_init.PreallocatedRowStore).
-    Rows of another dtype than `dtype` (the window ring's) are not addressable either.
+    Rows held in another dtype than the store's format stores them in (`row_format.stored_dtype`: the
+    activation dtype, or uint8 FP8 main rows) are not addressable either.
     TODO(owners of those stores): a `rows_location()` method on RowStore would replace the probing."""
+    dtype = store.row_format.stored_dtype
     if store.own_rows is not None:
         return RowsLocation(store.own_rows.data_ptr()) if store.own_rows.dtype == dtype else None
     row_store = store.row_store
@@ -92,7 +94,7 @@ def sequence_addresses(state: SequenceState) -> _SequenceAddresses | None:
                   Field.INDEX_INPUT_RING))):
             if store is None:
                 continue
-            location = rows_location(store, layer_state.window.ring.dtype)
+            location = rows_location(store)
             if location is None:
                 return None
             paged_flags.add(location.rows_per_block is not None)
@@ -123,9 +125,9 @@ def build_tables(config: ModelConfig, states: list[SequenceState], start_positio
         per_sequence.append(addresses)
     if len({a.paged for a in per_sequence}) > 1:
         return None
-    dtypes = {state.layers[0].window.ring.dtype for state in states}
-    if len(dtypes) > 1:
-        return None
+    formats = {(state.dtype, state.main_row_layout) for state in states}
+    if len(formats) > 1:
+        return None  # the kernels of one forward read one activation dtype and one row format
     rows_per_block = dict(per_sequence[0].rows_per_block)
     for addresses in per_sequence[1:]:
         if addresses.rows_per_block != rows_per_block:
@@ -166,6 +168,7 @@ def build_tables(config: ModelConfig, states: list[SequenceState], start_positio
         closing[ratio] = (torch.tensor(flat, dtype=torch.int64).to(device), len(flat))
         max_rows[ratio] = max((start + count) // ratio for start, count in zip(start_positions, num_new_tokens))
     max_position = max(start + count - 1 for start, count in zip(start_positions, num_new_tokens))
+    state_dtype, main_rows = formats.pop()
     return AttentionTables(fields.to(device), seq_info.to(device), token_seq.to(device), positions,
                            block_ids.to(device),
-                           rows_per_block, closing, max_rows, max_position, dtypes.pop())
+                           rows_per_block, closing, max_rows, max_position, state_dtype, main_rows=main_rows)

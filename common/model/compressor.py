@@ -8,6 +8,9 @@ halves ("b") of window w's tokens (2m slots, stride m); window 0 has no a-slots 
 With `fp8_qat_nope_dim` set (reference numerics), each row's first channels are FP8
 quant-dequantized after norm and RoPE, before being stored (docs/model.md §2.5, `common.model.qat`).
 The same class, at the indexer's width, is the CSA indexer's compressor.
+On CUDA at decode sizes `project` (both projections and the `ape` term) is one launch
+(`common.kernels.projections`; the indexer adds its head weights to the same launch); the torch code is
+the CPU and prefill path and the reference.
 Legend: T tokens, S tokens of one sequence, W closed windows, m ratio, d row dim, C = c·d input dim.
 """
 
@@ -16,10 +19,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moemesh.common.kernels.glue import use_triton_glue
 from moemesh.common.model.linear import Linear, RMSNorm, parameter
 from moemesh.common.model.qat import kv_nope_fp8_qat
 from moemesh.common.model.rope import RotaryTable, apply_rope
 from moemesh.common.model.state import CompressorStore
+
+
+def projection_kernel_applies(x: torch.Tensor, positions: torch.Tensor, ape: torch.Tensor, *linears: nn.Module) -> bool:
+    """Whether the projections of `linears` (plain `Linear`s) of x run as one `common.kernels.projections`
+    launch: CUDA (the glue rule of `common.kernels.glue`), decode sizes, 16-bit weights of x's dtype."""
+    if not all(type(linear) is Linear for linear in linears):
+        return False
+    weights = [linear.weight for linear in linears]
+    if not use_triton_glue(x, positions, ape, *weights):
+        return False
+    from moemesh.common.kernels import projections
+
+    return projections.supports(x, *weights)
 
 
 class Compressor(nn.Module):
@@ -40,7 +57,13 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(row_dim, eps, device=device)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D], positions [T] -> (K [T, C], Z [T, C]); batched over every sequence's tokens."""
+        """x [T, D], positions [T] -> (K [T, C] x's dtype, Z [T, C] fp32); batched over every sequence's tokens.
+
+        One launch on CUDA at decode sizes (`common.kernels.projections`), the torch code elsewhere."""
+        if projection_kernel_applies(x, positions, self.ape, self.wkv, self.wgate):
+            from moemesh.common.kernels.projections import compressor_projections
+
+            return compressor_projections(x, self.wkv.weight, self.wgate.weight, self.ape, positions)
         kv = self.wkv(x)
         score = self.wgate(x) + self.ape[positions % self.ratio]
         return kv, score

@@ -56,12 +56,19 @@ def hc_pre(
     return _normed(x, out_norm), post, comb
 
 
-def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """y [T, D] block output, h [T, N, D] streams -> new streams [T, N, D]."""
-    if y.dtype == h.dtype and use_triton_glue(y, h, post, comb):
+def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            y_addend: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, D] block output, h [T, N, D] streams -> new streams [T, N, D].
+
+    y_addend [T, D]: the block output is y + y_addend (the MoE's routed + shared), added in y's dtype
+    first, as a separate `y + y_addend` would; on CUDA inside the hc_post launch."""
+    fused_add = y_addend is None or y_addend.dtype == y.dtype
+    if y.dtype == h.dtype and fused_add and use_triton_glue(y, h, post, comb, *(() if y_addend is None else (y_addend,))):
         from moemesh.common.kernels import mhc
 
-        return mhc.hc_post(y, h, post, comb)
+        return mhc.hc_post(y, h, post, comb, y_addend=y_addend)
+    if y_addend is not None:
+        y = y + y_addend
     dtype = h.dtype
     return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
 

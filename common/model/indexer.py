@@ -3,6 +3,7 @@
 score I[t, w] = Σ_h w[t, h] · ReLU(q[t, h] · k_w) · d^-1/2 with w[t] = weights_proj(x_t) · H^-1/2,
 over rows visible at t (w < (t+1) // m); keep the top min(index_topk, visible) rows.
 The keys k_w come from the indexer's own overlapping compressor (row width d = index_head_dim).
+`project_inputs` gives that compressor's inputs and the head weights w, one launch on CUDA at decode sizes.
 Legend: T tokens, S tokens of one sequence, H indexer heads, d indexer head dim, N rows.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moemesh.common.model.compressor import Compressor
+from moemesh.common.model.compressor import Compressor, projection_kernel_applies
 from moemesh.common.model.config import ModelConfig
 from moemesh.common.model.linear import Linear
 from moemesh.common.model.rope import apply_rope
@@ -32,10 +33,30 @@ class Indexer(nn.Module):
     def project_queries(self, q_lat: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """q_lat [T, R], x [T, D] -> (queries [T, H, d] rotated at t, head weights [T, H] fp32)."""
+        return self.rotated_queries(q_lat, cos, sin), self.head_weights(x)
+
+    def rotated_queries(self, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q_lat [T, R] -> queries [T, H, d] rotated at t."""
         queries = self.wq_b(q_lat).view(q_lat.shape[0], self.num_heads, self.head_dim)
-        queries = apply_rope(queries, cos, sin)
-        head_weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        return queries, head_weights
+        return apply_rope(queries, cos, sin)
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> per-head score weights [T, H] fp32."""
+        return self.weights_proj(x).float() * self.num_heads**-0.5
+
+    def project_inputs(self, x: torch.Tensor, positions: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D], positions [T] -> (compressor K [T, C], Z [T, C] fp32, head weights [T, H] fp32): everything
+        the indexer projects from x, one launch on CUDA at decode sizes (`common.kernels.projections`)."""
+        compressor = self.compressor
+        if projection_kernel_applies(x, positions, compressor.ape, compressor.wkv, compressor.wgate,
+                                     self.weights_proj):
+            from moemesh.common.kernels.projections import compressor_projections
+
+            return compressor_projections(x, compressor.wkv.weight, compressor.wgate.weight, compressor.ape,
+                                          positions, head_weight=self.weights_proj.weight,
+                                          head_scale=self.num_heads**-0.5)
+        return (*compressor.project(x, positions), self.head_weights(x))
 
     def select(self, queries: torch.Tensor, head_weights: torch.Tensor, rows: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:

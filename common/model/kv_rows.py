@@ -12,28 +12,28 @@ Indexer rows (head dim 128), FP8 layout: the channels as e4m3 codes, then one fp
 floored at 1e-4, over 448): 132 bytes. No reference rounds the indexer's keys this way (the reference uses
 a Hadamard rotation and FP4), so selection near a tie may differ from bf16 rows.
 
-`KVStorage` names the format; `kv_bytes_per_token` adds up what one more context token stores across the
-model's layers (compressed rows grow by 1 / ratio per token; window rows are a fixed cost per sequence).
-Legend: R rows (any leading dims), C channels, B blocks, N nope channels, P rope channels.
+`KVStorage` (common/model/kv_storage.py) names the format; `RowFormat` is how one store keeps its rows (the
+sequence state's window ring and row stores, the KV pool's blocks): `encode` on write, `decode` on read;
+`kv_bytes_per_token` adds up what one more context token stores across the model's layers (compressed rows
+grow by 1 / ratio per token; window rows are a fixed cost per sequence).
+Decoded FP8 rows are exact in fp32 and bf16 (e4m3 values times powers of two ≥ 2^-31, rope already bf16), not
+always in fp16 (the smallest values of a tiny-amax block underflow); the reference never runs fp16.
+Legend: R rows (any leading dims), C channels, B blocks, N nope channels, P rope channels, Ws stored width.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
 
 from moemesh.common.model.config import AttentionKind, ModelConfig
+from moemesh.common.model.kv_storage import KVStorage
 from moemesh.common.model.qat import ACT_QUANT_AMAX_FLOOR, E4M3_MAX, KV_FP8_BLOCK_SIZE, fp8_block_scales
 
 UE8M0_BIAS = 127
 _ROW_ALIGN = 8
-
-
-class KVStorage(enum.Enum):
-    BF16 = "bf16"
-    FP8 = "fp8"
+POISON_BYTE = 0xFF  # an FP8 row of these bytes decodes to NaN (e4m3 0xFF, bf16 0xFFFF, scale 2^128)
 
 
 def _align(num_bytes: int) -> int:
@@ -129,6 +129,52 @@ def unpack_indexer_rows(packed: torch.Tensor, layout: IndexerRowLayout) -> torch
     codes = flat[:, :layout.dim].contiguous().view(torch.float8_e4m3fn).float()
     scale = flat[:, layout.dim:].contiguous().view(torch.float32)  # [R, 1]
     return (codes * scale).view(*leading, layout.dim)
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How a store keeps rows of `dim` channels: in `dtype` as they are (`layout` None), or packed as FP8 main
+    rows of `layout` (uint8 [.., row_bytes]). `dtype` is the activation dtype, what `decode` returns."""
+
+    dim: int
+    dtype: torch.dtype
+    layout: MainRowLayout | None = None
+
+    @classmethod
+    def main(cls, config: ModelConfig, storage: KVStorage, dtype: torch.dtype) -> RowFormat:
+        """The format of the main rows (window and compressed rows, head_dim channels) in `storage`."""
+        return cls(config.head_dim, dtype, MainRowLayout.of(config) if storage is KVStorage.FP8 else None)
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.layout is not None else self.dtype
+
+    @property
+    def stored_width(self) -> int:
+        """Ws: elements of `stored_dtype` per stored row (bytes for FP8 rows)."""
+        return self.layout.row_bytes if self.layout is not None else self.dim
+
+    def empty(self, num_rows: int, device) -> torch.Tensor:
+        """Zeroed storage for num_rows rows -> [num_rows, Ws] stored_dtype."""
+        return torch.zeros(num_rows, self.stored_width, dtype=self.stored_dtype, device=device)
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [R, dim] (any float dtype) -> [R, Ws] stored_dtype."""
+        if rows.shape[-1] != self.dim:
+            raise ValueError(f"rows of {rows.shape[-1]} channels for a store of {self.dim}")
+        if self.layout is None:
+            return rows.to(self.dtype)
+        return pack_main_rows(rows, self.layout)
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        """[R, Ws] as stored -> rows [R, dim] (plain rows come back as they are, FP8 rows in `dtype`)."""
+        if self.layout is None:
+            return stored
+        return unpack_main_rows(stored, self.layout).to(self.dtype)
+
+    def poison_(self, stored: torch.Tensor) -> torch.Tensor:
+        """Fill stored rows [R, Ws] so that they decode to NaN (a snapshot that could not be captured)."""
+        return stored.fill_(POISON_BYTE if self.layout is not None else float("nan"))
 
 
 @dataclass(frozen=True)

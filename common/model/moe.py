@@ -80,7 +80,13 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.
 
 class SharedExpert(nn.Module):
     """Always-on SwiGLU expert: w2(silu(w1 x) · w3 x); clamped like routed ones unless the
-    reference numerics switch it off."""
+    reference numerics switch it off.
+
+    When w1 and w3 are FP8 linears (`common.model.quantized.Fp8Linear`, swapped in at load) whose decode kernel
+    would run, the gate and up products and the SwiGLU are one launch (`fp8_linear.fp8_gate_up_swiglu`, reading
+    both weights where they are) and w2 a second: two launches instead of seven. Same values as the three
+    linears and the torch SwiGLU below, which stay the CPU path, the prefill path and the reference
+    (`MOEMESH_TORCH_GLUE=1` forces them on CUDA too)."""
 
     def __init__(self, config: ModelConfig, numerics: NumericsConfig, *, dtype: torch.dtype, device=None) -> None:
         super().__init__()
@@ -91,7 +97,29 @@ class SharedExpert(nn.Module):
         self.w3 = Linear(config.hidden_size, inter, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
-        return self.w2(_swiglu(self.w1(x), self.w3(x), self.limit))
+        hidden = self._fused_gate_up(x)  # [T, I] or None
+        if hidden is None:
+            hidden = _swiglu(self.w1(x), self.w3(x), self.limit)
+        return self.w2(hidden)
+
+    def _fused_gate_up(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [T, D] -> SwiGLU hidden [T, I] in one launch, or None where the unfused path runs (w1, w3 not both
+        FP8 linears on their decode kernel path, or the torch glue forced)."""
+        from moemesh.common.kernels.glue import torch_glue_forced
+        from moemesh.common.model.quantized import Fp8Linear, _use_kernel
+
+        w1, w3 = self.w1, self.w3
+        if not (type(w1) is Fp8Linear and type(w3) is Fp8Linear and w1.backend is w3.backend):
+            return None
+        if not _use_kernel(w1.backend, x) or torch_glue_forced():
+            return None
+        from moemesh.common.kernels.fp8_dequant import use_dequant_linear
+        from moemesh.common.kernels.fp8_linear import DECODE_MAX_TOKENS, fp8_gate_up_swiglu
+
+        num_tokens = x.numel() // x.shape[-1]
+        if not 0 < num_tokens <= DECODE_MAX_TOKENS or use_dequant_linear(num_tokens):  # w1 would not run fp8_linear
+            return None
+        return fp8_gate_up_swiglu(x, w1.weight, w1.scale, w3.weight, w3.scale, swiglu_limit=self.limit)
 
 
 class RoutedExperts:

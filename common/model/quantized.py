@@ -321,43 +321,76 @@ class QuantizedRoutedExperts:
             if bool(missing.any()):
                 raise ExpertNotHeld(f"layer {layer}: experts {sorted(set(ids[missing].tolist()))} are not held here")
         num_tokens, top_k = ids.shape
-        local = held.local[ids]  # [T, K]
         if _use_kernel(self.backend, hidden):
-            rows = self._rows_kernel(held, hidden, local, weights)  # [R, D] in slot-flat order
-        else:
-            rows = self._rows_torch(held, hidden, local, weights, slot_mask)
+            rows = self._slot_rows_kernel(held, hidden, ids, weights, slot_mask, stack_table=held.local)  # [R, D]
+            return rows.view(num_tokens, top_k, -1)  # masked slots already zero
+        local = held.local[ids]  # [T, K]
+        rows = self._rows_torch(held, hidden, local, weights, slot_mask)
         out = rows.view(num_tokens, top_k, -1)
         if slot_mask is not None:
             out = out * slot_mask[..., None].to(out.dtype)
         return out
 
     def __call__(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """hidden [T, D], ids/weights [T, K] -> routed sum [T, D]. Raises ExpertNotHeld."""
+        """hidden [T, D], ids/weights [T, K] -> routed sum [T, D]. Raises ExpertNotHeld.
+
+        On the kernel path at decode sizes: the three launches of `_slot_rows_kernel`, then the slot
+        sum (one launch on CUDA)."""
         return sum_slots_in_order(self.per_expert_outputs(layer, hidden, ids, weights))
 
     # ----------------------------------------------------------------------- backends
     def _rows_kernel(self, held: _LayerExperts, hidden: torch.Tensor, local: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor:
-        """Grouped Triton kernels; returns [T·K, D] rows indexed by flat slot t·K + k."""
-        from moemesh.common.kernels.fp4_experts import grouped_down, grouped_gate_up
-        from moemesh.common.kernels.fp4_prefill import grouped_experts_dequant, use_dequant_path
+        """Grouped Triton kernels on stack indices local [T, K] -> [T·K, D] rows indexed by flat slot t·K + k."""
+        return self._slot_rows_kernel(held, hidden, local, weights, None, stack_table=None)
+
+    def _slot_rows_kernel(self, held: _LayerExperts, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                          slot_mask: torch.Tensor | None, *, stack_table: torch.Tensor | None) -> torch.Tensor:
+        """hidden [T, D], ids / weights [T, K] (ids read through stack_table when given, else stack indices),
+        slot_mask [T, K] or None -> [T·K, D] rows indexed by flat slot t·K + k, exact zeros where masked.
+
+        Three launches, no host sync: the route layout (`route_layout.route_layout`: stable sort of the
+        selected slots by expert, masked slots after every expert's rows), `grouped_gate_up` reading x
+        through the rows' token ids, `grouped_down` writing each row to its slot and zeros to the
+        masked slots. Masked slots are not computed. Long FP4 prefill takes `_rows_dequant`."""
+        from moemesh.common.kernels.fp4_experts import grouped_down, grouped_gate_up, quartered_handoff
+        from moemesh.common.kernels.route_layout import route_layout
+
+        if self._uses_dequant_path(held, hidden, ids.numel()):
+            local = stack_table[ids] if stack_table is not None else ids  # [T, K]
+            rows = self._rows_dequant(held, hidden, local, weights)  # [T·K, D]
+            if slot_mask is None:
+                return rows
+            return (rows.view(*ids.shape, -1) * slot_mask[..., None].to(rows.dtype)).view(rows.shape)
+        layout = route_layout(ids, weights, len(held.expert_ids), stack_table=stack_table, slot_mask=slot_mask)
+        stacked = held.kernel_weights()
+        quartered = quartered_handoff(ids.numel(), stacked, hidden.dtype, hidden.device)
+        h = grouped_gate_up(hidden, layout.expert_offsets, stacked, swiglu_limit=self.swiglu_limit,
+                            x_row_ids=layout.row_token_ids, quartered_out=quartered)  # [R, I] in expert order
+        if self.route_weight_before_w2:  # a per-row scale: the same in either column order
+            h = (h.float() * layout.row_weights[:, None]).to(hidden.dtype)
+            return grouped_down(h, layout.expert_offsets, stacked, out_row_ids=layout.row_slot_ids,
+                                hidden_quartered=quartered)
+        return grouped_down(h, layout.expert_offsets, stacked, row_weights=layout.row_weights,
+                            out_row_ids=layout.row_slot_ids, hidden_quartered=quartered)  # [R, D] in slot order
+
+    def _uses_dequant_path(self, held: _LayerExperts, hidden: torch.Tensor, num_rows: int) -> bool:
+        """Long FP4 prefill: each expert dequantised once, grouped bf16 GEMMs (one host sync; never in decode)."""
+        from moemesh.common.kernels.fp4_prefill import use_dequant_path
+
+        return (held.fmt is ExpertFormat.FP4 and hidden.dtype == torch.bfloat16 and not self.route_weight_before_w2
+                and hidden.is_cuda and use_dequant_path(num_rows, len(held.expert_ids)))
+
+    def _rows_dequant(self, held: _LayerExperts, hidden: torch.Tensor, local: torch.Tensor,
+                      weights: torch.Tensor) -> torch.Tensor:
+        """The long-prefill path on stack indices local [T, K] -> [T·K, D] rows indexed by flat slot."""
+        from moemesh.common.kernels.fp4_prefill import grouped_experts_dequant
 
         layout = layout_by_expert(local, len(held.expert_ids))
-        stacked = held.kernel_weights()
         x_sorted = hidden[layout.row_token_ids]  # [R, D]
         row_weights = weights.reshape(-1)[layout.row_slot_ids].float()  # [R]
-        if (held.fmt is ExpertFormat.FP4 and hidden.dtype == torch.bfloat16 and not self.route_weight_before_w2
-                and hidden.is_cuda and use_dequant_path(x_sorted.shape[0], len(held.expert_ids))):
-            # long prefill: each expert dequantised once, grouped bf16 GEMMs (one host sync; never in decode)
-            y = grouped_experts_dequant(x_sorted, layout.expert_offsets, stacked, swiglu_limit=self.swiglu_limit,
-                                        row_weights=row_weights)
-            return _unsort_rows(y, layout.row_slot_ids)
-        h = grouped_gate_up(x_sorted, layout.expert_offsets, stacked, swiglu_limit=self.swiglu_limit)  # [R, I]
-        if self.route_weight_before_w2:
-            h = (h.float() * row_weights[:, None]).to(hidden.dtype)
-            y = grouped_down(h, layout.expert_offsets, stacked)
-        else:
-            y = grouped_down(h, layout.expert_offsets, stacked, row_weights=row_weights)  # [R, D]
+        y = grouped_experts_dequant(x_sorted, layout.expert_offsets, held.kernel_weights(),
+                                    swiglu_limit=self.swiglu_limit, row_weights=row_weights)
         return _unsort_rows(y, layout.row_slot_ids)
 
     def _rows_torch(self, held: _LayerExperts, hidden: torch.Tensor, local: torch.Tensor, weights: torch.Tensor,

@@ -43,7 +43,7 @@ class ReferenceModel:
             ids, weights = side.gate(layer, x, token_ids)
             shared = side.shared_expert(layer, x)
             routed = self.experts_fn(layer, x, ids, weights)  # the MoE seam
-            h = side.ffn_post(layer, routed + shared, h, post, comb)
+            h = side.ffn_post(layer, routed, h, post, comb, shared=shared)
         batch.finish()
         return side.logits(h, logits_indices)
 

@@ -7,8 +7,10 @@ are bit-identical to it.
 
 On CUDA the rotations run as one Triton launch each (`common.kernels.norm_rope`, dispatch rules in
 `common.kernels.glue`), and `rms_norm_rope` / `inverse_rope` fuse the attention projections' glue
-(norm then RoPE; the undo of the rotation) into that one launch; the torch code is the CPU path
-and their reference.
+(norm then RoPE; the undo of the rotation) into that one launch; `RotaryTable.cos_sin` is one launch,
+and `window_rows_norm_rope` (compressed rows) computes its angles inside its norm + RoPE launch. The
+torch code is the CPU path and their reference; the kernels' cos and sin are libdevice's, as torch's
+CUDA kernels', so the angles' values are the same.
 """
 
 from __future__ import annotations
@@ -62,7 +64,11 @@ class RotaryTable:
         return cls("main", config.qk_rope_head_dim, inverse_frequencies(config.qk_rope_head_dim, config.rope_theta, None))
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] int -> (cos, sin) each [N, R/2] float32."""
+        """positions [N] int -> (cos, sin) each [N, R/2] float32; one launch on CUDA."""
+        if use_triton_glue(positions, self.inv_freq):
+            from moemesh.common.kernels import norm_rope
+
+            return norm_rope.rope_cos_sin(positions, self.inv_freq)
         angles = positions[:, None].float() * self.inv_freq.to(positions.device)
         return angles.cos(), angles.sin()
 
@@ -120,3 +126,26 @@ def rms_norm_rope(
         return norm_rope.norm_rope(x, norm=kind, eps=eps, weight=weight, cos=cos, sin=sin)
     normed = unweighted_rms_norm(x, eps) if weight is None else rms_norm(x, weight, eps)
     return _apply_rope_torch(normed, cos, sin)
+
+
+def window_rows_norm_rope(
+    pooled: torch.Tensor,  # [Nc, C] fp32
+    weight: torch.Tensor,  # [C] fp32: the compressor's RMSNorm weight
+    eps: float,
+    table: RotaryTable,
+    positions: torch.Tensor,  # [T] int
+    tokens: torch.Tensor,  # [Nc] int, flat indices into positions
+    ratio: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The compressed rows of the windows that tokens `tokens` close: `rms_norm_rope(pooled.to(dtype))` rotated
+    at each window's first position (positions[tokens] // ratio · ratio) -> [Nc, C] dtype. One launch on CUDA,
+    the angles computed in it (no cos/sin tensors); same roundings as the torch code, which it runs on CPU."""
+    if use_triton_glue(pooled, weight, positions, tokens, table.inv_freq):
+        from moemesh.common.kernels import norm_rope
+
+        return norm_rope.window_rows_norm_rope(pooled, weight=weight, eps=eps, inv_freq=table.inv_freq,
+                                               positions=positions, tokens=tokens, ratio=ratio, out_dtype=dtype)
+    row_positions = torch.div(positions[tokens], ratio, rounding_mode="floor") * ratio  # [Nc]
+    cos, sin = table.cos_sin(row_positions)
+    return rms_norm_rope(pooled.to(dtype), cos, sin, eps, weight=weight)

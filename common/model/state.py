@@ -9,6 +9,11 @@ One `SequenceState` per sequence holds one `LayerState` per layer:
   overlap), plus the emitted rows, append-only; `num_rows = num_tokens // ratio` so a rollback
   simply forgets rows past the new count. R is chosen from `max_rollback_tokens`.
 
+Row storage (`SequenceState(kv_storage=...)`, common/model/kv_rows.py `RowFormat`): the window ring and the
+main compressor's rows hold either rows in the activation dtype or packed FP8 main rows (uint8 [.., row_bytes]);
+`append` / `write_rows` encode, `read` / `read_rows` decode, so callers see rows [n, head_dim] in the activation
+dtype either way. The indexer's rows and the compressors' pending inputs are always kept as they are.
+
 Invariant: every store of a sequence advances by the same token count per forward; the
 `SequenceState.num_tokens` counter is the authority and is advanced once the whole forward is done.
 Rollback is allowed while the total distance below the highest position ever reached ("high
@@ -33,6 +38,8 @@ from typing import Protocol
 import torch
 
 from moemesh.common.model.config import AttentionKind, ModelConfig
+from moemesh.common.model.kv_rows import MainRowLayout, RowFormat
+from moemesh.common.model.kv_storage import KVStorage
 
 DEFAULT_MAX_ROLLBACK_TOKENS = 8
 
@@ -43,14 +50,16 @@ class RollbackError(ValueError):
 
 class RowStore(Protocol):
     """Where a CompressorStore keeps its emitted rows when not in its own tensor (a paged pool).
-    Rows are append-only by row index; `read(n)` returns rows 0..n-1 as [n, row_dim]."""
+    Rows are append-only by row index, as stored (the store's `RowFormat`: [n, Ws] of its stored dtype, Ws =
+    row_dim for plain rows, row_bytes of uint8 for FP8 main rows); `read(n)` returns rows 0..n-1 [n, Ws]."""
 
     def write(self, first_row: int, rows: torch.Tensor) -> None: ...
 
     def read(self, num_rows: int) -> torch.Tensor: ...
 
 
-# (layer, "compressor" | "indexer", row_dim) -> the RowStore of that compressor's rows
+# (layer, "compressor" | "indexer", row_dim) -> the RowStore of that compressor's rows (in the stored format:
+# a state with FP8 main rows checks that its compressor row stores hold uint8 rows of row_bytes)
 RowStoreFactory = Callable[[int, str, int], RowStore]
 
 
@@ -110,11 +119,14 @@ def _read_ring(ring: torch.Tensor, start_pos: int, end_pos: int) -> torch.Tensor
 
 
 class WindowStore:
-    """Raw (normed, rotated) kv rows of the sliding window. rows [ring, C]."""
+    """Raw (normed, rotated) kv rows of the sliding window. ring [ring, Ws] as stored (`row_format`)."""
 
-    def __init__(self, sliding_window: int, row_dim: int, max_rollback_tokens: int, dtype, device) -> None:
+    def __init__(self, sliding_window: int, row_dim: int, max_rollback_tokens: int, dtype, device,
+                 row_format: RowFormat | None = None) -> None:
+        """row_format: how rows are stored (None: as they are, in dtype)."""
         self.ring_size = sliding_window + max_rollback_tokens
-        self._rows = torch.zeros(self.ring_size, row_dim, dtype=dtype, device=device)
+        self.row_format = row_format or RowFormat(row_dim, dtype)
+        self._rows = self.row_format.empty(self.ring_size, device)
         self._counter = _RingCounter(max_rollback_tokens)
 
     @property
@@ -122,13 +134,14 @@ class WindowStore:
         return self._counter.num_tokens
 
     def read(self, start_pos: int) -> torch.Tensor:
-        """Rows of positions start_pos .. num_tokens-1 -> [n, C]."""
+        """Rows of positions start_pos .. num_tokens-1 -> [n, C] (decoded)."""
         self._counter.check_readable(start_pos, self.ring_size, "window")
-        return _read_ring(self._rows, start_pos, self.num_tokens)
+        return self.row_format.decode(_read_ring(self._rows, start_pos, self.num_tokens))
 
     def append(self, rows: torch.Tensor) -> None:
         """rows [n, C] for positions num_tokens .. num_tokens+n-1."""
-        _write_ring(self._rows, self.num_tokens, rows)
+        kept = rows[-self.ring_size:]  # earlier rows would be overwritten within this append
+        _write_ring(self._rows, self.num_tokens + rows.shape[0] - kept.shape[0], self.row_format.encode(kept))
         self._counter.advance(rows.shape[0])
 
     def rollback(self, num_tokens: int) -> None:
@@ -136,7 +149,7 @@ class WindowStore:
 
     @property
     def ring(self) -> torch.Tensor:
-        """The ring tensor [ring_size, C] itself (never reallocated), for kernels writing in place."""
+        """The ring tensor [ring_size, Ws] as stored (never reallocated), for kernels writing in place."""
         return self._rows
 
     def mark_written(self, num_tokens: int) -> None:
@@ -151,12 +164,14 @@ class WindowStore:
 class CompressorStore:
     """Pending compressor inputs (K, Z per position) and emitted rows of one compressor.
 
-    inputs ring [R·m, C_in] fp32 (C_in = c·row_dim, c = 2 with overlap); rows [capacity, row_dim].
+    inputs ring [R·m, C_in] fp32 (C_in = c·row_dim, c = 2 with overlap); rows [capacity, Ws] as stored
+    (`row_format`; Ws = row_dim for plain rows, row_bytes for FP8 main rows).
     """
 
     def __init__(self, ratio: int, input_dim: int, row_dim: int, overlap: bool, max_rollback_tokens: int,
                  dtype, device, initial_row_capacity: int = 64, row_store: "RowStore | None" = None,
-                 layout_version: LayoutVersion | None = None) -> None:
+                 layout_version: LayoutVersion | None = None, row_format: RowFormat | None = None) -> None:
+        """row_format: how the emitted rows are stored (None: as they are, in dtype)."""
         self.ratio = ratio
         self.overlap = overlap
         # positions still needed after a rollback of max_rollback_tokens: the open window, plus the
@@ -167,8 +182,8 @@ class CompressorStore:
         self._score = torch.zeros(self.ring_size, input_dim, dtype=torch.float32, device=device)
         # emitted rows live in `row_store` when given (a paged KV pool), else in a growing tensor
         self._row_store = row_store
-        self._rows = None if row_store is not None else torch.zeros(initial_row_capacity, row_dim, dtype=dtype,
-                                                                    device=device)
+        self.row_format = row_format or RowFormat(row_dim, dtype)
+        self._rows = None if row_store is not None else self.row_format.empty(initial_row_capacity, device)
         self._counter = _RingCounter(max_rollback_tokens)
         self.layout_version = layout_version or LayoutVersion()
 
@@ -183,7 +198,7 @@ class CompressorStore:
 
     @property
     def own_rows(self) -> torch.Tensor | None:
-        """The whole own row tensor [capacity, row_dim] (None with an external row store)."""
+        """The whole own row tensor [capacity, Ws] as stored (None with an external row store)."""
         return self._rows
 
     @property
@@ -227,18 +242,19 @@ class CompressorStore:
 
     def write_rows(self, first_row: int, rows: torch.Tensor) -> None:
         """rows [n, row_dim] as rows first_row.. (must not be past num_rows when called)."""
+        stored = self.row_format.encode(rows)  # [n, Ws]
         if self._row_store is not None:
-            self._row_store.write(first_row, rows)
+            self._row_store.write(first_row, stored)
             return
         end = first_row + rows.shape[0]
         self.reserve_rows(end)
-        self._rows[first_row:end] = rows.to(self._rows.dtype)
+        self._rows[first_row:end] = stored
 
     def read_rows(self) -> torch.Tensor:
-        """All emitted rows of this sequence -> [num_rows, row_dim]."""
+        """All emitted rows of this sequence -> [num_rows, row_dim] (decoded)."""
         if self._row_store is not None:
-            return self._row_store.read(self.num_rows)
-        return self._rows[: self.num_rows]
+            return self.row_format.decode(self._row_store.read(self.num_rows))
+        return self.row_format.decode(self._rows[: self.num_rows])
 
     def rollback(self, num_tokens: int) -> None:
         self._counter.rollback(num_tokens)
@@ -264,12 +280,22 @@ class SequenceState:
 
     def __init__(self, config: ModelConfig, *, max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 row_store_factory: RowStoreFactory | None = None) -> None:
-        """row_store_factory: where compressed rows live (default: a growing tensor per store)."""
+                 row_store_factory: RowStoreFactory | None = None, kv_storage: KVStorage = KVStorage.BF16) -> None:
+        """dtype: the activation dtype (what reads return); row_store_factory: where compressed rows live
+        (default: a growing tensor per store); kv_storage: how window and compressed rows are stored."""
         self.config = config
+        self.dtype = dtype
+        self.kv_storage = kv_storage
+        main = RowFormat.main(config, kv_storage, dtype)
+        self.main_row_format = main
 
         def rows(layer: int, which: str, row_dim: int) -> RowStore | None:
-            return None if row_store_factory is None else row_store_factory(layer, which, row_dim)
+            if row_store_factory is None:
+                return None
+            store = row_store_factory(layer, which, row_dim)
+            if which == "compressor" and main.layout is not None:
+                _check_stored_format(store, main, f"layer {layer} {which}")
+            return store
 
         self.max_rollback_tokens = max_rollback_tokens
         self.num_tokens = 0
@@ -280,14 +306,15 @@ class SequenceState:
         self._store_counters: list | None = None  # every store's counter, for commit_kernel_writes
         self.layers: list[LayerState] = []
         for layer, kind in enumerate(config.layer_types):
-            window = WindowStore(config.sliding_window, config.head_dim, max_rollback_tokens, dtype, device)
+            window = WindowStore(config.sliding_window, config.head_dim, max_rollback_tokens, dtype, device,
+                                 row_format=main)
             state = LayerState(kind, window)
             ratio = config.compress_ratio(layer)
             if kind is AttentionKind.CSA:
                 state.compressor = CompressorStore(ratio, 2 * config.head_dim, config.head_dim, True,
                                                    max_rollback_tokens, dtype, device,
                                                    row_store=rows(layer, "compressor", config.head_dim),
-                                                   layout_version=self.layout_version)
+                                                   layout_version=self.layout_version, row_format=main)
                 state.indexer = CompressorStore(ratio, 2 * config.index_head_dim, config.index_head_dim, True,
                                                 max_rollback_tokens, dtype, device,
                                                 row_store=rows(layer, "indexer", config.index_head_dim),
@@ -296,8 +323,13 @@ class SequenceState:
                 state.compressor = CompressorStore(ratio, config.head_dim, config.head_dim, False,
                                                    max_rollback_tokens, dtype, device,
                                                    row_store=rows(layer, "compressor", config.head_dim),
-                                                   layout_version=self.layout_version)
+                                                   layout_version=self.layout_version, row_format=main)
             self.layers.append(state)
+
+    @property
+    def main_row_layout(self) -> MainRowLayout | None:
+        """The FP8 layout of the window and compressed rows, or None when they are kept in `dtype`."""
+        return self.main_row_format.layout
 
     def advance(self, num_tokens: int) -> None:
         """Called once a forward over num_tokens new tokens has updated every layer."""
@@ -365,7 +397,7 @@ class SequenceState:
         return twin
 
     def live_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor the next step can read, by name (for state-equality tests)."""
+        """Every tensor the next step can read, by name, rows decoded (for state-equality tests)."""
         out: dict[str, torch.Tensor] = {}
         for layer, state in enumerate(self.layers):
             for name, tensor in state.window.live_tensors(self.config.sliding_window).items():
@@ -375,3 +407,12 @@ class SequenceState:
                     for name, tensor in store.live_tensors().items():
                         out[f"layers.{layer}.{prefix}.{name}"] = tensor
         return out
+
+
+def _check_stored_format(store: RowStore, row_format: RowFormat, what: str) -> None:
+    """A row store must hold rows as `row_format` stores them: the empty read of one tells [0, Ws] and dtype."""
+    probe = store.read(0)
+    if probe.dtype != row_format.stored_dtype or probe.shape[-1] != row_format.stored_width:
+        raise ValueError(f"{what}: the row store holds [.., {probe.shape[-1]}] {probe.dtype} rows; FP8 main rows "
+                         f"need [.., {row_format.stored_width}] {row_format.stored_dtype} (a KV pool built with "
+                         f"the same kv storage)")

@@ -39,6 +39,7 @@ Example (every key optional except the model path and one attention and expert w
     name = "attention-0"
     device = "cuda:0"
     placement = "none"             # routed experts it computes itself, as [[expert]] placement (default none)
+    kv_dtype = "bf16"              # window and compressed KV rows: bf16 (the activation dtype) or fp8 (584-byte rows)
 
     [[expert]]
     name = "expert-0"
@@ -75,6 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moemesh.common.model.kv_storage import KV_DTYPES
 from moemesh.common.security.cli_args import add_security_arguments
 
 
@@ -140,6 +142,7 @@ class AttentionWorkerConfig:
     data_plane: str = "zmq"  # "cuda_ipc": Dispatch/Combine tensors through device rings shared by CUDA IPC
     cuda_graphs: bool = False  # replay decode steps as CUDA graphs per batch bucket (CUDA devices)
     placement: str = "none"  # routed experts it holds and computes itself: "none", "all" or a placement file
+    kv_dtype: str = "bf16"  # how window and compressed KV rows are stored (common/model/kv_storage.py): bf16 or fp8
 
 
 @dataclass(frozen=True)
@@ -282,6 +285,10 @@ def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
         raise DeploymentError("kv.num_primary_blocks: must be >= 1")
     if deployment.kv.num_cpu_blocks < 0:
         raise DeploymentError("kv.num_cpu_blocks: must be >= 0")
+    for index, worker in enumerate(deployment.attention):
+        if worker.kv_dtype not in KV_DTYPES:
+            raise DeploymentError(f"attention[{index}].kv_dtype: {worker.kv_dtype!r} is not one of "
+                                  f"{', '.join(KV_DTYPES)}")
     for index, worker in enumerate(deployment.expert):
         if worker.expert_dtype not in EXPERT_DTYPES:
             raise DeploymentError(f"expert[{index}].expert_dtype: {worker.expert_dtype!r} is not one of "

@@ -74,6 +74,8 @@ BENCHMARKS: dict[str, Benchmark] = {
                       "long run of streams with client aborts and expert worker restarts: failures, leaks"),
     "default-model": Benchmark("moemesh.bench.default_model_figures",
                                "the default model on the CPU: loss, recitation, drafter acceptance, expert skew"),
+    "kv-bytes": Benchmark("moemesh.bench.kv_bytes",
+                          "KV bytes per context token as stored (--kv-dtype), measured from a sequence state"),
     "plots": Benchmark("moemesh.bench.plots", "render result JSON files as PNG plots beside them"),
     "make-checkpoint": Benchmark("moemesh.bench.random_checkpoint",
                                  "write a hub-format checkpoint with random weights"),

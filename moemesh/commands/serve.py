@@ -27,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from moemesh.commands.serve_config import DEFAULT_MODEL_DIR
+from moemesh.common.model.kv_storage import KV_DTYPES
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -47,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                              "worker i uses device i mod count; auto (default): every CUDA GPU when there "
                              "are some, else cpu (`moemesh devices` shows the choice)")
     parser.add_argument("--dtype", default="auto", choices=_DTYPES, help="compute dtype (auto: f32 on CPU, bf16 on GPU)")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
+                        help="how the attention worker stores window and compressed KV rows: bf16 (the compute dtype) "
+                             "or fp8 (584-byte V4-Flash rows instead of 1,024, read by the attention kernels "
+                             "directly; docs/model.md §3.1)")
     parser.add_argument("--expert-dtype", choices=("native", "fp8", "bf16"), default="native",
                         help="what expert workers keep of the routed experts: native (as stored), fp8 (FP4 "
                              "re-encoded to FP8 e4m3 at load, docs/checkpoints.md) or bf16 (debugging)")
@@ -219,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
                          api_key_file=api_key_file, recovery_timeout_s=args.recovery_timeout,
                          model_name=model_name, drain_s=args.drain_timeout,
                          router_limits=request_limits(args), expert_dtype=args.expert_dtype,
-                         experts_in_attention=experts_in_attention)
+                         experts_in_attention=experts_in_attention, kv_dtype=args.kv_dtype)
     try:
         config_path, deployment = write_deployment(layout)
     except DeploymentError as error:

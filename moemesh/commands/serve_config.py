@@ -57,6 +57,7 @@ class ServeLayout:
     # routed experts the attention worker computes itself: "none", "all" (expert workers join empty) or a
     # placement file naming attention-0 and every expert worker (`--experts-in-attention`)
     experts_in_attention: str = "none"
+    kv_dtype: str = "bf16"  # how the attention worker stores window and compressed KV rows (bf16, fp8)
 
 
 def check_layout_data_plane(layout: ServeLayout) -> DataPlane:
@@ -105,7 +106,8 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
         "attention": [{"name": "attention-0", "device": layout.devices[0],
                        **({"data_plane": layout.data_plane} if layout.data_plane != "zmq" else {}),
                        **({"cuda_graphs": True} if layout.cuda_graphs else {}),
-                       **({"placement": layout.experts_in_attention} if layout.experts_in_attention != "none" else {})}],
+                       **({"placement": layout.experts_in_attention} if layout.experts_in_attention != "none" else {}),
+                       **({"kv_dtype": layout.kv_dtype} if layout.kv_dtype != "bf16" else {})}],
         "expert": experts,
         **({"draft": {"enabled": True, "name": DRAFT_NAME, "device": layout.devices[0]}} if layout.with_drafter else {}),
         **({"security": {"api_key_file": layout.api_key_file}} if layout.api_key_file is not None else {}),

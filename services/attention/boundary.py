@@ -25,6 +25,10 @@ end deeper inside a long prefill chunk is captured only when the rings are sized
 poisoned with NaN (and a `attention.boundary_snapshot_lost` warning is logged) so that
 `restore_state` refuses it with a KVPoolError instead of resuming from garbage.
 
+Window snapshots hold rows as the window ring stores them (bf16 or packed FP8 rows, `RowFormat`): rows
+are copied as stored bytes, never decoded and re-encoded, so a restored ring is the source ring byte for
+byte. A poisoned FP8 snapshot is filled with bytes that decode to NaN.
+
 Invariants:
 - A snapshot at b depends only on tokens before b, so one written while drafts were in
   flight is right whenever those tokens are later confirmed, and is rewritten when the
@@ -43,7 +47,10 @@ import structlog
 import torch
 
 from moemesh.common.model.config import AttentionKind, ModelConfig
-from moemesh.common.model.state import DEFAULT_MAX_ROLLBACK_TOKENS, CompressorStore, SequenceState, WindowStore, _read_ring
+from moemesh.common.model.kv_rows import RowFormat
+from moemesh.common.model.state import (
+    DEFAULT_MAX_ROLLBACK_TOKENS, CompressorStore, SequenceState, WindowStore, _read_ring, _write_ring,
+)
 from moemesh.services.attention.kv_pool import BlockTable, KVPool, KVPoolError
 
 log = structlog.get_logger("attention")
@@ -74,16 +81,20 @@ class Recorder:
         return self.table.block_ids[index]
 
     def write(self, key: tuple[int, str], boundary: int, rows: torch.Tensor) -> None:
-        """rows [n, C] right-aligned in the snapshot (its last row is position boundary-1)."""
+        """rows [n, C] as stored, right-aligned in the snapshot (its last row is position boundary-1)."""
         target = self.pool.primary[key][self.block_of_boundary(boundary)]  # [S, C]
         target[target.shape[0] - rows.shape[0]:] = rows.to(target.dtype)
 
     def poison(self, key: tuple[int, str], boundary: int) -> None:
-        """Mark a snapshot that could not be captured (NaN), so a restore from it is refused."""
-        self.pool.primary[key][self.block_of_boundary(boundary)].fill_(float("nan"))
+        """Mark a snapshot that could not be captured (NaN once decoded), so a restore from it is refused."""
+        snapshot = self.pool.primary[key][self.block_of_boundary(boundary)]
+        if key[1] == "window_snapshot":
+            self.pool.main_row_format.poison_(snapshot)
+        else:
+            snapshot.fill_(float("nan"))
 
     def read(self, key: tuple[int, str], block_id: int, num_rows: int) -> torch.Tensor:
-        """The last num_rows rows of a block's snapshot -> [num_rows, C]."""
+        """The last num_rows rows of a block's snapshot, as stored -> [num_rows, C]."""
         snapshot = self.pool.primary[key][block_id]
         return snapshot[snapshot.shape[0] - num_rows:]
 
@@ -92,8 +103,8 @@ class RecordingWindowStore(WindowStore):
     """A WindowStore that snapshots positions b-W .. b-1 when an append crosses a block end b."""
 
     def __init__(self, recorder: Recorder, layer: int, sliding_window: int, row_dim: int, max_rollback_tokens: int,
-                 dtype, device) -> None:
-        super().__init__(sliding_window, row_dim, max_rollback_tokens, dtype, device)
+                 dtype, device, row_format: RowFormat | None = None) -> None:
+        super().__init__(sliding_window, row_dim, max_rollback_tokens, dtype, device, row_format=row_format)
         self.recorder = recorder
         self.layer = layer
         self.sliding_window = sliding_window
@@ -112,7 +123,9 @@ class RecordingWindowStore(WindowStore):
         boundaries = self.recorder.boundaries(start, start + rows.shape[0])
         if boundaries:
             first = max(0, start - self.sliding_window)
-            combined = torch.cat([self.read(first).to(rows.dtype), rows])  # [P, C] positions first ..
+            self._counter.check_readable(first, self.ring_size, "window")
+            # [P, Ws] positions first .., as stored (the kernels encode the new rows exactly as `encode` does)
+            combined = torch.cat([_read_ring(self._rows, first, start), self.row_format.encode(rows)])
             for boundary in boundaries:
                 low = max(0, boundary - self.sliding_window)
                 self.recorder.write((self.layer, "window_snapshot"), boundary, combined[low - first: boundary - first])
@@ -137,19 +150,22 @@ class RecordingWindowStore(WindowStore):
             self.recorder.write(key, boundary, _read_ring(self._rows, low, boundary))  # [b-low, C]
 
     def load_boundary(self, num_tokens: int, rows: torch.Tensor) -> None:
-        """Stand at num_tokens with rows [n, C] as positions num_tokens-n .. num_tokens-1 (fresh store)."""
+        """Stand at num_tokens with stored rows [n, Ws] as positions num_tokens-n .. num_tokens-1 (fresh store)."""
         if self.num_tokens:
             raise RuntimeError("load_boundary needs a fresh store")
         self._counter.advance(num_tokens - rows.shape[0])
-        super().append(rows)
+        _write_ring(self._rows, self.num_tokens, rows)  # the snapshot's bytes as they are
+        self._counter.advance(rows.shape[0])
 
 
 class RecordingCompressorStore(CompressorStore):
     """A CompressorStore that snapshots the pending inputs the next window close needs at a block end."""
 
     def __init__(self, recorder: Recorder, layer: int, which: str, ratio: int, input_dim: int, row_dim: int,
-                 overlap: bool, max_rollback_tokens: int, dtype, device, row_store) -> None:
-        super().__init__(ratio, input_dim, row_dim, overlap, max_rollback_tokens, dtype, device, row_store=row_store)
+                 overlap: bool, max_rollback_tokens: int, dtype, device, row_store,
+                 row_format: RowFormat | None = None) -> None:
+        super().__init__(ratio, input_dim, row_dim, overlap, max_rollback_tokens, dtype, device, row_store=row_store,
+                         row_format=row_format)
         self.recorder = recorder
         self.layer = layer
         self.which = which
@@ -236,25 +252,26 @@ def recording_state(config: ModelConfig, pool: KVPool, table: BlockTable, record
     docstring: "Reach"). None keeps the plain rings (kernel-path block ends deeper than
     max_rollback_tokens inside a chunk are poisoned, not captured)."""
     state = SequenceState(config, max_rollback_tokens=max_rollback_tokens, dtype=dtype, device=device,
-                          row_store_factory=pool.row_store_factory(table))
+                          row_store_factory=pool.row_store_factory(table), kv_storage=pool.kv_storage)
     rows_of = pool.row_store_factory(table)
     # the stores' ring reach (their own rollback bound may exceed the state's: the ring is bigger)
     max_rollback_tokens = max(max_rollback_tokens, max_chunk_tokens or 0)
+    main = state.main_row_format  # window and compressed rows as the pool stores them; indexer rows as they are
     for layer, layer_state in enumerate(state.layers):
         layer_state.window = RecordingWindowStore(recorder, layer, config.sliding_window, config.head_dim,
-                                                  max_rollback_tokens, dtype, device)
+                                                  max_rollback_tokens, dtype, device, row_format=main)
         ratio = config.compress_ratio(layer)
         if layer_state.kind is AttentionKind.CSA:
             layer_state.compressor = RecordingCompressorStore(
                 recorder, layer, "compressor", ratio, 2 * config.head_dim, config.head_dim, True, max_rollback_tokens,
-                dtype, device, rows_of(layer, "compressor", config.head_dim))
+                dtype, device, rows_of(layer, "compressor", config.head_dim), row_format=main)
             layer_state.indexer = RecordingCompressorStore(
                 recorder, layer, "indexer", ratio, 2 * config.index_head_dim, config.index_head_dim, True,
                 max_rollback_tokens, dtype, device, rows_of(layer, "indexer", config.index_head_dim))
         elif layer_state.kind is AttentionKind.HCA:
             layer_state.compressor = RecordingCompressorStore(
                 recorder, layer, "compressor", ratio, config.head_dim, config.head_dim, False, max_rollback_tokens,
-                dtype, device, rows_of(layer, "compressor", config.head_dim))
+                dtype, device, rows_of(layer, "compressor", config.head_dim), row_format=main)
     return state
 
 
@@ -266,7 +283,10 @@ def _check_captured(recorder: Recorder, state: SequenceState, block_id: int, num
             if store is not None and store.num_pending_at_boundary():
                 keys.append(((layer, f"{store.which}_pending_kv"), store.num_pending_at_boundary()))
         for key, num_rows in keys:
-            if not bool(torch.isfinite(recorder.read(key, block_id, num_rows)).all()):
+            snapshot = recorder.read(key, block_id, num_rows)
+            if key[1] == "window_snapshot":
+                snapshot = layer_state.window.row_format.decode(snapshot)
+            if not bool(torch.isfinite(snapshot).all()):
                 raise KVPoolError(f"block {block_id} (boundary {num_tokens}) has no snapshot of {key}: it was "
                                   f"crossed deep inside a kernel-path chunk longer than the ring reach")
 

@@ -52,6 +52,7 @@ from moemesh.common.kernels.attention_layout import CONTIGUOUS_ROWS_PER_BLOCK
 from moemesh.common.kernels.sparse_attention import default_config
 from moemesh.common.model.attention_tables import sequence_addresses
 from moemesh.common.model.batch import AttentionBackend, SequenceChunk, default_attention_backend
+from moemesh.common.model.kv_storage import KVStorage
 from moemesh.common.model.state import SequenceState
 from moemesh.services.attention.graph_tables import StaticDecodeTables, index_rows_class
 from moemesh.services.attention.model_runner import LayerSegments, SegmentRun
@@ -66,11 +67,13 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 class DecodeGraphConfig:
     """buckets: batch sizes graphs are captured for (ascending); max_blocks_per_sequence: block-table
     width of the static tables (a paged sequence with more blocks runs eagerly); capture: False runs
-    the segment functions eagerly over the static tables (CPU tests of the metadata path)."""
+    the segment functions eagerly over the static tables (CPU tests of the metadata path); kv_storage:
+    how the sequences store their KV rows (sequences stored otherwise run eagerly)."""
 
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     max_blocks_per_sequence: int = 256
     capture: bool = True
+    kv_storage: KVStorage = KVStorage.BF16
 
 
 class GraphBatch:
@@ -169,7 +172,8 @@ class DecodeGraphs:
         self.device = torch.device(device)
         self.buckets = tuple(sorted(config.buckets))
         move_rope_tables(side, self.device)  # no host-to-device copy inside a captured segment
-        self.scratch = SequenceState(side.config, dtype=side.dtype, device=self.device)  # padding rows write here
+        self.scratch = SequenceState(side.config, dtype=side.dtype, device=self.device,
+                                     kv_storage=config.kv_storage)  # padding rows write here
         self._sets: dict[tuple, _GraphSet] = {}
         self._step_graphs: dict[tuple, _StepGraph] = {}
         self._pools: dict[int, Any] = {}  # micro-batch index -> graph memory pool
@@ -213,7 +217,7 @@ class DecodeGraphs:
         max_csa_rows = 0
         for chunk in chunks:
             state = chunk.state
-            if state.layers[0].window.ring.dtype != self.side.dtype:
+            if state.dtype != self.side.dtype or state.kv_storage is not self.config.kv_storage:
                 return None, "state_dtype"
             state.reserve_tokens(state.num_tokens + 1)
             addresses = sequence_addresses(state)
@@ -353,7 +357,8 @@ class DecodeGraphs:
             rows_per_block = {k: CONTIGUOUS_ROWS_PER_BLOCK for k in rows_per_block}
         smaller = [b for b in self.buckets if b < bucket]
         tables = StaticDecodeTables(side.config, bucket, rows_per_block, block_width, index_rows, side.dtype,
-                                    self.device, min_real_tokens=(max(smaller) + 1) if smaller else 1)
+                                    self.device, min_real_tokens=(max(smaller) + 1) if smaller else 1,
+                                    main_rows=self.scratch.main_row_layout)
         routed_in = torch.zeros(bucket, side.config.hidden_size, dtype=side.dtype, device=self.device)  # [Tb, D]
         batch = GraphBatch(tables)
         segments = LayerSegments(side, batch, tables.token_ids, routed_in, keep_layers=True)

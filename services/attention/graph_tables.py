@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moemesh.common.kernels.attention_layout import NUM_FIELDS, AttentionTables
+from moemesh.common.kernels.attention_layout import NUM_FIELDS, AttentionTables, MainRowBytes
 from moemesh.common.model.attention_tables import sequence_addresses
 from moemesh.common.model.config import AttentionKind, ModelConfig
 from moemesh.common.model.state import SequenceState
@@ -71,8 +71,9 @@ class StaticDecodeTables(AttentionTables):
 
     def __init__(self, config: ModelConfig, num_tokens: int, rows_per_block: dict[tuple[int, str], int],
                  block_width: int, index_rows: int | None, state_dtype: torch.dtype, device: torch.device,
-                 min_real_tokens: int = 1) -> None:
-        """min_real_tokens: the fewest sequences a step over these tables has (the previous bucket + 1)."""
+                 min_real_tokens: int = 1, main_rows: MainRowBytes | None = None) -> None:
+        """min_real_tokens: the fewest sequences a step over these tables has (the previous bucket + 1);
+        main_rows: the FP8 layout of the window and compressed rows (None: rows in state_dtype)."""
         self.config = config
         self.min_real_tokens = min_real_tokens
         self.index_rows = index_rows
@@ -102,7 +103,7 @@ class StaticDecodeTables(AttentionTables):
         csa_rows = index_rows if index_rows is not None else config.index_topk
         super().__init__(device_views["fields"], device_views["seq_info"], token_seq, device_views["positions"],
                          device_views["block_ids"], rows_per_block, {ratio: (closing, num_tokens) for ratio in ratios},
-                         {ratio: csa_rows for ratio in ratios}, 0, state_dtype)
+                         {ratio: csa_rows for ratio in ratios}, 0, state_dtype, main_rows=main_rows)
         self.token_ids = device_views["token_ids"]  # [Tb] int64: the step's input tokens
         self.split_sizes = device_views["split_sizes"]  # [keys] int64
         self._copy_done: torch.cuda.Event | None = None
@@ -147,8 +148,9 @@ class StaticDecodeTables(AttentionTables):
         plan_tokens = num_real or self.min_real_tokens  # (no real rows: the warm-up before a capture)
         real_positions = positions[:num_real] or [0]
         max_position = max(real_positions)
-        sparse_config = default_config(plan_tokens)
-        if sparse_config != default_config(num_tokens):
+        fp8_rows = self.main_rows is not None
+        sparse_config = default_config(plan_tokens, fp8_rows)
+        if sparse_config != default_config(num_tokens, fp8_rows):
             raise ValueError(f"{num_real} and {num_tokens} tokens plan sparse attention differently")
         for index, key in enumerate(self.split_key_order):
             if key.ratio:

@@ -9,13 +9,18 @@ B must be a multiple of every ratio, so a compressor window never straddles two 
 
 Boundary snapshots: a block also holds what a sequence needs to resume at the block's end
 (`boundary.py` writes and reads them): per layer the raw window rows of the last W positions
-(`(layer, "window_snapshot")` [blocks, W, hd]) and, per overlapping (CSA) compressor, the
+(`(layer, "window_snapshot")` [blocks, W, Ws]) and, per overlapping (CSA) compressor, the
 pending inputs of the last m positions (`(layer, "<which>_pending_kv" | "<which>_pending_score")`
 [blocks, m, C] fp32; a non-overlapping compressor whose ratio divides B has none). They are
 ordinary entries of the tier dicts, so swap_out / swap_in move them with the block.
 
-Tiers: `primary[seg]` [num_primary_blocks, B/m, d] on the compute device, `cpu[seg]`
-[num_cpu_blocks, B/m, d] in host memory (pinned when the device is CUDA). The router decides
+Row storage (`KVPoolConfig.kv_storage`): compressed rows and window snapshots are kept as the sequence
+states keep them (common/model/kv_rows.py `RowFormat`): in the activation dtype, or as packed FP8 main rows
+(uint8 [.., row_bytes], 584 bytes per V4-Flash row); indexer rows stay in the activation dtype and pending
+inputs in fp32. Every copy below (swaps, snapshots) moves those bytes as they are.
+
+Tiers: `primary[seg]` [num_primary_blocks, B/m, Ws] on the compute device, `cpu[seg]`
+[num_cpu_blocks, B/m, Ws] in host memory (pinned when the device is CUDA). The router decides
 which block is where; this pool only moves bytes as the StepPlan says: `swap_out` (primary ->
 cpu) then `swap_in` (cpu -> primary), both before the step's compute.
 
@@ -25,7 +30,7 @@ done), and the compute stream then waits for an event recorded after the copies 
 reads a swapped-in block, or overwrites a swapped-out one, before its copy finished). No host
 sync is needed. On the CPU the copies are plain synchronous copies.
 Legend: B tokens per block, m compression ratio, d row dim, R = B/m rows per block, W sliding window,
-hd head dim, C compressor input dim.
+hd head dim, C compressor input dim, Ws stored row width (d, or row_bytes for FP8 main rows).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import structlog
 import torch
 
 from moemesh.common.model.config import AttentionKind, ModelConfig
+from moemesh.common.model.kv_rows import RowFormat
 from moemesh.services.attention.kv_config import KVPoolConfig
 
 log = structlog.get_logger("attention")
@@ -99,10 +105,10 @@ class BlockTable:
 
 
 class PagedRowStore:
-    """The rows of one compressor of one sequence, in the primary tier blocks of its table."""
+    """The rows of one compressor of one sequence, in the primary tier blocks of its table (as stored)."""
 
     def __init__(self, pool: torch.Tensor, rows_per_block: int, table: BlockTable) -> None:
-        self.pool = pool  # [num_primary_blocks, R, d]
+        self.pool = pool  # [num_primary_blocks, R, Ws]
         self.rows_per_block = rows_per_block
         self.table = table
 
@@ -115,12 +121,15 @@ class PagedRowStore:
         return self.table.ids_tensor[rows // self.rows_per_block], rows % self.rows_per_block
 
     def write(self, first_row: int, rows: torch.Tensor) -> None:
-        """rows [n, d] as rows first_row .. first_row+n-1."""
+        """rows [n, Ws] as rows first_row .. first_row+n-1."""
+        if (rows.dtype == torch.uint8) != (self.pool.dtype == torch.uint8):
+            raise KVPoolError(f"{rows.dtype} rows into a pool of {self.pool.dtype} rows: the pool and the state "
+                              f"store rows differently")
         blocks, offsets = self._locate(first_row, rows.shape[0])
         self.pool[blocks, offsets] = rows.to(self.pool.dtype)
 
     def read(self, num_rows: int) -> torch.Tensor:
-        """Rows 0 .. num_rows-1 -> [num_rows, d] (a gathered copy)."""
+        """Rows 0 .. num_rows-1 -> [num_rows, Ws] (a gathered copy)."""
         blocks, offsets = self._locate(0, num_rows)
         return self.pool[blocks, offsets]
 
@@ -128,7 +137,10 @@ class PagedRowStore:
 class KVPool:
     def __init__(self, model_config: ModelConfig, config: KVPoolConfig, dtype: torch.dtype,
                  device: torch.device | str) -> None:
+        """dtype: the activation dtype (indexer rows; main rows too unless config.kv_storage is FP8)."""
         self.config = config
+        self.kv_storage = config.kv_storage
+        self.main_row_format = RowFormat.main(model_config, config.kv_storage, dtype)
         self.device = torch.device(device)
         self.segments = pool_segments(model_config)
         for segment in self.segments:
@@ -138,12 +150,16 @@ class KVPool:
         pin = self.device.type == "cuda"
         self.primary: dict[tuple[int, str], torch.Tensor] = {}
         self.cpu: dict[tuple[int, str], torch.Tensor] = {}
-        per_block: dict[tuple[int, str], tuple[tuple[int, int], torch.dtype]] = {}  # key -> ((rows, dim), dtype)
+        main = self.main_row_format
+        per_block: dict[tuple[int, str], tuple[tuple[int, int], torch.dtype]] = {}  # key -> ((rows, Ws), dtype)
         for segment in self.segments:
-            per_block[(segment.layer, segment.which)] = ((config.block_size_tokens // segment.ratio,
-                                                          segment.row_dim), dtype)
-        for key, shape in snapshot_segments(model_config).items():
-            per_block[key] = (shape, dtype if key[1] == "window_snapshot" else torch.float32)
+            rows = config.block_size_tokens // segment.ratio
+            per_block[(segment.layer, segment.which)] = (((rows, main.stored_width), main.stored_dtype)
+                                                         if segment.which == "compressor" else
+                                                         ((rows, segment.row_dim), dtype))
+        for key, (rows, dim) in snapshot_segments(model_config).items():
+            per_block[key] = (((rows, main.stored_width), main.stored_dtype) if key[1] == "window_snapshot" else
+                              ((rows, dim), torch.float32))
         for key, ((rows, dim), tier_dtype) in per_block.items():
             self.primary[key] = torch.zeros(config.num_primary_blocks, rows, dim, dtype=tier_dtype,
                                             device=self.device)
@@ -160,7 +176,13 @@ class KVPool:
         return factory
 
     def num_bytes_per_block(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self.primary.values()) if self.config.num_primary_blocks else 0
+        """Bytes of one block in each tier: its rows and its boundary snapshot, as stored."""
+        return sum(t.shape[1:].numel() * t.element_size() for t in self.primary.values())
+
+    def num_row_bytes_per_block(self) -> int:
+        """Bytes of one block's compressed and indexer rows alone (what grows with the context), as stored."""
+        return sum(self.primary[(s.layer, s.which)].shape[1:].numel() * self.primary[(s.layer, s.which)].element_size()
+                   for s in self.segments)
 
     def _check(self, pairs: Sequence[tuple[int, int]], source_blocks: int, target_blocks: int, what: str) -> None:
         for source, target in pairs:

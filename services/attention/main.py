@@ -3,13 +3,17 @@
 The deployment file gives the model, device, endpoints and expert workers; the options below are
 what it does not carry yet (micro-batches, placement-invariant combine). The KV pool geometry comes
 from the deployment's `[kv]` table, which the router's scheduler reads too, so the two cannot
-disagree; `--kv-*` override it only for router-less use (`moemesh generate --distributed`).
+disagree; `--kv-*` override it only for router-less use (`moemesh generate --distributed`). How the
+worker stores its KV rows (`--kv-dtype`, the entry's `kv_dtype`) is its own business and may be given
+either way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+from moemesh.common.model.kv_storage import KV_DTYPES, parse_kv_storage
 from moemesh.common.runtime.deployment import Deployment, derive_endpoints, pick_worker
 from moemesh.services.attention.kv_config import KVPoolConfig
 
@@ -26,6 +30,7 @@ class AttentionOptions:
     # None: the deployment's [[attention]] keys (data_plane, cuda_graphs); a value given here overrides them
     data_plane: str | None = None  # "cuda_ipc": device rings shared with expert workers on the same host (cuda_ipc.py)
     cuda_graphs: bool | None = None  # decode steps replayed as CUDA graphs per batch bucket (graph_decode.py)
+    kv_dtype: str | None = None  # "bf16" | "fp8": how KV rows are stored (None: the entry's kv_dtype)
 
 
 def add_attention_arguments(parser) -> None:
@@ -39,6 +44,9 @@ def add_attention_arguments(parser) -> None:
                         "Only without a router: the router reads [kv] only, set it with --set kv.KEY=VALUE")
     parser.add_argument("--kv-primary-blocks", type=int, default=None, help="blocks in the device pool (see --kv-block-size)")
     parser.add_argument("--kv-cpu-blocks", type=int, default=None, help="blocks in the CPU tier (see --kv-block-size)")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                        help="how window and compressed KV rows are stored: bf16 (the compute dtype) or fp8 (584-byte "
+                        "V4-Flash rows, read by the attention kernels directly); overrides the entry's kv_dtype")
     parser.add_argument("--routing-stats-out", default=None, metavar="FILE",
                         help="count expert activations per (layer, expert) and write them as Lucebox hotness tables "
                         "(FILE, FILE.prefill.csv, FILE.decode.csv) on shutdown and on a WriteRoutingStats request")
@@ -72,6 +80,13 @@ def kv_pool_config(deployment: Deployment) -> KVPoolConfig:
                         num_cpu_blocks=kv.num_cpu_blocks)
 
 
+def attention_kv_config(deployment: Deployment, entry, options: AttentionOptions) -> KVPoolConfig:
+    """The worker's KV pool: geometry from --kv-* or the deployment's [kv], row storage from --kv-dtype or
+    the entry's kv_dtype."""
+    kv_dtype = options.kv_dtype if options.kv_dtype is not None else entry.kv_dtype
+    return dataclasses.replace(options.kv or kv_pool_config(deployment), kv_storage=parse_kv_storage(kv_dtype))
+
+
 def options_from_args(args) -> AttentionOptions:
     return AttentionOptions(
         num_micro_batches=args.micro_batches, placement_invariant=args.placement_invariant,
@@ -79,7 +94,8 @@ def options_from_args(args) -> AttentionOptions:
         routing_stats_out=getattr(args, "routing_stats_out", None),
         replica_policy=getattr(args, "replica_policy", "least_loaded"),
         data_plane=getattr(args, "data_plane", None),
-        cuda_graphs=None if getattr(args, "cuda_graphs", None) is None else args.cuda_graphs == "on")
+        cuda_graphs=None if getattr(args, "cuda_graphs", None) is None else args.cuda_graphs == "on",
+        kv_dtype=getattr(args, "kv_dtype", None))
 
 
 def main(deployment: Deployment, name: str | None, log_level: str = "info",
@@ -103,7 +119,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
     holdings = tuple(holdings_for(w.name, w.placement, model_config.num_hidden_layers, model_config.n_routed_experts)
                      for w in deployment.expert)
     local = holdings_for(entry.name, entry.placement, model_config.num_hidden_layers, model_config.n_routed_experts)
-    kv = options.kv or kv_pool_config(deployment)
+    kv = attention_kv_config(deployment, entry, options)
     data_plane = options.data_plane if options.data_plane is not None else entry.data_plane
     cuda_graphs = options.cuda_graphs if options.cuda_graphs is not None else entry.cuda_graphs
     if options.data_plane is None and data_plane != "zmq":  # from the file: refuse a plane that cannot work

@@ -77,8 +77,8 @@ class LayerSegments:
         else:
             routed = self.routed_in if self.routed_in is not None else self._routed
             self._routed = None
-            h = side.ffn_post(layer - 1, routed + out["shared"][layer - 1], out["h"][layer - 1],
-                              out["post"][layer - 1], out["comb"][layer - 1])
+            h = side.ffn_post(layer - 1, routed, out["h"][layer - 1], out["post"][layer - 1], out["comb"][layer - 1],
+                              shared=out["shared"][layer - 1])
         self._put("h_in", layer, h)
         if layer == self.num_layers:
             return

@@ -107,6 +107,7 @@ class AttentionWorker(Service):
         from moemesh.common.checkpoint.reader import CheckpointReader
         from moemesh.common.checkpoint.side_loading import WeightBytes, attention_stored_bytes, load_attention_side
         from moemesh.common.model.config import NumericsConfig, resolve_dtype
+        from moemesh.common.model.kv_storage import KVStorage
         from moemesh.services.attention.expert_channel import ExpertChannel
         from moemesh.services.attention.kv_pool import KVPool
         from moemesh.services.attention.model_runner import ModelRunner
@@ -123,7 +124,10 @@ class AttentionWorker(Service):
         dtype = resolve_dtype(self.config.dtype, self.config.device)
         reader = CheckpointReader(self.config.checkpoint_path, on_progress=self.load_progress)
         model_config = reader.config
-        numerics = NumericsConfig(dtype=str(dtype).removeprefix("torch."))
+        # FP8 rows: every row is rounded to its stored values before anything reads it (the reference's KV QAT),
+        # so a row reads the same in the forward that makes it and in every later one, whatever the chunking
+        kv_fp8 = self.config.kv.kv_storage is KVStorage.FP8
+        numerics = NumericsConfig(dtype=str(dtype).removeprefix("torch."), kv_fp8_qat=kv_fp8)
         self.side = load_attention_side(reader, numerics, self.device)
         endpoints, workers, local = self._local_experts(reader, dtype)
         self.weight_bytes = WeightBytes(resident=module_weight_bytes(self.side) + local_bytes(local, "resident"),
@@ -151,7 +155,8 @@ class AttentionWorker(Service):
             from moemesh.services.attention.graph_decode import DecodeGraphConfig, DecodeGraphs
 
             self.runner.graphs = DecodeGraphs(
-                self.side, DecodeGraphConfig(max_blocks_per_sequence=self.config.kv.num_primary_blocks), self.device)
+                self.side, DecodeGraphConfig(max_blocks_per_sequence=self.config.kv.num_primary_blocks,
+                                             kv_storage=self.config.kv.kv_storage), self.device)
         self.sampler = Sampler()
         self.recovery = build_step_recovery(self)
         self.counting = StepCounting(self.channel, self.device, model_config.num_hidden_layers)
@@ -163,9 +168,10 @@ class AttentionWorker(Service):
                  resident_weight_bytes=self.weight_bytes.resident, stored_weight_bytes=self.weight_bytes.stored,
                  cuda_graphs=self.runner.graphs is not None)
         kv = self.config.kv
-        log.info("attention.kv_capacity", name=self.config.name, device=str(self.device),
+        log.info("attention.kv_capacity", name=self.config.name, device=str(self.device), kv_dtype=kv.kv_storage.value,
                  tokens=kv.num_primary_blocks * kv.block_size_tokens, cpu_tier_tokens=kv.num_cpu_blocks * kv.block_size_tokens,
-                 bytes_per_token=self.pool.num_bytes_per_block() // kv.block_size_tokens)
+                 bytes_per_token=self.pool.num_bytes_per_block() // kv.block_size_tokens,
+                 row_bytes_per_token=round(self.pool.num_row_bytes_per_block() / kv.block_size_tokens, 2))
 
     def _local_experts(self, reader, dtype: torch.dtype):
         """(channel endpoints, their holdings, LocalExperts or None): the expert workers, then this worker

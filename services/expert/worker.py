@@ -378,7 +378,7 @@ class ExpertWorker(Service):
         """`_rows_kernel`'s grouped kernels with the row layout sorted on the host (selection.sorted_layout):
         the same rows in the same order, without the device sort / searchsorted / unsort launches.
         One upload of the layout, one of the row weights (host Dispatches), no host sync -> [T, K, D]."""
-        from moemesh.common.kernels.fp4_experts import grouped_down, grouped_gate_up
+        from moemesh.common.kernels.fp4_experts import grouped_experts
 
         num_rows = selection.num_rows
         layout = sorted_layout(selection, len(held.expert_ids))  # [2R + G + 1]
@@ -391,8 +391,8 @@ class ExpertWorker(Service):
             row_weights = self._to_device(route_weights.reshape(-1)[torch.from_numpy(layout[:num_rows])].float())
         stacked = held.kernel_weights()
         x_sorted = hidden.index_select(0, tokens_sorted)  # [R, D] in expert order
-        h = grouped_gate_up(x_sorted, offsets, stacked, swiglu_limit=self._experts.swiglu_limit)  # [R, I]
-        y = grouped_down(h, offsets, stacked, row_weights=row_weights)  # [R, D]
+        y = grouped_experts(x_sorted, offsets, stacked, swiglu_limit=self._experts.swiglu_limit,
+                            row_weights=row_weights)  # [R, D]
         out = hidden.new_zeros(selection.num_tokens * selection.top_k, hidden.shape[1])
         out[flat_sorted] = y.to(out.dtype)
         return out.view(selection.num_tokens, selection.top_k, -1)
