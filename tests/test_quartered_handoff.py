@@ -26,7 +26,8 @@ _INTERPRETED = r"""
 import json, torch
 from moemesh.bench.checks.quantized_kernels import random_fp4_weight
 from moemesh.common.kernels.expert_configs import Fp4Decode, GroupedGemmConfig
-from moemesh.common.kernels.fp4_experts import ExpertWeights, WeightFormat, grouped_gate_up, quarter_columns
+from moemesh.common.kernels.expert_rows import quarter_columns
+from moemesh.common.kernels.fp4_experts import ExpertWeights, WeightFormat, grouped_gate_up
 from moemesh.common.kernels.moe_layout import sort_by_expert
 
 g = torch.Generator().manual_seed(3)
@@ -55,7 +56,7 @@ def test_quartered_output_is_the_reference_layout_under_the_interpreter():
 
 
 def test_quarter_columns_moves_column_4j_plus_r_to_r_times_32_plus_j():
-    from moemesh.common.kernels.fp4_experts import quarter_columns
+    from moemesh.common.kernels.expert_rows import quarter_columns
 
     row = torch.arange(256.0)[None, :]  # [1, C]: each entry is its own column index
     quartered = quarter_columns(row)[0]
@@ -97,9 +98,9 @@ def test_quartered_down_compiles_for_sm90_with_x_loaded_straight_to_shared_memor
 @pytest.mark.parametrize("num_tokens", [1, 8, 64, 300])
 def test_handoff_leaves_every_bit_unchanged_on_the_gpu(num_tokens):
     from moemesh.bench.checks.quantized_kernels import random_fp4_weight
+    from moemesh.common.kernels.expert_rows import quarter_columns
     from moemesh.common.kernels.fp4_experts import (
-        ExpertWeights, WeightFormat, grouped_down, grouped_experts, grouped_gate_up, quarter_columns,
-        quartered_handoff,
+        ExpertWeights, WeightFormat, grouped_down, grouped_experts, grouped_gate_up, quartered_handoff,
     )
     from moemesh.common.kernels.moe_layout import sort_by_expert
 

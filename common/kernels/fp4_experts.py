@@ -46,6 +46,7 @@ import triton.language as tl
 
 from moemesh.common.kernels.dequant_tiles import fp4_packed_tile, fp4_tile, fp4_tile_halves, fp8_tile
 from moemesh.common.kernels.expert_configs import Fp4Decode, GroupedGemmConfig, choose_grouped_config, validate
+from moemesh.common.kernels.expert_rows import QUARTER_BLOCK, find_tile, quartered_columns, store_unrouted_zeros
 from moemesh.common.kernels.ptx_decode import (
     FOLDED_SCALE_SHIFT, fp4_scale_pairs, fp4_scale_pairs_from_words, fp4_tile_halves_bf16_asm,
     fp4_tile_halves_bf16_folded_asm, fp4_tile_quarters_bf16_asm, fp8_tile_quarters_bf16_asm,
@@ -53,13 +54,9 @@ from moemesh.common.kernels.ptx_decode import (
 from moemesh.common.kernels.reference import FP4_BLOCK_SIZE, FP8_BLOCK_SIZE, scale_bytes
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
-# Block width of the k-quartered row layout: gate-up writes its SwiGLU rows that way when down reads them
-# with ASM_QUAD at this K step (`quartered_handoff`), so down loads x's four quarters as contiguous tiles.
-QUARTER_BLOCK = tl.constexpr(128)
-
 __all__ = [
     "ExpertWeights", "Fp4Decode", "GroupedGemmConfig", "WeightFormat", "choose_grouped_config",
-    "grouped_down", "grouped_experts", "grouped_gate_up", "quarter_columns", "quartered_handoff",
+    "grouped_down", "grouped_experts", "grouped_gate_up", "quartered_handoff",
 ]
 
 
@@ -91,43 +88,6 @@ class ExpertWeights:
     @property
     def intermediate_size(self) -> int:
         return self.w1.shape[1]
-
-
-@triton.jit
-def _find_tile(offsets_ptr, tile_id, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(expert, first row, end row) of row tile `tile_id`; expert >= num_experts if there is none."""
-    experts = tl.arange(0, BLOCK_E)
-    valid = experts < num_experts
-    row_lo = tl.load(offsets_ptr + experts, mask=valid, other=0)  # [BE]
-    row_hi = tl.load(offsets_ptr + experts + 1, mask=valid, other=0)  # [BE]
-    num_tiles = (row_hi - row_lo + BLOCK_M - 1) // BLOCK_M  # [BE]
-    tiles_through = tl.cumsum(num_tiles, 0)  # [BE] inclusive prefix sum
-    expert = tl.sum((tiles_through <= tile_id).to(tl.int32), 0)
-    mine = experts == expert
-    tiles_before = tl.sum(tl.where(mine, tiles_through - num_tiles, 0), 0)
-    row_begin = tl.sum(tl.where(mine, row_lo, 0), 0) + (tile_id - tiles_before) * BLOCK_M
-    row_end = tl.sum(tl.where(mine, row_hi, 0), 0)
-    return expert, row_begin, row_end
-
-
-@triton.jit
-def _store_unrouted_zeros(out_ptr, out_rows_ptr, offsets_ptr, tile_id, pid_n, pid_s, num_experts, num_rows,
-                          out_features, stride_or, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_E: tl.constexpr):
-    """Zeros into the output rows `out_rows[r]` of the rows r in [offsets[E], num_rows) (no expert), tile
-    `tile_id` counted after every expert's tiles; split-K part 0 only. Nothing where the tile is past them."""
-    experts = tl.arange(0, BLOCK_E)
-    valid = experts < num_experts
-    row_lo = tl.load(offsets_ptr + experts, mask=valid, other=0)  # [BE]
-    row_hi = tl.load(offsets_ptr + experts + 1, mask=valid, other=0)  # [BE]
-    expert_tiles = tl.sum((row_hi - row_lo + BLOCK_M - 1) // BLOCK_M, 0)
-    offs_m = tl.load(offsets_ptr + num_experts) + (tile_id - expert_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    mask_m = (offs_m < num_rows) & (pid_s == 0)
-    out_rows = tl.load(out_rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)  # [BM]
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
-    tl.store(out_ptr + out_rows[:, None] * stride_or + offs_n[None, :], zeros,
-             mask=mask_m[:, None] & (offs_n < out_features)[None, :])
 
 
 @triton.jit
@@ -200,13 +160,6 @@ def _accumulate(acc, x, w_ptr, s_ptr, scales, offs_n, mask_n, k_begin, num_cols,
 
 
 @triton.jit
-def _quartered_columns(cols):
-    """Column c of a row stored k-quartered: within each QUARTER_BLOCK-wide block, k = 4j + r at r·(block/4) + j."""
-    QUARTER: tl.constexpr = QUARTER_BLOCK // 4
-    return (cols // QUARTER_BLOCK) * QUARTER_BLOCK + (cols % 4) * QUARTER + (cols % QUARTER_BLOCK) // 4
-
-
-@triton.jit
 def _quarter_dots(acc, x_0, x_1, x_2, x_3, w_ptr, scales, offs_n, mask_n, k_begin, stride_wn,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BN, BM] += W[offs_n, k_begin:+BK] @ x^T with x given as its four k-mod-4 quarters [BM, BK/4]
@@ -233,11 +186,11 @@ def _grouped_kernel(
     tile_id = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    expert, row_begin, row_end = _find_tile(offsets_ptr, tile_id, num_experts, BLOCK_M, BLOCK_E)
+    expert, row_begin, row_end, expert_tiles = find_tile(offsets_ptr, tile_id, num_experts, BLOCK_M, BLOCK_E)
     if expert >= num_experts:
         if out_rows_ptr is not None:  # the tiles after every expert's: zeros for the rows without an expert
-            _store_unrouted_zeros(out_ptr, out_rows_ptr, offsets_ptr, tile_id, pid_n, pid_s, num_experts, num_rows,
-                                  out_features, stride_or, BLOCK_M, BLOCK_N, BLOCK_E)
+            store_unrouted_zeros(out_ptr, out_rows_ptr, offsets_ptr, tile_id - expert_tiles, pid_n, pid_s,
+                                 num_experts, num_rows, out_features, stride_or, BLOCK_M, BLOCK_N)
         return
     offs_m = row_begin + tl.arange(0, BLOCK_M)  # [BM]
     mask_m = offs_m < row_end
@@ -333,7 +286,7 @@ def _grouped_kernel(
     if HAS_ROW_WEIGHTS:
         row_weight = tl.load(row_weights_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
         result = result * row_weight[None, :]
-    out_cols = _quartered_columns(offs_n) if OUT_QUARTERED else offs_n  # [BN]
+    out_cols = quartered_columns(offs_n) if OUT_QUARTERED else offs_n  # [BN]
     out_ptrs = out_ptr + out_rows[None, :].to(tl.int64) * stride_or + out_cols[:, None]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=store_mask)
 
@@ -451,14 +404,6 @@ def quartered_handoff(num_rows: int, weights: ExpertWeights, dtype: torch.dtype,
     return _reads_quartered(config, weights.weight_format, weights.intermediate_size)
 
 
-def quarter_columns(x: torch.Tensor) -> torch.Tensor:
-    """The torch reference of the k-quartered layout: [R, C] -> [R, C], within each QUARTER_BLOCK-wide block
-    column 4j + r moved to r·(QUARTER_BLOCK/4) + j (C a multiple of QUARTER_BLOCK)."""
-    num_rows, num_cols = x.shape
-    block = QUARTER_BLOCK.value
-    return x.reshape(num_rows, num_cols // block, block // 4, 4).transpose(2, 3).reshape(num_rows, num_cols)
-
-
 def _num_sms(device: torch.device) -> int:
     from moemesh.common.kernels.fp8_linear import device_num_sms
 
@@ -474,7 +419,8 @@ def grouped_gate_up(
 
     With `x_row_ids` [R] int32, x_sorted is any [T, D] and row r reads x_sorted[x_row_ids[r]] (no
     gathered copy of x); the launch, and every row's result, is that of `x_sorted[x_row_ids]`.
-    With `quartered_out` the rows come k-quartered (`quarter_columns`), for `grouped_down(hidden_quartered=True)`."""
+    With `quartered_out` the rows come k-quartered (`expert_rows.quarter_columns`), for
+    `grouped_down(hidden_quartered=True)`."""
     num_rows = _num_rows(x_sorted, x_row_ids)
     config = config or _default_config(x_sorted, weights, weights.intermediate_size, num_rows)
     return _launch(
