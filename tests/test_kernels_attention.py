@@ -20,7 +20,8 @@ import torch
 pytest.importorskip("triton")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CASE_IDS = ["indexer_scores", "mixed_prefill_decode_verify", "few_rows_csa", "preallocated_rows", "paged_rows"]
+CASE_IDS = ["indexer_scores", "rotate_back", "mixed_prefill_decode_verify", "few_rows_csa", "preallocated_rows",
+            "paged_rows"]
 
 
 @pytest.fixture(scope="module")

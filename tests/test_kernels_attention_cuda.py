@@ -29,6 +29,16 @@ def test_flash_width_matches_torch(case_index):
     assert result.relative_error <= BF16_TOLERANCE, (case.name, result.relative_error)
 
 
+def test_flash_width_output_rotated_back_in_the_launch():
+    from moemesh.bench.checks.attention import check_rotate_back
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import flash_config
+
+    result = check_rotate_back(flash_config((AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA)),
+                               torch.bfloat16, "cuda")
+    assert result.passed, result
+
+
 def test_decode_step_replays_in_a_cuda_graph():
     """Captured once, a decode step replayed gives the same output as the eager kernel path."""
     from moemesh.bench.checks.attention import random_layers

@@ -203,6 +203,40 @@ def check_indexer_scores(config: ModelConfig, dtype: torch.dtype, device, tolera
     return CheckResult("indexer scores vs the formula, 1 and 4 row blocks per program", worst, tolerance, finite)
 
 
+def check_rotate_back(config: ModelConfig, dtype: torch.dtype, device) -> CheckResult:
+    """Sparse attention that rotates its output back in the launch equals, bit for bit, the same launch
+    followed by a separate `apply_rope(..., inverse=True)`: one and three key splits (the combine kernel
+    writes the output then), window and compressed layers, 3 sequences decoding 2 tokens each."""
+    from moemesh.common.kernels.norm_rope import apply_rope
+    from moemesh.common.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
+
+    generator = torch.Generator(device=device).manual_seed(7)
+    states = []
+    for num_tokens in (23, 64, 90):
+        state = new_sequence_state(config, 256, dtype, device)
+        fill_random_context(state, num_tokens, generator=generator)
+        states.append(state)
+    batch = ForwardBatch([SequenceChunk(s, 2) for s in states], device, attention_backend=AttentionBackend.TRITON)
+    heads, head_dim = config.num_attention_heads, config.head_dim
+    q = torch.randn(batch.num_tokens, heads, head_dim, generator=generator, device=device).to(dtype)  # [T, H, hd]
+    kv = torch.randn(batch.num_tokens, head_dim, generator=generator, device=device).to(dtype)  # [T, hd]
+    sink = torch.randn(heads, generator=generator, device=device)
+    equal, finite = True, True
+    for layer, kind in enumerate(config.layer_types):
+        ratio = config.compress_ratio(layer) if kind is not AttentionKind.WINDOW else 0
+        cos, sin = batch.cos_sin(RotaryTable.for_config(config, compressed=kind is not AttentionKind.WINDOW))
+        for num_splits in (1, 3):
+            launch = SparseAttentionConfig(block_h=min(16, heads), block_n=16, num_warps=4, num_splits=num_splits)
+            args = (q, kv, sink, head_dim**-0.5, batch.attention_tables, layer)
+            kwargs = {"window": config.sliding_window, "ratio": ratio, "config": launch}
+            fused = sparse_attention(*args, **kwargs, rotate_back=(cos, sin))
+            separate = apply_rope(sparse_attention(*args, **kwargs), cos, sin, inverse=True)
+            finite &= bool(torch.isfinite(fused).all())
+            equal &= torch.equal(fused, separate)
+    return CheckResult("attention output rotated back in the launch == separate inverse RoPE",
+                       0.0 if equal else float("inf"), 0.0, finite)
+
+
 def _decode_steps(num_sequences: int, num_steps: int, tokens: int = 1) -> tuple[Step, ...]:
     return tuple(tuple((i, tokens) for i in range(num_sequences)) for _ in range(num_steps))
 
@@ -252,6 +286,10 @@ def run_suite(suite: str, emit: Callable[[dict], None], only: str | None = None)
         result = check_indexer_scores(config, dtype, device, tolerance)
         ok &= result.passed
         emit({"case_id": "indexer_scores", **asdict(result), "passed": result.passed})
+    if only in (None, "rotate_back"):
+        result = check_rotate_back(config, dtype, device)
+        ok &= result.passed
+        emit({"case_id": "rotate_back", **asdict(result), "passed": result.passed})
     for case in cases:
         if only is not None and case.case_id != only:
             continue

@@ -131,6 +131,37 @@ def check_hc_post(case_id, num_tokens, num_streams, hidden, dtype, device, kerne
     return GlueCheck(case_id, error, _tolerance(dtype), finite, fp64_errors=fp64_errors)
 
 
+def check_hc_post_mix(case_id, num_tokens, num_streams, hidden, dtype, device, block_d=None):
+    """hc_post doing the next hc_pre's mix GEMV in its launch: its streams equal a plain hc_post's bit for bit,
+    and the hc_pre (with its norm) that takes the partials matches the torch hc_pre of those streams as
+    `check_hc_pre` measures it."""
+    from moemesh.common.kernels import mhc
+    from moemesh.common.kernels.glue import forced_torch_glue
+    from moemesh.common.model import hyper, linear
+
+    generator = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
+    num_mix = (2 + num_streams) * num_streams
+    h, fn, base, scale = _mhc_inputs(num_tokens, num_streams, hidden, num_mix, dtype, device, generator)
+    _, next_fn, next_base, next_scale = _mhc_inputs(num_tokens, num_streams, hidden, num_mix, dtype, device, generator)
+    y = torch.randn(num_tokens, hidden, generator=generator, device=device).to(dtype)
+    norm_weight = torch.rand(hidden, generator=generator, device=device) + 0.5
+    with forced_torch_glue():
+        _, post, comb = hyper.hc_pre(h, fn, base, scale, 20, HC_EPS, NORM_EPS)
+    _poison(device)
+    streams, partials = mhc.hc_post_with_mix(y, h, post, comb, next_fn, block_d=block_d)
+    same_streams = torch.equal(streams, mhc.hc_post(y, h, post, comb, block_d=block_d))
+    used = partials is not None and partials.serves(streams, next_fn)
+    out = mhc.hc_pre(streams, next_fn, next_base, next_scale, 20, HC_EPS, NORM_EPS, out_norm=(norm_weight, NORM_EPS),
+                     partials=partials)
+    with forced_torch_glue():
+        ref = hyper.hc_pre(streams, next_fn, next_base, next_scale, 20, HC_EPS, NORM_EPS)
+        ref = (linear.rms_norm(ref[0], norm_weight, NORM_EPS), *ref[1:])
+    error, finite = _relative_error(out[:1], ref[:1])
+    fp32_error, fp32_finite = _relative_error(out[1:], ref[1:])
+    return GlueCheck(case_id, error, _tolerance(dtype), finite and fp32_finite and same_streams and used, fp32_error,
+                     _stochastic_error(out[2]), _stochastic_error(ref[2]) + STOCHASTIC_SLACK)
+
+
 def check_hc_head(case_id, num_tokens, num_streams, hidden, dtype, device, kernel_fn, normed: bool = False,
                   **kwargs):
     """normed: kernel_fn (hyper.hc_head or mhc.hc_head) is given out_norm = (norm_weight, eps)."""
@@ -245,6 +276,8 @@ def interpret_cases(only: str | None = None) -> list[Case]:
                                                    normed=True)),
         ("hc_head_normed_bf16", lambda: check_hc_head("hc_head_normed_bf16", 2, 4, 64, bf16, cpu, mhc.hc_head,
                                                       normed=True, config=small)),
+        ("hc_post_mix_n4", lambda: check_hc_post_mix("hc_post_mix_n4", 3, 4, 80, f32, cpu, block_d=32)),
+        ("hc_post_mix_bf16", lambda: check_hc_post_mix("hc_post_mix_bf16", 2, 4, 64, bf16, cpu, block_d=16)),
     ]
     direct = _DirectNormRope()
     norm_specs = [  # case id, op, shape, rope pairs, dtype
@@ -302,6 +335,9 @@ def cuda_cases(only: str | None = None) -> list[Case]:
         case = f"hc_head_normed_t{num_tokens}"
         mhc_cases.append((case, lambda c=case, t=num_tokens: check_hc_head(c, t, 4, 4096, bf16, cuda,
                                                                            hyper.hc_head, normed=True)))
+    for num_tokens in (1, 8, 64):
+        case = f"hc_post_mix_t{num_tokens}"
+        mhc_cases.append((case, lambda c=case, t=num_tokens: check_hc_post_mix(c, t, 4, 4096, bf16, cuda)))
     for num_tokens in (1, 2048):
         case = f"hc_post_t{num_tokens}"
         mhc_cases.append((case, lambda c=case, t=num_tokens: check_hc_post(c, t, 4, 4096, bf16, cuda, hyper.hc_post)))

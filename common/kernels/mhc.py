@@ -17,14 +17,16 @@ The torch functions in `common/model/hyper.py` are the reference; these compute 
 - `_hc_post_kernel` (grid [T, D/BD]): h'[t, k, d] = post_k·y[t, d] + Σ_j comb[j, k]·h[t, j, d], with the
   reference's three roundings to h's dtype reproduced (post·y, the matmul, the sum), so bf16 results
   match torch bit for bit up to fp32 summation order; y may come as two addends (the MoE's routed and
-  shared outputs), summed and rounded to the dtype first as torch's `routed + shared` does.
+  shared outputs), summed and rounded to the dtype first as torch's `routed + shared` does. At decode sizes
+  it can also do launch 1 of the hc_pre that reads its output next (`next_fn`): each D slice's partial
+  mix and Σ h² of the values it just rounded and stored, one split per slice, so that hc_pre is one launch.
 No launch reads a value on the host or sizes a buffer from data: all of it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -246,9 +248,11 @@ def _hc_finish_kernel(h_ptr, mix_part_ptr, sq_part_ptr, base_ptr, scale_ptr, x_p
 
 @triton.jit
 def _hc_post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, hidden,
-                    N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr, addend_ptr=None):
+                    N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr, addend_ptr=None,
+                    next_fn_ptr=None, mix_part_ptr=None, sq_part_ptr=None, num_mix=0, BLOCK_M: tl.constexpr = 1):
     # y [T, D] (+ addend [T, D], rounded to the dtype), h [T, N, D] (same dtype), post [T, N],
-    # comb [T, N, N] fp32 -> out [T, N, D]
+    # comb [T, N, N] fp32 -> out [T, N, D]; with next_fn [M, N·D] fp32 also the next hc_pre's launch-1
+    # partials of out over this program's D slice: mix_part [D/BD, T, BM], sq_part [D/BD, T]
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
@@ -272,6 +276,21 @@ def _hc_post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, hidden,
     out_rows = pid_t.to(tl.int64) * N + streams
     tl.store(out_ptr + out_rows[:, None] * hidden + dims[None, :], out.to(dtype),
              mask=stream_mask[:, None] & dim_mask[None, :])
+    if next_fn_ptr is not None:  # launch 1 of the next hc_pre over the rounded values just stored
+        rounded = tl.where(dim_mask[None, :], out.to(dtype).to(tl.float32), 0.0)  # [NP, BD]
+        rows = tl.arange(0, BLOCK_M)
+        row_mask = rows < num_mix
+        products = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for k in tl.static_range(N):
+            stream_k = tl.sum(tl.where(streams[:, None] == k, rounded, 0.0), axis=0)  # [BD], row k exactly
+            w = tl.load(next_fn_ptr + rows[:, None] * (N * hidden) + k * hidden + dims[None, :],
+                        mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [BM, BD]
+            products += w * stream_k[None, :]
+            squares += stream_k * stream_k
+        part_row = pid_d * tl.num_programs(0) + pid_t
+        tl.store(mix_part_ptr + part_row.to(tl.int64) * BLOCK_M + rows, tl.sum(products, axis=1))
+        tl.store(sq_part_ptr + part_row, tl.sum(squares, axis=0))
 
 
 def _launch_mix(h: torch.Tensor, fn: torch.Tensor, config: MixConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -318,6 +337,14 @@ def _out_norm(out_norm: tuple[torch.Tensor, float] | None) -> tuple[torch.Tensor
     return None if out_norm is None else (out_norm[0].float().contiguous(), float(out_norm[1]))
 
 
+def _outputs(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty (x [T, D] h.dtype, post [T, N] fp32, comb [T, N, N] fp32)."""
+    num_tokens, num_streams, hidden = h.shape
+    return (torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device),
+            torch.empty(num_tokens, num_streams, dtype=torch.float32, device=h.device),
+            torch.empty(num_tokens, num_streams, num_streams, dtype=torch.float32, device=h.device))
+
+
 def _prepare(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
     return h.contiguous(), fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
 
@@ -332,18 +359,27 @@ def hc_pre(
     norm_eps: float,
     config: MixConfig | None = None,
     out_norm: tuple[torch.Tensor, float] | None = None,
+    partials: MixPartials | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `common.model.hyper.hc_pre`: (x [T, D] h.dtype, post [T, N] fp32, comb [T, N, N] fp32).
 
     out_norm (weight [D] fp32, eps): x comes back as RMSNorm(x) (as in `hyper.hc_pre`), same launches.
+    partials: launch 1 already done by the hc_post that wrote h (`hc_post(..., next_fn=fn)`); only the finish
+    runs. Used only when they were computed from this h and this fn.
     """
     if num_sinkhorn_iters < 1:
         raise ValueError("num_sinkhorn_iters must be >= 1")
+    if partials is not None and partials.serves(h, fn):
+        config = config or choose_mix_config(h.shape[0], h.shape[1] * h.shape[2], h.device, h.dtype)
+        config = replace(config, num_splits=partials.mix_part.shape[0])
+        _, _, base, scale = _prepare(h, partials.fn, base, scale)
+        x, post, comb = _outputs(h)
+        _finish(h, partials.mix_part, partials.sq_part, partials.block_m, base, scale, x, post, comb,
+                num_sinkhorn_iters, hc_eps, norm_eps, config, head=False, out_norm=_out_norm(out_norm))
+        return x, post, comb
     h, fn, base, scale = _prepare(h, fn, base, scale)
     num_tokens, num_streams, hidden = h.shape
-    x = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
-    post = torch.empty(num_tokens, num_streams, dtype=torch.float32, device=h.device)
-    comb = torch.empty(num_tokens, num_streams, num_streams, dtype=torch.float32, device=h.device)
+    x, post, comb = _outputs(h)
     if num_tokens == 0:
         return x, post, comb
     config = config or choose_mix_config(num_tokens, num_streams * hidden, h.device, h.dtype)
@@ -376,10 +412,36 @@ def hc_head(
     return x
 
 
+@dataclass(frozen=True)
+class MixPartials:
+    """Launch 1 of an hc_pre, done ahead by the hc_post that wrote its h: per split the partial mix
+    Σ h·fnᵀ and Σ h² of each token, for the fn named here (hc_pre uses them only for that fn and that h)."""
+
+    h: torch.Tensor  # [T, N, D], the streams they were computed from
+    fn: torch.Tensor  # [M, N·D] fp32
+    mix_part: torch.Tensor  # [S, T, BM] fp32
+    sq_part: torch.Tensor  # [S, T] fp32
+    block_m: int
+
+    def serves(self, h: torch.Tensor, fn: torch.Tensor) -> bool:
+        return h is self.h and fn.data_ptr() == self.fn.data_ptr() and fn.shape == self.fn.shape
+
+
+MAX_FUSED_MIX_TOKENS = 64  # above: hc_post's 1024-wide D slices would hold [BM, 1024] products per program
+
+
 def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
             block_d: int | None = None, y_addend: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `common.model.hyper.hc_post`: y [T, D] (+ y_addend [T, D]), h [T, N, D] -> [T, N, D]
     in h's dtype."""
+    return hc_post_with_mix(y, h, post, comb, None, block_d=block_d, y_addend=y_addend)[0]
+
+
+def hc_post_with_mix(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                     next_fn: torch.Tensor | None, block_d: int | None = None, y_addend: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, MixPartials | None]:
+    """`hc_post` -> ([T, N, D], partials). next_fn [M, N·D] fp32 (the hc_pre that reads the result next): at
+    T <= MAX_FUSED_MIX_TOKENS the same launch also computes that hc_pre's launch 1 (`MixPartials`); else None."""
     if y.dtype != h.dtype or (y_addend is not None and y_addend.dtype != y.dtype):
         raise ValueError(f"y dtype {y.dtype}, y_addend {None if y_addend is None else y_addend.dtype} != h dtype {h.dtype}")
     y, h = y.contiguous(), h.contiguous()
@@ -388,9 +450,21 @@ def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
     num_tokens, num_streams, hidden = h.shape
     out = torch.empty_like(h)
     if num_tokens == 0:
-        return out
+        return out, None
     block_d = block_d or (256 if num_tokens <= 64 else 1024)
-    grid = (num_tokens, triton.cdiv(hidden, block_d))
+    num_d_blocks = triton.cdiv(hidden, block_d)
+    grid = (num_tokens, num_d_blocks)
+    partials = mix_args = None
+    if next_fn is not None and num_tokens <= MAX_FUSED_MIX_TOKENS:
+        if next_fn.dtype != torch.float32 or not next_fn.is_contiguous() or next_fn.shape[1] != num_streams * hidden:
+            raise ValueError(f"next_fn {tuple(next_fn.shape)} {next_fn.dtype} is not a contiguous fp32 "
+                             f"[M, {num_streams * hidden}]")
+        block_m = triton.next_power_of_2(next_fn.shape[0])
+        mix_part = torch.empty(num_d_blocks, num_tokens, block_m, dtype=torch.float32, device=h.device)
+        sq_part = torch.empty(num_d_blocks, num_tokens, dtype=torch.float32, device=h.device)
+        partials = MixPartials(out, next_fn, mix_part, sq_part, block_m)
+        mix_args = {"next_fn_ptr": next_fn, "mix_part_ptr": mix_part, "sq_part_ptr": sq_part,
+                    "num_mix": next_fn.shape[0], "BLOCK_M": block_m}
     _hc_post_kernel[grid](y, h, post, comb, out, hidden, N=num_streams, NP=triton.next_power_of_2(num_streams),
-                          BLOCK_D=block_d, addend_ptr=y_addend, num_warps=4)
-    return out
+                          BLOCK_D=block_d, addend_ptr=y_addend, num_warps=4, **(mix_args or {}))
+    return out, partials

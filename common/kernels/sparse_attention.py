@@ -13,7 +13,8 @@ Query token t (position p, sequence b) attends, with one latent K = V row per ke
 Softmax in fp32 with an online maximum (flash-attention style): nothing of size [T, L] is ever
 materialised. One program covers (token, block of heads, split of the keys); with more than one
 split (flash-decoding, for small batches that would leave SMs idle) each split writes an
-unnormalised partial (acc, max, sum) and `_combine_kernel` merges them with the sink.
+unnormalised partial (acc, max, sum) and `_combine_kernel` merges them with the sink. The launch that
+writes the output can also rotate its rotary channels back (`rotate_back`), the attention's last glue step.
 
 Stored rows are in the activation dtype, or FP8 main rows (`tables.main_rows`, common/model/kv_rows.py):
 then each key block is dequantized in registers, e4m3 code × 2^(scale byte − 127) for the non-rotary
@@ -159,7 +160,7 @@ def _attend_block(q, keys, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
 
 @triton.jit
 def _sparse_attention_kernel(
-        q_ptr, new_kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sink_ptr, topk_ptr,
+        q_ptr, new_kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sink_ptr, topk_ptr, cos_ptr, sin_ptr,
         token_seq_ptr, positions_ptr, seq_info_ptr, fields_ptr, block_ids_ptr,
         scale, num_heads, topk_stride, block_stride, rows_per_block, keys_per_split, num_splits, split_size_ptr,
         WINDOW: tl.constexpr, RATIO: tl.constexpr, USE_TOPK: tl.constexpr, NUM_FIELDS_: tl.constexpr,
@@ -167,7 +168,8 @@ def _sparse_attention_kernel(
         HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, SPLIT_SIZE_ON_DEVICE: tl.constexpr,
-        FP8: tl.constexpr, NOPE: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_OFFSET: tl.constexpr):
+        FP8: tl.constexpr, NOPE: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_OFFSET: tl.constexpr,
+        ROPE_HALF: tl.constexpr):
     t = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -242,15 +244,37 @@ def _sparse_attention_kernel(
     else:
         sink = tl.load(sink_ptr + heads, mask=head_mask, other=0.0)
         denominator = l_i + tl.exp(sink - m_i)
-        out = acc / denominator[:, None]
-        tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=head_mask[:, None])
+        out = _rotated_back(acc / denominator[:, None], cos_ptr, sin_ptr, t, out_ptr.dtype.element_ty,
+                            HEAD_DIM, BLOCK_H, ROPE_HALF)
+        tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + dims[None, :], out, mask=head_mask[:, None])
 
 
 @triton.jit
-def _combine_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, num_heads, num_splits,
-                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t, h] = Σ_s acc_s e^{m_s - M} / (Σ_s l_s e^{m_s - M} + e^{sink_h - M}), M = max_s m_s."""
+def _rotated_back(out, cos_ptr, sin_ptr, t, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                  ROPE_HALF: tl.constexpr):
+    """out [BH, hd] fp32 -> rounded to dtype, then (ROPE_HALF > 0) its trailing 2·ROPE_HALF channels rotated
+    back by token t's angles (pairs (2i, 2i+1), fp32 rotation of the rounded values, rounded again: the
+    roundings of a separate `apply_rope(out, cos, sin, inverse=True)`); -> [BH, hd] in dtype."""
+    out = out.to(dtype)
+    if ROPE_HALF > 0:
+        pairs = tl.arange(0, HEAD_DIM // 2)
+        first = HEAD_DIM // 2 - ROPE_HALF
+        rotary = pairs >= first
+        angle = tl.where(rotary, pairs - first, 0)
+        cos = tl.load(cos_ptr + t.to(tl.int64) * ROPE_HALF + angle, mask=rotary, other=1.0)[None, :]
+        sin = -tl.load(sin_ptr + t.to(tl.int64) * ROPE_HALF + angle, mask=rotary, other=0.0)[None, :]
+        even, odd = tl.split(tl.reshape(out.to(tl.float32), [BLOCK_H, HEAD_DIM // 2, 2]))  # [BH, hd/2] each
+        new_even = tl.where(rotary[None, :], (even * cos - odd * sin).to(dtype), even.to(dtype))
+        new_odd = tl.where(rotary[None, :], (odd * cos + even * sin).to(dtype), odd.to(dtype))
+        out = tl.reshape(tl.join(new_even, new_odd), [BLOCK_H, HEAD_DIM])
+    return out
+
+
+@triton.jit
+def _combine_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, num_heads, num_splits,
+                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROPE_HALF: tl.constexpr):
+    """out[t, h] = Σ_s acc_s e^{m_s - M} / (Σ_s l_s e^{m_s - M} + e^{sink_h - M}), M = max_s m_s (then rotated
+    back as `_rotated_back` says)."""
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
@@ -268,10 +292,10 @@ def _combine_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, num_heads, num
         denominator += weight * tl.load(part_ml_ptr + part * 2 + 1, mask=head_mask, other=0.0)
         acc += weight[:, None] * tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
                                          mask=head_mask[:, None], other=0.0)
-    out = acc / denominator[:, None]
+    out = _rotated_back(acc / denominator[:, None], cos_ptr, sin_ptr, t, out_ptr.dtype.element_ty, HEAD_DIM, BLOCK_H,
+                        ROPE_HALF)
     rows = t.to(tl.int64) * num_heads + heads
-    tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=head_mask[:, None])
+    tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], out, mask=head_mask[:, None])
 
 
 def choose_num_splits(num_tokens: int, num_head_blocks: int, max_keys: int, config: SparseAttentionConfig) -> int:
@@ -321,14 +345,26 @@ def max_keys_of(tables: AttentionTables, window: int, ratio: int, topk: int | No
 
 def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, scale: float,
                      tables: AttentionTables, layer: int, *, window: int, ratio: int,
-                     topk_ids: torch.Tensor | None = None, config: SparseAttentionConfig | None = None
-                     ) -> torch.Tensor:
+                     topk_ids: torch.Tensor | None = None, config: SparseAttentionConfig | None = None,
+                     rotate_back: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [T, H, hd], new_kv [T, hd] (this forward's rows, in the activation dtype), sink [H] fp32,
     topk_ids [T, K] int (CSA; any order, read only for tokens seeing more than K rows)
     -> out [T, H, hd] in q's dtype.
 
-    ratio: 0 for window-only layers; HCA attends every closed row when topk_ids is None."""
+    ratio: 0 for window-only layers; HCA attends every closed row when topk_ids is None.
+    rotate_back (cos, sin) [T, R/2] fp32: the output's trailing R channels come back rotated by minus each
+    token's angles (the values carried rotated dims), in the same launch: `apply_rope(out, cos, sin,
+    inverse=True)` bit for bit."""
     num_tokens, num_heads, head_dim = q.shape
+    if rotate_back is not None:
+        cos, sin = (part.float().contiguous() for part in rotate_back)
+        rope_half = cos.shape[-1]
+        if cos.shape != (num_tokens, rope_half) or sin.shape != cos.shape or 2 * rope_half > head_dim:
+            raise ValueError(f"rotate_back cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not fit q "
+                             f"{tuple(q.shape)}")
+    else:
+        cos = sin = sink  # unused placeholder pointers
+        rope_half = 0
     config = config or default_config(num_tokens, fp8_rows=tables.main_rows is not None)
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim={head_dim} must be a power of two")
@@ -368,7 +404,7 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
         check_main_row_layout(fp8, head_dim)
     grid = (num_tokens, num_head_blocks, num_splits)
     _sparse_attention_kernel[grid](
-        q, new_kv, out, part_acc, part_ml, sink, topk_ids,
+        q, new_kv, out, part_acc, part_ml, sink, topk_ids, cos, sin,
         tables.token_seq, tables.positions, tables.seq_info, tables.layer_fields(layer), tables.block_ids,
         scale, num_heads, max(1, topk_ids.shape[1] if use_topk else 1), tables.block_ids.shape[1], rows_per_block,
         keys_per_split, num_splits, split_size_ptr,
@@ -379,8 +415,9 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
         SPLIT=split, IEEE=q.dtype == torch.float32, PAGED=paged, SPLIT_SIZE_ON_DEVICE=device_split_size is not None,
         FP8=fp8 is not None, NOPE=fp8.nope_dim if fp8 is not None else 0,
         SCALE_BLOCK=fp8.block_size if fp8 is not None else 1, SCALE_OFFSET=fp8.scale_offset if fp8 is not None else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        ROPE_HALF=rope_half, num_warps=config.num_warps, num_stages=config.num_stages)
     if split:
-        _combine_kernel[(num_tokens, num_head_blocks)](part_acc, part_ml, sink, out, num_heads, num_splits,
-                                                       HEAD_DIM=head_dim, BLOCK_H=block_h, num_warps=4)
+        _combine_kernel[(num_tokens, num_head_blocks)](part_acc, part_ml, sink, out, cos, sin, num_heads, num_splits,
+                                                       HEAD_DIM=head_dim, BLOCK_H=block_h, ROPE_HALF=rope_half,
+                                                       num_warps=4)
     return out

@@ -99,11 +99,11 @@ class Attention(nn.Module):
         kv = rms_norm_rope(self.wkv(x), cos, sin, self.kv_norm.eps, weight=self.kv_norm.weight)  # [T, hd]
         if self.fp8_qat_nope_dim is not None:  # before storing and attending: every step reads these values
             kv = kv_nope_fp8_qat(kv, self.fp8_qat_nope_dim)
-        if can_use_kernels(batch, kv):
+        if can_use_kernels(batch, kv):  # rotated back inside the attention launch
             out = batched_attention_core(self, batch, q, kv, x, q_lat, cos, sin)
         else:
-            out = self._torch_core(x, batch, q, kv, q_lat, cos, sin)
-        out = inverse_rope(out, cos, sin)  # undo the rotation values carried in
+            out = inverse_rope(self._torch_core(x, batch, q, kv, q_lat, cos, sin), cos, sin)  # undo the
+            # rotation values carried in
         grouped = out.reshape(num_tokens, self.config.o_groups, -1)  # [T, G, H/G·hd]
         return self.wo_b(self.wo_a(grouped))
 

@@ -8,7 +8,7 @@ Same mathematics as the per-sequence torch path of `common/model/attention.py`, 
    rows into each sequence's row store, then the new inputs into the rings;
 2. indexer (CSA): the same for its own compressor (its projections and the head weights in one
    launch), then scores of every token against its own sequence's indexer rows and one top-k;
-3. sparse attention over window ∪ rows with the sink;
+3. sparse attention over window ∪ rows with the sink, the output rotated back in the same launch;
 4. the new kv rows into the window rings (after 3: a long chunk would overwrite rows still read);
 5. advance every store's counter (the data was written in place by the kernels).
 Only host integers known before the forward steer the launches, so a decode step captures into a
@@ -81,7 +81,8 @@ def _emit_rows(compressor, kv_in: torch.Tensor, score_in: torch.Tensor, tables: 
 def batched_attention_core(attn, batch, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, q_lat: torch.Tensor,
                            cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """q [T, H, hd], kv [T, hd] (normed, rotated), x [T, D], q_lat [T, R] -> attention output
-    [T, H, hd] before de-rotation; updates every sequence's stores of this layer."""
+    [T, H, hd], its rotary channels rotated back in the attention launch; updates every sequence's stores of
+    this layer."""
     tables: AttentionTables = batch.attention_tables
     layer = attn.layer
     ratio = 0
@@ -102,7 +103,7 @@ def batched_attention_core(attn, batch, q: torch.Tensor, kv: torch.Tensor, x: to
         else:
             topk_ids = q.new_empty(q.shape[0], attn.indexer.topk, dtype=torch.int64)
     out = sparse_attention(q, kv, attn.attn_sink, attn.scale, tables, layer, window=attn.config.sliding_window,
-                           ratio=ratio, topk_ids=topk_ids)
+                           ratio=ratio, topk_ids=topk_ids, rotate_back=(cos, sin))
     _record_writes(batch, layer, "window", kv)
     write_rings(kv, kv, tables, layer, Field.WINDOW_ADDR, Field.WINDOW_RING)
     for chunk in batch.chunks:

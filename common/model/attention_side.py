@@ -22,7 +22,7 @@ from torch import nn
 from moemesh.common.model.attention import Attention
 from moemesh.common.model.batch import ForwardBatch
 from moemesh.common.model.config import ModelConfig, NumericsConfig
-from moemesh.common.model.hyper import hc_head, hc_post, hc_pre
+from moemesh.common.model.hyper import hc_head, hc_post, hc_post_with_mix, hc_pre
 from moemesh.common.model.linear import Embedding, Linear, RMSNorm, assign_frozen, parameter
 from moemesh.common.model.moe import Gate, SharedExpert
 
@@ -67,6 +67,7 @@ class AttentionSide(nn.Module):
                                     device=device)
         self.hc_head_base = parameter(config.hc_mult, dtype=torch.float32, device=device)
         self.hc_head_scale = parameter(1, dtype=torch.float32, device=device)
+        self._mix_partials = None  # from the last hc_post, for the hc_pre that reads its output
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, hub_sd: dict[str, torch.Tensor],
@@ -86,21 +87,36 @@ class AttentionSide(nn.Module):
         return e.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
 
     def _hc_pre(self, layer: int, site: str, h: torch.Tensor):
+        """hc_pre of one site with the site's norm (attn_norm / ffn_norm) applied to x in the same launches,
+        and its mix GEMV taken from the hc_post that wrote h when that one did it (`_post_and_mix`)."""
         block = self.layers[layer]
         c = self.config
+        norm = getattr(block, f"{site}_norm")
+        partials, self._mix_partials = self._mix_partials, None
         return hc_pre(h, getattr(block, f"hc_{site}_fn"), getattr(block, f"hc_{site}_base"),
-                      getattr(block, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+                      getattr(block, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
+                      out_norm=(norm.weight, norm.eps), partials=partials)
+
+    def _post_and_mix(self, next_layer: int, next_site: str, y: torch.Tensor, h: torch.Tensor, post: torch.Tensor,
+                      comb: torch.Tensor, y_addend: torch.Tensor | None = None) -> torch.Tensor:
+        """hc_post whose launch also does the mix GEMV of the hc_pre that reads its result next (kept for
+        that call: hc_pre uses it only for the same h and fn). No next hc_pre (the head): plain hc_post."""
+        if next_layer >= len(self.layers):
+            self._mix_partials = None
+            return hc_post(y, h, post, comb, y_addend=y_addend)
+        next_fn = getattr(self.layers[next_layer], f"hc_{next_site}_fn")
+        out, self._mix_partials = hc_post_with_mix(y, h, post, comb, next_fn, y_addend=y_addend)
+        return out
 
     def attn_block(self, layer: int, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """h [T, N, D] -> h [T, N, D]; updates the sequences' decode state for this layer."""
         block = self.layers[layer]
-        x, post, comb = self._hc_pre(layer, "attn", h)
-        return hc_post(block.attn(block.attn_norm(x), batch), h, post, comb)
+        x, post, comb = self._hc_pre(layer, "attn", h)  # x after attn_norm
+        return self._post_and_mix(layer, "ffn", block.attn(x, batch), h, post, comb)
 
     def ffn_pre(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [T, N, D] -> (MoE input x [T, D] after ffn_norm, post [T, N], comb [T, N, N])."""
-        x, post, comb = self._hc_pre(layer, "ffn", h)
-        return self.layers[layer].ffn_norm(x), post, comb
+        return self._hc_pre(layer, "ffn", h)
 
     def gate(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D], token_ids [T] -> ids [T, K] (ascending), weights [T, K]."""
@@ -112,7 +128,7 @@ class AttentionSide(nn.Module):
     def ffn_post(self, layer: int, y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                  shared: torch.Tensor | None = None) -> torch.Tensor:
         """y [T, D] = routed + shared (or y = routed and `shared` [T, D], added inside hc_post) -> h [T, N, D]."""
-        return hc_post(y, h, post, comb, y_addend=shared)
+        return self._post_and_mix(layer + 1, "attn", y, h, post, comb, y_addend=shared)
 
     def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, N, D] -> normed [T, D] (input of the head)."""

@@ -28,16 +28,19 @@ def hc_pre(
     hc_eps: float,
     norm_eps: float,
     out_norm: tuple[torch.Tensor, float] | None = None,
+    partials=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (x [T, D] in h's dtype, post [T, N] fp32, comb [T, N, N] fp32).
 
     out_norm (weight [D] fp32, eps): x comes back as RMSNorm(x), the block's attn_norm / ffn_norm; on
     CUDA the norm runs in hc_pre's finish launch (one launch fewer per site), same roundings as a
-    separate `rms_norm`."""
+    separate `rms_norm`. partials: what `hc_post_with_mix` returned for this h and fn (on CUDA the mix
+    GEMV was done in that launch; None: computed here)."""
     if use_triton_glue(h, fn, base, scale, *_norm_weight(out_norm)):
         from moemesh.common.kernels import mhc
 
-        return mhc.hc_pre(h, fn, base, scale, num_sinkhorn_iters, hc_eps, norm_eps, out_norm=out_norm)
+        return mhc.hc_pre(h, fn, base, scale, num_sinkhorn_iters, hc_eps, norm_eps, out_norm=out_norm,
+                          partials=partials)
     num_tokens, num_streams, _ = h.shape
     flat = unweighted_rms_norm(h.reshape(num_tokens, -1).float(), norm_eps)  # [T, N·D]
     mix = F.linear(flat, fn.float())  # [T, M]
@@ -71,6 +74,19 @@ def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
         y = y + y_addend
     dtype = h.dtype
     return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+
+
+def hc_post_with_mix(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, next_fn: torch.Tensor,
+                     y_addend: torch.Tensor | None = None):
+    """`hc_post`, plus launch 1 of the hc_pre that reads the result next (fn `next_fn` [M, N·D]) done in the same
+    launch on CUDA at decode sizes -> (new streams [T, N, D], partials for `hc_pre(..., partials=)` or None)."""
+    fused_add = y_addend is None or y_addend.dtype == y.dtype
+    if (y.dtype == h.dtype and fused_add and next_fn.dtype == torch.float32
+            and use_triton_glue(y, h, post, comb, next_fn, *(() if y_addend is None else (y_addend,)))):
+        from moemesh.common.kernels import mhc
+
+        return mhc.hc_post_with_mix(y, h, post, comb, next_fn.contiguous(), y_addend=y_addend)
+    return hc_post(y, h, post, comb, y_addend=y_addend), None
 
 
 def hc_head(

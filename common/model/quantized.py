@@ -125,6 +125,19 @@ class Fp8GroupedLinear(Fp8Linear):
         self.num_groups = num_groups
         self.out_per_group = self.out_features // num_groups
         self._kernel_ok = self.out_per_group % FP8_BLOCK == 0 and self.in_features % FP8_BLOCK == 0
+        self._offsets: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def _group_offsets(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """[G + 1] int32 row offsets g·T of the transposed input, kept per (T, device) so a step does not
+        launch kernels to rebuild them. Not kept when first built inside a CUDA-graph capture (its
+        kernel is only recorded there, so the tensor holds no values outside the replay)."""
+        key = (num_tokens, device)
+        offsets = self._offsets.get(key)
+        if offsets is None:
+            offsets = torch.arange(0, self.num_groups + 1, device=device, dtype=torch.int32) * num_tokens
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._offsets[key] = offsets
+        return offsets
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # T tokens, G groups, I input per group, O output per group
@@ -143,7 +156,7 @@ class Fp8GroupedLinear(Fp8Linear):
             s = self.scale.view(g, o // FP8_BLOCK, -1)
             stacked = ExpertWeights(w, s, w, s, w, s, WeightFormat.FP8_E4M3)
             x_sorted = x.transpose(0, 1).reshape(g * num_tokens, i)  # [G·T, I], rows grouped by g
-            offsets = torch.arange(0, g + 1, device=x.device, dtype=torch.int32) * num_tokens
+            offsets = self._group_offsets(num_tokens, x.device)
             y = grouped_down(x_sorted, offsets, stacked)  # [G·T, O]
             return y.view(g, num_tokens, o).transpose(0, 1).reshape(num_tokens, g * o)
         weight = self.dequantized(x.dtype).view(self.num_groups, -1, self.in_features).transpose(1, 2)  # [G, I, O]
