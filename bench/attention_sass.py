@@ -37,7 +37,7 @@ def compile_sparse(*, block_h: int, block_n: int, num_warps: int, num_stages: in
     from moemesh.common.kernels.sparse_attention import _sparse_attention_kernel
 
     signature = {"q_ptr": "*bf16", "new_kv_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
-                 "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "topk_ptr": "*i32", "cos_ptr": "*fp32",
+                 "part_ml_ptr": "*fp32", "counter_ptr": "*i32", "sink_ptr": "*fp32", "topk_ptr": "*i32", "cos_ptr": "*fp32",
                  "sin_ptr": "*fp32", "token_seq_ptr": "*i32",
                  "positions_ptr": "*i64", "seq_info_ptr": "*i64", "fields_ptr": "*i64", "block_ids_ptr": "*i64",
                  "scale": "fp32", "num_heads": "i32", "topk_stride": "i32", "block_stride": "i32",

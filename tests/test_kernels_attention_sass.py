@@ -14,13 +14,14 @@ from moemesh.bench.kernel_sass import _tool, summarise  # noqa: E402
 pytestmark = pytest.mark.skipif(not os.path.exists(_tool("ptxas")), reason="triton without its bundled ptxas")
 
 
-def test_default_sparse_attention_tile_compiles_without_spills():
+@pytest.mark.parametrize("split", [False, True], ids=["one_split", "splits_merged_in_launch"])
+def test_default_sparse_attention_tile_compiles_without_spills(split):
     from moemesh.bench.attention_sass import compile_sparse
     from moemesh.common.kernels.sparse_attention import SparseAttentionConfig
 
     default = SparseAttentionConfig()
     summary = summarise(compile_sparse(block_h=default.block_h, block_n=default.block_n,
-                                       num_warps=default.num_warps, num_stages=default.num_stages))
+                                       num_warps=default.num_warps, num_stages=default.num_stages, split=split))
     assert summary["stack_bytes"] == 0, summary
     assert summary["opcodes"].get("HMMA", 0) + summary["opcodes"].get("HGMMA", 0) > 0, "no tensor-core dot"
 

@@ -13,7 +13,8 @@ Query token t (position p, sequence b) attends, with one latent K = V row per ke
 Softmax in fp32 with an online maximum (flash-attention style): nothing of size [T, L] is ever
 materialised. One program covers (token, block of heads, split of the keys); with more than one
 split (flash-decoding, for small batches that would leave SMs idle) each split writes an
-unnormalised partial (acc, max, sum) and `_combine_kernel` merges them with the sink. The launch that
+unnormalised partial (acc, max, sum) and takes a ticket (`split_k.take_ticket`); the last split of a
+(token, head block) to arrive merges them with the sink (`_combine_heads`), in the same launch. The launch that
 writes the output can also rotate its rotary channels back (`rotate_back`), the attention's last glue step.
 
 Stored rows are in the activation dtype, or FP8 main rows (`tables.main_rows`, common/model/kv_rows.py):
@@ -44,6 +45,7 @@ import triton.language as tl
 from moemesh.common.kernels.attention_layout import (
     CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field, check_main_row_layout,
 )
+from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ def _attend_block(q, keys, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
 
 @triton.jit
 def _sparse_attention_kernel(
-        q_ptr, new_kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sink_ptr, topk_ptr, cos_ptr, sin_ptr,
+        q_ptr, new_kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, sink_ptr, topk_ptr, cos_ptr, sin_ptr,
         token_seq_ptr, positions_ptr, seq_info_ptr, fields_ptr, block_ids_ptr,
         scale, num_heads, topk_stride, block_stride, rows_per_block, keys_per_split, num_splits, split_size_ptr,
         WINDOW: tl.constexpr, RATIO: tl.constexpr, USE_TOPK: tl.constexpr, NUM_FIELDS_: tl.constexpr,
@@ -236,11 +238,14 @@ def _sparse_attention_kernel(
                                                 ROW_ALIGN, USE_TOPK, PAGED)
             keys = _plain_keys(addr, from_new, new_row, valid, new_kv_ptr, dims, HEAD_DIM)  # [BN, hd]
             m_i, l_i, acc = _attend_block(q, keys, valid, m_i, l_i, acc, scale, IEEE)
-    if SPLIT:
+    if SPLIT:  # the split's partial, then the last split of (token, head block) to arrive merges them all
         part = (t.to(tl.int64) * num_splits + split) * num_heads + heads  # [BH]
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_mask[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=head_mask)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=head_mask)
+        if take_ticket(counter_ptr + t * tl.num_programs(1) + head_block, num_splits):
+            _combine_heads(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, t, heads, head_mask,
+                           num_heads, num_splits, HEAD_DIM, BLOCK_H, ROPE_HALF)
     else:
         sink = tl.load(sink_ptr + heads, mask=head_mask, other=0.0)
         denominator = l_i + tl.exp(sink - m_i)
@@ -271,13 +276,10 @@ def _rotated_back(out, cos_ptr, sin_ptr, t, dtype: tl.constexpr, HEAD_DIM: tl.co
 
 
 @triton.jit
-def _combine_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, num_heads, num_splits,
-                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROPE_HALF: tl.constexpr):
-    """out[t, h] = Σ_s acc_s e^{m_s - M} / (Σ_s l_s e^{m_s - M} + e^{sink_h - M}), M = max_s m_s (then rotated
-    back as `_rotated_back` says)."""
-    t = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_mask = heads < num_heads
+def _combine_heads(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, t, heads, head_mask, num_heads,
+                   num_splits, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROPE_HALF: tl.constexpr):
+    """out[t, h] = Σ_s acc_s e^{m_s - M} / (Σ_s l_s e^{m_s - M} + e^{sink_h - M}), M = max_s m_s, splits read in
+    order s = 0..S-1 (deterministic whichever split arrived last), then rotated back as `_rotated_back` says."""
     dims = tl.arange(0, HEAD_DIM)
     m_all = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     for split in range(0, num_splits):
@@ -394,8 +396,9 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
     if split:
         part_acc = torch.empty(num_tokens, num_splits, num_heads, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_tokens, num_splits, num_heads, 2, dtype=torch.float32, device=q.device)
+        counters = tile_counters(q.device, num_tokens * num_head_blocks)
     else:
-        part_acc = part_ml = out
+        part_acc = part_ml = counters = out
     rows_per_block = tables.rows_per_block(layer, "compressor") if ratio else 1
     paged = rows_per_block != CONTIGUOUS_ROWS_PER_BLOCK
     rows_per_block = rows_per_block if paged else 1
@@ -404,7 +407,7 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
         check_main_row_layout(fp8, head_dim)
     grid = (num_tokens, num_head_blocks, num_splits)
     _sparse_attention_kernel[grid](
-        q, new_kv, out, part_acc, part_ml, sink, topk_ids, cos, sin,
+        q, new_kv, out, part_acc, part_ml, counters, sink, topk_ids, cos, sin,
         tables.token_seq, tables.positions, tables.seq_info, tables.layer_fields(layer), tables.block_ids,
         scale, num_heads, max(1, topk_ids.shape[1] if use_topk else 1), tables.block_ids.shape[1], rows_per_block,
         keys_per_split, num_splits, split_size_ptr,
@@ -416,8 +419,4 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
         FP8=fp8 is not None, NOPE=fp8.nope_dim if fp8 is not None else 0,
         SCALE_BLOCK=fp8.block_size if fp8 is not None else 1, SCALE_OFFSET=fp8.scale_offset if fp8 is not None else 0,
         ROPE_HALF=rope_half, num_warps=config.num_warps, num_stages=config.num_stages)
-    if split:
-        _combine_kernel[(num_tokens, num_head_blocks)](part_acc, part_ml, sink, out, cos, sin, num_heads, num_splits,
-                                                       HEAD_DIM=head_dim, BLOCK_H=block_h, ROPE_HALF=rope_half,
-                                                       num_warps=4)
     return out

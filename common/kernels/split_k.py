@@ -39,8 +39,9 @@ def tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
 
 
 @triton.jit
-def take_ticket(counter_ptr, NUM_SPLITS: tl.constexpr):
-    """Called after this program stored its partial: True in the program that arrives last.
+def take_ticket(counter_ptr, NUM_SPLITS):
+    """Called after this program stored its partial: True in the program that arrives last (NUM_SPLITS
+    programs share the counter; a constexpr or a runtime value).
 
     The barrier puts every thread's partial stores before the one thread's release (the atomic);
     the last program's acquire then sees all S partials. The last program resets the counter.
