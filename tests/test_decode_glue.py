@@ -122,6 +122,88 @@ def test_interpreted_gate_up_swiglu_equals_the_unfused_code(dtype, num_tokens, l
             assert_within_ulps(fused, reference, dtype, ulps=4)
 
 
+# (name, N, group, norm, rope pairs): the attention projections' glue as RowNorm epilogues, at small size
+ROW_NORM_CASES = [("q_lat", 256, 256, "weighted", 0), ("q_heads", 256, 64, "unweighted", 8),
+                  ("kv", 128, 128, "weighted", 8), ("indexer_q", 256, 64, "none", 8)]
+
+
+def _row_norm_inputs(num_tokens, num_out, group, norm, rope_half, generator, device="cpu"):
+    from moemesh.common.kernels.fp8_linear import RowNorm
+    from moemesh.common.kernels.norm_rope import NormKind
+
+    kind = {"weighted": NormKind.WEIGHTED, "unweighted": NormKind.UNWEIGHTED, "none": NormKind.NONE}[norm]
+    weight = torch.rand(group, generator=generator, device=device) + 0.5 if kind is NormKind.WEIGHTED else None
+    angles = torch.rand(num_tokens, rope_half, generator=generator, device=device) * 6.0
+    rope = (angles.cos(), angles.sin()) if rope_half else (None, None)
+    return RowNorm(group, kind, 1e-6, weight, *rope)
+
+
+def _separate_row_norm(y, row_norm):
+    """The second launch RowNorm replaces: norm_rope over the output viewed [T, N / G, G]."""
+    from moemesh.common.kernels.norm_rope import norm_rope
+
+    grouped = y.view(y.shape[0], -1, row_norm.group)
+    return norm_rope(grouped, norm=row_norm.norm, eps=row_norm.eps, weight=row_norm.weight, cos=row_norm.cos,
+                     sin=row_norm.sin).view_as(y)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 17])
+@pytest.mark.parametrize("case", ROW_NORM_CASES, ids=[case[0] for case in ROW_NORM_CASES])
+def test_interpreted_fp8_linear_row_norm_equals_a_second_launch(dtype, num_tokens, case):
+    from moemesh.common.kernels.fp8_linear import Fp8LinearConfig, fp8_linear
+
+    _, num_out, group, norm, rope_half = case
+    generator = torch.Generator().manual_seed(num_tokens * 7 + num_out)
+    weight, scale = _fp8_pair(num_out, 384, generator)
+    x = torch.randn(num_tokens, 384, generator=generator).to(dtype)
+    row_norm = _row_norm_inputs(num_tokens, num_out, group, norm, rope_half, generator)
+    configs = [None, Fp8LinearConfig(block_n=32, block_t=16, split_k=3), Fp8LinearConfig(block_n=64, block_t=16)]
+    for config in configs:
+        fused = fp8_linear(x, weight, scale, config=config, row_norm=row_norm)
+        separate = _separate_row_norm(fp8_linear(x, weight, scale, config=config), row_norm)
+        assert torch.equal(fused, separate), config
+
+
+@interpreted
+@pytest.mark.parametrize("case", ROW_NORM_CASES, ids=[case[0] for case in ROW_NORM_CASES])
+def test_interpreted_linear_norm_rope_is_one_launch_with_the_glue_values(monkeypatch, case):
+    """The attention's projection + norm + RoPE (`normed_linear.linear_norm_rope`) with an FP8 linear on its
+    kernel: one launch, and the values of the linear followed by the torch norm / RoPE (to one bf16 ulp)."""
+    from moemesh.common.model.normed_linear import linear_norm_rope
+    from moemesh.common.model.quantized import Fp8Linear, KernelBackend
+
+    _, num_out, group, norm, rope_half = case
+    generator = torch.Generator().manual_seed(num_out + rope_half)
+    linear = Fp8Linear(*_fp8_pair(num_out, 384, generator), backend=KernelBackend.KERNEL)
+    x = torch.randn(3, 384, generator=generator).to(torch.bfloat16)
+    row_norm = _row_norm_inputs(3, num_out, group, norm, rope_half, generator)
+    kwargs = {"group": group, "norm": norm != "none", "eps": row_norm.eps, "weight": row_norm.weight,
+              "cos": row_norm.cos, "sin": row_norm.sin}
+    monkeypatch.setenv(INTERPRET_ON_CPU_ENV, "1")
+    launched, fused = _launched_kernels(lambda: linear_norm_rope(linear, x, **kwargs))
+    assert launched == ["_fp8_linear_kernel"], launched
+    with forced_torch_glue():
+        unfused = linear_norm_rope(linear, x, **kwargs)
+    assert fused.shape == unfused.shape == (3, num_out)
+    assert_within_ulps(fused, unfused, torch.bfloat16)
+
+
+def test_row_norm_rejects_groups_that_do_not_fit():
+    from moemesh.common.kernels.fp8_linear import RowNorm, _row_norm_args
+    from moemesh.common.kernels.norm_rope import NormKind
+
+    with pytest.raises(ValueError, match="power of two"):
+        _row_norm_args(RowNorm(96, NormKind.UNWEIGHTED), 1, 192, 32)
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        _row_norm_args(RowNorm(32, NormKind.UNWEIGHTED), 1, 256, 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        _row_norm_args(RowNorm(64, NormKind.NONE, cos=torch.zeros(2, 8), sin=torch.zeros(2, 8)), 1, 256, 64)
+    with pytest.raises(ValueError, match="exactly when"):
+        RowNorm(64, NormKind.WEIGHTED)
+
+
 def _shared_expert(limit_on: bool, generator, device="cpu", dtype=torch.bfloat16, hidden=256, inter=384):
     from moemesh.common.model.moe import SharedExpert
     from moemesh.common.model.quantized import Fp8Linear, KernelBackend
@@ -545,7 +627,17 @@ def _hopper_variants():
         variants.append((f"gate_up_swiglu_quad{int(quad)}", _fp8_linear_kernel, fp8_sig,
                          {"SPLIT_K": 8, "K_STEPS_PER_SPLIT": 4, "USE_FMA": False, "ASM_DECODE": quad, "ASM_QUAD": quad,
                           "GATE_UP": True, "HAS_LIMIT": True, "BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": 128,
-                          "QUANT_BLOCK": 128}, {"num_warps": 4 if quad else 8, "num_stages": 4}))
+                          "QUANT_BLOCK": 128, "NORM_GROUP": 0, "NORM": 0, "ROPE": False, "ROPE_BLOCK": 1},
+                         {"num_warps": 4 if quad else 8, "num_stages": 4}))
+    row_norm_sig = {**fp8_sig, "norm_weight_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rope_half": "i32",
+                    "norm_eps": "fp32"}
+    for name, group, norm, rope in (("q_lat", 1024, 2, False), ("q_heads", 512, 1, True), ("kv", 512, 2, True),
+                                    ("indexer_q", 128, 0, True)):
+        variants.append((f"fp8_linear_row_norm_{name}", _fp8_linear_kernel, row_norm_sig,
+                         {"SPLIT_K": 8, "K_STEPS_PER_SPLIT": 4, "USE_FMA": False, "ASM_DECODE": True, "ASM_QUAD": True,
+                          "GATE_UP": False, "HAS_LIMIT": False, "BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": 128,
+                          "QUANT_BLOCK": 128, "NORM_GROUP": group, "NORM": norm, "ROPE": rope, "ROPE_BLOCK": 32},
+                         {"num_warps": 4, "num_stages": 4}))
     projection_sig = {"x_ptr": "*bf16", "kv_w_ptr": "*bf16", "score_w_ptr": "*bf16", "head_w_ptr": "*bf16",
                       "kv_ptr": "*bf16", "score_ptr": "*fp32", "head_ptr": "*fp32", "ape_ptr": "*fp32",
                       "positions_ptr": "*i64", "partial_ptr": "*fp32", "counter_ptr": "*i32", "num_tokens": "i32",
@@ -650,6 +742,32 @@ def test_cuda_shared_expert_fused_at_flash_size(num_tokens):
     assert torch.equal(eager, replayed)
     assert _fraction_equal(eager, reference) >= 0.999
     assert_within_ulps(eager, reference, torch.bfloat16, ulps=2)  # a silu one ulp off moves the product <= 2
+
+
+# V4-Flash's projections with their glue: (name, N, K, group, norm, rope pairs)
+FLASH_ROW_NORMS = [("wq_a", 1024, 4096, 1024, "weighted", 0), ("wq_b", 32768, 1024, 512, "unweighted", 32),
+                   ("wkv", 512, 4096, 512, "weighted", 32), ("indexer_wq_b", 8192, 1024, 128, "none", 32)]
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
+@pytest.mark.parametrize("case", FLASH_ROW_NORMS, ids=[case[0] for case in FLASH_ROW_NORMS])
+def test_cuda_row_norm_at_flash_size(case, num_tokens):
+    """The norm / RoPE in the FP8 linear's launch against the same launch without it followed by the norm_rope
+    kernel: equal but for the fp32 sum of squares' order (one bf16 ulp), and the same in a graph replay."""
+    from moemesh.common.kernels.fp8_linear import fp8_linear
+
+    _, num_out, num_in, group, norm, rope_half = case
+    generator = torch.Generator(device="cuda").manual_seed(num_tokens + num_out)
+    weight, scale = _fp8_pair(num_out, num_in, generator, "cuda")
+    x = torch.randn(num_tokens, num_in, generator=generator, device="cuda").bfloat16()
+    row_norm = _row_norm_inputs(num_tokens, num_out, group, norm, rope_half, generator, "cuda")
+    eager, replayed = _graph_replay(lambda: fp8_linear(x, weight, scale, row_norm=row_norm))
+    separate = _separate_row_norm(fp8_linear(x, weight, scale), row_norm)
+    assert torch.equal(eager, replayed)
+    assert _fraction_equal(eager, separate) >= 0.999
+    assert_within_ulps(eager, separate, torch.bfloat16)
 
 
 @cuda

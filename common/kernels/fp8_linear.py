@@ -18,6 +18,12 @@ Schedules (`choose_fp8_linear_config`):
   partials in a fixed order and stores the output (`split_k.py`); no second kernel.
 - prefill: 128x128 output tiles over the full K, no split.
 
+`RowNorm` (decode): the linear's output is normalised in the same launch, per group of G columns of a row
+(the whole row, or one attention head), with RoPE on the group's trailing channels: every output tile, once
+stored (after its split-K fix-up), takes a ticket from its group's counter, and the last tile of the group
+runs `norm_rope._norm_rope_row` in place over the group's rows; what `norm_rope.norm_rope` would do to the
+output in a second launch, with its roundings (its fp32 sum of squares may be ordered differently).
+
 `fp8_gate_up_swiglu` runs the same kernel over two weights of the same x (an MLP's gate and up, the
 shared expert's w1 and w3): each program accumulates both tiles from one x tile and the epilogue
 applies the SwiGLU (clamps, silu, product) with the roundings of the unfused torch code; one launch
@@ -36,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from moemesh.common.kernels.norm_rope import NormKind, _norm_rope_row
 from moemesh.common.kernels.ptx_decode import fp8_tile_bf16_asm, fp8_tile_quarters_bf16_asm
 from moemesh.common.kernels.reference import FP8_BLOCK_SIZE, scale_bytes
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
@@ -71,6 +78,28 @@ class Fp8LinearConfig:
             raise ValueError("asm_decode feeds tl.dot; it does not combine with use_fma")
         if self.split_k < 1:
             raise ValueError("split_k must be >= 1")
+
+
+@dataclass(frozen=True)
+class RowNorm:
+    """Norm and RoPE applied to each `group` output columns of a row in the linear's launch (see the module doc).
+
+    norm: NormKind (NONE: RoPE only); weight [group] fp32 with WEIGHTED; cos / sin [T, H] fp32: RoPE on the
+    group's trailing 2·H channels (None: no rotation). Same contract as `norm_rope.norm_rope` on the output
+    viewed [T, N / group, group]."""
+
+    group: int
+    norm: NormKind
+    eps: float = 0.0
+    weight: torch.Tensor | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.norm is NormKind.WEIGHTED) != (self.weight is not None):
+            raise ValueError("a weight is given exactly when norm is WEIGHTED")
+        if (self.cos is None) != (self.sin is None):
+            raise ValueError("cos and sin come together")
 
 
 @functools.lru_cache(maxsize=16)
@@ -178,6 +207,28 @@ def _swiglu_rounded(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr, dtype: tl.c
 
 
 @triton.jit
+def _normalise_group(out_ptr, counter_ptr, norm_weight_ptr, cos_ptr, sin_ptr, num_tokens, stride_ot, rope_half,
+                     norm_eps, pid_n, pid_t, NORM_GROUP: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+                     ROPE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """After this tile's output is stored: the last of its group's NORM_GROUP / BLOCK_N tiles to arrive (per token
+    tile; counter_ptr at this group's counters) normalises (+ rotates) the group's columns of every row, in place."""
+    group = (pid_n * BLOCK_N) // NORM_GROUP
+    if take_ticket(counter_ptr + group * tl.num_programs(1) + pid_t, NORM_GROUP // BLOCK_N):
+        pairs = tl.arange(0, ROPE_BLOCK)
+        for r in range(0, BLOCK_T):
+            token = pid_t * BLOCK_T + r
+            if token < num_tokens:
+                cos = tl.zeros([ROPE_BLOCK], dtype=tl.float32)
+                sin = tl.zeros([ROPE_BLOCK], dtype=tl.float32)
+                if ROPE:
+                    cos = tl.load(cos_ptr + token * rope_half + pairs, mask=pairs < rope_half, other=0.0)
+                    sin = tl.load(sin_ptr + token * rope_half + pairs, mask=pairs < rope_half, other=0.0)
+                row = out_ptr + token.to(tl.int64) * stride_ot + group * NORM_GROUP
+                _norm_rope_row(row, row, norm_weight_ptr, cos, sin, NORM_GROUP, rope_half, norm_eps, NORM, ROPE, False,
+                               NORM_GROUP, ROPE_BLOCK)
+
+
+@triton.jit
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, w_up_ptr, s_up_ptr, out_ptr, partial_ptr, counter_ptr,
     num_tokens, out_features, in_features, swiglu_limit,
@@ -185,6 +236,8 @@ def _fp8_linear_kernel(
     SPLIT_K: tl.constexpr, K_STEPS_PER_SPLIT: tl.constexpr, USE_FMA: tl.constexpr, ASM_DECODE: tl.constexpr,
     ASM_QUAD: tl.constexpr, GATE_UP: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, QUANT_BLOCK: tl.constexpr,
+    norm_weight_ptr=None, cos_ptr=None, sin_ptr=None, rope_half=0, norm_eps=0.0,
+    NORM_GROUP: tl.constexpr = 0, NORM: tl.constexpr = 0, ROPE: tl.constexpr = False, ROPE_BLOCK: tl.constexpr = 1,
 ):
     # GATE_UP: w / s are the gate weight, w_up / s_up the up weight (same shape and scale grid); the output is
     # the SwiGLU of the two products. The split-K workspace then holds [S, T, 2N]: gate partials, then up.
@@ -242,6 +295,16 @@ def _fp8_linear_kernel(
         acc = _swiglu_rounded(acc, acc_up, swiglu_limit, HAS_LIMIT, out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + offs_t[None, :] * stride_ot + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+    if NORM_GROUP > 0:  # RowNorm: group counters follow the split-K tile counters
+        group_counters = counter_ptr + tl.num_programs(0) * tl.num_programs(1)
+        if SPLIT_K > 1:
+            if is_last:
+                _normalise_group(out_ptr, group_counters, norm_weight_ptr, cos_ptr, sin_ptr, num_tokens, stride_ot,
+                                 rope_half, norm_eps, pid_n, pid_t, NORM_GROUP, NORM, ROPE, ROPE_BLOCK, BLOCK_N,
+                                 BLOCK_T)
+        else:
+            _normalise_group(out_ptr, group_counters, norm_weight_ptr, cos_ptr, sin_ptr, num_tokens, stride_ot,
+                             rope_half, norm_eps, pid_n, pid_t, NORM_GROUP, NORM, ROPE, ROPE_BLOCK, BLOCK_N, BLOCK_T)
 
 
 def fp8_linear(
@@ -251,8 +314,11 @@ def fp8_linear(
     *,
     out_dtype: torch.dtype | None = None,
     config: Fp8LinearConfig | None = None,
+    row_norm: RowNorm | None = None,
 ) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) @ dequant(weight [N, K] FP8, scale [ceil(N/128), ceil(K/128)])^T.
+
+    row_norm: the output's groups normalised / rotated in the same launch (`RowNorm`; x 2-D [T, K]).
 
     Returns [..., N] in `out_dtype` (default x.dtype). The weight may be float8_e4m3fn or its uint8
     bytes; scales float8_e8m0fnu or uint8. Scale byte 0 (2^-127) is read as 0 and 255 (NaN) as
@@ -262,7 +328,7 @@ def fp8_linear(
     """
     x2d, lead_shape = _flat_input(x, weight)
     w_bytes, s_bytes = _weight_operands(weight, scale)
-    out = _launch(x2d, (w_bytes, s_bytes), None, out_dtype or x.dtype, config, swiglu_limit=None)
+    out = _launch(x2d, (w_bytes, s_bytes), None, out_dtype or x.dtype, config, swiglu_limit=None, row_norm=row_norm)
     return out.reshape(*lead_shape, weight.shape[0])
 
 
@@ -320,9 +386,41 @@ def _weight_operands(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.T
     return w_bytes, scale_bytes(scale).contiguous()
 
 
+def row_norm_fits(num_tokens: int, num_out: int, num_in: int, group: int, device: torch.device) -> bool:
+    """Whether a default-config launch of [N, K] at T tokens can carry a RowNorm of `group` columns."""
+    block_n = choose_fp8_linear_config(num_tokens, num_out, num_in, device_num_sms(device)).block_n
+    return group > 0 and not group & (group - 1) and group % block_n == 0 and num_out % group == 0
+
+
+def _row_norm_args(row_norm: RowNorm | None, num_tokens: int, num_out: int, block_n: int) -> tuple[dict, int]:
+    """(the kernel's RowNorm arguments, number of groups) checked against the launch; ({}, 0) without."""
+    if row_norm is None:
+        return {}, 0
+    group = row_norm.group
+    if group <= 0 or group & (group - 1) or group % block_n or num_out % group:
+        raise ValueError(f"RowNorm group {group} must be a power of two, a multiple of block_n {block_n} and divide "
+                         f"N = {num_out}")
+    rope_half = 0 if row_norm.cos is None else row_norm.cos.shape[-1]
+    if row_norm.cos is not None and (tuple(row_norm.cos.shape) != (num_tokens, rope_half)
+                                     or row_norm.sin.shape != row_norm.cos.shape or 2 * rope_half > group):
+        raise ValueError(f"cos {tuple(row_norm.cos.shape)} / sin {tuple(row_norm.sin.shape)} do not fit "
+                         f"[{num_tokens}, <= {group // 2}]")
+    if row_norm.weight is not None and row_norm.weight.numel() != group:
+        raise ValueError(f"norm weight has {row_norm.weight.numel()} values for groups of {group}")
+    weight = row_norm.weight.float().contiguous() if row_norm.weight is not None else None
+    cos = row_norm.cos.float().contiguous() if row_norm.cos is not None else None
+    sin = row_norm.sin.float().contiguous() if row_norm.sin is not None else None
+    args = {"norm_weight_ptr": weight, "cos_ptr": cos, "sin_ptr": sin, "rope_half": rope_half,
+            "norm_eps": float(row_norm.eps), "NORM_GROUP": group, "NORM": int(row_norm.norm),
+            "ROPE": cos is not None, "ROPE_BLOCK": triton.next_power_of_2(max(rope_half, 1))}
+    return args, num_out // group
+
+
 def _launch(x2d: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor] | None,
-            out_dtype: torch.dtype, config: Fp8LinearConfig | None, *, swiglu_limit: float | None) -> torch.Tensor:
-    """One launch of `_fp8_linear_kernel`: x2d [T, K] -> [T, N]; with `up`, the SwiGLU of the two products."""
+            out_dtype: torch.dtype, config: Fp8LinearConfig | None, *, swiglu_limit: float | None,
+            row_norm: RowNorm | None = None) -> torch.Tensor:
+    """One launch of `_fp8_linear_kernel`: x2d [T, K] -> [T, N]; with `up`, the SwiGLU of the two products; with
+    `row_norm`, the output's groups normalised (and rotated) by the launch's last tile of each group."""
     w_bytes, s_bytes = gate
     num_out, num_in = w_bytes.shape
     num_tokens = x2d.shape[0]
@@ -345,11 +443,16 @@ def _launch(x2d: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor], up: tupl
     num_parts = 1 if up is None else 2  # gate (and up) partials per split
     out = torch.empty(num_tokens, num_out, dtype=out_dtype, device=x2d.device)
     grid = (triton.cdiv(num_out, config.block_n), triton.cdiv(num_tokens, config.block_t), split_k)
+    norm_args, num_groups = _row_norm_args(row_norm, num_tokens, num_out, config.block_n)
+    if up is not None and row_norm is not None:
+        raise ValueError("RowNorm applies to a plain linear, not the gate-up SwiGLU")
+    counters = s_bytes  # never read without split-K or RowNorm
+    if split_k > 1 or num_groups:
+        counters = tile_counters(x2d.device, grid[0] * grid[1] + num_groups * grid[1])
     if split_k > 1:
         partials = torch.empty(split_k, num_tokens, num_parts * num_out, dtype=torch.float32, device=x2d.device)
-        counters = tile_counters(x2d.device, grid[0] * grid[1])
     else:
-        partials, counters = out, s_bytes  # never read
+        partials = out  # never read
     w_up, s_up = up if up is not None else gate  # never read without GATE_UP
     _fp8_linear_kernel[grid](
         x2d, w_bytes, s_bytes, w_up, s_up, out, partials, counters,
@@ -359,6 +462,6 @@ def _launch(x2d: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor], up: tupl
         SPLIT_K=split_k, K_STEPS_PER_SPLIT=k_steps_per_split, USE_FMA=config.use_fma, ASM_DECODE=config.asm_decode,
         ASM_QUAD=config.asm_decode and config.asm_quad, GATE_UP=up is not None, HAS_LIMIT=swiglu_limit is not None,
         BLOCK_N=config.block_n, BLOCK_T=config.block_t, BLOCK_K=config.block_k, QUANT_BLOCK=FP8_BLOCK_SIZE,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **norm_args,
     )
     return out

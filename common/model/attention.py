@@ -25,7 +25,8 @@ from moemesh.common.model.config import AttentionKind, ModelConfig, NumericsConf
 from moemesh.common.model.indexer import Indexer
 from moemesh.common.model.linear import GroupedLinear, Linear, RMSNorm, parameter
 from moemesh.common.model.qat import kv_nope_fp8_qat
-from moemesh.common.model.rope import RotaryTable, inverse_rope, rms_norm_rope
+from moemesh.common.model.normed_linear import linear_norm_rope
+from moemesh.common.model.rope import RotaryTable, inverse_rope
 from moemesh.common.model.state import LayerState
 
 
@@ -93,10 +94,13 @@ class Attention(nn.Module):
         """x [T, D] (after attn_norm) -> [T, D]; updates each sequence's state for this layer."""
         num_tokens = x.shape[0]
         cos, sin = batch.cos_sin(self.rope)
-        q_lat = self.q_norm(self.wq_a(x))  # [T, R]
-        q = self.wq_b(q_lat).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]
-        q = rms_norm_rope(q, cos, sin, self.config.rms_norm_eps)  # per-head unweighted norm, then RoPE
-        kv = rms_norm_rope(self.wkv(x), cos, sin, self.kv_norm.eps, weight=self.kv_norm.weight)  # [T, hd]
+        q_lat = linear_norm_rope(self.wq_a, x, group=self.q_norm.weight.numel(), norm=True, eps=self.q_norm.eps,
+                                 weight=self.q_norm.weight)  # [T, R], q_norm
+        q = linear_norm_rope(self.wq_b, q_lat, group=self.head_dim, norm=True, eps=self.config.rms_norm_eps, cos=cos,
+                             sin=sin).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]: per-head
+        # unweighted norm, then RoPE
+        kv = linear_norm_rope(self.wkv, x, group=self.head_dim, norm=True, eps=self.kv_norm.eps,
+                              weight=self.kv_norm.weight, cos=cos, sin=sin)  # [T, hd], kv_norm and RoPE
         if self.fp8_qat_nope_dim is not None:  # before storing and attending: every step reads these values
             kv = kv_nope_fp8_qat(kv, self.fp8_qat_nope_dim)
         if can_use_kernels(batch, kv):  # rotated back inside the attention launch

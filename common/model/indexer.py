@@ -15,7 +15,7 @@ from torch import nn
 from moemesh.common.model.compressor import Compressor, projection_kernel_applies
 from moemesh.common.model.config import ModelConfig
 from moemesh.common.model.linear import Linear
-from moemesh.common.model.rope import apply_rope
+from moemesh.common.model.normed_linear import linear_norm_rope
 
 
 class Indexer(nn.Module):
@@ -37,8 +37,8 @@ class Indexer(nn.Module):
 
     def rotated_queries(self, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """q_lat [T, R] -> queries [T, H, d] rotated at t."""
-        queries = self.wq_b(q_lat).view(q_lat.shape[0], self.num_heads, self.head_dim)
-        return apply_rope(queries, cos, sin)
+        queries = linear_norm_rope(self.wq_b, q_lat, group=self.head_dim, norm=False, cos=cos, sin=sin)  # [T, H·d]
+        return queries.view(q_lat.shape[0], self.num_heads, self.head_dim)
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> per-head score weights [T, H] fp32."""
