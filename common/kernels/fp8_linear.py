@@ -225,7 +225,7 @@ def _normalise_group(out_ptr, counter_ptr, norm_weight_ptr, cos_ptr, sin_ptr, nu
                     sin = tl.load(sin_ptr + token * rope_half + pairs, mask=pairs < rope_half, other=0.0)
                 row = out_ptr + token.to(tl.int64) * stride_ot + group * NORM_GROUP
                 _norm_rope_row(row, row, norm_weight_ptr, cos, sin, NORM_GROUP, rope_half, norm_eps, NORM, ROPE, False,
-                               NORM_GROUP, ROPE_BLOCK)
+                               NORM_GROUP, ROPE_BLOCK, IN_PLACE=True)
 
 
 @triton.jit

@@ -52,28 +52,33 @@ def _normed(x, row_scale, weight_ptr, cols, col_mask, NORM: tl.constexpr, dtype:
 @triton.jit
 def _norm_rope_row(row_ptr, out_row_ptr, weight_ptr, cos, sin, num_channels, rope_half, eps,
                    NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
-                   BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+                   BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, IN_PLACE: tl.constexpr = False):
     """One row [C]: values rounded to the output dtype as read (a no-op for rows already in it), optional
-    norm, optional rotation of the trailing 2·H channels by (cos, sin) [BH] fp32."""
+    norm, optional rotation of the trailing 2·H channels by (cos, sin) [BH] fp32. Every load comes before the
+    first store; IN_PLACE (out_row_ptr == row_ptr) puts a barrier between them, since a value can be held
+    (and loaded) by several threads."""
     dtype = out_row_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_C)
     col_mask = cols < num_channels
     x = tl.load(row_ptr + cols, mask=col_mask, other=0.0).to(dtype).to(tl.float32)  # [BC]
+    nope = num_channels
+    if ROPE:
+        nope = num_channels - 2 * rope_half
+    pairs = tl.arange(0, BLOCK_H)
+    pair_mask = pairs < rope_half
+    even_cols = nope + 2 * pairs
+    odd_cols = even_cols + 1
+    if ROPE:
+        even = tl.load(row_ptr + even_cols, mask=pair_mask, other=0.0).to(dtype).to(tl.float32)
+        odd = tl.load(row_ptr + odd_cols, mask=pair_mask, other=0.0).to(dtype).to(tl.float32)
     row_scale = 1.0
     if NORM != 0:
         row_scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / num_channels + eps)
     y = _normed(x, row_scale, weight_ptr, cols, col_mask, NORM, dtype)
-    nope = num_channels
-    if ROPE:
-        nope = num_channels - 2 * rope_half
+    if IN_PLACE:
+        tl.debug_barrier()
     tl.store(out_row_ptr + cols, y.to(dtype), mask=cols < nope)
     if ROPE:
-        pairs = tl.arange(0, BLOCK_H)
-        pair_mask = pairs < rope_half
-        even_cols = nope + 2 * pairs
-        odd_cols = even_cols + 1
-        even = tl.load(row_ptr + even_cols, mask=pair_mask, other=0.0).to(dtype).to(tl.float32)
-        odd = tl.load(row_ptr + odd_cols, mask=pair_mask, other=0.0).to(dtype).to(tl.float32)
         even = _normed(even, row_scale, weight_ptr, even_cols, pair_mask, NORM, dtype)
         odd = _normed(odd, row_scale, weight_ptr, odd_cols, pair_mask, NORM, dtype)
         if INVERSE:
