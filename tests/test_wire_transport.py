@@ -143,3 +143,27 @@ def test_binding_beyond_loopback_is_refused():
         check_bind_endpoint("tcp://0.0.0.0:5000")
     with pytest.raises(ValueError, match="only ipc"):
         check_bind_endpoint("inproc://x")
+
+
+def test_a_task_cancelled_while_its_client_closes_stays_cancelled(tmp_path):
+    """A loop stopped while it reconnects (awaiting close()) must end: close() ends the reply
+    reader's cancellation, never its caller's."""
+    async def scenario():
+        context = zmq.asyncio.Context()
+        client = AsyncClient(f"ipc://{tmp_path}/nobody.sock", context=context)
+        with pytest.raises(ReplyTimeout):  # starts the reply reader
+            await client.request(m.Ping(nonce=1), timeout_s=0.05)
+        closing = asyncio.create_task(client.close())
+        await asyncio.sleep(0)  # closing now awaits the cancelled reader
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert client.socket.closed
+        quiet = AsyncClient(f"ipc://{tmp_path}/nobody.sock", context=context)
+        with pytest.raises(ReplyTimeout):
+            await quiet.request(m.Ping(nonce=2), timeout_s=0.05)
+        await quiet.close()  # the reader's own cancellation ends inside close()
+        assert quiet.socket.closed
+        context.term()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=10))

@@ -299,13 +299,19 @@ class AsyncClient(_DealerClient):
                 future.set_exception(error)
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except asyncio.CancelledError:
-                pass
-        self.socket.close(linger=0)
+        """Stop the reply reader and close the socket. A cancellation of the caller itself (a
+        loop stopped while it reconnects) passes through; only the reader's own ends here."""
+        reader, self._reader = self._reader, None
+        try:
+            if reader is not None:
+                reader.cancel()
+                try:
+                    await reader
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():
+                        raise
+        finally:
+            self.socket.close(linger=0)
 
 
 class SyncClient(_DealerClient):

@@ -235,8 +235,9 @@ class Engine(EngineRecovery):
             return
         if not idle and self.scheduler.num_unfinished_requests:
             return
-        try:
-            await asyncio.wait_for(self._wake.wait(), timeout=self.config.idle_wait_s)
+        try:  # asyncio.timeout, not wait_for: Python 3.11's wait_for can lose a cancellation
+            async with asyncio.timeout(self.config.idle_wait_s):
+                await self._wake.wait()
         except TimeoutError:
             pass
         self._wake.clear()
