@@ -50,6 +50,14 @@ def _normed(x, row_scale, weight_ptr, cols, col_mask, NORM: tl.constexpr, dtype:
 
 
 @triton.jit
+def rotate_pairs(even, odd, cos, sin):
+    """(even, odd) fp32 pairs rotated by (cos, sin): (e·cos − o·sin, o·cos + e·sin) in fp32. The fused
+    multiply-adds are spelled out so that every kernel rotating a pair rounds it the same way (left to
+    the compiler, which product a kernel fuses depends on its surroundings)."""
+    return tl.fma(even, cos, -(odd * sin)), tl.fma(odd, cos, even * sin)
+
+
+@triton.jit
 def _norm_rope_row(row_ptr, out_row_ptr, weight_ptr, cos, sin, num_channels, rope_half, eps,
                    NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
                    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, IN_PLACE: tl.constexpr = False):
@@ -83,8 +91,9 @@ def _norm_rope_row(row_ptr, out_row_ptr, weight_ptr, cos, sin, num_channels, rop
         odd = _normed(odd, row_scale, weight_ptr, odd_cols, pair_mask, NORM, dtype)
         if INVERSE:
             sin = -sin
-        tl.store(out_row_ptr + even_cols, (even * cos - odd * sin).to(dtype), mask=pair_mask)
-        tl.store(out_row_ptr + odd_cols, (odd * cos + even * sin).to(dtype), mask=pair_mask)
+        new_even, new_odd = rotate_pairs(even, odd, cos, sin)
+        tl.store(out_row_ptr + even_cols, new_even.to(dtype), mask=pair_mask)
+        tl.store(out_row_ptr + odd_cols, new_odd.to(dtype), mask=pair_mask)
 
 
 @triton.jit

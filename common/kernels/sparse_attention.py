@@ -45,6 +45,7 @@ import triton.language as tl
 from moemesh.common.kernels.attention_layout import (
     CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field, check_main_row_layout,
 )
+from moemesh.common.kernels.norm_rope import rotate_pairs
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
 
@@ -269,8 +270,9 @@ def _rotated_back(out, cos_ptr, sin_ptr, t, dtype: tl.constexpr, HEAD_DIM: tl.co
         cos = tl.load(cos_ptr + t.to(tl.int64) * ROPE_HALF + angle, mask=rotary, other=1.0)[None, :]
         sin = -tl.load(sin_ptr + t.to(tl.int64) * ROPE_HALF + angle, mask=rotary, other=0.0)[None, :]
         even, odd = tl.split(tl.reshape(out.to(tl.float32), [BLOCK_H, HEAD_DIM // 2, 2]))  # [BH, hd/2] each
-        new_even = tl.where(rotary[None, :], (even * cos - odd * sin).to(dtype), even.to(dtype))
-        new_odd = tl.where(rotary[None, :], (odd * cos + even * sin).to(dtype), odd.to(dtype))
+        rotated_even, rotated_odd = rotate_pairs(even, odd, cos, sin)
+        new_even = tl.where(rotary[None, :], rotated_even.to(dtype), even.to(dtype))
+        new_odd = tl.where(rotary[None, :], rotated_odd.to(dtype), odd.to(dtype))
         out = tl.reshape(tl.join(new_even, new_odd), [BLOCK_H, HEAD_DIM])
     return out
 
