@@ -85,7 +85,7 @@ def compile_fp8_row_writes(*, ring: bool, src: str = "*bf16", predicated: bool =
 def compile_pool(*, overlap: bool = True):
     from moemesh.common.kernels.kv_write import _pool_windows_kernel
 
-    signature = {"kv_ptr": "*bf16", "score_ptr": "*bf16", "ring_like_ptr": "*fp32", "out_ptr": "*fp32",
+    signature = {"kv_ptr": "*bf16", "score_ptr": "*bf16", "out_ptr": "*fp32",
                  "closing_ptr": "*i64", "token_seq_ptr": "*i32", "positions_ptr": "*i64", "seq_info_ptr": "*i64",
                  "fields_ptr": "*i64", "row_dim": "i32"}
     ratio = 4 if overlap else 128
@@ -95,11 +95,42 @@ def compile_pool(*, overlap: bool = True):
     return _compile(_pool_windows_kernel, signature, constexprs, 4, 1)
 
 
+def compile_compressor_step(*, csa: bool = True, fp8_rows: bool = False):
+    """The one-launch compressor step at V4-Flash width: CSA (ratio 4, overlapping, with the indexer's compressor)
+    or HCA (ratio 128), bf16 or FP8 main rows."""
+    from moemesh.common.kernels.compressor_step import _compressor_step_kernel, pooling_block
+
+    ratio, overlap = (4, True) if csa else (128, False)
+    signature = {}
+    constexprs = {"RATIO": ratio, "OVERLAP": overlap, "NUM_FIELDS_": NUM_FIELDS, "BLOCK_H": 32,
+                  "FP8_ROWS0": fp8_rows}
+    for index, (row_dim, indexer) in enumerate(((512, False), (128 if csa else 512, csa))):
+        signature.update({f"kv{index}_ptr": "*bf16", f"score{index}_ptr": "*fp32", f"weight{index}_ptr": "*fp32",
+                          f"pooled{index}_ptr": "*fp32", f"normed{index}_ptr": "*bf16",
+                          f"rows{index}_like_ptr": "*bf16", f"rows_per_block{index}": "i64", f"eps{index}": "fp32"})
+        num_slots, block_d = pooling_block(ratio, overlap, row_dim)
+        fields = (Field.INDEX_INPUT_KV_ADDR, Field.INDEX_INPUT_SCORE_ADDR, Field.INDEX_INPUT_RING,
+                  Field.INDEX_ROWS_ADDR) if indexer else (Field.INPUT_KV_ADDR, Field.INPUT_SCORE_ADDR,
+                                                          Field.INPUT_RING, Field.ROWS_ADDR)
+        constexprs.update({f"ROW_DIM{index}": row_dim, f"BLOCK_D{index}": block_d,
+                           f"BLOCKS{index}": row_dim // block_d if index == 0 or csa else 0,
+                           f"BLOCK_C{index}": row_dim, f"STORE_ROW_BYTES{index}": 584 if fp8_rows and index == 0
+                           else 2 * row_dim, f"F_KV{index}": int(fields[0]), f"F_SCORE{index}": int(fields[1]),
+                           f"F_RING{index}": int(fields[2]), f"F_ROWS{index}": int(fields[3])})
+        constexprs["NUM_SLOTS"] = num_slots
+    signature.update({"inv_freq_ptr": "*fp32", "seq_info_ptr": "*i64", "fields_ptr": "*i64", "block_ids_ptr": "*i64",
+                      "block_stride": "i32", "counters_ptr": "*i32", "rope_half": "i32"})
+    constexprs.update(dict(NOPE=448, ROPE=64, BLOCK=64, NUM_BLOCKS=7, BLOCKS_P2=8, ROPE_P2=64, SCALE_OFFSET=576,
+                           ROW_BYTES=584))
+    return _compile(_compressor_step_kernel, signature, constexprs, 4, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     from moemesh.bench.kernel_sass import summarise
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", choices=("sparse", "sparse-fp8", "fp8-writes", "indexer", "pool", "all"),
+    parser.add_argument("--kernel", choices=("sparse", "sparse-fp8", "fp8-writes", "indexer", "pool", "compressor-step",
+                                             "all"),
                         default="all")
     args = parser.parse_args(argv)
     jobs = []
@@ -124,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernel in ("pool", "all"):
         jobs.append(("pool_csa", lambda: compile_pool(overlap=True)))
         jobs.append(("pool_hca", lambda: compile_pool(overlap=False)))
+    if args.kernel in ("compressor-step", "all"):
+        for csa in (True, False):
+            for fp8_rows in (False, True):
+                jobs.append((f"compressor_step_{'csa' if csa else 'hca'}{'_fp8' if fp8_rows else ''}",
+                             lambda c=csa, f=fp8_rows: compile_compressor_step(csa=c, fp8_rows=f)))
     for name, job in jobs:
         summary = summarise(job())
         opcodes = summary.pop("opcodes")

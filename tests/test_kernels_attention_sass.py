@@ -26,12 +26,18 @@ def test_default_sparse_attention_tile_compiles_without_spills(split):
     assert summary["opcodes"].get("HMMA", 0) + summary["opcodes"].get("HGMMA", 0) > 0, "no tensor-core dot"
 
 
-@pytest.mark.parametrize("kernel", ["indexer", "pool_csa", "pool_hca"])
+@pytest.mark.parametrize("kernel", ["indexer", "pool_csa", "pool_hca", "compressor_step_csa", "compressor_step_hca",
+                                    "compressor_step_csa_fp8"])
 def test_side_kernels_compile_without_spills(kernel):
-    from moemesh.bench.attention_sass import compile_indexer, compile_pool
+    from moemesh.bench.attention_sass import compile_compressor_step, compile_indexer, compile_pool
 
     compiled = {"indexer": compile_indexer, "pool_csa": lambda: compile_pool(overlap=True),
-                "pool_hca": lambda: compile_pool(overlap=False)}[kernel]()
+                "pool_hca": lambda: compile_pool(overlap=False),
+                "compressor_step_csa": lambda: compile_compressor_step(csa=True),
+                "compressor_step_hca": lambda: compile_compressor_step(csa=False),
+                "compressor_step_csa_fp8": lambda: compile_compressor_step(csa=True, fp8_rows=True)}[kernel]()
     summary = summarise(compiled)
-    assert summary["stack_bytes"] == 0, summary
+    # the compressor step's in-launch RoPE angles: libdevice cosf / sinf keep a 32-byte array for the reduction of
+    # huge arguments (any kernel calling them has it), not spilled registers
+    assert summary["stack_bytes"] == (32 if kernel.startswith("compressor_step") else 0), summary
     assert summary["num_instructions"] > 100

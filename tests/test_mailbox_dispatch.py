@@ -12,6 +12,7 @@ the run completes; never thawed, the step fails with that cause.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -131,6 +132,7 @@ def test_a_frozen_mailbox_worker_is_detected_and_the_step_recovers_or_fails(chec
         assert worker.dispatcher.mailbox_plane._boxes  # a new mailbox after the readmission
     else:
         text = str(failure.value)
-        assert "expert worker 0" in text and "mailbox: layer 0: no answer within 1.0 s" in text, text
+        # the layer it stops at depends on when SIGSTOP lands: between steps (layer 0) or inside the next one
+        assert "expert worker 0" in text and re.search(r"mailbox: layer \d+: no answer within 1\.0 s", text), text
         assert recovery.num_failed_steps >= 1
         assert elapsed_s < 6.0 + 5.0  # the recovery budget, not a hang

@@ -169,23 +169,14 @@ def write_rings(src: torch.Tensor, ring_like: torch.Tensor, tables: AttentionTab
 
 
 @triton.jit
-def _pool_windows_kernel(kv_ptr, score_ptr, ring_like_ptr, out_ptr, closing_ptr, token_seq_ptr, positions_ptr,
-                         seq_info_ptr, fields_ptr, row_dim,
-                         RATIO: tl.constexpr, OVERLAP: tl.constexpr, NUM_SLOTS: tl.constexpr,
-                         NUM_FIELDS_: tl.constexpr, F_KV: tl.constexpr, F_SCORE: tl.constexpr,
-                         F_RING: tl.constexpr, BLOCK_D: tl.constexpr, PREDICATED: tl.constexpr):
-    i = tl.program_id(0)
-    channels = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    channel_mask = channels < row_dim
-    t = tl.load(closing_ptr + i)
-    b = tl.load(token_seq_ptr + t)
-    position = tl.load(positions_ptr + t)
+def pool_channels(kv_ptr, score_ptr, fields, position, chunk_start, chunk_offset, channels, channel_mask, row_dim,
+                  RATIO: tl.constexpr, OVERLAP: tl.constexpr, NUM_SLOTS: tl.constexpr, F_KV: tl.constexpr,
+                  F_SCORE: tl.constexpr, F_RING: tl.constexpr):
+    """The pooled row of the window that the token at `position` closes, at `channels` [BD] -> [BD] fp32 (any
+    value where channel_mask is False). Slot inputs at or after chunk_start come from this forward's projected
+    inputs kv/score [T, width] (row chunk_offset + pos - chunk_start), earlier ones from the sequence's input
+    rings (`fields`: its row of the layer's address table)."""
     window = position // RATIO
-    if PREDICATED:  # every token has a program; only those closing a window pool (others store zeros)
-        channel_mask = channel_mask & ((position + 1) % RATIO == 0)
-    chunk_start = tl.load(seq_info_ptr + b * 3)
-    chunk_offset = tl.load(seq_info_ptr + b * 3 + 1)
-    fields = fields_ptr + b.to(tl.int64) * NUM_FIELDS_
     ring = tl.load(fields + F_RING)
     slots = tl.arange(0, NUM_SLOTS)
     if OVERLAP:
@@ -220,7 +211,28 @@ def _pool_windows_kernel(kv_ptr, score_ptr, ring_like_ptr, out_ptr, closing_ptr,
     z = tl.where(mask, tl.where(from_new[:, None], z_new, z_old), float("-inf"))  # [NS, BD]
     z_max = tl.max(z, axis=0)
     e = tl.exp(z - z_max[None, :])
-    pooled = tl.sum(e * kv, axis=0) / tl.sum(e, axis=0)
+    return tl.sum(e * kv, axis=0) / tl.sum(e, axis=0)
+
+
+@triton.jit
+def _pool_windows_kernel(kv_ptr, score_ptr, out_ptr, closing_ptr, token_seq_ptr, positions_ptr,
+                         seq_info_ptr, fields_ptr, row_dim,
+                         RATIO: tl.constexpr, OVERLAP: tl.constexpr, NUM_SLOTS: tl.constexpr,
+                         NUM_FIELDS_: tl.constexpr, F_KV: tl.constexpr, F_SCORE: tl.constexpr,
+                         F_RING: tl.constexpr, BLOCK_D: tl.constexpr, PREDICATED: tl.constexpr):
+    i = tl.program_id(0)
+    channels = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    channel_mask = channels < row_dim
+    t = tl.load(closing_ptr + i)
+    b = tl.load(token_seq_ptr + t)
+    position = tl.load(positions_ptr + t)
+    if PREDICATED:  # every token has a program; only those closing a window pool (others store zeros)
+        channel_mask = channel_mask & ((position + 1) % RATIO == 0)
+    chunk_start = tl.load(seq_info_ptr + b * 3)
+    chunk_offset = tl.load(seq_info_ptr + b * 3 + 1)
+    fields = fields_ptr + b.to(tl.int64) * NUM_FIELDS_
+    pooled = pool_channels(kv_ptr, score_ptr, fields, position, chunk_start, chunk_offset, channels, channel_mask,
+                           row_dim, RATIO, OVERLAP, NUM_SLOTS, F_KV, F_SCORE, F_RING)
     if PREDICATED:
         pooled = tl.where(channel_mask, pooled, 0.0)
         channel_mask = channels < row_dim
@@ -242,12 +254,21 @@ def pool_windows(kv: torch.Tensor, score: torch.Tensor, ring_like: torch.Tensor,
     # a [slots, BLOCK_D] tile of K, Z and their gathered pointers: keep it ~2K elements (no spills)
     block_d = min(block_d or max(16, 2048 // num_slots), triton.next_power_of_2(row_dim))
     grid = (num_closing, triton.cdiv(row_dim, block_d))
-    _pool_windows_kernel[grid](kv.contiguous(), score.contiguous(), ring_like, out, closing, tables.token_seq,
+    _pool_windows_kernel[grid](kv.contiguous(), score.contiguous(), out, closing, tables.token_seq,
                                tables.positions, tables.seq_info, tables.layer_fields(layer), row_dim,
                                RATIO=ratio, OVERLAP=overlap, NUM_SLOTS=num_slots, NUM_FIELDS_=NUM_FIELDS,
                                F_KV=int(fields[0]), F_SCORE=int(fields[1]), F_RING=int(fields[2]),
                                BLOCK_D=block_d, PREDICATED=tables.closing_predicated, num_warps=4)
     return out
+
+
+@triton.jit
+def compressed_row_address(fields_ptr, block_ids_ptr, b, block_stride, rows_per_block, row,
+                           NUM_FIELDS_: tl.constexpr, F_ROWS: tl.constexpr, ROW_BYTES):
+    """Byte address of compressed row `row` of sequence b (int64) in its store: its own tensor or its block of
+    the paged pool (block_ids [B, NB])."""
+    block = tl.load(block_ids_ptr + b * block_stride + row // rows_per_block)
+    return tl.load(fields_ptr + b * NUM_FIELDS_ + F_ROWS) + (block * rows_per_block + row % rows_per_block) * ROW_BYTES
 
 
 @triton.jit
@@ -266,9 +287,8 @@ def _write_rows_kernel(rows_ptr, dst_like_ptr, closing_ptr, token_seq_ptr, posit
         closes = (position + 1) % RATIO == 0
         mask = mask & closes
         row = tl.where(closes, row, 0)
-    block = tl.load(block_ids_ptr + b * block_stride + row // rows_per_block)
-    addr = tl.load(fields_ptr + b * NUM_FIELDS_ + F_ROWS) + (block * rows_per_block + row % rows_per_block) * (
-        row_dim * DST_BYTES)
+    addr = compressed_row_address(fields_ptr, block_ids_ptr, b, block_stride, rows_per_block, row, NUM_FIELDS_, F_ROWS,
+                                  row_dim * DST_BYTES)
     dst = addr.to(tl.pointer_type(dst_like_ptr.dtype.element_ty))
     values = tl.load(rows_ptr + i.to(tl.int64) * row_dim + channels, mask=mask)
     tl.store(dst + channels, values.to(dst_like_ptr.dtype.element_ty), mask=mask)
@@ -289,9 +309,8 @@ def _write_fp8_rows_kernel(rows_ptr, closing_ptr, token_seq_ptr, positions_ptr, 
     if PREDICATED:  # only tokens closing a window write; the others look up row 0's block (always in the table)
         write = (position + 1) % RATIO == 0
         row = tl.where(write, row, 0)
-    block = tl.load(block_ids_ptr + b * block_stride + row // rows_per_block)
-    dst_addr = tl.load(fields_ptr + b * NUM_FIELDS_ + F_ROWS) + (block * rows_per_block + row % rows_per_block) * (
-        ROW_BYTES)
+    dst_addr = compressed_row_address(fields_ptr, block_ids_ptr, b, block_stride, rows_per_block, row, NUM_FIELDS_,
+                                      F_ROWS, ROW_BYTES)
     _store_fp8_main_row(rows_ptr + i.to(tl.int64) * (NOPE + ROPE), dst_addr, write, NOPE, ROPE, BLOCK, NUM_BLOCKS,
                         BLOCKS_P2, ROPE_P2, SCALE_OFFSET, ROW_BYTES)
 

@@ -2,12 +2,13 @@
 
 Same mathematics as the per-sequence torch path of `common/model/attention.py`, in this order
 (each step one launch for the whole batch, through the address tables the ForwardBatch built):
-1. compressor (CSA/HCA): its projections (K, Z; one launch at decode sizes), pool the windows this
-   forward closes (old inputs from the input rings, new ones from the projections), norm + RoPE at
-   w·m (angles computed in that launch; + FP8 QAT when set) over all closed rows at once, write the
-   rows into each sequence's row store, then the new inputs into the rings;
-2. indexer (CSA): the same for its own compressor (its projections and the head weights in one
-   launch), then scores of every token against its own sequence's indexer rows and one top-k;
+1. compressor (CSA/HCA): its projections (K, Z; one launch at decode sizes), and the indexer's (CSA; with its
+   head weights, one launch); then both compressors' rows and rings: at decode sizes one launch
+   (`common/kernels/compressor_step.py`), else per compressor: pool the windows this forward closes (old
+   inputs from the input rings, new ones from the projections), norm + RoPE at w·m (angles computed in
+   that launch; + FP8 QAT when set) over all closed rows at once, write the rows into each sequence's row
+   store, then the new inputs into the rings;
+2. indexer (CSA): scores of every token against its own sequence's indexer rows and one top-k;
 3. sparse attention over window ∪ rows with the sink, the output rotated back in the same launch;
 4. the new kv rows into the window rings (after 3: a long chunk would overwrite rows still read);
 5. advance every store's counter (the data was written in place by the kernels).
@@ -24,6 +25,8 @@ from __future__ import annotations
 import torch
 
 from moemesh.common.kernels.attention_layout import AttentionTables, Field
+from moemesh.common.kernels.compressor_step import CompressorStep, compressor_step
+from moemesh.common.kernels.compressor_step import applies as compressor_step_applies
 from moemesh.common.kernels.indexer_topk import indexer_topk
 from moemesh.common.kernels.kv_write import pool_windows, write_rings, write_rows
 from moemesh.common.kernels.sparse_attention import sparse_attention
@@ -78,6 +81,11 @@ def _emit_rows(compressor, kv_in: torch.Tensor, score_in: torch.Tensor, tables: 
     write_rings(kv_in, ring_like, tables, layer, kv_field, ring_field, second=(score_in, score_field))
 
 
+def _step(compressor, kv_in: torch.Tensor, score_in: torch.Tensor, *, indexer: bool) -> CompressorStep:
+    return CompressorStep(kv_in, score_in, compressor.norm.weight, compressor.norm.eps, compressor.ratio,
+                          compressor.overlap, compressor.row_dim, indexer)
+
+
 def batched_attention_core(attn, batch, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, q_lat: torch.Tensor,
                            cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """q [T, H, hd], kv [T, hd] (normed, rotated), x [T, D], q_lat [T, R] -> attention output
@@ -91,11 +99,18 @@ def batched_attention_core(attn, batch, q: torch.Tensor, kv: torch.Tensor, x: to
         ratio = attn.compressor.ratio
         kv_in, score_in = attn.compressor.project(x, batch.positions)
         _record_writes(batch, layer, "compressor", kv_in, score_in)
-        _emit_rows(attn.compressor, kv_in, score_in, tables, layer, attn.rope, indexer=False)
+        steps = [_step(attn.compressor, kv_in, score_in, indexer=False)]
     if attn.indexer is not None:
         ikv_in, iscore_in, head_weights = attn.indexer.project_inputs(x, batch.positions)
         _record_writes(batch, layer, "indexer", ikv_in, iscore_in)
-        _emit_rows(attn.indexer.compressor, ikv_in, iscore_in, tables, layer, attn.rope, indexer=True)
+        steps.append(_step(attn.indexer.compressor, ikv_in, iscore_in, indexer=True))
+    if attn.compressor is not None:
+        if compressor_step_applies(tables, x.shape[0], attn.compressor.fp8_qat_nope_dim):
+            compressor_step(tuple(steps), tables, layer, attn.rope.inv_freq)
+        else:
+            for step, compressor in zip(steps, (attn.compressor, attn.indexer and attn.indexer.compressor)):
+                _emit_rows(compressor, step.kv, step.score, tables, layer, attn.rope, indexer=step.indexer)
+    if attn.indexer is not None:
         if tables.max_rows_visible(ratio) > attn.indexer.topk:  # else every visible row is attended
             queries = attn.indexer.rotated_queries(q_lat, cos, sin)
             topk_ids = indexer_topk(queries.to(tables.state_dtype), head_weights, tables, layer, ratio=ratio,
