@@ -38,7 +38,7 @@ def forward_with_features(model: ReferenceModel, token_ids: torch.Tensor, state:
     side, config = model.side, model.config
     feature_layers = config.dspark.target_layer_ids
     batch = ForwardBatch([SequenceChunk(state, token_ids.shape[0])], token_ids.device)
-    h = side.embed_tokens(token_ids)  # [T, N, D]
+    h = side.embed_tokens(token_ids, batch)  # [T, N, D]
     kept = {}
     for layer in range(config.num_hidden_layers):
         h = side.attn_block(layer, h, batch)

@@ -90,7 +90,7 @@ def traced_forward(side, experts, token_ids: torch.Tensor, chunks
 
     batch = ForwardBatch(list(chunks), token_ids.device)
     points, picks = [], []
-    h = side.embed_tokens(token_ids)  # [T, N, D]
+    h = side.embed_tokens(token_ids, batch)  # [T, N, D]
     for layer in range(side.config.num_hidden_layers):
         h = side.attn_block(layer, h, batch)
         points.append(h.float().clone())

@@ -67,7 +67,7 @@ def step_pieces(side, experts, batch: ForwardBatch, token_ids: torch.Tensor,
     buf: dict[str, torch.Tensor] = {}
 
     def embed() -> None:
-        buf["h"] = side.embed_tokens(token_ids)  # [T, N, D]
+        buf["h"] = side.embed_tokens(token_ids, batch)  # [T, N, D]; the forward's RoPE tables
 
     def layer_piece(layer: int) -> Callable[[], None]:
         def run() -> None:

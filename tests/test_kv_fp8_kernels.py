@@ -35,6 +35,7 @@ from moemesh.common.model.config import AttentionKind  # noqa: E402
 from moemesh.common.model.kv_rows import MainRowLayout, pack_main_rows, unpack_main_rows  # noqa: E402
 from moemesh.common.model.kv_storage import KVStorage  # noqa: E402
 from moemesh.common.model.random_init import flash_config, tiny_flash_like_config  # noqa: E402
+from moemesh.common.model.rope import RotaryTables  # noqa: E402
 from moemesh.common.model.state import SequenceState  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -296,9 +297,10 @@ def run_static_decode(config, dtype, device, tolerance: float, *, capture: bool,
         graph_batch = GraphBatch(tables)
         x_static = torch.zeros(bucket, config.hidden_size, dtype=dtype, device=device)  # [Tb, D]
         outputs: list[torch.Tensor] = []
+        rotary = RotaryTables.of([layer.rope for layer in layers])
 
         def step() -> None:
-            graph_batch.clear_rope_cache()
+            graph_batch.set_rope(rotary.cos_sin(graph_batch.positions))  # the step's angles, as the embedding sets them
             outputs[:] = [layer(x_static, graph_batch) for layer in layers]
 
         tables.fill([], None, scratch)  # warm-up over padding rows only (compiles outside a capture)

@@ -130,15 +130,16 @@ def _window_rows_norm_rope_kernel(x_ptr, out_ptr, weight_ptr, inv_freq_ptr, posi
 @triton.jit
 def _cos_sin_kernel(positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, num_positions, rope_half,
                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    # positions [N] int -> cos, sin [N, H] fp32 of positions · inv_freq
+    # positions [N] int, inv_freq [K, H] -> cos, sin [K, N, H] fp32 of positions · inv_freq[k]; grid (N / BR, K)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    table = tl.program_id(1).to(tl.int64)
     pairs = tl.arange(0, BLOCK_H)  # [BH]
     row_mask = rows < num_positions
     pair_mask = pairs < rope_half
     positions = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.float32)
-    inv_freq = tl.load(inv_freq_ptr + pairs, mask=pair_mask, other=0.0)
+    inv_freq = tl.load(inv_freq_ptr + table * rope_half + pairs, mask=pair_mask, other=0.0)
     angles = positions[:, None] * inv_freq[None, :]  # [BR, BH]
-    offsets = rows[:, None].to(tl.int64) * rope_half + pairs[None, :]
+    offsets = (table * num_positions + rows[:, None].to(tl.int64)) * rope_half + pairs[None, :]
     mask = row_mask[:, None] & pair_mask[None, :]
     tl.store(cos_ptr + offsets, tl.cos(angles), mask=mask)
     tl.store(sin_ptr + offsets, tl.sin(angles), mask=mask)
@@ -237,13 +238,21 @@ def window_rows_norm_rope(
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, block_rows: int = 16
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [N] int, inv_freq [H] fp32 -> (cos, sin) [N, H] fp32 of the fp32 angles positions · inv_freq,
-    one launch (`RotaryTable.cos_sin` in torch is four: cast, multiply, cos, sin)."""
-    num_positions, rope_half = positions.shape[0], inv_freq.shape[0]
-    cos = torch.empty(num_positions, rope_half, dtype=torch.float32, device=positions.device)
+    """positions [N] int, inv_freq [H] (or [K, H]: K tables) fp32 -> (cos, sin) [N, H] (or [K, N, H]) fp32 of the
+    fp32 angles positions · inv_freq, one launch (`RotaryTable.cos_sin` in torch is four per table: cast,
+    multiply, cos, sin)."""
+    num_positions, rope_half = positions.shape[0], inv_freq.shape[-1]
+    num_tables = 1 if inv_freq.dim() == 1 else inv_freq.shape[0]
+    cos = torch.empty(*inv_freq.shape[:-1], num_positions, rope_half, dtype=torch.float32, device=positions.device)
     sin = torch.empty_like(cos)
-    if num_positions == 0:
+    if num_positions == 0 or num_tables == 0:
         return cos, sin
+    block_h = triton.next_power_of_2(rope_half)
+    block_rows = min(block_rows, triton.next_power_of_2(num_positions))
+    _cos_sin_kernel[(triton.cdiv(num_positions, block_rows), num_tables)](
+        positions.contiguous(), inv_freq.float().contiguous(), cos, sin, num_positions, rope_half,
+        BLOCK_R=block_rows, BLOCK_H=block_h, num_warps=1 if block_rows * block_h <= 512 else 4)
+    return cos, sin
     block_h = triton.next_power_of_2(rope_half)
     block_rows = min(block_rows, triton.next_power_of_2(num_positions))
     _cos_sin_kernel[(triton.cdiv(num_positions, block_rows),)](

@@ -25,6 +25,7 @@ from moemesh.common.model.config import ModelConfig, NumericsConfig
 from moemesh.common.model.hyper import hc_head, hc_post, hc_post_with_mix, hc_pre
 from moemesh.common.model.linear import Embedding, Linear, RMSNorm, assign_frozen, parameter
 from moemesh.common.model.moe import Gate, SharedExpert
+from moemesh.common.model.rope import RotaryTables
 
 
 class FeedForwardSide(nn.Module):
@@ -81,10 +82,23 @@ class AttentionSide(nn.Module):
         return assign_frozen(cls(config, numerics, device="meta"), hub_sd, device, "attention-side")
 
     # ----------------------------------------------------------------------------- steps
-    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids [T] -> streams h [T, N, D] (N identical copies of the embedding)."""
+    def embed_tokens(self, token_ids: torch.Tensor, batch=None) -> torch.Tensor:
+        """token_ids [T] -> streams h [T, N, D] (N identical copies of the embedding). Given the forward's batch
+        (a ForwardBatch, or the static one of a captured step), also every RoPE kind's cos/sin of its positions,
+        in one launch, for the layers to read."""
+        if batch is not None:
+            batch.set_rope(self._rotary_tables().cos_sin(batch.positions))
         e = self.embed(token_ids)
         return e.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+
+    def _rotary_tables(self) -> RotaryTables:
+        """The layers' RoPE kinds stacked (built on first use, again if the layers' tables were replaced)."""
+        tables = tuple(block.attn.rope for block in self.layers)
+        key = tuple((table.name, table.inv_freq.data_ptr()) for table in tables)
+        if getattr(self, "_rotary_key", None) != key:
+            self._rotary = RotaryTables.of(tables)
+            self._rotary_key = key
+        return self._rotary
 
     def _hc_pre(self, layer: int, site: str, h: torch.Tensor):
         """hc_pre of one site with the site's norm (attn_norm / ffn_norm) applied to x in the same launches,

@@ -81,10 +81,15 @@ class ForwardBatch:
                                                  [chunk.num_new_tokens for chunk in self.chunks], self.positions)
 
     def cos_sin(self, table: RotaryTable) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [T, R/2] of every token for one RoPE kind, computed once per forward."""
+        """(cos, sin) [T, R/2] of every token for one RoPE kind, computed once per forward (or given by
+        `set_rope`)."""
         if table.name not in self._rope_cache:
             self._rope_cache[table.name] = table.cos_sin(self.positions)
         return self._rope_cache[table.name]
+
+    def set_rope(self, cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Every RoPE kind's (cos, sin) of this forward's positions, computed together at its start."""
+        self._rope_cache.update(cos_sin)
 
     def last_token_indices(self) -> torch.Tensor:
         """Flat index of each sequence's last new token -> [B]."""

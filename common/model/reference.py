@@ -36,7 +36,7 @@ class ReferenceModel:
         batch = ForwardBatch(list(chunks), token_ids.device)
         if batch.num_tokens != token_ids.shape[0]:
             raise ValueError(f"{token_ids.shape[0]} token ids for {batch.num_tokens} new tokens in chunks")
-        h = side.embed_tokens(token_ids)  # [T, N, D]
+        h = side.embed_tokens(token_ids, batch)  # [T, N, D]; the forward's RoPE tables
         for layer in range(self.config.num_hidden_layers):
             h = side.attn_block(layer, h, batch)
             x, post, comb = side.ffn_pre(layer, h)

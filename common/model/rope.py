@@ -16,6 +16,7 @@ CUDA kernels', so the angles' values are the same.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,32 @@ class RotaryTable:
             return norm_rope.rope_cos_sin(positions, self.inv_freq)
         angles = positions[:, None].float() * self.inv_freq.to(positions.device)
         return angles.cos(), angles.sin()
+
+
+@dataclass(frozen=True)
+class RotaryTables:
+    """Several RoPE kinds of one width, their frequencies stacked: every kind's cos/sin of a forward's positions
+    in one launch on CUDA (each kind's own `RotaryTable.cos_sin` values)."""
+
+    names: tuple[str, ...]
+    inv_freq: torch.Tensor  # [K, R/2] float32
+
+    @classmethod
+    def of(cls, tables: Sequence[RotaryTable]) -> "RotaryTables":
+        by_name = {table.name: table for table in tables}
+        if len({table.inv_freq.shape for table in by_name.values()}) > 1:
+            raise ValueError(f"RoPE kinds of different widths: {sorted(by_name)}")
+        return cls(tuple(by_name), torch.stack([table.inv_freq.float() for table in by_name.values()]))
+
+    def cos_sin(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """positions [N] int -> {kind: (cos, sin) each [N, R/2] float32}."""
+        if use_triton_glue(positions, self.inv_freq):
+            from moemesh.common.kernels import norm_rope
+
+            cos, sin = norm_rope.rope_cos_sin(positions, self.inv_freq)  # [K, N, R/2]
+            return {name: (cos[k], sin[k]) for k, name in enumerate(self.names)}
+        return {name: RotaryTable(name, 2 * self.inv_freq.shape[1], self.inv_freq[k]).cos_sin(positions)
+                for k, name in enumerate(self.names)}
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

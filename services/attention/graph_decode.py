@@ -92,10 +92,10 @@ class GraphBatch:
             self._rope_cache[table.name] = table.cos_sin(self.positions)
         return self._rope_cache[table.name]
 
-    def clear_rope_cache(self) -> None:
-        """Each segment computes cos/sin from the static positions itself (a replay then recomputes them
-        for the step's positions; a cached tensor from the warm-up would be stale)."""
-        self._rope_cache.clear()
+    def set_rope(self, cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Set by the first segment (the embedding) from the static positions: its replay recomputes them for
+        the step's positions into the same buffers, which the later segments' graphs read."""
+        self._rope_cache.update(cos_sin)
 
 
 @dataclass
@@ -125,12 +125,13 @@ class _StepGraph:
     graph: Any
 
 
-def capture_segments(segments: LayerSegments, pool: Any, device: torch.device, before: Callable = lambda: None,
+def capture_segments(segments: LayerSegments, pool: Any, device: torch.device,
                      warm_up: bool = True) -> tuple[list[Callable], list[Callable], list[Any]]:
     """CUDA graphs of every segment of `segments` in `pool` -> (segment replays [L + 1], shared-expert
     replays [L], the graphs). warm_up: first run every segment once eagerly on a side stream (Triton
-    compiles and workspaces outside the capture); `before` runs first in each segment."""
-    segment_fns, shared_fns = segments.functions(before)
+    compiles and workspaces outside the capture). Captured in step order: the embedding segment first, whose
+    RoPE tables the others read."""
+    segment_fns, shared_fns = segments.functions()
     in_order = [fn for pair in zip(segment_fns, shared_fns) for fn in pair] + segment_fns[-1:]  # seg 0, shared 0, ...
     if warm_up:
         stream = torch.cuda.Stream(device)
@@ -296,7 +297,7 @@ class DecodeGraphs:
         graph_set, batch = self._tables_and_segments(key)
         bucket = key[1]
         phases = torch.full((bucket,), NOT_COUNTED, dtype=torch.long, device=self.device)  # [Tb]
-        segment_fns, shared_fns = graph_set.segments.functions(batch.clear_rope_cache)
+        segment_fns, shared_fns = graph_set.segments.functions()
         run = SegmentRun(graph_set.segments, bucket, segment_fns, shared_fns, finish=lambda: None)
         saved = (dataclasses.replace(runner.stats), runner.captured,
                  list(runner.dispatcher.num_slot_tokens_sent))
@@ -370,13 +371,13 @@ class DecodeGraphs:
         graph_set, batch = self._tables_and_segments(key)
         segments, bucket, index_rows, paged = graph_set.segments, key[1], key[2], key[3][0]
         if not self.config.capture:
-            graph_set.run_segment, graph_set.run_shared = segments.functions(batch.clear_rope_cache)
+            graph_set.run_segment, graph_set.run_shared = segments.functions()
             return graph_set
         started_s = time.perf_counter()
         if key[0] not in self._pools:
             self._pools[key[0]] = torch.cuda.graph_pool_handle()
         graph_set.run_segment, graph_set.run_shared, graph_set.graphs = capture_segments(
-            segments, self._pools[key[0]], self.device, before=batch.clear_rope_cache)
+            segments, self._pools[key[0]], self.device)
         self.stats.num_captures += 1
         log.info("attention.graphs_captured", micro_batch=key[0], bucket=bucket, index_rows=index_rows,
                  paged=paged, elapsed_s=round(time.perf_counter() - started_s, 3))

@@ -73,7 +73,7 @@ class LayerSegments:
     def segment(self, layer: int) -> None:
         side, out = self.side, self.outputs
         if layer == 0:
-            h = side.embed_tokens(self.token_ids)  # [T, N, D]
+            h = side.embed_tokens(self.token_ids, self.batch)  # [T, N, D]; the step's RoPE tables
         else:
             routed = self.routed_in if self.routed_in is not None else self._routed
             self._routed = None
@@ -93,12 +93,9 @@ class LayerSegments:
         if not self.keep_layers:  # what the next segment does not read is released here
             self.outputs.update(h_in={}, x={}, ids={}, weights={})
 
-    def functions(self, before: Callable[[], None] = lambda: None) -> tuple[list[Callable], list[Callable]]:
-        """(segment callables [L + 1], shared-expert callables [L]); `before` runs first in each segment."""
-        def segment(layer: int) -> None:
-            before()
-            self.segment(layer)
-        return ([functools.partial(segment, i) for i in range(self.num_layers + 1)],
+    def functions(self) -> tuple[list[Callable], list[Callable]]:
+        """(segment callables [L + 1], shared-expert callables [L])."""
+        return ([functools.partial(self.segment, i) for i in range(self.num_layers + 1)],
                 [functools.partial(self.shared, i) for i in range(self.num_layers)])
 
 
