@@ -52,15 +52,16 @@ def compile_sparse(*, block_h: int, block_n: int, num_warps: int, num_stages: in
     return _compile(_sparse_attention_kernel, signature, constexprs, num_warps, num_stages)
 
 
-def compile_indexer(*, block_n: int = 64, num_warps: int = 4):
+def compile_indexer(*, block_n: int = 64, num_warps: int = 4, fp8_rows: bool = False):
+    """The indexer scores kernel at V4-Flash width (128-channel rows: bf16, or 132-byte FP8 rows)."""
     from moemesh.common.kernels.indexer_topk import _indexer_scores_kernel
 
     signature = {"q_ptr": "*bf16", "weights_ptr": "*fp32", "scores_ptr": "*fp32", "token_seq_ptr": "*i32",
                  "positions_ptr": "*i64", "fields_ptr": "*i64", "block_ids_ptr": "*i64", "num_heads": "i32",
                  "num_rows_out": "i32", "block_stride": "i32", "rows_per_block": "i32", "row_scale": "fp32"}
     constexprs = {"RATIO": 4, "NUM_FIELDS_": NUM_FIELDS, "F_ROWS_ADDR": int(Field.INDEX_ROWS_ADDR), "HEAD_DIM": 128,
-                  "ELEM_BYTES": 2, "BLOCK_HEADS": 64, "BLOCK_N": block_n, "BLOCKS_PER_PROGRAM": 8, "IEEE": False,
-                  "PAGED": False}
+                  "ROW_BYTES": 132 if fp8_rows else 256, "ROW_ALIGN": 4 if fp8_rows else 16, "BLOCK_HEADS": 64,
+                  "BLOCK_N": block_n, "BLOCKS_PER_PROGRAM": 8, "IEEE": False, "PAGED": False, "FP8": fp8_rows}
     return _compile(_indexer_scores_kernel, signature, constexprs, num_warps, 2)
 
 

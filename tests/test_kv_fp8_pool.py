@@ -165,15 +165,16 @@ def test_a_snapshot_that_was_not_captured_is_refused(model, token_ids):
 
 
 def test_a_block_holds_fp8_rows_and_snapshots():
-    """Per 32-token block of the tiny model (head_dim 32 = 24 + 8: 48-byte FP8 rows instead of 128 fp32 bytes)."""
+    """Per 32-token block of the tiny model (head_dim 32 = 24 + 8: 48-byte FP8 rows instead of 128 fp32 bytes;
+    index_head_dim 16: 20-byte FP8 indexer rows instead of 64 fp32 bytes)."""
     config = tiny_config()
     fp8 = _pool(config, num_primary_blocks=1, num_cpu_blocks=0)
     fp32 = KVPool(config, KVPoolConfig(BLOCK, 1, 0), torch.float32, "cpu")
     csa_layers, hca_layers = 2, 1
     rows = csa_layers * (BLOCK // 4) + hca_layers * (BLOCK // 8)  # compressed rows per block
-    indexer_bytes = csa_layers * (BLOCK // 4) * config.index_head_dim * 4
-    assert fp8.num_row_bytes_per_block() == rows * 48 + indexer_bytes
-    assert fp32.num_row_bytes_per_block() == rows * config.head_dim * 4 + indexer_bytes
+    indexer_rows = csa_layers * (BLOCK // 4)
+    assert fp8.num_row_bytes_per_block() == rows * 48 + indexer_rows * 20
+    assert fp32.num_row_bytes_per_block() == rows * config.head_dim * 4 + indexer_rows * config.index_head_dim * 4
     snapshot_saving = config.num_hidden_layers * config.sliding_window * (config.head_dim * 4 - 48)
     assert fp32.num_bytes_per_block() - fp8.num_bytes_per_block() == (
         fp32.num_row_bytes_per_block() - fp8.num_row_bytes_per_block() + snapshot_saving)

@@ -70,7 +70,7 @@ def _emit_rows(compressor, kv_in: torch.Tensor, score_in: torch.Tensor, tables: 
         rows = window_rows_norm_rope(pooled, compressor.norm.weight, compressor.norm.eps, rope, tables.positions,
                                      closing, ratio, kv_in.dtype)  # [Nc, d], rotated at each window's start
         if compressor.fp8_qat_nope_dim is not None:
-            rows = kv_nope_fp8_qat(rows, compressor.fp8_qat_nope_dim)
+            rows = kv_nope_fp8_qat(rows, compressor.fp8_qat_nope_dim, compressor.fp8_qat_block_size)
         write_rows(rows, rows.new_empty(0, dtype=tables.state_dtype), tables, layer, ratio=ratio, indexer=indexer)
     kv_field, score_field, ring_field = (
         (Field.INDEX_INPUT_KV_ADDR, Field.INDEX_INPUT_SCORE_ADDR, Field.INDEX_INPUT_RING) if indexer else
