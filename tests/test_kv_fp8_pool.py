@@ -1,6 +1,6 @@
-"""FP8 rows in the attention worker's KV pool, on the CPU: paged rows, the CPU tier, boundary snapshots (prefix-cache
-restores and swap-ins), rollbacks of drafts across a block end, a snapshot that could not be captured, and the bytes
-a block takes.
+"""FP8 rows (main rows and CSA indexer rows) in the attention worker's KV pool, on the CPU: paged rows, the CPU tier,
+boundary snapshots (prefix-cache restores and swap-ins), rollbacks of drafts across a block end, a snapshot that could
+not be captured, and the bytes a block takes.
 
 Snapshots and swaps copy the stored bytes, so a sequence restored at a block end where a chunk ended continues bit
 for bit as one prefilled from scratch with the same chunks (both store FP8 rows). Legend: V vocab.
@@ -14,7 +14,7 @@ import torch
 from moemesh.bench.checks.tiny_model import tiny_config
 from moemesh.common.model.batch import SequenceChunk
 from moemesh.common.model.config import NumericsConfig
-from moemesh.common.model.kv_rows import MainRowLayout, POISON_BYTE, pack_main_rows
+from moemesh.common.model.kv_rows import POISON_BYTE, IndexerRowLayout, MainRowLayout, pack_indexer_rows, pack_main_rows
 from moemesh.common.model.kv_storage import KVStorage
 from moemesh.common.model.random_init import random_model
 from moemesh.common.model.reference import ReferenceModel
@@ -78,16 +78,22 @@ def test_fp8_rows_round_trip_through_the_cpu_tier_byte_for_byte():
     layout = MainRowLayout.of(config)
     table = BlockTable(torch.device("cpu"))
     table.update((3, 1))
+    generator = torch.Generator().manual_seed(1)
     store = pool.row_store_factory(table)(1, "compressor", config.head_dim)  # CSA, ratio 4: 8 rows per block
-    rows = pack_main_rows(torch.randn(16, config.head_dim, generator=torch.Generator().manual_seed(1)), layout)
-    store.write(0, rows[:5])
-    store.write(5, rows[5:])
+    rows = pack_main_rows(torch.randn(16, config.head_dim, generator=generator), layout)
+    index_store = pool.row_store_factory(table)(1, "indexer", config.index_head_dim)
+    index_rows = pack_indexer_rows(torch.randn(16, config.index_head_dim, generator=generator),
+                                   IndexerRowLayout(config.index_head_dim))  # [16, d + 4] uint8
+    for target, packed in ((store, rows), (index_store, index_rows)):
+        target.write(0, packed[:5])
+        target.write(5, packed[5:])
     pool.move(swap_out=[(3, 0), (1, 2)], swap_in=[])
     for tensor in pool.primary.values():
         tensor.fill_(POISON_BYTE if tensor.dtype == torch.uint8 else float("nan"))
     pool.move(swap_out=[], swap_in=[(0, 2), (2, 0)])
     table.update((2, 0))
     assert torch.equal(store.read(16), rows)
+    assert index_store.read(16).dtype == torch.uint8 and torch.equal(index_store.read(16), index_rows)
 
 
 def test_restore_at_a_chunk_end_continues_bit_for_bit(model, token_ids):
