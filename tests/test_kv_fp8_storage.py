@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from moemesh.bench.checks.tiny_model import tiny_config
 from moemesh.common.model.batch import SequenceChunk
@@ -305,8 +306,17 @@ def test_an_fp8_attention_worker_generates_what_the_reference_does_with_fp8_rows
     path, config = tiny_fp4_checkpoint(tmp_path / "ckpt", seed=21)
     pairs = tuple(all_pairs(config.num_hidden_layers, config.n_routed_experts))
     kv = KVPoolConfig(block_size_tokens=128, num_primary_blocks=4, kv_storage=KVStorage.FP8)
-    worker = attention_worker(path, None, None, pairs, kv=kv)
+    with capture_logs() as logs:
+        worker = attention_worker(path, None, None, pairs, kv=kv)
+    capacity = [event for event in logs if event["event"] == "attention.kv_capacity"]
+    assert len(capacity) == 1 and capacity[0]["message"] == "KV capacity: 512 tokens on cpu, 0 on the CPU tier"
+    assert capacity[0]["device_bytes"] == 4 * worker.pool.num_bytes_per_block()  # what the pool allocated
+    assert capacity[0]["by_layer_type"]["indexer"]["bytes_per_block"] == sum(
+        tensor[0].numel() * tensor.element_size() for (_, name), tensor in worker.pool.primary.items()
+        if name.startswith("indexer"))
     assert worker.side.layers[0].attn.fp8_qat_nope_dim == config.nope_head_dim  # the QAT comes with FP8 rows
+    csa = next(layer for layer in worker.side.layers if layer.attn.indexer is not None)
+    assert csa.attn.indexer.compressor.fp8_qat_nope_dim == config.index_head_dim  # and rounds the indexer rows
     assert worker.pool.primary[(0, "window_snapshot")].dtype == torch.uint8
     prompts = [[5, 9, 17], list(range(30, 52))]
     got, _ = run_offline(worker, prompts, SamplingParams(max_tokens=5))
