@@ -279,7 +279,8 @@ def test_cuda_flash_width_indexer_rows_write_and_score_as_the_reference_rounding
     config = flash_config(KINDS)
     assert IndexerRowLayout(config.index_head_dim).row_bytes == 132
     check_indexer_write_kernel(config, dtype, "cuda")
-    check_indexer_scores_on_fp8_rows(config, dtype, "cuda", FP32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE)
+    tolerance = FP32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE
+    check_indexer_scores_on_fp8_rows(config, dtype, "cuda", tolerance)
 
 
 # ------------------------------------------------------------------------------------------ whole layers

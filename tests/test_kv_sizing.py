@@ -97,7 +97,8 @@ def test_the_pool_allocates_exactly_the_sizing(storage, dtype):
 
 
 def test_bad_geometry_fails_naming_the_key():
-    with pytest.raises(ValueError, match=r"block_size_tokens=96 is not a multiple of layer \d+'s compression ratio 128"):
+    with pytest.raises(ValueError, match=r"block_size_tokens=96 is not a multiple of layer \d+'s compression "
+                                         r"ratio 128"):
         KVPoolSizing.of(FLASH, block_size_tokens=96, num_primary_blocks=1, num_cpu_blocks=0,
                         kv_storage=KVStorage.FP8, activation_bytes=2)
     for key, value in (("block_size_tokens", 0), ("num_primary_blocks", 0), ("num_cpu_blocks", -1)):

@@ -9,9 +9,9 @@ config (the checkpoint inventory gives every tensor's logical shape) and the wor
   one full Dispatch (max batched tokens x top-k x hidden, a few copies);
 - attention worker: every non-expert tensor of the main model, FP8 linears at their stored bytes
   (they stay FP8 on the device) and the rest in the compute dtype, the KV pools with their boundary
-  snapshots in the worker's `kv_dtype` (the device pool; the CPU tier too when the device is the CPU), the transient of one
-  FP8 matrix dequantised on the CPU path, and the activations of one step (the mHC residual
-  streams and a few [T, D] intermediates per token, plus the sampled rows' logits);
+  snapshots in the worker's `kv_dtype` (the device pool; the CPU tier too when the device is the CPU),
+  the transient of one FP8 matrix dequantised on the CPU path, and the activations of one step (the
+  mHC residual streams and a few [T, D] intermediates per token, plus the sampled rows' logits);
 - draft worker: the `mtp.*` / DSpark tensors (FP8 linears at their stored bytes) plus its own copy
   of the embedding and the head, and small activations.
 A reserve (`RESERVE_FRACTION` of the plan + `RESERVE_BYTES`) covers allocator fragmentation and
