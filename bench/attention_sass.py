@@ -52,15 +52,16 @@ def compile_sparse(*, block_h: int, block_n: int, num_warps: int, num_stages: in
     return _compile(_sparse_attention_kernel, signature, constexprs, num_warps, num_stages)
 
 
-def compile_indexer(*, block_n: int = 64, num_warps: int = 4):
+def compile_indexer(*, block_n: int = 64, num_warps: int = 4, fp8_rows: bool = False):
+    """The indexer scores kernel at V4-Flash width (128-channel rows: bf16, or 132-byte FP8 rows)."""
     from moemesh.common.kernels.indexer_topk import _indexer_scores_kernel
 
     signature = {"q_ptr": "*bf16", "weights_ptr": "*fp32", "scores_ptr": "*fp32", "token_seq_ptr": "*i32",
                  "positions_ptr": "*i64", "fields_ptr": "*i64", "block_ids_ptr": "*i64", "num_heads": "i32",
                  "num_rows_out": "i32", "block_stride": "i32", "rows_per_block": "i32", "row_scale": "fp32"}
     constexprs = {"RATIO": 4, "NUM_FIELDS_": NUM_FIELDS, "F_ROWS_ADDR": int(Field.INDEX_ROWS_ADDR), "HEAD_DIM": 128,
-                  "ELEM_BYTES": 2, "BLOCK_HEADS": 64, "BLOCK_N": block_n, "BLOCKS_PER_PROGRAM": 8, "IEEE": False,
-                  "PAGED": False}
+                  "ROW_BYTES": 132 if fp8_rows else 256, "ROW_ALIGN": 4 if fp8_rows else 16, "BLOCK_HEADS": 64,
+                  "BLOCK_N": block_n, "BLOCKS_PER_PROGRAM": 8, "IEEE": False, "PAGED": False, "FP8": fp8_rows}
     return _compile(_indexer_scores_kernel, signature, constexprs, num_warps, 2)
 
 
@@ -97,13 +98,13 @@ def compile_pool(*, overlap: bool = True):
 
 def compile_compressor_step(*, csa: bool = True, fp8_rows: bool = False):
     """The one-launch compressor step at V4-Flash width: CSA (ratio 4, overlapping, with the indexer's compressor)
-    or HCA (ratio 128), bf16 or FP8 main rows."""
+    or HCA (ratio 128), bf16 or FP8 rows (main and indexer)."""
     from moemesh.common.kernels.compressor_step import _compressor_step_kernel, pooling_block
 
     ratio, overlap = (4, True) if csa else (128, False)
     signature = {}
     constexprs = {"RATIO": ratio, "OVERLAP": overlap, "NUM_FIELDS_": NUM_FIELDS, "BLOCK_H": 32,
-                  "FP8_ROWS0": fp8_rows}
+                  "ROW_FORMAT0": 1 if fp8_rows else 0, "ROW_FORMAT1": 2 if fp8_rows and csa else 0}
     for index, (row_dim, indexer) in enumerate(((512, False), (128 if csa else 512, csa))):
         signature.update({f"kv{index}_ptr": "*bf16", f"score{index}_ptr": "*fp32", f"weight{index}_ptr": "*fp32",
                           f"pooled{index}_ptr": "*fp32", f"normed{index}_ptr": "*bf16",
@@ -114,8 +115,8 @@ def compile_compressor_step(*, csa: bool = True, fp8_rows: bool = False):
                                                           Field.INPUT_RING, Field.ROWS_ADDR)
         constexprs.update({f"ROW_DIM{index}": row_dim, f"BLOCK_D{index}": block_d,
                            f"BLOCKS{index}": row_dim // block_d if index == 0 or csa else 0,
-                           f"BLOCK_C{index}": row_dim, f"STORE_ROW_BYTES{index}": 584 if fp8_rows and index == 0
-                           else 2 * row_dim, f"F_KV{index}": int(fields[0]), f"F_SCORE{index}": int(fields[1]),
+                           f"BLOCK_C{index}": row_dim, f"STORE_ROW_BYTES{index}": (
+                               (584 if index == 0 else 132) if fp8_rows and (index == 0 or csa) else 2 * row_dim), f"F_KV{index}": int(fields[0]), f"F_SCORE{index}": int(fields[1]),
                            f"F_RING{index}": int(fields[2]), f"F_ROWS{index}": int(fields[3])})
         constexprs["NUM_SLOTS"] = num_slots
     signature.update({"inv_freq_ptr": "*fp32", "seq_info_ptr": "*i64", "fields_ptr": "*i64", "block_ids_ptr": "*i64",

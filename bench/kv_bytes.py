@@ -1,19 +1,19 @@
 """KV bytes per context token of a whole model as the attention worker stores them (`--kv-dtype`), measured.
 
-`moemesh bench kv-bytes [--preset v4-flash | --model DIR] [--kv-dtype fp8|bf16] [--dtype bfloat16]` builds
-one `SequenceState` of the model with that storage and one block of the attention worker's KV pool
-(`KVPool`, 128-token blocks), both on the meta device (shapes and dtypes, no memory), and reads the bytes
-from the tensors they allocate:
-- per compressor store, the bytes of one stored row (its row tensor's row) times 1 / ratio rows per context
-  token, summed over the layers: CSA and HCA compressed rows (the main rows) and CSA indexer rows; this is
-  what grows with the context;
-- the same growth from the pool: one block's row segments over its tokens (must agree);
-- what does not grow: the window rings of one sequence, and each pool block's boundary snapshot (window
-  rows and pending compressor inputs at the block's end, for prefix caching and swap-in).
-Printed against `kv_rows.kv_bytes_per_token`, the formula: its main-row part, and its total, which assumes
-FP8 indexer rows (3,850 B for V4-Flash). Indexer rows are stored in the activation dtype (bf16 on GPUs) in
-moemesh, so the measured total with `--kv-dtype fp8` is the FP8 main rows plus bf16 indexer rows.
-`--json` prints the figures as one JSON object instead; `--save` also writes them under bench/results/.
+`moemesh bench kv-bytes [--preset v4-flash | --model DIR] [--kv-dtype fp8|bf16] [--dtype bfloat16] [--device cpu]`
+allocates one block of the attention worker's KV pool (`KVPool`, 128-token blocks) and one `SequenceState` of the
+model with that storage, on the CPU by default (`--device meta`: shapes and dtypes only), and reads the bytes from
+the tensors they allocate, per layer type:
+- CSA, HCA: the compressed (main) rows; indexer: the CSA indexer's rows; their bytes in one pool block over the
+  block's tokens are what one more context token stores (the figure the goal of 3,850 B per token for V4-Flash with
+  FP8 rows is about);
+- what does not grow with the context: each pool block's boundary snapshot (window rows of every layer, pending
+  compressor inputs), per token of the block, and the window rings of one sequence.
+The pool's tensors are grouped by `common.model.kv_sizing` (which the pool allocates from); the sequence state's
+row tensors must give the same bytes per row (checked). Printed against `kv_rows.kv_bytes_per_token` (the formula
+over the FP8 layouts: 3,850 B for V4-Flash) as a ratio.
+`--json` prints the figures as one JSON object instead; `--save` also writes them under bench/results/
+(kv-bytes-<device>-<time>.json).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from moemesh.common.model.config import AttentionKind, ModelConfig
+from moemesh.common.model.config import ModelConfig
 from moemesh.common.model.kv_rows import kv_bytes_per_token
+from moemesh.common.model.kv_sizing import LayerType
 from moemesh.common.model.kv_storage import KV_DTYPES, KVStorage
 from moemesh.common.model.presets import PRESETS
 from moemesh.common.model.state import SequenceState
@@ -35,14 +36,16 @@ POOL_BLOCK_TOKENS = 128
 
 
 @dataclass(frozen=True)
-class StoreBytes:
-    """One kind of growing rows: bytes of one stored row, rows per context token over all layers, their product."""
+class LayerTypeBytes:
+    """One layer type's share of a pool block, from the pool's tensors: bytes of one stored row, its layers, rows
+    per context token over those layers, and bytes per context token of the rows and of the boundary snapshot."""
 
-    kind: str  # "csa", "hca" (main rows) or "csa_indexer"
-    row_bytes: int
+    layer_type: str  # "window", "csa", "hca" or "indexer"
     num_layers: int
+    row_bytes: int  # 0 for window layers (no growing rows)
     rows_per_token: float
-    bytes_per_token: float
+    bytes_per_token: float  # rows: what grows with the context
+    snapshot_bytes_per_token: float  # the block's boundary snapshot, per token of the block
 
 
 @dataclass(frozen=True)
@@ -50,73 +53,93 @@ class KVBytesMeasurement:
     model: str
     kv_dtype: str
     dtype: str
-    stores: list[StoreBytes]
+    device: str
+    layer_types: list[LayerTypeBytes]
     main_bytes_per_token: float  # CSA + HCA compressed rows
     indexer_bytes_per_token: float
-    total_bytes_per_token: float
-    pool_row_bytes_per_token: float  # the same growth, from one KV pool block
-    pool_snapshot_bytes_per_token: float  # each block's boundary snapshot, per token of the block
-    window_bytes_per_sequence: int
-    formula_main_bytes_per_token: float
-    formula_total_bytes_per_token: float  # kv_rows.kv_bytes_per_token: FP8 indexer rows when kv_dtype is fp8
+    total_bytes_per_token: float  # every growing row of the pool
+    snapshot_bytes_per_token: float  # each block's boundary snapshot, per token of the block
+    window_bytes_per_sequence: int  # the window rings of one sequence state
+    formula_bytes_per_token: float  # kv_rows.kv_bytes_per_token in this storage
+    target_bytes_per_token: float  # the formula with FP8 rows (V4-Flash: 3,850)
+    ratio_to_target: float  # total / target
 
 
-def _row_bytes(rows: torch.Tensor) -> int:
-    """Bytes of one row of a [rows, Ws] tensor."""
-    return rows.shape[1] * rows.element_size()
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
-def measure(config: ModelConfig, storage: KVStorage, dtype: torch.dtype, name: str) -> KVBytesMeasurement:
+def _check_state_rows(state: SequenceState, by_key: dict[tuple[int, str], int]) -> int:
+    """The state's own row tensors store rows of the bytes the pool's do (ValueError otherwise); -> the window
+    rings' bytes."""
+    window_bytes = 0
+    for layer, layer_state in enumerate(state.layers):
+        window_bytes += _tensor_bytes(layer_state.window.ring)
+        for which, store in (("compressor", layer_state.compressor), ("indexer", layer_state.indexer)):
+            if store is None:
+                continue
+            state_row = store.own_rows.shape[1] * store.own_rows.element_size()
+            if state_row != by_key[(layer, which)]:
+                raise ValueError(f"layer {layer} {which}: the sequence state stores {state_row} B rows, the pool "
+                                 f"{by_key[(layer, which)]} B")
+    return window_bytes
+
+
+def measure(config: ModelConfig, storage: KVStorage, dtype: torch.dtype, name: str,
+            device: str = "cpu") -> KVBytesMeasurement:
     from moemesh.services.attention.kv_config import KVPoolConfig
     from moemesh.services.attention.kv_pool import KVPool
 
-    state = SequenceState(config, dtype=dtype, device="meta", kv_storage=storage)
-    found: dict[str, list[tuple[int, float]]] = {"csa": [], "hca": [], "csa_indexer": []}  # (row bytes, rows/token)
-    window_bytes = 0
-    for layer, layer_state in enumerate(state.layers):
-        window_bytes += layer_state.window.ring.numel() * layer_state.window.ring.element_size()
-        if layer_state.compressor is not None:
-            kind = "csa" if layer_state.kind is AttentionKind.CSA else "hca"
-            found[kind].append((_row_bytes(layer_state.compressor.own_rows), 1 / layer_state.compressor.ratio))
-        if layer_state.indexer is not None:
-            found["csa_indexer"].append((_row_bytes(layer_state.indexer.own_rows), 1 / layer_state.indexer.ratio))
-    stores = []
-    for kind, rows in found.items():
-        if rows:
-            stores.append(StoreBytes(kind, rows[0][0], len(rows), sum(r for _, r in rows),
-                                     sum(b * r for b, r in rows)))
-    by_kind = {store.kind: store.bytes_per_token for store in stores}
-    main = by_kind.get("csa", 0.0) + by_kind.get("hca", 0.0)
-    indexer = by_kind.get("csa_indexer", 0.0)
     pool = KVPool(config, KVPoolConfig(block_size_tokens=POOL_BLOCK_TOKENS, num_primary_blocks=1, kv_storage=storage),
-                  dtype, "meta")
-    pool_rows = pool.num_row_bytes_per_block() / POOL_BLOCK_TOKENS
-    pool_snapshot = (pool.num_bytes_per_block() - pool.num_row_bytes_per_block()) / POOL_BLOCK_TOKENS
-    formula = kv_bytes_per_token(config, storage)
+                  dtype, device)
+    block = pool.config.block_size_tokens
+    row_bytes_of: dict[tuple[int, str], int] = {}
+    layer_types = []
+    for layer_type in LayerType:
+        segments = [segment for segment in pool.sizing.segments if segment.layer_type is layer_type]
+        if not segments:
+            continue
+        rows = [segment for segment in segments if segment.grows]
+        row_tensors = {segment.key: pool.primary[segment.key][0] for segment in rows}  # [R, Ws] of one block
+        for key, tensor in row_tensors.items():
+            row_bytes_of[key] = tensor.shape[1] * tensor.element_size()
+        row_sizes = set(row_bytes_of[key] for key in row_tensors)
+        if len(row_sizes) > 1:
+            raise ValueError(f"{layer_type.value} rows of several sizes: {sorted(row_sizes)}")
+        snapshot = sum(_tensor_bytes(pool.primary[segment.key][0]) for segment in segments if not segment.grows)
+        layer_types.append(LayerTypeBytes(
+            layer_type.value, len({segment.key[0] for segment in segments}), row_sizes.pop() if row_sizes else 0,
+            sum(tensor.shape[0] for tensor in row_tensors.values()) / block,
+            sum(_tensor_bytes(tensor) for tensor in row_tensors.values()) / block, snapshot / block))
+    state = SequenceState(config, dtype=dtype, device=device, kv_storage=storage)
+    window_bytes = _check_state_rows(state, row_bytes_of)
+    by_type = {entry.layer_type: entry for entry in layer_types}
+    main = sum(by_type[kind].bytes_per_token for kind in ("csa", "hca") if kind in by_type)
+    indexer = by_type["indexer"].bytes_per_token if "indexer" in by_type else 0.0
+    total = sum(entry.bytes_per_token for entry in layer_types)
+    target = kv_bytes_per_token(config, KVStorage.FP8).per_token
     return KVBytesMeasurement(
-        name, storage.value, str(dtype).removeprefix("torch."), stores, main, indexer, main + indexer, pool_rows,
-        pool_snapshot, window_bytes, formula.per_token_by_kind["csa"] + formula.per_token_by_kind["hca"],
-        formula.per_token)
+        name, storage.value, str(dtype).removeprefix("torch."), device, layer_types, main, indexer, total,
+        sum(entry.snapshot_bytes_per_token for entry in layer_types), window_bytes,
+        kv_bytes_per_token(config, storage).per_token, target, total / target)
 
 
 def report(m: KVBytesMeasurement) -> str:
     lines = [f"{m.model}: KV bytes per context token with --kv-dtype {m.kv_dtype} (activations {m.dtype}), "
-             f"measured from a sequence state and a KV pool block",
-             f"  {'rows':<28}{'bytes/row':>10}{'layers':>8}{'rows/token':>12}{'bytes/token':>13}"]
-    labels = {"csa": "CSA compressed (main)", "hca": "HCA compressed (main)", "csa_indexer": "CSA indexer"}
-    for store in m.stores:
-        lines.append(f"  {labels[store.kind]:<28}{store.row_bytes:>10}{store.num_layers:>8}"
-                     f"{store.rows_per_token:>12.4f}{store.bytes_per_token:>13.2f}")
+             f"measured from a KV pool block on {m.device}",
+             f"  {'layer type':<12}{'layers':>8}{'bytes/row':>11}{'rows/token':>12}{'bytes/token':>13}"
+             f"{'snapshot bytes/token':>22}"]
+    for entry in m.layer_types:
+        lines.append(f"  {entry.layer_type:<12}{entry.num_layers:>8}{entry.row_bytes:>11}{entry.rows_per_token:>12.4f}"
+                     f"{entry.bytes_per_token:>13.2f}{entry.snapshot_bytes_per_token:>22.2f}")
     lines += [
-        f"  {'main rows (CSA + HCA)':<58}{m.main_bytes_per_token:>13.2f}",
-        f"  {'total (main + indexer rows)':<58}{m.total_bytes_per_token:>13.2f}",
-        f"  {'the same from one pool block':<58}{m.pool_row_bytes_per_token:>13.2f}",
-        f"  not growing with the context: window rings {m.window_bytes_per_sequence:,} B per sequence; each pool "
-        f"block's boundary snapshot {m.pool_snapshot_bytes_per_token:,.2f} B per token of the block",
-        f"  formula (kv_rows.kv_bytes_per_token): main rows {m.formula_main_bytes_per_token:.2f} B, total "
-        f"{m.formula_total_bytes_per_token:.2f} B"
-        + (" (with FP8 indexer rows; moemesh keeps indexer rows in the activation dtype)"
-           if m.kv_dtype == KVStorage.FP8.value else ""),
+        f"  {'main rows (CSA + HCA)':<56}{m.main_bytes_per_token:>13.2f}",
+        f"  {'indexer rows':<56}{m.indexer_bytes_per_token:>13.2f}",
+        f"  {'total per context token':<56}{m.total_bytes_per_token:>13.2f}",
+        f"  target {m.target_bytes_per_token:,.2f} B (FP8 rows, kv_rows.kv_bytes_per_token): ratio "
+        f"{m.ratio_to_target:.4f}; the formula in this storage: {m.formula_bytes_per_token:,.2f} B",
+        f"  not growing with the context: each pool block's boundary snapshot {m.snapshot_bytes_per_token:,.2f} B per "
+        f"token of the block; window rings {m.window_bytes_per_sequence:,} B per sequence",
     ]
     return "\n".join(lines)
 
@@ -128,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--model", default=None, help="a checkpoint directory (its config.json)")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=KVStorage.FP8.value)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activation dtype")
+    parser.add_argument("--device", choices=("cpu", "meta"), default="cpu",
+                        help="where the pool block and the sequence state are allocated (meta: shapes only)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--save", action="store_true", help="also write the figures under bench/results/")
     args = parser.parse_args(argv)
@@ -136,12 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         preset = args.preset or "v4-flash"
         config, name = ModelConfig.from_dict(PRESETS[preset]()), preset
-    measurement = measure(config, KVStorage(args.kv_dtype), getattr(torch, args.dtype), name)
+    measurement = measure(config, KVStorage(args.kv_dtype), getattr(torch, args.dtype), name, args.device)
     print(json.dumps(asdict(measurement)) if args.json else report(measurement))
     if args.save:
         from moemesh.bench.results_io import write_result
 
-        print(write_result("kv-bytes", asdict(measurement), device="meta (no device: shapes only)", tag="meta"))
+        ratios = {"bytes_per_token_over_target": measurement.ratio_to_target}
+        print(write_result("kv-bytes", asdict(measurement), ratios,
+                           device=f"{args.device} (one KV pool block and one sequence state)", tag=args.device))
     return 0
 
 

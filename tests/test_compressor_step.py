@@ -104,7 +104,7 @@ def run_both_forms(config, steps, num_sequences: int, row_store: str, storage: K
                     batch = ForwardBatch([SequenceChunk(states[i], n) for i, n in step], device,
                                          attention_backend=AttentionBackend.TRITON)
                     assert batch.attention_tables is not None
-                    if one_launch and applies(batch.attention_tables, x.shape[0], None):
+                    if one_launch and applies(batch.attention_tables, x.shape[0], False):
                         num_fused += 1
                     outputs[one_launch] = [layer(x, batch) for layer in layers]
                     batch.finish()

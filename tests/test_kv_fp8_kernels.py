@@ -7,6 +7,10 @@
   the per-sequence torch path on the same FP8 states (which decodes with `unpack_main_rows`), and in fp32 both paths
   store the same window bytes; mixed prefill / decode / verification / rollback, own and paged rows, 1 and 2 scale
   blocks.
+- FP8 indexer rows (132 bytes at V4-Flash width): `write_rows` stores the bytes of `kv_rows.pack_indexer_rows`, and
+  `indexer_scores` reading them (dequantized in registers) gives, bit for bit, the scores and top-k it gives over
+  plain rows holding the reference's FP8 quant-dequant of the same rows (`qat.indexer_fp8_qat`), and the torch
+  formula's scores on the decoded rows within rounding.
 - Decode steps over the static tables of a captured step (`graph_tables.StaticDecodeTables`: window closes
   predicated on the device, split sizes from device memory) on recording states of an FP8 pool, advanced by
   `commit_kernel_writes` (block-end snapshots taken from the FP8 rings), match the torch path and its snapshots.
@@ -32,7 +36,9 @@ import torch
 pytest.importorskip("triton")
 
 from moemesh.common.model.config import AttentionKind  # noqa: E402
-from moemesh.common.model.kv_rows import MainRowLayout, pack_main_rows, unpack_main_rows  # noqa: E402
+from moemesh.common.model.kv_rows import (  # noqa: E402
+    IndexerRowLayout, MainRowLayout, pack_indexer_rows, pack_main_rows, unpack_main_rows,
+)
 from moemesh.common.model.kv_storage import KVStorage  # noqa: E402
 from moemesh.common.model.random_init import flash_config, tiny_flash_like_config  # noqa: E402
 from moemesh.common.model.rope import RotaryTables  # noqa: E402
@@ -172,6 +178,112 @@ def test_cuda_write_kernels_store_the_bytes_of_pack_main_rows(dtype):
     check_write_kernels(flash_config((AttentionKind.WINDOW, AttentionKind.HCA)), dtype, "cuda")
 
 
+# ------------------------------------------------------------------------------------------ FP8 indexer rows
+def _csa_layer(config) -> int:
+    return next(layer for layer, kind in enumerate(config.layer_types) if kind is AttentionKind.CSA)
+
+
+def check_indexer_write_kernel(config, dtype: torch.dtype, device) -> None:
+    """One forward's indexer rows through `write_rows`, against pack_indexer_rows, own and paged rows."""
+    from moemesh.common.kernels.kv_write import write_rows
+    from moemesh.common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
+
+    layout = IndexerRowLayout(config.index_head_dim)
+    layer, ratio = _csa_layer(config), config.csa_compress_ratio
+    generator = torch.Generator().manual_seed(8)
+    for row_store in ("own", "paged"):
+        states = _fp8_states(config, 2, row_store, dtype, device)
+        lengths = (7 * ratio + 1, 3 * ratio - 1)
+        batch = ForwardBatch([SequenceChunk(state, n) for state, n in zip(states, lengths)], device,
+                             attention_backend=AttentionBackend.TRITON)
+        tables = batch.attention_tables
+        assert tables is not None and tables.indexer_rows == layout
+        closing, num_closing = tables.closing_tokens(ratio)
+        rows = _hard_rows(num_closing, layout.dim, layout.dim, generator).to(device, dtype)  # [Nc, d]
+        write_rows(rows, rows.new_empty(0), tables, layer, ratio=ratio, indexer=True)
+        first = 0
+        for state, length in zip(states, lengths):
+            store = state.layers[layer].indexer
+            num_rows = length // ratio
+            got = store.own_rows[:num_rows] if store.own_rows is not None else store.row_store.read(num_rows)
+            assert got.dtype == torch.uint8 and got.shape == (num_rows, layout.row_bytes)
+            assert torch.equal(got.cpu(), pack_indexer_rows(rows[first: first + num_rows], layout).cpu()), row_store
+            first += num_rows
+        assert first == num_closing
+
+
+def check_indexer_scores_on_fp8_rows(config, dtype: torch.dtype, device, tolerance: float) -> None:
+    """Scores of 3 sequences (random histories, 2 new tokens each) over FP8 indexer rows against the same kernel over
+    plain rows holding `indexer_fp8_qat` of the same rows (bit for bit, and the same top-k), and against the torch
+    formula on the decoded rows (`Indexer.scores`, within `tolerance`)."""
+    from moemesh.common.kernels.indexer_topk import indexer_scores, top_k_columns
+    from moemesh.common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
+    from moemesh.common.model.indexer import Indexer
+    from moemesh.common.model.qat import indexer_fp8_qat
+    from moemesh.common.model.random_init import fill_random_context
+
+    layer, ratio = _csa_layer(config), config.csa_compress_ratio
+    lengths = (9 * ratio + 3, 4 * ratio, 13 * ratio - 2)
+    fp8_states = _fp8_states(config, 3, "paged", dtype, device)
+    plain_states = [SequenceState(config, dtype=dtype, device=device) for _ in lengths]
+    generator = torch.Generator(device=device).manual_seed(4)
+    for fp8_state, plain_state, length in zip(fp8_states, plain_states, lengths):
+        fill_random_context(fp8_state, length, generator=generator)
+        fill_random_context(plain_state, length, generator=generator)
+        fp8_rows = fp8_state.layers[layer].indexer  # rows the 2 new tokens see (in a run they are emitted first)
+        raw = torch.randn((length + 2) // ratio, config.index_head_dim, generator=generator, device=device) * 3
+        fp8_rows.write_rows(0, raw.to(dtype))  # packed by the store
+        plain_state.layers[layer].indexer.write_rows(0, indexer_fp8_qat(raw.to(dtype)))  # the reference rounding
+    heads, dim = config.index_n_heads, config.index_head_dim
+    num_tokens = 2 * len(lengths)
+    queries = torch.randn(num_tokens, heads, dim, generator=generator, device=device).to(dtype)  # [T, H, d]
+    weights = torch.randn(num_tokens, heads, generator=generator, device=device)  # [T, H]
+    scores = []
+    for states in (fp8_states, plain_states):
+        batch = ForwardBatch([SequenceChunk(state, 2) for state in states], device,
+                             attention_backend=AttentionBackend.TRITON)
+        tables = batch.attention_tables
+        assert (tables.indexer_rows is not None) == (states is fp8_states)
+        scores.append(indexer_scores(queries, weights, tables, layer, ratio=ratio, block_n=8))
+    got, want = scores
+    assert got.shape[1] == (max(lengths) + 2) // ratio and bool(torch.isfinite(got).any())
+    assert torch.equal(got, want)
+    assert torch.equal(top_k_columns(got, config.index_topk), top_k_columns(want, config.index_topk))
+    indexer = Indexer(config, dtype=dtype, device=device)
+    for index, state in enumerate(fp8_states):
+        sl = slice(2 * index, 2 * index + 2)
+        store = state.layers[layer].indexer
+        positions = torch.arange(lengths[index], lengths[index] + 2, device=device)
+        rows = store.row_format.decode(store.row_store.read((lengths[index] + 2) // ratio))  # [N, d] decoded
+        formula = indexer.scores(queries[sl], weights[sl], rows, positions)
+        visible = torch.isfinite(formula)
+        assert torch.equal(torch.isfinite(got[sl, : formula.shape[1]]), visible)
+        assert _relative(got[sl, : formula.shape[1]][visible], formula[visible]) <= tolerance
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_indexer_write_kernel_stores_the_bytes_of_pack_indexer_rows(dtype):
+    check_indexer_write_kernel(tiny_flash_like_config(KINDS, kernel_friendly=True), dtype, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_indexer_scores_on_fp8_rows_equal_those_on_the_reference_rounding(dtype):
+    check_indexer_scores_on_fp8_rows(tiny_flash_like_config(KINDS), dtype, "cpu",
+                                     FP32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_flash_width_indexer_rows_write_and_score_as_the_reference_rounding(dtype):
+    config = flash_config(KINDS)
+    assert IndexerRowLayout(config.index_head_dim).row_bytes == 132
+    check_indexer_write_kernel(config, dtype, "cuda")
+    tolerance = FP32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE
+    check_indexer_scores_on_fp8_rows(config, dtype, "cuda", tolerance)
+
+
 # ------------------------------------------------------------------------------------------ whole layers
 def run_layers(config, steps, num_sequences: int, row_store: str, dtype, device, tolerance: float,
                random_context: tuple[int, ...] = ()) -> None:
@@ -293,7 +405,8 @@ def run_static_decode(config, dtype, device, tolerance: float, *, capture: bool,
         max_rows = (max(prompts) + num_decode_steps) // config.csa_compress_ratio
         tables = StaticDecodeTables(config, bucket, dict(addresses.rows_per_block), num_blocks_each,
                                     index_rows_class(max_rows, config.index_topk), dtype, torch.device(device),
-                                    min_real_tokens=len(prompts), main_rows=layout)
+                                    min_real_tokens=len(prompts), main_rows=layout,
+                                    indexer_rows=IndexerRowLayout(config.index_head_dim))
         graph_batch = GraphBatch(tables)
         x_static = torch.zeros(bucket, config.hidden_size, dtype=dtype, device=device)  # [Tb, D]
         outputs: list[torch.Tensor] = []
@@ -373,6 +486,19 @@ def test_fp8_attention_tiles_compile_for_sm90_without_spills(prefill, use_topk):
     config = default_config(1024 if prefill else 8, fp8_rows=True)
     summary = summarise(compile_sparse(block_h=config.block_h, block_n=config.block_n, num_warps=config.num_warps,
                                        num_stages=config.num_stages, use_topk=use_topk, fp8_rows=True))
+    assert summary["stack_bytes"] == 0, summary
+    assert summary["opcodes"].get("HMMA", 0) + summary["opcodes"].get("HGMMA", 0) > 0, "no tensor-core dot"
+
+
+@pytest.mark.skipif(INTERPRETING, reason="compiles for sm_90 (no interpreter)")
+@pytest.mark.parametrize("fp8_rows", [False, True], ids=["bf16_rows", "fp8_rows"])
+def test_indexer_scores_compile_for_sm90_without_spills(fp8_rows):
+    from moemesh.bench.attention_sass import compile_indexer
+    from moemesh.bench.kernel_sass import _tool, summarise
+
+    if not os.path.exists(_tool("ptxas")):
+        pytest.skip("triton without its bundled ptxas")
+    summary = summarise(compile_indexer(fp8_rows=fp8_rows))
     assert summary["stack_bytes"] == 0, summary
     assert summary["opcodes"].get("HMMA", 0) + summary["opcodes"].get("HGMMA", 0) > 0, "no tensor-core dot"
 

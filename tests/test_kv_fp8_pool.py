@@ -1,6 +1,6 @@
-"""FP8 rows in the attention worker's KV pool, on the CPU: paged rows, the CPU tier, boundary snapshots (prefix-cache
-restores and swap-ins), rollbacks of drafts across a block end, a snapshot that could not be captured, and the bytes
-a block takes.
+"""FP8 rows (main rows and CSA indexer rows) in the attention worker's KV pool, on the CPU: paged rows, the CPU tier,
+boundary snapshots (prefix-cache restores and swap-ins), rollbacks of drafts across a block end, a snapshot that could
+not be captured, and the bytes a block takes.
 
 Snapshots and swaps copy the stored bytes, so a sequence restored at a block end where a chunk ended continues bit
 for bit as one prefilled from scratch with the same chunks (both store FP8 rows). Legend: V vocab.
@@ -14,7 +14,7 @@ import torch
 from moemesh.bench.checks.tiny_model import tiny_config
 from moemesh.common.model.batch import SequenceChunk
 from moemesh.common.model.config import NumericsConfig
-from moemesh.common.model.kv_rows import MainRowLayout, POISON_BYTE, pack_main_rows
+from moemesh.common.model.kv_rows import POISON_BYTE, IndexerRowLayout, MainRowLayout, pack_indexer_rows, pack_main_rows
 from moemesh.common.model.kv_storage import KVStorage
 from moemesh.common.model.random_init import random_model
 from moemesh.common.model.reference import ReferenceModel
@@ -78,16 +78,22 @@ def test_fp8_rows_round_trip_through_the_cpu_tier_byte_for_byte():
     layout = MainRowLayout.of(config)
     table = BlockTable(torch.device("cpu"))
     table.update((3, 1))
+    generator = torch.Generator().manual_seed(1)
     store = pool.row_store_factory(table)(1, "compressor", config.head_dim)  # CSA, ratio 4: 8 rows per block
-    rows = pack_main_rows(torch.randn(16, config.head_dim, generator=torch.Generator().manual_seed(1)), layout)
-    store.write(0, rows[:5])
-    store.write(5, rows[5:])
+    rows = pack_main_rows(torch.randn(16, config.head_dim, generator=generator), layout)
+    index_store = pool.row_store_factory(table)(1, "indexer", config.index_head_dim)
+    index_rows = pack_indexer_rows(torch.randn(16, config.index_head_dim, generator=generator),
+                                   IndexerRowLayout(config.index_head_dim))  # [16, d + 4] uint8
+    for target, packed in ((store, rows), (index_store, index_rows)):
+        target.write(0, packed[:5])
+        target.write(5, packed[5:])
     pool.move(swap_out=[(3, 0), (1, 2)], swap_in=[])
     for tensor in pool.primary.values():
         tensor.fill_(POISON_BYTE if tensor.dtype == torch.uint8 else float("nan"))
     pool.move(swap_out=[], swap_in=[(0, 2), (2, 0)])
     table.update((2, 0))
     assert torch.equal(store.read(16), rows)
+    assert index_store.read(16).dtype == torch.uint8 and torch.equal(index_store.read(16), index_rows)
 
 
 def test_restore_at_a_chunk_end_continues_bit_for_bit(model, token_ids):
@@ -165,15 +171,16 @@ def test_a_snapshot_that_was_not_captured_is_refused(model, token_ids):
 
 
 def test_a_block_holds_fp8_rows_and_snapshots():
-    """Per 32-token block of the tiny model (head_dim 32 = 24 + 8: 48-byte FP8 rows instead of 128 fp32 bytes)."""
+    """Per 32-token block of the tiny model (head_dim 32 = 24 + 8: 48-byte FP8 rows instead of 128 fp32 bytes;
+    index_head_dim 16: 20-byte FP8 indexer rows instead of 64 fp32 bytes)."""
     config = tiny_config()
     fp8 = _pool(config, num_primary_blocks=1, num_cpu_blocks=0)
     fp32 = KVPool(config, KVPoolConfig(BLOCK, 1, 0), torch.float32, "cpu")
     csa_layers, hca_layers = 2, 1
     rows = csa_layers * (BLOCK // 4) + hca_layers * (BLOCK // 8)  # compressed rows per block
-    indexer_bytes = csa_layers * (BLOCK // 4) * config.index_head_dim * 4
-    assert fp8.num_row_bytes_per_block() == rows * 48 + indexer_bytes
-    assert fp32.num_row_bytes_per_block() == rows * config.head_dim * 4 + indexer_bytes
+    indexer_rows = csa_layers * (BLOCK // 4)
+    assert fp8.num_row_bytes_per_block() == rows * 48 + indexer_rows * 20
+    assert fp32.num_row_bytes_per_block() == rows * config.head_dim * 4 + indexer_rows * config.index_head_dim * 4
     snapshot_saving = config.num_hidden_layers * config.sliding_window * (config.head_dim * 4 - 48)
     assert fp32.num_bytes_per_block() - fp8.num_bytes_per_block() == (
         fp32.num_row_bytes_per_block() - fp8.num_row_bytes_per_block() + snapshot_saving)

@@ -1,5 +1,6 @@
-"""FP8 storage of the main KV rows (`kv_dtype = "fp8"`), CPU and torch path: the setting from the command line and
-the deployment file to the sequence states, the stores' packed rows, and the model's outputs.
+"""FP8 storage of the KV rows (`kv_dtype = "fp8"`: main rows and CSA indexer rows), CPU and torch path: the setting
+from the command line and the deployment file to the sequence states, the stores' packed rows, and the model's
+outputs.
 
 - With the reference's FP8 KV QAT on (`NumericsConfig.kv_fp8_qat`), every row is rounded to exactly the values its
   FP8 row holds, so FP8 storage changes nothing: bit-identical logits in bf16. In fp32 the rotary channels are
@@ -17,13 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from moemesh.bench.checks.tiny_model import tiny_config
 from moemesh.common.model.batch import SequenceChunk
 from moemesh.common.model.config import NumericsConfig
-from moemesh.common.model.kv_rows import MainRowLayout, unpack_main_rows
+from moemesh.common.model.kv_rows import IndexerRowLayout, MainRowLayout, unpack_indexer_rows, unpack_main_rows
 from moemesh.common.model.kv_storage import KVStorage, parse_kv_storage
-from moemesh.common.model.qat import kv_nope_fp8_qat
+from moemesh.common.model.qat import indexer_fp8_qat, kv_nope_fp8_qat
 from moemesh.common.model.random_init import random_model
 from moemesh.common.model.reference import ReferenceModel
 from moemesh.common.model.state import SequenceState
@@ -101,8 +103,11 @@ def test_slots_of_an_fp8_pool_hold_fp8_rows():
         assert layer_state.window.ring.dtype == torch.uint8 and layer_state.window.ring.shape[1] == layout.row_bytes
     csa = state.layers[1]
     assert csa.compressor.row_store.pool.dtype == torch.uint8 and csa.compressor.row_store.pool.shape[2] == 48
-    assert csa.indexer.row_store.pool.dtype == torch.float32  # indexer rows and pending inputs as they are
-    assert all(ring.dtype == torch.float32 for ring in csa.compressor.input_rings)
+    indexer_pool = csa.indexer.row_store.pool
+    assert state.indexer_row_layout == IndexerRowLayout(config.index_head_dim)
+    assert indexer_pool.dtype == torch.uint8 and indexer_pool.shape[2] == config.index_head_dim + 4  # codes, scale
+    assert all(ring.dtype == torch.float32 for store in (csa.compressor, csa.indexer)
+               for ring in store.input_rings)  # pending inputs as they are
     assert pool.primary[(0, "window_snapshot")].dtype == torch.uint8
     bf16_pool = KVPool(config, KVPoolConfig(block_size_tokens=16, num_primary_blocks=4), torch.float32, "cpu")
     assert pool.num_bytes_per_block() < bf16_pool.num_bytes_per_block()
@@ -128,6 +133,21 @@ def test_fp8_stores_pack_on_write_and_unpack_on_read():
                              torch.zeros(8, compressor.input_rings[0].shape[1]))
     compressor.write_rows(0, rows[:2])
     assert compressor.own_rows.dtype == torch.uint8 and torch.equal(compressor.read_rows(), want[:2])
+
+
+def test_fp8_indexer_stores_pack_on_write_and_unpack_on_read():
+    config = tiny_config()
+    layout = IndexerRowLayout(config.index_head_dim)
+    indexer = SequenceState(config, kv_storage=KVStorage.FP8).layers[1].indexer
+    rows = torch.randn(3, config.index_head_dim, generator=torch.Generator().manual_seed(1))  # [n, d] fp32
+    indexer.append_inputs(torch.zeros(12, indexer.input_rings[0].shape[1]),
+                          torch.zeros(12, indexer.input_rings[0].shape[1]))
+    indexer.write_rows(0, rows)
+    assert indexer.own_rows.dtype == torch.uint8 and indexer.own_rows.shape[1] == layout.row_bytes
+    assert torch.equal(indexer.read_rows(), indexer_fp8_qat(rows))
+    assert torch.equal(unpack_indexer_rows(indexer.own_rows[:3], layout), indexer_fp8_qat(rows))
+    plain = SequenceState(config).layers[1].indexer
+    assert plain.own_rows.dtype == torch.float32  # bf16 storage: rows in the activation dtype, as before
 
 
 def test_a_row_store_of_another_format_is_refused():
@@ -179,6 +199,40 @@ def test_with_the_kv_qat_fp8_storage_is_bit_identical_in_bf16():
     token = torch.tensor([5, 7])
     chunks = lambda states: [SequenceChunk(state, 1) for state in states]  # noqa: E731
     assert torch.equal(model.forward(token, chunks(twins)), model.forward(token, chunks(fp8)))
+
+
+def _indexer_scores_of_script(monkeypatch, qat: bool, storage: KVStorage) -> list[torch.Tensor]:
+    """Every indexer score matrix [S, N] SCRIPT computes (torch path, bf16), in call order."""
+    from moemesh.common.model.indexer import Indexer
+
+    scores_of = Indexer.scores
+    calls: list[torch.Tensor] = []
+
+    def recording(self, *args):
+        calls.append(scores_of(self, *args))
+        return calls[-1]
+
+    monkeypatch.setattr(Indexer, "scores", recording)
+    model = _tiny_model("bfloat16", qat=qat)
+    _run(model, _states(model, storage))
+    monkeypatch.setattr(Indexer, "scores", scores_of)
+    return calls
+
+
+def test_with_the_kv_qat_fp8_indexer_rows_score_and_pick_as_the_reference_rounding(monkeypatch):
+    """FP8 indexer rows (packed where written, decoded where scored) against plain rows the reference's FP8
+    quant-dequant rounded at the same point (kv_fp8_qat, bf16 storage): the same indexer logits bit for bit and so
+    the same top-k picks, in every forward of SCRIPT (prefill chunks, decode, verification, rollbacks). Without the
+    rounding the logits differ (the comparison can fail)."""
+    want = _indexer_scores_of_script(monkeypatch, True, KVStorage.BF16)
+    got = _indexer_scores_of_script(monkeypatch, True, KVStorage.FP8)
+    unrounded = _indexer_scores_of_script(monkeypatch, False, KVStorage.BF16)
+    assert len(got) == len(want) == len(unrounded) and sum(s.shape[1] > 2 for s in want) > 4  # the top-2 picks
+    for want_scores, got_scores in zip(want, got):
+        assert torch.equal(got_scores, want_scores)
+        if want_scores.shape[1] > 2:
+            assert torch.equal(got_scores.topk(2, dim=-1).indices, want_scores.topk(2, dim=-1).indices)
+    assert any(not torch.equal(a, b) for a, b in zip(unrounded, want) if a.numel())
 
 
 def test_with_the_kv_qat_in_fp32_only_the_rotary_channels_round():
@@ -252,8 +306,17 @@ def test_an_fp8_attention_worker_generates_what_the_reference_does_with_fp8_rows
     path, config = tiny_fp4_checkpoint(tmp_path / "ckpt", seed=21)
     pairs = tuple(all_pairs(config.num_hidden_layers, config.n_routed_experts))
     kv = KVPoolConfig(block_size_tokens=128, num_primary_blocks=4, kv_storage=KVStorage.FP8)
-    worker = attention_worker(path, None, None, pairs, kv=kv)
+    with capture_logs() as logs:
+        worker = attention_worker(path, None, None, pairs, kv=kv)
+    capacity = [event for event in logs if event["event"] == "attention.kv_capacity"]
+    assert len(capacity) == 1 and capacity[0]["message"] == "KV capacity: 512 tokens on cpu, 0 on the CPU tier"
+    assert capacity[0]["device_bytes"] == 4 * worker.pool.num_bytes_per_block()  # what the pool allocated
+    assert capacity[0]["by_layer_type"]["indexer"]["bytes_per_block"] == sum(
+        tensor[0].numel() * tensor.element_size() for (_, name), tensor in worker.pool.primary.items()
+        if name.startswith("indexer"))
     assert worker.side.layers[0].attn.fp8_qat_nope_dim == config.nope_head_dim  # the QAT comes with FP8 rows
+    csa = next(layer for layer in worker.side.layers if layer.attn.indexer is not None)
+    assert csa.attn.indexer.compressor.fp8_qat_nope_dim == config.index_head_dim  # and rounds the indexer rows
     assert worker.pool.primary[(0, "window_snapshot")].dtype == torch.uint8
     prompts = [[5, 9, 17], list(range(30, 52))]
     got, _ = run_offline(worker, prompts, SamplingParams(max_tokens=5))

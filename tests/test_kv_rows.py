@@ -12,7 +12,7 @@ from moemesh.common.model.kv_rows import (
     unpack_indexer_rows, unpack_main_rows,
 )
 from moemesh.common.model.presets import v4_flash_hub_dict
-from moemesh.common.model.qat import kv_nope_fp8_qat
+from moemesh.common.model.qat import indexer_fp8_qat, kv_nope_fp8_qat
 
 FLASH = ModelConfig.from_dict(v4_flash_hub_dict())
 
@@ -63,10 +63,44 @@ def test_indexer_rows_round_trip_within_e4m3_precision():
     packed = pack_indexer_rows(rows, layout)
     assert packed.shape == (40, 132)
     restored = unpack_indexer_rows(packed, layout)
-    scale = rows.abs().amax(dim=-1, keepdim=True) / 448
-    # e4m3 keeps 3 mantissa bits: half a unit in the last place of |x| / scale, at most 2^-4 relative (normals)
-    assert bool(((restored - rows).abs() <= rows.abs() * 2 ** -4 + scale * 2 ** -9).all())
+    scale = packed[:, 128:].contiguous().view(torch.float32)  # [R, 1]
+    assert bool((torch.frexp(scale)[0] == 0.5).all())  # powers of two (ue8m0 values held as fp32)
+    assert bool((scale >= rows.abs().amax(dim=-1, keepdim=True) / 448).all())  # no code past 448
+    assert bool((scale < 2 * rows.abs().amax(dim=-1, keepdim=True) / 448).all())  # the smallest such power
+    # e4m3 keeps 3 mantissa bits: half a unit in the last place of |x| / scale, at most 2^-4 relative (normals),
+    # half the subnormal step 2^-9 below 2^-6
+    assert bool(((restored - rows).abs() <= rows.abs() * 2 ** -4 + scale * 2 ** -10).all())
     assert not torch.equal(restored, rows)  # the comparison can fail: FP8 does round
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_indexer_rows_pack_to_the_qat_values_which_pack_to_themselves(dtype):
+    """Packing any row gives `indexer_fp8_qat`'s values (decoded in the row's dtype), and rows that QAT already
+    rounded pack and unpack to exactly themselves: FP8 indexer storage with kv_fp8_qat on changes nothing."""
+    layout = IndexerRowLayout(128)
+    rows = _rows((3, 50, 128), seed=13).to(dtype)  # leading dims kept
+    rows[0, 0] = 0.0  # the amax floor
+    rows[0, 1, 0] = 1.0  # one large value, the rest far below: e4m3 subnormal codes
+    rows[0, 1, 1:] *= 1e-4
+    qat = indexer_fp8_qat(rows)  # [3, 50, 128] in dtype
+    assert qat.dtype == dtype and not torch.equal(qat, rows)
+    packed = pack_indexer_rows(rows, layout)
+    assert packed.shape == (3, 50, 132)
+    assert torch.equal(unpack_indexer_rows(packed, layout).to(dtype), qat)
+    again = pack_indexer_rows(qat, layout)
+    assert torch.equal(unpack_indexer_rows(again, layout).to(dtype), qat)
+
+
+def test_an_indexer_row_by_hand():
+    layout = IndexerRowLayout(128)
+    row = torch.zeros(2, 128)
+    row[0] = 1.0  # amax 1 -> scale 2^ceil(log2(1/448)) = 2^-8, code 256 = 0x78 in e4m3
+    row[0, 5] = -3.0  # amax 3 -> scale 2^-7: 1.0 -> code 128 (0x70), -3.0 -> code -384 (0xFC: 1.5 · 2^8)
+    packed = pack_indexer_rows(row, layout)
+    assert packed[0, 0].item() == 0x70 and packed[0, 5].item() == 0xFC
+    assert packed[0, 128:].view(torch.float32).item() == 2.0 ** -7
+    assert packed[1, 128:].view(torch.float32).item() == 2.0 ** -22  # all zero: amax floored at 1e-4
+    assert bool((packed[1, :128] == 0).all())
 
 
 def test_flash_kv_bytes_per_context_token():

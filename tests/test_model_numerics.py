@@ -20,8 +20,8 @@ from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.batch import SequenceChunk
 from moemesh.common.model.config import NumericsConfig
 from moemesh.common.model.moe import MultiHolderExperts, RoutedExperts
-from moemesh.common.model.qat import (E4M3_MAX, fp8_block_scales, fp8_quant_dequant, kv_nope_fp8_qat,
-                              pow2_scale_ceil)
+from moemesh.common.model.qat import (E4M3_MAX, fp8_block_scales, fp8_quant_dequant, indexer_fp8_qat,
+                                      kv_nope_fp8_qat, pow2_scale_ceil)
 from moemesh.common.model.reference import ReferenceModel
 from moemesh.bench.checks.tiny_model import random_hub_state_dict, split_hub_state_dict, tiny_config
 
@@ -298,7 +298,8 @@ def test_qat_rows_are_fp8_representable_in_bfloat16(qat_setup):
 
 def test_qat_changes_exactly_the_nope_channels_of_stored_rows(qat_setup):
     """Layer 0's inputs do not depend on QAT, so its stores must be the default ones, quantized on
-    [:nope] only; the rotary tail, the compressor's pending inputs and the indexer rows are untouched."""
+    [:nope] only, and its indexer rows the default ones quantized whole (one scale per row); the rotary
+    tail and the compressors' pending inputs are untouched."""
     config, _, _, (_, default_state), (_, qat_state) = qat_setup
     nope = config.nope_head_dim
     default_layer, qat_layer = default_state.layers[0], qat_state.layers[0]
@@ -314,15 +315,20 @@ def test_qat_changes_exactly_the_nope_channels_of_stored_rows(qat_setup):
     for name, tensor in default_layer.compressor.live_tensors().items():
         if name != "rows":
             assert torch.equal(qat_layer.compressor.live_tensors()[name], tensor), name
+    default_index_rows, qat_index_rows = default_layer.indexer.read_rows(), qat_layer.indexer.read_rows()
+    assert torch.equal(qat_index_rows, indexer_fp8_qat(default_index_rows))
+    assert not torch.equal(qat_index_rows, default_index_rows)
     for name, tensor in default_layer.indexer.live_tensors().items():
-        assert torch.equal(qat_layer.indexer.live_tensors()[name], tensor), name
+        if name != "rows":
+            assert torch.equal(qat_layer.indexer.live_tensors()[name], tensor), name
 
 
 def test_qat_logits_differ_slightly_from_default(qat_setup):
     _, _, _, (default_logits, _), (qat_logits, _) = qat_setup
     difference = (qat_logits - default_logits).abs()
     assert difference.max() > 1e-4  # really changed
-    assert difference.mean() < 0.1 * default_logits.abs().mean()  # ... by a small amount
+    # ... by a small amount (the rounded indexer rows also flip some of the tiny model's top-2 picks at near ties)
+    assert difference.mean() < 0.15 * default_logits.abs().mean()
     agreement = (qat_logits.argmax(-1) == default_logits.argmax(-1)).float().mean()
     assert agreement > 0.7
 

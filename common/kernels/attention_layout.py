@@ -24,10 +24,11 @@ Every per-token quantity (window start, visible rows) is recomputed in the kerne
 position, so one table serves decode, speculative verification (several tokens per sequence)
 and chunked prefill alike.
 
-Row formats: indexer rows are always in `state_dtype` (the activation dtype). Window rings and compressed
-rows are too, unless `main_rows` gives the FP8 main-row layout (`common.model.kv_rows.MainRowLayout`: e4m3
-non-rotary channels, bf16 rotary channels, one ue8m0 byte per block of 64); the kernels then quantize on write
-and dequantize in registers on read, with `row_bytes` between rows.
+Row formats: window rings and compressed rows are in `state_dtype` (the activation dtype) unless `main_rows`
+gives the FP8 main-row layout (`common.model.kv_layouts.MainRowLayout`: e4m3 non-rotary channels, bf16 rotary
+channels, one ue8m0 byte per block of 64); indexer rows likewise unless `indexer_rows` gives the FP8 indexer-row
+layout (`IndexerRowLayout`: e4m3 channels, one fp32 scale). The kernels then quantize on write and dequantize in
+registers on read, with `row_bytes` between rows.
 Legend: L layers, B sequences, T tokens, F fields, NB blocks per sequence, Nc closing tokens.
 """
 
@@ -82,6 +83,29 @@ class MainRowBytes(Protocol):
     def row_bytes(self) -> int: ...
 
 
+class IndexerRowBytes(Protocol):
+    """What the kernels read of an FP8 indexer-row layout (`common.model.kv_layouts.IndexerRowLayout`)."""
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def scale_offset(self) -> int: ...
+
+    @property
+    def row_bytes(self) -> int: ...
+
+
+def check_indexer_row_layout(layout: IndexerRowBytes, head_dim: int) -> None:
+    """The FP8 indexer rows the kernels handle: head_dim codes, then the fp32 scale, 4-byte aligned."""
+    if layout.dim != head_dim or layout.scale_offset != head_dim or layout.row_bytes != head_dim + 4:
+        raise ValueError(f"FP8 indexer rows {layout} for head_dim {head_dim}: the kernels read {head_dim} codes, "
+                         f"then one fp32 scale")
+    if head_dim % 4 or head_dim & (head_dim - 1):
+        raise ValueError(f"FP8 indexer rows of {head_dim} channels: the kernels need a power of two of at least 4 "
+                         f"(one tile per row, the fp32 scale 4-byte aligned)")
+
+
 def check_main_row_layout(layout: MainRowBytes, head_dim: int) -> None:
     """The FP8 rows the kernels handle: nope + rope = head_dim, the scale bytes one aligned 8-byte word."""
     if layout.nope_dim + layout.rope_dim != head_dim:
@@ -98,9 +122,11 @@ class AttentionTables:
     def __init__(self, fields: torch.Tensor, seq_info: torch.Tensor, token_seq: torch.Tensor,
                  positions: torch.Tensor, block_ids: torch.Tensor, rows_per_block: dict[tuple[int, str], int],
                  closing: dict[int, tuple[torch.Tensor, int]], max_rows_visible: dict[int, int],
-                 max_position: int, state_dtype: torch.dtype, main_rows: MainRowBytes | None = None) -> None:
-        self.state_dtype = state_dtype  # the activation dtype: indexer rows, and main rows unless main_rows
+                 max_position: int, state_dtype: torch.dtype, main_rows: MainRowBytes | None = None,
+                 indexer_rows: IndexerRowBytes | None = None) -> None:
+        self.state_dtype = state_dtype  # the activation dtype: the rows unless main_rows / indexer_rows
         self.main_rows = main_rows  # FP8 layout of the window rings and compressed rows (None: in state_dtype)
+        self.indexer_rows = indexer_rows  # FP8 layout of the CSA indexer rows (None: in state_dtype)
         self.fields = fields  # [L, B, F]
         self.seq_info = seq_info  # [B, 3]
         self.token_seq = token_seq  # [T] int32

@@ -10,10 +10,11 @@ tokens per sequence (decode, speculative verification):
   ring columns (both halves with overlap), so no program overwrites what another still reads;
 - the last program of (b, c) to take a ticket (`split_k.take_ticket`) norms and rotates each closed row at its
   window's first position and stores it: straight into a bf16 row store, or through a bf16 scratch row into
-  the FP8 main-row layout (`tables.main_rows`).
+  the FP8 main-row layout (`tables.main_rows`) or the FP8 indexer-row layout (`tables.indexer_rows`).
 A step in which no window closes only writes the rings. Same values as the four launches: the same pooling
 order per channel block, the same norm and rotation code (`norm_rope._norm_rope_row`), the same FP8 packing.
-The FP8 QAT of bf16-stored rows is not done here (`applies` says so; its callers take the four launches).
+The FP8 QAT of rows stored in the activation dtype is not done here (`applies` says so; its callers take the
+four launches).
 Legend: B sequences, T tokens, d row dim, m ratio, NS pooling slots, BD channels per program.
 """
 
@@ -25,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moemesh.common.kernels.attention_layout import NUM_FIELDS, AttentionTables, Field
+from moemesh.common.kernels.attention_layout import NUM_FIELDS, AttentionTables, Field, check_indexer_row_layout
 from moemesh.common.kernels.kv_write import (
-    _fp8_row_constants, _store_fp8_main_row, compressed_row_address, pool_channels,
+    _fp8_row_constants, _store_fp8_indexer_row, _store_fp8_main_row, compressed_row_address, pool_channels,
 )
 from moemesh.common.kernels.norm_rope import _norm_rope_row
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
@@ -49,10 +50,12 @@ class CompressorStep:
     indexer: bool  # the indexer's compressor (its own rings and rows)
 
 
-def applies(tables: AttentionTables, num_tokens: int, fp8_qat_nope_dim: int | None) -> bool:
-    """Whether a forward of num_tokens takes the one-launch step: few tokens, and no FP8 QAT of bf16 rows (FP8 main
-    rows are quantized by the store itself)."""
-    return 0 < num_tokens <= MAX_STEP_TOKENS and (fp8_qat_nope_dim is None or tables.main_rows is not None)
+def applies(tables: AttentionTables, num_tokens: int, qat_main: bool, qat_indexer: bool = False) -> bool:
+    """Whether a forward of num_tokens takes the one-launch step: few tokens, and no FP8 QAT (`qat_main`,
+    `qat_indexer`: the layer's and the indexer's compressor simulate FP8 rows) of rows stored in the activation
+    dtype (FP8-stored rows are quantized by the store itself, to the values the simulation gives)."""
+    return (0 < num_tokens <= MAX_STEP_TOKENS and (not qat_main or tables.main_rows is not None)
+            and (not qat_indexer or tables.indexer_rows is not None))
 
 
 def pooling_block(ratio: int, overlap: bool, row_dim: int) -> tuple[int, int]:
@@ -67,7 +70,8 @@ def _compress(b, channel_block, kv_ptr, score_ptr, weight_ptr, pooled_ptr, norme
               ROW_DIM: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, NUM_SLOTS: tl.constexpr,
               BLOCK_D: tl.constexpr, NUM_CHANNEL_BLOCKS: tl.constexpr, F_KV: tl.constexpr, F_SCORE: tl.constexpr,
               F_RING: tl.constexpr, F_ROWS: tl.constexpr, NUM_FIELDS_: tl.constexpr, BLOCK_C: tl.constexpr,
-              BLOCK_H: tl.constexpr, STORE_ROW_BYTES: tl.constexpr, FP8_ROWS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+              BLOCK_H: tl.constexpr, STORE_ROW_BYTES: tl.constexpr, ROW_FORMAT: tl.constexpr, NOPE: tl.constexpr,
+              ROPE: tl.constexpr,
               BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, ROPE_P2: tl.constexpr,
               SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr):
     """Program (b, channel_block) of one compressor (see the module docstring)."""
@@ -117,12 +121,15 @@ def _compress(b, channel_block, kv_ptr, score_ptr, weight_ptr, pooled_ptr, norme
                     angles = (w * RATIO).to(tl.float32) * inv_freq  # [BH] at the window's first position
                     row_addr = compressed_row_address(fields_ptr, block_ids_ptr, b, block_stride, rows_per_block, w,
                                                       NUM_FIELDS_, F_ROWS, STORE_ROW_BYTES)
-                    if FP8_ROWS:
+                    if ROW_FORMAT != 0:  # FP8: normed into a scratch row in the activation dtype, then packed
                         _norm_rope_row(pooled_ptr + t * ROW_DIM, normed_ptr + t * ROW_DIM, weight_ptr, tl.cos(angles),
                                        tl.sin(angles), ROW_DIM, rope_half, eps, 2, True, False, BLOCK_C, BLOCK_H)
                         tl.debug_barrier()
-                        _store_fp8_main_row(normed_ptr + t * ROW_DIM, row_addr, w >= 0, NOPE, ROPE, BLOCK,
-                                            NUM_BLOCKS, BLOCKS_P2, ROPE_P2, SCALE_OFFSET, ROW_BYTES)
+                        if ROW_FORMAT == 1:
+                            _store_fp8_main_row(normed_ptr + t * ROW_DIM, row_addr, w >= 0, NOPE, ROPE, BLOCK,
+                                                NUM_BLOCKS, BLOCKS_P2, ROPE_P2, SCALE_OFFSET, ROW_BYTES)
+                        else:
+                            _store_fp8_indexer_row(normed_ptr + t * ROW_DIM, row_addr, w >= 0, ROW_DIM)
                     else:
                         _norm_rope_row(pooled_ptr + t * ROW_DIM,
                                        row_addr.to(tl.pointer_type(rows_like_ptr.dtype.element_ty)), weight_ptr,
@@ -142,7 +149,8 @@ def _compressor_step_kernel(
         STORE_ROW_BYTES1: tl.constexpr,
         F_KV0: tl.constexpr, F_SCORE0: tl.constexpr, F_RING0: tl.constexpr, F_ROWS0: tl.constexpr,
         F_KV1: tl.constexpr, F_SCORE1: tl.constexpr, F_RING1: tl.constexpr, F_ROWS1: tl.constexpr,
-        BLOCK_H: tl.constexpr, FP8_ROWS0: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+        BLOCK_H: tl.constexpr, ROW_FORMAT0: tl.constexpr, ROW_FORMAT1: tl.constexpr, NOPE: tl.constexpr,
+        ROPE: tl.constexpr,
         BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, ROPE_P2: tl.constexpr,
         SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr):
     # grid (B, compressors, channel blocks); compressor 0 the layer's, 1 the indexer's (CSA)
@@ -154,14 +162,24 @@ def _compressor_step_kernel(
         _compress(b, channel_block, kv0_ptr, score0_ptr, weight0_ptr, pooled0_ptr, normed0_ptr, rows0_like_ptr,
                   inv_freq_ptr, seq_info_ptr, fields_ptr, block_ids_ptr, block_stride, rows_per_block0, counter_ptr,
                   eps0, rope_half, ROW_DIM0, RATIO, OVERLAP, NUM_SLOTS, BLOCK_D0, BLOCKS0, F_KV0, F_SCORE0, F_RING0,
-                  F_ROWS0, NUM_FIELDS_, BLOCK_C0, BLOCK_H, STORE_ROW_BYTES0, FP8_ROWS0, NOPE, ROPE, BLOCK, NUM_BLOCKS, BLOCKS_P2,
+                  F_ROWS0, NUM_FIELDS_, BLOCK_C0, BLOCK_H, STORE_ROW_BYTES0, ROW_FORMAT0, NOPE, ROPE, BLOCK, NUM_BLOCKS, BLOCKS_P2,
                   ROPE_P2, SCALE_OFFSET, ROW_BYTES)
     else:
         _compress(b, channel_block, kv1_ptr, score1_ptr, weight1_ptr, pooled1_ptr, normed1_ptr, rows1_like_ptr,
                   inv_freq_ptr, seq_info_ptr, fields_ptr, block_ids_ptr, block_stride, rows_per_block1, counter_ptr,
                   eps1, rope_half, ROW_DIM1, RATIO, OVERLAP, NUM_SLOTS, BLOCK_D1, BLOCKS1, F_KV1, F_SCORE1, F_RING1,
-                  F_ROWS1, NUM_FIELDS_, BLOCK_C1, BLOCK_H, STORE_ROW_BYTES1, False, NOPE, ROPE, BLOCK, NUM_BLOCKS, BLOCKS_P2, ROPE_P2,
+                  F_ROWS1, NUM_FIELDS_, BLOCK_C1, BLOCK_H, STORE_ROW_BYTES1, ROW_FORMAT1, NOPE, ROPE, BLOCK, NUM_BLOCKS, BLOCKS_P2, ROPE_P2,
                   SCALE_OFFSET, ROW_BYTES)
+
+
+def _row_format(tables: AttentionTables, step: CompressorStep) -> tuple[int, int]:
+    """(row format: 0 the activation dtype, 1 the FP8 main row, 2 the FP8 indexer row; bytes per stored row)."""
+    if step.indexer and tables.indexer_rows is not None:
+        check_indexer_row_layout(tables.indexer_rows, step.row_dim)
+        return 2, tables.indexer_rows.row_bytes
+    if not step.indexer and tables.main_rows is not None:
+        return 1, tables.main_rows.row_bytes
+    return 0, step.row_dim * tables.state_dtype.itemsize
 
 
 _FIELDS = {False: (Field.INPUT_KV_ADDR, Field.INPUT_SCORE_ADDR, Field.INPUT_RING, Field.ROWS_ADDR),
@@ -182,8 +200,7 @@ def compressor_step(steps: tuple[CompressorStep, ...], tables: AttentionTables, 
     num_slots, _ = pooling_block(first.ratio, first.overlap, first.row_dim)
     num_sequences = tables.seq_info.shape[0]
     device = first.kv.device
-    fp8_rows = tables.main_rows is not None
-    fp8 = (_fp8_row_constants(tables.main_rows, first.row_dim) if fp8_rows else
+    fp8 = (_fp8_row_constants(tables.main_rows, first.row_dim) if tables.main_rows is not None else
            dict(NOPE=1, ROPE=1, BLOCK=1, NUM_BLOCKS=1, BLOCKS_P2=1, ROPE_P2=1, SCALE_OFFSET=0, ROW_BYTES=0))
     args, constants = [], {}
     for index, step in enumerate(steps + steps[:1] * (2 - len(steps))):  # an absent second: the first, no programs
@@ -191,10 +208,10 @@ def compressor_step(steps: tuple[CompressorStep, ...], tables: AttentionTables, 
         if width != (2 if step.overlap else 1) * step.row_dim or step.score.shape != step.kv.shape:
             raise ValueError(f"inputs {tuple(step.kv.shape)} / {tuple(step.score.shape)} do not fit row_dim "
                              f"{step.row_dim} (overlap {step.overlap})")
+        row_format, row_bytes = _row_format(tables, step)
         _, block_d = pooling_block(step.ratio, step.overlap, step.row_dim)
         pooled = torch.empty(num_tokens, step.row_dim, dtype=torch.float32, device=device)
-        normed = torch.empty(num_tokens, step.row_dim, dtype=tables.state_dtype, device=device) if (
-            fp8_rows and not step.indexer) else pooled
+        normed = torch.empty(num_tokens, step.row_dim, dtype=tables.state_dtype, device=device) if row_format else pooled
         which = "indexer" if step.indexer else "compressor"
         args += [step.kv.contiguous(), step.score.contiguous(), step.norm_weight.contiguous(), pooled, normed,
                  torch.empty(0, dtype=tables.state_dtype, device=device), tables.rows_per_block(layer, which),
@@ -204,13 +221,12 @@ def compressor_step(steps: tuple[CompressorStep, ...], tables: AttentionTables, 
                           f"BLOCKS{index}": triton.cdiv(step.row_dim, block_d) if index < len(steps) else 0,
                           f"BLOCK_C{index}": triton.next_power_of_2(step.row_dim), f"F_KV{index}": int(fields[0]),
                           f"F_SCORE{index}": int(fields[1]), f"F_RING{index}": int(fields[2]),
-                          f"F_ROWS{index}": int(fields[3]),
-                          f"STORE_ROW_BYTES{index}": (tables.main_rows.row_bytes if fp8_rows and not step.indexer else
-                                                      step.row_dim * tables.state_dtype.itemsize)})
+                          f"F_ROWS{index}": int(fields[3]), f"STORE_ROW_BYTES{index}": row_bytes,
+                          f"ROW_FORMAT{index}": row_format})
     rope_half = inv_freq.shape[0]
     grid = (num_sequences, len(steps), max(constants["BLOCKS0"], constants["BLOCKS1"]))
     _compressor_step_kernel[grid](
         *args, inv_freq.float().contiguous(), tables.seq_info, tables.layer_fields(layer), tables.block_ids,
         tables.block_ids.shape[1], tile_counters(device, 2 * num_sequences), rope_half,
         RATIO=first.ratio, OVERLAP=first.overlap, NUM_SLOTS=num_slots, NUM_FIELDS_=NUM_FIELDS,
-        BLOCK_H=triton.next_power_of_2(rope_half), FP8_ROWS0=fp8_rows, **constants, **fp8, num_warps=4)
+        BLOCK_H=triton.next_power_of_2(rope_half), **constants, **fp8, num_warps=4)

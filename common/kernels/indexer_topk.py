@@ -5,7 +5,10 @@ position p, -inf elsewhere (rows of other tokens' sequences differ: each token r
 sequence's indexer rows through the address tables of `common.kernels.attention_layout`).
 One program covers (token, a few consecutive blocks of rows) with all heads at once: per block one
 [H, d] x [d, BN] dot, ReLU, the weighted sum over heads (blocks past the token's visible rows are
-written -inf without loads: half of them in a causal prefill). Then K rows per token are picked; only
+written -inf without loads: half of them in a causal prefill). FP8 indexer rows (`tables.indexer_rows`: e4m3
+codes and one fp32 scale per row, common/model/kv_layouts.py) are dequantized in registers, code × scale in
+fp32, then cast to the queries' dtype (exact: the scale is a power of two), so the dot is the one plain rows
+holding those values get. Then K rows per token are picked; only
 tokens that see more than K rows use them, and for those every pick is visible (more than K finite
 scores, invisible ones are -inf). Tokens that see at most K rows attend to all of them, so when no
 token of the forward sees more than K rows the indexer is skipped altogether.
@@ -28,16 +31,28 @@ import torch
 import triton
 import triton.language as tl
 
-from moemesh.common.kernels.attention_layout import CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field
+from moemesh.common.kernels.attention_layout import (
+    CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field, check_indexer_row_layout,
+)
+
+
+@triton.jit
+def _fp8_indexer_keys(addr, valid, dims, HEAD_DIM: tl.constexpr, KEY_DTYPE: tl.constexpr):
+    """Keys [BN, d] in KEY_DTYPE from the FP8 indexer rows at byte addresses addr [BN] (rows where `valid`):
+    e4m3 code × the row's fp32 scale (stored after the codes)."""
+    codes = tl.load(addr.to(tl.pointer_type(tl.uint8))[:, None] + dims[None, :], mask=valid[:, None],
+                    other=0)  # [BN, d] e4m3 bytes
+    scale = tl.load((addr + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)  # [BN]
+    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]).to(KEY_DTYPE)
 
 
 @triton.jit
 def _indexer_scores_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
                            num_heads, num_rows_out, block_stride, rows_per_block, row_scale,
                            RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, IEEE: tl.constexpr,
-                           PAGED: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                           BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+                           IEEE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     group = tl.program_id(1)
     b = tl.load(token_seq_ptr + t)
@@ -58,9 +73,12 @@ def _indexer_scores_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positi
                 row_index = block * rows_per_block + rows % rows_per_block
             else:
                 row_index = rows.to(tl.int64)
-            addr = tl.multiple_of(rows_addr + row_index * (HEAD_DIM * ELEM_BYTES), 16)
-            row_ptrs = addr.to(tl.pointer_type(q_ptr.dtype.element_ty))
-            keys = tl.load(row_ptrs[:, None] + dims[None, :], mask=valid[:, None], other=0.0)  # [BN, d]
+            addr = tl.multiple_of(rows_addr + row_index * ROW_BYTES, ROW_ALIGN)
+            if FP8:
+                keys = _fp8_indexer_keys(addr, valid, dims, HEAD_DIM, q_ptr.dtype.element_ty)  # [BN, d]
+            else:
+                row_ptrs = addr.to(tl.pointer_type(q_ptr.dtype.element_ty))
+                keys = tl.load(row_ptrs[:, None] + dims[None, :], mask=valid[:, None], other=0.0)  # [BN, d]
             total = tl.zeros([BLOCK_N], dtype=tl.float32)
             for h0 in range(0, num_heads, BLOCK_HEADS):
                 heads = h0 + tl.arange(0, BLOCK_HEADS)
@@ -81,7 +99,8 @@ def _indexer_scores_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positi
 def indexer_scores(queries: torch.Tensor, head_weights: torch.Tensor, tables: AttentionTables, layer: int, *,
                    ratio: int, block_n: int = 64, block_heads: int = 64, num_warps: int = 4,
                    blocks_per_program: int | None = None) -> torch.Tensor:
-    """queries [T, H, d] (the rows' dtype), head_weights [T, H] fp32 -> scores [T, N] fp32 (-inf: not visible)."""
+    """queries [T, H, d] (the activation dtype: that of plain rows), head_weights [T, H] fp32 -> scores [T, N] fp32
+    (-inf: not visible). The rows are read as `tables.indexer_rows` says (plain or FP8)."""
     num_tokens, num_heads, head_dim = queries.shape
     num_rows = tables.max_rows_visible(ratio)
     scores = torch.empty(num_tokens, max(num_rows, 1), dtype=torch.float32, device=queries.device)
@@ -97,13 +116,17 @@ def indexer_scores(queries: torch.Tensor, head_weights: torch.Tensor, tables: At
     grid = (num_tokens, triton.cdiv(num_blocks, blocks_per_program))
     rows_per_block = tables.rows_per_block(layer, "indexer")
     paged = rows_per_block != CONTIGUOUS_ROWS_PER_BLOCK
+    fp8 = tables.indexer_rows  # FP8 indexer rows, or None: rows in the queries' dtype
+    if fp8 is not None:
+        check_indexer_row_layout(fp8, head_dim)
     _indexer_scores_kernel[grid](
         queries, head_weights, scores, tables.token_seq, tables.positions, tables.layer_fields(layer),
         tables.block_ids, num_heads, num_rows, tables.block_ids.shape[1], rows_per_block if paged else 1,
         head_dim**-0.5, RATIO=ratio, NUM_FIELDS_=NUM_FIELDS, F_ROWS_ADDR=int(Field.INDEX_ROWS_ADDR),
-        HEAD_DIM=head_dim, ELEM_BYTES=queries.element_size(), BLOCK_HEADS=block_heads, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, ROW_BYTES=fp8.row_bytes if fp8 is not None else head_dim * queries.element_size(),
+        ROW_ALIGN=4 if fp8 is not None else 16, BLOCK_HEADS=block_heads, BLOCK_N=block_n,
         BLOCKS_PER_PROGRAM=blocks_per_program,
-        IEEE=queries.dtype == torch.float32, PAGED=paged, num_warps=num_warps)
+        IEEE=queries.dtype == torch.float32, PAGED=paged, FP8=fp8 is not None, num_warps=num_warps)
     return scores
 
 

@@ -23,8 +23,9 @@ the compressed row writes quantize each row in the kernel, one program per row, 
 `pack_main_rows` gives: per block of 64 non-rotary channels the scale 2^ceil(log2(max(amax, 1e-4) / 448))
 (its ue8m0 byte = the exponent + 127), the codes e4m3(clamp(x / scale, ±448)) rounded to nearest even,
 the rotary channels rounded to bf16 (nearest even), the pad bytes zero. Both roundings are done with
-integer operations, identical on the GPU and in the interpreter. The compressor's input rings and the
-indexer rows are written as they are.
+integer operations, identical on the GPU and in the interpreter. FP8 indexer rows (`tables.indexer_rows`) are
+quantized the same way with one block per row, to the bytes `pack_indexer_rows` gives: the e4m3 codes, then the
+scale 2^ceil(log2(max(amax, 1e-4) / 448)) as an fp32. The compressor's input rings are written as they are.
 Legend: T tokens, C channels, m ratio, d row dim, Nc closing tokens, B sequences, F fields,
 NB scale blocks (padded to a power of two), b block size, P rotary channels.
 """
@@ -36,7 +37,7 @@ import triton
 import triton.language as tl
 
 from moemesh.common.kernels.attention_layout import (
-    NUM_FIELDS, AttentionTables, Field, MainRowBytes, check_main_row_layout,
+    NUM_FIELDS, AttentionTables, Field, MainRowBytes, check_indexer_row_layout, check_main_row_layout,
 )
 
 E4M3_MAX = tl.constexpr(448.0)
@@ -76,8 +77,7 @@ def _store_fp8_main_row(src_ptr, dst_addr, write, NOPE: tl.constexpr, ROPE: tl.c
     in_nope = (channels < NOPE) & write
     x = tl.load(src_ptr + channels, mask=in_nope, other=0.0).to(tl.float32)  # [NB, b]
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)  # [NB]
-    ratio_bits = (amax * (1.0 / E4M3_MAX)).to(tl.int32, bitcast=True)  # a normal fp32: amax >= 1e-4
-    scale_byte = ((ratio_bits >> 23) & 0xFF) + ((ratio_bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2) + 127
+    scale_byte = _pow2_scale_bits(amax)  # [NB] ceil(log2(amax / 448)) + 127
     inverse_scale = ((254 - scale_byte) << 23).to(tl.float32, bitcast=True)  # 2^-(scale_byte - 127), exact
     y = tl.minimum(tl.maximum(x * inverse_scale[:, None], -E4M3_MAX), E4M3_MAX)
     tl.store(dst + channels, _e4m3_codes(y), mask=in_nope)
@@ -87,6 +87,29 @@ def _store_fp8_main_row(src_ptr, dst_addr, write, NOPE: tl.constexpr, ROPE: tl.c
     tl.store(dst + SCALE_OFFSET + blocks, scale_byte.to(tl.uint8), mask=(blocks < NUM_BLOCKS) & write)
     pad = SCALE_OFFSET + NUM_BLOCKS + tl.arange(0, 8)  # zeros up to the 8-byte aligned row end
     tl.store(dst + pad, tl.zeros([8], dtype=tl.uint8), mask=(pad < ROW_BYTES) & write)
+
+
+@triton.jit
+def _pow2_scale_bits(amax):
+    """amax [..] fp32 (>= 1e-4: a normal number) -> the biased exponent e + 127 of the scale 2^e = the smallest power
+    of two >= amax / 448 (exact, from the bits of amax · fp32(1/448) as `qat.pow2_scale_ceil` computes it)."""
+    ratio_bits = (amax * (1.0 / E4M3_MAX)).to(tl.int32, bitcast=True)
+    return ((ratio_bits >> 23) & 0xFF) + ((ratio_bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _store_fp8_indexer_row(src_ptr, dst_addr, write, DIM: tl.constexpr):
+    """One row src [DIM] (any float dtype) -> the FP8 indexer row at byte address dst_addr (when write): DIM e4m3
+    codes, then the row's power-of-two scale as an fp32."""
+    dst = dst_addr.to(tl.pointer_type(tl.uint8))
+    channels = tl.arange(0, DIM)
+    x = tl.load(src_ptr + channels, mask=(channels < DIM) & write, other=0.0).to(tl.float32)  # [d]
+    scale_byte = _pow2_scale_bits(tl.maximum(tl.max(tl.abs(x), axis=0), AMAX_FLOOR))  # scalar
+    inverse_scale = ((254 - scale_byte) << 23).to(tl.float32, bitcast=True)  # 2^-(scale_byte - 127), exact
+    y = tl.minimum(tl.maximum(x * inverse_scale, -E4M3_MAX), E4M3_MAX)
+    tl.store(dst + channels, _e4m3_codes(y), mask=(channels < DIM) & write)
+    scale = (scale_byte << 23).to(tl.float32, bitcast=True)
+    tl.store((dst_addr + DIM).to(tl.pointer_type(tl.float32)), scale, mask=write)
 
 
 def _fp8_row_constants(layout: MainRowBytes, head_dim: int) -> dict:
@@ -295,12 +318,11 @@ def _write_rows_kernel(rows_ptr, dst_like_ptr, closing_ptr, token_seq_ptr, posit
 
 
 @triton.jit
-def _write_fp8_rows_kernel(rows_ptr, closing_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
-                           block_stride, rows_per_block, RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr,
-                           F_ROWS: tl.constexpr, PREDICATED: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
-                           BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr,
-                           ROPE_P2: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr):
-    i = tl.program_id(0)
+def _closing_row_address(i, closing_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr, block_stride,
+                         rows_per_block, RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr, F_ROWS: tl.constexpr,
+                         PREDICATED: tl.constexpr, ROW_BYTES: tl.constexpr):
+    """The i-th closing token's compressed row pos // m: (its byte address in the store at field F_ROWS, whether it
+    is written)."""
     t = tl.load(closing_ptr + i)
     b = tl.load(token_seq_ptr + t).to(tl.int64)
     position = tl.load(positions_ptr + t)
@@ -309,21 +331,55 @@ def _write_fp8_rows_kernel(rows_ptr, closing_ptr, token_seq_ptr, positions_ptr, 
     if PREDICATED:  # only tokens closing a window write; the others look up row 0's block (always in the table)
         write = (position + 1) % RATIO == 0
         row = tl.where(write, row, 0)
-    dst_addr = compressed_row_address(fields_ptr, block_ids_ptr, b, block_stride, rows_per_block, row, NUM_FIELDS_,
-                                      F_ROWS, ROW_BYTES)
+    addr = compressed_row_address(fields_ptr, block_ids_ptr, b, block_stride, rows_per_block, row, NUM_FIELDS_, F_ROWS,
+                                  ROW_BYTES)
+    return addr, write
+
+
+@triton.jit
+def _write_fp8_rows_kernel(rows_ptr, closing_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                           block_stride, rows_per_block, RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr,
+                           F_ROWS: tl.constexpr, PREDICATED: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                           BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr,
+                           ROPE_P2: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr):
+    i = tl.program_id(0)
+    dst_addr, write = _closing_row_address(i, closing_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                                           block_stride, rows_per_block, RATIO, NUM_FIELDS_, F_ROWS, PREDICATED,
+                                           ROW_BYTES)
     _store_fp8_main_row(rows_ptr + i.to(tl.int64) * (NOPE + ROPE), dst_addr, write, NOPE, ROPE, BLOCK, NUM_BLOCKS,
                         BLOCKS_P2, ROPE_P2, SCALE_OFFSET, ROW_BYTES)
+
+
+@triton.jit
+def _write_fp8_indexer_rows_kernel(rows_ptr, closing_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                                   block_stride, rows_per_block, RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr,
+                                   F_ROWS: tl.constexpr, PREDICATED: tl.constexpr, DIM: tl.constexpr,
+                                   ROW_BYTES: tl.constexpr):
+    i = tl.program_id(0)
+    dst_addr, write = _closing_row_address(i, closing_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                                           block_stride, rows_per_block, RATIO, NUM_FIELDS_, F_ROWS, PREDICATED,
+                                           ROW_BYTES)
+    _store_fp8_indexer_row(rows_ptr + i.to(tl.int64) * DIM, dst_addr, write, DIM)
 
 
 def write_rows(rows: torch.Tensor, dst_like: torch.Tensor, tables: AttentionTables, layer: int, *, ratio: int,
                indexer: bool, block_d: int = 512) -> None:
     """rows [Nc, d] (closing order) -> compressed row pos // m of each closing token's sequence.
-    dst_like: a tensor of the stores' dtype; main rows of FP8 tables (`tables.main_rows`) are quantized here."""
+    dst_like: a tensor of the stores' dtype; main rows of FP8 tables (`tables.main_rows`) and indexer rows of
+    `tables.indexer_rows` are quantized here."""
     closing, num_closing = tables.closing_tokens(ratio)
     if num_closing == 0:
         return
     rows = rows.contiguous()
     which = "indexer" if indexer else "compressor"
+    if tables.indexer_rows is not None and indexer:
+        check_indexer_row_layout(tables.indexer_rows, rows.shape[1])
+        _write_fp8_indexer_rows_kernel[(num_closing,)](
+            rows, closing, tables.token_seq, tables.positions, tables.layer_fields(layer), tables.block_ids,
+            tables.block_ids.shape[1], tables.rows_per_block(layer, which), RATIO=ratio, NUM_FIELDS_=NUM_FIELDS,
+            F_ROWS=int(Field.INDEX_ROWS_ADDR), PREDICATED=tables.closing_predicated, DIM=rows.shape[1],
+            ROW_BYTES=tables.indexer_rows.row_bytes, num_warps=1)
+        return
     if tables.main_rows is not None and not indexer:
         _write_fp8_rows_kernel[(num_closing,)](
             rows, closing, tables.token_seq, tables.positions, tables.layer_fields(layer), tables.block_ids,

@@ -84,7 +84,7 @@ class Attention(nn.Module):
         if self.kind is AttentionKind.CSA:
             self.compressor = Compressor(c.hidden_size, c.head_dim, ratio, True, c.rms_norm_eps,
                                          dtype=dtype, device=device, fp8_qat_nope_dim=self.fp8_qat_nope_dim)
-            self.indexer = Indexer(c, dtype=dtype, device=device)
+            self.indexer = Indexer(c, dtype=dtype, device=device, fp8_qat=numerics.kv_fp8_qat)
         elif self.kind is AttentionKind.HCA:
             self.compressor = Compressor(c.hidden_size, c.head_dim, ratio, False, c.rms_norm_eps,
                                          dtype=dtype, device=device, fp8_qat_nope_dim=self.fp8_qat_nope_dim)

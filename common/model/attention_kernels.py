@@ -73,7 +73,7 @@ def _emit_rows(compressor, kv_in: torch.Tensor, score_in: torch.Tensor, tables: 
         rows = window_rows_norm_rope(pooled, compressor.norm.weight, compressor.norm.eps, rope, tables.positions,
                                      closing, ratio, kv_in.dtype)  # [Nc, d], rotated at each window's start
         if compressor.fp8_qat_nope_dim is not None:
-            rows = kv_nope_fp8_qat(rows, compressor.fp8_qat_nope_dim)
+            rows = kv_nope_fp8_qat(rows, compressor.fp8_qat_nope_dim, compressor.fp8_qat_block_size)
         write_rows(rows, rows.new_empty(0, dtype=tables.state_dtype), tables, layer, ratio=ratio, indexer=indexer)
     kv_field, score_field, ring_field = (
         (Field.INDEX_INPUT_KV_ADDR, Field.INDEX_INPUT_SCORE_ADDR, Field.INDEX_INPUT_RING) if indexer else
@@ -105,7 +105,8 @@ def batched_attention_core(attn, batch, q: torch.Tensor, kv: torch.Tensor, x: to
         _record_writes(batch, layer, "indexer", ikv_in, iscore_in)
         steps.append(_step(attn.indexer.compressor, ikv_in, iscore_in, indexer=True))
     if attn.compressor is not None:
-        if compressor_step_applies(tables, x.shape[0], attn.compressor.fp8_qat_nope_dim):
+        indexer_qat = attn.indexer is not None and attn.indexer.compressor.fp8_qat_nope_dim is not None
+        if compressor_step_applies(tables, x.shape[0], attn.compressor.fp8_qat_nope_dim is not None, indexer_qat):
             compressor_step(tuple(steps), tables, layer, attn.rope.inv_freq)
         else:
             for step, compressor in zip(steps, (attn.compressor, attn.indexer and attn.indexer.compressor)):

@@ -36,7 +36,7 @@ def rows_location(store: CompressorStore) -> RowsLocation | None:
     `rows_per_block` and `table.block_ids` (services/attention/kv_pool.PagedRowStore); a row store
     whose `read(1)` is a view into one fixed contiguous tensor (random_init.PreallocatedRowStore).
     Rows held in another dtype than the store's format stores them in (`row_format.stored_dtype`: the
-    activation dtype, or uint8 FP8 main rows) are not addressable either.
+    activation dtype, or uint8 FP8 rows) are not addressable either.
     TODO(owners of those stores): a `rows_location()` method on RowStore would replace the probing."""
     dtype = store.row_format.stored_dtype
     if store.own_rows is not None:
@@ -125,7 +125,7 @@ def build_tables(config: ModelConfig, states: list[SequenceState], start_positio
         per_sequence.append(addresses)
     if len({a.paged for a in per_sequence}) > 1:
         return None
-    formats = {(state.dtype, state.main_row_layout) for state in states}
+    formats = {(state.dtype, state.main_row_layout, state.indexer_row_layout) for state in states}
     if len(formats) > 1:
         return None  # the kernels of one forward read one activation dtype and one row format
     rows_per_block = dict(per_sequence[0].rows_per_block)
@@ -168,7 +168,7 @@ def build_tables(config: ModelConfig, states: list[SequenceState], start_positio
         closing[ratio] = (torch.tensor(flat, dtype=torch.int64).to(device), len(flat))
         max_rows[ratio] = max((start + count) // ratio for start, count in zip(start_positions, num_new_tokens))
     max_position = max(start + count - 1 for start, count in zip(start_positions, num_new_tokens))
-    state_dtype, main_rows = formats.pop()
+    state_dtype, main_rows, indexer_rows = formats.pop()
     return AttentionTables(fields.to(device), seq_info.to(device), token_seq.to(device), positions,
-                           block_ids.to(device),
-                           rows_per_block, closing, max_rows, max_position, state_dtype, main_rows=main_rows)
+                           block_ids.to(device), rows_per_block, closing, max_rows, max_position, state_dtype,
+                           main_rows=main_rows, indexer_rows=indexer_rows)

@@ -6,7 +6,8 @@ and rotated at position w·m. Without overlap the slots are the window's m token
 and Z are 2·d wide: the slots are the first halves ("a") of window w-1's tokens and the second
 halves ("b") of window w's tokens (2m slots, stride m); window 0 has no a-slots (gate -inf).
 With `fp8_qat_nope_dim` set (reference numerics), each row's first channels are FP8
-quant-dequantized after norm and RoPE, before being stored (docs/model.md §2.5, `common.model.qat`).
+quant-dequantized after norm and RoPE, before being stored (docs/model.md §2.5, `common.model.qat`), in blocks
+of `fp8_qat_block_size` channels (64 for main rows; the indexer's whole row).
 The same class, at the indexer's width, is the CSA indexer's compressor.
 On CUDA at decode sizes `project` (both projections and the `ape` term) is one launch
 (`common.kernels.projections`; the indexer adds its head weights to the same launch); the torch code is
@@ -21,7 +22,7 @@ from torch import nn
 
 from moemesh.common.kernels.glue import use_triton_glue
 from moemesh.common.model.linear import Linear, RMSNorm, parameter
-from moemesh.common.model.qat import kv_nope_fp8_qat
+from moemesh.common.model.qat import KV_FP8_BLOCK_SIZE, kv_nope_fp8_qat
 from moemesh.common.model.rope import RotaryTable, apply_rope
 from moemesh.common.model.state import CompressorStore
 
@@ -41,12 +42,15 @@ def projection_kernel_applies(x: torch.Tensor, positions: torch.Tensor, ape: tor
 
 class Compressor(nn.Module):
     def __init__(self, hidden_size: int, row_dim: int, ratio: int, overlap: bool, eps: float, *,
-                 dtype: torch.dtype, device=None, fp8_qat_nope_dim: int | None = None) -> None:
-        """fp8_qat_nope_dim: leading row channels to FP8-simulate (reference QAT); None = none."""
+                 dtype: torch.dtype, device=None, fp8_qat_nope_dim: int | None = None,
+                 fp8_qat_block_size: int = KV_FP8_BLOCK_SIZE) -> None:
+        """fp8_qat_nope_dim: leading row channels to FP8-simulate (reference QAT); None = none;
+        fp8_qat_block_size: channels per scale of that simulation."""
         super().__init__()
         if fp8_qat_nope_dim is not None and not 0 <= fp8_qat_nope_dim <= row_dim:
             raise ValueError(f"fp8_qat_nope_dim={fp8_qat_nope_dim} outside [0, row_dim={row_dim}]")
         self.fp8_qat_nope_dim = fp8_qat_nope_dim
+        self.fp8_qat_block_size = fp8_qat_block_size
         width = (2 if overlap else 1) * row_dim
         self.ratio = ratio
         self.overlap = overlap
@@ -105,6 +109,6 @@ class Compressor(nn.Module):
         cos, sin = rope.cos_sin(row_positions)
         rows = apply_rope(rows, cos, sin)
         if self.fp8_qat_nope_dim is not None:
-            rows = kv_nope_fp8_qat(rows, self.fp8_qat_nope_dim)
+            rows = kv_nope_fp8_qat(rows, self.fp8_qat_nope_dim, self.fp8_qat_block_size)
         store.append_inputs(kv, score)
         store.write_rows(first_row, rows)

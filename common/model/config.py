@@ -77,7 +77,8 @@ class NumericsConfig:
         `ExpertWorkerConfig.route_weight_before_w2`, which their launcher must set to match.
     kv_fp8_qat: the reference's FP8 e4m3 quant-dequant (block 64, power-of-two scale) of the first
         `nope_head_dim` channels of every window kv row and main-compressor row, after norm and
-        RoPE (True = reference; `common.model.qat`). The CSA indexer's own rows are not touched.
+        RoPE (True = reference; `common.model.qat`), and of every CSA indexer row (one power-of-two scale per
+        row, `qat.indexer_fp8_qat`: the values an FP8 indexer row stores).
     """
 
     dtype: str = "float32"

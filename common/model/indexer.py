@@ -2,7 +2,9 @@
 
 score I[t, w] = Σ_h w[t, h] · ReLU(q[t, h] · k_w) · d^-1/2 with w[t] = weights_proj(x_t) · H^-1/2,
 over rows visible at t (w < (t+1) // m); keep the top min(index_topk, visible) rows.
-The keys k_w come from the indexer's own overlapping compressor (row width d = index_head_dim).
+The keys k_w come from the indexer's own overlapping compressor (row width d = index_head_dim); with the FP8 KV
+QAT (`fp8_qat`, NumericsConfig.kv_fp8_qat) each key row is rounded as an FP8 indexer row stores it
+(`qat.indexer_fp8_qat`: e4m3, one power-of-two scale per row) before it is stored.
 `project_inputs` gives that compressor's inputs and the head weights w, one launch on CUDA at decode sizes.
 Legend: T tokens, S tokens of one sequence, H indexer heads, d indexer head dim, N rows.
 """
@@ -19,7 +21,8 @@ from moemesh.common.model.normed_linear import linear_norm_rope
 
 
 class Indexer(nn.Module):
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device=None, fp8_qat: bool = False) -> None:
+        """fp8_qat: round every key row to the values of its FP8 row (docstring above)."""
         super().__init__()
         self.num_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
@@ -28,7 +31,8 @@ class Indexer(nn.Module):
         self.wq_b = Linear(config.q_lora_rank, self.num_heads * self.head_dim, dtype=dtype, device=device)
         self.weights_proj = Linear(config.hidden_size, self.num_heads, dtype=dtype, device=device)
         self.compressor = Compressor(config.hidden_size, self.head_dim, self.ratio, True, config.rms_norm_eps,
-                                     dtype=dtype, device=device)
+                                     dtype=dtype, device=device, fp8_qat_nope_dim=self.head_dim if fp8_qat else None,
+                                     fp8_qat_block_size=self.head_dim)
 
     def project_queries(self, q_lat: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +62,17 @@ class Indexer(nn.Module):
                                           head_scale=self.num_heads**-0.5)
         return (*compressor.project(x, positions), self.head_weights(x))
 
+    def scores(self, queries: torch.Tensor, head_weights: torch.Tensor, rows: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """queries [S, H, d], head_weights [S, H], rows [N, d] (decoded), positions [S] -> scores [S, N] fp32,
+        -inf where a row is not visible yet."""
+        num_rows = rows.shape[0]
+        visible = torch.arange(num_rows, device=rows.device)[None, :] < ((positions + 1) // self.ratio)[:, None]
+        logits = torch.einsum("shd,nd->shn", queries.float(), rows.float())  # [S, H, N]
+        logits = torch.relu(logits) * self.head_dim**-0.5
+        scores = (logits * head_weights.unsqueeze(-1)).sum(dim=1)  # [S, N]
+        return scores.masked_fill(~visible, float("-inf"))
+
     def select(self, queries: torch.Tensor, head_weights: torch.Tensor, rows: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         """queries [S, H, d], head_weights [S, H], rows [N, d], positions [S] -> selected [S, N] bool."""
@@ -66,10 +81,7 @@ class Indexer(nn.Module):
         num_keep = min(self.topk, num_rows)
         if num_keep == 0:
             return visible
-        logits = torch.einsum("shd,nd->shn", queries.float(), rows.float())  # [S, H, N]
-        logits = torch.relu(logits) * self.head_dim**-0.5
-        scores = (logits * head_weights.unsqueeze(-1)).sum(dim=1)  # [S, N]
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = self.scores(queries, head_weights, rows, positions)  # [S, N]
         top = scores.topk(num_keep, dim=-1).indices  # [S, k]; invisible picks removed below
         selected = torch.zeros_like(visible).scatter_(1, top, True)
         return selected & visible

@@ -8,11 +8,16 @@ Main rows (window rows and compressed rows; head dim = nope + rope, 448 + 64 in 
 Each block's scale is the power of two `common.model.qat` computes (amax floored at 1e-4, times 1/448, rounded
 up), so a row the reference's FP8 QAT already rounded (`kv_nope_fp8_qat`) packs and unpacks to exactly itself,
 and packing any row gives the QAT's values: FP8 storage with `kv_fp8_qat` on is the reference's arithmetic.
-Indexer rows (head dim 128), FP8 layout: the channels as e4m3 codes, then one fp32 scale (the row's amax
-floored at 1e-4, over 448): 132 bytes. No reference rounds the indexer's keys this way (the reference uses
-a Hadamard rotation and FP4), so selection near a tie may differ from bf16 rows.
+Indexer rows (head dim 128), FP8 layout:
+    bytes [0, dim)                   the channels as e4m3 codes
+    bytes [dim, dim + 4)             one fp32 scale for the whole row          (V4-Flash: 128 + 4 = 132 bytes)
+The scale is the FP8 activation quantization of the production indexer cache with ue8m0 scales, held as an fp32:
+the power of two 2^ceil(log2(max(amax, 1e-4) / 448)) over the row's channels (`qat.fp8_block_scales` with one
+block per row). A row rounded by `indexer_fp8_qat` packs and unpacks to exactly itself, and packing any row
+gives that function's values, in fp32 and bf16 alike (codes times a power of two are exact in both).
 
-`KVStorage` (common/model/kv_storage.py) names the format; `RowFormat` is how one store keeps its rows (the
+The layouts' byte arithmetic is in common/model/kv_layouts.py (torch-free). `KVStorage` (common/model/kv_storage.py)
+names the format; `RowFormat` is how one store keeps its rows (the
 sequence state's window ring and row stores, the KV pool's blocks): `encode` on write, `decode` on read;
 `kv_bytes_per_token` adds up what one more context token stores across the model's layers (compressed rows
 grow by 1 / ratio per token; window rows are a fixed cost per sequence).
@@ -28,54 +33,12 @@ from dataclasses import dataclass
 import torch
 
 from moemesh.common.model.config import AttentionKind, ModelConfig
+from moemesh.common.model.kv_layouts import IndexerRowLayout, MainRowLayout
 from moemesh.common.model.kv_storage import KVStorage
-from moemesh.common.model.qat import ACT_QUANT_AMAX_FLOOR, E4M3_MAX, KV_FP8_BLOCK_SIZE, fp8_block_scales
+from moemesh.common.model.qat import E4M3_MAX, fp8_block_scales
 
 UE8M0_BIAS = 127
-_ROW_ALIGN = 8
-POISON_BYTE = 0xFF  # an FP8 row of these bytes decodes to NaN (e4m3 0xFF, bf16 0xFFFF, scale 2^128)
-
-
-def _align(num_bytes: int) -> int:
-    return -(-num_bytes // _ROW_ALIGN) * _ROW_ALIGN
-
-
-@dataclass(frozen=True)
-class MainRowLayout:
-    """Byte layout of one FP8 main row (see module doc)."""
-
-    nope_dim: int
-    rope_dim: int
-    block_size: int = KV_FP8_BLOCK_SIZE
-
-    @property
-    def num_blocks(self) -> int:
-        return -(-self.nope_dim // self.block_size)
-
-    @property
-    def rope_offset(self) -> int:
-        return self.nope_dim
-
-    @property
-    def scale_offset(self) -> int:
-        return self.nope_dim + 2 * self.rope_dim
-
-    @property
-    def row_bytes(self) -> int:
-        return _align(self.scale_offset + self.num_blocks)
-
-    @classmethod
-    def of(cls, config: ModelConfig) -> MainRowLayout:
-        return cls(config.nope_head_dim, config.qk_rope_head_dim)
-
-
-@dataclass(frozen=True)
-class IndexerRowLayout:
-    dim: int
-
-    @property
-    def row_bytes(self) -> int:
-        return self.dim + 4  # codes, then the fp32 scale (V4-Flash: 132; not padded, as the production pool)
+POISON_BYTE = 0xFF  # an FP8 row of these bytes decodes to NaN (e4m3 0xFF, bf16 0xFFFF, ue8m0 2^128, fp32 NaN)
 
 
 def pack_main_rows(rows: torch.Tensor, layout: MainRowLayout) -> torch.Tensor:
@@ -113,10 +76,12 @@ def unpack_main_rows(packed: torch.Tensor, layout: MainRowLayout) -> torch.Tenso
 
 
 def pack_indexer_rows(rows: torch.Tensor, layout: IndexerRowLayout) -> torch.Tensor:
-    """rows [R, C] -> uint8 [R, C + 4]: e4m3 codes with one fp32 scale per row."""
+    """rows [R, C] -> uint8 [R, C + 4]: e4m3 codes with one power-of-two scale per row, stored as fp32."""
+    if rows.shape[-1] != layout.dim:
+        raise ValueError(f"rows of {rows.shape[-1]} channels, the layout holds {layout.dim}")
     leading = rows.shape[:-1]
     flat = rows.reshape(-1, layout.dim).float()
-    scale = flat.abs().amax(dim=-1, keepdim=True).clamp_min(ACT_QUANT_AMAX_FLOOR) / E4M3_MAX  # [R, 1]
+    scale = fp8_block_scales(flat, layout.dim)  # [R, 1] powers of two
     codes = (flat / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     out = torch.cat([codes.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=-1)
     return out.view(*leading, layout.row_bytes)
@@ -133,17 +98,27 @@ def unpack_indexer_rows(packed: torch.Tensor, layout: IndexerRowLayout) -> torch
 
 @dataclass(frozen=True)
 class RowFormat:
-    """How a store keeps rows of `dim` channels: in `dtype` as they are (`layout` None), or packed as FP8 main
-    rows of `layout` (uint8 [.., row_bytes]). `dtype` is the activation dtype, what `decode` returns."""
+    """How a store keeps rows of `dim` channels: in `dtype` as they are (`layout` None), or packed as FP8 rows of
+    `layout` (main or indexer rows, uint8 [.., row_bytes]). `dtype` is the activation dtype, what `decode`
+    returns."""
 
     dim: int
     dtype: torch.dtype
-    layout: MainRowLayout | None = None
+    layout: MainRowLayout | IndexerRowLayout | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout is not None and self.layout.dim != self.dim:
+            raise ValueError(f"a store of {self.dim} channels with FP8 rows of {self.layout.dim}")
 
     @classmethod
     def main(cls, config: ModelConfig, storage: KVStorage, dtype: torch.dtype) -> RowFormat:
         """The format of the main rows (window and compressed rows, head_dim channels) in `storage`."""
         return cls(config.head_dim, dtype, MainRowLayout.of(config) if storage is KVStorage.FP8 else None)
+
+    @classmethod
+    def indexer(cls, config: ModelConfig, storage: KVStorage, dtype: torch.dtype) -> RowFormat:
+        """The format of the CSA indexer's rows (index_head_dim channels) in `storage`."""
+        return cls(config.index_head_dim, dtype, IndexerRowLayout.of(config) if storage is KVStorage.FP8 else None)
 
     @property
     def stored_dtype(self) -> torch.dtype:
@@ -164,13 +139,17 @@ class RowFormat:
             raise ValueError(f"rows of {rows.shape[-1]} channels for a store of {self.dim}")
         if self.layout is None:
             return rows.to(self.dtype)
-        return pack_main_rows(rows, self.layout)
+        if isinstance(self.layout, MainRowLayout):
+            return pack_main_rows(rows, self.layout)
+        return pack_indexer_rows(rows, self.layout)
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         """[R, Ws] as stored -> rows [R, dim] (plain rows come back as they are, FP8 rows in `dtype`)."""
         if self.layout is None:
             return stored
-        return unpack_main_rows(stored, self.layout).to(self.dtype)
+        if isinstance(self.layout, MainRowLayout):
+            return unpack_main_rows(stored, self.layout).to(self.dtype)
+        return unpack_indexer_rows(stored, self.layout).to(self.dtype)
 
     def poison_(self, stored: torch.Tensor) -> torch.Tensor:
         """Fill stored rows [R, Ws] so that they decode to NaN (a snapshot that could not be captured)."""

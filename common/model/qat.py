@@ -10,6 +10,8 @@ The result is cast back to the input dtype. It is exact there for float32 and bf
 value has 4 significant bits, times a power of two), so a stored row is, per block, exactly some
 e4m3 value times 2^k. float16 can flush the smallest values of a tiny-amax block to zero (its
 exponent range is narrower); the reference never runs fp16.
+The CSA indexer's rows (`indexer_fp8_qat`) take the same round trip with one block per row (128 channels in
+V4-Flash): the FP8 rounding of the production indexer cache (e4m3 codes, one scale per row).
 
 Choices the model description leaves open:
 - The reference asserts that the quantized width is a multiple of the block (448 = 7 · 64). Tiny
@@ -26,8 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moemesh.common.model.kv_layouts import KV_FP8_BLOCK_SIZE
+
 E4M3_MAX = 448.0
-KV_FP8_BLOCK_SIZE = 64
 ACT_QUANT_AMAX_FLOOR = 1e-4
 
 
@@ -78,3 +81,11 @@ def kv_nope_fp8_qat(rows: torch.Tensor, nope_dim: int, block_size: int = KV_FP8_
     if not 0 <= nope_dim <= rows.shape[-1]:
         raise ValueError(f"nope_dim={nope_dim} outside [0, {rows.shape[-1]}]")
     return torch.cat([fp8_quant_dequant(rows[..., :nope_dim], block_size), rows[..., nope_dim:]], dim=-1)
+
+
+def indexer_fp8_qat(rows: torch.Tensor) -> torch.Tensor:
+    """rows [R, d] -> [R, d]: every channel quant-dequantized with one power-of-two scale per row.
+
+    Applied to the CSA indexer's compressed rows after norm and RoPE, before they are stored: the values an FP8
+    indexer row (`common.model.kv_rows.IndexerRowLayout`) holds, so FP8 and plain storage score the same keys."""
+    return fp8_quant_dequant(rows, block_size=max(1, rows.shape[-1]))

@@ -10,9 +10,10 @@ One `SequenceState` per sequence holds one `LayerState` per layer:
   simply forgets rows past the new count. R is chosen from `max_rollback_tokens`.
 
 Row storage (`SequenceState(kv_storage=...)`, common/model/kv_rows.py `RowFormat`): the window ring and the
-main compressor's rows hold either rows in the activation dtype or packed FP8 main rows (uint8 [.., row_bytes]);
-`append` / `write_rows` encode, `read` / `read_rows` decode, so callers see rows [n, head_dim] in the activation
-dtype either way. The indexer's rows and the compressors' pending inputs are always kept as they are.
+main compressor's rows hold either rows in the activation dtype or packed FP8 main rows (uint8 [.., row_bytes]),
+the CSA indexer's rows likewise rows in the activation dtype or packed FP8 indexer rows; `append` / `write_rows`
+encode, `read` / `read_rows` decode, so callers see rows [n, row_dim] in the activation dtype either way. The
+compressors' pending inputs are always kept as they are (fp32).
 
 Invariant: every store of a sequence advances by the same token count per forward; the
 `SequenceState.num_tokens` counter is the authority and is advanced once the whole forward is done.
@@ -38,7 +39,7 @@ from typing import Protocol
 import torch
 
 from moemesh.common.model.config import AttentionKind, ModelConfig
-from moemesh.common.model.kv_rows import MainRowLayout, RowFormat
+from moemesh.common.model.kv_rows import IndexerRowLayout, MainRowLayout, RowFormat
 from moemesh.common.model.kv_storage import KVStorage
 
 DEFAULT_MAX_ROLLBACK_TOKENS = 8
@@ -59,7 +60,7 @@ class RowStore(Protocol):
 
 
 # (layer, "compressor" | "indexer", row_dim) -> the RowStore of that compressor's rows (in the stored format:
-# a state with FP8 main rows checks that its compressor row stores hold uint8 rows of row_bytes)
+# a state with FP8 rows checks that its row stores hold uint8 rows of row_bytes)
 RowStoreFactory = Callable[[int, str, int], RowStore]
 
 
@@ -287,14 +288,17 @@ class SequenceState:
         self.dtype = dtype
         self.kv_storage = kv_storage
         main = RowFormat.main(config, kv_storage, dtype)
+        indexer = RowFormat.indexer(config, kv_storage, dtype)
         self.main_row_format = main
+        self.indexer_row_format = indexer
 
         def rows(layer: int, which: str, row_dim: int) -> RowStore | None:
             if row_store_factory is None:
                 return None
             store = row_store_factory(layer, which, row_dim)
-            if which == "compressor" and main.layout is not None:
-                _check_stored_format(store, main, f"layer {layer} {which}")
+            row_format = main if which == "compressor" else indexer
+            if row_format.layout is not None:
+                _check_stored_format(store, row_format, f"layer {layer} {which}")
             return store
 
         self.max_rollback_tokens = max_rollback_tokens
@@ -318,7 +322,7 @@ class SequenceState:
                 state.indexer = CompressorStore(ratio, 2 * config.index_head_dim, config.index_head_dim, True,
                                                 max_rollback_tokens, dtype, device,
                                                 row_store=rows(layer, "indexer", config.index_head_dim),
-                                                layout_version=self.layout_version)
+                                                layout_version=self.layout_version, row_format=indexer)
             elif kind is AttentionKind.HCA:
                 state.compressor = CompressorStore(ratio, config.head_dim, config.head_dim, False,
                                                    max_rollback_tokens, dtype, device,
@@ -330,6 +334,11 @@ class SequenceState:
     def main_row_layout(self) -> MainRowLayout | None:
         """The FP8 layout of the window and compressed rows, or None when they are kept in `dtype`."""
         return self.main_row_format.layout
+
+    @property
+    def indexer_row_layout(self) -> IndexerRowLayout | None:
+        """The FP8 layout of the CSA indexer's rows, or None when they are kept in `dtype`."""
+        return self.indexer_row_format.layout
 
     def advance(self, num_tokens: int) -> None:
         """Called once a forward over num_tokens new tokens has updated every layer."""
@@ -413,6 +422,7 @@ def _check_stored_format(store: RowStore, row_format: RowFormat, what: str) -> N
     """A row store must hold rows as `row_format` stores them: the empty read of one tells [0, Ws] and dtype."""
     probe = store.read(0)
     if probe.dtype != row_format.stored_dtype or probe.shape[-1] != row_format.stored_width:
-        raise ValueError(f"{what}: the row store holds [.., {probe.shape[-1]}] {probe.dtype} rows; FP8 main rows "
+        kind = "main" if isinstance(row_format.layout, MainRowLayout) else "indexer"
+        raise ValueError(f"{what}: the row store holds [.., {probe.shape[-1]}] {probe.dtype} rows; FP8 {kind} rows "
                          f"need [.., {row_format.stored_width}] {row_format.stored_dtype} (a KV pool built with "
                          f"the same kv storage)")

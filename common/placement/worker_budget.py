@@ -9,9 +9,9 @@ config (the checkpoint inventory gives every tensor's logical shape) and the wor
   one full Dispatch (max batched tokens x top-k x hidden, a few copies);
 - attention worker: every non-expert tensor of the main model, FP8 linears at their stored bytes
   (they stay FP8 on the device) and the rest in the compute dtype, the KV pools with their boundary
-  snapshots (the device pool; the CPU tier too when the device is the CPU), the transient of one
-  FP8 matrix dequantised on the CPU path, and the activations of one step (the mHC residual
-  streams and a few [T, D] intermediates per token, plus the sampled rows' logits);
+  snapshots in the worker's `kv_dtype` (the device pool; the CPU tier too when the device is the CPU),
+  the transient of one FP8 matrix dequantised on the CPU path, and the activations of one step (the
+  mHC residual streams and a few [T, D] intermediates per token, plus the sampled rows' logits);
 - draft worker: the `mtp.*` / DSpark tensors (FP8 linears at their stored bytes) plus its own copy
   of the embedding and the head, and small activations.
 A reserve (`RESERVE_FRACTION` of the plan + `RESERVE_BYTES`) covers allocator fragmentation and
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moemesh.common.model.kv_sizing import KVPoolSizing
+from moemesh.common.model.kv_storage import KVStorage
 from moemesh.common.placement.budget import MemoryBudget
 from moemesh.common.placement.devices import parse_size
 
@@ -158,26 +160,21 @@ def draft_weight_bytes(config, element_bytes: int) -> int:
     return own + shared
 
 
-def kv_block_bytes(config, block_size_tokens: int, element_bytes: int) -> int:
-    """Bytes of one KV block in the pool: compressed and indexer rows plus the boundary snapshot
-    (the same segments services/attention/kv_pool.py allocates; pending compressor state is fp32)."""
-    total = 0
-    for layer, kind in enumerate(config.layer_types):
-        ratio = config.compress_ratio(layer)
-        if ratio:
-            total += (block_size_tokens // ratio) * config.head_dim * element_bytes  # compressed rows
-        if kind.name == "CSA":
-            total += (block_size_tokens // ratio) * config.index_head_dim * element_bytes  # indexer rows
-            for row_dim in (config.head_dim, config.index_head_dim):
-                total += 2 * ratio * 2 * row_dim * 4  # pending kv + score, fp32
-        total += config.sliding_window * config.head_dim * element_bytes  # window snapshot
-    return total
+def kv_block_bytes(config, block_size_tokens: int, element_bytes: int,
+                   kv_storage: KVStorage = KVStorage.BF16) -> int:
+    """Bytes of one KV block in the pool with rows stored as `kv_storage` says (element_bytes: the compute dtype's,
+    for plain rows): compressed and indexer rows plus the boundary snapshot, the segments
+    services/attention/kv_pool.py allocates (`common.model.kv_sizing`; pending compressor inputs are fp32)."""
+    return KVPoolSizing.of(config, block_size_tokens=block_size_tokens, num_primary_blocks=1, num_cpu_blocks=0,
+                           kv_storage=kv_storage, activation_bytes=element_bytes).bytes_per_block
 
 
 def attention_worker_budget(config, *, service: str, device: str, dtype: str, block_size_tokens: int,
                             num_primary_blocks: int, num_cpu_blocks: int, free_bytes: int,
-                            step: StepShape = StepShape(), num_local_pairs: int = 0) -> MemoryBudget:
-    """num_local_pairs: routed experts its own placement gives it (kept as stored)."""
+                            step: StepShape = StepShape(), num_local_pairs: int = 0,
+                            kv_storage: KVStorage = KVStorage.BF16) -> MemoryBudget:
+    """num_local_pairs: routed experts its own placement gives it (kept as stored); kv_storage: how its KV rows
+    are stored (the `kv_dtype` setting: the pool is priced in it)."""
     from moemesh.common.model.inventory import tensor_inventory
 
     element = dtype_bytes(dtype, device)
@@ -186,7 +183,7 @@ def attention_worker_budget(config, *, service: str, device: str, dtype: str, bl
     expert_bytes = num_local_pairs * resident_bytes_per_expert(config)
     if num_local_pairs:
         loading = max(loading, expert_load_peak_bytes(config, "native", min(num_local_pairs, config.n_routed_experts)))
-    per_block = kv_block_bytes(config, block_size_tokens, element)
+    per_block = kv_block_bytes(config, block_size_tokens, element, kv_storage)
     on_cpu = device.split(":")[0] == "cpu"
     kv = per_block * (num_primary_blocks + (num_cpu_blocks if on_cpu else 0))
     tokens = step.max_num_batched_tokens

@@ -256,7 +256,8 @@ def recording_state(config: ModelConfig, pool: KVPool, table: BlockTable, record
     rows_of = pool.row_store_factory(table)
     # the stores' ring reach (their own rollback bound may exceed the state's: the ring is bigger)
     max_rollback_tokens = max(max_rollback_tokens, max_chunk_tokens or 0)
-    main = state.main_row_format  # window and compressed rows as the pool stores them; indexer rows as they are
+    main = state.main_row_format  # window and compressed rows as the pool stores them
+    indexer = state.indexer_row_format  # the indexer rows likewise
     for layer, layer_state in enumerate(state.layers):
         layer_state.window = RecordingWindowStore(recorder, layer, config.sliding_window, config.head_dim,
                                                   max_rollback_tokens, dtype, device, row_format=main)
@@ -267,7 +268,8 @@ def recording_state(config: ModelConfig, pool: KVPool, table: BlockTable, record
                 dtype, device, rows_of(layer, "compressor", config.head_dim), row_format=main)
             layer_state.indexer = RecordingCompressorStore(
                 recorder, layer, "indexer", ratio, 2 * config.index_head_dim, config.index_head_dim, True,
-                max_rollback_tokens, dtype, device, rows_of(layer, "indexer", config.index_head_dim))
+                max_rollback_tokens, dtype, device, rows_of(layer, "indexer", config.index_head_dim),
+                row_format=indexer)
         elif layer_state.kind is AttentionKind.HCA:
             layer_state.compressor = RecordingCompressorStore(
                 recorder, layer, "compressor", ratio, config.head_dim, config.head_dim, False, max_rollback_tokens,

@@ -359,7 +359,8 @@ class DecodeGraphs:
         smaller = [b for b in self.buckets if b < bucket]
         tables = StaticDecodeTables(side.config, bucket, rows_per_block, block_width, index_rows, side.dtype,
                                     self.device, min_real_tokens=(max(smaller) + 1) if smaller else 1,
-                                    main_rows=self.scratch.main_row_layout)
+                                    main_rows=self.scratch.main_row_layout,
+                                    indexer_rows=self.scratch.indexer_row_layout)
         routed_in = torch.zeros(bucket, side.config.hidden_size, dtype=side.dtype, device=self.device)  # [Tb, D]
         batch = GraphBatch(tables)
         segments = LayerSegments(side, batch, tables.token_ids, routed_in, keep_layers=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moemesh.common.kernels.attention_layout import NUM_FIELDS, AttentionTables, MainRowBytes
+from moemesh.common.kernels.attention_layout import NUM_FIELDS, AttentionTables, IndexerRowBytes, MainRowBytes
 from moemesh.common.model.attention_tables import sequence_addresses
 from moemesh.common.model.config import AttentionKind, ModelConfig
 from moemesh.common.model.state import SequenceState
@@ -71,9 +71,11 @@ class StaticDecodeTables(AttentionTables):
 
     def __init__(self, config: ModelConfig, num_tokens: int, rows_per_block: dict[tuple[int, str], int],
                  block_width: int, index_rows: int | None, state_dtype: torch.dtype, device: torch.device,
-                 min_real_tokens: int = 1, main_rows: MainRowBytes | None = None) -> None:
+                 min_real_tokens: int = 1, main_rows: MainRowBytes | None = None,
+                 indexer_rows: IndexerRowBytes | None = None) -> None:
         """min_real_tokens: the fewest sequences a step over these tables has (the previous bucket + 1);
-        main_rows: the FP8 layout of the window and compressed rows (None: rows in state_dtype)."""
+        main_rows / indexer_rows: the FP8 layouts of the window and compressed rows / of the indexer rows (None:
+        rows in state_dtype)."""
         self.config = config
         self.min_real_tokens = min_real_tokens
         self.index_rows = index_rows
@@ -103,7 +105,8 @@ class StaticDecodeTables(AttentionTables):
         csa_rows = index_rows if index_rows is not None else config.index_topk
         super().__init__(device_views["fields"], device_views["seq_info"], token_seq, device_views["positions"],
                          device_views["block_ids"], rows_per_block, {ratio: (closing, num_tokens) for ratio in ratios},
-                         {ratio: csa_rows for ratio in ratios}, 0, state_dtype, main_rows=main_rows)
+                         {ratio: csa_rows for ratio in ratios}, 0, state_dtype, main_rows=main_rows,
+                         indexer_rows=indexer_rows)
         self.token_ids = device_views["token_ids"]  # [Tb] int64: the step's input tokens
         self.split_sizes = device_views["split_sizes"]  # [keys] int64
         self._copy_done: torch.cuda.Event | None = None

@@ -20,7 +20,10 @@ class KVPoolConfig:
     kv_storage: KVStorage = KVStorage.BF16
 
     def __post_init__(self) -> None:
-        if self.block_size_tokens < 1 or self.num_primary_blocks < 1 or self.num_cpu_blocks < 0:
-            raise ValueError(f"bad KV pool geometry: {self}")
+        for key, value, least in (("block_size_tokens", self.block_size_tokens, 1),
+                                  ("num_primary_blocks", self.num_primary_blocks, 1),
+                                  ("num_cpu_blocks", self.num_cpu_blocks, 0)):
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"bad KV pool geometry: {key}={value!r} (at least {least})")
         if not isinstance(self.kv_storage, KVStorage):
             raise ValueError(f"kv_storage: {self.kv_storage!r} is not a KVStorage")

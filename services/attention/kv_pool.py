@@ -14,10 +14,13 @@ pending inputs of the last m positions (`(layer, "<which>_pending_kv" | "<which>
 [blocks, m, C] fp32; a non-overlapping compressor whose ratio divides B has none). They are
 ordinary entries of the tier dicts, so swap_out / swap_in move them with the block.
 
-Row storage (`KVPoolConfig.kv_storage`): compressed rows and window snapshots are kept as the sequence
-states keep them (common/model/kv_rows.py `RowFormat`): in the activation dtype, or as packed FP8 main rows
-(uint8 [.., row_bytes], 584 bytes per V4-Flash row); indexer rows stay in the activation dtype and pending
-inputs in fp32. Every copy below (swaps, snapshots) moves those bytes as they are.
+Row storage (`KVPoolConfig.kv_storage`): compressed rows, indexer rows and window snapshots are kept as the
+sequence states keep them (common/model/kv_rows.py `RowFormat`): in the activation dtype, or as packed FP8 rows
+(uint8 [.., row_bytes]: 584-byte main rows and 132-byte indexer rows for V4-Flash); pending inputs stay in fp32.
+Every copy below (swaps, snapshots) moves those bytes as they are.
+
+Sizing: the tensors of a block are those `common.model.kv_sizing.block_segments` lists (`KVPool.sizing`: bytes
+and tokens per layer type, the same arithmetic the start-up memory budget and `moemesh bench kv-bytes` use).
 
 Tiers: `primary[seg]` [num_primary_blocks, B/m, Ws] on the compute device, `cpu[seg]`
 [num_cpu_blocks, B/m, Ws] in host memory (pinned when the device is CUDA). The router decides
@@ -43,6 +46,7 @@ import torch
 
 from moemesh.common.model.config import AttentionKind, ModelConfig
 from moemesh.common.model.kv_rows import RowFormat
+from moemesh.common.model.kv_sizing import Element, KVPoolSizing
 from moemesh.services.attention.kv_config import KVPoolConfig
 
 log = structlog.get_logger("attention")
@@ -71,22 +75,6 @@ def pool_segments(config: ModelConfig) -> list[Segment]:
         if kind is AttentionKind.CSA:
             segments.append(Segment(layer, "indexer", ratio, config.index_head_dim))
     return segments
-
-
-def snapshot_segments(config: ModelConfig) -> dict[tuple[int, str], tuple[int, int]]:
-    """Per block, the boundary snapshot's tensors: key -> (rows, dim) (see the module docstring).
-
-    Pending compressor inputs at a boundary b (a multiple of every ratio m) are positions
-    first_needed(b) .. b-1 = b-m .. b-1 with overlap, none without."""
-    shapes: dict[tuple[int, str], tuple[int, int]] = {}
-    for layer, kind in enumerate(config.layer_types):
-        shapes[(layer, "window_snapshot")] = (config.sliding_window, config.head_dim)
-        if kind is AttentionKind.CSA:
-            ratio = config.compress_ratio(layer)
-            for which, row_dim in (("compressor", config.head_dim), ("indexer", config.index_head_dim)):
-                shapes[(layer, f"{which}_pending_kv")] = (ratio, 2 * row_dim)
-                shapes[(layer, f"{which}_pending_score")] = (ratio, 2 * row_dim)
-    return shapes
 
 
 class BlockTable:
@@ -137,33 +125,27 @@ class PagedRowStore:
 class KVPool:
     def __init__(self, model_config: ModelConfig, config: KVPoolConfig, dtype: torch.dtype,
                  device: torch.device | str) -> None:
-        """dtype: the activation dtype (indexer rows; main rows too unless config.kv_storage is FP8)."""
+        """dtype: the activation dtype (the rows unless config.kv_storage is FP8)."""
         self.config = config
         self.kv_storage = config.kv_storage
         self.main_row_format = RowFormat.main(model_config, config.kv_storage, dtype)
+        self.indexer_row_format = RowFormat.indexer(model_config, config.kv_storage, dtype)
         self.device = torch.device(device)
         self.segments = pool_segments(model_config)
-        for segment in self.segments:
-            if config.block_size_tokens % segment.ratio:
-                raise ValueError(f"block_size_tokens={config.block_size_tokens} is not a multiple of layer "
-                                 f"{segment.layer}'s compression ratio {segment.ratio}")
+        self.sizing = KVPoolSizing.of(model_config, block_size_tokens=config.block_size_tokens,
+                                      num_primary_blocks=config.num_primary_blocks,
+                                      num_cpu_blocks=config.num_cpu_blocks, kv_storage=config.kv_storage,
+                                      activation_bytes=torch.empty((), dtype=dtype).element_size())
         pin = self.device.type == "cuda"
         self.primary: dict[tuple[int, str], torch.Tensor] = {}
         self.cpu: dict[tuple[int, str], torch.Tensor] = {}
-        main = self.main_row_format
-        per_block: dict[tuple[int, str], tuple[tuple[int, int], torch.dtype]] = {}  # key -> ((rows, Ws), dtype)
-        for segment in self.segments:
-            rows = config.block_size_tokens // segment.ratio
-            per_block[(segment.layer, segment.which)] = (((rows, main.stored_width), main.stored_dtype)
-                                                         if segment.which == "compressor" else
-                                                         ((rows, segment.row_dim), dtype))
-        for key, (rows, dim) in snapshot_segments(model_config).items():
-            per_block[key] = (((rows, main.stored_width), main.stored_dtype) if key[1] == "window_snapshot" else
-                              ((rows, dim), torch.float32))
-        for key, ((rows, dim), tier_dtype) in per_block.items():
-            self.primary[key] = torch.zeros(config.num_primary_blocks, rows, dim, dtype=tier_dtype,
-                                            device=self.device)
-            self.cpu[key] = torch.zeros(config.num_cpu_blocks, rows, dim, dtype=tier_dtype, pin_memory=pin)
+        element_dtypes = {Element.FP8_BYTE: torch.uint8, Element.ACTIVATION: dtype, Element.FLOAT32: torch.float32}
+        for segment in self.sizing.segments:
+            tier_dtype = element_dtypes[segment.element]
+            self.primary[segment.key] = torch.zeros(config.num_primary_blocks, segment.num_rows, segment.width,
+                                                    dtype=tier_dtype, device=self.device)  # [blocks, rows, Ws]
+            self.cpu[segment.key] = torch.zeros(config.num_cpu_blocks, segment.num_rows, segment.width,
+                                                dtype=tier_dtype, pin_memory=pin)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0

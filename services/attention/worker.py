@@ -34,6 +34,7 @@ from moemesh.common.wire.messages import (
     ErrorCode, ErrorReply, RoutingStatsWritten, ScheduledSequence, SequenceResult, StepPlan, StepResult,
     SwitchPlacement, TokenLogprobs, WriteRoutingStats,
 )
+from moemesh.services.attention.kv_capacity import log_kv_capacity
 from moemesh.services.attention.kv_config import KVPoolConfig
 from moemesh.services.attention.mailbox_plane import MailboxConfig
 from moemesh.services.attention.recovery import RecoveryConfig, build_step_recovery
@@ -167,11 +168,7 @@ class AttentionWorker(Service):
                  placement_invariant=self.config.placement_invariant, kv_bytes_per_block=self.pool.num_bytes_per_block(),
                  resident_weight_bytes=self.weight_bytes.resident, stored_weight_bytes=self.weight_bytes.stored,
                  cuda_graphs=self.runner.graphs is not None)
-        kv = self.config.kv
-        log.info("attention.kv_capacity", name=self.config.name, device=str(self.device), kv_dtype=kv.kv_storage.value,
-                 tokens=kv.num_primary_blocks * kv.block_size_tokens, cpu_tier_tokens=kv.num_cpu_blocks * kv.block_size_tokens,
-                 bytes_per_token=self.pool.num_bytes_per_block() // kv.block_size_tokens,
-                 row_bytes_per_token=round(self.pool.num_row_bytes_per_block() / kv.block_size_tokens, 2))
+        log_kv_capacity(self.config.name, self.pool.sizing, str(self.device))
 
     def _local_experts(self, reader, dtype: torch.dtype):
         """(channel endpoints, their holdings, LocalExperts or None): the expert workers, then this worker
