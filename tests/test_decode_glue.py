@@ -320,6 +320,37 @@ def test_interpreted_projections_equal_the_torch_code(dtype, num_tokens):
         assert len(without) == 2 and torch.equal(without[0], with_heads[0]) and torch.equal(without[1], with_heads[1])
 
 
+@interpreted
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_interpreted_second_compressor_shares_the_launch(num_tokens):
+    """A CSA layer's compressor and the indexer's (another width, its head weights) in one launch: each output
+    equals its own launch's bit for bit at the same split, and the torch code within an ulp at the default one."""
+    from moemesh.common.kernels.projections import ProjectionConfig, compressor_projections
+
+    generator = torch.Generator().manual_seed(11 + num_tokens)
+    dtype, in_features, ratio, num_heads = torch.bfloat16, 320, 4, 24
+    kv_w, score_w, _ = _projection_weights(generator, 72, num_heads, in_features, dtype)
+    kv2_w, score2_w, head_w = _projection_weights(generator, 40, num_heads, in_features, dtype)
+    ape, ape2 = torch.randn(ratio, 72, generator=generator), torch.randn(ratio, 40, generator=generator)
+    positions = torch.randint(0, 5000, (num_tokens,), generator=generator)
+    x = torch.randn(num_tokens, in_features, generator=generator).to(dtype)
+    for config in (ProjectionConfig(block_n=32, block_k=64, split_k=1), ProjectionConfig(block_n=16, split_k=3)):
+        both = compressor_projections(x, kv_w, score_w, ape, positions, second=(kv2_w, score2_w, ape2),
+                                      head_weight=head_w, head_scale=num_heads**-0.5, config=config)
+        first = compressor_projections(x, kv_w, score_w, ape, positions, config=config)
+        second = compressor_projections(x, kv2_w, score2_w, ape2, positions, head_weight=head_w,
+                                        head_scale=num_heads**-0.5, config=config)
+        assert len(both) == 5
+        for got, want in zip(both, first + second):
+            assert torch.equal(got, want)
+    both = compressor_projections(x, kv_w, score_w, ape, positions, second=(kv2_w, score2_w, ape2),
+                                  head_weight=head_w, head_scale=num_heads**-0.5)
+    _check_projections(x, kv_w, score_w, head_w, ape, positions, (*both[:2], both[4]), num_heads**-0.5)
+    _check_projections(x, kv2_w, score2_w, head_w, ape2, positions, both[2:], num_heads**-0.5)
+    with pytest.raises(ValueError, match="do not match"):
+        compressor_projections(x, kv_w, score_w, ape, positions, second=(kv2_w, score2_w, ape2[:2]))
+
+
 def test_projections_refuse_what_they_do_not_compute():
     from moemesh.common.kernels import projections
 
@@ -356,7 +387,10 @@ def test_interpreted_compressor_and_indexer_dispatch_to_one_launch(monkeypatch):
     monkeypatch.setenv(INTERPRET_ON_CPU_ENV, "1")
     kv, score, heads = indexer.project_inputs(x, positions)
     project = indexer.compressor.project(x, positions)
-    assert len(calls) == 2
+    with_layer = indexer.project_inputs(x, positions, indexer.compressor)  # a stand-in for the layer's compressor
+    assert len(calls) == 3 and len(with_layer) == 5
+    assert_within_ulps(with_layer[0], ref_project[0], torch.bfloat16)
+    assert_within_ulps(with_layer[2], ref_kv, torch.bfloat16)
     assert_within_ulps(kv, ref_kv, torch.bfloat16)
     assert_within_ulps(project[0], ref_project[0], torch.bfloat16)
     product = F.linear(x, indexer.compressor.wgate.weight)
@@ -638,14 +672,16 @@ def _hopper_variants():
                           "GATE_UP": False, "HAS_LIMIT": False, "BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": 128,
                           "QUANT_BLOCK": 128, "NORM_GROUP": group, "NORM": norm, "ROPE": rope, "ROPE_BLOCK": 32},
                          {"num_warps": 4, "num_stages": 4}))
-    projection_sig = {"x_ptr": "*bf16", "kv_w_ptr": "*bf16", "score_w_ptr": "*bf16", "head_w_ptr": "*bf16",
-                      "kv_ptr": "*bf16", "score_ptr": "*fp32", "head_ptr": "*fp32", "ape_ptr": "*fp32",
-                      "positions_ptr": "*i64", "partial_ptr": "*fp32", "counter_ptr": "*i32", "num_tokens": "i32",
-                      "in_features": "i32", "width": "i32", "num_heads": "i32", "head_scale": "fp32",
-                      "stride_xt": "i32", "stride_ps": "i32", "stride_pt": "i32"}
-    for name, ratio, width_tiles, split in (("csa", 4, 16, 8), ("indexer", 4, 4, 16), ("hca", 128, 8, 16)):
+    projection_sig = {"x_ptr": "*bf16", "kv_w_ptr": "*bf16", "score_w_ptr": "*bf16", "kv2_w_ptr": "*bf16",
+                      "score2_w_ptr": "*bf16", "head_w_ptr": "*bf16", "kv_ptr": "*bf16", "score_ptr": "*fp32",
+                      "kv2_ptr": "*bf16", "score2_ptr": "*fp32", "head_ptr": "*fp32", "ape_ptr": "*fp32",
+                      "ape2_ptr": "*fp32", "positions_ptr": "*i64", "partial_ptr": "*fp32", "counter_ptr": "*i32",
+                      "num_tokens": "i32", "in_features": "i32", "width": "i32", "width2": "i32", "num_heads": "i32",
+                      "head_scale": "fp32", "stride_xt": "i32", "stride_ps": "i32", "stride_pt": "i32"}
+    # the CSA layer's compressor with the indexer's (one launch), an HCA layer's alone
+    for name, ratio, width_tiles, width2_tiles, split in (("csa", 4, 16, 4, 8), ("hca", 128, 8, 0, 16)):
         variants.append((f"projections_{name}", projections._projections_kernel, projection_sig,
-                         {"RATIO": ratio, "WIDTH_TILES": width_tiles, "SPLIT_K": split,
+                         {"RATIO": ratio, "WIDTH_TILES": width_tiles, "WIDTH2_TILES": width2_tiles, "SPLIT_K": split,
                           "K_STEPS_PER_SPLIT": 32 // split, "BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": 128},
                          {"num_warps": 4, "num_stages": 4}))
     topk_sig = {"scores_ptr": "*fp32", "out_ptr": "*i64", "num_cols": "i32", "k": "i32", "stride_row": "i32"}

@@ -2,8 +2,8 @@
 
 Same mathematics as the per-sequence torch path of `common/model/attention.py`, in this order
 (each step one launch for the whole batch, through the address tables the ForwardBatch built):
-1. compressor (CSA/HCA): its projections (K, Z; one launch at decode sizes), and the indexer's (CSA; with its
-   head weights, one launch); then both compressors' rows and rings: at decode sizes one launch
+1. compressor (CSA/HCA): its projections (K, Z), with the indexer's and its head weights on CSA layers (one
+   launch at decode sizes); then both compressors' rows and rings: at decode sizes one launch
    (`common/kernels/compressor_step.py`), else per compressor: pool the windows this forward closes (old
    inputs from the input rings, new ones from the projections), norm + RoPE at w·m (angles computed in
    that launch; + FP8 QAT when set) over all closed rows at once, write the rows into each sequence's row
@@ -95,13 +95,16 @@ def batched_attention_core(attn, batch, q: torch.Tensor, kv: torch.Tensor, x: to
     layer = attn.layer
     ratio = 0
     topk_ids = None
+    if attn.indexer is not None:  # the layer's compressor, the indexer's and its head weights: one projection launch
+        kv_in, score_in, ikv_in, iscore_in, head_weights = attn.indexer.project_inputs(x, batch.positions,
+                                                                                       attn.compressor)
+    elif attn.compressor is not None:
+        kv_in, score_in = attn.compressor.project(x, batch.positions)
     if attn.compressor is not None:
         ratio = attn.compressor.ratio
-        kv_in, score_in = attn.compressor.project(x, batch.positions)
         _record_writes(batch, layer, "compressor", kv_in, score_in)
         steps = [_step(attn.compressor, kv_in, score_in, indexer=False)]
     if attn.indexer is not None:
-        ikv_in, iscore_in, head_weights = attn.indexer.project_inputs(x, batch.positions)
         _record_writes(batch, layer, "indexer", ikv_in, iscore_in)
         steps.append(_step(attn.indexer.compressor, ikv_in, iscore_in, indexer=True))
     if attn.compressor is not None:

@@ -48,19 +48,26 @@ class Indexer(nn.Module):
         """x [T, D] -> per-head score weights [T, H] fp32."""
         return self.weights_proj(x).float() * self.num_heads**-0.5
 
-    def project_inputs(self, x: torch.Tensor, positions: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_inputs(self, x: torch.Tensor, positions: torch.Tensor, layer_compressor: nn.Module | None = None
+                       ) -> tuple[torch.Tensor, ...]:
         """x [T, D], positions [T] -> (compressor K [T, C], Z [T, C] fp32, head weights [T, H] fp32): everything
-        the indexer projects from x, one launch on CUDA at decode sizes (`common.kernels.projections`)."""
+        the indexer projects from x; with the layer's own `layer_compressor` (CSA) its (K, Z) come first. One
+        launch on CUDA at decode sizes (`common.kernels.projections`)."""
         compressor = self.compressor
+        layer_linears = (layer_compressor.wkv, layer_compressor.wgate) if layer_compressor is not None else ()
         if projection_kernel_applies(x, positions, compressor.ape, compressor.wkv, compressor.wgate,
-                                     self.weights_proj):
+                                     self.weights_proj, *layer_linears):
             from moemesh.common.kernels.projections import compressor_projections
 
-            return compressor_projections(x, compressor.wkv.weight, compressor.wgate.weight, compressor.ape,
-                                          positions, head_weight=self.weights_proj.weight,
-                                          head_scale=self.num_heads**-0.5)
-        return (*compressor.project(x, positions), self.head_weights(x))
+            own = (compressor.wkv.weight, compressor.wgate.weight, compressor.ape)
+            if layer_compressor is None:
+                return compressor_projections(x, *own, positions, head_weight=self.weights_proj.weight,
+                                              head_scale=self.num_heads**-0.5)
+            return compressor_projections(x, layer_compressor.wkv.weight, layer_compressor.wgate.weight,
+                                          layer_compressor.ape, positions, second=own,
+                                          head_weight=self.weights_proj.weight, head_scale=self.num_heads**-0.5)
+        layer_inputs = layer_compressor.project(x, positions) if layer_compressor is not None else ()
+        return (*layer_inputs, *compressor.project(x, positions), self.head_weights(x))
 
     def scores(self, queries: torch.Tensor, head_weights: torch.Tensor, rows: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
