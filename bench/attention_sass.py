@@ -31,9 +31,10 @@ def _compile(kernel, signature: dict, constexprs: dict, num_warps: int, num_stag
 
 def compile_sparse(*, block_h: int, block_n: int, num_warps: int, num_stages: int = 2, use_topk: bool = True,
                    split: bool = False, head_dim: int = 512, paged: bool = False, fp8_rows: bool = False,
-                   rotate_back: bool = True):
+                   rotate_back: bool = True, write_ring: bool = True):
     """fp8_rows: window and compressed rows in the 584-byte FP8 layout (448 e4m3 + 64 bf16 channels);
-    rotate_back: the output's 64 rotary channels rotated back in the launch (as the model calls it)."""
+    rotate_back: the output's 64 rotary channels rotated back in the launch (as the model calls it);
+    write_ring: the window rings written by the last program of each sequence (decode sizes)."""
     from moemesh.common.kernels.sparse_attention import _sparse_attention_kernel
 
     signature = {"q_ptr": "*bf16", "new_kv_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
@@ -48,7 +49,9 @@ def compile_sparse(*, block_h: int, block_n: int, num_warps: int, num_stages: in
                   "ROW_BYTES": 584 if fp8_rows else 2 * head_dim, "ROW_ALIGN": 8 if fp8_rows else 16,
                   "BLOCK_H": block_h, "BLOCK_N": block_n, "SPLIT": split, "IEEE": False, "PAGED": paged,
                   "FP8": fp8_rows, "NOPE": head_dim - 64 if fp8_rows else 0, "SCALE_BLOCK": 64 if fp8_rows else 1,
-                  "SCALE_OFFSET": head_dim - 64 + 128 if fp8_rows else 0, "ROPE_HALF": 32 if rotate_back else 0}
+                  "SCALE_OFFSET": head_dim - 64 + 128 if fp8_rows else 0, "ROPE_HALF": 32 if rotate_back else 0,
+                  "WRITE_RING": write_ring, "NUM_SCALE_BLOCKS": (head_dim - 64) // 64 if fp8_rows else 1,
+                  "SCALE_BLOCKS_P2": 8 if fp8_rows else 1, "ROPE_P2": 64 if fp8_rows else 1}
     return _compile(_sparse_attention_kernel, signature, constexprs, num_warps, num_stages)
 
 

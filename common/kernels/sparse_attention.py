@@ -4,8 +4,8 @@ Query token t (position p, sequence b) attends, with one latent K = V row per ke
 §2.7), over:
 - the window: positions max(0, p-W+1) .. p. A key position at or after the chunk's start is a
   row of this forward's `new_kv` [T, hd]; an earlier one is read from b's window ring at slot
-  pos mod ring (the ring is written only after this kernel, so no new row overwrites an old
-  one still needed, whatever the chunk length);
+  pos mod ring (the ring is written only after every read of it, after this kernel or by its last program of
+  the sequence, so no new row overwrites an old one still needed, whatever the chunk length);
 - the compressed rows: HCA every closed window (rows 0 .. (p+1)//m - 1); CSA the K entries of
   `topk_ids[t]` (the indexer's picks, in any order) when more than K rows are visible, else every
   visible row (what the indexer would pick: no scores needed, no sentinel ids);
@@ -15,7 +15,9 @@ materialised. One program covers (token, block of heads, split of the keys); wit
 split (flash-decoding, for small batches that would leave SMs idle) each split writes an
 unnormalised partial (acc, max, sum) and takes a ticket (`split_k.take_ticket`); the last split of a
 (token, head block) to arrive merges them with the sink (`_combine_heads`), in the same launch. The launch that
-writes the output can also rotate its rotary channels back (`rotate_back`), the attention's last glue step.
+writes the output can also rotate its rotary channels back (`rotate_back`), the attention's last glue step, and
+write this forward's rows into the window rings (`write_ring`): the last program of each sequence to take a ticket
+does it, after every program of the sequence read the ring.
 
 Stored rows are in the activation dtype, or FP8 main rows (`tables.main_rows`, common/model/kv_rows.py):
 then each key block is dequantized in registers, e4m3 code × 2^(scale byte − 127) for the non-rotary
@@ -45,6 +47,7 @@ import triton.language as tl
 from moemesh.common.kernels.attention_layout import (
     CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field, check_main_row_layout,
 )
+from moemesh.common.kernels.kv_write import _store_fp8_main_row
 from moemesh.common.kernels.norm_rope import rotate_pairs
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
@@ -70,6 +73,9 @@ PREFILL_CONFIG = SparseAttentionConfig(block_h=64, block_n=32, num_warps=8, num_
 # 32 do not (`moemesh bench attention-sass`). Decode's tile does not spill with FP8 rows either. Untimed.
 PREFILL_FP8_CONFIG = SparseAttentionConfig(block_h=32, block_n=32, num_warps=8, num_stages=1)
 PREFILL_MIN_TOKENS = 256
+
+
+RING_IN_LAUNCH_MAX_TOKENS = 64  # forwards up to this size write the window rings in the attention launch
 
 
 def default_config(num_tokens: int, fp8_rows: bool = False) -> SparseAttentionConfig:
@@ -172,7 +178,8 @@ def _sparse_attention_kernel(
         BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, SPLIT_SIZE_ON_DEVICE: tl.constexpr,
         FP8: tl.constexpr, NOPE: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_OFFSET: tl.constexpr,
-        ROPE_HALF: tl.constexpr):
+        ROPE_HALF: tl.constexpr, WRITE_RING: tl.constexpr, NUM_SCALE_BLOCKS: tl.constexpr,
+        SCALE_BLOCKS_P2: tl.constexpr, ROPE_P2: tl.constexpr):
     t = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -253,6 +260,18 @@ def _sparse_attention_kernel(
         out = _rotated_back(acc / denominator[:, None], cos_ptr, sin_ptr, t, out_ptr.dtype.element_ty,
                             HEAD_DIM, BLOCK_H, ROPE_HALF)
         tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + dims[None, :], out, mask=head_mask[:, None])
+    if WRITE_RING:  # the last program of the sequence, after every program of it read the ring: its new rows in
+        chunk_len = tl.load(seq_info_ptr + b * 3 + 2)
+        num_programs = chunk_len * tl.num_programs(1) * tl.num_programs(2)
+        if take_ticket(counter_ptr + tl.num_programs(0) * tl.num_programs(1) + b, num_programs):
+            for j in range(tl.maximum(chunk_len - ring_size, 0), chunk_len):
+                row = new_kv_ptr + (chunk_offset + j).to(tl.int64) * HEAD_DIM
+                slot_addr = ring_addr + ((chunk_start + j) % ring_size) * ROW_BYTES
+                if FP8:
+                    _store_fp8_main_row(row, slot_addr, chunk_len > 0, NOPE, HEAD_DIM - NOPE, SCALE_BLOCK, NUM_SCALE_BLOCKS,
+                                        SCALE_BLOCKS_P2, ROPE_P2, SCALE_OFFSET, ROW_BYTES)
+                else:
+                    tl.store(slot_addr.to(tl.pointer_type(new_kv_ptr.dtype.element_ty)) + dims, tl.load(row + dims))
 
 
 @triton.jit
@@ -350,7 +369,8 @@ def max_keys_of(tables: AttentionTables, window: int, ratio: int, topk: int | No
 def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, scale: float,
                      tables: AttentionTables, layer: int, *, window: int, ratio: int,
                      topk_ids: torch.Tensor | None = None, config: SparseAttentionConfig | None = None,
-                     rotate_back: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     rotate_back: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     write_ring: bool = False) -> torch.Tensor:
     """q [T, H, hd], new_kv [T, hd] (this forward's rows, in the activation dtype), sink [H] fp32,
     topk_ids [T, K] int (CSA; any order, read only for tokens seeing more than K rows)
     -> out [T, H, hd] in q's dtype.
@@ -358,7 +378,9 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
     ratio: 0 for window-only layers; HCA attends every closed row when topk_ids is None.
     rotate_back (cos, sin) [T, R/2] fp32: the output's trailing R channels come back rotated by minus each
     token's angles (the values carried rotated dims), in the same launch: `apply_rope(out, cos, sin,
-    inverse=True)` bit for bit."""
+    inverse=True)` bit for bit.
+    write_ring: new_kv's rows also go into the window rings, as `kv_write.write_rings` writes them, by the last
+    program of each sequence (a ticket over its programs, so every read of the ring comes first)."""
     num_tokens, num_heads, head_dim = q.shape
     if rotate_back is not None:
         cos, sin = (part.float().contiguous() for part in rotate_back)
@@ -398,9 +420,11 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
     if split:
         part_acc = torch.empty(num_tokens, num_splits, num_heads, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_tokens, num_splits, num_heads, 2, dtype=torch.float32, device=q.device)
-        counters = tile_counters(q.device, num_tokens * num_head_blocks)
     else:
-        part_acc = part_ml = counters = out
+        part_acc = part_ml = out
+    counters = out  # unused placeholder pointer
+    if split or write_ring:  # split merges [T, head blocks], then ring writes [B]
+        counters = tile_counters(q.device, num_tokens * num_head_blocks + tables.seq_info.shape[0])
     rows_per_block = tables.rows_per_block(layer, "compressor") if ratio else 1
     paged = rows_per_block != CONTIGUOUS_ROWS_PER_BLOCK
     rows_per_block = rows_per_block if paged else 1
@@ -420,5 +444,9 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
         SPLIT=split, IEEE=q.dtype == torch.float32, PAGED=paged, SPLIT_SIZE_ON_DEVICE=device_split_size is not None,
         FP8=fp8 is not None, NOPE=fp8.nope_dim if fp8 is not None else 0,
         SCALE_BLOCK=fp8.block_size if fp8 is not None else 1, SCALE_OFFSET=fp8.scale_offset if fp8 is not None else 0,
-        ROPE_HALF=rope_half, num_warps=config.num_warps, num_stages=config.num_stages)
+        ROPE_HALF=rope_half, WRITE_RING=write_ring,
+        NUM_SCALE_BLOCKS=fp8.num_blocks if fp8 is not None else 1,
+        SCALE_BLOCKS_P2=triton.next_power_of_2(fp8.num_blocks) if fp8 is not None else 1,
+        ROPE_P2=triton.next_power_of_2(fp8.rope_dim) if fp8 is not None else 1,
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return out

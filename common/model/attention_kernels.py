@@ -10,7 +10,8 @@ Same mathematics as the per-sequence torch path of `common/model/attention.py`, 
    store, then the new inputs into the rings;
 2. indexer (CSA): scores of every token against its own sequence's indexer rows and one top-k;
 3. sparse attention over window ∪ rows with the sink, the output rotated back in the same launch;
-4. the new kv rows into the window rings (after 3: a long chunk would overwrite rows still read);
+4. the new kv rows into the window rings, after every read of them: at decode sizes by the attention launch's
+   last program of each sequence, else a launch after 3 (a long chunk would overwrite rows still read);
 5. advance every store's counter (the data was written in place by the kernels).
 Only host integers known before the forward steer the launches, so a decode step captures into a
 CUDA graph; over per-forward tables those integers (closing-token count, visible-row maxima) depend on
@@ -29,7 +30,7 @@ from moemesh.common.kernels.compressor_step import CompressorStep, compressor_st
 from moemesh.common.kernels.compressor_step import applies as compressor_step_applies
 from moemesh.common.kernels.indexer_topk import indexer_topk
 from moemesh.common.kernels.kv_write import pool_windows, write_rings, write_rows
-from moemesh.common.kernels.sparse_attention import sparse_attention
+from moemesh.common.kernels.sparse_attention import RING_IN_LAUNCH_MAX_TOKENS, sparse_attention
 from moemesh.common.model.qat import kv_nope_fp8_qat
 from moemesh.common.model.rope import RotaryTable, window_rows_norm_rope
 
@@ -121,10 +122,12 @@ def batched_attention_core(attn, batch, q: torch.Tensor, kv: torch.Tensor, x: to
                                     topk=attn.indexer.topk)
         else:
             topk_ids = q.new_empty(q.shape[0], attn.indexer.topk, dtype=torch.int64)
-    out = sparse_attention(q, kv, attn.attn_sink, attn.scale, tables, layer, window=attn.config.sliding_window,
-                           ratio=ratio, topk_ids=topk_ids, rotate_back=(cos, sin))
     _record_writes(batch, layer, "window", kv)
-    write_rings(kv, kv, tables, layer, Field.WINDOW_ADDR, Field.WINDOW_RING)
+    ring_in_launch = x.shape[0] <= RING_IN_LAUNCH_MAX_TOKENS  # decode sizes: the attention launch writes the rings
+    out = sparse_attention(q, kv, attn.attn_sink, attn.scale, tables, layer, window=attn.config.sliding_window,
+                           ratio=ratio, topk_ids=topk_ids, rotate_back=(cos, sin), write_ring=ring_in_launch)
+    if not ring_in_launch:
+        write_rings(kv, kv, tables, layer, Field.WINDOW_ADDR, Field.WINDOW_RING)
     for chunk in batch.chunks:
         layer_state = chunk.state.layers[layer]
         for store in layer_state.stores():
