@@ -80,6 +80,10 @@ def hopper_compile_errors(only: str | None = None) -> dict[str, str | None]:
                         "sq_part_ptr": "*fp32", "num_mix": "i32"}
         variants.append(("post_addend_mix", mhc._hc_post_kernel, mix_post_sig,
                          {"N": 4, "NP": 4, "BLOCK_D": 256, "BLOCK_M": 32}))
+        embed_sig = {"ids_ptr": "*i64", "table_ptr": "*bf16", "out_ptr": "*bf16", "hidden": "i32",
+                     "next_fn_ptr": "*fp32", "mix_part_ptr": "*fp32", "sq_part_ptr": "*fp32", "num_mix": "i32"}
+        variants.append(("embed_mix", mhc._embed_streams_kernel, embed_sig,
+                         {"N": 4, "NP": 4, "BLOCK_D": 256, "BLOCK_M": 32}))
     if only != "mhc":
         norm_sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "weight_ptr": "*fp32", "cos_ptr": "*fp32",
                     "sin_ptr": "*fp32", "rows_per_token": "i32", "num_channels": "i32", "rope_half": "i32",

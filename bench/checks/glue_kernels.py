@@ -162,6 +162,37 @@ def check_hc_post_mix(case_id, num_tokens, num_streams, hidden, dtype, device, b
                      _stochastic_error(out[2]), _stochastic_error(ref[2]) + STOCHASTIC_SLACK)
 
 
+def check_embed_streams(case_id, num_tokens, num_streams, hidden, dtype, device, block_d=None):
+    """The embedding doing the first hc_pre's mix GEMV in its launch: its streams equal the torch embedding's
+    (N copies of each row, cast to dtype) bit for bit, and the hc_pre (with its norm) that takes the partials
+    matches the torch hc_pre of those streams as `check_hc_pre` measures it."""
+    from moemesh.common.kernels import mhc
+    from moemesh.common.kernels.glue import forced_torch_glue
+    from moemesh.common.model import hyper, linear
+
+    generator = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
+    num_mix = (2 + num_streams) * num_streams
+    _, fn, base, scale = _mhc_inputs(num_tokens, num_streams, hidden, num_mix, dtype, device, generator)
+    table = torch.randn(97, hidden, generator=generator, device=device).to(dtype)  # a table held in the dtype
+    token_ids = torch.randint(0, 97, (num_tokens,), generator=generator, device=device)
+    norm_weight = torch.rand(hidden, generator=generator, device=device) + 0.5
+    _poison(device)
+    streams, partials = mhc.embed_streams(token_ids, table, num_streams, dtype, fn, block_d=block_d)
+    with forced_torch_glue():
+        want_streams, _ = hyper.embed_streams(token_ids, table, num_streams, dtype)
+    same_streams = torch.equal(streams, want_streams)
+    used = partials is not None and partials.serves(streams, fn)
+    out = mhc.hc_pre(streams, fn, base, scale, 20, HC_EPS, NORM_EPS, out_norm=(norm_weight, NORM_EPS),
+                     partials=partials)
+    with forced_torch_glue():
+        ref = hyper.hc_pre(streams, fn, base, scale, 20, HC_EPS, NORM_EPS)
+        ref = (linear.rms_norm(ref[0], norm_weight, NORM_EPS), *ref[1:])
+    error, finite = _relative_error(out[:1], ref[:1])
+    fp32_error, fp32_finite = _relative_error(out[1:], ref[1:])
+    return GlueCheck(case_id, error, _tolerance(dtype), finite and fp32_finite and same_streams and used, fp32_error,
+                     _stochastic_error(out[2]), _stochastic_error(ref[2]) + STOCHASTIC_SLACK)
+
+
 def check_hc_head(case_id, num_tokens, num_streams, hidden, dtype, device, kernel_fn, normed: bool = False,
                   **kwargs):
     """normed: kernel_fn (hyper.hc_head or mhc.hc_head) is given out_norm = (norm_weight, eps)."""
@@ -278,6 +309,8 @@ def interpret_cases(only: str | None = None) -> list[Case]:
                                                       normed=True, config=small)),
         ("hc_post_mix_n4", lambda: check_hc_post_mix("hc_post_mix_n4", 3, 4, 80, f32, cpu, block_d=32)),
         ("hc_post_mix_bf16", lambda: check_hc_post_mix("hc_post_mix_bf16", 2, 4, 64, bf16, cpu, block_d=16)),
+        ("embed_mix_n4", lambda: check_embed_streams("embed_mix_n4", 3, 4, 80, f32, cpu, block_d=32)),
+        ("embed_mix_bf16", lambda: check_embed_streams("embed_mix_bf16", 2, 4, 64, bf16, cpu, block_d=16)),
     ]
     direct = _DirectNormRope()
     norm_specs = [  # case id, op, shape, rope pairs, dtype
@@ -338,6 +371,8 @@ def cuda_cases(only: str | None = None) -> list[Case]:
     for num_tokens in (1, 8, 64):
         case = f"hc_post_mix_t{num_tokens}"
         mhc_cases.append((case, lambda c=case, t=num_tokens: check_hc_post_mix(c, t, 4, 4096, bf16, cuda)))
+        case = f"embed_mix_t{num_tokens}"
+        mhc_cases.append((case, lambda c=case, t=num_tokens: check_embed_streams(c, t, 4, 4096, bf16, cuda)))
     for num_tokens in (1, 2048):
         case = f"hc_post_t{num_tokens}"
         mhc_cases.append((case, lambda c=case, t=num_tokens: check_hc_post(c, t, 4, 4096, bf16, cuda, hyper.hc_post)))

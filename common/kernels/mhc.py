@@ -278,19 +278,52 @@ def _hc_post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, hidden,
              mask=stream_mask[:, None] & dim_mask[None, :])
     if next_fn_ptr is not None:  # launch 1 of the next hc_pre over the rounded values just stored
         rounded = tl.where(dim_mask[None, :], out.to(dtype).to(tl.float32), 0.0)  # [NP, BD]
-        rows = tl.arange(0, BLOCK_M)
-        row_mask = rows < num_mix
-        products = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        squares = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for k in tl.static_range(N):
-            stream_k = tl.sum(tl.where(streams[:, None] == k, rounded, 0.0), axis=0)  # [BD], row k exactly
-            w = tl.load(next_fn_ptr + rows[:, None] * (N * hidden) + k * hidden + dims[None, :],
-                        mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [BM, BD]
-            products += w * stream_k[None, :]
-            squares += stream_k * stream_k
-        part_row = pid_d * tl.num_programs(0) + pid_t
-        tl.store(mix_part_ptr + part_row.to(tl.int64) * BLOCK_M + rows, tl.sum(products, axis=1))
-        tl.store(sq_part_ptr + part_row, tl.sum(squares, axis=0))
+        _store_mix_partials(rounded, streams, dims, dim_mask, next_fn_ptr, mix_part_ptr, sq_part_ptr, num_mix, hidden,
+                            pid_t, pid_d, N, BLOCK_M, BLOCK_D)
+
+
+@triton.jit
+def _store_mix_partials(rounded, streams, dims, dim_mask, next_fn_ptr, mix_part_ptr, sq_part_ptr, num_mix, hidden,
+                        pid_t, pid_d, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Launch 1 of an hc_pre over one D slice of token pid_t's streams rounded [NP, BD] (fp32 of the stored values,
+    zeros past D): its row of mix_part [D/BD, T, BM] (Σ h·fnᵀ over the slice) and of sq_part [D/BD, T] (Σ h²)."""
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < num_mix
+    products = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k in tl.static_range(N):
+        stream_k = tl.sum(tl.where(streams[:, None] == k, rounded, 0.0), axis=0)  # [BD], row k exactly
+        w = tl.load(next_fn_ptr + rows[:, None] * (N * hidden) + k * hidden + dims[None, :],
+                    mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [BM, BD]
+        products += w * stream_k[None, :]
+        squares += stream_k * stream_k
+    part_row = pid_d * tl.num_programs(0) + pid_t
+    tl.store(mix_part_ptr + part_row.to(tl.int64) * BLOCK_M + rows, tl.sum(products, axis=1))
+    tl.store(sq_part_ptr + part_row, tl.sum(squares, axis=0))
+
+
+@triton.jit
+def _embed_streams_kernel(ids_ptr, table_ptr, out_ptr, hidden, N: tl.constexpr, NP: tl.constexpr,
+                          BLOCK_D: tl.constexpr, next_fn_ptr=None, mix_part_ptr=None, sq_part_ptr=None, num_mix=0,
+                          BLOCK_M: tl.constexpr = 1):
+    # ids [T] int, table [V, D] -> out [T, N, D] (N copies of the token's row, in out's dtype); with next_fn [M, N·D]
+    # fp32 also the first hc_pre's launch-1 partials over this program's D slice, as `_hc_post_kernel` does them
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
+    dims = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dim_mask = dims < hidden
+    streams = tl.arange(0, NP)
+    stream_mask = streams < N
+    token = tl.load(ids_ptr + pid_t).to(tl.int64)
+    row = tl.load(table_ptr + token * hidden + dims, mask=dim_mask, other=0.0).to(dtype)  # [BD]
+    out = tl.zeros([NP, BLOCK_D], dtype=dtype) + row[None, :]  # [NP, BD]
+    out_rows = pid_t.to(tl.int64) * N + streams
+    tl.store(out_ptr + out_rows[:, None] * hidden + dims[None, :], out, mask=stream_mask[:, None] & dim_mask[None, :])
+    if next_fn_ptr is not None:
+        rounded = tl.where(dim_mask[None, :], out.to(tl.float32), 0.0)  # [NP, BD]
+        _store_mix_partials(rounded, streams, dims, dim_mask, next_fn_ptr, mix_part_ptr, sq_part_ptr, num_mix, hidden,
+                            pid_t, pid_d, N, BLOCK_M, BLOCK_D)
 
 
 def _launch_mix(h: torch.Tensor, fn: torch.Tensor, config: MixConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -435,6 +468,35 @@ def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
     """Same contract as `common.model.hyper.hc_post`: y [T, D] (+ y_addend [T, D]), h [T, N, D] -> [T, N, D]
     in h's dtype."""
     return hc_post_with_mix(y, h, post, comb, None, block_d=block_d, y_addend=y_addend)[0]
+
+
+def embed_streams(token_ids: torch.Tensor, table: torch.Tensor, num_streams: int, dtype: torch.dtype,
+                  next_fn: torch.Tensor | None = None, block_d: int | None = None
+                  ) -> tuple[torch.Tensor, MixPartials | None]:
+    """token_ids [T], table [V, D] -> (streams [T, N, D] in dtype: N copies of each token's row, partials): with
+    next_fn [M, N·D] fp32 (the first hc_pre) at T <= MAX_FUSED_MIX_TOKENS the same launch computes its launch 1
+    as `hc_post_with_mix` does for the later ones; else None. One launch."""
+    num_tokens, hidden = token_ids.shape[0], table.shape[1]
+    out = torch.empty(num_tokens, num_streams, hidden, dtype=dtype, device=table.device)
+    if num_tokens == 0:
+        return out, None
+    block_d = block_d or (256 if num_tokens <= 64 else 1024)
+    num_d_blocks = triton.cdiv(hidden, block_d)
+    partials, mix_args = None, {}
+    if next_fn is not None and num_tokens <= MAX_FUSED_MIX_TOKENS:
+        if next_fn.dtype != torch.float32 or not next_fn.is_contiguous() or next_fn.shape[1] != num_streams * hidden:
+            raise ValueError(f"next_fn {tuple(next_fn.shape)} {next_fn.dtype} is not a contiguous fp32 "
+                             f"[M, {num_streams * hidden}]")
+        block_m = triton.next_power_of_2(next_fn.shape[0])
+        mix_part = torch.empty(num_d_blocks, num_tokens, block_m, dtype=torch.float32, device=table.device)
+        sq_part = torch.empty(num_d_blocks, num_tokens, dtype=torch.float32, device=table.device)
+        partials = MixPartials(out, next_fn, mix_part, sq_part, block_m)
+        mix_args = {"next_fn_ptr": next_fn, "mix_part_ptr": mix_part, "sq_part_ptr": sq_part,
+                    "num_mix": next_fn.shape[0], "BLOCK_M": block_m}
+    _embed_streams_kernel[(num_tokens, num_d_blocks)](token_ids.contiguous(), table.contiguous(), out, hidden,
+                                                       N=num_streams, NP=triton.next_power_of_2(num_streams),
+                                                       BLOCK_D=block_d, num_warps=4, **mix_args)
+    return out, partials
 
 
 def hc_post_with_mix(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,

@@ -22,7 +22,7 @@ from torch import nn
 from moemesh.common.model.attention import Attention
 from moemesh.common.model.batch import ForwardBatch
 from moemesh.common.model.config import ModelConfig, NumericsConfig
-from moemesh.common.model.hyper import hc_head, hc_post, hc_post_with_mix, hc_pre
+from moemesh.common.model.hyper import embed_streams, hc_head, hc_post, hc_post_with_mix, hc_pre
 from moemesh.common.model.linear import Embedding, Linear, RMSNorm, assign_frozen, parameter
 from moemesh.common.model.moe import Gate, SharedExpert
 from moemesh.common.model.rope import RotaryTables
@@ -88,8 +88,10 @@ class AttentionSide(nn.Module):
         in one launch, for the layers to read."""
         if batch is not None:
             batch.set_rope(self._rotary_tables().cos_sin(batch.positions))
-        e = self.embed(token_ids)
-        return e.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        first_fn = self.layers[0].hc_attn_fn if len(self.layers) else None
+        h, self._mix_partials = embed_streams(token_ids, self.embed.weight, self.config.hc_mult, self.embed.dtype,
+                                              first_fn)  # on CUDA the first hc_pre's mix GEMV in the same launch
+        return h
 
     def _rotary_tables(self) -> RotaryTables:
         """The layers' RoPE kinds stacked (built on first use, again if the layers' tables were replaced)."""

@@ -89,6 +89,19 @@ def hc_post_with_mix(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb:
     return hc_post(y, h, post, comb, y_addend=y_addend), None
 
 
+def embed_streams(token_ids: torch.Tensor, table: torch.Tensor, num_streams: int, dtype: torch.dtype,
+                  next_fn: torch.Tensor | None = None):
+    """token_ids [T], embedding table [V, D] -> (streams [T, N, D] in dtype, N copies of each token's row;
+    partials of the first hc_pre (fn `next_fn` [M, N·D]) for `hc_pre(..., partials=)` or None): one launch on
+    CUDA at decode sizes."""
+    if next_fn is not None and next_fn.dtype == torch.float32 and use_triton_glue(token_ids, table, next_fn):
+        from moemesh.common.kernels import mhc
+
+        return mhc.embed_streams(token_ids, table, num_streams, dtype, next_fn.contiguous())
+    rows = F.embedding(token_ids, table).to(dtype)  # [T, D]
+    return rows.unsqueeze(1).expand(-1, num_streams, -1).contiguous(), None
+
+
 def hc_head(
     h: torch.Tensor,  # [T, N, D]
     fn: torch.Tensor,  # [N, N·D]
