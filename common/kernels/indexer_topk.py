@@ -47,14 +47,14 @@ def _fp8_indexer_keys(addr, valid, dims, HEAD_DIM: tl.constexpr, KEY_DTYPE: tl.c
 
 
 @triton.jit
-def _indexer_scores_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
-                           num_heads, num_rows_out, block_stride, rows_per_block, row_scale,
-                           RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr, ROW_ALIGN: tl.constexpr,
-                           BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
-                           IEEE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr):
-    t = tl.program_id(0)
-    group = tl.program_id(1)
+def _score_row_blocks(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                      num_heads, num_rows_out, block_stride, rows_per_block, row_scale, t, group,
+                      RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                      BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+                      IEEE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr):
+    """Scores [BLOCKS_PER_PROGRAM · BN] of token t's row blocks of group `group` into scores [T, N] (-inf past
+    the token's visible rows)."""
     b = tl.load(token_seq_ptr + t)
     pos = tl.load(positions_ptr + t)
     n_visible = (pos + 1) // RATIO
@@ -96,18 +96,29 @@ def _indexer_scores_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positi
             tl.store(score_ptrs, tl.full([BLOCK_N], float("-inf"), dtype=tl.float32), mask=out_mask)
 
 
-def indexer_scores(queries: torch.Tensor, head_weights: torch.Tensor, tables: AttentionTables, layer: int, *,
-                   ratio: int, block_n: int = 64, block_heads: int = 64, num_warps: int = 4,
-                   blocks_per_program: int | None = None) -> torch.Tensor:
-    """queries [T, H, d] (the activation dtype: that of plain rows), head_weights [T, H] fp32 -> scores [T, N] fp32
-    (-inf: not visible). The rows are read as `tables.indexer_rows` says (plain or FP8)."""
+@triton.jit
+def _indexer_scores_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                           num_heads, num_rows_out, block_stride, rows_per_block, row_scale,
+                           RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                           BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+                           IEEE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr):
+    # grid (T, groups of BLOCKS_PER_PROGRAM row blocks) -> scores [T, N] fp32
+    _score_row_blocks(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                      num_heads, num_rows_out, block_stride, rows_per_block, row_scale, tl.program_id(0),
+                      tl.program_id(1), RATIO, NUM_FIELDS_, F_ROWS_ADDR, HEAD_DIM, ROW_BYTES, ROW_ALIGN, BLOCK_HEADS,
+                      BLOCK_N, BLOCKS_PER_PROGRAM, IEEE, PAGED, FP8)
+
+
+def _score_launch(queries: torch.Tensor, head_weights: torch.Tensor, tables: AttentionTables, layer: int, *,
+                  ratio: int, block_n: int, block_heads: int, blocks_per_program: int | None):
+    """What a launch that scores takes, from host figures only (CUDA-graph capturable): (scores [T, N] fp32 it
+    writes, grid (T, groups of row blocks), the scores kernel's arguments, its constexprs). N > 0."""
     num_tokens, num_heads, head_dim = queries.shape
     num_rows = tables.max_rows_visible(ratio)
-    scores = torch.empty(num_tokens, max(num_rows, 1), dtype=torch.float32, device=queries.device)
-    if num_rows == 0:
-        return scores[:, :0]
-    queries = queries.contiguous()
-    head_weights = head_weights.float().contiguous()
+    scores = torch.empty(num_tokens, num_rows, dtype=torch.float32, device=queries.device)  # [T, N]
+    queries = queries.contiguous()  # [T, H, d]
+    head_weights = head_weights.float().contiguous()  # [T, H]
     block_heads = min(block_heads, triton.next_power_of_2(num_heads))
     num_blocks = triton.cdiv(num_rows, block_n)
     if blocks_per_program is None:  # fewer, longer programs once the grid is large enough (q reused)
@@ -119,14 +130,27 @@ def indexer_scores(queries: torch.Tensor, head_weights: torch.Tensor, tables: At
     fp8 = tables.indexer_rows  # FP8 indexer rows, or None: rows in the queries' dtype
     if fp8 is not None:
         check_indexer_row_layout(fp8, head_dim)
-    _indexer_scores_kernel[grid](
-        queries, head_weights, scores, tables.token_seq, tables.positions, tables.layer_fields(layer),
-        tables.block_ids, num_heads, num_rows, tables.block_ids.shape[1], rows_per_block if paged else 1,
-        head_dim**-0.5, RATIO=ratio, NUM_FIELDS_=NUM_FIELDS, F_ROWS_ADDR=int(Field.INDEX_ROWS_ADDR),
-        HEAD_DIM=head_dim, ROW_BYTES=fp8.row_bytes if fp8 is not None else head_dim * queries.element_size(),
-        ROW_ALIGN=4 if fp8 is not None else 16, BLOCK_HEADS=block_heads, BLOCK_N=block_n,
-        BLOCKS_PER_PROGRAM=blocks_per_program,
-        IEEE=queries.dtype == torch.float32, PAGED=paged, FP8=fp8 is not None, num_warps=num_warps)
+    args = (queries, head_weights, scores, tables.token_seq, tables.positions, tables.layer_fields(layer),
+            tables.block_ids, num_heads, num_rows, tables.block_ids.shape[1], rows_per_block if paged else 1,
+            head_dim**-0.5)
+    constexprs = dict(RATIO=ratio, NUM_FIELDS_=NUM_FIELDS, F_ROWS_ADDR=int(Field.INDEX_ROWS_ADDR), HEAD_DIM=head_dim,
+                      ROW_BYTES=fp8.row_bytes if fp8 is not None else head_dim * queries.element_size(),
+                      ROW_ALIGN=4 if fp8 is not None else 16, BLOCK_HEADS=block_heads, BLOCK_N=block_n,
+                      BLOCKS_PER_PROGRAM=blocks_per_program, IEEE=queries.dtype == torch.float32, PAGED=paged,
+                      FP8=fp8 is not None)
+    return scores, grid, args, constexprs
+
+
+def indexer_scores(queries: torch.Tensor, head_weights: torch.Tensor, tables: AttentionTables, layer: int, *,
+                   ratio: int, block_n: int = 64, block_heads: int = 64, num_warps: int = 4,
+                   blocks_per_program: int | None = None) -> torch.Tensor:
+    """queries [T, H, d] (the activation dtype: that of plain rows), head_weights [T, H] fp32 -> scores [T, N] fp32
+    (-inf: not visible). The rows are read as `tables.indexer_rows` says (plain or FP8)."""
+    if tables.max_rows_visible(ratio) == 0:
+        return torch.empty(queries.shape[0], 0, dtype=torch.float32, device=queries.device)
+    scores, grid, args, constexprs = _score_launch(queries, head_weights, tables, layer, ratio=ratio, block_n=block_n,
+                                                   block_heads=block_heads, blocks_per_program=blocks_per_program)
+    _indexer_scores_kernel[grid](*args, **constexprs, num_warps=num_warps)
     return scores
 
 
@@ -177,11 +201,10 @@ def _digit_histogram(keys, valid, prefix, DIGIT: tl.constexpr, RADIX_BITS: tl.co
 
 
 @triton.jit
-def _topk_kernel(scores_ptr, out_ptr, num_cols, k, stride_row,
-                 ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, NUM_DIGITS: tl.constexpr):
-    # scores [T, N] fp32 -> out [T, k] int64; one program per row
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = scores_ptr + row * stride_row
+def _select_top_k(row_ptr, out_row_ptr, num_cols, k,
+                  ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, NUM_DIGITS: tl.constexpr):
+    """One row's pick: scores [N] fp32 at row_ptr -> out [k] int64 at out_row_ptr, the columns of the k largest in
+    ascending order, ties at the k-th value to the lowest columns (the module docstring)."""
     columns = tl.arange(0, BLOCK)
     bins = tl.arange(0, 1 << RADIX_BITS)
     if ONE_BLOCK:  # the row stays in registers for every pass
@@ -215,9 +238,24 @@ def _topk_kernel(scores_ptr, out_ptr, num_cols, k, stride_row,
         equal_rank = num_equal_seen + tl.cumsum(equal, 0) - equal  # among the equal keys, in column order
         take = greater | (equal & (equal_rank < remaining).to(tl.int32))
         slots = num_written + tl.cumsum(take, 0) - take
-        tl.store(out_ptr + row * k + slots, (start + columns).to(tl.int64), mask=take != 0)
+        tl.store(out_row_ptr + slots, (start + columns).to(tl.int64), mask=take != 0)
         num_written += tl.sum(take, 0)
         num_equal_seen += tl.sum(equal, 0)
+
+
+@triton.jit
+def _topk_kernel(scores_ptr, out_ptr, num_cols, k, stride_row,
+                 ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, NUM_DIGITS: tl.constexpr):
+    # scores [T, N] fp32 -> out [T, k] int64; one program per row
+    row = tl.program_id(0).to(tl.int64)
+    _select_top_k(scores_ptr + row * stride_row, out_ptr + row * k, num_cols, k, ONE_BLOCK, BLOCK, RADIX_BITS,
+                  NUM_DIGITS)
+
+
+def _select_block(num_cols: int) -> tuple[int, bool]:
+    """(columns per block of `_select_top_k`, whether a row fits one block)."""
+    block = min(TOPK_MAX_BLOCK, max(128, triton.next_power_of_2(num_cols)))
+    return block, num_cols <= block
 
 
 def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -232,7 +270,8 @@ def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     if num_tokens == 0:
         return out
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
-    block = min(TOPK_MAX_BLOCK, max(128, triton.next_power_of_2(num_cols)))
-    _topk_kernel[(num_tokens,)](scores, out, num_cols, k, scores.stride(0), ONE_BLOCK=num_cols <= block, BLOCK=block,
+    block, one_block = _select_block(num_cols)
+    _topk_kernel[(num_tokens,)](scores, out, num_cols, k, scores.stride(0), ONE_BLOCK=one_block, BLOCK=block,
                                 RADIX_BITS=_RADIX_BITS, NUM_DIGITS=_NUM_DIGITS, num_warps=4 if block <= 2048 else 8)
     return out
+
