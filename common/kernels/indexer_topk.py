@@ -1,4 +1,4 @@
-"""Lightning-indexer scores of every token of a forward in one launch, then one top-k launch (docs/model.md §2.6).
+"""Lightning-indexer scores and top-k of every token of a forward: one launch at decode sizes (docs/model.md §2.6).
 
 score[t, w] = Σ_h weight[t, h] · ReLU(q[t, h] · k_w) · d^-1/2 for rows w < (p+1)//m visible at t's
 position p, -inf elsewhere (rows of other tokens' sequences differ: each token reads its own
@@ -17,12 +17,22 @@ The pick (`top_k_columns`): at decode sizes (at most TOPK_KERNEL_MAX_TOKENS toke
 finds the K-th largest score by a radix select over the scores' order-preserving 32-bit keys (four
 passes of an 8-bit digit histogram, the scores read once when they fit one block), then writes the
 columns of the larger scores and as many of the equal ones as K needs, lowest columns first, in
-ascending column order: one launch (torch.topk's one-block select: ~15 µs for 1K columns on an H100).
+ascending column order (torch.topk's one-block select: ~15 µs for 1K columns on an H100).
 torch.topk picks for larger forwards. Both select the same set up to which columns of
 scores equal to the K-th are taken; the keys order floats as torch's radix select does (-0.0 below
 +0.0, NaN above every number).
+
+`indexer_topk`, what the attention calls: at decode sizes scores and pick run in one launch
+(`indexer_scores_top_k`): each score program stores its blocks of the scores row, then takes a ticket on
+its token's counter (`split_k.take_ticket`: counters 0..T-1 of the device's shared buffer, which the last
+program puts back to 0; G, the token's number of score programs, is a runtime value); the program that
+arrives last runs the token's radix select (`_select_top_k`, the code `top_k_columns` launches) over the
+whole row. Same scores, same columns in the same order as the two launches, bit for bit. The grid and
+every argument come from host figures of the tables (N = `max_rows_visible`: the static row class of a
+captured decode step), so the launch is CUDA-graph capturable. Larger forwards: the scores launch, then
+torch.topk.
 Legend: T tokens, H indexer heads, d indexer head dim, N = most visible rows of any token, BN rows
-per block, K top-k.
+per block, G score programs per token, K top-k.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import triton.language as tl
 from moemesh.common.kernels.attention_layout import (
     CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field, check_indexer_row_layout,
 )
+from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
 
 @triton.jit
@@ -158,10 +169,13 @@ def indexer_topk(queries: torch.Tensor, head_weights: torch.Tensor, tables: Atte
                  ratio: int, topk: int, block_n: int = 64) -> torch.Tensor:
     """-> topk_ids [T, topk] int64, the picks in any order (ascending at decode sizes); only rows of tokens that
     see more than `topk` rows are meaningful (the others attend to every visible row, see sparse_attention).
-    When no token sees more than `topk` rows, nothing is computed (an empty [T, topk])."""
-    num_rows = tables.max_rows_visible(ratio)
-    if num_rows <= topk:
-        return torch.empty(queries.shape[0], topk, dtype=torch.int64, device=queries.device)
+    When no token sees more than `topk` rows, nothing is computed (an empty [T, topk]). At decode sizes (at most
+    TOPK_KERNEL_MAX_TOKENS tokens) one launch scores and picks (`indexer_scores_top_k`), else two."""
+    num_tokens = queries.shape[0]
+    if tables.max_rows_visible(ratio) <= topk or num_tokens == 0:
+        return torch.empty(num_tokens, topk, dtype=torch.int64, device=queries.device)
+    if num_tokens <= TOPK_KERNEL_MAX_TOKENS:
+        return indexer_scores_top_k(queries, head_weights, tables, layer, ratio=ratio, topk=topk, block_n=block_n)[1]
     scores = indexer_scores(queries, head_weights, tables, layer, ratio=ratio, block_n=block_n)
     return top_k_columns(scores, topk)
 
@@ -275,3 +289,48 @@ def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
                                 RADIX_BITS=_RADIX_BITS, NUM_DIGITS=_NUM_DIGITS, num_warps=4 if block <= 2048 else 8)
     return out
 
+
+# --------------------------------------------------------------------------- scores and top-k, one launch
+@triton.jit
+def _indexer_scores_topk_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr,
+                                block_ids_ptr, num_heads, num_rows_out, block_stride, rows_per_block, row_scale,
+                                topk_ptr, counter_ptr, k,
+                                RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
+                                HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                                BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+                                IEEE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr,
+                                ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
+                                NUM_DIGITS: tl.constexpr):
+    # grid (T, G groups of row blocks) -> scores [T, N] fp32, topk [T, k] int64 (the last of t's G programs picks)
+    t = tl.program_id(0)
+    _score_row_blocks(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                      num_heads, num_rows_out, block_stride, rows_per_block, row_scale, t, tl.program_id(1),
+                      RATIO, NUM_FIELDS_, F_ROWS_ADDR, HEAD_DIM, ROW_BYTES, ROW_ALIGN, BLOCK_HEADS, BLOCK_N,
+                      BLOCKS_PER_PROGRAM, IEEE, PAGED, FP8)
+    if take_ticket(counter_ptr + t, tl.num_programs(1)):  # every block of t's scores row is stored
+        _select_top_k(scores_ptr + t.to(tl.int64) * num_rows_out, topk_ptr + t.to(tl.int64) * k, num_rows_out, k,
+                      ONE_BLOCK, BLOCK, RADIX_BITS, NUM_DIGITS)
+
+
+def indexer_scores_top_k(queries: torch.Tensor, head_weights: torch.Tensor, tables: AttentionTables, layer: int, *,
+                         ratio: int, topk: int, block_n: int = 64, block_heads: int = 64, num_warps: int = 4,
+                         blocks_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`indexer_scores` then `top_k_columns`'s kernel, in one launch: queries [T, H, d], head_weights [T, H] ->
+    (scores [T, N] fp32, topk_ids [T, topk] int64 ascending), bit for bit the two launches' results.
+    Needs 0 < topk <= N (N = tables.max_rows_visible(ratio)) and T <= TOPK_KERNEL_MAX_TOKENS."""
+    num_tokens = queries.shape[0]
+    num_rows = tables.max_rows_visible(ratio)
+    if not 0 < topk <= num_rows:
+        raise ValueError(f"top-{topk} of {num_rows} rows")
+    if num_tokens > TOPK_KERNEL_MAX_TOKENS:
+        raise ValueError(f"{num_tokens} tokens: one-launch top-k takes at most {TOPK_KERNEL_MAX_TOKENS}")
+    scores, grid, args, constexprs = _score_launch(queries, head_weights, tables, layer, ratio=ratio, block_n=block_n,
+                                                   block_heads=block_heads, blocks_per_program=blocks_per_program)
+    topk_ids = torch.empty(num_tokens, topk, dtype=torch.int64, device=queries.device)  # [T, K]
+    if num_tokens == 0:
+        return scores, topk_ids
+    block, one_block = _select_block(num_rows)
+    _indexer_scores_topk_kernel[grid](*args, topk_ids, tile_counters(queries.device, num_tokens), topk, **constexprs,
+                                      ONE_BLOCK=one_block, BLOCK=block, RADIX_BITS=_RADIX_BITS,
+                                      NUM_DIGITS=_NUM_DIGITS, num_warps=num_warps)
+    return scores, topk_ids
