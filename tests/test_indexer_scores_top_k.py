@@ -89,7 +89,7 @@ def _states(config, num_sequences: int, max_tokens: int, storage: KVStorage, row
 def _batch(config, lengths, new_tokens, storage, row_store, dtype, device, *, ties: bool, seed: int):
     """A forward of `new_tokens[i]` tokens after a random history of `lengths[i]` tokens per sequence, its CSA layer's
     indexer rows written for every row the new tokens see -> (batch, layer). With `ties`, rows repeat (and some
-    are zero), so a token's scores hold exactly equal values around the K-th."""
+    are zero), so that with non-negative head weights a token's K-th largest score is one of many equal ones."""
     from moemesh.common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
     from moemesh.common.model.random_init import fill_random_context
 
@@ -101,9 +101,10 @@ def _batch(config, lengths, new_tokens, storage, row_store, dtype, device, *, ti
         fill_random_context(state, length, generator=generator)
         num_rows = (length + new) // ratio
         rows = torch.randn(num_rows, config.index_head_dim, generator=generator, device=device)  # [R, d]
-        if ties:
-            distinct = torch.randn(3, config.index_head_dim, generator=generator, device=device)
-            rows[1::2] = distinct[torch.arange(1, num_rows, 2, device=device) % 3]
+        if ties:  # two repeated rows, a few distinct ones (index 1 mod 16), zero rows: fewer than K distinct scores
+            repeated = torch.randn(2, config.index_head_dim, generator=generator, device=device)
+            index = torch.arange(num_rows, device=device)
+            rows = torch.where((index % 16 == 1)[:, None], rows, repeated[index % 2])
             rows[::5] = 0.0
         state.layers[layer].indexer.write_rows(0, rows.to(dtype))
     batch = ForwardBatch([SequenceChunk(state, new) for state, new in zip(states, new_tokens)], device,
