@@ -1,6 +1,6 @@
 """Compile the batched attention kernels for sm_90 without a GPU and summarise their machine code.
 
-Usage: python -m moemesh.bench.attention_sass [--kernel sparse|sparse-fp8|fp8-writes|indexer|pool|all]
+Usage: python -m moemesh.bench.attention_sass [--kernel sparse|sparse-fp8|fp8-writes|indexer|pool|compressor-step|all]
 
 Triton ships ptxas, so the V4-Flash specialisations (head_dim 512, 64 heads, CSA top-k / HCA)
 go through the whole Triton + ptxas pipeline here: a compile error, register spills (stack bytes)
@@ -66,6 +66,26 @@ def compile_indexer(*, block_n: int = 64, num_warps: int = 4, fp8_rows: bool = F
                   "ROW_BYTES": 132 if fp8_rows else 256, "ROW_ALIGN": 4 if fp8_rows else 16, "BLOCK_HEADS": 64,
                   "BLOCK_N": block_n, "BLOCKS_PER_PROGRAM": 8, "IEEE": False, "PAGED": False, "FP8": fp8_rows}
     return _compile(_indexer_scores_kernel, signature, constexprs, num_warps, 2)
+
+
+def compile_indexer_scores_topk(*, num_rows: int = 2048, num_warps: int = 4, fp8_rows: bool = False):
+    """The one-launch indexer scores + top-k at V4-Flash width (128-channel rows: bf16, or 132-byte FP8 rows, paged)
+    over `num_rows` score columns (index_rows_class: 2048 at least; past TOPK_MAX_BLOCK the select reads the row
+    in blocks)."""
+    from moemesh.common.kernels.indexer_topk import (
+        _NUM_DIGITS, _RADIX_BITS, TOPK_MAX_BLOCK, _indexer_scores_topk_kernel,
+    )
+
+    signature = {"q_ptr": "*bf16", "weights_ptr": "*fp32", "scores_ptr": "*fp32", "token_seq_ptr": "*i32",
+                 "positions_ptr": "*i64", "fields_ptr": "*i64", "block_ids_ptr": "*i64", "num_heads": "i32",
+                 "num_rows_out": "i32", "block_stride": "i32", "rows_per_block": "i32", "row_scale": "fp32",
+                 "topk_ptr": "*i64", "counter_ptr": "*i32", "k": "i32"}
+    block = min(TOPK_MAX_BLOCK, num_rows)
+    constexprs = {"RATIO": 4, "NUM_FIELDS_": NUM_FIELDS, "F_ROWS_ADDR": int(Field.INDEX_ROWS_ADDR), "HEAD_DIM": 128,
+                  "ROW_BYTES": 132 if fp8_rows else 256, "ROW_ALIGN": 4 if fp8_rows else 16, "BLOCK_HEADS": 64,
+                  "BLOCK_N": 64, "BLOCKS_PER_PROGRAM": 1, "IEEE": False, "PAGED": True, "FP8": fp8_rows,
+                  "ONE_BLOCK": num_rows <= block, "BLOCK": block, "RADIX_BITS": _RADIX_BITS, "NUM_DIGITS": _NUM_DIGITS}
+    return _compile(_indexer_scores_topk_kernel, signature, constexprs, num_warps, 2)
 
 
 def compile_fp8_row_writes(*, ring: bool, src: str = "*bf16", predicated: bool = False):
@@ -156,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         jobs.append(("fp8_rows_write", lambda: compile_fp8_row_writes(ring=False, predicated=True)))
     if args.kernel in ("indexer", "all"):
         jobs.append(("indexer_n64", lambda: compile_indexer()))
+        for num_rows in (2048, 4096, 16384):
+            for fp8_rows in (False, True):
+                jobs.append((f"indexer_topk_{num_rows}{'_fp8' if fp8_rows else ''}",
+                             lambda n=num_rows, f=fp8_rows: compile_indexer_scores_topk(num_rows=n, fp8_rows=f)))
     if args.kernel in ("pool", "all"):
         jobs.append(("pool_csa", lambda: compile_pool(overlap=True)))
         jobs.append(("pool_hca", lambda: compile_pool(overlap=False)))

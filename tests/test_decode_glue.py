@@ -559,9 +559,9 @@ def test_interpreted_attention_layers_with_every_kernel_match_the_torch_layers(m
 
     calls = {}
     for module, name in ((projections, "compressor_projections"), (norm_rope, "window_rows_norm_rope"),
-                         (norm_rope, "rope_cos_sin"), (indexer_topk, "_topk_kernel")):
+                         (norm_rope, "rope_cos_sin"), (indexer_topk, "_indexer_scores_topk_kernel")):
         original = getattr(module, name)
-        if name == "_topk_kernel":  # launched as kernel[grid](...)
+        if name == "_indexer_scores_topk_kernel":  # launched as kernel[grid](...)
             counted = _CountedLaunch(original, name, calls)
         else:
             counted = (lambda *a, _f=original, _n=name, **k: calls.update({_n: calls.get(_n, 0) + 1}) or _f(*a, **k))
@@ -592,7 +592,8 @@ def test_interpreted_attention_layers_with_every_kernel_match_the_torch_layers(m
             for out, ref in zip(got, expected):
                 worst = max(worst, float((out.float() - ref.float()).norm() / ref.float().norm()))
     assert worst <= BF16_TOLERANCE, worst
-    assert set(calls) == {"compressor_projections", "window_rows_norm_rope", "rope_cos_sin", "_topk_kernel"}, calls
+    assert set(calls) == {"compressor_projections", "window_rows_norm_rope", "rope_cos_sin",
+                          "_indexer_scores_topk_kernel"}, calls
 
 
 # -------------------------------------------------------------------------------------- mHC sites

@@ -41,3 +41,16 @@ def test_side_kernels_compile_without_spills(kernel):
     # huge arguments (any kernel calling them has it), not spilled registers
     assert summary["stack_bytes"] == (32 if kernel.startswith("compressor_step") else 0), summary
     assert summary["num_instructions"] > 100
+
+
+@pytest.mark.parametrize("num_rows,fp8_rows", [(2048, False), (4096, True), (16384, False)],
+                         ids=["2048_rows_one_block", "4096_rows_fp8", "16384_rows_in_blocks"])
+def test_indexer_scores_topk_compiles_without_spills(num_rows, fp8_rows):
+    """The one-launch indexer scores + top-k at V4-Flash width: the scores' dot on Hopper wgmma, no spills with
+    the selection's widest row in registers."""
+    from moemesh.bench.attention_sass import compile_indexer_scores_topk
+
+    compiled = compile_indexer_scores_topk(num_rows=num_rows, fp8_rows=fp8_rows)
+    summary = summarise(compiled)
+    assert summary["stack_bytes"] == 0, summary
+    assert "wgmma.mma_async" in compiled.asm["ptx"], "no Hopper wgmma in the scores' dot"

@@ -1,4 +1,4 @@
-"""Lightning-indexer scores of every token of a forward in one launch, then one top-k launch (docs/model.md §2.6).
+"""Lightning-indexer scores and top-k of every token of a forward: one launch at decode sizes (docs/model.md §2.6).
 
 score[t, w] = Σ_h weight[t, h] · ReLU(q[t, h] · k_w) · d^-1/2 for rows w < (p+1)//m visible at t's
 position p, -inf elsewhere (rows of other tokens' sequences differ: each token reads its own
@@ -17,12 +17,22 @@ The pick (`top_k_columns`): at decode sizes (at most TOPK_KERNEL_MAX_TOKENS toke
 finds the K-th largest score by a radix select over the scores' order-preserving 32-bit keys (four
 passes of an 8-bit digit histogram, the scores read once when they fit one block), then writes the
 columns of the larger scores and as many of the equal ones as K needs, lowest columns first, in
-ascending column order: one launch (torch.topk's one-block select: ~15 µs for 1K columns on an H100).
+ascending column order (torch.topk's one-block select: ~15 µs for 1K columns on an H100).
 torch.topk picks for larger forwards. Both select the same set up to which columns of
 scores equal to the K-th are taken; the keys order floats as torch's radix select does (-0.0 below
 +0.0, NaN above every number).
+
+`indexer_topk`, what the attention calls: at decode sizes scores and pick run in one launch
+(`indexer_scores_top_k`): each score program stores its blocks of the scores row, then takes a ticket on
+its token's counter (`split_k.take_ticket`: counters 0..T-1 of the device's shared buffer, which the last
+program puts back to 0; G, the token's number of score programs, is a runtime value); the program that
+arrives last runs the token's radix select (`_select_top_k`, the code `top_k_columns` launches) over the
+whole row. Same scores, same columns in the same order as the two launches, bit for bit. The grid and
+every argument come from host figures of the tables (N = `max_rows_visible`: the static row class of a
+captured decode step), so the launch is CUDA-graph capturable. Larger forwards: the scores launch, then
+torch.topk.
 Legend: T tokens, H indexer heads, d indexer head dim, N = most visible rows of any token, BN rows
-per block, K top-k.
+per block, G score programs per token, K top-k.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import triton.language as tl
 from moemesh.common.kernels.attention_layout import (
     CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field, check_indexer_row_layout,
 )
+from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
 
 @triton.jit
@@ -47,14 +58,14 @@ def _fp8_indexer_keys(addr, valid, dims, HEAD_DIM: tl.constexpr, KEY_DTYPE: tl.c
 
 
 @triton.jit
-def _indexer_scores_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
-                           num_heads, num_rows_out, block_stride, rows_per_block, row_scale,
-                           RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr, ROW_ALIGN: tl.constexpr,
-                           BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
-                           IEEE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr):
-    t = tl.program_id(0)
-    group = tl.program_id(1)
+def _score_row_blocks(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                      num_heads, num_rows_out, block_stride, rows_per_block, row_scale, t, group,
+                      RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                      BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+                      IEEE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr):
+    """Scores [BLOCKS_PER_PROGRAM · BN] of token t's row blocks of group `group` into scores [T, N] (-inf past
+    the token's visible rows)."""
     b = tl.load(token_seq_ptr + t)
     pos = tl.load(positions_ptr + t)
     n_visible = (pos + 1) // RATIO
@@ -96,18 +107,29 @@ def _indexer_scores_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positi
             tl.store(score_ptrs, tl.full([BLOCK_N], float("-inf"), dtype=tl.float32), mask=out_mask)
 
 
-def indexer_scores(queries: torch.Tensor, head_weights: torch.Tensor, tables: AttentionTables, layer: int, *,
-                   ratio: int, block_n: int = 64, block_heads: int = 64, num_warps: int = 4,
-                   blocks_per_program: int | None = None) -> torch.Tensor:
-    """queries [T, H, d] (the activation dtype: that of plain rows), head_weights [T, H] fp32 -> scores [T, N] fp32
-    (-inf: not visible). The rows are read as `tables.indexer_rows` says (plain or FP8)."""
+@triton.jit
+def _indexer_scores_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                           num_heads, num_rows_out, block_stride, rows_per_block, row_scale,
+                           RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                           BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+                           IEEE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr):
+    # grid (T, groups of BLOCKS_PER_PROGRAM row blocks) -> scores [T, N] fp32
+    _score_row_blocks(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                      num_heads, num_rows_out, block_stride, rows_per_block, row_scale, tl.program_id(0),
+                      tl.program_id(1), RATIO, NUM_FIELDS_, F_ROWS_ADDR, HEAD_DIM, ROW_BYTES, ROW_ALIGN, BLOCK_HEADS,
+                      BLOCK_N, BLOCKS_PER_PROGRAM, IEEE, PAGED, FP8)
+
+
+def _score_launch(queries: torch.Tensor, head_weights: torch.Tensor, tables: AttentionTables, layer: int, *,
+                  ratio: int, block_n: int, block_heads: int, blocks_per_program: int | None):
+    """What a launch that scores takes, from host figures only (CUDA-graph capturable): (scores [T, N] fp32 it
+    writes, grid (T, groups of row blocks), the scores kernel's arguments, its constexprs). N > 0."""
     num_tokens, num_heads, head_dim = queries.shape
     num_rows = tables.max_rows_visible(ratio)
-    scores = torch.empty(num_tokens, max(num_rows, 1), dtype=torch.float32, device=queries.device)
-    if num_rows == 0:
-        return scores[:, :0]
-    queries = queries.contiguous()
-    head_weights = head_weights.float().contiguous()
+    scores = torch.empty(num_tokens, num_rows, dtype=torch.float32, device=queries.device)  # [T, N]
+    queries = queries.contiguous()  # [T, H, d]
+    head_weights = head_weights.float().contiguous()  # [T, H]
     block_heads = min(block_heads, triton.next_power_of_2(num_heads))
     num_blocks = triton.cdiv(num_rows, block_n)
     if blocks_per_program is None:  # fewer, longer programs once the grid is large enough (q reused)
@@ -119,14 +141,27 @@ def indexer_scores(queries: torch.Tensor, head_weights: torch.Tensor, tables: At
     fp8 = tables.indexer_rows  # FP8 indexer rows, or None: rows in the queries' dtype
     if fp8 is not None:
         check_indexer_row_layout(fp8, head_dim)
-    _indexer_scores_kernel[grid](
-        queries, head_weights, scores, tables.token_seq, tables.positions, tables.layer_fields(layer),
-        tables.block_ids, num_heads, num_rows, tables.block_ids.shape[1], rows_per_block if paged else 1,
-        head_dim**-0.5, RATIO=ratio, NUM_FIELDS_=NUM_FIELDS, F_ROWS_ADDR=int(Field.INDEX_ROWS_ADDR),
-        HEAD_DIM=head_dim, ROW_BYTES=fp8.row_bytes if fp8 is not None else head_dim * queries.element_size(),
-        ROW_ALIGN=4 if fp8 is not None else 16, BLOCK_HEADS=block_heads, BLOCK_N=block_n,
-        BLOCKS_PER_PROGRAM=blocks_per_program,
-        IEEE=queries.dtype == torch.float32, PAGED=paged, FP8=fp8 is not None, num_warps=num_warps)
+    args = (queries, head_weights, scores, tables.token_seq, tables.positions, tables.layer_fields(layer),
+            tables.block_ids, num_heads, num_rows, tables.block_ids.shape[1], rows_per_block if paged else 1,
+            head_dim**-0.5)
+    constexprs = dict(RATIO=ratio, NUM_FIELDS_=NUM_FIELDS, F_ROWS_ADDR=int(Field.INDEX_ROWS_ADDR), HEAD_DIM=head_dim,
+                      ROW_BYTES=fp8.row_bytes if fp8 is not None else head_dim * queries.element_size(),
+                      ROW_ALIGN=4 if fp8 is not None else 16, BLOCK_HEADS=block_heads, BLOCK_N=block_n,
+                      BLOCKS_PER_PROGRAM=blocks_per_program, IEEE=queries.dtype == torch.float32, PAGED=paged,
+                      FP8=fp8 is not None)
+    return scores, grid, args, constexprs
+
+
+def indexer_scores(queries: torch.Tensor, head_weights: torch.Tensor, tables: AttentionTables, layer: int, *,
+                   ratio: int, block_n: int = 64, block_heads: int = 64, num_warps: int = 4,
+                   blocks_per_program: int | None = None) -> torch.Tensor:
+    """queries [T, H, d] (the activation dtype: that of plain rows), head_weights [T, H] fp32 -> scores [T, N] fp32
+    (-inf: not visible). The rows are read as `tables.indexer_rows` says (plain or FP8)."""
+    if tables.max_rows_visible(ratio) == 0:
+        return torch.empty(queries.shape[0], 0, dtype=torch.float32, device=queries.device)
+    scores, grid, args, constexprs = _score_launch(queries, head_weights, tables, layer, ratio=ratio, block_n=block_n,
+                                                   block_heads=block_heads, blocks_per_program=blocks_per_program)
+    _indexer_scores_kernel[grid](*args, **constexprs, num_warps=num_warps)
     return scores
 
 
@@ -134,10 +169,13 @@ def indexer_topk(queries: torch.Tensor, head_weights: torch.Tensor, tables: Atte
                  ratio: int, topk: int, block_n: int = 64) -> torch.Tensor:
     """-> topk_ids [T, topk] int64, the picks in any order (ascending at decode sizes); only rows of tokens that
     see more than `topk` rows are meaningful (the others attend to every visible row, see sparse_attention).
-    When no token sees more than `topk` rows, nothing is computed (an empty [T, topk])."""
-    num_rows = tables.max_rows_visible(ratio)
-    if num_rows <= topk:
-        return torch.empty(queries.shape[0], topk, dtype=torch.int64, device=queries.device)
+    When no token sees more than `topk` rows, nothing is computed (an empty [T, topk]). At decode sizes (at most
+    TOPK_KERNEL_MAX_TOKENS tokens) one launch scores and picks (`indexer_scores_top_k`), else two."""
+    num_tokens = queries.shape[0]
+    if tables.max_rows_visible(ratio) <= topk or num_tokens == 0:
+        return torch.empty(num_tokens, topk, dtype=torch.int64, device=queries.device)
+    if num_tokens <= TOPK_KERNEL_MAX_TOKENS:
+        return indexer_scores_top_k(queries, head_weights, tables, layer, ratio=ratio, topk=topk, block_n=block_n)[1]
     scores = indexer_scores(queries, head_weights, tables, layer, ratio=ratio, block_n=block_n)
     return top_k_columns(scores, topk)
 
@@ -177,11 +215,10 @@ def _digit_histogram(keys, valid, prefix, DIGIT: tl.constexpr, RADIX_BITS: tl.co
 
 
 @triton.jit
-def _topk_kernel(scores_ptr, out_ptr, num_cols, k, stride_row,
-                 ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, NUM_DIGITS: tl.constexpr):
-    # scores [T, N] fp32 -> out [T, k] int64; one program per row
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = scores_ptr + row * stride_row
+def _select_top_k(row_ptr, out_row_ptr, num_cols, k,
+                  ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, NUM_DIGITS: tl.constexpr):
+    """One row's pick: scores [N] fp32 at row_ptr -> out [k] int64 at out_row_ptr, the columns of the k largest in
+    ascending order, ties at the k-th value to the lowest columns (the module docstring)."""
     columns = tl.arange(0, BLOCK)
     bins = tl.arange(0, 1 << RADIX_BITS)
     if ONE_BLOCK:  # the row stays in registers for every pass
@@ -215,9 +252,24 @@ def _topk_kernel(scores_ptr, out_ptr, num_cols, k, stride_row,
         equal_rank = num_equal_seen + tl.cumsum(equal, 0) - equal  # among the equal keys, in column order
         take = greater | (equal & (equal_rank < remaining).to(tl.int32))
         slots = num_written + tl.cumsum(take, 0) - take
-        tl.store(out_ptr + row * k + slots, (start + columns).to(tl.int64), mask=take != 0)
+        tl.store(out_row_ptr + slots, (start + columns).to(tl.int64), mask=take != 0)
         num_written += tl.sum(take, 0)
         num_equal_seen += tl.sum(equal, 0)
+
+
+@triton.jit
+def _topk_kernel(scores_ptr, out_ptr, num_cols, k, stride_row,
+                 ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, NUM_DIGITS: tl.constexpr):
+    # scores [T, N] fp32 -> out [T, k] int64; one program per row
+    row = tl.program_id(0).to(tl.int64)
+    _select_top_k(scores_ptr + row * stride_row, out_ptr + row * k, num_cols, k, ONE_BLOCK, BLOCK, RADIX_BITS,
+                  NUM_DIGITS)
+
+
+def _select_block(num_cols: int) -> tuple[int, bool]:
+    """(columns per block of `_select_top_k`, whether a row fits one block)."""
+    block = min(TOPK_MAX_BLOCK, max(128, triton.next_power_of_2(num_cols)))
+    return block, num_cols <= block
 
 
 def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -232,7 +284,53 @@ def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     if num_tokens == 0:
         return out
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
-    block = min(TOPK_MAX_BLOCK, max(128, triton.next_power_of_2(num_cols)))
-    _topk_kernel[(num_tokens,)](scores, out, num_cols, k, scores.stride(0), ONE_BLOCK=num_cols <= block, BLOCK=block,
+    block, one_block = _select_block(num_cols)
+    _topk_kernel[(num_tokens,)](scores, out, num_cols, k, scores.stride(0), ONE_BLOCK=one_block, BLOCK=block,
                                 RADIX_BITS=_RADIX_BITS, NUM_DIGITS=_NUM_DIGITS, num_warps=4 if block <= 2048 else 8)
     return out
+
+
+# --------------------------------------------------------------------------- scores and top-k, one launch
+@triton.jit
+def _indexer_scores_topk_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr,
+                                block_ids_ptr, num_heads, num_rows_out, block_stride, rows_per_block, row_scale,
+                                topk_ptr, counter_ptr, k,
+                                RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
+                                HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                                BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+                                IEEE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr,
+                                ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
+                                NUM_DIGITS: tl.constexpr):
+    # grid (T, G groups of row blocks) -> scores [T, N] fp32, topk [T, k] int64 (the last of t's G programs picks)
+    t = tl.program_id(0)
+    _score_row_blocks(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
+                      num_heads, num_rows_out, block_stride, rows_per_block, row_scale, t, tl.program_id(1),
+                      RATIO, NUM_FIELDS_, F_ROWS_ADDR, HEAD_DIM, ROW_BYTES, ROW_ALIGN, BLOCK_HEADS, BLOCK_N,
+                      BLOCKS_PER_PROGRAM, IEEE, PAGED, FP8)
+    if take_ticket(counter_ptr + t, tl.num_programs(1)):  # every block of t's scores row is stored
+        _select_top_k(scores_ptr + t.to(tl.int64) * num_rows_out, topk_ptr + t.to(tl.int64) * k, num_rows_out, k,
+                      ONE_BLOCK, BLOCK, RADIX_BITS, NUM_DIGITS)
+
+
+def indexer_scores_top_k(queries: torch.Tensor, head_weights: torch.Tensor, tables: AttentionTables, layer: int, *,
+                         ratio: int, topk: int, block_n: int = 64, block_heads: int = 64, num_warps: int = 4,
+                         blocks_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`indexer_scores` then `top_k_columns`'s kernel, in one launch: queries [T, H, d], head_weights [T, H] ->
+    (scores [T, N] fp32, topk_ids [T, topk] int64 ascending), bit for bit the two launches' results.
+    Needs 0 < topk <= N (N = tables.max_rows_visible(ratio)) and T <= TOPK_KERNEL_MAX_TOKENS."""
+    num_tokens = queries.shape[0]
+    num_rows = tables.max_rows_visible(ratio)
+    if not 0 < topk <= num_rows:
+        raise ValueError(f"top-{topk} of {num_rows} rows")
+    if num_tokens > TOPK_KERNEL_MAX_TOKENS:
+        raise ValueError(f"{num_tokens} tokens: one-launch top-k takes at most {TOPK_KERNEL_MAX_TOKENS}")
+    scores, grid, args, constexprs = _score_launch(queries, head_weights, tables, layer, ratio=ratio, block_n=block_n,
+                                                   block_heads=block_heads, blocks_per_program=blocks_per_program)
+    topk_ids = torch.empty(num_tokens, topk, dtype=torch.int64, device=queries.device)  # [T, K]
+    if num_tokens == 0:
+        return scores, topk_ids
+    block, one_block = _select_block(num_rows)
+    _indexer_scores_topk_kernel[grid](*args, topk_ids, tile_counters(queries.device, num_tokens), topk, **constexprs,
+                                      ONE_BLOCK=one_block, BLOCK=block, RADIX_BITS=_RADIX_BITS,
+                                      NUM_DIGITS=_NUM_DIGITS, num_warps=num_warps)
+    return scores, topk_ids
