@@ -195,20 +195,29 @@ def _round_to_bf16(x):
 
 
 @triton.jit
+def sum_slot_row(slot_row_ptr, stride_sk, in_row, TOP_K: tl.constexpr, IS_BF16: tl.constexpr):
+    """One token's K slot rows over [BD] columns (slot_row_ptr: slot 0's, slot k at + k·stride_sk) -> their
+    sum [BD] in the slot dtype: slot 0 + slot 1 + ..., rounded to the dtype after every addition
+    (`moe_layout.sum_slots_in_order_torch`). The slot sum's one implementation: `_sum_slots_kernel` and
+    `mhc._hc_post_kernel` (routed slots summed inside hc_post) both call it."""
+    total = tl.load(slot_row_ptr, mask=in_row, other=0.0)  # [BD] slot 0, in the slot dtype
+    for slot in tl.static_range(1, TOP_K):
+        addend = tl.load(slot_row_ptr + slot * stride_sk, mask=in_row, other=0.0)  # [BD]
+        total_fp32 = total.to(tl.float32) + addend.to(tl.float32)  # then rounded once to the slot dtype
+        if IS_BF16:
+            total = _round_to_bf16(total_fp32)
+        else:
+            total = total_fp32.to(addend.dtype)
+    return total
+
+
+@triton.jit
 def _sum_slots_kernel(slots_ptr, out_ptr, hidden_size, stride_st, stride_sk, stride_ot,
                       TOP_K: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     in_row = columns < hidden_size
-    slot_row = slots_ptr + token * stride_st + columns
-    total = tl.load(slot_row, mask=in_row, other=0.0)  # [BD] slot 0, in the slot dtype
-    for slot in tl.static_range(1, TOP_K):
-        addend = tl.load(slot_row + slot * stride_sk, mask=in_row, other=0.0)  # [BD]
-        total_fp32 = total.to(tl.float32) + addend.to(tl.float32)  # then rounded once to the slot dtype
-        if IS_BF16:
-            total = _round_to_bf16(total_fp32)
-        else:
-            total = total_fp32.to(out_ptr.dtype.element_ty)
+    total = sum_slot_row(slots_ptr + token * stride_st + columns, stride_sk, in_row, TOP_K, IS_BF16)  # [BD]
     tl.store(out_ptr + token * stride_ot + columns, total, mask=in_row)
 
 
