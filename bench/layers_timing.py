@@ -23,6 +23,7 @@ import torch
 
 from moemesh.bench.timing import Marks, median, time_s, wall_s
 from moemesh.common.model.batch import ForwardBatch, SequenceChunk
+from moemesh.common.model.moe import routed_answer
 from moemesh.common.model.random_init import fill_random_context, new_sequence_state
 
 Piece = tuple[str, Callable[[], None]]
@@ -75,7 +76,7 @@ def step_pieces(side, experts, batch: ForwardBatch, token_ids: torch.Tensor,
             x, post, comb = side.ffn_pre(layer, h)
             ids, weights = side.gate(layer, x, token_ids)
             shared = side.shared_expert(layer, x)
-            routed = experts(layer, x, ids, weights)
+            routed = routed_answer(experts, layer, x, ids, weights)  # [T, K, D] per slot, or [T, D]
             buf["h"] = side.ffn_post(layer, routed, h, post, comb, shared=shared)
         return run
 

@@ -84,6 +84,8 @@ def hopper_compile_errors(only: str | None = None) -> dict[str, str | None]:
                      "next_fn_ptr": "*fp32", "mix_part_ptr": "*fp32", "sq_part_ptr": "*fp32", "num_mix": "i32"}
         variants.append(("embed_mix", mhc._embed_streams_kernel, embed_sig,
                          {"N": 4, "NP": 4, "BLOCK_D": 256, "BLOCK_M": 32}))
+        variants.append(("post_slots_addend_mix", mhc._hc_post_kernel, mix_post_sig,  # routed slots summed inside
+                         {"N": 4, "NP": 4, "BLOCK_D": 256, "BLOCK_M": 32, "Y_SLOTS": 6}))
     if only != "mhc":
         norm_sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "weight_ptr": "*fp32", "cos_ptr": "*fp32",
                     "sin_ptr": "*fp32", "rows_per_token": "i32", "num_channels": "i32", "rope_half": "i32",

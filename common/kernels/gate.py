@@ -28,6 +28,10 @@ Bytes: W (E·D·itemsize, 2 MiB at V4-Flash bf16) is read once per row block; th
 call is W bytes / copy bandwidth (~0.5 µs on an H200); the partials (S·BT·EP·4 bytes per row block)
 stay in L2. A decode call is latency-bound: one HBM read wave, the ticket, one program's finish.
 The counters are zeroed once per device, at the first call (`split_k.tile_counters`).
+`gate_with_layout` (decode sizes, T·K <= 256): every program that finished a row block takes one more ticket
+(counter RB, after the row blocks' 0..RB-1); the last of them runs the route layout's counting sort
+(`route_layout.route_layout_rows`) over all T·K ids through the holder's stack table, so the in-process
+experts skip their `route_layout` launch; the layout tensors are bit for bit `route_layout`'s.
 
 Numerics: ids equal the reference's whenever the logits are equal; the fp32 sum runs in another order
 than cuBLAS / the CPU GEMM, so a logit can differ by one rounding of x's dtype in rare cases, which
@@ -50,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moemesh.common.kernels.route_layout import MAX_BLOCK_ROWS, RouteLayout, empty_layout, route_layout_rows
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
 FMA_MAX_TOKENS = 1  # up to this many rows: multiply-add GEMV; above: tl.dot (rows padded to 16)
@@ -156,13 +161,31 @@ def _finish_rows(logits, rows, row_mask, bias_ptr, tid2eid_ptr, token_ids_ptr, i
 
 
 @triton.jit
+def _layout_after_last_row_block(ids_ptr, weights_ptr, table_ptr, offsets_ptr, row_token_ptr, row_slot_ptr,
+                                 row_weight_ptr, counter_ptr, num_tokens, num_held, TOP_K: tl.constexpr,
+                                 HAS_TABLE: tl.constexpr, NUM_STEPS: tl.constexpr, BLOCK_R: tl.constexpr,
+                                 BLOCK_B: tl.constexpr):
+    """Called by the program that finished a row block (its ids and weights stored): the last of the RB such
+    programs (ticket on counter RB, after the row blocks' own) runs the route layout over all T·K ids."""
+    num_row_blocks = tl.num_programs(0)
+    if take_ticket(counter_ptr + num_row_blocks, num_row_blocks):
+        route_layout_rows(ids_ptr, weights_ptr, ids_ptr, table_ptr, offsets_ptr, row_token_ptr, row_slot_ptr,
+                          row_weight_ptr, num_tokens * TOP_K, TOP_K, num_held, TOP_K, 1, TOP_K, 1, 0, 0,
+                          HAS_TABLE, False, NUM_STEPS, BLOCK_R, BLOCK_B)
+
+
+@triton.jit
 def _gate_kernel(x_ptr, w_ptr, bias_ptr, tid2eid_ptr, token_ids_ptr, ids_ptr, weights_ptr, partial_ptr, counter_ptr,
                  num_tokens, hidden, num_experts, route_scale,
                  TOP_K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr,
                  HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, NUM_E_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    # x [T, D], W [E, D] (same dtype), bias [E] fp32, tid2eid [V, K], token_ids [T] -> ids [T, K], weights [T, K]
+                 USE_DOT: tl.constexpr, PRECISION: tl.constexpr, table_ptr=None, offsets_ptr=None, row_token_ptr=None,
+                 row_slot_ptr=None, row_weight_ptr=None, num_held=0, LAYOUT_STEPS: tl.constexpr = 0,
+                 LAYOUT_BLOCK_R: tl.constexpr = 1, LAYOUT_BLOCK_B: tl.constexpr = 1, HAS_TABLE: tl.constexpr = False):
+    # x [T, D], W [E, D] (same dtype), bias [E] fp32, tid2eid [V, K], token_ids [T] -> ids [T, K], weights [T, K];
+    # with LAYOUT_STEPS, also the route layout of all T·K ids (stack index through table [E] when HAS_TABLE,
+    # over num_held experts): offsets [num_held + 1], row_token / row_slot / row_weight [T·K]
     row_block = tl.program_id(0)
     e_block = tl.program_id(1) % NUM_E_BLOCKS
     split = tl.program_id(1) // NUM_E_BLOCKS
@@ -174,6 +197,10 @@ def _gate_kernel(x_ptr, w_ptr, bias_ptr, tid2eid_ptr, token_ids_ptr, ids_ptr, we
     if NUM_E_BLOCKS * NUM_SPLITS == 1:
         _finish_rows(acc, rows, row_mask, bias_ptr, tid2eid_ptr, token_ids_ptr, ids_ptr, weights_ptr, num_experts,
                      route_scale, TOP_K, KP, EP, HASH, HAS_BIAS, ROUND_BF16)
+        if LAYOUT_STEPS:
+            _layout_after_last_row_block(ids_ptr, weights_ptr, table_ptr, offsets_ptr, row_token_ptr, row_slot_ptr,
+                                         row_weight_ptr, counter_ptr, num_tokens, num_held, TOP_K, HAS_TABLE,
+                                         LAYOUT_STEPS, LAYOUT_BLOCK_R, LAYOUT_BLOCK_B)
     else:
         block_rows = tl.arange(0, BLOCK_T)
         part_base = partial_ptr + row_block.to(tl.int64) * NUM_SPLITS * BLOCK_T * EP  # [S, BT, EP] of this row block
@@ -186,6 +213,10 @@ def _gate_kernel(x_ptr, w_ptr, bias_ptr, tid2eid_ptr, token_ids_ptr, ids_ptr, we
                                   cache_modifier=".cg")
             _finish_rows(logits, rows, row_mask, bias_ptr, tid2eid_ptr, token_ids_ptr, ids_ptr, weights_ptr,
                          num_experts, route_scale, TOP_K, KP, EP, HASH, HAS_BIAS, ROUND_BF16)
+            if LAYOUT_STEPS:
+                _layout_after_last_row_block(ids_ptr, weights_ptr, table_ptr, offsets_ptr, row_token_ptr,
+                                             row_slot_ptr, row_weight_ptr, counter_ptr, num_tokens, num_held, TOP_K,
+                                             HAS_TABLE, LAYOUT_STEPS, LAYOUT_BLOCK_R, LAYOUT_BLOCK_B)
 
 
 @dataclass(frozen=True)
@@ -240,6 +271,37 @@ def gate(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, route_scale: floa
 
     Hash routing when tid2eid [V, K] (with token_ids [T]) is given, else top-K of s (+ bias [E] fp32).
     """
+    return _launch(x, weight, top_k=top_k, route_scale=route_scale, bias=bias, tid2eid=tid2eid,
+                   token_ids=token_ids, config=config)[:2]
+
+
+def fuses_layout(num_tokens: int, top_k: int) -> bool:
+    """Whether `gate_with_layout` builds the layout in the gate's launch: decode sizes, T·K slots in one step
+    of the layout's loops."""
+    return 0 < num_tokens * top_k <= MAX_BLOCK_ROWS
+
+
+def gate_with_layout(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, route_scale: float, num_held: int,
+                     stack_table: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                     tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+                     config: GateConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, RouteLayout]:
+    """`gate`, plus the route layout of its ids over num_held stacked experts (`route_layout.route_layout(ids,
+    weights, num_held, stack_table=stack_table)`, the same tensors bit for bit) in the same launch: the last
+    program to finish its row block runs the layout's counting sort. Every id must be held (stack_table
+    [E] int maps global id -> stack index). Only at `fuses_layout` sizes (ValueError above)."""
+    num_tokens = x.shape[0]
+    if not fuses_layout(num_tokens, top_k):
+        raise ValueError(f"{num_tokens} tokens of top-{top_k}: above the fused layout's {MAX_BLOCK_ROWS} slots")
+    return _launch(x, weight, top_k=top_k, route_scale=route_scale, bias=bias, tid2eid=tid2eid,
+                   token_ids=token_ids, config=config, layout_experts=num_held, stack_table=stack_table)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, route_scale: float, bias: torch.Tensor | None,
+            tid2eid: torch.Tensor | None, token_ids: torch.Tensor | None, config: GateConfig | None,
+            layout_experts: int | None = None, stack_table: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, RouteLayout | None]:
+    """The gate's one launch -> (ids [T, K], weights [T, K], layout or None); layout_experts: also the route
+    layout over that many held experts (stack_table [E] or None)."""
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     if not supports(x, weight) or weight.shape[1] != hidden:
@@ -252,8 +314,12 @@ def gate(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, route_scale: floa
     x, weight = x.contiguous(), weight.contiguous()
     ids = torch.empty(num_tokens, top_k, dtype=torch.long, device=x.device)
     weights = torch.empty(num_tokens, top_k, dtype=x.dtype, device=x.device)
+    with_layout = layout_experts is not None
+    layout = empty_layout(num_tokens * top_k, layout_experts, x.device) if with_layout else None
     if num_tokens == 0:
-        return ids, weights
+        if with_layout:
+            layout.expert_offsets.zero_()
+        return ids, weights, layout
     config = config or choose_config(num_tokens, num_experts, hidden)
     padded = padded_experts(num_experts)
     if padded % config.block_e:
@@ -264,7 +330,16 @@ def gate(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, route_scale: floa
     split = e_blocks * config.num_splits > 1
     partials = (torch.empty(row_blocks * config.num_splits * config.block_t * padded, dtype=torch.float32,
                             device=x.device) if split else weights)
-    counters = tile_counters(x.device, row_blocks) if split else ids
+    # row block b's ticket at counter b; with the layout, the layout's at counter RB
+    counters = tile_counters(x.device, row_blocks + with_layout) if split or with_layout else ids
+    layout_args = {}
+    if with_layout:
+        num_slots = num_tokens * top_k
+        layout_args = dict(
+            table_ptr=stack_table.contiguous() if stack_table is not None else ids, offsets_ptr=layout.expert_offsets,
+            row_token_ptr=layout.row_token_ids, row_slot_ptr=layout.row_slot_ids, row_weight_ptr=layout.row_weights,
+            num_held=layout_experts, LAYOUT_STEPS=1, LAYOUT_BLOCK_R=triton.next_power_of_2(num_slots),
+            LAYOUT_BLOCK_B=triton.next_power_of_2(layout_experts + 2), HAS_TABLE=stack_table is not None)
     _gate_kernel[(row_blocks, e_blocks * config.num_splits)](
         x, weight, bias.contiguous() if bias is not None else weights,
         tid2eid.contiguous() if hashed else ids, token_ids.contiguous() if hashed else ids,
@@ -272,5 +347,5 @@ def gate(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, route_scale: floa
         TOP_K=top_k, KP=triton.next_power_of_2(top_k), EP=padded, HASH=hashed, HAS_BIAS=bias is not None and not hashed,
         ROUND_BF16=x.dtype == torch.bfloat16, BLOCK_T=config.block_t, BLOCK_E=config.block_e, BLOCK_D=config.block_d,
         D_STEPS=d_steps, NUM_E_BLOCKS=e_blocks, NUM_SPLITS=config.num_splits, USE_DOT=config.use_dot,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps)
-    return ids, weights
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps, **layout_args)
+    return ids, weights, layout

@@ -17,7 +17,9 @@ The torch functions in `common/model/hyper.py` are the reference; these compute 
 - `_hc_post_kernel` (grid [T, D/BD]): h'[t, k, d] = post_k·y[t, d] + Σ_j comb[j, k]·h[t, j, d], with the
   reference's three roundings to h's dtype reproduced (post·y, the matmul, the sum), so bf16 results
   match torch bit for bit up to fp32 summation order; y may come as two addends (the MoE's routed and
-  shared outputs), summed and rounded to the dtype first as torch's `routed + shared` does. At decode sizes
+  shared outputs), summed and rounded to the dtype first as torch's `routed + shared` does, and the routed
+  part as the experts' per-slot outputs [T, K, D], added in slot order first by the slot sum's own code
+  (`route_layout.sum_slot_row`, bit for bit `sum_slots_in_order`): no slot-sum launch. At decode sizes
   it can also do launch 1 of the hc_pre that reads its output next (`next_fn`): each D slice's partial
   mix and Σ h² of the values it just rounded and stored, one split per slice, so that hc_pre is one launch.
 No launch reads a value on the host or sizes a buffer from data: all of it can be captured in a CUDA graph.
@@ -31,6 +33,8 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+
+from moemesh.common.kernels.route_layout import sum_slot_row
 
 DEFAULT_NUM_SMS = 132  # H200/H100 SXM; used when no CUDA device answers (the interpreter)
 
@@ -249,10 +253,12 @@ def _hc_finish_kernel(h_ptr, mix_part_ptr, sq_part_ptr, base_ptr, scale_ptr, x_p
 @triton.jit
 def _hc_post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, hidden,
                     N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr, addend_ptr=None,
-                    next_fn_ptr=None, mix_part_ptr=None, sq_part_ptr=None, num_mix=0, BLOCK_M: tl.constexpr = 1):
-    # y [T, D] (+ addend [T, D], rounded to the dtype), h [T, N, D] (same dtype), post [T, N],
-    # comb [T, N, N] fp32 -> out [T, N, D]; with next_fn [M, N·D] fp32 also the next hc_pre's launch-1
-    # partials of out over this program's D slice: mix_part [D/BD, T, BM], sq_part [D/BD, T]
+                    next_fn_ptr=None, mix_part_ptr=None, sq_part_ptr=None, num_mix=0, BLOCK_M: tl.constexpr = 1,
+                    Y_SLOTS: tl.constexpr = 0):
+    # y [T, D], or with Y_SLOTS = K the routed slots [T, K, D] summed in slot order (`sum_slot_row`),
+    # (+ addend [T, D], rounded to the dtype), h [T, N, D] (same dtype), post [T, N], comb [T, N, N] fp32
+    # -> out [T, N, D]; with next_fn [M, N·D] fp32 also the next hc_pre's launch-1 partials of out over
+    # this program's D slice: mix_part [D/BD, T, BM], sq_part [D/BD, T]
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
@@ -261,7 +267,11 @@ def _hc_post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, hidden,
     streams = tl.arange(0, NP)
     stream_mask = streams < N
     post = tl.load(post_ptr + pid_t * N + streams, mask=stream_mask, other=0.0).to(dtype).to(tl.float32)
-    y = tl.load(y_ptr + pid_t.to(tl.int64) * hidden + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    if Y_SLOTS:  # the routed slots' in-order sum, bit for bit what `_sum_slots_kernel` stores
+        slot_row = y_ptr + pid_t.to(tl.int64) * Y_SLOTS * hidden + dims  # [BD] slot 0 of this token
+        y = sum_slot_row(slot_row, hidden, dim_mask, Y_SLOTS, dtype == tl.bfloat16).to(tl.float32)
+    else:
+        y = tl.load(y_ptr + pid_t.to(tl.int64) * hidden + dims, mask=dim_mask, other=0.0).to(tl.float32)
     if addend_ptr is not None:  # y + addend in the dtype, as torch adds two tensors of it
         addend = tl.load(addend_ptr + pid_t.to(tl.int64) * hidden + dims, mask=dim_mask, other=0.0).to(tl.float32)
         y = (y + addend).to(dtype).to(tl.float32)
@@ -465,8 +475,8 @@ MAX_FUSED_MIX_TOKENS = 64  # above: hc_post's 1024-wide D slices would hold [BM,
 
 def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
             block_d: int | None = None, y_addend: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `common.model.hyper.hc_post`: y [T, D] (+ y_addend [T, D]), h [T, N, D] -> [T, N, D]
-    in h's dtype."""
+    """Same contract as `common.model.hyper.hc_post`: y [T, D] or routed slots [T, K, D] (+ y_addend [T, D]),
+    h [T, N, D] -> [T, N, D] in h's dtype."""
     return hc_post_with_mix(y, h, post, comb, None, block_d=block_d, y_addend=y_addend)[0]
 
 
@@ -502,14 +512,19 @@ def embed_streams(token_ids: torch.Tensor, table: torch.Tensor, num_streams: int
 def hc_post_with_mix(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                      next_fn: torch.Tensor | None, block_d: int | None = None, y_addend: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, MixPartials | None]:
-    """`hc_post` -> ([T, N, D], partials). next_fn [M, N·D] fp32 (the hc_pre that reads the result next): at
-    T <= MAX_FUSED_MIX_TOKENS the same launch also computes that hc_pre's launch 1 (`MixPartials`); else None."""
+    """`hc_post` -> ([T, N, D], partials). y [T, D], or the routed experts' per-slot outputs [T, K, D], summed
+    in slot order in the same launch (bit for bit `moe_layout.sum_slots_in_order`). next_fn [M, N·D] fp32 (the
+    hc_pre that reads the result next): at T <= MAX_FUSED_MIX_TOKENS the same launch also computes that
+    hc_pre's launch 1 (`MixPartials`); else None."""
     if y.dtype != h.dtype or (y_addend is not None and y_addend.dtype != y.dtype):
         raise ValueError(f"y dtype {y.dtype}, y_addend {None if y_addend is None else y_addend.dtype} != h dtype {h.dtype}")
+    num_tokens, num_streams, hidden = h.shape
+    num_slots = y.shape[1] if y.dim() == 3 else 0  # K routed slots, or 0: y is the block output itself
+    if y.shape[0] != num_tokens or y.shape[-1] != hidden or (y.dim() == 3 and num_slots == 0):
+        raise ValueError(f"y {tuple(y.shape)} for h {tuple(h.shape)}: [T, D] or [T, K >= 1, D]")
     y, h = y.contiguous(), h.contiguous()
     y_addend = None if y_addend is None else y_addend.contiguous()
     post, comb = post.float().contiguous(), comb.float().contiguous()
-    num_tokens, num_streams, hidden = h.shape
     out = torch.empty_like(h)
     if num_tokens == 0:
         return out, None
@@ -528,5 +543,5 @@ def hc_post_with_mix(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb:
         mix_args = {"next_fn_ptr": next_fn, "mix_part_ptr": mix_part, "sq_part_ptr": sq_part,
                     "num_mix": next_fn.shape[0], "BLOCK_M": block_m}
     _hc_post_kernel[grid](y, h, post, comb, out, hidden, N=num_streams, NP=triton.next_power_of_2(num_streams),
-                          BLOCK_D=block_d, addend_ptr=y_addend, num_warps=4, **(mix_args or {}))
+                          BLOCK_D=block_d, addend_ptr=y_addend, Y_SLOTS=num_slots, num_warps=4, **(mix_args or {}))
     return out, partials

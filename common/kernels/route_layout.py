@@ -4,7 +4,7 @@ Why: in decode the torch composition these replace (stable torch.sort, searchsor
 of the route weights, the unsort, the slot-mask multiply, K - 1 in-place adds) is some twenty 1-7 µs
 launches per layer around the two grouped matmuls; with these and the grouped kernels' row indices
 (`fp4_experts`: x read through the row's token, results written to the row's slot) a layer's routed
-experts are four launches: layout, gate-up, down, slot sum.
+experts are four launches: layout, gate-up, down, slot sum (three where the slots go to hc_post unsummed).
 
 Legend: T tokens, K top-k slots, R = T·K routed rows (one per (token, slot)), E experts (held,
 stacked), D hidden, BR slots per step, BB buckets (E + 2) padded to a power of two, BD columns per
@@ -22,11 +22,16 @@ R flat slots t·K + k by stack index, so rows of one expert keep slot order, exa
    so the i-th of them goes to row = its bucket's running start + i - the step's rows of smaller
    buckets; rows get the token, the flat slot and the route weight in fp32. Per-bucket vectors are
    1-D [BB] and read by gathers (no [BR, BB] one-hot), so a step stays in registers.
+The two passes are `route_layout_rows`, the layout's one implementation: `_route_layout_kernel` runs it
+in its one program, and `gate.gate_with_layout` in the gate's last program (ids and route weights never
+leave the gate's launch before the layout is built; the reads go to L2, ".cg", since other programs of
+that launch wrote them).
 Everything stays on the device and the launch is sized from host integers (R, E), so a decode step
 that uses it can be captured in a CUDA graph. The loop over R is sequential in one program: above
 `KERNEL_MAX_ROWS` (341 tokens of top-6) the torch composition builds the same layout.
 
-`sum_slots_kernel` [T, K, D] -> [T, D] (what `moe_layout.sum_slots_in_order` runs on CUDA) adds slot
+`sum_slots_kernel` [T, K, D] -> [T, D] (what `moe_layout.sum_slots_in_order` runs on CUDA; the layer loops
+leave it to hc_post's launch, which calls the same `sum_slot_row`, `mhc._hc_post_kernel`) adds slot
 0, then 1, ... with the result rounded to the slot dtype after every addition, as
 `moe_layout.sum_slots_in_order_torch` does (`total += slot` in bf16: the fp32 sum of the two bf16
 values rounded to nearest even, here by integer operations, which the interpreter runs exactly too),
@@ -99,27 +104,28 @@ def route_layout_torch(ids: torch.Tensor, weights: torch.Tensor, num_experts: in
 def _slot_buckets(ids_ptr, mask_ptr, table_ptr, slots, num_slots, num_experts, top_k,
                   stride_it, stride_ik, stride_mt, stride_mk, HAS_TABLE: tl.constexpr, HAS_MASK: tl.constexpr):
     """Bucket of flat slots [BR]: the stack index; E for a slot without an expert (masked); E + 1 past
-    the last slot."""
+    the last slot. Ids and mask are read from L2 (".cg"): in the gate's launch other programs wrote them."""
     valid = slots < num_slots
     tokens = slots // top_k  # [BR]
     ranks = slots % top_k  # [BR]
     kept = valid
     if HAS_MASK:
-        selected = tl.load(mask_ptr + tokens * stride_mt + ranks * stride_mk, mask=valid, other=0)
+        selected = tl.load(mask_ptr + tokens * stride_mt + ranks * stride_mk, mask=valid, other=0, cache_modifier=".cg")
         kept = kept & (selected != 0)
-    index = tl.load(ids_ptr + tokens * stride_it + ranks * stride_ik, mask=kept, other=0)
+    index = tl.load(ids_ptr + tokens * stride_it + ranks * stride_ik, mask=kept, other=0, cache_modifier=".cg")
     if HAS_TABLE:
         index = tl.load(table_ptr + index, mask=kept, other=0)
     return tl.where(kept, index.to(tl.int32), tl.where(valid, num_experts, num_experts + 1))
 
 
 @triton.jit
-def _route_layout_kernel(
-    ids_ptr, weights_ptr, mask_ptr, table_ptr, offsets_ptr, row_token_ptr, row_slot_ptr, row_weight_ptr,
-    num_slots, top_k, num_experts, stride_it, stride_ik, stride_wt, stride_wk, stride_mt, stride_mk,
-    HAS_TABLE: tl.constexpr, HAS_MASK: tl.constexpr, NUM_STEPS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-):
+def route_layout_rows(ids_ptr, weights_ptr, mask_ptr, table_ptr, offsets_ptr, row_token_ptr, row_slot_ptr,
+                      row_weight_ptr, num_slots, top_k, num_experts, stride_it, stride_ik, stride_wt, stride_wk,
+                      stride_mt, stride_mk, HAS_TABLE: tl.constexpr, HAS_MASK: tl.constexpr,
+                      NUM_STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The counting sort of the R flat slots by bucket, in the calling program (the module doc's passes 1
+    and 2): the layout's one implementation, run by `_route_layout_kernel` and by the gate's last program
+    (`gate.gate_with_layout`)."""
     lanes = tl.arange(0, BLOCK_R)  # [BR]
     buckets = tl.arange(0, BLOCK_B)  # [BB] experts, then "no expert", then past the last slot
     counts = tl.zeros([BLOCK_B], dtype=tl.int32)  # rows per bucket
@@ -142,11 +148,34 @@ def _route_layout_kernel(
         valid = ordered_bucket <= num_experts
         tokens = slots // top_k
         ranks = slots % top_k
-        weight = tl.load(weights_ptr + tokens * stride_wt + ranks * stride_wk, mask=valid, other=0.0)
+        weight = tl.load(weights_ptr + tokens * stride_wt + ranks * stride_wk, mask=valid, other=0.0,
+                         cache_modifier=".cg")
         tl.store(row_token_ptr + rows, tokens, mask=valid)
         tl.store(row_slot_ptr + rows, slots, mask=valid)
         tl.store(row_weight_ptr + rows, weight.to(tl.float32), mask=valid)
         starts += step_counts
+
+
+@triton.jit
+def _route_layout_kernel(
+    ids_ptr, weights_ptr, mask_ptr, table_ptr, offsets_ptr, row_token_ptr, row_slot_ptr, row_weight_ptr,
+    num_slots, top_k, num_experts, stride_it, stride_ik, stride_wt, stride_wk, stride_mt, stride_mk,
+    HAS_TABLE: tl.constexpr, HAS_MASK: tl.constexpr, NUM_STEPS: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    route_layout_rows(ids_ptr, weights_ptr, mask_ptr, table_ptr, offsets_ptr, row_token_ptr, row_slot_ptr,
+                      row_weight_ptr, num_slots, top_k, num_experts, stride_it, stride_ik, stride_wt, stride_wk,
+                      stride_mt, stride_mk, HAS_TABLE, HAS_MASK, NUM_STEPS, BLOCK_R, BLOCK_B)
+
+
+def empty_layout(num_slots: int, num_experts: int, device: torch.device) -> RouteLayout:
+    """Uninitialised layout tensors for R slots over E experts (what a launch fills)."""
+    return RouteLayout(
+        row_token_ids=torch.empty(num_slots, dtype=torch.int32, device=device),
+        row_slot_ids=torch.empty(num_slots, dtype=torch.int32, device=device),
+        row_weights=torch.empty(num_slots, dtype=torch.float32, device=device),
+        expert_offsets=torch.empty(num_experts + 1, dtype=torch.int32, device=device),
+    )
 
 
 def route_layout_kernel(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, *,
@@ -159,13 +188,7 @@ def route_layout_kernel(ids: torch.Tensor, weights: torch.Tensor, num_experts: i
     the table."""
     num_tokens, top_k = ids.shape
     num_slots = num_tokens * top_k
-    device = ids.device
-    layout = RouteLayout(
-        row_token_ids=torch.empty(num_slots, dtype=torch.int32, device=device),
-        row_slot_ids=torch.empty(num_slots, dtype=torch.int32, device=device),
-        row_weights=torch.empty(num_slots, dtype=torch.float32, device=device),
-        expert_offsets=torch.empty(num_experts + 1, dtype=torch.int32, device=device),
-    )
+    layout = empty_layout(num_slots, num_experts, ids.device)
     if num_slots == 0:
         layout.expert_offsets.zero_()
         return layout
@@ -195,20 +218,29 @@ def _round_to_bf16(x):
 
 
 @triton.jit
+def sum_slot_row(slot_row_ptr, stride_sk, in_row, TOP_K: tl.constexpr, IS_BF16: tl.constexpr):
+    """One token's K slot rows over [BD] columns (slot_row_ptr: slot 0's, slot k at + k·stride_sk) -> their
+    sum [BD] in the slot dtype: slot 0 + slot 1 + ..., rounded to the dtype after every addition
+    (`moe_layout.sum_slots_in_order_torch`). The slot sum's one implementation: `_sum_slots_kernel` and
+    `mhc._hc_post_kernel` (routed slots summed inside hc_post) both call it."""
+    total = tl.load(slot_row_ptr, mask=in_row, other=0.0)  # [BD] slot 0, in the slot dtype
+    for slot in tl.static_range(1, TOP_K):
+        addend = tl.load(slot_row_ptr + slot * stride_sk, mask=in_row, other=0.0)  # [BD]
+        total_fp32 = total.to(tl.float32) + addend.to(tl.float32)  # then rounded once to the slot dtype
+        if IS_BF16:
+            total = _round_to_bf16(total_fp32)
+        else:
+            total = total_fp32.to(addend.dtype)
+    return total
+
+
+@triton.jit
 def _sum_slots_kernel(slots_ptr, out_ptr, hidden_size, stride_st, stride_sk, stride_ot,
                       TOP_K: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     in_row = columns < hidden_size
-    slot_row = slots_ptr + token * stride_st + columns
-    total = tl.load(slot_row, mask=in_row, other=0.0)  # [BD] slot 0, in the slot dtype
-    for slot in tl.static_range(1, TOP_K):
-        addend = tl.load(slot_row + slot * stride_sk, mask=in_row, other=0.0)  # [BD]
-        total_fp32 = total.to(tl.float32) + addend.to(tl.float32)  # then rounded once to the slot dtype
-        if IS_BF16:
-            total = _round_to_bf16(total_fp32)
-        else:
-            total = total_fp32.to(out_ptr.dtype.element_ty)
+    total = sum_slot_row(slots_ptr + token * stride_st + columns, stride_sk, in_row, TOP_K, IS_BF16)  # [BD]
     tl.store(out_ptr + token * stride_ot + columns, total, mask=in_row)
 
 

@@ -8,9 +8,11 @@ at a time, with the routed-expert dispatch between `gate` and `ffn_post`:
     for layer:  h = attn_block(layer, h, batch)
                 x, post, comb = ffn_pre(layer, h)
                 ids, weights = gate(layer, x, token_ids)
-                h = ffn_post(layer, routed(layer, x, ids, weights), h, post, comb,
+                h = ffn_post(layer, routed_answer(experts, layer, x, ids, weights), h, post, comb,
                              shared=shared_expert(layer, x))
     logits = logits(h)
+`routed_answer` (moe.py) hands ffn_post an in-process holder's per-slot outputs [T, K, D], summed in
+slot order inside hc_post's launch, or any other experts function's sum [T, D].
 Legend: T tokens, N hc streams, D hidden, K top-k, V vocab.
 """
 
@@ -143,7 +145,9 @@ class AttentionSide(nn.Module):
 
     def ffn_post(self, layer: int, y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                  shared: torch.Tensor | None = None) -> torch.Tensor:
-        """y [T, D] = routed + shared (or y = routed and `shared` [T, D], added inside hc_post) -> h [T, N, D]."""
+        """y [T, D] = routed + shared (or y = routed and `shared` [T, D], added inside hc_post) -> h [T, N, D].
+        y [T, K, D]: the routed experts' per-slot outputs, summed in slot order (`sum_slots_in_order`) inside
+        hc_post before `shared` is added."""
         return self._post_and_mix(layer + 1, "attn", y, h, post, comb, y_addend=shared)
 
     def final_hidden(self, h: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,9 @@ doubly-stochastic `comb` (stream mixing) matrix; `hc_post` folds the block outpu
 h'_k = post_k · y + Σ_j comb[j, k] · h_j  (combᵀ h: comb is not symmetric, direction matters).
 All mixing weights are computed in fp32.
 On CUDA tensors the fused Triton kernels of `common.kernels.mhc` run instead (two launches for
-hc_pre / hc_head, one for hc_post; `common.kernels.glue` says when): this torch code stays the CPU
-path and the reference they are tested against.
+hc_pre / hc_head, one for hc_post, which also sums the routed slots and adds the shared expert's
+output; `common.kernels.glue` says when): this torch code stays the CPU path and the reference they
+are tested against.
 Legend: T tokens, N streams (hc_mult), D hidden, M = (2 + N) · N mix width.
 """
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from moemesh.common.kernels.glue import use_triton_glue
+from moemesh.common.kernels.moe_layout import sum_slots_in_order
 from moemesh.common.model.linear import rms_norm, unweighted_rms_norm
 
 
@@ -63,6 +65,8 @@ def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
             y_addend: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, D] block output, h [T, N, D] streams -> new streams [T, N, D].
 
+    y [T, K, D]: the routed experts' per-slot outputs; the block output is their `sum_slots_in_order`
+    (slot 0 + slot 1 + ..., rounded to y's dtype after each addition), on CUDA inside the hc_post launch.
     y_addend [T, D]: the block output is y + y_addend (the MoE's routed + shared), added in y's dtype
     first, as a separate `y + y_addend` would; on CUDA inside the hc_post launch."""
     fused_add = y_addend is None or y_addend.dtype == y.dtype
@@ -70,6 +74,8 @@ def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
         from moemesh.common.kernels import mhc
 
         return mhc.hc_post(y, h, post, comb, y_addend=y_addend)
+    if y.dim() == 3:  # [T, K, D] routed slots
+        y = sum_slots_in_order(y)
     if y_addend is not None:
         y = y + y_addend
     dtype = h.dtype
@@ -78,8 +84,9 @@ def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
 
 def hc_post_with_mix(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, next_fn: torch.Tensor,
                      y_addend: torch.Tensor | None = None):
-    """`hc_post`, plus launch 1 of the hc_pre that reads the result next (fn `next_fn` [M, N·D]) done in the same
-    launch on CUDA at decode sizes -> (new streams [T, N, D], partials for `hc_pre(..., partials=)` or None)."""
+    """`hc_post` (y [T, D], or routed slots [T, K, D]), plus launch 1 of the hc_pre that reads the result next
+    (fn `next_fn` [M, N·D]) done in the same launch on CUDA at decode sizes -> (new streams [T, N, D], partials
+    for `hc_pre(..., partials=)` or None)."""
     fused_add = y_addend is None or y_addend.dtype == y.dtype
     if (y.dtype == h.dtype and fused_add and next_fn.dtype == torch.float32
             and use_triton_glue(y, h, post, comb, next_fn, *(() if y_addend is None else (y_addend,)))):

@@ -26,6 +26,17 @@ from moemesh.common.model.linear import Linear, parameter
 ExpertsFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def routed_answer(experts_fn: ExpertsFn, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+    """The routed part in the form `AttentionSide.ffn_post` takes it: a single in-process holder's per-slot
+    outputs [T, K, D] (`per_expert_outputs`, every slot; ffn_post's hc_post sums them in slot order in its own
+    launch, as the holder's `__call__` would in one more), any other experts function's routed sum [T, D]."""
+    per_slot = getattr(experts_fn, "per_expert_outputs", None)
+    if per_slot is not None:
+        return per_slot(layer, x, ids, weights)  # [T, K, D]
+    return experts_fn(layer, x, ids, weights)  # [T, D]
+
+
 class ExpertNotHeld(KeyError):
     """A token was routed to a (layer, expert) this holder does not have."""
 

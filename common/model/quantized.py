@@ -348,7 +348,8 @@ class QuantizedRoutedExperts:
         """hidden [T, D], ids/weights [T, K] -> routed sum [T, D]. Raises ExpertNotHeld.
 
         On the kernel path at decode sizes: the three launches of `_slot_rows_kernel`, then the slot
-        sum (one launch on CUDA)."""
+        sum (one launch on CUDA). The model's layer loops take `per_expert_outputs` instead
+        (`moe.routed_answer`) and leave the sum to hc_post's launch."""
         return sum_slots_in_order(self.per_expert_outputs(layer, hidden, ids, weights))
 
     # ----------------------------------------------------------------------- backends

@@ -1,7 +1,8 @@
 """The single-process reference model: the attention side plus a routed-experts function.
 
 The layer loop keeps the MoE call an explicit seam (`experts_fn`), exactly the place where the
-attention worker dispatches to expert workers.
+attention worker dispatches to expert workers; an in-process holder's per-slot outputs go to ffn_post
+unsummed (`moe.routed_answer`: their slot sum runs inside hc_post).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.batch import ForwardBatch, SequenceChunk
-from moemesh.common.model.moe import ExpertsFn
+from moemesh.common.model.moe import ExpertsFn, routed_answer
 from moemesh.common.model.state import DEFAULT_MAX_ROLLBACK_TOKENS, SequenceState
 
 
@@ -42,7 +43,7 @@ class ReferenceModel:
             x, post, comb = side.ffn_pre(layer, h)
             ids, weights = side.gate(layer, x, token_ids)
             shared = side.shared_expert(layer, x)
-            routed = self.experts_fn(layer, x, ids, weights)  # the MoE seam
+            routed = routed_answer(self.experts_fn, layer, x, ids, weights)  # the MoE seam: [T, K, D] or [T, D]
             h = side.ffn_post(layer, routed, h, post, comb, shared=shared)
         batch.finish()
         return side.logits(h, logits_indices)

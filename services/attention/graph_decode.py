@@ -4,6 +4,8 @@ The graphs are captured from `ModelRunner`'s own segments (`LayerSegments`, mode
 each; `DecodeGraphs.runs` hands `ModelRunner.run_segments` a `SegmentRun` per micro-batch whose
 segments are replays, so the loop, the `MoEDispatcher` calls between segments and the ping-pong are
 the runner's; the routed answer enters the next segment through a static buffer (`routed_in`).
+A whole-step graph (below) has none: its segments take the answers as they come, the in-process experts'
+per-slot outputs summed inside the next hc_post launch.
 Nothing of a step is baked in: the positions, ring slots, window closes, block tables, split sizes
 and the set of sequences are written before each replay into the static tables of
 `graph_tables.StaticDecodeTables` and read by the kernels from device memory.
@@ -294,7 +296,7 @@ class DecodeGraphs:
         eager warm-up on a side stream (Triton compiles, workspaces), then the capture. The runner's
         statistics and speculation outputs are restored afterwards (neither run was a real step)."""
         started_s = time.perf_counter()
-        graph_set, batch = self._tables_and_segments(key)
+        graph_set, batch = self._tables_and_segments(key, static_routed=False)
         bucket = key[1]
         phases = torch.full((bucket,), NOT_COUNTED, dtype=torch.long, device=self.device)  # [Tb]
         segment_fns, shared_fns = graph_set.segments.functions()
@@ -348,8 +350,10 @@ class DecodeGraphs:
         return runs
 
     # ------------------------------------------------------------------ building sets
-    def _tables_and_segments(self, key: tuple) -> tuple[_GraphSet, GraphBatch]:
-        """Static tables of `key` (filled with padding rows only) and the segments over them, not captured."""
+    def _tables_and_segments(self, key: tuple, static_routed: bool = True) -> tuple[_GraphSet, GraphBatch]:
+        """Static tables of `key` (filled with padding rows only) and the segments over them, not captured.
+        static_routed: the routed answers enter through a static buffer (segment graphs read it); False for
+        segments captured together in one graph, which take them as they come."""
         _, bucket, index_rows, (paged, rows_per_block) = key
         side = self.side
         rows_per_block = dict(rows_per_block)
@@ -361,7 +365,8 @@ class DecodeGraphs:
                                     self.device, min_real_tokens=(max(smaller) + 1) if smaller else 1,
                                     main_rows=self.scratch.main_row_layout,
                                     indexer_rows=self.scratch.indexer_row_layout)
-        routed_in = torch.zeros(bucket, side.config.hidden_size, dtype=side.dtype, device=self.device)  # [Tb, D]
+        routed_in = (torch.zeros(bucket, side.config.hidden_size, dtype=side.dtype, device=self.device)
+                     if static_routed else None)  # [Tb, D]
         batch = GraphBatch(tables)
         segments = LayerSegments(side, batch, tables.token_ids, routed_in, keep_layers=True)
         graph_set = _GraphSet(tables, segments)

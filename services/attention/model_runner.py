@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moemesh.common.kernels.moe_layout import sum_slots_in_order
 from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.batch import ForwardBatch, SequenceChunk
 from moemesh.services.attention.moe_dispatch import MoEDispatcher
@@ -40,7 +41,8 @@ class LayerSegments:
     Outputs per layer: h_in [T, N, D] (entering layer l; h_in[L]: the final streams), h [T, N, D], x [T, D],
     post, comb, ids, weights [T, K], shared [T, D]; keep_layers: all layers' stay referenced (captured graphs
     read them from their pool), else only the newest. routed_in [T, D]: a static buffer the routed answer
-    is copied into (captured graphs read it); None: the answer is used as given."""
+    is copied into (captured segment graphs read it; per-slot answers are summed into it); None: the answer
+    is used as given, per-slot answers [T, K, D] summed inside ffn_post's hc_post launch."""
 
     def __init__(self, side: AttentionSide, batch, token_ids: torch.Tensor, routed_in: torch.Tensor | None = None,
                  keep_layers: bool = False) -> None:
@@ -64,9 +66,12 @@ class LayerSegments:
             self.outputs[name] = {layer: value}
 
     def set_routed(self, routed: torch.Tensor) -> None:
-        """The routed answer [T_real, D] of the last dispatched layer, for the next segment."""
+        """The routed answer of the last dispatched layer, for the next segment: its sum [T_real, D], or the
+        per-slot outputs [T_real, K, D] of an in-process holder of every slot (`MoEDispatcher.finish`)."""
         if self.routed_in is None:
             self._routed = routed
+        elif routed.dim() == 3:  # [T, K, D]: the segment graphs were captured reading a sum
+            self.routed_in[: routed.shape[0]].copy_(sum_slots_in_order(routed))
         else:
             self.routed_in[: routed.shape[0]].copy_(routed)
 
@@ -178,7 +183,7 @@ class ModelRunner:
                 segments, size = run.segments, run.num_tokens
                 if pending[index] is not None:
                     started_s = time.perf_counter()
-                    routed = self.dispatcher.finish(pending[index])  # [T, D]
+                    routed = self.dispatcher.finish(pending[index])  # [T, D], or [T, K, D] per slot
                     self.stats.wait_s += time.perf_counter() - started_s
                     segments.set_routed(routed)
                     pending[index] = None

@@ -29,7 +29,8 @@ Local experts: pairs the placement gives the attention worker itself (local_expe
 index like any worker (endpoint `local:<name>`, no socket). `start` sends every remote worker's rows
 first, then computes the local share in-process on the whole micro-batch with a device mask (device
 work only), so it overlaps the remote workers; `finish` adds it at its index like any answer. A layer
-held only here never leaves the device and needs no host sync.
+held only here never leaves the device and needs no host sync; its answer is the per-slot outputs
+[T, K, D], which ffn_post sums in slot order inside hc_post (no slot-sum launch of their own).
 Mailboxes: with `data_plane=mailbox`, a layer whose remote holders all accepted a mailbox posts the whole
 micro-batch into each (mailbox_layers.py), computes the local share meanwhile, and `finish` waits on each
 worker's done word.
@@ -274,11 +275,13 @@ class MoEDispatcher:
     def _compute_local(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        slot_mask: torch.Tensor | None, num_slot_tokens: int, count_known: bool = True) -> _Sent:
         """The local share of the micro-batch (x [T, D], ids / weights [T, K], slot_mask [T, K] on the device,
-        None: every slot), computed now: [T, K, D] per slot in placement-invariant mode, else its sum [T, D].
+        None: every slot), computed now: [T, K, D] per slot in placement-invariant mode or over every slot,
+        else its sum [T, D].
         count_known False: num_slot_tokens was not counted (no read-back), so every slot runs, masked."""
         num_selected = num_slot_tokens if slot_mask is not None and count_known else None
         per_slot = self.local_experts.slot_outputs(layer, x, ids, weights, slot_mask, num_selected)  # [T, K, D]
-        output = per_slot if self.placement_invariant else sum_slots_in_order(per_slot)
+        # every slot here (slot_mask None): kept per slot for `finish` to hand on unsummed
+        output = per_slot if self.placement_invariant or slot_mask is None else sum_slots_in_order(per_slot)
         self.num_slot_tokens_in_flight[self.local_index] += num_slot_tokens
         self.num_slot_tokens_sent[self.local_index] += num_slot_tokens
         return _Sent(self.local_index, 0, slice(None), slot_mask, 0, num_slot_tokens, local_output=output)
@@ -390,7 +393,13 @@ class MoEDispatcher:
         return self._holders
 
     def finish(self, pending: PendingMoE) -> torch.Tensor:
-        """Wait for every answer of `pending` -> routed output [T, D], combined in the fixed order."""
+        """Wait for every answer of `pending` -> routed output [T, D], combined in the fixed order; or, where
+        this process computed every slot (the layer's sole holder), its per-slot outputs [T, K, D] as they
+        are: `AttentionSide.ffn_post` sums them in slot order inside hc_post's launch (the same bits)."""
+        if len(pending.sent) == 1 and pending.sent[0].local_output is not None and pending.sent[0].slot_mask is None:
+            sent = pending.sent[0]  # every slot computed here
+            self.num_slot_tokens_in_flight[sent.worker_index] -= sent.num_slot_tokens
+            return self._output(pending, sent)  # [T, K, D]
         if not self.placement_invariant and len(pending.sent) == 1:
             sent = pending.sent[0]
             if isinstance(sent.token_index, slice) and (sent.local_output is not None or sent.mailbox):
