@@ -37,6 +37,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer-dir", type=Path, default=DEFAULT_TOKENIZER_DIR)
     parser.add_argument("--no-tokenizer-copy", action="store_true", help="do not copy tokenizer files into --out")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 20 target steps (CPU check)")
+    parser.add_argument("--size", choices=("full", "recite"), help="model size when not resuming (default full)")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="hub checkpoint to continue training from (its config; drafter too when it has mtp.*)")
+    parser.add_argument("--no-qat", action="store_true", help="train float weights (default: on the FP8/FP4 values)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the training steps (CUDA)")
+    parser.add_argument("--target-lr", type=float)
+    parser.add_argument("--drafter-lr", type=float)
+    parser.add_argument("--target-warmup-steps", type=int)
+    parser.add_argument("--log-every-steps", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--target-steps", type=int)
     parser.add_argument("--drafter-steps", type=int)
@@ -75,7 +84,11 @@ def settings_from_args(args):
     overrides = {"seed": args.seed, "target_steps": args.target_steps, "drafter_steps": args.drafter_steps,
                  "batch_size": args.batch_size, "time_budget_s": args.time_budget_s, "precision": args.precision,
                  "target_time_share": args.target_time_share,
-                 "batched_attention": False if args.core_attention else None}
+                 "batched_attention": False if args.core_attention else None,
+                 "size": None if args.smoke else args.size, "qat": False if args.no_qat else None,
+                 "compile": True if args.compile else None, "target_lr": args.target_lr,
+                 "drafter_lr": args.drafter_lr, "target_warmup_steps": args.target_warmup_steps,
+                 "log_every_steps": args.log_every_steps}
     return dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -116,14 +129,21 @@ def main(argv: list[str] | None = None) -> int:
         ids = np.load(args.data_dir / stream["ids_file"], allow_pickle=False)[:, : settings.seq_len]
         mask = np.load(args.data_dir / stream["loss_mask_file"], allow_pickle=False)[:, : settings.seq_len]
         data[split] = (ids, mask)
-    config = ModelConfig.from_dict(model_config_dict(settings.size, manifest["vocab_size"]))
+    if args.init_from is not None:
+        from moemesh.tools.train.resume import read_config
+
+        config = read_config(args.init_from)
+        if config.vocab_size != manifest["vocab_size"]:
+            raise SystemExit(f"{args.init_from}: vocabulary {config.vocab_size} != dataset {manifest['vocab_size']}")
+    else:
+        config = ModelConfig.from_dict(model_config_dict(settings.size, manifest["vocab_size"]))
     log("train.start", settings=dataclasses.asdict(settings), device=str(device),
         torch_version=torch.__version__, gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         model_config=config.to_hub_dict(), dataset={k: manifest["streams"][k] for k in ("train", "validation")},
-        validation_chapters=manifest["validation_chapters"])
+        validation_chapters=manifest["validation_chapters"], init_from=str(args.init_from) if args.init_from else None)
     deadline = time.monotonic() + settings.time_budget_s
-    target, target_report = train_target(config, settings, data, device, log, deadline)
-    drafter, drafter_report = train_drafter(config, settings, target, data, device, log, deadline)
+    target, target_report = train_target(config, settings, data, device, log, deadline, args.init_from)
+    drafter, drafter_report = train_drafter(config, settings, target, data, device, log, deadline, args.init_from)
     finish_run(args, config, settings, target, drafter, data, device, log,
                {"target": target_report, "drafter": drafter_report, "dataset": manifest})
     return 0
