@@ -1,13 +1,14 @@
 """Quantisation-aware training: the forward and backward run on the weights as the checkpoint will
 store them, the optimizer updates float master weights.
 
-Every trainable weight that the hub format stores quantised (FP8 e4m3 with 128×128 ue8m0 blocks for
-dense linears, FP4 e2m1 with per-32 ue8m0 scales for routed experts; `common.model.inventory`) gets a
-`QuantShadow` entry. `quantized()` is a context around one step's forward + backward: on entry each
+Every trainable weight that the hub format stores in fewer bits than fp32 (FP8 e4m3 with 128×128
+ue8m0 blocks for dense linears, FP4 e2m1 with per-32 ue8m0 scales for routed experts, bf16 for the
+embedding, head, norms, compressors and gates; `common.model.inventory`) gets a `QuantShadow` entry. `quantized()` is a context around one step's forward + backward: on entry each
 such weight is replaced in place by `dequantize(quantize(w))` (the writer's own quantisers, so the
 values are exactly what `export_checkpoint` writes), the float values kept aside; on exit they are put
 back, with the gradient (computed at the quantised point) left in `.grad` for the optimizer: the
-straight-through estimator, without touching the model's modules or their parameter names.
+straight-through estimator, without touching the model's modules or their parameter names. fp32
+tensors (HC, sinks, ape, router bias) are stored as trained.
 
 Why: the exported checkpoint is the only copy of the weights that travels between training runs
 (optimizer state and float masters do not), so a run resumed from it starts from exactly the
@@ -27,8 +28,8 @@ from moemesh.common.model.config import ModelConfig
 from moemesh.common.model.inventory import StorageKind, tensor_inventory
 
 
-def fake_quantize(weight: torch.Tensor, storage: StorageKind, block_size: tuple[int, int]) -> torch.Tensor:
-    """weight [..., O, I] float -> the same shape, dequantised from its FP8 / FP4 storage (fp32).
+def fake_quantize(weight: torch.Tensor, storage: StorageKind, block_size: tuple[int, int] | None) -> torch.Tensor:
+    """weight [..., O, I] float -> the same shape, dequantised from its FP8 / FP4 / BF16 storage (fp32).
     Stacked experts [E, O, I] are quantised as one [E·O, I] matrix: FP4 blocks run along a row, FP8
     blocks are whole 128-row tiles when O is a multiple of 128 (checked), so no block spans two
     experts and the result equals quantising expert by expert."""
@@ -39,6 +40,8 @@ def fake_quantize(weight: torch.Tensor, storage: StorageKind, block_size: tuple[
         out = dequantize_fp8_block(*quantize_fp8_block(matrix, block_size), block_size=block_size)
     elif storage is StorageKind.FP4_BLOCK:
         out = dequantize_fp4(*quantize_fp4(matrix, block_size[1]))
+    elif storage is StorageKind.BF16:
+        out = matrix.to(torch.bfloat16).float()
     else:
         raise ValueError(f"{storage} is not a quantised storage")
     return out.view(weight.shape)
@@ -60,7 +63,7 @@ class QuantShadow:
             spec = specs.get(name)
             if spec is None:
                 raise KeyError(f"{name} is not in the checkpoint inventory")
-            if spec.is_quantized and param.requires_grad:
+            if (spec.is_quantized or spec.storage is StorageKind.BF16) and param.requires_grad:
                 entries.append((name, param, spec.storage, spec.block_size))
         return cls(entries)
 

@@ -28,6 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_DIR = REPO_ROOT / ".traindata" / "kjv-recite"
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "models" / "kjv-dsv4-mini"
 LOG_FILE = "train_log.jsonl"
+HISTORY_FILE = "train_history.json"  # one entry per training run that led to this checkpoint
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from moemesh.tools.train.settings import model_config_dict
 
     settings = settings_from_args(args)
+    history = read_history(args.init_from)
     log = JsonLog(args.out / LOG_FILE)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda" and settings.precision == "bf16":
@@ -146,7 +148,26 @@ def main(argv: list[str] | None = None) -> int:
     drafter, drafter_report = train_drafter(config, settings, target, data, device, log, deadline, args.init_from)
     finish_run(args, config, settings, target, drafter, data, device, log,
                {"target": target_report, "drafter": drafter_report, "dataset": manifest})
+    history.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                    "init_from": str(args.init_from) if args.init_from else None, "batch_size": settings.batch_size,
+                    "qat": settings.qat, "compile": settings.compile,
+                    **{k: target_report[k] for k in ("steps", "seconds", "tokens", "tokens_per_s", "passes")},
+                    "drafter_steps": drafter_report["steps"], "validation": target_report["validation_float"]})
+    totals = {"runs": len(history), "tokens": sum(h["tokens"] for h in history),
+              "passes": round(sum(h["passes"] for h in history), 3),
+              "target_seconds": round(sum(h["seconds"] for h in history), 1)}
+    (args.out / HISTORY_FILE).write_text(json.dumps({"totals": totals, "runs": history}, indent=1) + "\n",
+                                         encoding="utf-8")
+    log("train.history", **totals)
     return 0
+
+
+def read_history(init_from: Path | None) -> list[dict]:
+    """The runs behind the checkpoint trained from (empty for fresh weights or a checkpoint without one)."""
+    if init_from is None or not (Path(init_from) / HISTORY_FILE).exists():
+        return []
+    return json.loads((Path(init_from) / HISTORY_FILE).read_text(encoding="utf-8"))["runs"]
 
 
 if __name__ == "__main__":
