@@ -1,5 +1,5 @@
-"""`python -m moemesh.bench.default_model_figures [--num-verses 200]`: the measured figures of the
-default model (models/kjv-dsv4-mini), on the CPU, written to bench/results/default-model-cpu-<UTC>.json
+"""`moemesh bench default-model [--per-book 8] [--num-verses 200] [--model DIR]`: the measured figures of the
+default model (models/kjv-dsv4-mini, or --model), on the CPU, written to bench/results/default-model-cpu-<UTC>.json
 (bench.results_io).
 
 1. validation loss / perplexity: read from the training log beside the checkpoint (float weights
@@ -9,11 +9,18 @@ default model (models/kjv-dsv4-mini), on the CPU, written to bench/results/defau
    when the answer equals the KJV text exactly. Half the verses come from the well-known chapters
    (oversampled in training, `tools.corpus.splits.DEFAULT_PROTECTED_CHAPTERS`), half from all other
    chapters, both drawn with a fixed seed; the fraction is reported overall and per group;
+   `--per-book N` (default 8: 528 verses): the whole-book sample of `bench.default_model_recitation`,
+   N verses from each of the 66 books (none from held-out chapters), recited by reference through
+   /v1/chat/completions and continued from their first words through /v1/completions, both at
+   temperature 0 and exact-match; fractions overall and per book ("book_recitation");
 3. three sample continuations through /v1/completions at temperature 0;
 4. drafter: mean accepted drafts per verify step at temperature 0 and 1, simulated offline with
    the model core, the DSpark drafter and the server's verifier (`bench.default_model_offline`);
-5. expert-load skew per layer from gate counts over the held-out text (`common.placement.stats`).
-Needs the `bible` program (the verse texts) and the dataset in .traindata/kjv-recite for 5.
+5. expert-load skew per layer from gate counts over the held-out text (`common.placement.stats`);
+6. `--perplexity`: held-out loss / perplexity measured here on the checkpoint's files (model core,
+   fp32) over the validation windows of the dataset, reported apart from the recitation figures.
+Needs the `bible` program (the verse texts) and the dataset in .traindata/kjv-recite for 5 and 6.
+`--skip-offline` leaves out 4 and 5.
 """
 
 from __future__ import annotations
@@ -44,11 +51,18 @@ SEED = 1611
 
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moemesh.bench.default_model_figures", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-verses", type=int, default=200)
+    parser.add_argument("--num-verses", type=int, default=200,
+                        help="well-known / other split sample (0: none)")
+    parser.add_argument("--per-book", type=int, default=8,
+                        help="verses per book of the whole-book sample (0: none; 8 gives 528 verses)")
+    parser.add_argument("--no-continuation", action="store_true", help="whole-book sample: recitation only")
+    parser.add_argument("--model", type=Path, default=MODEL_DIR, help="checkpoint to serve and measure")
+    parser.add_argument("--skip-offline", action="store_true", help="no drafter acceptance / expert skew")
+    parser.add_argument("--perplexity", action="store_true", help="held-out perplexity of the checkpoint's files")
+    parser.add_argument("--perplexity-windows", type=int, default=None, help="validation windows (default all)")
     parser.add_argument("--concurrency", type=int, default=8, help="chat requests in flight")
     parser.add_argument("--acceptance-tokens", type=int, default=48, help="tokens generated per acceptance prompt")
     parser.add_argument("--skew-windows", type=int, default=16, help="held-out windows counted for the skew")
-    parser.add_argument("--skip-serve", action="store_true", help="offline figures only")
     parser.add_argument("--out-dir", type=Path, default=None, help="where the result JSON goes (default bench/results)")
     return parser
 
@@ -76,11 +90,11 @@ def _free_port() -> int:
 class Server:
     """`moemesh serve` as a child process, stopped with SIGTERM on exit."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, model_dir: Path = MODEL_DIR) -> None:
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w", encoding="utf-8")
-        command = [sys.executable, "-m", "moemesh.cli", "serve", "--port", str(self.port)]
+        command = [sys.executable, "-m", "moemesh.cli", "serve", "--port", str(self.port), "--model", str(model_dir)]
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self.log, stderr=self.log, text=True)
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
@@ -148,11 +162,31 @@ def continuations(base_url: str) -> list[dict]:
 
 
 def training_figures(model_dir: Path) -> dict:
-    events = [json.loads(line) for line in (model_dir / "train_log.jsonl").read_text().splitlines() if line.strip()]
+    log_path = model_dir / "train_log.jsonl"
+    if not log_path.exists():
+        return {}
+    events = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     by_event = {e["event"]: e for e in events}
-    return {"float_weights": by_event["target.validation"], "exported_checkpoint": by_event["export.validation"],
+    return {"float_weights": by_event.get("target.validation"), "exported_checkpoint": by_event.get("export.validation"),
             "target_steps": by_event.get("target.steps_fixed", {}).get("total_steps"),
             "drafter_teacher_forced_greedy": by_event.get("drafter.validation_acceptance")}
+
+
+def held_out_perplexity(model_dir: Path, num_windows: int | None) -> dict:
+    """Loss / perplexity of the checkpoint's files on the held-out chapters (validation windows)."""
+    import numpy as np
+
+    from moemesh.tools.train.evaluate import reference_logits_fn, validation_loss
+    from moemesh.tools.train.export import load_reference
+
+    ids = np.load(DATA_DIR / "validation_ids.npy", allow_pickle=False)[:num_windows]
+    mask = np.load(DATA_DIR / "validation_loss_mask.npy", allow_pickle=False)[:num_windows]
+    started = time.monotonic()
+    model, _ = load_reference(model_dir)
+    figures = validation_loss(reference_logits_fn(model), ids, mask, 4, "cpu")
+    manifest = json.loads((DATA_DIR / "manifest.json").read_text(encoding="utf-8"))
+    return {**figures, "num_windows": int(ids.shape[0]), "held_out_chapters": manifest["validation_chapters"],
+            "seconds": round(time.monotonic() - started, 1)}
 
 
 def offline_figures(args) -> dict:
@@ -166,9 +200,9 @@ def offline_figures(args) -> dict:
     from moemesh.tools.train.export import load_reference
 
     torch.manual_seed(SEED)
-    model, reader = load_reference(MODEL_DIR)
+    model, reader = load_reference(args.model)
     config = reader.config
-    tokenizer = load_tokenizer(MODEL_DIR)
+    tokenizer = load_tokenizer(args.model)
     drafter = DSparkDrafter.from_state_dict(config, reader.load_mtp(config), model.side.embed, model.side.head)
     prompts = [[BOS_ID] + tokenizer.encode(p, add_special_tokens=False).ids for p in ACCEPTANCE_PROMPTS]
     acceptance = {}
@@ -190,20 +224,41 @@ def offline_figures(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
-    results: dict = {"model": str(MODEL_DIR.relative_to(REPO_ROOT)), "command": " ".join(["python -m moemesh.bench.default_model_figures"] + (argv or sys.argv[1:])),
-                     "validation": training_figures(MODEL_DIR)}
-    if not args.skip_serve:
-        well_known, other = choose_verses(args.num_verses)
-        with tempfile.TemporaryDirectory() as tmp, Server(Path(tmp) / "serve.log") as server:
+    args.model = args.model.resolve()
+    model_name = str(args.model.relative_to(REPO_ROOT)) if args.model.is_relative_to(REPO_ROOT) else str(args.model)
+    results: dict = {"model": model_name, "command": " ".join(["moemesh bench default-model"] + (argv if argv is not None else sys.argv[1:])),
+                     "validation": training_figures(args.model)}
+    summary: dict = {}
+    if args.num_verses or args.per_book:
+        with tempfile.TemporaryDirectory() as tmp, Server(Path(tmp) / "serve.log", args.model) as server:
             server.wait_ready()
             results["continuations"] = continuations(server.base_url)
-            results["recitation"] = recitation(server.base_url, well_known, other, args.concurrency)
-            print(json.dumps({k: v for k, v in results["recitation"].items() if k != "answers"}), flush=True)
-    results.update(offline_figures(args))
+            if args.per_book:
+                from moemesh.bench.default_model_recitation import book_sample, run_book_sample
+                from moemesh.tools.corpus.kjv import load_verses
+
+                sample = book_sample(load_verses(), args.per_book, SEED)
+                book = run_book_sample(server.base_url, sample, args.concurrency, not args.no_continuation)
+                results["book_recitation"] = {"per_book": args.per_book, "seed": SEED, **book}
+                summary["book_recitation"] = {k: book[k] for k in (
+                    "num_verses", "num_books", "recitation_fraction_exact", "continuation_fraction_exact",
+                    "books_all_recited", "books_none_recited", "seconds")}
+                print(json.dumps(summary["book_recitation"]), flush=True)
+            if args.num_verses:
+                well_known, other = choose_verses(args.num_verses)
+                results["recitation"] = recitation(server.base_url, well_known, other, args.concurrency)
+                summary["recitation"] = {k: v for k, v in results["recitation"].items() if k != "answers"}
+                print(json.dumps(summary["recitation"]), flush=True)
+    if args.perplexity:
+        results["held_out_perplexity"] = held_out_perplexity(args.model, args.perplexity_windows)
+        summary["held_out_perplexity"] = {k: results["held_out_perplexity"][k] for k in ("loss", "perplexity", "num_tokens")}
+    if not args.skip_offline:
+        results.update(offline_figures(args))
+        summary["acceptance"] = {k: v["mean_accepted"] for k, v in results["acceptance"].items()}
+        summary["max_over_mean"] = [round(r["max_over_mean"], 3) for r in results["expert_skew"]["per_layer"]]
     out = write_result("default-model", results, command=results["command"], out_dir=args.out_dir, tag="cpu")
-    summary = {"out": str(out), "acceptance": {k: v["mean_accepted"] for k, v in results["acceptance"].items()},
-               "max_over_mean": [round(r["max_over_mean"], 3) for r in results["expert_skew"]["per_layer"]]}
-    print(json.dumps(summary), flush=True)
+    print(json.dumps({"out": str(out), **{k: v for k, v in summary.items() if k in ("acceptance", "max_over_mean",
+                                                                                  "held_out_perplexity")}}), flush=True)
     return 0
 
 

@@ -46,6 +46,27 @@ def pooled_rows(compressor: Compressor, x: torch.Tensor, positions: torch.Tensor
     return rotated.view(num_rows, num_windows, d).transpose(0, 1)
 
 
+@torch.no_grad()
+def batched_select(indexer, queries: torch.Tensor, head_weights: torch.Tensor, rows: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+    """`Indexer.select` for B windows at once: queries [B, S, H, d], head_weights [B, S, H],
+    rows [B, R, d], positions [S] -> selected [B, S, R] bool. The selection is not differentiable,
+    so nothing here is recorded for backward."""
+    num_rows = rows.shape[1]
+    visible = torch.arange(num_rows, device=rows.device)[None, :] < ((positions + 1) // indexer.ratio)[:, None]
+    visible = visible.unsqueeze(0).expand(rows.shape[0], -1, -1)  # [B, S, R]
+    num_keep = min(indexer.topk, num_rows)
+    if num_keep == 0:
+        return visible
+    logits = torch.einsum("bshd,bnd->bshn", queries.float(), rows.float())  # [B, S, H, R]
+    logits = torch.relu(logits) * indexer.head_dim**-0.5
+    scores = torch.einsum("bshn,bsh->bsn", logits, head_weights.float())  # [B, S, R]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    top = scores.topk(num_keep, dim=-1).indices
+    selected = torch.zeros_like(visible).scatter_(2, top, True)
+    return selected & visible
+
+
 def batched_attention(attn: Attention, x: torch.Tensor, num_windows: int) -> torch.Tensor:
     """x [T, D] (after attn_norm) of B windows of S tokens each, positions 0..S-1 -> [T, D]."""
     config = attn.config
@@ -72,8 +93,7 @@ def batched_attention(attn: Attention, x: torch.Tensor, num_windows: int) -> tor
             queries, head_weights = attn.indexer.project_queries(q_lat, x, cos, sin)
             queries = queries.view(num_windows, seq_len, *queries.shape[1:])
             head_weights = head_weights.view(num_windows, seq_len, -1)
-            row_visible = torch.stack([attn.indexer.select(queries[b], head_weights[b], index_rows[b].detach(),
-                                                           positions_one) for b in range(num_windows)])
+            row_visible = batched_select(attn.indexer, queries, head_weights, index_rows, positions_one)
         keys = torch.cat([keys, rows.to(keys.dtype)], dim=1)
         visible = torch.cat([visible, row_visible], dim=2)
     out = torch.vmap(attend_with_sink, in_dims=(0, 0, 0, None, None))(

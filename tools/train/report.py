@@ -110,7 +110,7 @@ so a rerun reproduces the figures closely, not bit for bit.
 ## Figures (held-out chapters)
 | | loss (nats/token) | perplexity |
 |---|---|---|
-| float weights after training | {val_float['loss']:.3f} | {val_float['perplexity']:.2f} |
+| {'trained weights, quantised as exported (QAT)' if settings.qat else 'float weights after training'} | {val_float['loss']:.3f} | {val_float['perplexity']:.2f} |
 | exported checkpoint (FP8 / FP4, reference model, fp32) | {val_export['loss']:.3f} | {val_export['perplexity']:.2f} |
 
 Validation tokens: {val_export['num_tokens']:,} (running text and chat answers of the held-out chapters).
@@ -121,5 +121,6 @@ Greedy continuation of `{RECITATION_PROMPT}` (exported weights): `{export['recit
 Drafter, teacher-forced greedy acceptance on held-out text (float weights; blocks whose next
 {config.dspark.block_size} tokens are the target's own greedy continuation, {acceptance['num_blocks']} blocks): per slot
 {slots}; mean accepted drafts per block {acceptance.get('mean_accepted', 0.0):.2f}. Recitation through the chat endpoint,
-speculative acceptance per verify step and expert skew: `python -m moemesh.bench.default_model_figures`.
+speculative acceptance per verify step and expert skew: `moemesh bench default-model`. Training across
+device runs, the model size and the measurements: docs/default-model.md.
 """

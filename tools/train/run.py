@@ -28,6 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_DIR = REPO_ROOT / ".traindata" / "kjv-recite"
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "models" / "kjv-dsv4-mini"
 LOG_FILE = "train_log.jsonl"
+HISTORY_FILE = "train_history.json"  # one entry per training run that led to this checkpoint
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -37,6 +38,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer-dir", type=Path, default=DEFAULT_TOKENIZER_DIR)
     parser.add_argument("--no-tokenizer-copy", action="store_true", help="do not copy tokenizer files into --out")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 20 target steps (CPU check)")
+    parser.add_argument("--size", choices=("full", "recite"), help="model size when not resuming (default full)")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="hub checkpoint to continue training from (its config; drafter too when it has mtp.*)")
+    parser.add_argument("--no-qat", action="store_true", help="train float weights (default: on the FP8/FP4 values)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the training steps (CUDA)")
+    parser.add_argument("--target-lr", type=float)
+    parser.add_argument("--drafter-lr", type=float)
+    parser.add_argument("--target-warmup-steps", type=int)
+    parser.add_argument("--log-every-steps", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--target-steps", type=int)
     parser.add_argument("--drafter-steps", type=int)
@@ -75,7 +85,11 @@ def settings_from_args(args):
     overrides = {"seed": args.seed, "target_steps": args.target_steps, "drafter_steps": args.drafter_steps,
                  "batch_size": args.batch_size, "time_budget_s": args.time_budget_s, "precision": args.precision,
                  "target_time_share": args.target_time_share,
-                 "batched_attention": False if args.core_attention else None}
+                 "batched_attention": False if args.core_attention else None,
+                 "size": None if args.smoke else args.size, "qat": False if args.no_qat else None,
+                 "compile": True if args.compile else None, "target_lr": args.target_lr,
+                 "drafter_lr": args.drafter_lr, "target_warmup_steps": args.target_warmup_steps,
+                 "log_every_steps": args.log_every_steps}
     return dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -101,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from moemesh.tools.train.settings import model_config_dict
 
     settings = settings_from_args(args)
+    history = read_history(args.init_from)
     log = JsonLog(args.out / LOG_FILE)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda" and settings.precision == "bf16":
@@ -116,17 +131,43 @@ def main(argv: list[str] | None = None) -> int:
         ids = np.load(args.data_dir / stream["ids_file"], allow_pickle=False)[:, : settings.seq_len]
         mask = np.load(args.data_dir / stream["loss_mask_file"], allow_pickle=False)[:, : settings.seq_len]
         data[split] = (ids, mask)
-    config = ModelConfig.from_dict(model_config_dict(settings.size, manifest["vocab_size"]))
+    if args.init_from is not None:
+        from moemesh.tools.train.resume import read_config
+
+        config = read_config(args.init_from)
+        if config.vocab_size != manifest["vocab_size"]:
+            raise SystemExit(f"{args.init_from}: vocabulary {config.vocab_size} != dataset {manifest['vocab_size']}")
+    else:
+        config = ModelConfig.from_dict(model_config_dict(settings.size, manifest["vocab_size"]))
     log("train.start", settings=dataclasses.asdict(settings), device=str(device),
         torch_version=torch.__version__, gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         model_config=config.to_hub_dict(), dataset={k: manifest["streams"][k] for k in ("train", "validation")},
-        validation_chapters=manifest["validation_chapters"])
+        validation_chapters=manifest["validation_chapters"], init_from=str(args.init_from) if args.init_from else None)
     deadline = time.monotonic() + settings.time_budget_s
-    target, target_report = train_target(config, settings, data, device, log, deadline)
-    drafter, drafter_report = train_drafter(config, settings, target, data, device, log, deadline)
+    target, target_report = train_target(config, settings, data, device, log, deadline, args.init_from)
+    drafter, drafter_report = train_drafter(config, settings, target, data, device, log, deadline, args.init_from)
     finish_run(args, config, settings, target, drafter, data, device, log,
                {"target": target_report, "drafter": drafter_report, "dataset": manifest})
+    history.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                    "init_from": str(args.init_from) if args.init_from else None, "batch_size": settings.batch_size,
+                    "qat": settings.qat, "compile": settings.compile,
+                    **{k: target_report[k] for k in ("steps", "seconds", "tokens", "tokens_per_s", "passes")},
+                    "drafter_steps": drafter_report["steps"], "validation": target_report["validation_float"]})
+    totals = {"runs": len(history), "tokens": sum(h["tokens"] for h in history),
+              "passes": round(sum(h["passes"] for h in history), 3),
+              "target_seconds": round(sum(h["seconds"] for h in history), 1)}
+    (args.out / HISTORY_FILE).write_text(json.dumps({"totals": totals, "runs": history}, indent=1) + "\n",
+                                         encoding="utf-8")
+    log("train.history", **totals)
     return 0
+
+
+def read_history(init_from: Path | None) -> list[dict]:
+    """The runs behind the checkpoint trained from (empty for fresh weights or a checkpoint without one)."""
+    if init_from is None or not (Path(init_from) / HISTORY_FILE).exists():
+        return []
+    return json.loads((Path(init_from) / HISTORY_FILE).read_text(encoding="utf-8"))["runs"]
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Settings of the default-model training run: the model configs and the run's hyper-parameters.
 
-Two model sizes share one schedule (docs/model.md §1.2 in miniature): layers [W, W, CSA, HCA, CSA,
+Three model sizes share one schedule (docs/model.md §1.2 in miniature): layers [W, W, CSA, HCA, CSA,
 HCA], the first three hash-routed, a 128-token window, CSA ratio 4 with a 16-head indexer whose
 top-k (64) is below the 256 compressed rows of a 1024-token training window, HCA ratio 128, mHC
 with 4 streams, routed + shared experts, and three DSpark stages fed by the last three layers.
-`full` is what ships (all FP8 dims multiples of 128); `smoke` is a narrow copy for CPU checks.
+`full` is the shipped size (all FP8 dims multiples of 128); `recite` the same with 4x wider routed
+and shared experts (8 × 512 instead of 8 × 128: 39.2 MB in hub format instead of 25.3 MB), sized
+to memorise the whole KJV (docs/default-model.md); `smoke` is a narrow copy for CPU checks.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from moemesh.tools.corpus.special_tokens import BOS_ID, EOS_ID, MASK_ID
 
 NUM_MAIN_LAYERS = 6
 NUM_DRAFT_STAGES = 3
+SIZES = ("full", "recite", "smoke")
 
 
 def model_config_dict(size: str, vocab_size: int) -> dict[str, Any]:
-    """Hub-form `config.json` of the default model (`size` "full" or "smoke")."""
-    if size not in ("full", "smoke"):
-        raise ValueError(f"size={size!r} is not 'full' or 'smoke'")
-    full = size == "full"
+    """Hub-form `config.json` of the default model (`size` one of SIZES)."""
+    if size not in SIZES:
+        raise ValueError(f"size={size!r} is not one of {', '.join(SIZES)}")
+    full = size != "smoke"
     hidden = 256 if full else 128
     return {
         "vocab_size": vocab_size,
@@ -38,7 +41,7 @@ def model_config_dict(size: str, vocab_size: int) -> dict[str, Any]:
         "n_routed_experts": 8,
         "n_shared_experts": 1,
         "num_experts_per_tok": 2,
-        "moe_intermediate_size": 128,
+        "moe_intermediate_size": 512 if size == "recite" else 128,
         "routed_scaling_factor": 1.5,
         "swiglu_limit": 10.0,
         "scoring_func": "sqrtsoftplus",
@@ -97,6 +100,9 @@ class TrainSettings:
     target_time_share: float = 0.68
     eval_batch_size: int = 8
     batched_attention: bool = True  # False: the model core's per-sequence path (slower, same math)
+    qat: bool = True  # forward/backward on the FP8 / FP4 values the export stores (tools.train.quant_shadow)
+    compile: bool = False  # torch.compile the training step's forward + loss (CUDA; compile time counts)
+    log_every_steps: int = 25
 
     @classmethod
     def smoke(cls) -> "TrainSettings":

@@ -14,13 +14,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.batch import ForwardBatch, SequenceChunk
 from moemesh.common.model.config import ModelConfig, NumericsConfig, RouterKind
 from moemesh.common.model.hyper import hc_post
-from moemesh.common.model.moe import RoutedExperts
+from moemesh.common.model.moe import RoutedExperts, _swiglu
 from moemesh.common.model.state import SequenceState
 from moemesh.tools.train.batched_attention import batched_attention
 
@@ -84,11 +85,16 @@ class StackedExperts(nn.Module):
         self.config = config
         self.swiglu_limit = config.swiglu_limit
         self.counts = [torch.zeros(e, device=device) for _ in range(num_layers)]
+        self.dense = True  # False: the model core's RoutedExperts (a host sync per expert, same math)
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        held = {(layer, e): (self.w1[layer][e], self.w2[layer][e], self.w3[layer][e])
-                for e in range(self.config.n_routed_experts)}
-        self.counts[layer] += torch.bincount(ids.reshape(-1), minlength=self.config.n_routed_experts).float()
+        num_experts = self.config.n_routed_experts
+        flat_ids = ids.reshape(-1)
+        self.counts[layer].index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=self.counts[layer].dtype))
+        if self.dense:
+            return dense_routed_experts(x, ids, weights, self.w1[layer], self.w2[layer], self.w3[layer],
+                                        self.swiglu_limit)
+        held = {(layer, e): (self.w1[layer][e], self.w2[layer][e], self.w3[layer][e]) for e in range(num_experts)}
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):  # one dtype inside RoutedExperts' scatter
             x = x.to(torch.get_autocast_dtype(device_type))
@@ -112,14 +118,34 @@ class StackedExperts(nn.Module):
         return out
 
 
+def dense_routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                         w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
+    """The routed sum of `RoutedExperts` with every expert run on every token: x [T, D], ids /
+    weights [T, K], w1 / w3 [E, I, D], w2 [E, D, I] -> [T, D].
+
+    Three GEMMs over all E experts at once, the route weight (zero for unselected experts) applied
+    before w2 (the same sum: w2 is linear). E/K times the expert FLOPs of a gathered dispatch, but
+    fixed shapes and no host synchronisation (the gathered path reads the ids on the host to slice
+    per expert), which is what bounds a small model's training step on a GPU."""
+    num_tokens = x.shape[0]
+    num_experts, width, hidden = w1.shape
+    combine = torch.zeros(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    combine.scatter_add_(1, ids, weights.float())  # [T, E]
+    gate = F.linear(x, w1.reshape(num_experts * width, hidden)).view(num_tokens, num_experts, width)
+    up = F.linear(x, w3.reshape(num_experts * width, hidden)).view(num_tokens, num_experts, width)
+    act = _swiglu(gate, up, swiglu_limit) * combine.unsqueeze(-1).to(gate.dtype)  # [T, E, I]
+    w2_flat = w2.permute(1, 0, 2).reshape(hidden, num_experts * width)  # [D, E·I]
+    return F.linear(act.reshape(num_tokens, num_experts * width), w2_flat)
+
+
 def balance_router_biases(gates, counts: list[torch.Tensor], rate: float) -> None:
     """Aux-loss-free load balancing (DeepSeek-V3 style): raise the selection bias of experts that
     got fewer tokens than the mean, lower it for those that got more. Hash layers have no bias."""
     with torch.no_grad():
         for gate, count in zip(gates, counts):
-            if getattr(gate, "bias", None) is None or count.sum() == 0:
+            if getattr(gate, "bias", None) is None:
                 continue
-            gate.bias += rate * torch.sign(count.mean() - count)
+            gate.bias += rate * torch.sign(count.mean() - count)  # all zero when no token was counted
 
 
 class TrainableTarget(nn.Module):
