@@ -142,3 +142,71 @@ def test_gate_with_layout_compiles_for_sm90_without_spills(num_splits, block_t):
 def test_cuda_gate_with_layout_equals_gate_then_route_layout_at_flash_size(num_tokens):
     x, weight, bias, table = gate_inputs(num_tokens, 256, 4096, torch.bfloat16, seed=num_tokens, device="cuda")
     assert_fused_equals_two_launches(x, weight, bias, table, 6)
+
+
+def test_a_handed_over_layout_serves_only_the_ids_it_was_made_from():
+    """RouteLayoutHandoff: taken once, only for the same ids and weights (memory, shape, strides); a cleared or
+    different offer gives None (the holder then builds its own layout)."""
+    from moemesh.common.model.moe import RouteLayoutHandoff
+
+    handoff = RouteLayoutHandoff(4, torch.arange(4))
+    ids, weights = torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
+    layout = object()
+    handoff.offer(ids, weights, layout)
+    assert handoff.take(ids[:2], weights[:2]) is None  # another shape: not the same routing
+    handoff.offer(ids, weights, layout)
+    assert handoff.take(ids, weights) is layout
+    assert handoff.take(ids, weights) is None  # once
+    handoff.offer(ids, weights, layout)
+    handoff.clear()
+    assert handoff.take(ids, weights) is None
+    handoff.offer(ids, weights, layout)
+    assert handoff.take(ids.clone(), weights) is None
+
+
+def test_gates_are_connected_only_where_every_expert_is_held():
+    from moemesh.common.model.config import AttentionKind
+    from moemesh.common.model.random_init import random_model, tiny_flash_like_config
+
+    config = tiny_flash_like_config((AttentionKind.WINDOW, AttentionKind.CSA))
+    side, experts = random_model(config, "cpu")
+    gates = side.gates()
+    assert all(gate.layout_handoff is not None for gate in gates.values())
+    experts._layers[1].holds_all = False  # a holder of part of layer 1
+    experts.connect_gates(gates)
+    assert gates[0].layout_handoff is not None and gates[1].layout_handoff is None
+
+
+@interpreted
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_interpreted_in_process_experts_take_the_gates_layout(num_tokens, monkeypatch):
+    """A layer's gate with its in-process holder connected: the experts' slot outputs equal those of a holder
+    building its own layout, bit for bit, and no route-layout launch runs."""
+    from triton.runtime import interpreter
+
+    from moemesh.common.kernels.glue import INTERPRET_ON_CPU_ENV
+    from moemesh.common.model.config import AttentionKind, NumericsConfig
+    from moemesh.common.model.quantized import KernelBackend
+    from moemesh.common.model.random_init import random_model, tiny_flash_like_config
+
+    monkeypatch.setenv(INTERPRET_ON_CPU_ENV, "1")
+    config = tiny_flash_like_config((AttentionKind.WINDOW,), kernel_friendly=True)
+    side, experts = random_model(config, "cpu", numerics=NumericsConfig(dtype="bfloat16"),
+                                 backend=KernelBackend.KERNEL)
+    generator = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, config.hidden_size, generator=generator).bfloat16()
+    token_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=generator)
+    launched, original = [], interpreter.GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        launched.append(self.fn.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    ids, weights = side.gate(0, x, token_ids)
+    fused = experts.per_expert_outputs(0, x, ids, weights)
+    assert "_route_layout_kernel" not in launched, launched
+    side.layers[0].ffn.gate.layout_handoff.clear()  # the holder builds its own layout
+    own = experts.per_expert_outputs(0, x, ids, weights)
+    assert "_route_layout_kernel" in launched
+    assert torch.equal(fused, own)

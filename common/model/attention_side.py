@@ -140,6 +140,10 @@ class AttentionSide(nn.Module):
         """x [T, D], token_ids [T] -> ids [T, K] (ascending), weights [T, K]."""
         return self.layers[layer].ffn.gate(x, token_ids)
 
+    def gates(self) -> dict[int, nn.Module]:
+        """{layer: its MoE gate}, for an in-process expert holder to connect (`connect_gates`)."""
+        return {layer: block.ffn.gate for layer, block in enumerate(self.layers)}
+
     def shared_expert(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return self.layers[layer].ffn.shared_experts(x)
 

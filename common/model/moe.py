@@ -41,6 +41,34 @@ class ExpertNotHeld(KeyError):
     """A token was routed to a (layer, expert) this holder does not have."""
 
 
+class RouteLayoutHandoff:
+    """The route layout a layer's gate computed in its launch (`gate.gate_with_layout`) for the in-process holder
+    of every expert of that layer, handed over once for the very ids and weights it was made from (same memory and
+    shape): the holder then skips its own layout launch. The gate replaces or clears it on every call, so no
+    layout outlives its step."""
+
+    def __init__(self, num_held: int, stack_table: torch.Tensor) -> None:
+        self.num_held = num_held
+        self.stack_table = stack_table  # [E] int64 global id -> stack index
+        self._offered: tuple | None = None
+
+    def offer(self, ids: torch.Tensor, weights: torch.Tensor, layout) -> None:
+        self._offered = (ids, weights, layout)
+
+    def clear(self) -> None:
+        self._offered = None
+
+    def take(self, ids: torch.Tensor, weights: torch.Tensor):
+        """The layout made from these ids and weights (then forgotten), or None."""
+        offered, self._offered = self._offered, None
+        if offered is None:
+            return None
+        offered_ids, offered_weights, layout = offered
+        same = all(a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                   for a, b in ((offered_ids, ids), (offered_weights, weights)))
+        return layout if same else None
+
+
 class Gate(nn.Module):
     """Affinity s = sqrt(softplus(x · Wᵀ)); learned layers pick top-k of s + bias (bias only for
     selection), hash layers take tid2eid[token]; weights = scale · s[ids] / Σ s[ids].
@@ -60,17 +88,28 @@ class Gate(nn.Module):
             self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long, device=device))
         else:
             self.bias = parameter(config.n_routed_experts, dtype=torch.float32, device=device)
+        self.layout_handoff: RouteLayoutHandoff | None = None  # set by the in-process holder of all its experts
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D], token_ids [T] -> ids [T, K] int64 ascending, weights [T, K] (x's dtype)."""
+        """x [T, D], token_ids [T] -> ids [T, K] int64 ascending, weights [T, K] (x's dtype). With a
+        `layout_handoff`, at decode sizes on CUDA the same launch also builds the holder's route layout."""
         hashed = self.kind is RouterKind.HASH
+        handoff = self.layout_handoff
+        if handoff is not None:
+            handoff.clear()
         if use_triton_glue(x, self.weight, *([token_ids] if hashed else [])):
             from moemesh.common.kernels import gate as gate_kernel
 
             if gate_kernel.supports(x, self.weight):
-                return gate_kernel.gate(x, self.weight, top_k=self.top_k, route_scale=self.routed_scaling_factor,
-                                        bias=None if hashed else self.bias, tid2eid=self.tid2eid if hashed else None,
-                                        token_ids=token_ids if hashed else None)
+                routing = dict(top_k=self.top_k, route_scale=self.routed_scaling_factor,
+                               bias=None if hashed else self.bias, tid2eid=self.tid2eid if hashed else None,
+                               token_ids=token_ids if hashed else None)
+                if handoff is not None and gate_kernel.fuses_layout(x.shape[0], self.top_k):
+                    ids, weights, layout = gate_kernel.gate_with_layout(
+                        x, self.weight, num_held=handoff.num_held, stack_table=handoff.stack_table, **routing)
+                    handoff.offer(ids, weights, layout)
+                    return ids, weights
+                return gate_kernel.gate(x, self.weight, **routing)
         scores = F.softplus(F.linear(x, self.weight)).sqrt()  # [T, E]
         if hashed:
             ids = self.tid2eid[token_ids].long()

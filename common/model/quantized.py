@@ -32,7 +32,7 @@ from torch import nn
 from moemesh.common.kernels.moe_layout import ExpertLayout, sum_slots_in_order
 from moemesh.common.kernels.reference import dequant_fp4, dequant_fp8_blockwise, scale_bytes
 from moemesh.common.model.linear import GroupedLinear, Linear
-from moemesh.common.model.moe import ExpertNotHeld, _swiglu
+from moemesh.common.model.moe import ExpertNotHeld, RouteLayoutHandoff, _swiglu
 
 FP8_BLOCK = 128
 TORCH_BLOCK_ROWS = 8 * FP8_BLOCK  # output rows dequantised at once on the torch (CPU) path
@@ -276,6 +276,20 @@ class QuantizedRoutedExperts:
         self.backend = backend
         self._layers = {int(layer): _LayerExperts(ids, tensors, expert_format, num_routed_experts)
                         for layer, (ids, tensors) in layers.items()}
+        self._layout_handoffs: dict[int, RouteLayoutHandoff] = {}
+
+    def connect_gates(self, gates: Mapping[int, nn.Module]) -> None:
+        """Let the gate of every layer whose experts are all here build this holder's route layout in its launch
+        (`moe.RouteLayoutHandoff`); gates: {layer: Gate} of the model whose layers feed this holder in-process."""
+        for layer, gate in gates.items():
+            held = self._layers.get(layer)
+            if held is None or not held.holds_all:
+                gate.layout_handoff = None
+                self._layout_handoffs.pop(layer, None)
+                continue
+            handoff = RouteLayoutHandoff(len(held.expert_ids), held.local)
+            gate.layout_handoff = handoff
+            self._layout_handoffs[layer] = handoff
 
     @classmethod
     def from_config(cls, layers, config, numerics=None, **kwargs) -> "QuantizedRoutedExperts":
@@ -335,7 +349,10 @@ class QuantizedRoutedExperts:
                 raise ExpertNotHeld(f"layer {layer}: experts {sorted(set(ids[missing].tolist()))} are not held here")
         num_tokens, top_k = ids.shape
         if _use_kernel(self.backend, hidden):
-            rows = self._slot_rows_kernel(held, hidden, ids, weights, slot_mask, stack_table=held.local)  # [R, D]
+            handoff = self._layout_handoffs.get(layer)
+            layout = handoff.take(ids, weights) if handoff is not None and slot_mask is None else None
+            rows = self._slot_rows_kernel(held, hidden, ids, weights, slot_mask, stack_table=held.local,
+                                          layout=layout)  # [R, D]
             return rows.view(num_tokens, top_k, -1)  # masked slots already zero
         local = held.local[ids]  # [T, K]
         rows = self._rows_torch(held, hidden, local, weights, slot_mask)
@@ -359,9 +376,11 @@ class QuantizedRoutedExperts:
         return self._slot_rows_kernel(held, hidden, local, weights, None, stack_table=None)
 
     def _slot_rows_kernel(self, held: _LayerExperts, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                          slot_mask: torch.Tensor | None, *, stack_table: torch.Tensor | None) -> torch.Tensor:
+                          slot_mask: torch.Tensor | None, *, stack_table: torch.Tensor | None,
+                          layout=None) -> torch.Tensor:
         """hidden [T, D], ids / weights [T, K] (ids read through stack_table when given, else stack indices),
         slot_mask [T, K] or None -> [T·K, D] rows indexed by flat slot t·K + k, exact zeros where masked.
+        layout: the route layout of these ids and weights when the gate's launch already built it.
 
         Three launches, no host sync: the route layout (`route_layout.route_layout`: stable sort of the
         selected slots by expert, masked slots after every expert's rows), `grouped_gate_up` reading x
@@ -376,7 +395,8 @@ class QuantizedRoutedExperts:
             if slot_mask is None:
                 return rows
             return (rows.view(*ids.shape, -1) * slot_mask[..., None].to(rows.dtype)).view(rows.shape)
-        layout = route_layout(ids, weights, len(held.expert_ids), stack_table=stack_table, slot_mask=slot_mask)
+        if layout is None:
+            layout = route_layout(ids, weights, len(held.expert_ids), stack_table=stack_table, slot_mask=slot_mask)
         stacked = held.kernel_weights()
         quartered = quartered_handoff(ids.numel(), stacked, hidden.dtype, hidden.device)
         h = grouped_gate_up(hidden, layout.expert_offsets, stacked, swiglu_limit=self.swiglu_limit,

@@ -211,6 +211,7 @@ def random_model(config: ModelConfig, device, *, numerics: NumericsConfig | None
     with torch.no_grad():
         side = random_attention_side(config, numerics, device, seed=seed, backend=backend)
         experts = random_routed_experts(config, numerics, device, seed=seed + 1, backend=backend)
+    experts.connect_gates(side.gates())  # one process: the gates build the experts' route layouts
     return side, experts
 
 

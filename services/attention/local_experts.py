@@ -42,6 +42,12 @@ class LocalExperts:
             self._dense = RoutedExperts(weights, self.swiglu_limit,
                                         route_weight_before_w2=self.holdings.route_weight_before_w2)
 
+    def connect_gates(self, gates) -> None:
+        """Layers whose experts are all here take their route layout from the gate's launch
+        (`QuantizedRoutedExperts.connect_gates`); gates: {layer: Gate}."""
+        if self.holdings.experts is not None:
+            self.holdings.experts.connect_gates(gates)
+
     @property
     def pairs(self) -> list[tuple[int, int]]:
         return self.holdings.pairs

@@ -131,6 +131,8 @@ class AttentionWorker(Service):
         numerics = NumericsConfig(dtype=str(dtype).removeprefix("torch."), kv_fp8_qat=kv_fp8)
         self.side = load_attention_side(reader, numerics, self.device)
         endpoints, workers, local = self._local_experts(reader, dtype)
+        if local is not None:
+            local.connect_gates(self.side.gates())
         self.weight_bytes = WeightBytes(resident=module_weight_bytes(self.side) + local_bytes(local, "resident"),
                                         stored=attention_stored_bytes(reader) + local_bytes(local, "stored"))
         self.report_weight_bytes(self.device, self.weight_bytes.resident, self.weight_bytes.stored)
