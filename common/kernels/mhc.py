@@ -480,11 +480,14 @@ def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
     return hc_post_with_mix(y, h, post, comb, None, block_d=block_d, y_addend=y_addend)[0]
 
 
+EMBED_MIX_MAX_TOKENS = 16  # above, the mix's weight reads per program outweigh a launch (measured at 64 tokens)
+
+
 def embed_streams(token_ids: torch.Tensor, table: torch.Tensor, num_streams: int, dtype: torch.dtype,
                   next_fn: torch.Tensor | None = None, block_d: int | None = None
                   ) -> tuple[torch.Tensor, MixPartials | None]:
     """token_ids [T], table [V, D] -> (streams [T, N, D] in dtype: N copies of each token's row, partials): with
-    next_fn [M, N·D] fp32 (the first hc_pre) at T <= MAX_FUSED_MIX_TOKENS the same launch computes its launch 1
+    next_fn [M, N·D] fp32 (the first hc_pre) at T <= EMBED_MIX_MAX_TOKENS the same launch computes its launch 1
     as `hc_post_with_mix` does for the later ones; else None. One launch."""
     num_tokens, hidden = token_ids.shape[0], table.shape[1]
     out = torch.empty(num_tokens, num_streams, hidden, dtype=dtype, device=table.device)
@@ -493,7 +496,7 @@ def embed_streams(token_ids: torch.Tensor, table: torch.Tensor, num_streams: int
     block_d = block_d or (256 if num_tokens <= 64 else 1024)
     num_d_blocks = triton.cdiv(hidden, block_d)
     partials, mix_args = None, {}
-    if next_fn is not None and num_tokens <= MAX_FUSED_MIX_TOKENS:
+    if next_fn is not None and num_tokens <= EMBED_MIX_MAX_TOKENS:
         if next_fn.dtype != torch.float32 or not next_fn.is_contiguous() or next_fn.shape[1] != num_streams * hidden:
             raise ValueError(f"next_fn {tuple(next_fn.shape)} {next_fn.dtype} is not a contiguous fp32 "
                              f"[M, {num_streams * hidden}]")
