@@ -882,3 +882,25 @@ def test_cuda_cos_sin_and_window_rows_at_flash_size():
         assert torch.equal(rows, rows_g)
         reference = _torch_window_rows(pooled, weight, 1e-6, table, positions, tokens, ratio, torch.bfloat16)
         assert_within_ulps(rows, reference, torch.bfloat16, extra=1e-6)
+
+
+@interpreted
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_interpreted_grouped_fp8_linear_reads_and_writes_rows_in_place(num_tokens):
+    """wo_a (`Fp8GroupedLinear`) on the grouped kernel through row ids equals the same launch over the transposed
+    input, transposed back (the copies it saves), bit for bit, and the dequantised torch path within bf16."""
+    from moemesh.common.kernels.fp4_experts import ExpertWeights, WeightFormat, grouped_down
+    from moemesh.common.model.quantized import Fp8GroupedLinear, KernelBackend
+    from moemesh.common.model.random_init import random_fp8_linear
+
+    groups, out_per_group, in_features = 4, 128, 256
+    weight, scale = random_fp8_linear(groups * out_per_group, in_features, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(num_tokens, groups, in_features, generator=torch.Generator().manual_seed(num_tokens)).bfloat16()
+    got = Fp8GroupedLinear(weight, scale, groups, backend=KernelBackend.KERNEL)(x)  # [T, G·O]
+    w, s = weight.view(groups, out_per_group, -1), scale.view(groups, out_per_group // 128, -1)
+    stacked = ExpertWeights(w, s, w, s, w, s, WeightFormat.FP8_E4M3)
+    offsets = torch.arange(0, groups + 1, dtype=torch.int32) * num_tokens
+    transposed = grouped_down(x.transpose(0, 1).reshape(groups * num_tokens, -1), offsets, stacked)  # [G·T, O]
+    assert torch.equal(got, transposed.view(groups, num_tokens, -1).transpose(0, 1).reshape(num_tokens, -1))
+    want = Fp8GroupedLinear(weight, scale, groups, backend=KernelBackend.TORCH)(x.float())
+    assert float((got.float() - want).norm() / want.norm()) < 1e-2

@@ -434,20 +434,21 @@ def grouped_down(
     hidden: torch.Tensor, expert_offsets: torch.Tensor, weights: ExpertWeights, *,
     row_weights: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
     config: GroupedGemmConfig | None = None, out_row_ids: torch.Tensor | None = None,
-    hidden_quartered: bool = False,
+    hidden_quartered: bool = False, x_row_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """hidden [R, I] -> [R, D], each row times `row_weights[r]` (fp32 [R]) when given; `hidden_quartered`:
     hidden's rows are k-quartered (`grouped_gate_up(quartered_out=True)`, see `quartered_handoff`).
+    With `x_row_ids` [R] int32, row r reads hidden[x_row_ids[r]] (as `grouped_gate_up`'s).
 
     With `out_row_ids` [R] int32 (a permutation of 0..R-1), row r's result goes to output row
     out_row_ids[r] (the sorted-order result scattered in the same launch); rows r from expert_offsets[E]
     on have no expert: their output rows come out as exact zeros, without reading `hidden`. Every
     output row is written."""
-    config = config or _default_config(hidden, weights, weights.w2.shape[1])
+    config = config or _default_config(hidden, weights, weights.w2.shape[1], _num_rows(hidden, x_row_ids))
     return _launch(
         hidden, expert_offsets, weights.w2, weights.s2, None, None, weights.weight_format,
         swiglu_limit=None, row_weights=row_weights, out_dtype=out_dtype or hidden.dtype, config=config,
-        out_row_ids=out_row_ids, x_quartered=hidden_quartered,
+        x_row_ids=x_row_ids, out_row_ids=out_row_ids, x_quartered=hidden_quartered,
     )
 
 

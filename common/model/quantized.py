@@ -125,19 +125,24 @@ class Fp8GroupedLinear(Fp8Linear):
         self.num_groups = num_groups
         self.out_per_group = self.out_features // num_groups
         self._kernel_ok = self.out_per_group % FP8_BLOCK == 0 and self.in_features % FP8_BLOCK == 0
-        self._offsets: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._offsets: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _group_offsets(self, num_tokens: int, device: torch.device) -> torch.Tensor:
-        """[G + 1] int32 row offsets g·T of the transposed input, kept per (T, device) so a step does not
-        launch kernels to rebuild them. Not kept when first built inside a CUDA-graph capture (its
-        kernel is only recorded there, so the tensor holds no values outside the replay)."""
+    def _group_rows(self, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([G + 1] int32 row offsets g·T of the rows sorted by group, [G·T] int32 row ids: sorted row g·T + t is
+        row t·G + g of x viewed [T·G, I], and of the output viewed [T·G, O]), kept per (T, device) so a step
+        launches nothing to rebuild them. Not kept when first built inside a CUDA-graph capture (its kernels
+        are only recorded there, so the tensors hold no values outside the replay)."""
         key = (num_tokens, device)
-        offsets = self._offsets.get(key)
-        if offsets is None:
+        rows = self._offsets.get(key)
+        if rows is None:
             offsets = torch.arange(0, self.num_groups + 1, device=device, dtype=torch.int32) * num_tokens
+            tokens = torch.arange(num_tokens, device=device, dtype=torch.int32)
+            groups = torch.arange(self.num_groups, device=device, dtype=torch.int32)
+            row_ids = (tokens[None, :] * self.num_groups + groups[:, None]).reshape(-1)  # [G·T], group-major
+            rows = (offsets, row_ids)
             if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-                self._offsets[key] = offsets
-        return offsets
+                self._offsets[key] = rows
+        return rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # T tokens, G groups, I input per group, O output per group
@@ -155,10 +160,10 @@ class Fp8GroupedLinear(Fp8Linear):
             w = self.weight.view(g, o, i)
             s = self.scale.view(g, o // FP8_BLOCK, -1)
             stacked = ExpertWeights(w, s, w, s, w, s, WeightFormat.FP8_E4M3)
-            x_sorted = x.transpose(0, 1).reshape(g * num_tokens, i)  # [G·T, I], rows grouped by g
-            offsets = self._group_offsets(num_tokens, x.device)
-            y = grouped_down(x_sorted, offsets, stacked)  # [G·T, O]
-            return y.view(g, num_tokens, o).transpose(0, 1).reshape(num_tokens, g * o)
+            offsets, row_ids = self._group_rows(num_tokens, x.device)
+            y = grouped_down(x.reshape(num_tokens * g, i), offsets, stacked, x_row_ids=row_ids,
+                             out_row_ids=row_ids)  # [T·G, O]: rows read and written in place, no transposes
+            return y.view(num_tokens, g * o)
         weight = self.dequantized(x.dtype).view(self.num_groups, -1, self.in_features).transpose(1, 2)  # [G, I, O]
         y = torch.bmm(x.transpose(0, 1), weight)  # [G, T, O]
         return y.transpose(0, 1).reshape(num_tokens, -1)
