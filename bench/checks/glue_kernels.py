@@ -150,7 +150,10 @@ def check_hc_post_mix(case_id, num_tokens, num_streams, hidden, dtype, device, b
     _poison(device)
     streams, partials = mhc.hc_post_with_mix(y, h, post, comb, next_fn, block_d=block_d)
     same_streams = torch.equal(streams, mhc.hc_post(y, h, post, comb, block_d=block_d))
-    used = partials is not None and partials.serves(streams, next_fn)
+    if num_tokens <= mhc.MAX_FUSED_MIX_TOKENS:
+        used = partials is not None and partials.serves(streams, next_fn)
+    else:  # more tokens: hc_post alone, the hc_pre its own two launches
+        used = partials is None
     out = mhc.hc_pre(streams, next_fn, next_base, next_scale, 20, HC_EPS, NORM_EPS, out_norm=(norm_weight, NORM_EPS),
                      partials=partials)
     with forced_torch_glue():
@@ -181,7 +184,7 @@ def check_embed_streams(case_id, num_tokens, num_streams, hidden, dtype, device,
     with forced_torch_glue():
         want_streams, _ = hyper.embed_streams(token_ids, table, num_streams, dtype)
     same_streams = torch.equal(streams, want_streams)
-    if num_tokens <= mhc.EMBED_MIX_MAX_TOKENS:
+    if num_tokens <= mhc.MAX_FUSED_MIX_TOKENS:
         used = partials is not None and partials.serves(streams, fn)
     else:  # more tokens: the embedding alone, the hc_pre its own two launches
         used = partials is None

@@ -470,7 +470,9 @@ class MixPartials:
         return h is self.h and fn.data_ptr() == self.fn.data_ptr() and fn.shape == self.fn.shape
 
 
-MAX_FUSED_MIX_TOKENS = 64  # above: hc_post's 1024-wide D slices would hold [BM, 1024] products per program
+# above, the next hc_pre's mix in hc_post's (or the embedding's) launch costs more than its own launch: each D-slice
+# program re-reads its [M, N·BD] slice of fn per token (measured at 64 tokens on an H200)
+MAX_FUSED_MIX_TOKENS = 16
 
 
 def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -480,14 +482,11 @@ def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
     return hc_post_with_mix(y, h, post, comb, None, block_d=block_d, y_addend=y_addend)[0]
 
 
-EMBED_MIX_MAX_TOKENS = 16  # above, the mix's weight reads per program outweigh a launch (measured at 64 tokens)
-
-
 def embed_streams(token_ids: torch.Tensor, table: torch.Tensor, num_streams: int, dtype: torch.dtype,
                   next_fn: torch.Tensor | None = None, block_d: int | None = None
                   ) -> tuple[torch.Tensor, MixPartials | None]:
     """token_ids [T], table [V, D] -> (streams [T, N, D] in dtype: N copies of each token's row, partials): with
-    next_fn [M, N·D] fp32 (the first hc_pre) at T <= EMBED_MIX_MAX_TOKENS the same launch computes its launch 1
+    next_fn [M, N·D] fp32 (the first hc_pre) at T <= MAX_FUSED_MIX_TOKENS the same launch computes its launch 1
     as `hc_post_with_mix` does for the later ones; else None. One launch."""
     num_tokens, hidden = token_ids.shape[0], table.shape[1]
     out = torch.empty(num_tokens, num_streams, hidden, dtype=dtype, device=table.device)
@@ -496,7 +495,7 @@ def embed_streams(token_ids: torch.Tensor, table: torch.Tensor, num_streams: int
     block_d = block_d or (256 if num_tokens <= 64 else 1024)
     num_d_blocks = triton.cdiv(hidden, block_d)
     partials, mix_args = None, {}
-    if next_fn is not None and num_tokens <= EMBED_MIX_MAX_TOKENS:
+    if next_fn is not None and num_tokens <= MAX_FUSED_MIX_TOKENS:
         if next_fn.dtype != torch.float32 or not next_fn.is_contiguous() or next_fn.shape[1] != num_streams * hidden:
             raise ValueError(f"next_fn {tuple(next_fn.shape)} {next_fn.dtype} is not a contiguous fp32 "
                              f"[M, {num_streams * hidden}]")
