@@ -12,20 +12,14 @@ Legend: T tokens, K top-k, E routed experts, D hidden, S splits of D.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="Triton on the CPU needs TRITON_INTERPRET=1 "
-                                 "(test_interpreted_cases_pass_in_a_child_process runs them so)")
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs a CUDA device")
+from interpret_support import INTERPRETING, cuda, interpreted, run_interpreted_tests  # noqa: E402
+
 LAYOUT_FIELDS = ("row_token_ids", "row_slot_ids", "row_weights", "expert_offsets")
 
 
@@ -68,14 +62,7 @@ def test_fused_layout_only_at_decode_sizes():
 
 
 def test_interpreted_cases_pass_in_a_child_process():
-    if INTERPRETED:
-        pytest.skip("this process interprets: the cases run here")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           "-o", "addopts=", "-k", "interpreted_", str(Path(__file__))], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+    run_interpreted_tests(__file__, keyword="interpreted_", timeout_s=1800, stop_first=True)
 
 
 @interpreted
@@ -109,7 +96,7 @@ def _ptxas_present() -> bool:
     return os.path.exists(_tool("ptxas"))
 
 
-@pytest.mark.skipif(INTERPRETED or not _ptxas_present(), reason="compiles for sm_90 (not interpreted, ptxas)")
+@pytest.mark.skipif(INTERPRETING or not _ptxas_present(), reason="compiles for sm_90 (not interpreted, ptxas)")
 @pytest.mark.parametrize("num_splits,block_t", [(16, 1), (1, 16)])
 def test_gate_with_layout_compiles_for_sm90_without_spills(num_splits, block_t):
     from triton.backends.compiler import GPUTarget

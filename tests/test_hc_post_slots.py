@@ -1,4 +1,4 @@
-"""The routed experts' slot sum inside hc_post's launch (`mhc._hc_post_kernel` with Y_SLOTS, `hyper.hc_post`
+"""The routed experts' slot sum inside hc_post's launch (`mhc_streams._hc_post_kernel` with Y_SLOTS, `hyper.hc_post`
 with per-slot y [T, K, D]) against the launches it replaces (`sum_slots_in_order`, then hc_post), bit for bit;
 the layer loops that hand an in-process holder's per-slot outputs to ffn_post (`moe.routed_answer`,
 `MoEDispatcher.finish`, `LayerSegments.set_routed`).
@@ -12,22 +12,16 @@ Legend: T tokens, K top-k slots, N hc streams, D hidden, M next hc_pre's mix row
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
+from interpret_support import INTERPRETING, cuda, interpreted, run_interpreted_tests  # noqa: E402
+
 from moemesh.common.kernels.moe_layout import sum_slots_in_order, sum_slots_in_order_torch  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="Triton on the CPU needs TRITON_INTERPRET=1 "
-                                 "(test_interpreted_cases_pass_in_a_child_process runs them so)")
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs a CUDA device")
 TOKEN_COUNTS = (1, 3, 8, 64)
 TOP_KS = (1, 2, 3, 4, 6)  # the tiny configs' K (2, 3, 4) and V4-Flash's 6
 
@@ -100,14 +94,7 @@ def test_set_routed_sums_slots_into_a_static_buffer_and_keeps_them_otherwise():
 
 # ------------------------------------------------------------------------------ interpreted kernels
 def test_interpreted_cases_pass_in_a_child_process():
-    if INTERPRETED:
-        pytest.skip("this process interprets: the cases run here")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           "-o", "addopts=", "-k", "interpreted_", str(Path(__file__))], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+    run_interpreted_tests(__file__, keyword="interpreted_", timeout_s=1800, stop_first=True)
 
 
 @interpreted
@@ -117,7 +104,7 @@ def test_interpreted_hc_post_with_slots_equals_slot_sum_then_hc_post(num_tokens,
     """One launch (slots summed inside, shared added, next hc_pre's partials) = `_sum_slots_kernel` then
     `_hc_post_kernel`, bit for bit: streams and partials; also without the addend, without the partials, and
     over two D slices with a ragged last one (D = 40, 32 columns per program)."""
-    from moemesh.common.kernels import mhc
+    from moemesh.common.kernels import mhc_streams
     from moemesh.common.kernels.route_layout import sum_slots_kernel
 
     for top_k in TOP_KS if num_tokens < 64 else (2, 6):  # 64 tokens: the interpreter's slowest case
@@ -127,12 +114,13 @@ def test_interpreted_hc_post_with_slots_equals_slot_sum_then_hc_post(num_tokens,
         with_addend = num_tokens > 1 or top_k % 2 == 0  # T = 1, odd K: without the shared addend
         addend = x["shared"] if with_addend else None
         next_fn = x["next_fn"] if top_k != 4 else None  # K = 4: no next hc_pre (the last layer)
-        ours, ours_mix = mhc.hc_post_with_mix(x["slots"], x["h"], x["post"], x["comb"], next_fn, block_d=32,
+        ours, ours_mix = mhc_streams.hc_post_with_mix(x["slots"], x["h"], x["post"], x["comb"], next_fn, block_d=32,
                                               y_addend=addend)
-        old, old_mix = mhc.hc_post_with_mix(summed, x["h"], x["post"], x["comb"], next_fn, block_d=32,
+        old, old_mix = mhc_streams.hc_post_with_mix(summed, x["h"], x["post"], x["comb"], next_fn, block_d=32,
                                             y_addend=addend)
         assert torch.equal(bits(ours), bits(old)), top_k
-        assert (ours_mix is None) == (old_mix is None) == (next_fn is None or num_tokens > mhc.MAX_FUSED_MIX_TOKENS)
+        fused_mix = next_fn is not None and num_tokens <= mhc_streams.MAX_FUSED_MIX_TOKENS
+        assert (ours_mix is None) == (old_mix is None) == (not fused_mix)
         if ours_mix is not None:
             assert torch.equal(ours_mix.mix_part, old_mix.mix_part) and torch.equal(ours_mix.sq_part, old_mix.sq_part)
 
@@ -183,14 +171,14 @@ def _compile_post_sm90(signature: dict, constexprs: dict) -> dict:
     from triton.compiler import ASTSource, compile
 
     from moemesh.bench.kernel_sass import summarise
-    from moemesh.common.kernels.mhc import _hc_post_kernel
+    from moemesh.common.kernels.mhc_streams import _hc_post_kernel
 
     compiled = compile(ASTSource(_hc_post_kernel, {**signature, **{k: "constexpr" for k in constexprs}},
                                  constexprs=constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     return summarise(compiled)
 
 
-@pytest.mark.skipif(INTERPRETED or not _ptxas_present(), reason="compiles for sm_90 (not interpreted, ptxas)")
+@pytest.mark.skipif(INTERPRETING or not _ptxas_present(), reason="compiles for sm_90 (not interpreted, ptxas)")
 def test_hc_post_with_slots_compiles_for_sm90_and_spills_no_more_than_without():
     """Without the next hc_pre's partials: no spill. With them (BM 32 × 256 products per program) the kernel
     already keeps 48 bytes of stack without slots; the slot sum adds at most one 8-byte slot."""

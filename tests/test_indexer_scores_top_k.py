@@ -15,46 +15,25 @@ Legend: T tokens, H indexer heads, d indexer head dim, N score columns, K top-k.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from interpret_support import INTERPRETING, cuda, interpreted, patch_interpreter, run_interpreted_tests  # noqa: E402,F401
 from moemesh.common.model.config import AttentionKind  # noqa: E402
 from moemesh.common.model.kv_storage import KVStorage  # noqa: E402
 from moemesh.common.model.random_init import flash_config, tiny_flash_like_config  # noqa: E402
 from moemesh.common.model.state import SequenceState  # noqa: E402
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 KINDS = (AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA)
 
-interpreted = pytest.mark.skipif(not INTERPRETING, reason="runs the kernels under TRITON_INTERPRET=1 "
-                                 "(test_interpreted_cases_in_a_child runs them)")
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETING, reason="needs a CUDA device, compiled kernels")
 
-if INTERPRETING:  # the interpreter's bf16 dots and scalar loop bounds as the GPU has them
-    from moemesh.bench.checks.attention import patch_interpreter_scalar_index
-    from moemesh.bench.checks.quantized_kernels import patch_interpreter_bf16_dot
-
-    patch_interpreter_bf16_dot()
-    patch_interpreter_scalar_index()
+patch_interpreter()
 
 
 def test_interpreted_cases_in_a_child():
-    if INTERPRETING:
-        pytest.skip("this process interprets: the cases run here")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           "-o", "addopts=", "-k", "interpreted", str(Path(__file__).resolve())], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout
+    run_interpreted_tests(__file__, timeout_s=600)
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -1,4 +1,4 @@
-"""Fused mHC kernels (common/kernels/mhc.py) against the torch code of common/model/hyper.py.
+"""Fused mHC kernels (common/kernels/mhc.py, mhc_streams.py) against the torch code of common/model/hyper.py.
 
 CPU: the kernels under TRITON_INTERPRET=1 at tiny sizes, in one child process (the interpreter is
 chosen when a kernel is decorated, and this process may hold the compiled kernels). CUDA: V4-Flash

@@ -8,9 +8,10 @@
   store the same window bytes; mixed prefill / decode / verification / rollback, own and paged rows, 1 and 2 scale
   blocks.
 - FP8 indexer rows (132 bytes at V4-Flash width): `write_rows` stores the bytes of `kv_rows.pack_indexer_rows`, and
-  `indexer_scores` reading them (dequantized in registers) gives, bit for bit, the scores and top-k it gives over
-  plain rows holding the reference's FP8 quant-dequant of the same rows (`qat.indexer_fp8_qat`), and the torch
-  formula's scores on the decoded rows within rounding.
+  `indexer_scores` reading them (dequantized in registers) gives the scores and top-k it gives over plain rows
+  holding the reference's FP8 quant-dequant of the same rows (`qat.indexer_fp8_qat`): bit for bit under the
+  interpreter, up to fp32 summation order on a GPU; and the torch formula's scores on the decoded rows within
+  rounding.
 - Decode steps over the static tables of a captured step (`graph_tables.StaticDecodeTables`: window closes
   predicated on the device, split sizes from device memory) on recording states of an FP8 pool, advanced by
   `commit_kernel_writes` (block-end snapshots taken from the FP8 rings), match the torch path and its snapshots.
@@ -26,15 +27,13 @@ Legend: T tokens, D hidden, Ws stored row width.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from interpret_support import INTERPRETING, cuda, interpreted, patch_interpreter, run_interpreted_tests  # noqa: E402,F401
 from moemesh.common.model.config import AttentionKind  # noqa: E402
 from moemesh.common.model.kv_rows import (  # noqa: E402
     IndexerRowLayout, MainRowLayout, pack_indexer_rows, pack_main_rows, unpack_main_rows,
@@ -44,33 +43,16 @@ from moemesh.common.model.random_init import flash_config, tiny_flash_like_confi
 from moemesh.common.model.rope import RotaryTables  # noqa: E402
 from moemesh.common.model.state import SequenceState  # noqa: E402
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 KINDS = (AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA)
 FP32_TOLERANCE = 2e-4
 BF16_TOLERANCE = 3e-2
 
-interpreted = pytest.mark.skipif(not INTERPRETING, reason="runs the kernels under TRITON_INTERPRET=1 "
-                                 "(test_interpreted_cases_in_a_child runs them)")
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETING, reason="needs a CUDA device, compiled kernels")
 
-if INTERPRETING:  # the interpreter's bf16 dots and scalar loop bounds as the GPU has them
-    from moemesh.bench.checks.attention import patch_interpreter_scalar_index
-    from moemesh.bench.checks.quantized_kernels import patch_interpreter_bf16_dot
-
-    patch_interpreter_bf16_dot()
-    patch_interpreter_scalar_index()
+patch_interpreter()
 
 
 def test_interpreted_cases_in_a_child():
-    if INTERPRETING:
-        pytest.skip("this process interprets: the cases run here")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           "-o", "addopts=", "-k", "interpreted", str(Path(__file__).resolve())], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout
+    run_interpreted_tests(__file__, timeout_s=600)
 
 
 # ------------------------------------------------------------------------------------------ helpers

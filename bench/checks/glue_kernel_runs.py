@@ -52,7 +52,7 @@ def hopper_compile_errors(only: str | None = None) -> dict[str, str | None]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from moemesh.common.kernels import mhc, norm_rope
+    from moemesh.common.kernels import mhc, mhc_streams, norm_rope
 
     target = GPUTarget("cuda", 90, 32)
     variants = []  # (name, kernel, signature, constexprs)
@@ -75,16 +75,16 @@ def hopper_compile_errors(only: str | None = None) -> dict[str, str | None]:
                                   "APPROX_DIV": out_norm}))
         post_sig = {"y_ptr": "*bf16", "h_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*bf16",
                     "hidden": "i32"}
-        variants.append(("post", mhc._hc_post_kernel, post_sig, {"N": 4, "NP": 4, "BLOCK_D": 256}))
+        variants.append(("post", mhc_streams._hc_post_kernel, post_sig, {"N": 4, "NP": 4, "BLOCK_D": 256}))
         mix_post_sig = {**post_sig, "addend_ptr": "*bf16", "next_fn_ptr": "*fp32", "mix_part_ptr": "*fp32",
                         "sq_part_ptr": "*fp32", "num_mix": "i32"}
-        variants.append(("post_addend_mix", mhc._hc_post_kernel, mix_post_sig,
+        variants.append(("post_addend_mix", mhc_streams._hc_post_kernel, mix_post_sig,
                          {"N": 4, "NP": 4, "BLOCK_D": 256, "BLOCK_M": 32}))
         embed_sig = {"ids_ptr": "*i64", "table_ptr": "*bf16", "out_ptr": "*bf16", "hidden": "i32",
                      "next_fn_ptr": "*fp32", "mix_part_ptr": "*fp32", "sq_part_ptr": "*fp32", "num_mix": "i32"}
-        variants.append(("embed_mix", mhc._embed_streams_kernel, embed_sig,
+        variants.append(("embed_mix", mhc_streams._embed_streams_kernel, embed_sig,
                          {"N": 4, "NP": 4, "BLOCK_D": 256, "BLOCK_M": 32}))
-        variants.append(("post_slots_addend_mix", mhc._hc_post_kernel, mix_post_sig,  # routed slots summed inside
+        variants.append(("post_slots_addend_mix", mhc_streams._hc_post_kernel, mix_post_sig,  # routed slots summed inside
                          {"N": 4, "NP": 4, "BLOCK_D": 256, "BLOCK_M": 32, "Y_SLOTS": 6}))
     if only != "mhc":
         norm_sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "weight_ptr": "*fp32", "cos_ptr": "*fp32",

@@ -131,62 +131,18 @@ def check_hc_post(case_id, num_tokens, num_streams, hidden, dtype, device, kerne
     return GlueCheck(case_id, error, _tolerance(dtype), finite, fp64_errors=fp64_errors)
 
 
-def check_hc_post_mix(case_id, num_tokens, num_streams, hidden, dtype, device, block_d=None):
-    """hc_post doing the next hc_pre's mix GEMV in its launch: its streams equal a plain hc_post's bit for bit,
-    and the hc_pre (with its norm) that takes the partials matches the torch hc_pre of those streams as
-    `check_hc_pre` measures it."""
-    from moemesh.common.kernels import mhc
+def _check_next_hc_pre(case_id, streams, partials, site, norm_weight, dtype, same_streams: bool) -> GlueCheck:
+    """The hc_pre (fn, base, scale) = site, with its norm, over streams written by a launch that may have done its
+    mix (`partials`: there up to MAX_FUSED_MIX_TOKENS tokens, None above) against the torch hc_pre of those
+    streams, as `check_hc_pre` measures it; passes only with same_streams."""
+    from moemesh.common.kernels import mhc, mhc_streams
     from moemesh.common.kernels.glue import forced_torch_glue
     from moemesh.common.model import hyper, linear
 
-    generator = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
-    num_mix = (2 + num_streams) * num_streams
-    h, fn, base, scale = _mhc_inputs(num_tokens, num_streams, hidden, num_mix, dtype, device, generator)
-    _, next_fn, next_base, next_scale = _mhc_inputs(num_tokens, num_streams, hidden, num_mix, dtype, device, generator)
-    y = torch.randn(num_tokens, hidden, generator=generator, device=device).to(dtype)
-    norm_weight = torch.rand(hidden, generator=generator, device=device) + 0.5
-    with forced_torch_glue():
-        _, post, comb = hyper.hc_pre(h, fn, base, scale, 20, HC_EPS, NORM_EPS)
-    _poison(device)
-    streams, partials = mhc.hc_post_with_mix(y, h, post, comb, next_fn, block_d=block_d)
-    same_streams = torch.equal(streams, mhc.hc_post(y, h, post, comb, block_d=block_d))
-    if num_tokens <= mhc.MAX_FUSED_MIX_TOKENS:
-        used = partials is not None and partials.serves(streams, next_fn)
-    else:  # more tokens: hc_post alone, the hc_pre its own two launches
-        used = partials is None
-    out = mhc.hc_pre(streams, next_fn, next_base, next_scale, 20, HC_EPS, NORM_EPS, out_norm=(norm_weight, NORM_EPS),
-                     partials=partials)
-    with forced_torch_glue():
-        ref = hyper.hc_pre(streams, next_fn, next_base, next_scale, 20, HC_EPS, NORM_EPS)
-        ref = (linear.rms_norm(ref[0], norm_weight, NORM_EPS), *ref[1:])
-    error, finite = _relative_error(out[:1], ref[:1])
-    fp32_error, fp32_finite = _relative_error(out[1:], ref[1:])
-    return GlueCheck(case_id, error, _tolerance(dtype), finite and fp32_finite and same_streams and used, fp32_error,
-                     _stochastic_error(out[2]), _stochastic_error(ref[2]) + STOCHASTIC_SLACK)
-
-
-def check_embed_streams(case_id, num_tokens, num_streams, hidden, dtype, device, block_d=None):
-    """The embedding doing the first hc_pre's mix GEMV in its launch: its streams equal the torch embedding's
-    (N copies of each row, cast to dtype) bit for bit, and the hc_pre (with its norm) that takes the partials
-    matches the torch hc_pre of those streams as `check_hc_pre` measures it."""
-    from moemesh.common.kernels import mhc
-    from moemesh.common.kernels.glue import forced_torch_glue
-    from moemesh.common.model import hyper, linear
-
-    generator = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
-    num_mix = (2 + num_streams) * num_streams
-    _, fn, base, scale = _mhc_inputs(num_tokens, num_streams, hidden, num_mix, dtype, device, generator)
-    table = torch.randn(97, hidden, generator=generator, device=device).to(dtype)  # a table held in the dtype
-    token_ids = torch.randint(0, 97, (num_tokens,), generator=generator, device=device)
-    norm_weight = torch.rand(hidden, generator=generator, device=device) + 0.5
-    _poison(device)
-    streams, partials = mhc.embed_streams(token_ids, table, num_streams, dtype, fn, block_d=block_d)
-    with forced_torch_glue():
-        want_streams, _ = hyper.embed_streams(token_ids, table, num_streams, dtype)
-    same_streams = torch.equal(streams, want_streams)
-    if num_tokens <= mhc.MAX_FUSED_MIX_TOKENS:
+    fn, base, scale = site
+    if streams.shape[0] <= mhc_streams.MAX_FUSED_MIX_TOKENS:
         used = partials is not None and partials.serves(streams, fn)
-    else:  # more tokens: the embedding alone, the hc_pre its own two launches
+    else:  # more tokens: the writer alone, the hc_pre its own two launches
         used = partials is None
     out = mhc.hc_pre(streams, fn, base, scale, 20, HC_EPS, NORM_EPS, out_norm=(norm_weight, NORM_EPS),
                      partials=partials)
@@ -197,6 +153,51 @@ def check_embed_streams(case_id, num_tokens, num_streams, hidden, dtype, device,
     fp32_error, fp32_finite = _relative_error(out[1:], ref[1:])
     return GlueCheck(case_id, error, _tolerance(dtype), finite and fp32_finite and same_streams and used, fp32_error,
                      _stochastic_error(out[2]), _stochastic_error(ref[2]) + STOCHASTIC_SLACK)
+
+
+def check_hc_post_mix(case_id, num_tokens, num_streams, hidden, dtype, device, block_d=None):
+    """hc_post doing the next hc_pre's mix GEMV in its launch: its streams equal a plain hc_post's bit for bit,
+    and the hc_pre (with its norm) that takes the partials matches the torch hc_pre of those streams as
+    `check_hc_pre` measures it."""
+    from moemesh.common.kernels import mhc_streams
+    from moemesh.common.kernels.glue import forced_torch_glue
+    from moemesh.common.model import hyper
+
+    generator = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
+    num_mix = (2 + num_streams) * num_streams
+    h, fn, base, scale = _mhc_inputs(num_tokens, num_streams, hidden, num_mix, dtype, device, generator)
+    _, next_fn, next_base, next_scale = _mhc_inputs(num_tokens, num_streams, hidden, num_mix, dtype, device, generator)
+    y = torch.randn(num_tokens, hidden, generator=generator, device=device).to(dtype)
+    norm_weight = torch.rand(hidden, generator=generator, device=device) + 0.5
+    with forced_torch_glue():
+        _, post, comb = hyper.hc_pre(h, fn, base, scale, 20, HC_EPS, NORM_EPS)
+    _poison(device)
+    streams, partials = mhc_streams.hc_post_with_mix(y, h, post, comb, next_fn, block_d=block_d)
+    same_streams = torch.equal(streams, mhc_streams.hc_post(y, h, post, comb, block_d=block_d))
+    return _check_next_hc_pre(case_id, streams, partials, (next_fn, next_base, next_scale), norm_weight, dtype,
+                              same_streams)
+
+
+def check_embed_streams(case_id, num_tokens, num_streams, hidden, dtype, device, block_d=None):
+    """The embedding doing the first hc_pre's mix GEMV in its launch: its streams equal the torch embedding's
+    (N copies of each row, cast to dtype) bit for bit, and the hc_pre (with its norm) that takes the partials
+    matches the torch hc_pre of those streams as `check_hc_pre` measures it."""
+    from moemesh.common.kernels import mhc_streams
+    from moemesh.common.kernels.glue import forced_torch_glue
+    from moemesh.common.model import hyper
+
+    generator = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
+    num_mix = (2 + num_streams) * num_streams
+    _, fn, base, scale = _mhc_inputs(num_tokens, num_streams, hidden, num_mix, dtype, device, generator)
+    table = torch.randn(97, hidden, generator=generator, device=device).to(dtype)  # a table held in the dtype
+    token_ids = torch.randint(0, 97, (num_tokens,), generator=generator, device=device)
+    norm_weight = torch.rand(hidden, generator=generator, device=device) + 0.5
+    _poison(device)
+    streams, partials = mhc_streams.embed_streams(token_ids, table, num_streams, dtype, fn, block_d=block_d)
+    with forced_torch_glue():
+        want_streams, _ = hyper.embed_streams(token_ids, table, num_streams, dtype)
+    same_streams = torch.equal(streams, want_streams)
+    return _check_next_hc_pre(case_id, streams, partials, (fn, base, scale), norm_weight, dtype, same_streams)
 
 
 def check_hc_head(case_id, num_tokens, num_streams, hidden, dtype, device, kernel_fn, normed: bool = False,
@@ -285,7 +286,7 @@ Case = tuple[str, Callable[[], GlueCheck]]
 
 
 def interpret_cases(only: str | None = None) -> list[Case]:
-    from moemesh.common.kernels import mhc
+    from moemesh.common.kernels import mhc, mhc_streams
 
     cpu, f32, bf16 = "cpu", torch.float32, torch.bfloat16
     small = mhc.MixConfig(block_t=16, block_k=16, num_splits=4, block_d=32)
@@ -303,10 +304,10 @@ def interpret_cases(only: str | None = None) -> list[Case]:
                                                    approx)),
         ("hc_head_gemv", lambda: check_hc_head("hc_head_gemv", 2, 4, 48, f32, cpu, mhc.hc_head, config=gemv)),
         ("hc_pre_bf16x3", lambda: check_hc_pre("hc_pre_bf16x3", 4, 4, 32, 20, bf16, cpu, mhc.hc_pre, split_bf16)),
-        ("hc_post_n4", lambda: check_hc_post("hc_post_n4", 3, 4, 80, f32, cpu, mhc.hc_post, block_d=32)),
-        ("hc_post_n3", lambda: check_hc_post("hc_post_n3", 2, 3, 32, f32, cpu, mhc.hc_post, block_d=16)),
-        ("hc_post_bf16", lambda: check_hc_post("hc_post_bf16", 3, 4, 64, bf16, cpu, mhc.hc_post, block_d=32)),
-        ("hc_post_n4_addend", lambda: check_hc_post("hc_post_n4_addend", 3, 4, 80, f32, cpu, mhc.hc_post,
+        ("hc_post_n4", lambda: check_hc_post("hc_post_n4", 3, 4, 80, f32, cpu, mhc_streams.hc_post, block_d=32)),
+        ("hc_post_n3", lambda: check_hc_post("hc_post_n3", 2, 3, 32, f32, cpu, mhc_streams.hc_post, block_d=16)),
+        ("hc_post_bf16", lambda: check_hc_post("hc_post_bf16", 3, 4, 64, bf16, cpu, mhc_streams.hc_post, block_d=32)),
+        ("hc_post_n4_addend", lambda: check_hc_post("hc_post_n4_addend", 3, 4, 80, f32, cpu, mhc_streams.hc_post,
                                                     with_addend=True, block_d=32)),
         ("hc_head_n4", lambda: check_hc_head("hc_head_n4", 5, 4, 48, f32, cpu, mhc.hc_head, config=odd)),
         ("hc_pre_normed_d48", lambda: check_hc_pre("hc_pre_normed_d48", 3, 4, 48, 20, f32, cpu, mhc.hc_pre, odd,

@@ -262,7 +262,7 @@ def _pool_windows_kernel(kv_ptr, score_ptr, out_ptr, closing_ptr, token_seq_ptr,
     tl.store(out_ptr + i.to(tl.int64) * row_dim + channels, pooled, mask=channel_mask)
 
 
-def pool_windows(kv: torch.Tensor, score: torch.Tensor, ring_like: torch.Tensor, tables: AttentionTables, layer: int,
+def pool_windows(kv: torch.Tensor, score: torch.Tensor, tables: AttentionTables, layer: int,
                  *, ratio: int, overlap: bool, row_dim: int, indexer: bool,
                  block_d: int | None = None) -> torch.Tensor:
     """kv, score [T, C] (this forward's projected inputs) -> pooled rows [Nc, d] fp32, in

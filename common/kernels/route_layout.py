@@ -31,7 +31,7 @@ that uses it can be captured in a CUDA graph. The loop over R is sequential in o
 `KERNEL_MAX_ROWS` (341 tokens of top-6) the torch composition builds the same layout.
 
 `sum_slots_kernel` [T, K, D] -> [T, D] (what `moe_layout.sum_slots_in_order` runs on CUDA; the layer loops
-leave it to hc_post's launch, which calls the same `sum_slot_row`, `mhc._hc_post_kernel`) adds slot
+leave it to hc_post's launch, which calls the same `sum_slot_row`, `mhc_streams._hc_post_kernel`) adds slot
 0, then 1, ... with the result rounded to the slot dtype after every addition, as
 `moe_layout.sum_slots_in_order_torch` does (`total += slot` in bf16: the fp32 sum of the two bf16
 values rounded to nearest even, here by integer operations, which the interpreter runs exactly too),
@@ -222,7 +222,7 @@ def sum_slot_row(slot_row_ptr, stride_sk, in_row, TOP_K: tl.constexpr, IS_BF16: 
     """One token's K slot rows over [BD] columns (slot_row_ptr: slot 0's, slot k at + k·stride_sk) -> their
     sum [BD] in the slot dtype: slot 0 + slot 1 + ..., rounded to the dtype after every addition
     (`moe_layout.sum_slots_in_order_torch`). The slot sum's one implementation: `_sum_slots_kernel` and
-    `mhc._hc_post_kernel` (routed slots summed inside hc_post) both call it."""
+    `mhc_streams._hc_post_kernel` (routed slots summed inside hc_post) both call it."""
     total = tl.load(slot_row_ptr, mask=in_row, other=0.0)  # [BD] slot 0, in the slot dtype
     for slot in tl.static_range(1, TOP_K):
         addend = tl.load(slot_row_ptr + slot * stride_sk, mask=in_row, other=0.0)  # [BD]

@@ -67,7 +67,7 @@ def _emit_rows(compressor, kv_in: torch.Tensor, score_in: torch.Tensor, tables: 
     """Step 1/2: close this forward's windows of one compressor and store rows and inputs."""
     ratio = compressor.ratio
     ring_like = kv_in.new_empty(0, dtype=torch.float32)
-    pooled = pool_windows(kv_in, score_in, ring_like, tables, layer, ratio=ratio, overlap=compressor.overlap,
+    pooled = pool_windows(kv_in, score_in, tables, layer, ratio=ratio, overlap=compressor.overlap,
                           row_dim=compressor.row_dim, indexer=indexer)  # [Nc, d] fp32
     if pooled.shape[0]:
         closing, _ = tables.closing_tokens(ratio)

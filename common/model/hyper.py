@@ -71,9 +71,9 @@ def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
     first, as a separate `y + y_addend` would; on CUDA inside the hc_post launch."""
     fused_add = y_addend is None or y_addend.dtype == y.dtype
     if y.dtype == h.dtype and fused_add and use_triton_glue(y, h, post, comb, *(() if y_addend is None else (y_addend,))):
-        from moemesh.common.kernels import mhc
+        from moemesh.common.kernels import mhc_streams
 
-        return mhc.hc_post(y, h, post, comb, y_addend=y_addend)
+        return mhc_streams.hc_post(y, h, post, comb, y_addend=y_addend)
     if y.dim() == 3:  # [T, K, D] routed slots
         y = sum_slots_in_order(y)
     if y_addend is not None:
@@ -90,9 +90,9 @@ def hc_post_with_mix(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb:
     fused_add = y_addend is None or y_addend.dtype == y.dtype
     if (y.dtype == h.dtype and fused_add and next_fn.dtype == torch.float32
             and use_triton_glue(y, h, post, comb, next_fn, *(() if y_addend is None else (y_addend,)))):
-        from moemesh.common.kernels import mhc
+        from moemesh.common.kernels import mhc_streams
 
-        return mhc.hc_post_with_mix(y, h, post, comb, next_fn.contiguous(), y_addend=y_addend)
+        return mhc_streams.hc_post_with_mix(y, h, post, comb, next_fn.contiguous(), y_addend=y_addend)
     return hc_post(y, h, post, comb, y_addend=y_addend), None
 
 
@@ -102,9 +102,9 @@ def embed_streams(token_ids: torch.Tensor, table: torch.Tensor, num_streams: int
     partials of the first hc_pre (fn `next_fn` [M, N·D]) for `hc_pre(..., partials=)` or None): one launch on
     CUDA at decode sizes."""
     if next_fn is not None and next_fn.dtype == torch.float32 and use_triton_glue(token_ids, table, next_fn):
-        from moemesh.common.kernels import mhc
+        from moemesh.common.kernels import mhc_streams
 
-        return mhc.embed_streams(token_ids, table, num_streams, dtype, next_fn.contiguous())
+        return mhc_streams.embed_streams(token_ids, table, num_streams, dtype, next_fn.contiguous())
     rows = F.embedding(token_ids, table).to(dtype)  # [T, D]
     return rows.unsqueeze(1).expand(-1, num_streams, -1).contiguous(), None
 
