@@ -69,9 +69,6 @@ def _float_twin(side, experts, config):
         module = side.get_submodule(module_name) if name.endswith(".weight") else None
         state[name] = module.dequantized() if isinstance(module, Fp8Linear) else tensor
     twin = AttentionSide.from_state_dict(config, state, side.numerics)
-    from moemesh.common.model.random_init import move_rope_tables
-
-    move_rope_tables(twin, "cpu")
     routed = RoutedExperts.from_config(dequantized_expert_weights(experts), config, side.numerics)
     return twin, routed
 

@@ -35,7 +35,6 @@ def attention_stored_bytes(reader) -> int:
 
 def load_attention_side(reader, numerics, device, backend: KernelBackend = KernelBackend.AUTO):
     from moemesh.common.model.attention_side import AttentionSide
-    from moemesh.common.model.random_init import move_rope_tables
 
     device = torch.device(device)
     config = reader.config
@@ -43,7 +42,7 @@ def load_attention_side(reader, numerics, device, backend: KernelBackend = Kerne
     shared = {"head.weight": "embed.weight"} if config.tie_word_embeddings else None
     with torch.no_grad():
         fill_from_checkpoint(side, reader, device, shared=shared, backend=backend)
-    move_rope_tables(side, device)
+    side.move_rope_tables(device)
     return side.eval()
 
 

@@ -27,7 +27,7 @@ from moemesh.common.model.config import ModelConfig, NumericsConfig
 from moemesh.common.model.hyper import embed_streams, hc_head, hc_post, hc_post_with_mix, hc_pre
 from moemesh.common.model.linear import Embedding, Linear, RMSNorm, assign_frozen, parameter
 from moemesh.common.model.moe import Gate, SharedExpert
-from moemesh.common.model.rope import RotaryTables
+from moemesh.common.model.rope import RotaryTable, RotaryTables
 
 
 class FeedForwardSide(nn.Module):
@@ -81,7 +81,17 @@ class AttentionSide(nn.Module):
         parameter dtypes and moved to `device`."""
         if config.tie_word_embeddings and "head.weight" not in hub_sd:
             hub_sd = {**hub_sd, "head.weight": hub_sd["embed.weight"]}
-        return assign_frozen(cls(config, numerics, device="meta"), hub_sd, device, "attention-side")
+        side = assign_frozen(cls(config, numerics, device="meta"), hub_sd, device, "attention-side")
+        side.move_rope_tables(device)
+        return side
+
+    def move_rope_tables(self, device) -> None:
+        """Put each attention's RoPE frequencies on `device` (they are built on the CPU), so that no
+        host-to-device copy happens inside a forward (a CUDA-graph capture forbids them, and the decode
+        kernels read them in place)."""
+        for block in self.layers:
+            rope = block.attn.rope
+            block.attn.rope = RotaryTable(rope.name, rope.rope_dim, rope.inv_freq.to(device))
 
     # ----------------------------------------------------------------------------- steps
     def embed_tokens(self, token_ids: torch.Tensor, batch=None) -> torch.Tensor:

@@ -33,7 +33,6 @@ from moemesh.common.model.inventory import StorageKind, tensor_inventory
 from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.config import AttentionKind, ModelConfig, NumericsConfig
 from moemesh.common.model.quantized import ExpertFormat, KernelBackend, QuantizedRoutedExperts, swap_fp8_linears
-from moemesh.common.model.rope import RotaryTable
 from moemesh.common.model.state import SequenceState
 
 _FP8_VALUE_STD = 32.0  # e4m3 values drawn N(0, 32²), clipped to ±448: uses most of the e4m3 range
@@ -159,14 +158,6 @@ def _materialise(side: nn.Module, config: ModelConfig, generator: torch.Generato
             owner._buffers[leaf] = value
 
 
-def move_rope_tables(side: AttentionSide, device) -> None:
-    """Put each attention's RoPE frequencies on `device` (they are built on the CPU), so that no
-    host-to-device copy happens inside a forward (a CUDA-graph capture forbids them)."""
-    for block in side.layers:
-        rope = block.attn.rope
-        block.attn.rope = RotaryTable(rope.name, rope.rope_dim, rope.inv_freq.to(device))
-
-
 def random_attention_side(config: ModelConfig, numerics: NumericsConfig, device, *, seed: int = 0,
                           backend: KernelBackend = KernelBackend.AUTO) -> AttentionSide:
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -178,7 +169,7 @@ def random_attention_side(config: ModelConfig, numerics: NumericsConfig, device,
                                             device=device)
     swap_fp8_linears(side, quantized, backend=backend)
     _materialise(side, config, generator, device)
-    move_rope_tables(side, device)
+    side.move_rope_tables(device)
     return side.eval()
 
 

@@ -168,13 +168,11 @@ class GraphStats:
 
 class DecodeGraphs:
     def __init__(self, side, config: DecodeGraphConfig, device: torch.device | str) -> None:
-        from moemesh.common.model.random_init import move_rope_tables
-
         self.side = side
         self.config = config
         self.device = torch.device(device)
         self.buckets = tuple(sorted(config.buckets))
-        move_rope_tables(side, self.device)  # no host-to-device copy inside a captured segment
+        side.move_rope_tables(self.device)  # no host-to-device copy inside a captured segment
         self.scratch = SequenceState(side.config, dtype=side.dtype, device=self.device,
                                      kv_storage=config.kv_storage)  # padding rows write here
         self._sets: dict[tuple, _GraphSet] = {}

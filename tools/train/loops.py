@@ -16,6 +16,7 @@ from moemesh.tools.train.drafter import TrainableDrafter, drafter_loss, greedy_a
 from moemesh.tools.train.evaluate import validation_loss
 from moemesh.tools.train.settings import TrainSettings
 from moemesh.tools.train.target import TrainableTarget, balance_router_biases, cosine_lr, masked_cross_entropy
+from moemesh.tools.train.unit_windows import UnitWindows
 
 LOG_EVERY_STEPS = 25
 CALIBRATION_STEPS = 12
@@ -26,41 +27,6 @@ def autocast(settings: TrainSettings, device: torch.device):
     if settings.precision == "bf16" and device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-class WindowSampler:
-    """Seeded epochs over the training windows: a fresh permutation per epoch, handed out as index
-    tensors on `device` (one host-to-device copy per epoch, none per step)."""
-
-    def __init__(self, num_windows: int, batch_size: int, seed: int, device="cpu") -> None:
-        self.generator = torch.Generator().manual_seed(seed)
-        self.num_windows = num_windows
-        self.batch_size = batch_size
-        self.device = torch.device(device)
-        self.order = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self.epochs = 0
-
-    def next_batch(self) -> torch.Tensor:
-        while self.order.numel() < self.batch_size:
-            fresh = torch.randperm(self.num_windows, generator=self.generator).to(self.device, non_blocking=True)
-            self.order = torch.cat([self.order, fresh])
-            self.epochs += 1
-        batch, self.order = self.order[: self.batch_size], self.order[self.batch_size:]
-        return batch
-
-
-class DeviceData:
-    """One split's windows held on the training device: ids [N, S] int32, loss mask [N, S] uint8."""
-
-    def __init__(self, data, device) -> None:
-        ids, mask = data
-        self.ids = torch.from_numpy(np.ascontiguousarray(ids).astype(np.int32)).to(device)
-        self.mask = torch.from_numpy(np.ascontiguousarray(mask).astype(np.uint8)).to(device)
-        self.num_windows = int(self.ids.shape[0])
-
-    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """indices [B] on the device -> (ids [B, S] int64, mask [B, S] float32)."""
-        return self.ids.index_select(0, indices).long(), self.mask.index_select(0, indices).float()
 
 
 def _sync(device) -> None:
@@ -172,11 +138,10 @@ def train_target(config: ModelConfig, settings: TrainSettings, data, device, log
         qat_params=shadow.num_params if shadow else 0)
     optimizer = torch.optim.AdamW(params, lr=settings.target_lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay,
                                   **({"fused": True} if device.type == "cuda" else {}))
-    train = DeviceData(data["train"], device)
-    sampler = WindowSampler(train.num_windows, settings.batch_size, settings.seed, device)
+    train = UnitWindows(data["train"], settings.seq_len, settings.batch_size, settings.seed, device)
     target_deadline = time.monotonic() + settings.target_time_share * (deadline - time.monotonic())
     total_steps = settings.target_steps
-    window_tokens = settings.batch_size * train.ids.shape[1]
+    window_tokens = settings.batch_size * train.seq_len
 
     def loss_fn(ids, mask):
         with autocast(settings, device):
@@ -195,7 +160,7 @@ def train_target(config: ModelConfig, settings: TrainSettings, data, device, log
         lr = cosine_lr(step, total_steps or 10**9, settings.target_warmup_steps, settings.target_lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        ids, mask = train.batch(sampler.next_batch())
+        ids, mask = train.next_batch()
         with _quantized(shadow):
             loss, num_tokens = step_loss(ids, mask)
             optimizer.zero_grad(set_to_none=True)
@@ -215,7 +180,7 @@ def train_target(config: ModelConfig, settings: TrainSettings, data, device, log
             figures = meter.read(window_tokens)
             curve.append({"step": step, "loss": figures["loss"]})
             log("target.step", step=step, lr=lr, grad_norm=round(float(grad_norm), 3), epochs=round(
-                step * settings.batch_size / train.num_windows, 3), **figures, max_over_mean_expert_load=load)
+                train.passes(step * settings.batch_size), 3), **figures, max_over_mean_expert_load=load)
     seconds = time.monotonic() - started_all
     if shadow is not None:
         shadow.project()  # the weights evaluated and exported are the quantised ones
@@ -233,7 +198,7 @@ def train_target(config: ModelConfig, settings: TrainSettings, data, device, log
     tokens = step * window_tokens
     summary = {"steps": total_steps, "seconds": round(seconds, 1), "tokens": tokens,
                "tokens_per_s": round(tokens / max(seconds, 1e-9)),
-               "passes": round(step * settings.batch_size / train.num_windows, 3)}
+               "passes": round(train.passes(step * settings.batch_size), 3)}
     log("target.done", **summary)
     return target, {**summary, "final_train_loss": curve[-1]["loss"] if curve else None, "validation_float": val,
                     "median_step_s": float(np.median(meter.step_times)) if meter.step_times else None,
@@ -260,13 +225,12 @@ def train_drafter(config: ModelConfig, settings: TrainSettings, target: Trainabl
         qat_params=shadow.num_params if shadow else 0)
     optimizer = torch.optim.AdamW(params, lr=settings.drafter_lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay,
                                   **({"fused": True} if device.type == "cuda" else {}))
-    train = DeviceData(data["train"], device)
-    sampler = WindowSampler(train.num_windows, settings.batch_size, settings.seed + 2, device)
+    train = UnitWindows(data["train"], settings.seq_len, settings.batch_size, settings.seed + 2, device)
     anchor_generator = torch.Generator().manual_seed(settings.seed + 3)
     drafter_deadline = deadline - EXPORT_RESERVE_S
     block_size = config.dspark.block_size
     total_steps = settings.drafter_steps
-    window_tokens = settings.batch_size * train.ids.shape[1]
+    window_tokens = settings.batch_size * train.seq_len
 
     def loss_fn(ids, mask, anchors):
         with autocast(settings, device):
@@ -283,7 +247,7 @@ def train_drafter(config: ModelConfig, settings: TrainSettings, target: Trainabl
         lr = cosine_lr(step, total_steps or 10**9, settings.drafter_warmup_steps, settings.drafter_lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        ids, mask = train.batch(sampler.next_batch())
+        ids, mask = train.next_batch()
         anchors = sample_anchors(ids.shape[0], ids.shape[1], block_size, settings.anchors_per_sequence,
                                  anchor_generator).to(device, non_blocking=True)
         with _quantized(shadow):

@@ -42,6 +42,29 @@ def finish_run(args, config, settings, target, drafter, data, device, log, repor
     log("train.done", card=str(Path(args.out) / CARD_FILE))
 
 
+def training_runs(history: dict | None, steps_args: str) -> str:
+    """The runs behind the checkpoint, each with its command (runs continue with `--init-from`)."""
+    runs = (history or {}).get("runs") or []
+    if not runs:
+        return ("```\npython -m moemesh.tools.train --out models/kjv-dsv4-mini --data-dir .traindata/kjv-recite "
+                f"{steps_args}\n```")
+    totals = history["totals"]
+    lines = [f"Trained in {totals['runs']} run(s), each continuing from the checkpoint the one before wrote "
+             f"(`--init-from`; the optimizer state starts afresh each run): {totals['tokens']:,} tokens, "
+             f"{totals['passes']:.1f} passes over the training split, {totals['target_seconds']:.0f} s of target "
+             "training in all (`train_history.json`).", "",
+             "| run | date | device | target steps × windows | s | tokens/s | passes | drafter steps |",
+             "|---|---|---|---|---|---|---|---|"]
+    for number, run in enumerate(runs, 1):
+        lines.append(f"| {number} | {run['date']} | {run.get('gpu') or run['device']} | {run['steps']} × "
+                     f"{run['batch_size']} | {run['seconds']:.0f} | {run['tokens_per_s']:,} | {run['passes']:.2f} | "
+                     f"{run['drafter_steps']} |")
+    lines += ["", "Commands, in order (paths as on the machine that ran them):", "```"]
+    lines += [run.get("command", "(command not recorded)") for run in runs]
+    lines.append("```")
+    return "\n".join(lines)
+
+
 def model_card(config, settings, reports: dict) -> str:
     target, drafter, export = reports["target"], reports["drafter"], reports["export"]
     dataset = reports["dataset"]
@@ -98,9 +121,9 @@ test; it is not a useful language model beyond reciting and paraphrasing KJV ver
 ## Training
 ```
 {data_line}
-python -m moemesh.tools.train --out models/kjv-dsv4-mini --data-dir .traindata/{'kjv-recite' if oversample else 'kjv'} {steps_args}
 ```
-Seed {settings.seed}; AdamW (β 0.9/0.95, weight decay {settings.weight_decay}), warm-up + cosine; target
+{training_runs(reports.get("history"), steps_args)}
+Last run: seed {settings.seed}; AdamW (β 0.9/0.95, weight decay {settings.weight_decay}), warm-up + cosine; target
 {target['steps']} steps × {settings.batch_size} windows × {settings.seq_len} tokens at peak lr {settings.target_lr}; drafter
 {drafter['steps']} steps of DSpark distillation (0.1 CE + 0.9 TV + 1.0 BCE, slot weights exp(-(k-1)/γ),
 {settings.anchors_per_sequence} blocks per window) at peak lr {settings.drafter_lr}; precision {settings.precision}

@@ -128,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     data = {}
     for split in ("train", "validation"):
         stream = manifest["streams"][split]
-        ids = np.load(args.data_dir / stream["ids_file"], allow_pickle=False)[:, : settings.seq_len]
-        mask = np.load(args.data_dir / stream["loss_mask_file"], allow_pickle=False)[:, : settings.seq_len]
+        ids = np.load(args.data_dir / stream["ids_file"], allow_pickle=False)
+        mask = np.load(args.data_dir / stream["loss_mask_file"], allow_pickle=False)
+        if split == "validation":  # training packs its units into settings.seq_len windows itself
+            ids, mask = ids[:, : settings.seq_len], mask[:, : settings.seq_len]
         data[split] = (ids, mask)
     if args.init_from is not None:
         from moemesh.tools.train.resume import read_config
@@ -146,10 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + settings.time_budget_s
     target, target_report = train_target(config, settings, data, device, log, deadline, args.init_from)
     drafter, drafter_report = train_drafter(config, settings, target, data, device, log, deadline, args.init_from)
-    finish_run(args, config, settings, target, drafter, data, device, log,
-               {"target": target_report, "drafter": drafter_report, "dataset": manifest})
+    command = "python -m moemesh.tools.train " + " ".join(sys.argv[1:] if argv is None else argv)
     history.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                    "command": command,
                     "init_from": str(args.init_from) if args.init_from else None, "batch_size": settings.batch_size,
                     "qat": settings.qat, "compile": settings.compile,
                     **{k: target_report[k] for k in ("steps", "seconds", "tokens", "tokens_per_s", "passes")},
@@ -157,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     totals = {"runs": len(history), "tokens": sum(h["tokens"] for h in history),
               "passes": round(sum(h["passes"] for h in history), 3),
               "target_seconds": round(sum(h["seconds"] for h in history), 1)}
+    finish_run(args, config, settings, target, drafter, data, device, log,
+               {"target": target_report, "drafter": drafter_report, "dataset": manifest,
+                "history": {"totals": totals, "runs": history}})
     (args.out / HISTORY_FILE).write_text(json.dumps({"totals": totals, "runs": history}, indent=1) + "\n",
                                          encoding="utf-8")
     log("train.history", **totals)
