@@ -36,6 +36,10 @@ from moemesh.common.model.moe import ExpertNotHeld, RouteLayoutHandoff, _swiglu
 
 FP8_BLOCK = 128
 TORCH_BLOCK_ROWS = 8 * FP8_BLOCK  # output rows dequantised at once on the torch (CPU) path
+# A CPU linear whose dequantised weight is at most this big keeps it (exact: e4m3 times a power of two), so a
+# step does not dequantise it again: for a small model that costs ~40x the GEMV itself. Larger ones (V4-Flash's)
+# stay FP8 and are dequantised in row blocks per call, bounding the host memory.
+CPU_DENSE_WEIGHT_MAX_BYTES = 8 << 20
 
 
 class KernelBackend(enum.Enum):
@@ -74,6 +78,7 @@ class Fp8Linear(nn.Module):
         self.backend = backend
         self.register_buffer("weight", _as_e4m3(weight).contiguous())
         self.register_buffer("scale", scale_bytes(scale).contiguous())
+        self._dense: tuple[tuple, torch.Tensor] | None = None  # (key of the weights it came from, weight)
 
     @property
     def num_bytes(self) -> int:
@@ -82,6 +87,19 @@ class Fp8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequant_fp8_blockwise(self.weight, self.scale).to(dtype)
+
+    def _cpu_dense(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[N, K] the dequantised weight in x's dtype, kept after the first call, when x and the weight are on
+        the CPU and it is at most CPU_DENSE_WEIGHT_MAX_BYTES; None otherwise. Rebuilt when the FP8 weight or
+        its scales change (another tensor, or an in-place write)."""
+        if x.device.type != "cpu" or self.weight.device.type != "cpu":
+            return None
+        if self.weight.numel() * x.element_size() > CPU_DENSE_WEIGHT_MAX_BYTES:
+            return None
+        key = (self.weight.data_ptr(), self.weight._version, self.scale.data_ptr(), self.scale._version, x.dtype)
+        if self._dense is None or self._dense[0] != key:
+            self._dense = (key, self.dequantized(x.dtype))
+        return self._dense[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if _use_kernel(self.backend, x):
@@ -94,8 +112,12 @@ class Fp8Linear(nn.Module):
         return self._blocked_linear(x)
 
     def _blocked_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """The torch path: `TORCH_BLOCK_ROWS` output rows at a time, each row block dequantised into a small
-        fp32 scratch (exact: e4m3 times a power of two), so no full dequantised matrix is ever built."""
+        """The torch path: the kept dense weight of a small CPU linear; otherwise `TORCH_BLOCK_ROWS` output rows
+        at a time, each row block dequantised into a small fp32 scratch (exact: e4m3 times a power of two), so
+        no full dequantised matrix is built."""
+        dense = self._cpu_dense(x)
+        if dense is not None:
+            return F.linear(x, dense)
         if self.out_features <= TORCH_BLOCK_ROWS:
             return F.linear(x, self.dequantized(x.dtype))
         out = x.new_empty(*x.shape[:-1], self.out_features)  # [..., N]
@@ -164,7 +186,9 @@ class Fp8GroupedLinear(Fp8Linear):
             y = grouped_down(x.reshape(num_tokens * g, i), offsets, stacked, x_row_ids=row_ids,
                              out_row_ids=row_ids)  # [T·G, O]: rows read and written in place, no transposes
             return y.view(num_tokens, g * o)
-        weight = self.dequantized(x.dtype).view(self.num_groups, -1, self.in_features).transpose(1, 2)  # [G, I, O]
+        dense = self._cpu_dense(x)
+        weight = (dense if dense is not None else self.dequantized(x.dtype))
+        weight = weight.view(self.num_groups, -1, self.in_features).transpose(1, 2)  # [G, I, O]
         y = torch.bmm(x.transpose(0, 1), weight)  # [G, T, O]
         return y.transpose(0, 1).reshape(num_tokens, -1)
 
