@@ -33,24 +33,39 @@ def test_fp8_linear_equals_linear_on_dequantised_weight(shape):
 
 
 def test_a_small_cpu_fp8_linear_keeps_its_dense_weight_until_the_fp8_weight_changes(monkeypatch):
-    from moemesh.common.model import quantized
+    from moemesh.common.model import linear
 
     weight, scale = random_fp8_linear(256, 384, generator=torch.Generator().manual_seed(3))
     fp8 = Fp8Linear(weight, scale)
     x = torch.randn(4, 384)
     first = fp8(x)
     torch.testing.assert_close(first, x @ fp8.dequantized().t(), rtol=0, atol=1e-5)
-    kept = fp8._dense[1]
+    kept = fp8._dense._entry[1]
     assert torch.equal(kept, fp8.dequantized())
     fp8(x)
-    assert fp8._dense[1] is kept  # not rebuilt by a second call
+    assert fp8._dense._entry[1] is kept  # not rebuilt by a second call
     fp8.scale.add_(1)  # every block's exponent + 1: twice the weight, written in place
     torch.testing.assert_close(fp8(x), 2 * first, rtol=0, atol=1e-5)
-    assert fp8._dense[1] is not kept
-    monkeypatch.setattr(quantized, "CPU_DENSE_WEIGHT_MAX_BYTES", 256 * 384 * 4 - 1)
+    assert fp8._dense._entry[1] is not kept
+    monkeypatch.setattr(linear, "CPU_WIDE_WEIGHT_MAX_BYTES", 256 * 384 * 4 - 1)
     large = Fp8Linear(weight, scale)
     torch.testing.assert_close(large(x), x @ large.dequantized().t(), rtol=0, atol=1e-5)
-    assert large._dense is None  # above the bound: dequantised in row blocks per call, nothing kept
+    assert large._dense._entry is None  # above the bound: dequantised in row blocks per call, nothing kept
+
+
+def test_a_bf16_cpu_linear_keeps_its_float32_copy_until_its_weight_changes():
+    head = Linear(64, 96, dtype=torch.bfloat16)
+    head.weight.data = torch.randn(96, 64).bfloat16()
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(head(x), x @ head.weight.float().t(), rtol=0, atol=1e-5)
+    kept = head._wide._entry[1]
+    assert kept.dtype == torch.float32 and torch.equal(kept, head.weight.float())
+    head(x)
+    assert head._wide._entry[1] is kept
+    head.weight.mul_(2)  # in place: the kept copy is stale and rebuilt
+    torch.testing.assert_close(head(x), x @ head.weight.float().t(), rtol=0, atol=1e-5)
+    assert head._wide._entry[1] is not kept
+    assert head(x.bfloat16()).dtype == torch.bfloat16 and head._wide._entry[1].dtype == torch.float32
 
 
 def test_fp8_linear_rejects_wrong_scale_grid():

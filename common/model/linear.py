@@ -4,7 +4,11 @@ Every dense projection of the model is a `Linear` (or `GroupedLinear`) so that a
 implementation (FP8 weights kept on GPU) can replace this one class without touching the math.
 Weights are created uninitialised (`torch.empty`): they always come from a state dict. A `Linear`
 or `Embedding` weight may be held in a narrower float dtype than the activations (a bf16 checkpoint
-tensor on the float32 CPU path, kept as stored): it is then widened per call, which is exact.
+tensor on the float32 CPU path, kept as stored): it is then widened, which is exact. On the CPU a
+weight whose widened copy is at most `CPU_WIDE_WEIGHT_MAX_BYTES` keeps that copy (`KeptWideWeight`), so a
+step does not widen it again (for a small model the conversion costs more than the product: the default
+model's bf16 head, 1.5 ms widened per call against 0.5 ms kept, one core); a larger one (V4-Flash's head)
+is widened per call, bounding host memory.
 The RMS norms run one Triton launch on CUDA (`common.kernels.norm_rope`, dispatch rules in
 `common.kernels.glue`); the torch code here is the CPU path and their reference.
 """
@@ -16,6 +20,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.common.kernels.glue import use_triton_glue
+
+
+CPU_WIDE_WEIGHT_MAX_BYTES = 16 << 20
+
+
+class KeptWideWeight:
+    """One CPU weight in the activations' dtype, built from its stored tensors on the first call and kept
+    until one of them changes (another tensor, or an in-place write): see the module docstring."""
+
+    def __init__(self) -> None:
+        self._entry: tuple[tuple, torch.Tensor] | None = None
+
+    def get(self, x: torch.Tensor, sources: tuple[torch.Tensor, ...], numel: int, build) -> torch.Tensor | None:
+        """build(dtype) -> the wide weight of `numel` elements; None when x or a source is not on the CPU or
+        the copy would exceed CPU_WIDE_WEIGHT_MAX_BYTES (the caller then builds a transient one)."""
+        if x.device.type != "cpu" or any(t.device.type != "cpu" for t in sources):
+            return None
+        if numel * x.element_size() > CPU_WIDE_WEIGHT_MAX_BYTES:
+            return None
+        key = tuple((t.data_ptr(), t._version) for t in sources) + (x.dtype,)
+        if self._entry is None or self._entry[0] != key:
+            self._entry = (key, build(x.dtype))
+        return self._entry[1]
 
 
 def _parameter(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -30,14 +57,18 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.weight = _parameter(out_features, in_features, dtype=dtype, device=device)
+        self._wide = KeptWideWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        return F.linear(x, _as_dtype(self.weight, x.dtype))
+        return F.linear(x, self._weight_as(x))
 
-
-def _as_dtype(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in the activations' dtype (a transient copy only when it is held narrower)."""
-    return weight if weight.dtype == dtype else weight.to(dtype)
+    def _weight_as(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight in x's dtype: itself, the kept wide copy (CPU), or a transient copy."""
+        weight = self.weight
+        if weight.dtype == x.dtype:
+            return weight
+        kept = self._wide.get(x, (weight,), weight.numel(), weight.to)
+        return kept if kept is not None else weight.to(x.dtype)
 
 
 class GroupedLinear(Linear):
@@ -55,7 +86,7 @@ class GroupedLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # T tokens, G groups, I input per group, O output per group
         num_tokens = x.shape[0]
-        weight = _as_dtype(self.weight, x.dtype).view(self.num_groups, -1, self.in_features).transpose(1, 2)  # [G, I, O]
+        weight = self._weight_as(x).view(self.num_groups, -1, self.in_features).transpose(1, 2)  # [G, I, O]
         y = torch.bmm(x.transpose(0, 1), weight)  # [G, T, I] @ [G, I, O] -> [G, T, O]
         return y.transpose(0, 1).reshape(num_tokens, -1)  # [T, G·O]
 

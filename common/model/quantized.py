@@ -31,15 +31,11 @@ from torch import nn
 
 from moemesh.common.kernels.moe_layout import ExpertLayout, sum_slots_in_order
 from moemesh.common.kernels.reference import dequant_fp4, dequant_fp8_blockwise, scale_bytes
-from moemesh.common.model.linear import GroupedLinear, Linear
+from moemesh.common.model.linear import GroupedLinear, KeptWideWeight, Linear
 from moemesh.common.model.moe import ExpertNotHeld, RouteLayoutHandoff, _swiglu
 
 FP8_BLOCK = 128
 TORCH_BLOCK_ROWS = 8 * FP8_BLOCK  # output rows dequantised at once on the torch (CPU) path
-# A CPU linear whose dequantised weight is at most this big keeps it (exact: e4m3 times a power of two), so a
-# step does not dequantise it again: for a small model that costs ~40x the GEMV itself. Larger ones (V4-Flash's)
-# stay FP8 and are dequantised in row blocks per call, bounding the host memory.
-CPU_DENSE_WEIGHT_MAX_BYTES = 8 << 20
 
 
 class KernelBackend(enum.Enum):
@@ -78,7 +74,7 @@ class Fp8Linear(nn.Module):
         self.backend = backend
         self.register_buffer("weight", _as_e4m3(weight).contiguous())
         self.register_buffer("scale", scale_bytes(scale).contiguous())
-        self._dense: tuple[tuple, torch.Tensor] | None = None  # (key of the weights it came from, weight)
+        self._dense = KeptWideWeight()  # a small CPU linear's dequantised weight (linear.py)
 
     @property
     def num_bytes(self) -> int:
@@ -89,17 +85,10 @@ class Fp8Linear(nn.Module):
         return dequant_fp8_blockwise(self.weight, self.scale).to(dtype)
 
     def _cpu_dense(self, x: torch.Tensor) -> torch.Tensor | None:
-        """[N, K] the dequantised weight in x's dtype, kept after the first call, when x and the weight are on
-        the CPU and it is at most CPU_DENSE_WEIGHT_MAX_BYTES; None otherwise. Rebuilt when the FP8 weight or
-        its scales change (another tensor, or an in-place write)."""
-        if x.device.type != "cpu" or self.weight.device.type != "cpu":
-            return None
-        if self.weight.numel() * x.element_size() > CPU_DENSE_WEIGHT_MAX_BYTES:
-            return None
-        key = (self.weight.data_ptr(), self.weight._version, self.scale.data_ptr(), self.scale._version, x.dtype)
-        if self._dense is None or self._dense[0] != key:
-            self._dense = (key, self.dequantized(x.dtype))
-        return self._dense[1]
+        """[N, K] the dequantised weight in x's dtype, kept after the first call (exact: e4m3 times a power of
+        two), when x and the weight are on the CPU and it is small (linear.CPU_WIDE_WEIGHT_MAX_BYTES: a step
+        then does not dequantise it again, which for a small model costs ~30x the GEMV); None otherwise."""
+        return self._dense.get(x, (self.weight, self.scale), self.weight.numel(), self.dequantized)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if _use_kernel(self.backend, x):
