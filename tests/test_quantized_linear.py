@@ -68,6 +68,27 @@ def test_a_bf16_cpu_linear_keeps_its_float32_copy_until_its_weight_changes():
     assert head(x.bfloat16()).dtype == torch.bfloat16 and head._wide._entry[1].dtype == torch.float32
 
 
+def test_cpu_routed_experts_keep_their_dequantised_matrices_until_the_stack_changes():
+    config = tiny_flash_like_config([AttentionKind.WINDOW])
+    _, experts = random_model(config, "cpu", seed=5)
+    layer = next(iter(experts._layers))
+    held = experts._layers[layer]
+    hidden = torch.randn(3, config.hidden_size)
+    first = held.matrices(0, hidden)
+    assert all(torch.equal(a, _dequant(w[0], s[0], held.fmt)) for a, (w, s) in
+               zip(first, ((held.w1, held.s1), (held.w2, held.s2), (held.w3, held.s3)), strict=True))
+    assert all(a is b for a, b in zip(held.matrices(0, hidden), first, strict=True))  # kept
+    held.s2[0].add_(1)  # expert 0's w2 doubled in place: rebuilt
+    again = held.matrices(0, hidden)
+    assert torch.equal(again[1], 2 * first[1]) and again[1] is not first[1]
+
+
+def _dequant(w, s, fmt):
+    from moemesh.common.model.quantized import _dequant_stacked
+
+    return _dequant_stacked(w, s, fmt)
+
+
 def test_fp8_linear_rejects_wrong_scale_grid():
     weight, scale = random_fp8_linear(256, 256)
     with pytest.raises(ValueError, match="scale"):

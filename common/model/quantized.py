@@ -244,6 +244,21 @@ class _LayerExperts:
         ids = torch.tensor(self.expert_ids, dtype=torch.int64, device=device)
         self.local[ids] = torch.arange(len(self.expert_ids), device=device)
         self.held[ids] = True
+        self.kept: dict[int, KeptWideWeight] = {}  # stack index -> its dequantised matrices (small, on the CPU)
+
+    def matrices(self, index: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert `index`'s (w1, w2, w3) in x's dtype, exact: kept after the first call on the CPU when small
+        (linear.KeptWideWeight: a drafter's or the default model's experts), else dequantised now."""
+        pairs = ((self.w1, self.s1), (self.w2, self.s2), (self.w3, self.s3))
+
+        def build(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return tuple(_dequant_stacked(w[index], s[index], self.fmt).to(dtype) for w, s in pairs)
+
+        values_per_element = 2 if self.fmt is ExpertFormat.FP4 else 1  # two e2m1 codes a byte
+        numel = sum(w[index].numel() for w, _ in pairs) * values_per_element
+        sources = tuple(t for pair in pairs for t in pair)  # the whole stacks: any write rebuilds
+        kept = self.kept.setdefault(index, KeptWideWeight()).get(x, sources, numel, build)
+        return kept if kept is not None else build(x.dtype)
 
     def kernel_weights(self):
         from moemesh.common.kernels.fp4_experts import ExpertWeights, WeightFormat
@@ -447,7 +462,8 @@ class QuantizedRoutedExperts:
 
     def _rows_torch(self, held: _LayerExperts, hidden: torch.Tensor, local: torch.Tensor, weights: torch.Tensor,
                     slot_mask: torch.Tensor | None) -> torch.Tensor:
-        """Per expert: dequantise its three matrices to the activation dtype, then `RoutedExperts`' math."""
+        """Per expert: its three matrices in the activation dtype (`_LayerExperts.matrices`), then `RoutedExperts`'
+        math."""
         top_k = local.shape[1]
         rows = hidden.new_zeros(local.numel(), hidden.shape[1])
         flat_local = local.reshape(-1)
@@ -455,8 +471,7 @@ class QuantizedRoutedExperts:
         for index in torch.unique(flat_local[usable]).tolist():  # ascending stack index = ascending id
             (slots,) = torch.where((flat_local == index) & usable)
             x = hidden[slots // top_k]
-            w1, w2, w3 = (_dequant_stacked(w[index], s[index], held.fmt).to(hidden.dtype)
-                          for w, s in ((held.w1, held.s1), (held.w2, held.s2), (held.w3, held.s3)))
+            w1, w2, w3 = held.matrices(index, hidden)
             route = weights.reshape(-1)[slots][:, None]
             act = _swiglu(F.linear(x, w1), F.linear(x, w3), self.swiglu_limit)
             if self.route_weight_before_w2:
