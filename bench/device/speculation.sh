@@ -10,7 +10,11 @@
 # with the runs finished so far even when a run fails, a server does not start, or timeout's SIGTERM
 # arrives; the servers' service logs go beside it. Run by bench/device/run_all.sh from the repo root
 # with PYTHONPATH set; results go to $RESULTS_DIR.
+# SPEC_MODEL: the checkpoint to serve (default: the shipped default model; e.g. /tmp/train-default-model-last,
+# the one train-default-model.sh left on this warm machine). SPEC_SKIP_CPU=1 leaves out step 3.
 set -u
+model_args=()
+[ -n "${SPEC_MODEL:-}" ] && model_args=(--model "$SPEC_MODEL")
 : "${RESULTS_DIR:=$PWD/bench/results}"
 mkdir -p "$RESULTS_DIR"
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/moemesh-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/moemesh-mps-log
@@ -27,13 +31,14 @@ echo "=== CUDA correctness (drafter on cuda equals cpu; sampled drafts valid) [$
 timeout -k 5 35 python3 -m pytest -x -q -p no:cacheprovider tests/test_spec_cuda.py 2>&1 | tail -n 15
 
 echo "=== bench speculation on cuda:0, float32, 2 repeats (greedy outputs comparable across modes) [$(elapsed)]"
-timeout -s TERM -k 15 215 python3 -m moemesh.bench.speculation --devices cuda:0 --dtype float32 --max-tokens 64 --streams 8 \
+timeout -s TERM -k 15 215 python3 -m moemesh.bench.speculation "${model_args[@]}" --devices cuda:0 --dtype float32 --max-tokens 64 --streams 8 \
   --modes off,fixed,adaptive --temperatures 0,1 --repeats 2 --request-timeout-s 25 --time-budget-s 170 \
   --keep-logs "$RESULTS_DIR/spec-logs-cuda" --out-dir "$RESULTS_DIR"
 echo "bench rc=$? [$(elapsed)]"
 
+[ "${SPEC_SKIP_CPU:-0}" = 1 ] && exit 0
 echo "=== bench speculation on this host's CPU (4 threads per process), this tree [$(elapsed)]"
-OMP_NUM_THREADS=4 timeout -s TERM -k 10 65 python3 -m moemesh.bench.speculation --devices cpu --modes off,fixed,adaptive \
+OMP_NUM_THREADS=4 timeout -s TERM -k 10 65 python3 -m moemesh.bench.speculation "${model_args[@]}" --devices cpu --modes off,fixed,adaptive \
   --max-tokens 32 --streams 8 --temperatures 0,1 --request-timeout-s 20 --time-budget-s 40 \
   --keep-logs "$RESULTS_DIR/spec-logs-cpu" --out-dir "$RESULTS_DIR"
 echo "bench rc=$? [$(elapsed)]"
