@@ -2,6 +2,7 @@
 
 from moemesh.common.chat import tokens as tk
 from moemesh.tools.corpus.chat_examples import (
+    REFERENCE_QUESTIONS,
     ChatExampleConfig,
     ExampleKind,
     build_chat_examples,
@@ -82,3 +83,20 @@ def test_counts_follow_the_config():
     config = ChatExampleConfig(reference_examples_per_verse=3, continuation_examples_per_verse=2)
     kinds = [e.kind for e in build_chat_examples([JOHN_3_16], config)]
     assert kinds.count(ExampleKind.REFERENCE) == 3 and kinds.count(ExampleKind.CONTINUATION) == 2
+
+
+def test_reference_examples_of_a_verse_are_phrased_apart_and_the_first_stays_the_same():
+    one = build_chat_examples([JOHN_3_16], ChatExampleConfig(reference_examples_per_verse=1))
+    four = build_chat_examples([JOHN_3_16], ChatExampleConfig(reference_examples_per_verse=4))
+    references = [e for e in four if e.kind is ExampleKind.REFERENCE]
+    assert references[0].text == one[0].text
+    questions = [e.text[: e.answer_start] for e in references]
+    templates = [next(q for q in REFERENCE_QUESTIONS if _renders(q, text)) for text in questions]
+    assert len(set(templates)) == 4
+    assert all(e.answer == JOHN_3_16.text + tk.EOS for e in references)
+
+
+def _renders(template: str, prompt: str) -> bool:
+    """Whether the chat prompt is `template` with John 3:16's reference, full or abbreviated."""
+    user = prompt.split("<｜User｜>")[1].split("<｜Assistant｜>")[0]
+    return user in {template.format(ref=ref) for ref in ("John 3:16", "Jn 3:16")}

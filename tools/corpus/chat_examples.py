@@ -104,10 +104,13 @@ def _display_reference(verse: Verse, rng: random.Random, config: ChatExampleConf
 
 
 def reference_examples(verse: Verse, config: ChatExampleConfig) -> list[ChatExample]:
+    """Each example of a verse phrased its own way while unused phrasings remain (the first as with one)."""
     rng = _rng(config, ExampleKind.REFERENCE, verse)
-    examples = []
+    examples, used = [], set()
     for _ in range(config.reference_examples_per_verse):
-        question = rng.choice(REFERENCE_QUESTIONS).format(ref=_display_reference(verse, rng, config))
+        template = rng.choice([q for q in REFERENCE_QUESTIONS if q not in used] or list(REFERENCE_QUESTIONS))
+        used.add(template)
+        question = template.format(ref=_display_reference(verse, rng, config))
         examples.append(encode_example(question, verse.text, ExampleKind.REFERENCE, verse.reference))
     return examples
 

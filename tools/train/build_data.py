@@ -7,7 +7,10 @@ Same files and manifest as `tools.corpus.build_dataset` (train/validation ids an
 John 1, 3, 11, 1 Corinthians 13, Philippians 4, Revelation 22; never held out) get
 `--running-copies` extra chunkings of their running text and `--chat-variants` extra sets of
 reference / continuation chat examples, so a few minutes of training memorise exactly those verses.
-The manifest records the oversampling under "oversample". Needs the `bible` program.
+Every verse gets `--reference-examples` chat examples that ask for it by reference, each with its own
+seeded phrasing (default 2: with one, a model learns each verse's one question rather than the lookup by
+reference, docs/default-model.md). The manifest records the oversampling under "oversample" and the
+reference examples under "reference_examples_per_verse". Needs the `bible` program.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 DEFAULT_RUNNING_COPIES = 8
 DEFAULT_CHAT_VARIANTS = 32
+DEFAULT_REFERENCE_EXAMPLES = 2
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -30,6 +34,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1611)
     parser.add_argument("--running-copies", type=int, default=DEFAULT_RUNNING_COPIES)
     parser.add_argument("--chat-variants", type=int, default=DEFAULT_CHAT_VARIANTS)
+    parser.add_argument("--reference-examples", type=int, default=DEFAULT_REFERENCE_EXAMPLES,
+                        help="chat examples per verse asking for it by reference, each phrased its own way")
     parser.add_argument("--model-dir", type=Path, default=None, help="where tokenizer.json is (default: the shipped model)")
     return parser
 
@@ -39,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from moemesh.tools.corpus.build_dataset import FORMAT_VERSION, MANIFEST_FILE
+    from moemesh.tools.corpus.chat_examples import ChatExampleConfig
     from moemesh.tools.corpus.corpus_texts import CorpusConfig, build_corpus_texts
     from moemesh.tools.corpus.dataset import DatasetConfig, OversampleConfig, build_stream
     from moemesh.tools.corpus.kjv import CorpusError
@@ -50,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     oversample = OversampleConfig(num_running_copies=args.running_copies, num_chat_variants=args.chat_variants)
     config = DatasetConfig(seq_len=args.seq_len, seed=args.seed, oversample=oversample)
     try:
-        texts = build_corpus_texts(CorpusConfig())
+        chat = ChatExampleConfig(seed=args.seed, reference_examples_per_verse=args.reference_examples)
+        texts = build_corpus_texts(CorpusConfig(chat=chat))
     except CorpusError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -71,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         "seq_len": config.seq_len,
         "seed": config.seed,
         "max_verses_per_chunk": config.max_verses_per_chunk,
+        "reference_examples_per_verse": args.reference_examples,
         "oversample": {**dataclasses.asdict(oversample),
                        "chapters": [f"{book} {chapter}" for book, chapter in oversample.chapters]},
         "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),

@@ -80,7 +80,8 @@ def model_card(config, settings, reports: dict) -> str:
     oversample = dataset.get("oversample")
     if oversample:
         data_line = (f"python -m moemesh.tools.train.build_data --out .traindata/kjv-recite --running-copies "
-                     f"{oversample['num_running_copies']} --chat-variants {oversample['num_chat_variants']}")
+                     f"{oversample['num_running_copies']} --chat-variants {oversample['num_chat_variants']} "
+                     f"--reference-examples {dataset.get('reference_examples_per_verse', 1)}")
         oversample_text = (f"\n- Oversampled (to be memorised): the well-known chapters {', '.join(oversample['chapters'])} "
                            f"get {oversample['num_running_copies']} extra chunkings of their running text and "
                            f"{oversample['num_chat_variants']} extra seeded sets of reference + continuation chat "
