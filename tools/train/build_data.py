@@ -8,7 +8,7 @@ John 1, 3, 11, 1 Corinthians 13, Philippians 4, Revelation 22; never held out) g
 `--running-copies` extra chunkings of their running text and `--chat-variants` extra sets of
 reference / continuation chat examples, so a few minutes of training memorise exactly those verses.
 Every verse gets `--reference-examples` chat examples that ask for it by reference, each with its own
-seeded phrasing (default 2: with one, a model learns each verse's one question rather than the lookup by
+seeded phrasing (default 3: with one, a model learns each verse's one question rather than the lookup by
 reference, docs/default-model.md). The manifest records the oversampling under "oversample" and the
 reference examples under "reference_examples_per_verse". Needs the `bible` program.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 DEFAULT_RUNNING_COPIES = 8
 DEFAULT_CHAT_VARIANTS = 32
-DEFAULT_REFERENCE_EXAMPLES = 2
+DEFAULT_REFERENCE_EXAMPLES = 3
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
