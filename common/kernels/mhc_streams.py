@@ -34,13 +34,8 @@ def _hc_post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, hidden,
     # (+ addend [T, D], rounded to the dtype), h [T, N, D] (same dtype), post [T, N], comb [T, N, N] fp32
     # -> out [T, N, D]; with next_fn [M, N·D] fp32 also the next hc_pre's launch-1 partials of out over
     # this program's D slice: mix_part [D/BD, T, BM], sq_part [D/BD, T]
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
+    pid_t, pid_d, dims, dim_mask, streams, stream_mask = _stream_tile(hidden, N, NP, BLOCK_D)
     dtype = out_ptr.dtype.element_ty
-    dims = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    dim_mask = dims < hidden
-    streams = tl.arange(0, NP)
-    stream_mask = streams < N
     post = tl.load(post_ptr + pid_t * N + streams, mask=stream_mask, other=0.0).to(dtype).to(tl.float32)
     if Y_SLOTS:  # the routed slots' in-order sum, bit for bit what `_sum_slots_kernel` stores
         slot_row = y_ptr + pid_t.to(tl.int64) * Y_SLOTS * hidden + dims  # [BD] slot 0 of this token
@@ -58,11 +53,30 @@ def _hc_post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, hidden,
         h_row = tl.load(h_ptr + (pid_t.to(tl.int64) * N + j) * hidden + dims, mask=dim_mask, other=0.0)
         mixed += comb_row[:, None] * h_row.to(tl.float32)[None, :]
     out = scaled + mixed.to(dtype).to(tl.float32)
+    _store_streams(out, out_ptr, hidden, pid_t, pid_d, dims, dim_mask, streams, stream_mask, next_fn_ptr, mix_part_ptr,
+                   sq_part_ptr, num_mix, N, BLOCK_M, BLOCK_D)
+
+
+@triton.jit
+def _stream_tile(hidden, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's token and D slice: (pid_t, pid_d, dims [BD], dim_mask [BD], streams [NP], stream_mask [NP])."""
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    dims = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    streams = tl.arange(0, NP)
+    return pid_t, pid_d, dims, dims < hidden, streams, streams < N
+
+
+@triton.jit
+def _store_streams(out, out_ptr, hidden, pid_t, pid_d, dims, dim_mask, streams, stream_mask, next_fn_ptr,
+                   mix_part_ptr, sq_part_ptr, num_mix, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store token pid_t's streams out [NP, BD] (this D slice) in out's dtype; with next_fn also the next hc_pre's
+    launch-1 partials over the values just stored (`_store_mix_partials`)."""
+    stored = out.to(out_ptr.dtype.element_ty)
     out_rows = pid_t.to(tl.int64) * N + streams
-    tl.store(out_ptr + out_rows[:, None] * hidden + dims[None, :], out.to(dtype),
-             mask=stream_mask[:, None] & dim_mask[None, :])
-    if next_fn_ptr is not None:  # launch 1 of the next hc_pre over the rounded values just stored
-        rounded = tl.where(dim_mask[None, :], out.to(dtype).to(tl.float32), 0.0)  # [NP, BD]
+    tl.store(out_ptr + out_rows[:, None] * hidden + dims[None, :], stored, mask=stream_mask[:, None] & dim_mask[None, :])
+    if next_fn_ptr is not None:
+        rounded = tl.where(dim_mask[None, :], stored.to(tl.float32), 0.0)  # [NP, BD]
         _store_mix_partials(rounded, streams, dims, dim_mask, next_fn_ptr, mix_part_ptr, sq_part_ptr, num_mix, hidden,
                             pid_t, pid_d, N, BLOCK_M, BLOCK_D)
 
@@ -93,22 +107,13 @@ def _embed_streams_kernel(ids_ptr, table_ptr, out_ptr, hidden, N: tl.constexpr, 
                           BLOCK_M: tl.constexpr = 1):
     # ids [T] int, table [V, D] -> out [T, N, D] (N copies of the token's row, in out's dtype); with next_fn [M, N·D]
     # fp32 also the first hc_pre's launch-1 partials over this program's D slice, as `_hc_post_kernel` does them
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
+    pid_t, pid_d, dims, dim_mask, streams, stream_mask = _stream_tile(hidden, N, NP, BLOCK_D)
     dtype = out_ptr.dtype.element_ty
-    dims = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    dim_mask = dims < hidden
-    streams = tl.arange(0, NP)
-    stream_mask = streams < N
     token = tl.load(ids_ptr + pid_t).to(tl.int64)
     row = tl.load(table_ptr + token * hidden + dims, mask=dim_mask, other=0.0).to(dtype)  # [BD]
     out = tl.zeros([NP, BLOCK_D], dtype=dtype) + row[None, :]  # [NP, BD]
-    out_rows = pid_t.to(tl.int64) * N + streams
-    tl.store(out_ptr + out_rows[:, None] * hidden + dims[None, :], out, mask=stream_mask[:, None] & dim_mask[None, :])
-    if next_fn_ptr is not None:
-        rounded = tl.where(dim_mask[None, :], out.to(tl.float32), 0.0)  # [NP, BD]
-        _store_mix_partials(rounded, streams, dims, dim_mask, next_fn_ptr, mix_part_ptr, sq_part_ptr, num_mix, hidden,
-                            pid_t, pid_d, N, BLOCK_M, BLOCK_D)
+    _store_streams(out, out_ptr, hidden, pid_t, pid_d, dims, dim_mask, streams, stream_mask, next_fn_ptr, mix_part_ptr,
+                   sq_part_ptr, num_mix, N, BLOCK_M, BLOCK_D)
 
 
 @dataclass(frozen=True)
