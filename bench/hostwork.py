@@ -46,7 +46,7 @@ def random_held_experts(config, pairs, device, *, seed: int = 0):
     in-memory stacks of `common.model.random_init`, each layer drawn whole, the held experts kept), for
     kernel-level checks of one expert holder; models are checkpoints (`bench.random_checkpoint`)."""
     from moemesh.common.model.config import NumericsConfig
-    from moemesh.common.model.quantized import QuantizedRoutedExperts
+    from moemesh.common.model.quantized_experts import QuantizedRoutedExperts
     from moemesh.common.model.random_init import random_routed_experts
 
     by_layer: dict[int, list[int]] = {}

@@ -31,7 +31,8 @@ def _tick(stages: dict[str, float], name: str, began: float) -> float:
 
 def legacy_expert_stages(worker, dispatch: Dispatch, stages: dict[str, float]) -> torch.Tensor:
     """The old quantized worker's Dispatch -> output [T, D] (or [T, K, D]) on the worker's device."""
-    from moemesh.common.model.quantized import ExpertFormat, _use_kernel
+    from moemesh.common.model.quantized import _use_kernel
+    from moemesh.common.model.quantized_experts import ExpertFormat
 
     began = time.perf_counter()
     device = worker.device

@@ -160,7 +160,8 @@ def model_drift(device: str, case: DriftCase = DriftCase()) -> dict:
 
 def op_drift(device: str, seed: int = 0) -> list[dict]:
     """FP8 linear and routed experts on random bf16 inputs: each bf16 path against the fp32 torch path."""
-    from moemesh.common.model.quantized import Fp8Linear, KernelBackend, QuantizedRoutedExperts
+    from moemesh.common.model.quantized import Fp8Linear, KernelBackend
+    from moemesh.common.model.quantized_experts import QuantizedRoutedExperts
     from moemesh.common.model.random_init import random_fp4_stack, random_fp8_linear
 
     gen = torch.Generator(device=device).manual_seed(seed)

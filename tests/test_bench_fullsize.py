@@ -181,7 +181,7 @@ def test_gpu_expert_worker_path_matches_cpu_path():
     """The expert worker's kernel path (CUDA, bf16) against the CPU path on the same bytes."""
     from moemesh.common.model.random_init import flash_config
     from moemesh.common.model.config import AttentionKind
-    from moemesh.common.model.quantized import QuantizedRoutedExperts
+    from moemesh.common.model.quantized_experts import QuantizedRoutedExperts
     from moemesh.common.model.cpu_experts import expert_rows
     from moemesh.bench.hostwork import random_held_experts
     from moemesh.services.expert.worker import ExpertWorker, ExpertWorkerConfig

@@ -281,7 +281,7 @@ def test_fp8_linear_cpu_path_dequantises_row_blocks_and_matches_the_dense_produc
 def test_drafter_keeps_fp8_and_fp4_and_its_own_embedding_within_the_goal(tmp_path):
     from moemesh.common.checkpoint.side_loading import drafter_stored_bytes
     from moemesh.common.model.dspark import DSparkDrafter
-    from moemesh.common.model.quantized import QuantizedRoutedExperts
+    from moemesh.common.model.quantized_experts import QuantizedRoutedExperts
     from moemesh.services.draft.worker import load_drafter
 
     config = tiny_config(num_nextn_predict_layers=2, compress_ratios=[0, 4, 128, 4, 0, 0], dspark_block_size=4,

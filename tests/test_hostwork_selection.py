@@ -117,7 +117,7 @@ def test_cpu_worker_answers_malformed_and_unheld_dispatches(cpu_worker):
 @pytest.mark.parametrize("num_tokens", [1, 8, 64])
 def test_host_layout_equals_the_device_layout_of_the_grouped_kernels(num_tokens):
     """selection.sorted_layout against `quantized.layout_by_expert` on the same rows (what the kernels saw)."""
-    from moemesh.common.model.quantized import layout_by_expert
+    from moemesh.common.model.quantized_experts import layout_by_expert
     from moemesh.services.expert.selection import sorted_layout
 
     ids, mask = _routing(num_tokens, 6, seed=10 + num_tokens)

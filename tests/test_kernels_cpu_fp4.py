@@ -218,7 +218,8 @@ def _worker_config():
 def test_expert_rows_native_equals_quantized_routed_experts(dtype):
     """The worker's CPU path on the native kernel against `QuantizedRoutedExperts`' torch path and the
     torch-block path of `expert_rows`, on the same held bytes (half the experts held, a slot mask)."""
-    from moemesh.common.model.quantized import KernelBackend, QuantizedRoutedExperts
+    from moemesh.common.model.quantized import KernelBackend
+    from moemesh.common.model.quantized_experts import QuantizedRoutedExperts
     from moemesh.common.model.cpu_experts import CpuBlockRunner, expert_rows
     from moemesh.bench.hostwork import random_held_experts
 

@@ -13,7 +13,8 @@ from moemesh.bench import layers_timing as timing  # noqa: E402
 from moemesh.common.model.batch import SequenceChunk  # noqa: E402
 from moemesh.common.model.config import AttentionKind  # noqa: E402
 from moemesh.common.model.config import NumericsConfig  # noqa: E402
-from moemesh.common.model.quantized import Fp8GroupedLinear, Fp8Linear, KernelBackend, QuantizedRoutedExperts  # noqa: E402
+from moemesh.common.model.quantized import Fp8GroupedLinear, Fp8Linear, KernelBackend  # noqa: E402
+from moemesh.common.model.quantized_experts import QuantizedRoutedExperts  # noqa: E402
 from moemesh.common.model.random_init import (random_fp4_stack, random_fp8_linear, random_model,  # noqa: E402
                                       tiny_flash_like_config)
 from moemesh.common.model.reference import ReferenceModel  # noqa: E402

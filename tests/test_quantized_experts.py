@@ -8,7 +8,8 @@ import torch
 from moemesh.common.checkpoint.quant import quantize_fp4
 from moemesh.common.kernels.moe_layout import sort_by_expert
 from moemesh.common.model.moe import ExpertNotHeld, MultiHolderExperts, RoutedExperts
-from moemesh.common.model.quantized import ExpertFormat, QuantizedRoutedExperts, dequantized_expert_weights, layout_by_expert
+from moemesh.common.model.quantized_experts import (ExpertFormat, QuantizedRoutedExperts, dequantized_expert_weights,
+                                                    layout_by_expert)
 from moemesh.common.model.random_init import random_fp4_stack, random_fp8_stack
 
 NUM_EXPERTS, HIDDEN, INTER, TOP_K, LIMIT = 8, 64, 32, 3, 10.0

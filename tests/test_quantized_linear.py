@@ -11,8 +11,8 @@ from moemesh.common.model.batch import SequenceChunk
 from moemesh.common.model.config import AttentionKind, NumericsConfig
 from moemesh.common.model.linear import GroupedLinear, Linear
 from moemesh.common.model.moe import RoutedExperts
-from moemesh.common.model.quantized import (Fp8GroupedLinear, Fp8Linear, KernelBackend, dequantized_expert_weights,
-                                    swap_fp8_linears)
+from moemesh.common.model.quantized import Fp8GroupedLinear, Fp8Linear, KernelBackend, swap_fp8_linears
+from moemesh.common.model.quantized_experts import dequantized_expert_weights
 from moemesh.common.model.random_init import (fp8_linear_names, random_fp8_linear, random_model, tiny_flash_like_config)
 from moemesh.common.model.reference import ReferenceModel
 
@@ -84,7 +84,7 @@ def test_cpu_routed_experts_keep_their_dequantised_matrices_until_the_stack_chan
 
 
 def _dequant(w, s, fmt):
-    from moemesh.common.model.quantized import _dequant_stacked
+    from moemesh.common.model.quantized_experts import _dequant_stacked
 
     return _dequant_stacked(w, s, fmt)
 

@@ -30,8 +30,9 @@ from moemesh.common.kernels.fp4_experts import grouped_down, grouped_gate_up  # 
 from moemesh.common.kernels.moe_layout import sum_slots_in_order_torch  # noqa: E402
 from moemesh.common.kernels.route_layout import (RouteLayout, route_layout, route_layout_kernel,  # noqa: E402
                                                  route_layout_torch, sum_slots_kernel)
-from moemesh.common.model.quantized import (ExpertFormat, KernelBackend, QuantizedRoutedExperts,  # noqa: E402
-                                            _unsort_rows, layout_by_expert)
+from moemesh.common.model.quantized import KernelBackend  # noqa: E402
+from moemesh.common.model.quantized_experts import (ExpertFormat, QuantizedRoutedExperts,  # noqa: E402
+                                                    _unsort_rows, layout_by_expert)
 from moemesh.common.model.random_init import random_fp4_stack, random_fp8_stack  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 from moemesh.common.kernels.moe_layout import sum_slots_in_order, sum_slots_in_order_torch  # noqa: E402
 from moemesh.common.kernels.route_layout import (KERNEL_MAX_ROWS, route_layout_kernel, route_layout_torch,  # noqa: E402
                                                  sum_slots_kernel)
-from moemesh.common.model.quantized import ExpertFormat, _unsort_rows, layout_by_expert  # noqa: E402
+from moemesh.common.model.quantized_experts import ExpertFormat, _unsort_rows, layout_by_expert  # noqa: E402
 from test_route_layout import (assert_same_as_replaced, assert_same_layout, bits, random_holder,  # noqa: E402
                                random_routing, replaced_rows)
 

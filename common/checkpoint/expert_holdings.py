@@ -20,7 +20,7 @@ from moemesh.common.checkpoint.expert_stacks import (
     DenseWeights, ExpertDtype, ResidentFormat, build_layer_stack, expert_stored_nbytes, held_slot_source, plan_layers,
     read_dense_experts, resident_format, stored_expert_kind,
 )
-from moemesh.common.model.quantized import ExpertFormat, QuantizedRoutedExperts
+from moemesh.common.model.quantized_experts import ExpertFormat, QuantizedRoutedExperts
 
 Pair = tuple[int, int]
 

@@ -60,7 +60,7 @@ def _stage_experts(reader, numerics, device, backend: KernelBackend):
         ExpertDtype, ResidentFormat, build_layer_stack, expert_weight_name, read_dense_experts, resident_format,
     )
     from moemesh.common.model.moe import RoutedExperts
-    from moemesh.common.model.quantized import ExpertFormat, QuantizedRoutedExperts
+    from moemesh.common.model.quantized_experts import ExpertFormat, QuantizedRoutedExperts
 
     config = reader.config
     stages = range(config.num_nextn_predict_layers)

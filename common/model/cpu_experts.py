@@ -209,7 +209,7 @@ def expert_rows(held, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Te
                 runner: CpuBlockRunner | None = None) -> torch.Tensor:
     """Weighted output of every selected slot -> [T, K, D] (zeros elsewhere), FP4 stacks of one layer.
 
-    held: a layer's stacked experts (`quantized._LayerExperts`: w1/s1/w2/s2/w3/s3, `local`, expert_ids).
+    held: a layer's stacked experts (`quantized_experts._LayerExperts`: w1/s1/w2/s2/w3/s3, `local`, expert_ids).
     Per expert, the rows are its selected slots in ascending (token, slot) order, as the reference has.
     Native kernel: one call for the whole layer. Torch path: every expert's w1 and w3 blocks run as one
     batch of jobs, then every expert's w2 blocks."""

@@ -32,7 +32,8 @@ from torch import nn
 from moemesh.common.model.inventory import StorageKind, tensor_inventory
 from moemesh.common.model.attention_side import AttentionSide
 from moemesh.common.model.config import AttentionKind, ModelConfig, NumericsConfig
-from moemesh.common.model.quantized import ExpertFormat, KernelBackend, QuantizedRoutedExperts, swap_fp8_linears
+from moemesh.common.model.quantized import KernelBackend, swap_fp8_linears
+from moemesh.common.model.quantized_experts import ExpertFormat, QuantizedRoutedExperts
 from moemesh.common.model.state import SequenceState
 
 _FP8_VALUE_STD = 32.0  # e4m3 values drawn N(0, 32²), clipped to ±448: uses most of the e4m3 range

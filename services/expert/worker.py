@@ -323,7 +323,8 @@ class ExpertWorker(Service):
                           selection: RowSelection) -> torch.Tensor:
         """hidden [T, D] on this device, route weights [T, K] (host or device), a selection without
         missing experts -> [T, K, D], zeros where not selected."""
-        from moemesh.common.model.quantized import ExpertFormat, _use_kernel
+        from moemesh.common.model.quantized import _use_kernel
+        from moemesh.common.model.quantized_experts import ExpertFormat
 
         experts = self._experts
         num_tokens, top_k = selection.num_tokens, selection.top_k
@@ -366,7 +367,7 @@ class ExpertWorker(Service):
         grouped kernels with the route weight after w2 (decode and short prefill); long FP4 prefill takes
         the holder's dequantising path and route-weight-before-w2 its two-step path."""
         from moemesh.common.kernels.fp4_prefill import use_dequant_path
-        from moemesh.common.model.quantized import ExpertFormat
+        from moemesh.common.model.quantized_experts import ExpertFormat
 
         if self._experts.route_weight_before_w2:
             return False
