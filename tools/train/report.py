@@ -42,12 +42,9 @@ def finish_run(args, config, settings, target, drafter, data, device, log, repor
     log("train.done", card=str(Path(args.out) / CARD_FILE))
 
 
-def training_runs(history: dict | None, steps_args: str) -> str:
+def training_runs(history: dict) -> str:
     """The runs behind the checkpoint, each with its command (runs continue with `--init-from`)."""
-    runs = (history or {}).get("runs") or []
-    if not runs:
-        return ("```\npython -m moemesh.tools.train --out models/kjv-dsv4-mini --data-dir .traindata/kjv-recite "
-                f"{steps_args}\n```")
+    runs = history["runs"]
     totals = history["totals"]
     lines = [f"Trained in {totals['runs']} run(s), each continuing from the checkpoint the one before wrote "
              f"(`--init-from`; the optimizer state starts afresh each run): {totals['tokens']:,} tokens, "
@@ -74,9 +71,6 @@ def model_card(config, settings, reports: dict) -> str:
     ratios = config.to_hub_dict()["compress_ratios"][: config.num_hidden_layers]
     schedule = ", ".join(kinds[r] for r in ratios)
     slots = " / ".join(f"{acceptance.get(f'accept_slot_{k + 1}', 0.0):.2f}" for k in range(config.dspark.block_size))
-    steps_args = f"--target-steps {target['steps']} --drafter-steps {drafter['steps']}"
-    if not settings.batched_attention:
-        steps_args += " --core-attention"
     oversample = dataset.get("oversample")
     if oversample:
         data_line = (f"python -m moemesh.tools.train.build_data --out .traindata/kjv-recite --running-copies "
@@ -123,7 +117,7 @@ test; it is not a useful language model beyond reciting and paraphrasing KJV ver
 ```
 {data_line}
 ```
-{training_runs(reports.get("history"), steps_args)}
+{training_runs(reports["history"])}
 Last run: seed {settings.seed}; AdamW (β 0.9/0.95, weight decay {settings.weight_decay}), warm-up + cosine; target
 {target['steps']} steps × {settings.batch_size} windows × {settings.seq_len} tokens at peak lr {settings.target_lr}; drafter
 {drafter['steps']} steps of DSpark distillation (0.1 CE + 0.9 TV + 1.0 BCE, slot weights exp(-(k-1)/γ),
