@@ -54,6 +54,22 @@ def test_cpu_tensors_take_the_torch_path():
         assert not use_triton_glue(x)
 
 
+def test_code_traced_by_torch_compile_takes_the_torch_path(monkeypatch):
+    from moemesh.common.kernels.glue import INTERPRET_ON_CPU_ENV, TORCH_GLUE_ENV, use_triton_glue
+
+    monkeypatch.setenv(INTERPRET_ON_CPU_ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv(TORCH_GLUE_ENV, raising=False)
+    x = torch.zeros(2)
+    assert use_triton_glue(x)  # the interpreter's rule for CPU tensors, outside a trace
+
+    def which_path(t: torch.Tensor) -> torch.Tensor:
+        return t + 1.0 if use_triton_glue(t) else t - 1.0
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(which_path, backend="eager", fullgraph=True)(x), x - 1.0)
+
+
 def test_torch_glue_switch(monkeypatch):
     from moemesh.common.kernels.glue import TORCH_GLUE_ENV, forced_torch_glue, torch_glue_forced
 

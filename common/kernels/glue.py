@@ -8,6 +8,8 @@ Rules (read on every call, so a test or a benchmark may flip the switch between 
 - `MOEMESH_TORCH_GLUE=1` forces the torch path on CUDA too (comparisons, bisecting a wrong result);
 - autograd (grad enabled and some input requiring grad) takes the torch path: the kernels have no
   backward;
+- code traced by torch.compile takes the torch path: the compiler fuses those operators itself, and the
+  launchers of these kernels are not traceable;
 - no triton installed -> torch path.
 Importing this module imports neither torch nor triton.
 """
@@ -47,6 +49,8 @@ def use_triton_glue(*tensors) -> bool:
     if torch_glue_forced() or not triton_installed():
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if torch.compiler.is_compiling():
         return False
     return True
 
