@@ -106,6 +106,7 @@ class Server:
                 raise RuntimeError(f"moemesh serve exited with {self.process.returncode}; log {self.log.name}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    self.model_id = httpx.get(f"{self.base_url}/v1/models", timeout=5).json()["data"][0]["id"]
                     return
             except httpx.HTTPError:
                 pass
@@ -125,11 +126,11 @@ class Server:
         self.log.close()
 
 
-def recitation(base_url: str, well_known, other, concurrency: int) -> dict:
+def recitation(base_url: str, model: str, well_known, other, concurrency: int) -> dict:
     import httpx
 
     def ask(verse) -> dict:
-        body = {"model": "kjv-dsv4-mini", "temperature": 0, "max_tokens": 160,
+        body = {"model": model, "temperature": 0, "max_tokens": 160,
                 "messages": [{"role": "user", "content": QUESTION.format(ref=verse.reference)}]}
         reply = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=600).json()
         answer = reply["choices"][0]["message"]["content"]
@@ -150,12 +151,12 @@ def recitation(base_url: str, well_known, other, concurrency: int) -> dict:
             "seconds": round(time.monotonic() - started, 1), "answers": everything}
 
 
-def continuations(base_url: str) -> list[dict]:
+def continuations(base_url: str, model: str) -> list[dict]:
     import httpx
 
     rows = []
     for prompt in CONTINUATION_PROMPTS:
-        body = {"model": "kjv-dsv4-mini", "prompt": prompt, "max_tokens": 40, "temperature": 0}
+        body = {"model": model, "prompt": prompt, "max_tokens": 40, "temperature": 0}
         reply = httpx.post(f"{base_url}/v1/completions", json=body, timeout=600).json()
         rows.append({"prompt": prompt, "continuation": reply["choices"][0]["text"]})
     return rows
@@ -232,13 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_verses or args.per_book:
         with tempfile.TemporaryDirectory() as tmp, Server(Path(tmp) / "serve.log", args.model) as server:
             server.wait_ready()
-            results["continuations"] = continuations(server.base_url)
+            results["continuations"] = continuations(server.base_url, server.model_id)
             if args.per_book:
                 from moemesh.bench.default_model_recitation import book_sample, run_book_sample
                 from moemesh.tools.corpus.kjv import load_verses
 
                 sample = book_sample(load_verses(), args.per_book, SEED)
-                book = run_book_sample(server.base_url, sample, args.concurrency, not args.no_continuation)
+                book = run_book_sample(server.base_url, server.model_id, sample, args.concurrency, not args.no_continuation)
                 results["book_recitation"] = {"per_book": args.per_book, "seed": SEED, **book}
                 summary["book_recitation"] = {k: book[k] for k in (
                     "num_verses", "num_books", "recitation_fraction_exact", "continuation_fraction_exact",
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(summary["book_recitation"]), flush=True)
             if args.num_verses:
                 well_known, other = choose_verses(args.num_verses)
-                results["recitation"] = recitation(server.base_url, well_known, other, args.concurrency)
+                results["recitation"] = recitation(server.base_url, server.model_id, well_known, other, args.concurrency)
                 summary["recitation"] = {k: v for k, v in results["recitation"].items() if k != "answers"}
                 print(json.dumps(summary["recitation"]), flush=True)
     if args.perplexity:

@@ -67,18 +67,18 @@ def _post(base_url: str, path: str, body: dict) -> dict:
     return reply.json()
 
 
-def ask_recitation(base_url: str, verse: SampledVerse) -> dict:
-    body = {"model": "kjv-dsv4-mini", "temperature": 0, "max_tokens": MAX_TOKENS,
+def ask_recitation(base_url: str, model: str, verse: SampledVerse) -> dict:
+    body = {"model": model, "temperature": 0, "max_tokens": MAX_TOKENS,
             "messages": [{"role": "user", "content": QUESTION.format(ref=verse.reference)}]}
     answer = _post(base_url, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
     return {"book": verse.book, "reference": verse.reference, "expected": verse.text, "answer": answer,
             "exact": answer.strip() == verse.text}
 
 
-def ask_continuation(base_url: str, verse: SampledVerse) -> dict:
+def ask_continuation(base_url: str, model: str, verse: SampledVerse) -> dict:
     given, rest = verse.continuation_split
     prompt = f"{verse.reference} {given}"
-    body = {"model": "kjv-dsv4-mini", "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stop": ["\n"]}
+    body = {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stop": ["\n"]}
     text = _post(base_url, "/v1/completions", body)["choices"][0]["text"]
     return {"book": verse.book, "reference": verse.reference, "prompt": prompt, "expected": rest,
             "continuation": text, "exact": text.split("\n")[0].strip() == rest}
@@ -96,13 +96,14 @@ def per_book(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-def run_book_sample(base_url: str, sample: list[SampledVerse], concurrency: int, continuation: bool = True) -> dict:
-    """Both questions for every sampled verse; figures overall and per book."""
+def run_book_sample(base_url: str, model: str, sample: list[SampledVerse], concurrency: int,
+                    continuation: bool = True) -> dict:
+    """Both questions for every sampled verse, asked of the served `model`; figures overall and per book."""
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        recited = list(pool.map(lambda v: ask_recitation(base_url, v), sample))
+        recited = list(pool.map(lambda v: ask_recitation(base_url, model, v), sample))
         recitation_s = time.monotonic() - started
-        continued = list(pool.map(lambda v: ask_continuation(base_url, v), sample)) if continuation else []
+        continued = list(pool.map(lambda v: ask_continuation(base_url, model, v), sample)) if continuation else []
     seconds = time.monotonic() - started
 
     def fraction(rows) -> float | None:

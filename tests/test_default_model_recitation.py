@@ -49,6 +49,7 @@ class _FakeServer(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802 (http.server API)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["model"] == "served-name"
         if self.path == "/v1/chat/completions":
             assert body["temperature"] == 0 and body["messages"][0]["content"].startswith("Recite ")
             reply = {"choices": [{"message": {"content": " In the beginning God created the heaven and the earth."}}]}
@@ -73,9 +74,9 @@ def test_run_book_sample_against_a_server():
     try:
         sample = [SampledVerse("Genesis", "Genesis 1:1", "In the beginning God created the heaven and the earth."),
                   SampledVerse("Exodus", "Exodus 1:1", "Now these are the names of the children of Israel")]
-        figures = run_book_sample(f"http://127.0.0.1:{server.server_address[1]}", sample[:1], concurrency=2)
+        figures = run_book_sample(f"http://127.0.0.1:{server.server_address[1]}", "served-name", sample[:1], concurrency=2)
         assert figures["recitation_fraction_exact"] == 1.0 and figures["continuation_fraction_exact"] == 1.0
-        figures = run_book_sample(f"http://127.0.0.1:{server.server_address[1]}", sample, concurrency=2,
+        figures = run_book_sample(f"http://127.0.0.1:{server.server_address[1]}", "served-name", sample, concurrency=2,
                                   continuation=False)
         assert figures["recitation_fraction_exact"] == 0.5 and figures["continuation_fraction_exact"] is None
         assert figures["by_book"]["Exodus"]["recitation"]["exact"] == 0 and figures["books_none_recited"] == 1
