@@ -49,7 +49,8 @@ def _decoding(scheduler):
 
 def _coordinator(cost, drafter, probe_every_steps=8):
     config = DraftConfig(max_draft_tokens=5, width_policy=WidthPolicyKind.COST,
-                         cost_policy=CostPolicyConfig(probe_every_steps=probe_every_steps))
+                         cost_policy=CostPolicyConfig(probe_every_steps=probe_every_steps,
+                                                                 min_calibration_drafts=0))
     return DraftCoordinator(config, drafter, cost=cost)
 
 
@@ -197,7 +198,7 @@ class _Seq:
 
 def test_policy_learns_only_from_decode_steps_and_explores_until_the_line_is_known():
     cost = OnlineStepCost(min_observations=2)
-    policy = CostAwareWidths(CostPolicyConfig(), cost)
+    policy = CostAwareWidths(CostPolicyConfig(min_calibration_drafts=0), cost)  # the head trusted at once
     policy.observe_draft(4, 0.010)
     confidences = [(0.9, 0.9, 0.9)] * 4
     # nothing seen: keep the drafter's widths
@@ -229,7 +230,8 @@ def test_drafting_resumes_when_the_learned_costs_say_it_pays_again():
     cost = OnlineStepCost(min_observations=2)
     for tokens in (4, 12, 4, 12):  # 4 sequences: 10 ms + 1 ms per token
         cost.observe_attention(4, tokens, 0.010 + 0.001 * tokens)
-    policy = CostAwareWidths(CostPolicyConfig(probe_every_steps=2, max_probe_every_steps=4), cost)
+    policy = CostAwareWidths(CostPolicyConfig(probe_every_steps=2, max_probe_every_steps=4,
+                                               min_calibration_drafts=0), cost)
     for _ in range(3):
         policy.observe_draft(4, 0.200)  # a drafter slower than ten steps
     policy.choose_widths([(0.9, 0.9)] * 4, num_sequences=4)  # the survival curve, from one proposal
@@ -255,7 +257,7 @@ def test_an_under_confident_head_is_corrected_by_what_gets_accepted():
     # 4 sequences, 10 ms + 4 ms per token, drafter 4 ms. The head says 0.3 for every first draft: a draft
     # costs 4 ms and the step commits ~0.13 tokens per ms, so 0.3 does not pay for it -> no drafts verified
     cost = FixedStepCost(base_s=0.010, per_token_s=0.004, draft_s=0.004)
-    policy = CostAwareWidths(CostPolicyConfig(), cost)
+    policy = CostAwareWidths(CostPolicyConfig(min_calibration_drafts=0), cost)  # the head trusted at once
     ids = ["a", "b", "c", "d"]
     assert policy.choose_widths([(0.3,)] * 4, 4, ids) == [0, 0, 0, 0]
     assert policy.should_draft(4, 4) is False
@@ -267,6 +269,25 @@ def test_an_under_confident_head_is_corrected_by_what_gets_accepted():
     assert policy.calibration.factor(0) > 2.5
     assert policy.choose_widths([(0.3,)] * 4, 4, ids) == [1, 1, 1, 1]
     assert policy.stats()["spec_policy_calibration"][0] == pytest.approx(policy.calibration.factor(0))
+
+
+def test_an_uncalibrated_head_gets_whole_blocks_verified_first():
+    # the head says 0.3 / 0.1 / 0.05: trusted, not even a first draft pays (as above). By default the
+    # policy drafts and verifies whole blocks until every slot was checked min_calibration_drafts times;
+    # after that the calibrated curve decides again
+    cost = FixedStepCost(base_s=0.010, per_token_s=0.004, draft_s=0.004)
+    policy = CostAwareWidths(CostPolicyConfig(min_calibration_drafts=8), cost)
+    ids, head = ["a", "b", "c", "d"], (0.3, 0.33, 0.5)
+    trusted = CostAwareWidths(CostPolicyConfig(min_calibration_drafts=0), cost)
+    assert trusted.choose_widths([head] * 4, 4, ids) == [0, 0, 0, 0]
+    for _ in range(2):  # 4 requests a step: every slot verified 8 times
+        assert policy.should_draft(4, 4) is True
+        assert policy.choose_widths([head] * 4, 4, ids) == [3, 3, 3, 3]
+        policy.observe_acceptance([RequestEvent(r, (5, 6, 7, 8), num_draft_tokens=3, num_accepted_drafts=3)
+                                   for r in ids])
+    assert policy.calibration.covers(3, 8) and not policy.calibration.covers(3, 9)
+    assert policy.counters.num_skipped_steps == 0 and policy.counters.num_cut_drafts == 0
+    assert policy.calibration.factor(0) > 1.5 and policy._calibrated()  # what the objective now works from
 
 
 class _OverlongDrafter(Drafter):
@@ -293,7 +314,7 @@ def test_a_long_run_of_plain_steps_sends_features_only_before_a_probe():
     drafter = Drafter()
     config = DraftConfig(max_draft_tokens=5, width_policy=WidthPolicyKind.COST,
                          cost_policy=CostPolicyConfig(probe_every_steps=4, max_probe_every_steps=16,
-                                                      feature_warmup_steps=3))
+                                                      feature_warmup_steps=3, min_calibration_drafts=0))
     drafts = DraftCoordinator(config, drafter, cost=cost)
     translator = PlanTranslator()
     asyncio.run(drafts.after_step(scheduler, _decoding(scheduler)))

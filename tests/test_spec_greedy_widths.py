@@ -148,7 +148,8 @@ def test_plain_runs_leave_gaps_in_the_drafters_rings_and_change_nothing(stack):
     asyncio.run(draft_worker.load())
     loop = SpecLoop(attention, draft_worker, SchedulerConfig(num_gpu_blocks=NUM_BLOCKS, max_model_len=256),
                     max_draft_tokens=BLOCK)
-    policy = CostPolicyConfig(probe_every_steps=2, max_probe_every_steps=8, feature_warmup_steps=1)
+    policy = CostPolicyConfig(probe_every_steps=2, max_probe_every_steps=8, feature_warmup_steps=1,
+                              min_calibration_drafts=0)
     config = DraftConfig(max_draft_tokens=BLOCK, timeout_s=600.0, width_policy=WidthPolicyKind.COST, cost_policy=policy)
     loop.drafts = DraftCoordinator(config, loop._propose,
                                    cost=FixedStepCost(base_s=0.010, per_token_s=0.001, draft_s=0.200))

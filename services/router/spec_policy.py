@@ -57,12 +57,16 @@ class CostPolicyConfig:
     survival_decay: weight of the older survival curve per drafted step (0..1);
     feature_warmup_steps: in a run of plain steps, the attention worker sends the drafter target
     features only for the last this-many steps before a probe (sending them costs ~5 ms a step
-    on an H200; the drafter's ring allows gaps, its context is then these positions)."""
+    on an H200; the drafter's ring allows gaps, its context is then these positions);
+    min_calibration_drafts: until every slot of the block has been verified this many times, the
+    head's survival is not trusted: the policy drafts and verifies whole blocks (a head that
+    underrates its later slots would otherwise never have them verified, and so never corrected)."""
 
     probe_every_steps: int = 8
     max_probe_every_steps: int = 64
     survival_decay: float = 0.7
     feature_warmup_steps: int = 16
+    min_calibration_drafts: int = 16
 
     def __post_init__(self) -> None:
         if not 1 <= self.probe_every_steps <= self.max_probe_every_steps:
@@ -72,6 +76,8 @@ class CostPolicyConfig:
             raise ValueError(f"survival_decay must be in [0, 1), got {self.survival_decay}")
         if self.feature_warmup_steps < 1:
             raise ValueError(f"feature_warmup_steps must be >= 1, got {self.feature_warmup_steps}")
+        if self.min_calibration_drafts < 0:
+            raise ValueError(f"min_calibration_drafts must be >= 0, got {self.min_calibration_drafts}")
 
 
 @dataclass
@@ -85,6 +91,7 @@ class AcceptanceCalibration:
     prior_weight: float = 2.0
     predicted: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    num_verified: list[int] = field(default_factory=list)  # drafts verified per slot, ever
 
     def add(self, predicted_survival: Sequence[float], num_accepted: int) -> None:
         """One verify step of one request: the survivals of the drafts it verified, and how many
@@ -93,8 +100,14 @@ class AcceptanceCalibration:
             if k == len(self.predicted):
                 self.predicted.append(0.0)
                 self.accepted.append(0.0)
+                self.num_verified.append(0)
             self.predicted[k] = self.decay * self.predicted[k] + survival
             self.accepted[k] = self.decay * self.accepted[k] + (1.0 if k < num_accepted else 0.0)
+            self.num_verified[k] += 1
+
+    def covers(self, num_slots: int, min_drafts: int) -> bool:
+        """Every one of the first num_slots slots has been verified at least min_drafts times."""
+        return all((self.num_verified[k] if k < len(self.num_verified) else 0) >= min_drafts for k in range(num_slots))
 
     def factor(self, k: int) -> float:
         if k >= len(self.predicted):
@@ -183,7 +196,7 @@ class CostAwareWidths:
             return False
         line = self.cost.attention_line(num_sequences)
         draft_s = self.cost.draft_round_trip_s(num_drafted)
-        if line is None or draft_s is None or self._mean_survival is None:
+        if line is None or draft_s is None or self._mean_survival is None or not self._calibrated():
             self._num_plain_steps = 0  # drafting again: features on every step (wants_features)
             return True  # not known yet: draft, and learn
         if drafting_pays(self._survivals_like_mean(num_sequences, num_drafted),
@@ -216,7 +229,7 @@ class CostAwareWidths:
         self.counters.num_proposed_drafts += sum(caps)
         line = self.cost.attention_line(num_sequences)
         draft_s = self.cost.draft_round_trip_s(len(curves)) or 0.0
-        if line is None or self._explore_next:
+        if line is None or self._explore_next or not self._calibrated():
             self.counters.num_explore_steps += 1
             seen_tokens = getattr(self.cost, "mean_tokens", lambda _: None)(num_sequences)
             explore_plain = line is None and seen_tokens is not None and seen_tokens > num_sequences + 0.5
@@ -232,6 +245,11 @@ class CostAwareWidths:
         return widths
 
     # -- helpers -----------------------------------------------------------------------------
+    def _calibrated(self) -> bool:
+        """The head's survival has been checked against verification at every slot it offers."""
+        num_slots = len(self._mean_survival or [])
+        return self.calibration.covers(num_slots, self.config.min_calibration_drafts)
+
     def _cycle_s(self, line: tuple[float, float], num_sequences: int, draft_s: float):
         base_s, per_token_s = line
         fixed_s = max(base_s + per_token_s * num_sequences, 1e-6) + draft_s + self.cost.other_s()
