@@ -227,11 +227,12 @@ def time_batch(worker, loop, num_requests: int, temperatures: list[float], args,
 # ------------------------------------------------------------------------------------ main
 def build_worker(model_dir: Path, device_name: str):
     from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode
-    from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig, load_drafter, resolve_numerics
+    from moemesh.common.drafting.proposer import DrafterConfig, load_drafter, resolve_numerics
+    from moemesh.services.draft.worker import DraftWorker
 
     drafter = load_drafter(str(model_dir), device_name, resolve_numerics("auto", device_name))
     speculation = SpeculationConfig(SpeculationMode.FIXED, width=drafter.dspark.block_size)
-    return DraftWorker(DraftWorkerConfig(device=device_name, speculation=speculation), drafter=drafter)
+    return DraftWorker(DrafterConfig(device=device_name, speculation=speculation), drafter=drafter)
 
 
 def main(argv=None) -> int:

@@ -9,10 +9,11 @@ usage.speculative, and the speedup over the `off` server of the same run.
 
 Where the time goes, per run, from the router's counters (/status.json, before and after):
 engine steps, mean attention step time (plan sent .. StepResult: the forward, verification and
-the features sent to the drafter), mean drafter round trip (DraftRequest .. DraftTokens), and the
+the features sent to the drafter), mean drafter round trip (DraftRequest .. DraftTokens; with the
+drafter in the attention worker, the drafting inside the step, which the step time then excludes), and the
 rest of the wall clock per step (router, HTTP, scheduling). After the servers stop, the drafter's
 own compute per proposal and per features message and the attention worker's feature-send time
-come from their logs (`draft.timing_summary`, `attention.feature_send_summary`).
+come from their logs (`draft.timing_summary` or `attention.drafter_summary`, `attention.feature_send_summary`).
 
 Deterministic decode check (in the manner of Lucebox's bench_ds4_decode.py); the benchmark exits 1
 when any holds:
@@ -63,11 +64,15 @@ PROMPTS = [  # the first one alone is the single-stream run: Psalms 119 is long,
     "John 3:16 For God so loved the world,", "1 Corinthians 13:4 Charity suffereth long,",
     "Matthew 6:9 After this manner therefore pray ye:",
 ]
-MODES = ("off", "fixed", "adaptive", "confidence")
+# fixed-process / adaptive-process: the same with the drafter in a draft worker process of its own
+# (`serve --draft-placement process`); the others keep serve's default, the drafter in the attention worker
+MODES = ("off", "fixed", "adaptive", "confidence", "fixed-process", "adaptive-process")
 DEFAULT_MODES = ("off", "fixed", "adaptive")
-SERVE_MODE = {"off": "off", "fixed": "fixed", "adaptive": "adaptive", "confidence": "adaptive"}
+SERVE_MODE = {"off": "off", "fixed": "fixed", "adaptive": "adaptive", "confidence": "adaptive",
+              "fixed-process": "fixed", "adaptive-process": "adaptive"}
 # the router's width policy per bench mode (services/router/engine_drafts.py: width_policy_from_env)
-WIDTH_POLICY = {"off": "drafter", "fixed": "drafter", "adaptive": "cost", "confidence": "drafter"}
+WIDTH_POLICY = {"off": "drafter", "fixed": "drafter", "adaptive": "cost", "confidence": "drafter",
+                "fixed-process": "drafter", "adaptive-process": "cost"}
 
 
 @dataclass
@@ -97,7 +102,8 @@ def _free_port() -> int:
 def _serve_args(mode: str, spec_width: int | None) -> list[str]:
     if mode == "off":
         return ["--speculation", "off"]
-    return ["--speculation", SERVE_MODE[mode]] + (["--spec-width", str(spec_width)] if spec_width else [])
+    placement = ["--draft-placement", "process"] if mode.endswith("-process") else []
+    return ["--speculation", SERVE_MODE[mode]] + (["--spec-width", str(spec_width)] if spec_width else []) + placement
 
 
 def _launch(model: str, mode: str, extra: list[str]) -> Server:
@@ -196,7 +202,8 @@ async def _run(base_url: str, prompts: list[str], temperature: float, max_tokens
 def _log_summaries(run_dir: Path) -> dict:
     """The last timing summary of the drafter and the attention worker's feature sender (written at
     their drain) from the service logs of one server."""
-    wanted = {"draft.timing_summary": "drafter", "attention.feature_send_summary": "feature_sender"}
+    wanted = {"draft.timing_summary": "drafter", "attention.drafter_summary": "drafter",
+              "attention.feature_send_summary": "feature_sender"}
     found: dict = {}
     for path in sorted((run_dir / "logs").glob("*.log")):
         for line in path.read_text(errors="replace").splitlines():
@@ -226,7 +233,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=8, help="the multi-stream runs' concurrency")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                        help="comma-separated subset of off,fixed,adaptive,confidence (must include off)")
+                        help="comma-separated subset of off,fixed,adaptive,confidence,fixed-process,adaptive-process "
+                        "(must include off)")
     parser.add_argument("--speculation", default=None, choices=("fixed", "adaptive"),
                         help="shorthand for --modes off,<mode> (the previous interface)")
     parser.add_argument("--spec-width", type=int, default=None, help="width of the speculative modes")

@@ -7,6 +7,8 @@ replaced by direct calls, and every message still goes through the wire codec bo
 (encode, decode), as it would on the socket:
 - router -> drafter: `DraftCoordinator`'s propose function calls `DraftWorker.handle`;
 - attention worker -> drafter: `InProcessFeatureLink` takes the place of `FeatureSender`.
+Without a DraftWorker (draft_worker None) the attention worker drafts in its own process (its
+config's `drafter`, `[draft] placement = "attention"`): drafts come back in the StepResult.
 So the drafts, their sparse distributions, the scheduler's draft accounting, the worker's causal
 verification and rollback, and the features the drafter conditions on are the serving ones.
 """
@@ -51,7 +53,7 @@ class SpecLoop:
     """scheduler_config must match the attention worker's KV pool (num_gpu_blocks blocks)."""
 
     attention: object  # AttentionWorker, loaded
-    draft_worker: object  # DraftWorker, loaded
+    draft_worker: object  # DraftWorker, loaded; None: the attention worker drafts itself (its config's drafter)
     scheduler_config: SchedulerConfig
     max_draft_tokens: int
     requests: dict[str, Request] = field(default_factory=dict)
@@ -61,9 +63,10 @@ class SpecLoop:
     def __post_init__(self) -> None:
         self.scheduler = Scheduler(self.scheduler_config)
         self.translator = PlanTranslator()
-        self.drafts = DraftCoordinator(DraftConfig(max_draft_tokens=self.max_draft_tokens, timeout_s=600.0),
-                                       self._propose)
-        attach_feature_sender(self.attention, InProcessFeatureLink(self.draft_worker))
+        self.drafts = DraftCoordinator(DraftConfig(max_draft_tokens=self.max_draft_tokens, timeout_s=600.0,
+                                                   in_attention=self.draft_worker is None), self._propose)
+        if self.draft_worker is not None:
+            attach_feature_sender(self.attention, InProcessFeatureLink(self.draft_worker))
 
     async def _propose(self, request):
         reply = wire_round_trip(await self.draft_worker.handle(wire_round_trip(request)))
@@ -84,18 +87,23 @@ class SpecLoop:
     async def _run(self) -> None:
         while self.scheduler.num_unfinished_requests:
             output = self.scheduler.schedule()
-            results = {}
+            results, next_drafts, draft_s = {}, {}, 0.0
             for plan in self.translator.plans_for(output):
-                plan = self.drafts.decorate(plan)
+                plan = self.drafts.decorate(plan, self.scheduler)
                 reply = wire_round_trip(self.attention.step(wire_round_trip(plan)))
-                results.update(translate_result(plan, reply).sequence_results)
+                translated = translate_result(plan, reply)
+                results.update(translated.sequence_results)
+                next_drafts.update(translated.next_drafts)
+                draft_s += translated.draft_s
+            for request_id, proposal in next_drafts.items():
+                self.first_drafts.setdefault(request_id, proposal.token_ids)
             events = self.scheduler.update(output, results)
             self.num_steps += 1
             for event in events:
                 if event.error is not None:
                     raise RuntimeError(f"{event.request_id} failed: {event.error}")
             self.drafts.record(events)
-            await self.drafts.after_step(self.scheduler, events)
+            await self.drafts.after_step(self.scheduler, events, next_drafts, draft_s)
 
     def outputs(self) -> dict[str, list[int]]:
         return {request_id: list(request.output_token_ids) for request_id, request in self.requests.items()}

@@ -282,7 +282,7 @@ def test_drafter_keeps_fp8_and_fp4_and_its_own_embedding_within_the_goal(tmp_pat
     from moemesh.common.checkpoint.side_loading import drafter_stored_bytes
     from moemesh.common.model.dspark import DSparkDrafter
     from moemesh.common.model.quantized_experts import QuantizedRoutedExperts
-    from moemesh.services.draft.worker import load_drafter
+    from moemesh.common.drafting.proposer import load_drafter
 
     config = tiny_config(num_nextn_predict_layers=2, compress_ratios=[0, 4, 128, 4, 0, 0], dspark_block_size=4,
                          dspark_markov_rank=32, dspark_target_layer_ids=[1, 2, 3], dspark_noise_token_id=255)

@@ -1,10 +1,10 @@
-"""Per-request feature rings (services/draft/feature_ring.py): cap, rollback, isolation."""
+"""Per-request feature rings (common/drafting/feature_ring.py): cap, rollback, isolation."""
 
 from __future__ import annotations
 
 import torch
 
-from moemesh.services.draft.feature_ring import FeatureRing, FeatureRings
+from moemesh.common.drafting.feature_ring import FeatureRing, FeatureRings
 
 D = 4
 

@@ -16,7 +16,8 @@ from moemesh.bench.random_checkpoint import cached_checkpoint, hub_config
 from moemesh.common.checkpoint.reader import CheckpointReader
 from moemesh.common.model.config import ModelConfig, NumericsConfig
 from moemesh.common.wire import messages as m
-from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig, load_drafter
+from moemesh.common.drafting.proposer import DrafterConfig, load_drafter
+from moemesh.services.draft.worker import DraftWorker
 
 # widths the Triton kernels take (multiples of 128 at K), for the CUDA check
 KERNEL_FRIENDLY = dict(hidden_size=256, moe_intermediate_size=128, head_dim=128, qk_rope_head_dim=16, q_lora_rank=128,
@@ -40,7 +41,7 @@ def _context(config: ModelConfig, num_positions: int, seed: int = 0):
 
 
 def test_draft_worker_loads_the_checkpoint_and_proposes(tiny_dir):
-    worker = DraftWorker(DraftWorkerConfig(checkpoint_path=str(tiny_dir), device="cpu"))
+    worker = DraftWorker(DrafterConfig(checkpoint_path=str(tiny_dir), device="cpu"))
     asyncio.run(worker.load())
     config = worker.drafter.config
     assert config.dspark.target_layer_ids == (1, 2, 3) and len(worker.drafter.mtp) == 3

@@ -10,16 +10,17 @@ import pytest
 import torch
 
 from moemesh.common.wire import messages as m
-from moemesh.services.draft.chains import dense_distribution
+from moemesh.common.drafting.chains import dense_distribution
 from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode
-from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
+from moemesh.common.drafting.proposer import DrafterConfig
+from moemesh.services.draft.worker import DraftWorker
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"
 pytestmark = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="default model not present")
 
 
 def make_worker(**kwargs) -> DraftWorker:
-    worker = DraftWorker(DraftWorkerConfig(checkpoint_path=str(MODEL), **kwargs))
+    worker = DraftWorker(DrafterConfig(checkpoint_path=str(MODEL), **kwargs))
     asyncio.run(worker.load())
     return worker
 

@@ -48,7 +48,9 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = start_serve(tmp_path_factory.mktemp("status"), "--experts-in-attention", "none")  # experts in expert-0
+    # experts in expert-0, the drafter in a draft worker process: every kind of service has its row
+    server = start_serve(tmp_path_factory.mktemp("status"), "--experts-in-attention", "none",
+                         "--draft-placement", "process")
     if "moemesh serving" not in server.first_line:
         server.stop()
         pytest.fail(f"serve did not start: {server.first_line!r}\n{server.logs()}")

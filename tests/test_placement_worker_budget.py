@@ -58,7 +58,7 @@ def test_expert_budget_counts_the_held_pairs_and_leaves_the_rest_for_experts():
 def test_draft_budget_equals_what_the_drafter_holds_with_its_own_embedding_and_head(tmp_path, dtype, element_bytes):
     from moemesh.common.checkpoint.side_loading import drafter_resident_bytes
     from moemesh.common.model.config import NumericsConfig
-    from moemesh.services.draft.worker import load_drafter
+    from moemesh.common.drafting.proposer import load_drafter
 
     config = tiny_config(num_nextn_predict_layers=2, compress_ratios=[0, 4, 128, 4, 0, 0], dspark_block_size=4,
                          dspark_markov_rank=32, dspark_target_layer_ids=[1, 2, 3], dspark_noise_token_id=255)

@@ -231,7 +231,7 @@ def test_routing_skew_concentrates_expert_choices(plain, skewed):
 
 def test_dspark_stages_load_in_the_drafter(plain):
     from moemesh.common.model.config import NumericsConfig
-    from moemesh.services.draft.worker import load_drafter
+    from moemesh.common.drafting.proposer import load_drafter
 
     drafter = load_drafter(str(plain), "cpu", NumericsConfig(dtype="float32"))
     reader = CheckpointReader(plain)

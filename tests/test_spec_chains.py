@@ -1,4 +1,4 @@
-"""Batched Markov chains (services/draft/chains.py `batched_chains`) equal the per-request chains.
+"""Batched Markov chains (common/drafting/chains.py `batched_chains`) equal the per-request chains.
 
 The draft worker runs every drafted request's chain together, slot by slot; each row must give
 exactly what `DSparkDrafter.greedy_chain` (greedy rows) or `sparse_sampled_chain` (sampled rows,
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moemesh.services.draft.chains import batched_chains, sparse_sampled_chain
-from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
+from moemesh.common.drafting.chains import batched_chains, sparse_sampled_chain
+from moemesh.common.drafting.proposer import DrafterConfig
+from moemesh.services.draft.worker import DraftWorker
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"
 pytestmark = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="default model not present")
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="d
 
 @pytest.fixture(scope="module")
 def drafter():
-    worker = DraftWorker(DraftWorkerConfig(checkpoint_path=str(MODEL)))
+    worker = DraftWorker(DrafterConfig(checkpoint_path=str(MODEL)))
     asyncio.run(worker.load())
     return worker.drafter
 

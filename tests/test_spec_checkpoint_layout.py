@@ -14,13 +14,14 @@ from moemesh.common.checkpoint.writer import write_checkpoint
 from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.wire import messages as m
 from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode
-from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
+from moemesh.common.drafting.proposer import DrafterConfig
+from moemesh.services.draft.worker import DraftWorker
 
 BLOCK = 5
 
 
 def _proposals(path) -> m.DraftTokens:
-    worker = DraftWorker(DraftWorkerConfig(checkpoint_path=str(path),
+    worker = DraftWorker(DrafterConfig(checkpoint_path=str(path),
                                            speculation=SpeculationConfig(SpeculationMode.FIXED, width=BLOCK)))
     asyncio.run(worker.load())
     width = len(worker.drafter.dspark.target_layer_ids) * worker.drafter.config.hidden_size

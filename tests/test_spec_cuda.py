@@ -16,7 +16,8 @@ import torch
 
 from moemesh.common.wire import messages as m
 from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode
-from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
+from moemesh.common.drafting.proposer import DrafterConfig
+from moemesh.services.draft.worker import DraftWorker
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "kjv-dsv4-mini"
 pytestmark = [
@@ -26,7 +27,7 @@ pytestmark = [
 
 
 def _worker(device: str) -> DraftWorker:
-    worker = DraftWorker(DraftWorkerConfig(checkpoint_path=str(MODEL), device=device, dtype="float32",
+    worker = DraftWorker(DrafterConfig(checkpoint_path=str(MODEL), device=device, dtype="float32",
                                            speculation=SpeculationConfig(SpeculationMode.FIXED, width=5)))
     asyncio.run(worker.load())
     return worker

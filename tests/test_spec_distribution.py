@@ -42,7 +42,8 @@ from moemesh.services.attention.sampling.sampler import process_logits
 from chi_square_support import chi_square_p_value
 from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
 from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode
-from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
+from moemesh.common.drafting.proposer import DrafterConfig
+from moemesh.services.draft.worker import DraftWorker
 from moemesh.common.placement.worker_holdings import WorkerHoldings
 from moemesh.services.router.scheduler import SchedulerConfig
 from spec_inprocess import SpecLoop
@@ -103,7 +104,7 @@ def stack(tmp_path_factory, one_thread):
 
 
 def _draft_worker(path: str, max_support: int | None, wrong: bool) -> DraftWorker:
-    worker = DraftWorker(DraftWorkerConfig(checkpoint_path=path, max_support=max_support,
+    worker = DraftWorker(DrafterConfig(checkpoint_path=path, max_support=max_support,
                                            speculation=SpeculationConfig(SpeculationMode.FIXED, width=BLOCK)))
     asyncio.run(worker.load())
     if wrong:

@@ -84,7 +84,7 @@ class Stack:
         self.base_url = f"http://127.0.0.1:{port}"
         self.config_path, _ = write_deployment(ServeLayout(
             model_path=str(DEFAULT_MODEL), run_dir=str(run_dir), log_dir=str(self.log_dir), port=port,
-            with_drafter=True))
+            with_drafter=True, draft_placement="process"))
         self.services = []
         self.drafter = None
 

@@ -1,7 +1,8 @@
 """A checkpoint that announces a drafter (dspark_* keys) but lacks its weights ("nothing silent").
 
-`moemesh serve` on a copy of the default model without its `mtp.*` tensors: the draft worker fails
-while loading, serve says so on its ready line and on stderr, keeps serving, /health stays 200
+`moemesh serve` on a copy of the default model without its `mtp.*` tensors, with the drafter in the
+attention worker (serve's default) and in a draft worker process: the drafter fails while loading,
+serve says so on its ready line (and, for the process, on stderr), keeps serving, /health stays 200
 with the drafter's entry not "ok", and every response says speculation did not run, with the
 greedy text of the full model (the target's weights are all there).
 """
@@ -18,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from spec_support import DEFAULT_MODEL, start_serve
 
 pytestmark = [
-    pytest.mark.slow,  # one serve (~20 s on an idle 2-core host)
+    pytest.mark.slow,  # one serve per placement (~20 s each on an idle 2-core host)
     pytest.mark.timeout(600),
     pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors.index.json").exists(), reason="default model missing"),
 ]
@@ -41,13 +42,17 @@ def _without_drafter(target):
     return target
 
 
-def test_serving_goes_on_without_a_drafter_that_fails_to_load_and_says_so(tmp_path):
+@pytest.mark.parametrize("placement", ["attention", "process"])
+def test_serving_goes_on_without_a_drafter_that_fails_to_load_and_says_so(tmp_path, placement):
     model = _without_drafter(tmp_path / "kjv-dsv4-mini")  # the served model name is the directory name
-    server = start_serve(tmp_path / "run", model=model)
+    server = start_serve(tmp_path / "run", "--draft-placement", placement, model=model)
     try:
         assert "moemesh serving" in server.first_line, server.logs()
-        assert "speculation off: the draft worker failed" in server.first_line, server.first_line
-        assert "the draft worker exited" in (tmp_path / "run" / "serve.stderr").read_text()
+        if placement == "process":
+            assert "speculation off: the draft worker failed" in server.first_line, server.first_line
+            assert "the draft worker exited" in (tmp_path / "run" / "serve.stderr").read_text()
+        else:
+            assert "speculation off: the drafter failed to load" in server.first_line, server.first_line
         health = httpx.get(f"{server.base_url}/health", timeout=10)
         assert health.status_code == 200
         draft_status = health.json()["services"]["draft"]

@@ -140,10 +140,11 @@ def test_plain_runs_leave_gaps_in_the_drafters_rings_and_change_nothing(stack):
     router skips it, probes now and then, and asks for target features only just before a probe, so
     the drafter's rings have gaps. Proposals still come, and the outputs are the plain ones."""
     from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode
-    from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
+    from moemesh.common.drafting.proposer import DrafterConfig
+    from moemesh.services.draft.worker import DraftWorker
 
     attention, prompts, expected, path = stack
-    draft_worker = DraftWorker(DraftWorkerConfig(checkpoint_path=path,
+    draft_worker = DraftWorker(DrafterConfig(checkpoint_path=path,
                                                  speculation=SpeculationConfig(SpeculationMode.ADAPTIVE, width=BLOCK)))
     asyncio.run(draft_worker.load())
     loop = SpecLoop(attention, draft_worker, SchedulerConfig(num_gpu_blocks=NUM_BLOCKS, max_model_len=256),

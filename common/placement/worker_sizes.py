@@ -83,8 +83,11 @@ def worker_rows(reader, *, deployment_path: str | None = None, placement_path: s
         for worker in deployment.expert:
             held = holdings_for(worker.name, worker.placement, config.num_hidden_layers, config.n_routed_experts).held
             add(worker.name, "expert", worker.device, held, deployment.model.dtype, worker.expert_dtype)
-        if deployment.draft.enabled:
+        if deployment.draft.runs_process:
             add(deployment.draft.name, "draft", deployment.draft.device, worker_dtype=deployment.model.dtype)
+        elif deployment.draft.in_attention:  # a drafter in every attention worker's process, on its device
+            for worker in deployment.attention:
+                add(f"{worker.name}/draft", "draft", worker.device, worker_dtype=deployment.model.dtype)
     elif placement_path is not None:
         from moemesh.common.placement.placement_file import read_placement, validate_placement
 

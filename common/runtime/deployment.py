@@ -51,6 +51,8 @@ Example (every key optional except the model path and one attention and expert w
     [draft]
     enabled = true
     device = "cuda:0"
+    placement = "process"          # its own service (default); "attention": inside every attention worker's
+                                   # process, on its device (no feature or draft messages; device/host unused)
 
     [security]                     # see common/security and deploy/README.md
     keys_dir = "/etc/moemesh/keys" # CURVE on every socket; absent: plain (loopback/ipc only)
@@ -156,13 +158,29 @@ class ExpertWorkerConfig:
     endpoint: str | None = None  # bind here instead of the derived endpoint (a worker added later, other hosts)
 
 
+DRAFT_PLACEMENTS = ("process", "attention")
+
+
 @dataclass(frozen=True)
 class DraftWorkerConfig:
+    """placement "process": the draft worker is a service of its own (device, host, memory_limit
+    are its); "attention": every attention worker runs the drafter in its process, on its device."""
+
     enabled: bool = False
     device: str = "cpu"
     name: str = "draft"
     host: str | None = None
     memory_limit: str | None = None
+    placement: str = "process"
+
+    @property
+    def runs_process(self) -> bool:
+        """A draft worker service runs (its endpoint, key, heartbeats, memory budget)."""
+        return self.enabled and self.placement == "process"
+
+    @property
+    def in_attention(self) -> bool:
+        return self.enabled and self.placement == "attention"
 
 
 @dataclass(frozen=True)
@@ -192,7 +210,8 @@ class Deployment:
 
     @property
     def is_multi_host(self) -> bool:
-        hosts = [worker.host for worker in (*self.attention, *self.expert, self.draft) if worker.host]
+        workers = (*self.attention, *self.expert, *((self.draft,) if self.draft.runs_process else ()))
+        hosts = [worker.host for worker in workers if worker.host]
         return any(host != self.router.host for host in hosts)
 
 
@@ -211,7 +230,7 @@ def derive_endpoints(deployment: Deployment) -> Endpoints:
     worker names a host other than the router's. The one place endpoints are made."""
     _check_unique_names(deployment)
     names = ["supervisor", *(w.name for w in deployment.attention), *(w.name for w in deployment.expert)]
-    if deployment.draft.enabled:
+    if deployment.draft.runs_process:
         names.append(deployment.draft.name)
     hosts = {"supervisor": deployment.router.host}
     for worker in (*deployment.attention, *deployment.expert, deployment.draft):
@@ -226,7 +245,7 @@ def derive_endpoints(deployment: Deployment) -> Endpoints:
         supervisor=endpoint_of["supervisor"],
         attention={w.name: endpoint_of[w.name] for w in deployment.attention},
         expert={w.name: w.endpoint or endpoint_of[w.name] for w in deployment.expert},
-        draft=endpoint_of[deployment.draft.name] if deployment.draft.enabled else None,
+        draft=endpoint_of[deployment.draft.name] if deployment.draft.runs_process else None,
     )
 
 
@@ -293,6 +312,9 @@ def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
         if worker.expert_dtype not in EXPERT_DTYPES:
             raise DeploymentError(f"expert[{index}].expert_dtype: {worker.expert_dtype!r} is not one of "
                                   f"{', '.join(EXPERT_DTYPES)}")
+    if deployment.draft.placement not in DRAFT_PLACEMENTS:
+        raise DeploymentError(f"draft.placement: {deployment.draft.placement!r} is not one of "
+                              f"{', '.join(DRAFT_PLACEMENTS)}")
     _check_unique_names(deployment)
     return deployment
 
@@ -302,7 +324,7 @@ def _check_unique_names(deployment: Deployment) -> None:
     seen = {"supervisor": "the supervisor endpoint"}
     keyed = [(f"attention[{i}].name", w.name) for i, w in enumerate(deployment.attention)]
     keyed += [(f"expert[{i}].name", w.name) for i, w in enumerate(deployment.expert)]
-    if deployment.draft.enabled:
+    if deployment.draft.runs_process:
         keyed.append(("draft.name", deployment.draft.name))
     for key, name in keyed:
         if name in seen:

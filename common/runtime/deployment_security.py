@@ -30,7 +30,7 @@ def deployment_key_names(deployment: Deployment) -> list[str]:
     """Every key a deployment needs: the router's and one per worker (what `keys generate --config` writes)."""
     names = [ROUTER_KEY_NAME]
     names.extend(worker.name for worker in (*deployment.attention, *deployment.expert))
-    if deployment.draft.enabled:
+    if deployment.draft.runs_process:
         names.append(deployment.draft.name)
     return names
 

@@ -78,6 +78,8 @@ class Service:
     # Set by the runner before load(): pass it as CheckpointReader(on_progress=...) so loading
     # shows per-service progress (common.runtime.load_progress). None outside a runner.
     load_progress: Any = None
+    # One line for the Ready message: what the loaded service serves without ("" for nothing)
+    ready_detail: str = ""
 
     async def load(self) -> None:
         """Load weights and allocate buffers; Ready is sent only after this returns."""
@@ -241,7 +243,7 @@ class ServiceRunner:
     def _ready_message(self) -> Ready:
         return Ready(
             name=self.config.name, role=self.config.role, pid=os.getpid(),
-            endpoint=self.config.endpoint, device=self.config.device,
+            endpoint=self.config.endpoint, device=self.config.device, detail=self.service.ready_detail,
         )
 
     def _heartbeat_message(self) -> Heartbeat:

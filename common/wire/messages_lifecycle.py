@@ -27,7 +27,9 @@ class Register:
 
 @dataclass(frozen=True)
 class Ready:
-    """Sent once by a service when it has loaded everything and accepts work."""
+    """Sent once by a service when it has loaded everything and accepts work. `detail`: what it
+    serves without, in one line ("" for nothing; an attention worker whose in-process drafter failed
+    to load says "drafter failed: <why>")."""
 
     TYPE: ClassVar[str] = "ready"
     name: str
@@ -35,6 +37,7 @@ class Ready:
     pid: int
     endpoint: str
     device: str = "cpu"
+    detail: str = ""
 
 
 @dataclass(frozen=True)

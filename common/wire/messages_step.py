@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from moemesh.common.wire.message_enums import RoutingPhase
+from moemesh.common.wire.messages_draft import DraftProposal
 
 if TYPE_CHECKING:  # the annotation only; nothing here imports torch at run time
     from torch import Tensor
@@ -29,7 +30,10 @@ class ScheduledSequence:
     Speculation (services/router/engine_drafts.py): a sampled request's drafts come with the
     sparse distribution each was drawn from (`draft_support_*[i]` for draft i, as in
     DraftProposal; empty for greedy requests). `send_features`: send this sequence's
-    committed target features to the draft worker after the step.
+    committed target features to the draft worker after the step. With the drafter in the
+    attention worker's process (`[draft] placement = "attention"`), `draft_after` > 0 asks the
+    worker to propose up to that many drafts from the token this step samples, returned in
+    `SequenceResult.next_drafts`; a sampled request's drafts are drawn from stream `draft_seed`.
     """
 
     request_id: str
@@ -52,6 +56,8 @@ class ScheduledSequence:
     # Constrained decoding (response_format): the first of this sequence's 1 + len(draft_token_ids)
     # rows in StepPlan.token_masks, one per sampled position in order; None: unconstrained.
     token_mask_row: int | None = None
+    draft_after: int = 0
+    draft_seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -98,13 +104,15 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class SequenceResult:
-    """One sequence's outcome of a step: the tokens it gained (accepted drafts + sampled)."""
+    """One sequence's outcome of a step: the tokens it gained (accepted drafts + sampled), and the
+    drafts for its next step when the plan asked for them (`ScheduledSequence.draft_after`)."""
 
     request_id: str
     token_ids: tuple[int, ...]
     num_draft_accepted: int = 0
     logprobs: TokenLogprobs | None = None
     error: str | None = None
+    next_drafts: DraftProposal | None = None
 
 
 @dataclass(frozen=True)
@@ -152,10 +160,12 @@ class StepCounters:
 @dataclass(frozen=True)
 class StepResult:
     """Attention worker -> router, the answer to one StepPlan (same step_id). `routing` is
-    attached every few steps (the worker's `summary_every_steps`), None otherwise."""
+    attached every few steps (the worker's `summary_every_steps`), None otherwise. `draft_s`:
+    wall time the step spent proposing next drafts in the worker's process (0 without)."""
 
     TYPE: ClassVar[str] = "step_result"
     step_id: int
     sequences: tuple[SequenceResult, ...]
     routing: RoutingSummary | None = None
     counters: StepCounters | None = None
+    draft_s: float = 0.0

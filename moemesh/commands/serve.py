@@ -74,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="DSpark speculative decoding (default: adaptive when the checkpoint has a drafter)")
     parser.add_argument("--spec-width", type=int, default=None,
                         help="drafts per request (fixed) or their cap (adaptive); at most dspark_block_size")
+    parser.add_argument("--draft-placement", choices=("attention", "process"), default="attention",
+                        help="where the drafter runs: in the attention worker's process, on its device (default; "
+                        "drafts come back with each step) or in a draft worker process of its own (features and "
+                        "draft requests as messages; measured slower on one host: docs/speculation.md)")
     parser.add_argument("--data-plane", choices=("zmq", "cuda_ipc", "mailbox"), default="zmq",
                         help="how Dispatch/Combine tensors reach expert workers: ZeroMQ (default), CUDA device rings "
                         "shared by IPC (every worker on a CUDA device of this host; refused otherwise), or host-memory "
@@ -218,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
     layout = ServeLayout(model_path=str(model_dir.resolve()), run_dir=str(run_dir), log_dir=str(log_dir),
                          host=args.host, port=args.port, num_expert_workers=num_expert_workers, devices=devices,
                          dtype=args.dtype, placement_path=placement_path, with_drafter=speculation.enabled,
+                         draft_placement=args.draft_placement,
                          data_plane=args.data_plane,
                          cuda_graphs=args.cuda_graphs == "on" or (args.cuda_graphs == "auto"
                                                                   and devices[0].startswith("cuda")),
@@ -237,20 +242,23 @@ def run(args: argparse.Namespace) -> int:
     services = []
     drafter = None
     watched = None  # after readiness: every service serve restarts (the list the restarter updates)
-    _set_router_width_policy(speculation)
+    router_cuts = _set_router_width_policy(speculation)
     try:
+        spec_args = _drafter_args(speculation, router_cuts)
         services.append(start_service("router", "router", config_path, log_dir))
-        services += [start_service("attention", w.name, config_path, log_dir) for w in deployment.attention]
+        services += [start_service("attention", w.name, config_path, log_dir,
+                                   extra_args=spec_args if deployment.draft.in_attention else ())
+                     for w in deployment.attention]
         services += [start_service("expert", w.name, config_path, log_dir) for w in deployment.expert]
-        if speculation.enabled:  # optional: serving goes on without it (see _DrafterWatch)
-            drafter = _DrafterWatch(start_service("draft", DRAFT_NAME, config_path, log_dir, extra_args=(
-                "--speculation", speculation.mode.value, "--spec-width", str(speculation.width))))
+        if deployment.draft.runs_process:  # optional: serving goes on without it (see _DrafterWatch)
+            drafter = _DrafterWatch(start_service("draft", DRAFT_NAME, config_path, log_dir, extra_args=spec_args))
         base_url = f"http://{args.host}:{args.port}"
         outcome = _wait_ready(f"{base_url}/health", services, stop, args.ready_timeout, drafter, run_dir,
                               _expected_load_bytes(deployment))
         if outcome == "ready":
+            draft_status = _health(f"{base_url}/health")[1].get("draft", "") if deployment.draft.in_attention else ""
             print(f"moemesh serving {model_name or model_dir.name} at {base_url}/v1 (logs: {log_dir}; speculation "
-                  f"{_speculation_text(speculation, drafter)})", flush=True)
+                  f"{_speculation_text(speculation, drafter, draft_status)})", flush=True)
             watched = services + ([drafter.service] if drafter is not None and not drafter.exited else [])
             outcome = _wait_for_stop(watched, stop, restart_policy, run_dir)
     finally:
@@ -392,10 +400,22 @@ def _expected_load_bytes(deployment) -> dict[str, int] | None:
         return None
 
 
-def _set_router_width_policy(speculation) -> None:
+def _drafter_args(speculation, router_cuts: bool) -> tuple[str, ...]:
+    """The drafter's speculation options. When the router cuts the blocks (adaptive mode with the cost-aware
+    widths), the drafter proposes whole blocks with their confidences: the router's calibration of the
+    confidence head learns each slot's survival only from drafts it sees verified, and a drafter that
+    cut its blocks by the uncalibrated head would hide the slots it underrates."""
+    from moemesh.common.speculation_width import SpeculationMode
+
+    mode = SpeculationMode.FIXED if router_cuts else speculation.mode
+    return "--speculation", mode.value, "--spec-width", str(speculation.width)
+
+
+def _set_router_width_policy(speculation) -> bool:
     """The router's width policy (services/router/engine_drafts.py: width_policy_from_env), inherited
     by the router process: the cost-aware widths with adaptive mode (unless the caller chose
-    `drafter`, the confidence rule alone); fixed and off keep the drafter's widths, always."""
+    `drafter`, the confidence rule alone); fixed and off keep the drafter's widths, always.
+    True when the router's cost-aware policy cuts the blocks."""
     import os
 
     from moemesh.common.speculation_width import SpeculationMode
@@ -405,11 +425,16 @@ def _set_router_width_policy(speculation) -> None:
         os.environ.setdefault(WIDTH_POLICY_ENV, "cost")
     else:
         os.environ[WIDTH_POLICY_ENV] = "drafter"
+    return speculation.mode is SpeculationMode.ADAPTIVE and os.environ[WIDTH_POLICY_ENV].strip().lower() == "cost"
 
 
-def _speculation_text(speculation, drafter) -> str:
+def _speculation_text(speculation, drafter, draft_status: str = "") -> str:
+    """drafter: the draft worker process (None with the drafter in the attention worker, whose status
+    the router's /health gives as draft_status)."""
     if not speculation.enabled:
         return "off"
     if drafter is not None and drafter.exited:
         return "off: the draft worker failed"
+    if draft_status.startswith("down"):
+        return "off: the drafter failed to load in the attention worker"
     return f"{speculation.mode.value}, width {speculation.width}"

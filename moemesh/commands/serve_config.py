@@ -45,7 +45,8 @@ class ServeLayout:
     devices: tuple[str, ...] = ("cpu",)
     dtype: str = "auto"
     placement_path: str | None = None  # a placement file when several expert workers split the experts
-    with_drafter: bool = False  # run the DSpark draft worker (on devices[0])
+    with_drafter: bool = False  # run the DSpark drafter (on devices[0])
+    draft_placement: str = "attention"  # in the attention worker's process, or "process": a draft worker of its own
     data_plane: str = "zmq"  # "cuda_ipc": Dispatch/Combine tensors through shared device rings (DataPlane)
     cuda_graphs: bool = False  # the attention worker replays decode steps as CUDA graphs
     api_key_file: str | None = None  # the gateway's Bearer keys (serve writes them to <run_dir>/api_keys)
@@ -109,7 +110,8 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
                        **({"placement": layout.experts_in_attention} if layout.experts_in_attention != "none" else {}),
                        **({"kv_dtype": layout.kv_dtype} if layout.kv_dtype != "bf16" else {})}],
         "expert": experts,
-        **({"draft": {"enabled": True, "name": DRAFT_NAME, "device": layout.devices[0]}} if layout.with_drafter else {}),
+        **({"draft": {"enabled": True, "name": DRAFT_NAME, "device": layout.devices[0],
+                      "placement": layout.draft_placement}} if layout.with_drafter else {}),
         **({"security": {"api_key_file": layout.api_key_file}} if layout.api_key_file is not None else {}),
     }
 

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                             help="what this worker keeps of its routed experts (default: the deployment's "
                                  "expert_dtype, itself native by default)")
     if name == "draft":
-        from moemesh.services.draft.main import add_draft_arguments
+        from moemesh.common.drafting.options import add_draft_arguments
 
         add_draft_arguments(parser)
 
@@ -87,7 +87,8 @@ def _run(args: argparse.Namespace) -> int:
 
             return expert_main(deployment, args.name, args.log_level, expert_dtype=args.expert_dtype)
         case "draft":
-            from moemesh.services.draft.main import options_from_args, run as draft_run
+            from moemesh.common.drafting.options import options_from_args
+            from moemesh.services.draft.main import run as draft_run
             from moemesh.common.speculation_width import SpeculationError
 
             try:

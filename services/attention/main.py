@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from moemesh.common.model.kv_storage import KV_DTYPES, parse_kv_storage
 from moemesh.common.runtime.deployment import Deployment, derive_endpoints, pick_worker
 from moemesh.services.attention.kv_config import KVPoolConfig
+from moemesh.common.drafting.options import DraftOptions, add_draft_arguments
+from moemesh.common.drafting.options import options_from_args as draft_options_from_args
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class AttentionOptions:
     data_plane: str | None = None  # "cuda_ipc": device rings shared with expert workers on the same host (cuda_ipc.py)
     cuda_graphs: bool | None = None  # decode steps replayed as CUDA graphs per batch bucket (graph_decode.py)
     kv_dtype: str | None = None  # "bf16" | "fp8": how KV rows are stored (None: the entry's kv_dtype)
+    draft: DraftOptions = DraftOptions()  # the drafter's policy when it runs in this process ([draft] placement)
 
 
 def add_attention_arguments(parser) -> None:
@@ -60,6 +63,7 @@ def add_attention_arguments(parser) -> None:
     parser.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
                         help="replay decode steps as CUDA graphs captured per batch-size bucket (CUDA devices only; "
                         "prefill, verification and steps that fit no bucket stay eager)")
+    add_draft_arguments(parser)  # used when the deployment's [draft] placement is "attention"
 
 
 def _kv_from_args(args) -> KVPoolConfig | None:
@@ -95,7 +99,8 @@ def options_from_args(args) -> AttentionOptions:
         replica_policy=getattr(args, "replica_policy", "least_loaded"),
         data_plane=getattr(args, "data_plane", None),
         cuda_graphs=None if getattr(args, "cuda_graphs", None) is None else args.cuda_graphs == "on",
-        kv_dtype=getattr(args, "kv_dtype", None))
+        kv_dtype=getattr(args, "kv_dtype", None),
+        draft=draft_options_from_args(args) if hasattr(args, "spec_survival_threshold") else DraftOptions())
 
 
 def main(deployment: Deployment, name: str | None, log_level: str = "info",
@@ -144,6 +149,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
         routing_stats=RoutingStatsConfig(out_path=options.routing_stats_out),
         recovery=RecoveryConfig(budget_s=budget_for(deployment.timeouts.step_s, deployment.timeouts.dispatch_s)),
         security=security, draft_endpoint=endpoints.draft, replica_policy=options.replica_policy,
+        drafter=_drafter_config(deployment, entry, model_config, options.draft),
         data_plane=data_plane, cuda_graphs=cuda_graphs, local_holdings=local))
     service_config = ServiceConfig(name=entry.name, role=ServiceRole.ATTENTION,
                                    endpoint=endpoints.attention[entry.name], supervisor_endpoint=endpoints.supervisor,
@@ -151,6 +157,23 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
                                    security=security,
                                    progress_dir=str(progress_dir_for(deployment.paths.run_dir)))
     return run_service(worker, service_config)
+
+
+def _drafter_config(deployment: Deployment, entry, model_config, options: DraftOptions):
+    """The draft worker's config for a drafter in this process ([draft] placement = "attention"), else None.
+    A bad --spec-width fails here, before loading anything."""
+    if not deployment.draft.in_attention:
+        return None
+    from moemesh.common.runtime.deployment import DeploymentError
+    from moemesh.common.speculation_width import SpeculationConfig
+    from moemesh.common.drafting.proposer import DrafterConfig
+
+    if model_config.dspark is None:
+        raise DeploymentError(f"model.path: {deployment.model.path} has no DSpark drafter (no dspark_* keys)")
+    speculation = SpeculationConfig.for_model(options.mode, options.width, model_config.dspark.block_size,
+                                              survival_threshold=options.survival_threshold)
+    return DrafterConfig(name=f"{entry.name}/draft", checkpoint_path=deployment.model.path, device=entry.device,
+                             dtype=deployment.model.dtype, speculation=speculation, max_support=options.max_support)
 
 
 def _budget_fits(entry, deployment: Deployment, model_config, kv: KVPoolConfig, num_local_pairs: int) -> bool:

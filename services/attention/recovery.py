@@ -296,4 +296,4 @@ def _merge(plan: StepPlan, result: StepResult, lost: dict[str, str]) -> StepResu
     for request_id, reason in lost.items():
         by_id[request_id] = SequenceResult(request_id, (), error=reason[:300])
     return StepResult(step_id=plan.step_id, sequences=tuple(by_id[s.request_id] for s in plan.sequences),
-                      routing=result.routing)
+                      routing=result.routing, draft_s=result.draft_s)

@@ -11,6 +11,7 @@
     logits of the sequences that sample         AttentionSide.logits
     sample (+ logprobs), or verify drafts       sampling.Sampler; speculation.verify_drafted (rolls back rejects)
     target features to the drafter              speculation.FeatureSender (before the StepResult)
+    next drafts, drafter in this process        local_drafter.LocalDrafter (in the StepResult)
     release finished slots                      slots.SlotTable.free
 
 It holds everything of the model except the routed experts, which it reaches through
@@ -23,6 +24,7 @@ Legend: B sequences that sample, V vocab, K top logprobs.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +65,8 @@ class AttentionWorkerConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)  # retries after a lost expert worker
     draft_endpoint: str | None = None  # the draft worker, to send target features to (None: no drafter)
     draft_timeout_s: float = 3.0  # features -> Ack; the step waits, so a dead drafter costs this once
+    # the drafter in this process ([draft] placement = "attention"; local_drafter.py), None: not here
+    drafter: Any = None  # common.drafting.proposer.DrafterConfig
     routing_stats: RoutingStatsConfig = field(default_factory=RoutingStatsConfig)
     security: Any = None  # common.security.SocketSecurity for the expert sockets (None: plain)
     # "zmq" (tensor frames via pinned host staging) or "cuda_ipc" (shared device rings + ZeroMQ doorbell, for
@@ -243,14 +247,15 @@ class AttentionWorker(Service):
         results, rejected = self._sample(work, self._masked_logits(work, logits, plan.token_masks))
         self.dispatcher.confirm_deferred()  # a step graph's mailbox waits: a lost worker fails the attempt here
         self._send_features(plan.step_id, work, groups, rejected)
-        self.slots.free(plan.free_seq_slots)
+        draft_s = self._propose_next(work, results)
+        self._free_slots(plan.free_seq_slots)
         log.debug("attention.step_done", step_id=plan.step_id, num_sequences=len(work),
                   num_micro_batches=len(groups), num_overlapped_runs=self.runner.stats.num_overlapped_runs)
         by_id = {**results, **errors}
         routing = self.routing.step_done() if work else None
         self._step_routing = routing  # for step(): the summary survives recovery's merge
         return StepResult(step_id=plan.step_id, sequences=tuple(by_id[s.request_id] for s in plan.sequences),
-                          routing=routing)
+                          routing=routing, draft_s=draft_s)
 
     # ------------------------------------------------------------------ helpers
     def _prepare(self, plan: StepPlan) -> tuple[list[_Work], dict[str, SequenceResult]]:
@@ -393,7 +398,24 @@ class AttentionWorker(Service):
         from moemesh.services.attention.speculation import FeatureSender, capture_layer_ids
 
         self.feature_sender = None
+        self.local_drafter = None
         self.max_feature_positions = model_config.sliding_window
+        if self.config.drafter is not None and model_config.dspark is not None:
+            from moemesh.services.attention.local_drafter import LocalDrafter
+
+            progress = self.load_progress  # the drafter's bytes count on after the attention side's
+            on_progress = None if progress is None else (
+                lambda num_bytes, num_tensors, base=(progress.num_bytes, progress.num_tensors):
+                progress(base[0] + num_bytes, base[1] + num_tensors))
+            try:
+                self.local_drafter = LocalDrafter(self.config.drafter, on_progress=on_progress)
+            except Exception as error:  # noqa: BLE001 (serving goes on without drafts, and says so in Ready)
+                self.ready_detail = f"drafter failed: {type(error).__name__}: {str(error)[:300]}"
+                log.error("attention.drafter_failed", error=self.ready_detail, action="serving without speculation")
+                return
+            self.runner.capture_layer_ids = frozenset(capture_layer_ids(model_config))
+            self.feature_sender = self.local_drafter
+            return
         if self.config.draft_endpoint is None or model_config.dspark is None:
             return
         self.runner.capture_layer_ids = frozenset(capture_layer_ids(model_config))
@@ -421,6 +443,46 @@ class AttentionWorker(Service):
                 offset += len(scheduled.token_ids)
         if rows:
             self.feature_sender.send(target_features_message(step_id, rows, self.runner.captured))
+
+
+    def _propose_next(self, work: list[_Work], results: dict[str, SequenceResult]) -> float:
+        """With the drafter in this process: the next block of every sequence whose plan entry asks for it
+        (`draft_after`), put into its result. Returns the seconds it took (0 without a drafter here)."""
+        from moemesh.services.attention.local_drafter import NextDraftAsk, seed_position_after
+
+        drafter = getattr(self, "local_drafter", None)
+        if drafter is None:
+            return 0.0
+        asks = []
+        for item in work:
+            scheduled = item.scheduled
+            result = results.get(scheduled.request_id)
+            if scheduled.draft_after < 1 or result is None or result.error is not None or not result.token_ids:
+                continue
+            params = item.slot.params
+            sampled = params is not None and not params.is_greedy
+            if sampled and scheduled.draft_seed is None:
+                continue  # a sampled request's drafts need their own seed: none asked, none drafted
+            asks.append(NextDraftAsk(
+                request_id=scheduled.request_id, num_draft_tokens=min(scheduled.draft_after, drafter.block_size),
+                seed_token_id=result.token_ids[-1],
+                seed_position=seed_position_after(scheduled.start_position, len(scheduled.token_ids),
+                                                  len(scheduled.draft_token_ids), result.num_draft_accepted),
+                num_outputs=len(item.slot.output_token_ids), temperature=params.temperature if sampled else 0.0,
+                seed=scheduled.draft_seed if sampled else None))
+        if not asks:
+            return 0.0
+        started_s = time.perf_counter()
+        proposals = drafter.propose_next(asks)
+        for request_id, proposal in proposals.items():
+            results[request_id] = dataclasses.replace(results[request_id], next_drafts=proposal)
+        return time.perf_counter() - started_s
+
+    def _free_slots(self, seq_slots) -> None:
+        drafter = getattr(self, "local_drafter", None)
+        if drafter is not None:  # a freed slot's request is finished or preempted: its ring goes too
+            drafter.drop([slot.request_id for slot in (self.slots.slots.get(s) for s in seq_slots) if slot is not None])
+        self.slots.free(seq_slots)
 
 
 def local_bytes(local, kind: str) -> int:

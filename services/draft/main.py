@@ -1,46 +1,15 @@
 """`moemesh draft --config FILE [options]`: the DSpark draft worker's entry point.
 
 The deployment file gives the model, the `[draft]` entry (device, name) and the endpoints; the
-options below carry the speculation policy, which `moemesh serve` forwards to the drafter it
-starts. Width checks against `dspark_block_size` happen here, before anything binds, so a bad
+options (common/drafting/options.py) carry the speculation policy, which `moemesh serve` forwards to
+the drafter it starts. Width checks against `dspark_block_size` happen here, before anything binds, so a bad
 `--spec-width` fails at start with the message from width.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from moemesh.common.drafting.options import DraftOptions
 from moemesh.common.runtime.deployment import Deployment, DeploymentError, derive_endpoints
-from moemesh.common.speculation_width import DEFAULT_SURVIVAL_THRESHOLD, SpeculationMode
-
-DEFAULT_MAX_SUPPORT = 64  # mirrors services.draft.worker (which imports torch; this module must not)
-
-
-@dataclass(frozen=True)
-class DraftOptions:
-    """Command-line choices; mode / width None take the model's defaults (SpeculationConfig.for_model)."""
-
-    mode: SpeculationMode | None = None
-    width: int | None = None
-    survival_threshold: float = DEFAULT_SURVIVAL_THRESHOLD
-    max_support: int | None = DEFAULT_MAX_SUPPORT
-
-
-def add_draft_arguments(parser) -> None:
-    parser.add_argument("--speculation", choices=[mode.value for mode in SpeculationMode], default=None,
-                        help="off, fixed or adaptive (default: adaptive when the checkpoint has a drafter)")
-    parser.add_argument("--spec-width", type=int, default=None,
-                        help="drafts per request (fixed) or their cap (adaptive); at most dspark_block_size")
-    parser.add_argument("--spec-survival-threshold", type=float, default=DEFAULT_SURVIVAL_THRESHOLD,
-                        help="adaptive mode stops where the cumulative survival probability drops below this")
-    parser.add_argument("--draft-support", type=int, default=DEFAULT_MAX_SUPPORT,
-                        help="tokens kept in a sampled draft's proposal distribution (0: full vocabulary)")
-
-
-def options_from_args(args) -> DraftOptions:
-    return DraftOptions(mode=SpeculationMode(args.speculation) if args.speculation else None, width=args.spec_width,
-                        survival_threshold=args.spec_survival_threshold,
-                        max_support=args.draft_support if args.draft_support and args.draft_support > 0 else None)
 
 
 def run(deployment: Deployment, name: str | None = None, log_level: str = "info",
@@ -52,11 +21,15 @@ def run(deployment: Deployment, name: str | None = None, log_level: str = "info"
     from moemesh.common.runtime.service import ServiceConfig, run_service
     from moemesh.common.wire.messages import ServiceRole
     from moemesh.common.speculation_width import SpeculationConfig
-    from moemesh.services.draft.worker import DraftWorker, DraftWorkerConfig
+    from moemesh.common.drafting.proposer import DrafterConfig
+    from moemesh.services.draft.worker import DraftWorker
 
     entry = deployment.draft
     if not entry.enabled:
         raise DeploymentError("draft.enabled: the deployment has no draft worker (set [draft] enabled = true)")
+    if not entry.runs_process:
+        raise DeploymentError(f"draft.placement: {entry.placement!r}: the drafter runs inside the attention workers, "
+                              "there is no draft service to start")
     if name is not None and name != entry.name:
         raise DeploymentError(f"draft.name: no draft worker named {name!r} (have {entry.name!r})")
     configure_logging(entry.name, deployment.paths.log_dir, log_level)
@@ -69,7 +42,7 @@ def run(deployment: Deployment, name: str | None = None, log_level: str = "info"
     if not _budget_fits(entry, deployment, model_config):
         return 3  # the drafter does not fit its device: the message is on stderr and in the log
     endpoints = derive_endpoints(deployment)
-    worker = DraftWorker(DraftWorkerConfig(name=entry.name, checkpoint_path=deployment.model.path, device=entry.device,
+    worker = DraftWorker(DrafterConfig(name=entry.name, checkpoint_path=deployment.model.path, device=entry.device,
                                            dtype=deployment.model.dtype, speculation=speculation,
                                            max_support=options.max_support))
     service_config = ServiceConfig(name=entry.name, role=ServiceRole.DRAFT, endpoint=endpoints.draft,

@@ -82,7 +82,8 @@ class Engine(EngineRecovery):
         self._last_probe_s = 0.0
         self.num_steps = 0
         self.num_failed_steps = 0
-        self.step_seconds_total = 0.0  # wall time in attention steps (send plan .. StepResult), for benchmarks
+        # wall time in attention steps (send plan .. StepResult) less the worker's drafting, for benchmarks
+        self.step_seconds_total = 0.0
         self.decode_step_totals = DecodeStepTotals()  # the attention worker's counters over decode steps
         self.routing_summary = None  # the attention worker's latest RoutingSummary (for /metrics skew gauges)
         self._attention_pid: int | None = None  # the attention worker process the KV bookkeeping describes
@@ -215,7 +216,7 @@ class Engine(EngineRecovery):
             self._publish(events, result)
             if self.drafts is not None:  # step 7: the next block per request, before schedule()
                 self.drafts.record(events)
-                await self.drafts.after_step(self.scheduler, events)
+                await self.drafts.after_step(self.scheduler, events, result.next_drafts, result.draft_s)
 
     async def _run_guarded(self) -> None:
         try:
@@ -269,7 +270,7 @@ class Engine(EngineRecovery):
         try:
             for plan in self.translator.plans_for(output):
                 if self.drafts is not None:
-                    plan = self.drafts.decorate(plan)
+                    plan = self.drafts.decorate(plan, self.scheduler)
                 plan = attach_token_masks(plan, self._guide_of)  # after the drafts: masks cover them
                 reply = await self._request_step(plan)
                 match reply:
@@ -291,11 +292,11 @@ class Engine(EngineRecovery):
             return self._step_failed(output, str(error))
         self.num_steps += 1
         step_s = time.perf_counter() - started_s
-        self.step_seconds_total += step_s
+        self.step_seconds_total += step_s - result.draft_s  # drafting in the worker counts as drafting
         for counters in step_counters:
             self.decode_step_totals.add(counters, step_s / len(step_counters))
         if self.drafts is not None:  # the cost-aware width policy learns the step cost from it
-            self.drafts.observe_step(output, step_s)
+            self.drafts.observe_step(output, step_s, result.draft_s)
         self.health_tracker.record_step_ok()
         log.debug("router.step", step_id=output.step_id, num_sequences=len(output.scheduled),
                   num_tokens=output.num_scheduled_tokens)

@@ -48,7 +48,9 @@ from typing import Any
 
 import structlog
 
-from moemesh.common.wire.messages import DraftRequest, DraftSlot, DraftTokens, ErrorReply, ServiceState, StepPlan
+from moemesh.common.wire.messages import (
+    DraftRequest, DraftSlot, DraftTokens, ErrorReply, ServiceRole, ServiceState, StepPlan,
+)
 from moemesh.services.router.spec_cost import StepCostModel
 from moemesh.services.router.spec_policy import CostAwareWidths, CostPolicyConfig, WidthPolicyKind
 
@@ -68,7 +70,9 @@ class DraftConfig:
     (no Ready, heartbeat or reply) is treated as gone before a request has to time out;
     width_policy: DRAFTER keeps the drafter's widths, COST adds the cost-aware cut (spec_policy.py);
     max_start_s: a drafter with no Ready this long after the router started is reported down
-    instead of starting (one that crashed while loading never beats, so nothing else would tell)."""
+    instead of starting (one that crashed while loading never beats, so nothing else would tell);
+    in_attention: the attention worker drafts right after each step (`[draft] placement = "attention"`):
+    the plan asks for drafts (`draft_after`) and they come back in the StepResult, no DraftRequest."""
 
     draft_name: str = "draft"
     max_draft_tokens: int = 5
@@ -77,6 +81,7 @@ class DraftConfig:
     width_policy: WidthPolicyKind = WidthPolicyKind.DRAFTER
     cost_policy: CostPolicyConfig = CostPolicyConfig()
     max_start_s: float = 600.0
+    in_attention: bool = False  # the drafter runs in the attention worker's process: drafts come with the step
 
     def __post_init__(self) -> None:
         if not isinstance(self.width_policy, WidthPolicyKind):
@@ -129,6 +134,8 @@ class DraftCoordinator:
         supervisor = self._supervisor
         if supervisor is None:
             return "ok"
+        if self.config.in_attention:
+            return _in_attention_status(supervisor)
         name = self.config.draft_name
         beat = supervisor.heartbeats.get(name)
         if beat is not None and beat.state is ServiceState.STOPPED:
@@ -183,11 +190,12 @@ class DraftCoordinator:
         self.num_recoveries += 1
 
     # -- the plan --------------------------------------------------------------------------
-    def decorate(self, plan: StepPlan) -> StepPlan:
+    def decorate(self, plan: StepPlan, scheduler: Any = None) -> StepPlan:
         """The plan as sent: features wanted for every sequence while the drafter is up (except
         while the cost policy runs plain steps far from its next probe: CostAwareWidths.wants_features),
         and each sampled sequence's drafts paired with their distributions (cut to the drafts the
-        scheduler kept)."""
+        scheduler kept). With the drafter in the attention worker (`in_attention`; scheduler given),
+        every sequence that samples this step also asks for its next block (`draft_after`, `draft_seed`)."""
         if not plan.sequences:
             return plan
         active = self.active
@@ -195,6 +203,7 @@ class DraftCoordinator:
             return plan
         # the cost policy in a long run of plain steps wants no features until shortly before its probe
         send_features = active and (self.widths is None or self.widths.wants_features())
+        asks = self._next_draft_asks(plan, scheduler) if active and self.config.in_attention else {}
         sequences = []
         for seq in plan.sequences:
             ids, probs = self._supports.pop(seq.request_id, ((), ()))
@@ -206,8 +215,35 @@ class DraftCoordinator:
                 seq = dataclasses.replace(seq, send_features=True)
             if active:
                 self._known_ids.add(seq.request_id)
+            if seq.request_id in asks:
+                seq = dataclasses.replace(seq, draft_after=self.config.max_draft_tokens,
+                                          draft_seed=asks[seq.request_id])
             sequences.append(seq)
         return dataclasses.replace(plan, sequences=tuple(sequences))
+
+    def _next_draft_asks(self, plan: StepPlan, scheduler: Any) -> dict[str, int | None]:
+        """request id -> its draft seed (None: greedy) for the sequences that sample this step, unless the
+        cost policy expects a plain next step to pay better. The caps that depend on the step's outcome
+        (max_tokens, the context length) are applied in after_step."""
+        if scheduler is None:
+            return {}
+        sampling = [seq for seq in plan.sequences if seq.do_sample]
+        if not sampling:
+            return {}
+        if self.widths is not None and not self.widths.should_draft(len(plan.sequences), len(sampling)):
+            return {}
+        asks = {}
+        for seq in sampling:
+            request = scheduler.get_request(seq.request_id)
+            if request is None or request.is_finished:
+                continue
+            params = request.sampling_params
+            asks[seq.request_id] = None if params.is_greedy else self._draft_seed(request)
+        return asks
+
+    def _draft_seed(self, request: Any) -> int:
+        seed = request.sampling_params.seed
+        return seed if seed is not None else self._draft_seeds.setdefault(request.request_id, secrets.randbits(63))
 
     # -- after a step ----------------------------------------------------------------------
     def record(self, events: Iterable[Any]) -> None:
@@ -221,18 +257,30 @@ class DraftCoordinator:
                 if position < event.num_accepted_drafts:
                     self.accepted_by_position[position] += 1
 
-    def observe_step(self, output: Any, attention_s: float) -> None:
-        """The engine's timing of one attention step (its SchedulerOutput): the cost policy learns from it."""
+    def observe_step(self, output: Any, attention_s: float, draft_s: float = 0.0) -> None:
+        """The engine's timing of one attention step (its SchedulerOutput): the cost policy learns from it.
+        draft_s: the part of it the attention worker spent drafting (in_attention), counted as drafting."""
         if self.widths is not None:
-            self.widths.observe_step(output.scheduled, attention_s, time.perf_counter())
+            self.widths.observe_step(output.scheduled, max(0.0, attention_s - draft_s), time.perf_counter())
 
-    async def after_step(self, scheduler: Any, events: Iterable[Any]) -> None:
-        """Ask for the next block of every running request in decode; set_draft_tokens."""
+    async def after_step(self, scheduler: Any, events: Iterable[Any], next_drafts: Mapping[str, Any] | None = None,
+                         draft_s: float = 0.0) -> None:
+        """Ask for the next block of every running request in decode; set_draft_tokens. With the drafter
+        in the attention worker, the blocks came with the step (`next_drafts` by request id, drafted in
+        `draft_s` seconds) and nothing is sent."""
         if not self.active:
             return
         events = list(events)
         slots = [slot for slot in (self._slot(scheduler, event) for event in events) if slot is not None]
         num_sequences = sum(1 for event in events if not event.is_finished)
+        if self.config.in_attention:
+            self._finished_ids(scheduler)  # forgets their seeds and distributions; their rings go with their slots
+            if next_drafts:
+                self.round_trip_s_total += draft_s
+                self.num_draft_requests += 1
+                self._apply(scheduler, slots, [next_drafts[s.request_id] for s in slots if s.request_id in next_drafts],
+                            num_sequences, draft_s)
+            return
         if slots and self.widths is not None and not self.widths.should_draft(num_sequences, len(slots)):
             return  # a plain step pays better; finished requests are reported with the next request
         finished = self._finished_ids(scheduler)
@@ -251,25 +299,30 @@ class DraftCoordinator:
         self.num_draft_requests += 1
         match reply:
             case DraftTokens():
-                asked = {slot.request_id: slot.num_draft_tokens for slot in slots}  # <= the block size
-                proposals = [p for p in reply.proposals if p.token_ids and p.request_id in asked
-                             and scheduler.get_request(p.request_id) is not None]
-                caps = [min(len(p.token_ids), asked[p.request_id]) for p in proposals]  # never more than asked
-                widths = caps
-                if self.widths is not None and slots:
-                    self.widths.observe_draft(len(slots), round_trip_s)
-                    widths = self.widths.choose_widths([p.confidences[:cap] for p, cap in zip(proposals, caps)],
-                                                       num_sequences, [p.request_id for p in proposals])
-                for proposal, width in zip(proposals, widths):
-                    if width < 1:
-                        continue
-                    scheduler.set_draft_tokens(proposal.request_id, list(proposal.token_ids[:width]))
-                    if proposal.support_token_ids:
-                        self._supports[proposal.request_id] = (proposal.support_token_ids, proposal.support_probs)
+                self._apply(scheduler, slots, reply.proposals, num_sequences, round_trip_s)
             case ErrorReply(code=code, message=message):
                 self._fail(f"drafter refused: {code.value}: {message[:200]}")
             case _:
                 self._fail(f"drafter answered {type(reply).__name__} to a draft_request")
+
+    def _apply(self, scheduler: Any, slots: list[DraftSlot], proposals: Iterable[Any], num_sequences: int,
+               draft_s: float) -> None:
+        """Hand each proposal, cut to what its slot allows and to the width policy's choice, to the scheduler."""
+        asked = {slot.request_id: slot.num_draft_tokens for slot in slots}  # <= the block size
+        proposals = [p for p in proposals if p.token_ids and p.request_id in asked
+                     and scheduler.get_request(p.request_id) is not None]
+        caps = [min(len(p.token_ids), asked[p.request_id]) for p in proposals]  # never more than asked
+        widths = caps
+        if self.widths is not None and slots:
+            self.widths.observe_draft(len(slots), draft_s)
+            widths = self.widths.choose_widths([p.confidences[:cap] for p, cap in zip(proposals, caps)],
+                                               num_sequences, [p.request_id for p in proposals])
+        for proposal, width in zip(proposals, widths):
+            if width < 1:
+                continue
+            scheduler.set_draft_tokens(proposal.request_id, list(proposal.token_ids[:width]))
+            if proposal.support_token_ids:
+                self._supports[proposal.request_id] = (proposal.support_token_ids, proposal.support_probs)
 
     def _slot(self, scheduler: Any, event: Any) -> DraftSlot | None:
         if event.is_finished:
@@ -288,9 +341,7 @@ class DraftCoordinator:
                          last_token_ids=(request.token_id_at(seed_position),), start_position=seed_position)
         if params.is_greedy:
             return slot
-        seed = params.seed if params.seed is not None else self._draft_seeds.setdefault(
-            request.request_id, secrets.randbits(63))
-        return dataclasses.replace(slot, temperature=params.temperature, seed=seed,
+        return dataclasses.replace(slot, temperature=params.temperature, seed=self._draft_seed(request),
                                    first_output_position=request.num_output_tokens)
 
     def _finished_ids(self, scheduler: Any) -> list[str]:
@@ -379,8 +430,27 @@ def coordinator_for(deployment: Any, supervisor: Any, context: Any, security: An
     config = DraftConfig(draft_name=deployment.draft.name, max_draft_tokens=block_size,
                          timeout_s=DRAFT_TIMEOUT_S,
                          max_heartbeat_silence_s=max(3.0, 5 * deployment.timeouts.heartbeat_interval_s),
-                         width_policy=width_policy_from_env(), max_start_s=deployment.timeouts.ready_s)
-    client = DraftClient(derive_endpoints(deployment).draft, context, config.timeout_s, security)
+                         width_policy=width_policy_from_env(), max_start_s=deployment.timeouts.ready_s,
+                         in_attention=deployment.draft.in_attention)
     log.info("router.speculation_on", draft=deployment.draft.name, max_draft_tokens=block_size,
-             width_policy=config.width_policy.value)
+             width_policy=config.width_policy.value, placement=deployment.draft.placement)
+    if config.in_attention:  # the attention workers draft; their Ready says whether their drafter loaded
+        return DraftCoordinator(config, _no_draft_service, supervisor), None
+    client = DraftClient(derive_endpoints(deployment).draft, context, config.timeout_s, security)
     return DraftCoordinator(config, client.propose, supervisor), client
+
+
+def _in_attention_status(supervisor: Any) -> str:
+    """The drafter inside the attention workers: "starting" until one reported Ready, "down" when a
+    worker's drafter failed to load (its Ready's detail), else "ok"."""
+    workers = [ready for ready in supervisor.ready.values() if ready.role is ServiceRole.ATTENTION]
+    if not workers:
+        return "starting: no attention worker ready yet (the drafter loads inside it)"
+    failed = [ready for ready in workers if ready.detail.startswith("drafter failed")]
+    if failed:
+        return f"down: {failed[0].name}: {failed[0].detail}; serving without speculation"
+    return "ok"
+
+
+async def _no_draft_service(request: DraftRequest) -> Any:
+    raise RuntimeError("the drafter runs in the attention workers: no DraftRequest is sent")

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from moemesh.common.wire.messages import PrefixRestore, StepPlan, StepResult, TokenLogprobs
+from moemesh.common.wire.messages import DraftProposal, PrefixRestore, StepPlan, StepResult, TokenLogprobs
 from moemesh.common.wire.messages import ScheduledSequence as WireSequence
 from moemesh.services.router.scheduler import SchedulerOutput, SequenceResult
 
@@ -108,6 +108,9 @@ class TranslatedResult:
     logprobs: dict[str, TokenLogprobs]
     failure: str | None = None  # set when the step was not executed; every request in it failed
     worker_lost: bool = False  # with failure: the worker did not answer or restarted (not a refusal)
+    # drafter in the attention worker: the next drafts by request id, and the seconds drafting took
+    next_drafts: dict[str, DraftProposal] = field(default_factory=dict)
+    draft_s: float = 0.0
 
 
 class ResultMismatch(Exception):
@@ -125,6 +128,7 @@ def translate_result(plan: StepPlan, result: StepResult) -> TranslatedResult:
     scheduled_ids = {seq.request_id for seq in plan.sequences}
     sequence_results: dict[str, SequenceResult] = {}
     logprobs: dict[str, TokenLogprobs] = {}
+    next_drafts: dict[str, DraftProposal] = {}
     for answer in result.sequences:
         if answer.request_id not in scheduled_ids:
             continue
@@ -135,7 +139,9 @@ def translate_result(plan: StepPlan, result: StepResult) -> TranslatedResult:
         )
         if answer.logprobs is not None:
             logprobs[answer.request_id] = answer.logprobs
-    return TranslatedResult(sequence_results, logprobs)
+        if answer.next_drafts is not None and answer.error is None:
+            next_drafts[answer.request_id] = answer.next_drafts
+    return TranslatedResult(sequence_results, logprobs, next_drafts=next_drafts, draft_s=result.draft_s)
 
 
 def failed_results(output: SchedulerOutput, message: str) -> Mapping[str, SequenceResult]:

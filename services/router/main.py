@@ -287,7 +287,7 @@ async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer
         registry_task.cancel()
         await asyncio.gather(registry_task, return_exceptions=True)
         await engine.stop()
-        if speculation is not None:
+        if speculation is not None and speculation[1] is not None:  # no client: the drafter is in the workers
             await speculation[1].close()
         supervisor_task.cancel()
         await asyncio.gather(supervisor_task, return_exceptions=True)

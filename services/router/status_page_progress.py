@@ -99,12 +99,13 @@ def expected_bytes_for_deployment(deployment: Any) -> dict[str, int]:
     from moemesh.common.placement.worker_holdings import holdings_for  # torch-free
 
     sizes = load_sizes(str(deployment.model.path))
-    expected = {worker.name: sizes.attention_bytes + sizes.expert_bytes(
+    in_attention = sizes.draft_bytes if deployment.draft.in_attention else 0  # a drafter in its process
+    expected = {worker.name: sizes.attention_bytes + in_attention + sizes.expert_bytes(
         holdings_for(worker.name, worker.placement, sizes.num_layers, sizes.num_experts).held)
         for worker in deployment.attention}  # plus the routed experts it holds itself
     for worker in deployment.expert:
         held = holdings_for(worker.name, worker.placement, sizes.num_layers, sizes.num_experts).held
         expected[worker.name] = sizes.expert_bytes(held)
-    if deployment.draft.enabled:
+    if deployment.draft.runs_process:
         expected[deployment.draft.name] = sizes.draft_bytes
     return expected

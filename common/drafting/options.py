@@ -1,0 +1,37 @@
+"""The drafter's command-line options, shared by `moemesh draft` and `moemesh attention` (whose
+in-process drafter takes the same ones). Imports no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moemesh.common.speculation_width import DEFAULT_SURVIVAL_THRESHOLD, SpeculationMode
+
+DEFAULT_MAX_SUPPORT = 64  # tokens kept in a sampled draft's proposal distribution
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """Command-line choices; mode / width None take the model's defaults (SpeculationConfig.for_model)."""
+
+    mode: SpeculationMode | None = None
+    width: int | None = None
+    survival_threshold: float = DEFAULT_SURVIVAL_THRESHOLD
+    max_support: int | None = DEFAULT_MAX_SUPPORT
+
+
+def add_draft_arguments(parser) -> None:
+    parser.add_argument("--speculation", choices=[mode.value for mode in SpeculationMode], default=None,
+                        help="off, fixed or adaptive (default: adaptive when the checkpoint has a drafter)")
+    parser.add_argument("--spec-width", type=int, default=None,
+                        help="drafts per request (fixed) or their cap (adaptive); at most dspark_block_size")
+    parser.add_argument("--spec-survival-threshold", type=float, default=DEFAULT_SURVIVAL_THRESHOLD,
+                        help="adaptive mode stops where the cumulative survival probability drops below this")
+    parser.add_argument("--draft-support", type=int, default=DEFAULT_MAX_SUPPORT,
+                        help="tokens kept in a sampled draft's proposal distribution (0: full vocabulary)")
+
+
+def options_from_args(args) -> DraftOptions:
+    return DraftOptions(mode=SpeculationMode(args.speculation) if args.speculation else None, width=args.spec_width,
+                        survival_threshold=args.spec_survival_threshold,
+                        max_support=args.draft_support if args.draft_support and args.draft_support > 0 else None)
