@@ -50,7 +50,7 @@ def test_checkpoint_matches_inventory_and_size(reference):
     assert reader.found_dtype("embed.weight") == "BF16" and reader.found_dtype("layers.0.hc_attn_fn") == "F32"
     assert reader.found_dtype("layers.0.ffn.gate.tid2eid") == "I64"
     total = sum(f.stat().st_size for f in MODEL_DIR.iterdir() if f.is_file())
-    assert total < 30e6
+    assert total < 50e6  # the shipped model stays within 50 MB in the hub format
     for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "MODEL_CARD.md"):
         assert (MODEL_DIR / name).exists(), name
 
