@@ -3,6 +3,7 @@ files, the status snapshot, and the benchmark plots."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 
@@ -99,14 +100,16 @@ def test_recovery_gives_up_within_its_budget_with_a_clear_error():
 
     import time
 
+    freed = []  # the worker's own release (it also drops an in-process drafter's rings)
     recovery = StepRecovery(RecoveryConfig(max_attempts=5, budget_s=0.5, probe_interval_s=0.05),
-                            _FakeSlots(), compute, lambda: None, lambda: False)
+                            _FakeSlots(), compute, lambda: None, lambda: False, free_slots=freed.append)
     started = time.monotonic()
-    result = recovery.run(_plan())
+    plan = dataclasses.replace(_plan(), free_seq_slots=(3,))
+    result = recovery.run(plan)
     assert time.monotonic() - started < 2.0
     (only,) = result.sequences
     assert only.request_id == "a" and only.token_ids == () and "expert worker unavailable" in only.error
-    assert recovery.num_failed_steps == 1
+    assert recovery.num_failed_steps == 1 and freed == [(3,)]
 
 
 def test_load_progress_is_logged_and_written(tmp_path):

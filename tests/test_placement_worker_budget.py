@@ -17,8 +17,8 @@ from moemesh.common.checkpoint.writer import write_checkpoint
 from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.placement.budget import MemoryBudget
 from moemesh.common.placement.worker_budget import (
-    attention_worker_budget, check_at_start, draft_weight_bytes, expert_headroom_bytes, expert_worker_budget,
-    kv_block_bytes, measure_free_bytes, resident_bytes_per_expert,
+    attention_worker_budget, check_at_start, draft_weight_bytes, draft_worker_budget, expert_headroom_bytes,
+    expert_worker_budget, kv_block_bytes, measure_free_bytes, resident_bytes_per_expert,
 )
 from moemesh.common.wire.messages import ErrorReply, ExpertInventory, ExpertKey, LoadExperts
 
@@ -52,6 +52,12 @@ def test_expert_budget_counts_the_held_pairs_and_leaves_the_rest_for_experts():
                                         free_bytes=1 << 40)
     assert attention.kv_pool_bytes == 4 * kv_block_bytes(config, 128, 2)  # the CPU tier is not on the GPU
     assert attention.weights_bytes > 0 and attention.activation_bytes > 0 and attention.load_peak_bytes > 0
+    drafting = attention_worker_budget(config, service="attention", device="cuda:0", dtype="auto",
+                                       block_size_tokens=128, num_primary_blocks=4, num_cpu_blocks=100,
+                                       free_bytes=1 << 40, with_drafter=True)  # [draft] placement = "attention"
+    drafter_alone = draft_worker_budget(config, service="draft", device="cuda:0", dtype="auto", free_bytes=1 << 40)
+    assert drafting.weights_bytes == attention.weights_bytes + draft_weight_bytes(config, 2)
+    assert drafting.activation_bytes == attention.activation_bytes + drafter_alone.activation_bytes
 
 
 @pytest.mark.parametrize("dtype, element_bytes", [("float32", 4), ("bfloat16", 2)])

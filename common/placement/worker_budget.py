@@ -172,9 +172,10 @@ def kv_block_bytes(config, block_size_tokens: int, element_bytes: int,
 def attention_worker_budget(config, *, service: str, device: str, dtype: str, block_size_tokens: int,
                             num_primary_blocks: int, num_cpu_blocks: int, free_bytes: int,
                             step: StepShape = StepShape(), num_local_pairs: int = 0,
-                            kv_storage: KVStorage = KVStorage.BF16) -> MemoryBudget:
+                            kv_storage: KVStorage = KVStorage.BF16, with_drafter: bool = False) -> MemoryBudget:
     """num_local_pairs: routed experts its own placement gives it (kept as stored); kv_storage: how its KV rows
-    are stored (the `kv_dtype` setting: the pool is priced in it)."""
+    are stored (the `kv_dtype` setting: the pool is priced in it); with_drafter: it also runs the DSpark
+    drafter in its process (`[draft] placement = "attention"`), whose weights and activations count here."""
     from moemesh.common.model.inventory import tensor_inventory
 
     element = dtype_bytes(dtype, device)
@@ -190,6 +191,9 @@ def attention_worker_budget(config, *, service: str, device: str, dtype: str, bl
     hc_mult = getattr(config, "hc_mult", 1) or 1
     activations = tokens * config.hidden_size * (2 * hc_mult + 8) * element  # residual streams + intermediates
     activations += step.max_num_seqs * config.vocab_size * 4  # fp32 logits of the sampled rows
+    if with_drafter:
+        weights += draft_weight_bytes(config, element)
+        activations += _draft_activation_bytes(config, step, element)
     return MemoryBudget(service, device, free_bytes, weights_bytes=weights, kv_pool_bytes=kv, expert_bytes=expert_bytes,
                         activation_bytes=activations, load_peak_bytes=loading,
                         reserve_bytes=_reserve(weights + kv + activations + expert_bytes))
@@ -199,9 +203,13 @@ def draft_worker_budget(config, *, service: str, device: str, dtype: str, free_b
                         step: StepShape = StepShape()) -> MemoryBudget:
     element = dtype_bytes(dtype, device)
     weights = draft_weight_bytes(config, element)
-    activations = step.max_num_seqs * (config.hidden_size * 16 * element + config.vocab_size * 4)
+    activations = _draft_activation_bytes(config, step, element)
     return MemoryBudget(service, device, free_bytes, weights_bytes=weights, activation_bytes=activations,
                         reserve_bytes=_reserve(weights + activations))
+
+
+def _draft_activation_bytes(config, step: StepShape, element: int) -> int:
+    return step.max_num_seqs * (config.hidden_size * 16 * element + config.vocab_size * 4)
 
 
 def check_at_start(budget: MemoryBudget, worker_name: str) -> str | None:

@@ -187,7 +187,8 @@ def _budget_fits(entry, deployment: Deployment, model_config, kv: KVPoolConfig, 
         model_config, service="attention", device=entry.device, dtype=deployment.model.dtype,
         block_size_tokens=kv.block_size_tokens, num_primary_blocks=kv.num_primary_blocks,
         num_cpu_blocks=kv.num_cpu_blocks, free_bytes=measure_free_bytes(entry.device, entry.memory_limit),
-        num_local_pairs=num_local_pairs, kv_storage=kv.kv_storage)
+        num_local_pairs=num_local_pairs, kv_storage=kv.kv_storage,
+        with_drafter=deployment.draft.in_attention and model_config.dspark is not None)
     refusal = check_at_start(budget, entry.name)
     if refusal is not None:
         print(refusal, file=sys.stderr)

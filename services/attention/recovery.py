@@ -152,12 +152,16 @@ class StepRecovery:
     pair is served again (all workers answer). `failover` (failover.ExpertFailover, optional)
     marks a lost worker down and says whether replicas cover it; without it every loss waits.
     `take_stalls()` -> [(endpoint, waited_s)]: expert replies that came late but in time (a worker
-    frozen, or killed and restarted within the timeout), logged with the step's requests."""
+    frozen, or killed and restarted within the timeout), logged with the step's requests.
+    `free_slots(seq_slots)`: what releases the plan's freed slots when a step is abandoned (the
+    worker's, which also drops an in-process drafter's rings; default: the slot table's)."""
 
     def __init__(self, config: RecoveryConfig, slots: SlotTable, compute: Callable[[StepPlan], Any],
                  forget_in_flight: Callable[[], None], probe: Callable[[], bool], failover: Any = None,
-                 take_stalls: Callable[[], list[tuple[str, float]]] = list) -> None:
+                 take_stalls: Callable[[], list[tuple[str, float]]] = list,
+                 free_slots: Callable[[Any], None] | None = None) -> None:
         self.take_stalls = take_stalls
+        self.free_slots = free_slots if free_slots is not None else slots.free
         self.config = config
         self.slots = slots
         self.compute = compute
@@ -216,7 +220,7 @@ class StepRecovery:
                   f"{elapsed_s:.1f}s)")
         log.error("attention.step_abandoned", step_id=plan.step_id, attempts=attempt, elapsed_s=round(elapsed_s, 3),
                   cause=cause[:300], worker=worker, request_ids=self._request_ids(plan))
-        self.slots.free(plan.free_seq_slots)
+        self.free_slots(plan.free_seq_slots)
         for scheduled in current.sequences:
             lost.setdefault(scheduled.request_id, reason)
         return _merge(plan, StepResult(step_id=plan.step_id, sequences=()), lost)
@@ -280,7 +284,7 @@ def build_step_recovery(worker: Any) -> StepRecovery:
         return stalls
 
     return StepRecovery(config.recovery, worker.slots, worker._compute_step, forget_in_flight, probe, failover,
-                        take_stalls)
+                        take_stalls, free_slots=worker._free_slots)
 
 
 def _lost_worker(error: BaseException) -> str:
