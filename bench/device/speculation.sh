@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Speculative decoding on the H200 (`moemesh bench speculation`), within a 330 s cap:
 #   1. CUDA correctness tests (drafter on cuda equals cpu; sampled drafts valid)            ~20 s (cap 35)
-#   2. the speculation benchmark with every service on cuda:0: off / fixed / adaptive (adaptive = the
-#      confidence rule + the router's cost-aware widths), temperature 0 and 1, a single stream,
-#      --repeats 2 (the second repeat rotates the servers' order: the first-measured server looked
-#      slower under MPS)                                                                   ~150 s (cap 215)
+#   2. the speculation benchmark with every service on cuda:0, bf16 as served: off / fixed / adaptive (the
+#      router's cost-aware widths) with the drafter in the attention worker, and fixed with it in a draft
+#      worker process (fixed-process), temperature 0 and 1, a single stream, --repeats 2 (the second
+#      repeat rotates the servers' order: the first-measured server looked slower under MPS)  ~150 s (cap 215)
 #   3. the same benchmark on this host's CPU (4 threads per process)                      (cap 65)
 # Each benchmark stops starting runs at its --time-budget-s and writes its JSON (bench.results_io)
 # with the runs finished so far even when a run fails, a server does not start, or timeout's SIGTERM
@@ -30,9 +30,9 @@ python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', 
 echo "=== CUDA correctness (drafter on cuda equals cpu; sampled drafts valid) [$(elapsed)]"
 timeout -k 5 35 python3 -m pytest -x -q -p no:cacheprovider tests/test_spec_cuda.py 2>&1 | tail -n 15
 
-echo "=== bench speculation on cuda:0, float32, 2 repeats (greedy outputs comparable across modes) [$(elapsed)]"
-timeout -s TERM -k 15 215 python3 -m moemesh.bench.speculation "${model_args[@]}" --devices cuda:0 --dtype float32 --max-tokens 64 --streams 1 \
-  --modes off,fixed,adaptive --temperatures 0,1 --repeats 2 --request-timeout-s 90 --time-budget-s 170 \
+echo "=== bench speculation on cuda:0, bf16, 2 repeats (the benchmark checks greedy outputs equal across modes) [$(elapsed)]"
+timeout -s TERM -k 15 215 python3 -m moemesh.bench.speculation "${model_args[@]}" --devices cuda:0 --max-tokens 64 --streams 1 \
+  --modes off,fixed,adaptive,fixed-process --temperatures 0,1 --repeats 2 --request-timeout-s 90 --time-budget-s 170 \
   --keep-logs "$RESULTS_DIR/spec-logs-cuda" --out-dir "$RESULTS_DIR"
 echo "bench rc=$? [$(elapsed)]"
 
