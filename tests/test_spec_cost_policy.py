@@ -50,7 +50,7 @@ def _decoding(scheduler):
 def _coordinator(cost, drafter, probe_every_steps=8):
     config = DraftConfig(max_draft_tokens=5, width_policy=WidthPolicyKind.COST,
                          cost_policy=CostPolicyConfig(probe_every_steps=probe_every_steps,
-                                                                 min_calibration_drafts=0))
+                                                      min_calibration_drafts=0, explore_new_requests=False))
     return DraftCoordinator(config, drafter, cost=cost)
 
 
@@ -257,7 +257,8 @@ def test_an_under_confident_head_is_corrected_by_what_gets_accepted():
     # 4 sequences, 10 ms + 4 ms per token, drafter 4 ms. The head says 0.3 for every first draft: a draft
     # costs 4 ms and the step commits ~0.13 tokens per ms, so 0.3 does not pay for it -> no drafts verified
     cost = FixedStepCost(base_s=0.010, per_token_s=0.004, draft_s=0.004)
-    policy = CostAwareWidths(CostPolicyConfig(min_calibration_drafts=0), cost)  # the head trusted at once
+    policy = CostAwareWidths(CostPolicyConfig(min_calibration_drafts=0, explore_new_requests=False),
+                             cost)  # the head trusted at once
     ids = ["a", "b", "c", "d"]
     assert policy.choose_widths([(0.3,)] * 4, 4, ids) == [0, 0, 0, 0]
     assert policy.should_draft(4, 4) is False
@@ -278,7 +279,7 @@ def test_an_uncalibrated_head_gets_whole_blocks_verified_first():
     cost = FixedStepCost(base_s=0.010, per_token_s=0.004, draft_s=0.004)
     policy = CostAwareWidths(CostPolicyConfig(min_calibration_drafts=8), cost)
     ids, head = ["a", "b", "c", "d"], (0.3, 0.33, 0.5)
-    trusted = CostAwareWidths(CostPolicyConfig(min_calibration_drafts=0), cost)
+    trusted = CostAwareWidths(CostPolicyConfig(min_calibration_drafts=0, explore_new_requests=False), cost)
     assert trusted.choose_widths([head] * 4, 4, ids) == [0, 0, 0, 0]
     for _ in range(2):  # 4 requests a step: every slot verified 8 times
         assert policy.should_draft(4, 4) is True
@@ -288,6 +289,30 @@ def test_an_uncalibrated_head_gets_whole_blocks_verified_first():
     assert policy.calibration.covers(3, 8) and not policy.calibration.covers(3, 9)
     assert policy.counters.num_skipped_steps == 0 and policy.counters.num_cut_drafts == 0
     assert policy.calibration.factor(0) > 1.5 and policy._calibrated()  # what the objective now works from
+
+
+def _verify_one(policy, request_id, head, accepted: bool) -> int:
+    """One cycle of one request: the width the policy verifies, then all or none of it accepted."""
+    (width,) = policy.choose_widths([head], 1, [request_id])
+    if width:
+        policy.observe_acceptance([RequestEvent(request_id, tuple(range(width + 1)), num_draft_tokens=width,
+                                                num_accepted_drafts=width if accepted else 0)])
+    return width
+
+
+def test_each_request_is_judged_by_its_own_drafts():
+    # one request composes (none of its drafts survive), the next one recites (all do), the same head for both
+    cost = FixedStepCost(base_s=0.010, per_token_s=0.004, draft_s=0.004)
+    policy = CostAwareWidths(CostPolicyConfig(min_calibration_drafts=0), cost)
+    head = (0.6, 0.6, 0.6)
+    widths = [_verify_one(policy, "compose", head, accepted=False) for _ in range(5)]
+    assert widths[0] == 3 and widths[-1] == 0  # its first block whole (exploration), then cut: they die
+    assert policy.should_draft(1, 1, ["compose"]) is False
+    assert policy.should_draft(1, 1, ["recite"]) is True  # a request not yet seen gets drafts to show
+    assert _verify_one(policy, "recite", head, accepted=True) == 3  # whole, although the global evidence is bad
+    assert _verify_one(policy, "recite", head, accepted=True) == 3  # its own accepted drafts make them pay
+    policy.forget("recite")
+    assert policy.should_draft(1, 1, ["recite"]) is True  # a finished request's evidence goes with it
 
 
 class _OverlongDrafter(Drafter):

@@ -230,7 +230,8 @@ class DraftCoordinator:
         sampling = [seq for seq in plan.sequences if seq.do_sample]
         if not sampling:
             return {}
-        if self.widths is not None and not self.widths.should_draft(len(plan.sequences), len(sampling)):
+        if self.widths is not None and not self.widths.should_draft(len(plan.sequences), len(sampling),
+                                                                    [seq.request_id for seq in sampling]):
             return {}
         asks = {}
         for seq in sampling:
@@ -281,7 +282,8 @@ class DraftCoordinator:
                 self._apply(scheduler, slots, [next_drafts[s.request_id] for s in slots if s.request_id in next_drafts],
                             num_sequences, draft_s)
             return
-        if slots and self.widths is not None and not self.widths.should_draft(num_sequences, len(slots)):
+        if slots and self.widths is not None and not self.widths.should_draft(num_sequences, len(slots),
+                                                                               [s.request_id for s in slots]):
             return  # a plain step pays better; finished requests are reported with the next request
         finished = self._finished_ids(scheduler)
         if not slots and not finished:

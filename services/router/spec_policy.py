@@ -60,13 +60,16 @@ class CostPolicyConfig:
     on an H200; the drafter's ring allows gaps, its context is then these positions);
     min_calibration_drafts: until every slot of the block has been verified this many times, the
     head's survival is not trusted: the policy drafts and verifies whole blocks (a head that
-    underrates its later slots would otherwise never have them verified, and so never corrected)."""
+    underrates its later slots would otherwise never have them verified, and so never corrected);
+    explore_new_requests: a request's first block is drafted and verified whole, so that its own
+    calibration (what its drafts survive, against the head) starts from evidence of its own."""
 
     probe_every_steps: int = 8
     max_probe_every_steps: int = 64
     survival_decay: float = 0.7
     feature_warmup_steps: int = 16
     min_calibration_drafts: int = 16
+    explore_new_requests: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.probe_every_steps <= self.max_probe_every_steps:
@@ -109,16 +112,18 @@ class AcceptanceCalibration:
         """Every one of the first num_slots slots has been verified at least min_drafts times."""
         return all((self.num_verified[k] if k < len(self.num_verified) else 0) >= min_drafts for k in range(num_slots))
 
-    def factor(self, k: int) -> float:
+    def factor(self, k: int, prior: float = 1.0) -> float:
+        """accepted / predicted at slot k, pulled towards `prior` while little was verified."""
         if k >= len(self.predicted):
-            return 1.0
-        return (self.accepted[k] + self.prior_weight) / (self.predicted[k] + self.prior_weight)
+            return prior
+        return (self.accepted[k] + self.prior_weight * prior) / (self.predicted[k] + self.prior_weight)
 
-    def apply(self, survival: Sequence[float]) -> list[float]:
-        """The calibrated curve: each S_k times its slot's factor, clipped to [0, 1], non-increasing."""
+    def apply(self, survival: Sequence[float], priors: Sequence[float] = ()) -> list[float]:
+        """The calibrated curve: each S_k times its slot's factor (towards priors[k], else 1), clipped to
+        [0, 1], non-increasing."""
         curve, previous = [], 1.0
         for k, value in enumerate(survival):
-            previous = min(previous, max(0.0, value * self.factor(k)))
+            previous = min(previous, max(0.0, value * self.factor(k, priors[k] if k < len(priors) else 1.0)))
             curve.append(previous)
         return curve
 
@@ -148,6 +153,10 @@ class CostAwareWidths:
         self._draft_s_since_step = 0.0
         self._explore_next = False  # a probe: verify the drafter's whole blocks (fresh cost and acceptance data)
         self.calibration = AcceptanceCalibration()
+        # per request, its own verified drafts with the global factors as the prior: text a request recites
+        # and text it composes survive very differently, and one request's drafts say most about its next
+        self._request_calibration: dict[str, AcceptanceCalibration] = {}
+        self._explored: set[str] = set()  # requests whose first block was verified whole (explore_new_requests)
         self._verified: dict[str, list[float]] = {}  # request id -> predicted survival of the drafts it verifies
 
     # -- observations ------------------------------------------------------------------------
@@ -175,6 +184,8 @@ class CostAwareWidths:
             predicted = self._verified.pop(event.request_id, None)
             if predicted is not None and event.num_draft_tokens:
                 self.calibration.add(predicted[:event.num_draft_tokens], event.num_accepted_drafts)
+                own = self._request_calibration.setdefault(event.request_id, AcceptanceCalibration(prior_weight=1.0))
+                own.add(predicted[:event.num_draft_tokens], event.num_accepted_drafts)
 
     def wants_features(self) -> bool:
         """Whether the next step should send the drafter its target features: yes while drafting
@@ -188,18 +199,24 @@ class CostAwareWidths:
     def forget(self, request_id: str) -> None:
         """A finished or aborted request: drop what was kept for its calibration."""
         self._verified.pop(request_id, None)
+        self._request_calibration.pop(request_id, None)
+        self._explored.discard(request_id)
 
     # -- decisions ---------------------------------------------------------------------------
-    def should_draft(self, num_sequences: int, num_drafted: int) -> bool:
-        """Whether to send this cycle's DraftRequest for num_drafted of the num_sequences requests."""
+    def should_draft(self, num_sequences: int, num_drafted: int, request_ids: Sequence[str] | None = None) -> bool:
+        """Whether to draft this cycle for num_drafted of the num_sequences requests (request_ids: those
+        num_drafted, to use what each one's own drafts showed; a request whose first block was not verified
+        yet is drafted for, see explore_new_requests)."""
         if num_drafted == 0:
             return False
         line = self.cost.attention_line(num_sequences)
         draft_s = self.cost.draft_round_trip_s(num_drafted)
-        if line is None or draft_s is None or self._mean_survival is None or not self._calibrated():
+        unseen = self.config.explore_new_requests and request_ids is not None and \
+            any(r not in self._explored for r in request_ids)
+        if line is None or draft_s is None or self._mean_survival is None or not self._calibrated() or unseen:
             self._num_plain_steps = 0  # drafting again: features on every step (wants_features)
             return True  # not known yet: draft, and learn
-        if drafting_pays(self._survivals_like_mean(num_sequences, num_drafted),
+        if drafting_pays(self._survivals_like_mean(num_sequences, num_drafted, request_ids),
                          self._cycle_s(line, num_sequences, draft_s), self._plain_cycle_s(line, num_sequences)):
             self._num_plain_steps = 0
             self._probe_interval = self.config.probe_every_steps
@@ -224,7 +241,8 @@ class CostAwareWidths:
         policy explores: whole blocks, or none once the bucket has only seen drafted steps."""
         raw = [survival_curve(c) for c in confidences]
         self._update_survival(raw)
-        curves = [self.calibration.apply(curve) for curve in raw]
+        ids = list(request_ids) if request_ids is not None else [None] * len(raw)
+        curves = [self._calibrated_curve(request_id, curve) for request_id, curve in zip(ids, raw)]
         caps = [len(curve) for curve in curves]
         self.counters.num_proposed_drafts += sum(caps)
         line = self.cost.attention_line(num_sequences)
@@ -236,6 +254,10 @@ class CostAwareWidths:
             widths = [0] * len(caps) if explore_plain else caps
         else:
             widths = list(cost_aware_widths(curves, self._cycle_s(line, num_sequences, draft_s)).widths)
+            if self.config.explore_new_requests:  # a request's first block is verified whole: its own evidence
+                widths = [cap if request_id is not None and request_id not in self._explored else width
+                          for request_id, cap, width in zip(ids, caps, widths)]
+        self._explored.update(request_id for request_id, width in zip(ids, widths) if request_id is not None and width)
         self._explore_next = False
         if request_ids is not None:
             for request_id, curve, width in zip(request_ids, raw, widths):
@@ -259,9 +281,22 @@ class CostAwareWidths:
         base_s, per_token_s = line
         return max(base_s + per_token_s * num_sequences, 1e-6) + self.cost.other_s()
 
-    def _survivals_like_mean(self, num_sequences: int, num_drafted: int) -> list[list[float]]:
-        curve = self.calibration.apply(self._mean_survival or [])
-        return [list(curve)] * num_drafted + [[]] * max(0, num_sequences - num_drafted)
+    def _calibrated_curve(self, request_id: str | None, survival: Sequence[float]) -> list[float]:
+        """The head's survival calibrated by the request's own verified drafts, with the global
+        calibration as their prior (the global one alone for a request not yet verified)."""
+        own = self._request_calibration.get(request_id) if request_id is not None else None
+        if own is None:
+            return self.calibration.apply(survival)
+        return own.apply(survival, [self.calibration.factor(k) for k in range(len(survival))])
+
+    def _survivals_like_mean(self, num_sequences: int, num_drafted: int,
+                             request_ids: Sequence[str] | None = None) -> list[list[float]]:
+        mean = self._mean_survival or []
+        if request_ids is None:
+            curves = [self.calibration.apply(mean)] * num_drafted
+        else:
+            curves = [self._calibrated_curve(request_id, mean) for request_id in request_ids]
+        return [list(curve) for curve in curves] + [[]] * max(0, num_sequences - len(curves))
 
     def _update_survival(self, curves: list[list[float]]) -> None:
         """Per slot, the mean over this step's proposals of S_k (0 past a proposal's end: those
