@@ -181,6 +181,8 @@ class Engine(EngineRecovery):
             "kv_blocks_total": {"gpu": stats.num_gpu_blocks_total, "cpu": stats.num_cpu_blocks_total},
             "prefix_cache_queried_tokens": stats.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+            "preemptions": {"swap": stats.counters.num_preemptions_swap,
+                            "recompute": stats.counters.num_preemptions_recompute},
             "num_steps": self.num_steps,
             "step_seconds_total": self.step_seconds_total,
             "decode_step_counters": self.decode_step_totals.to_json(),

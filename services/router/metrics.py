@@ -47,6 +47,12 @@ class _EngineStatsCollector:
         ):
             if key in stats:
                 yield CounterMetricFamily(name, doc, value=stats[key])
+        if "preemptions" in stats:
+            family = CounterMetricFamily("moemesh_preemptions", "Sequences preempted for KV blocks, by how they come "
+                                         "back: swap (blocks to the CPU tier) or recompute.", labels=["mode"])
+            for mode, count in sorted(stats["preemptions"].items()):
+                family.add_metric([mode], count)
+            yield family
         drafts = stats.get("spec_draft_by_position")
         accepted = stats.get("spec_accepted_by_position")
         if drafts is not None and accepted is not None:
