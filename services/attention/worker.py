@@ -444,7 +444,6 @@ class AttentionWorker(Service):
         if rows:
             self.feature_sender.send(target_features_message(step_id, rows, self.runner.captured))
 
-
     def _propose_next(self, work: list[_Work], results: dict[str, SequenceResult]) -> float:
         """With the drafter in this process: the next block of every sequence whose plan entry asks for it
         (`draft_after`), put into its result. Returns the seconds it took (0 without a drafter here)."""
