@@ -107,3 +107,20 @@ class SpecLoop:
 
     def outputs(self) -> dict[str, list[int]]:
         return {request_id: list(request.output_token_ids) for request_id, request in self.requests.items()}
+
+
+def attention_beside_one_expert_worker(cluster, path, config, name: str, num_blocks: int, **extra):
+    """A loaded AttentionWorker on the CPU whose routed experts are all in the cluster's one expert worker
+    process (extra: more AttentionWorkerConfig fields, e.g. drafter)."""
+    from moemesh.common.placement.worker_holdings import WorkerHoldings
+    from moemesh.services.attention.kv_config import KVPoolConfig
+    from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
+
+    pairs = tuple((layer, expert) for layer in range(config.num_hidden_layers) for expert in range(config.n_routed_experts))
+    expert = cluster.expert_names[0]
+    attention = AttentionWorker(AttentionWorkerConfig(
+        name=name, checkpoint_path=str(path), expert_endpoints=(cluster.endpoint_of(expert),),
+        expert_workers=(WorkerHoldings(expert, pairs),), dispatch_timeout_s=60.0,
+        kv=KVPoolConfig(num_primary_blocks=num_blocks), **extra))
+    attention.load_now()
+    return attention

@@ -22,15 +22,12 @@ from moemesh.common.checkpoint.writer import write_checkpoint
 from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import DraftProposal, DraftRequest, DraftTokens
-from moemesh.services.attention.kv_config import KVPoolConfig
 from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
-from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
-from moemesh.common.placement.worker_holdings import WorkerHoldings
 from moemesh.services.router.engine_drafts import DraftConfig, DraftCoordinator
 from moemesh.services.router.scheduler import SchedulerConfig
 from moemesh.services.router.spec_cost import FixedStepCost
 from moemesh.services.router.spec_policy import CostPolicyConfig, WidthPolicyKind
-from spec_inprocess import SpecLoop
+from spec_inprocess import SpecLoop, attention_beside_one_expert_worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -92,14 +89,7 @@ def stack(tmp_path_factory):
     spec = ClusterSpec(model_path=str(path), run_dir=str(tmp_path_factory.mktemp("spec_greedy_run")),
                        num_expert_workers=1, placement="all", with_attention=False)
     with LocalCluster(spec) as cluster:
-        pairs = tuple((layer, expert) for layer in range(config.num_hidden_layers)
-                      for expert in range(config.n_routed_experts))
-        attention = AttentionWorker(AttentionWorkerConfig(
-            name="attention-greedy", checkpoint_path=str(path),
-            expert_endpoints=(cluster.endpoint_of(cluster.expert_names[0]),),
-            expert_workers=(WorkerHoldings(cluster.expert_names[0], pairs),), dispatch_timeout_s=60.0,
-            kv=KVPoolConfig(num_primary_blocks=NUM_BLOCKS)))
-        attention.load_now()
+        attention = attention_beside_one_expert_worker(cluster, path, config, "attention-greedy", NUM_BLOCKS)
         yield attention, prompts, expected, str(path)
         asyncio.run(attention.close())
     torch.set_num_threads(previous_threads)

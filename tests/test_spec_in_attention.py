@@ -19,20 +19,17 @@ import pytest
 import torch
 
 from moemesh.common.checkpoint.writer import write_checkpoint
-from moemesh.common.placement.worker_holdings import WorkerHoldings
 from moemesh.common.runtime.deployment import DeploymentError, derive_endpoints, parse_deployment
 from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.speculation_width import SpeculationConfig, SpeculationMode
 from moemesh.common.wire.messages import DraftProposal
-from moemesh.services.attention.kv_config import KVPoolConfig
-from moemesh.services.attention.worker import AttentionWorker, AttentionWorkerConfig
 from moemesh.services.attention.local_drafter import seed_position_after
 from moemesh.common.drafting.proposer import DrafterConfig
 from moemesh.services.router.engine_drafts import DraftConfig, DraftCoordinator
 from moemesh.services.router.engine_plan import PlanTranslator
 from moemesh.services.router.scheduler import Request, Scheduler, SchedulerConfig
-from spec_inprocess import SpecLoop
+from spec_inprocess import SpecLoop, attention_beside_one_expert_worker
 from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,16 +59,9 @@ def stack(tmp_path_factory):
     spec = ClusterSpec(model_path=str(path), run_dir=str(tmp_path_factory.mktemp("in_attention_run")),
                        num_expert_workers=1, placement="all", with_attention=False)
     with LocalCluster(spec) as cluster:
-        pairs = tuple((layer, expert) for layer in range(config.num_hidden_layers)
-                      for expert in range(config.n_routed_experts))
         drafter = DrafterConfig(name="attention-0/draft", checkpoint_path=str(path),
-                                    speculation=SpeculationConfig(SpeculationMode.FIXED, width=BLOCK))
-        attention = AttentionWorker(AttentionWorkerConfig(
-            name="attention-0", checkpoint_path=str(path),
-            expert_endpoints=(cluster.endpoint_of(cluster.expert_names[0]),),
-            expert_workers=(WorkerHoldings(cluster.expert_names[0], pairs),), dispatch_timeout_s=60.0,
-            kv=KVPoolConfig(num_primary_blocks=NUM_BLOCKS), drafter=drafter))
-        attention.load_now()
+                                speculation=SpeculationConfig(SpeculationMode.FIXED, width=BLOCK))
+        attention = attention_beside_one_expert_worker(cluster, path, config, "attention-0", NUM_BLOCKS, drafter=drafter)
         yield attention, prompts, expected
         asyncio.run(attention.close())
     torch.set_num_threads(previous_threads)
