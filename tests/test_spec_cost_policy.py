@@ -13,7 +13,8 @@ import pytest
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import DraftProposal, DraftTokens
 from moemesh.common.speculation_width import cost_aware_widths, survival_curve
-from moemesh.services.router.engine_drafts import DraftConfig, DraftCoordinator, width_policy_from_env
+from moemesh.services.router.drafter_link import width_policy_from_env
+from moemesh.services.router.engine_drafts import DraftConfig, DraftCoordinator
 from moemesh.services.router.engine_plan import PlanTranslator
 from moemesh.services.router.scheduler import Request, Scheduler, SchedulerConfig, SequenceResult
 from moemesh.services.router.spec_cost import FixedStepCost, MedianLine, OnlineStepCost, RecentMedian, bucket_of

@@ -1,9 +1,11 @@
 """The drafter's command-line options, shared by `moemesh draft` and `moemesh attention` (whose
-in-process drafter takes the same ones). Imports no torch."""
+in-process drafter takes the same ones), and the block size a checkpoint announces. Imports no torch."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from moemesh.common.speculation_width import DEFAULT_SURVIVAL_THRESHOLD, SpeculationMode
 
@@ -35,3 +37,10 @@ def options_from_args(args) -> DraftOptions:
     return DraftOptions(mode=SpeculationMode(args.speculation) if args.speculation else None, width=args.spec_width,
                         survival_threshold=args.spec_survival_threshold,
                         max_support=args.draft_support if args.draft_support and args.draft_support > 0 else None)
+
+
+def draft_block_size(model_dir: str | Path) -> int | None:
+    """`dspark_block_size` of the checkpoint's config.json (read raw: no torch); None: no drafter."""
+    with open(Path(model_dir) / "config.json", encoding="utf-8") as handle:
+        value = json.load(handle).get("dspark_block_size")
+    return int(value) if value else None

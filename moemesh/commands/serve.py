@@ -182,7 +182,8 @@ def _progress(services: dict[str, str], elapsed_s: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moemesh.commands.serve_config import DRAFT_NAME, ServeLayout, draft_block_size, write_deployment
+    from moemesh.commands.serve_config import DRAFT_NAME, ServeLayout, write_deployment
+    from moemesh.common.drafting.options import draft_block_size
     from moemesh.common.checkpoint.model_dir import ModelMissing, check_model_dir
     from moemesh.common.runtime.launcher import start_service, stop_services
     from moemesh.common.speculation_width import SpeculationConfig
@@ -412,14 +413,14 @@ def _drafter_args(speculation, router_cuts: bool) -> tuple[str, ...]:
 
 
 def _set_router_width_policy(speculation) -> bool:
-    """The router's width policy (services/router/engine_drafts.py: width_policy_from_env), inherited
+    """The router's width policy (services/router/drafter_link.py: width_policy_from_env), inherited
     by the router process: the cost-aware widths with adaptive mode (unless the caller chose
     `drafter`, the confidence rule alone); fixed and off keep the drafter's widths, always.
     True when the router's cost-aware policy cuts the blocks."""
     import os
 
     from moemesh.common.speculation_width import SpeculationMode
-    from moemesh.services.router.engine_drafts import WIDTH_POLICY_ENV
+    from moemesh.services.router.drafter_link import WIDTH_POLICY_ENV
 
     if speculation.mode is SpeculationMode.ADAPTIVE:
         os.environ.setdefault(WIDTH_POLICY_ENV, "cost")

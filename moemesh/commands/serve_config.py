@@ -8,7 +8,6 @@ exactly the same, validated config. Torch-free.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +22,6 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "kjv-dsv4-m
 
 
 DRAFT_NAME = "draft"
-
-
-def draft_block_size(model_dir: str | Path) -> int | None:
-    """`dspark_block_size` of the checkpoint's config.json (read raw: no torch); None: no drafter."""
-    with open(Path(model_dir) / "config.json", encoding="utf-8") as handle:
-        value = json.load(handle).get("dspark_block_size")
-    return int(value) if value else None
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,6 @@ Plain Python, no torch (the router never imports it).
 from __future__ import annotations
 
 import dataclasses
-import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -55,11 +54,6 @@ from moemesh.services.router.spec_cost import StepCostModel
 from moemesh.services.router.spec_policy import CostAwareWidths, CostPolicyConfig, WidthPolicyKind
 
 log = structlog.get_logger("router")
-
-# One DraftRequest is a few ms of drafter work (a first CUDA call: about a second). The engine loop
-# waits for it, so this bounds the stall a dead drafter costs (once: then heartbeats tell).
-DRAFT_TIMEOUT_S = 5.0
-
 
 @dataclass(frozen=True)
 class DraftConfig:
@@ -372,76 +366,6 @@ class DraftCoordinator:
                 **(self.widths.stats() if self.widths is not None else {})}
 
 
-def draft_block_size(model_dir: str) -> int | None:
-    """`dspark_block_size` from the model's config.json, read raw (no torch); None: no drafter."""
-    import json
-    from pathlib import Path
-
-    with open(Path(model_dir) / "config.json", encoding="utf-8") as handle:
-        value = json.load(handle).get("dspark_block_size")
-    return int(value) if value else None
-
-
-class DraftClient:
-    """The router's socket to the draft worker: `propose` for DraftCoordinator."""
-
-    def __init__(self, endpoint: str, context: Any, timeout_s: float, security: Any = None) -> None:
-        from moemesh.common.wire.codec import TORCH_FREE_MESSAGES
-        from moemesh.common.wire.transport import AsyncClient
-
-        self.timeout_s = timeout_s
-        self.client = AsyncClient(endpoint, context=context, accept=TORCH_FREE_MESSAGES,
-                                  default_timeout_s=timeout_s, security=security)
-
-    async def propose(self, request: DraftRequest) -> Any:
-        return await self.client.request(request, timeout_s=self.timeout_s)
-
-    async def close(self) -> None:
-        await self.client.close()
-
-
-WIDTH_POLICY_ENV = "MOEMESH_SPEC_WIDTH_POLICY"
-
-
-def width_policy_from_env(environ: Mapping[str, str] = os.environ) -> WidthPolicyKind:
-    """The router's width policy, from MOEMESH_SPEC_WIDTH_POLICY (`drafter` or `cost`; unset:
-    `drafter`). Whoever starts the router sets it: `cost` goes with a drafter in adaptive mode,
-    `drafter` with fixed mode (or to serve the confidence rule alone); bench/speculation.py sets it
-    per server. It comes from the environment because the router's command line carries no
-    speculation options and the drafter's mode is not on the wire. Unset keeps the drafter's
-    widths, which is right for every mode (fixed mode must never be cut)."""
-    value = environ.get(WIDTH_POLICY_ENV, "").strip().lower() or WidthPolicyKind.DRAFTER.value
-    try:
-        return WidthPolicyKind(value)
-    except ValueError:
-        raise ValueError(f"{WIDTH_POLICY_ENV}={value!r}: choose one of "
-                         f"{', '.join(kind.value for kind in WidthPolicyKind)}") from None
-
-
-def coordinator_for(deployment: Any, supervisor: Any, context: Any, security: Any = None
-                    ) -> tuple[DraftCoordinator, DraftClient] | None:
-    """The coordinator and its client when the deployment runs a draft worker, else None."""
-    from moemesh.common.runtime.deployment import derive_endpoints
-
-    if not deployment.draft.enabled:
-        return None
-    block_size = draft_block_size(deployment.model.path)
-    if block_size is None:
-        log.warning("router.drafter_unusable", reason="the model has no dspark_block_size")
-        return None
-    config = DraftConfig(draft_name=deployment.draft.name, max_draft_tokens=block_size,
-                         timeout_s=DRAFT_TIMEOUT_S,
-                         max_heartbeat_silence_s=max(3.0, 5 * deployment.timeouts.heartbeat_interval_s),
-                         width_policy=width_policy_from_env(), max_start_s=deployment.timeouts.ready_s,
-                         in_attention=deployment.draft.in_attention)
-    log.info("router.speculation_on", draft=deployment.draft.name, max_draft_tokens=block_size,
-             width_policy=config.width_policy.value, placement=deployment.draft.placement)
-    if config.in_attention:  # the attention workers draft; their Ready says whether their drafter loaded
-        return DraftCoordinator(config, _no_draft_service, supervisor), None
-    client = DraftClient(derive_endpoints(deployment).draft, context, config.timeout_s, security)
-    return DraftCoordinator(config, client.propose, supervisor), client
-
-
 def _in_attention_status(supervisor: Any) -> str:
     """The drafter inside the attention workers: "starting" until one reported Ready, "down" when a
     worker's drafter failed to load (its Ready's detail), else "ok"."""
@@ -452,7 +376,3 @@ def _in_attention_status(supervisor: Any) -> str:
     if failed:
         return f"down: {failed[0].name}: {failed[0].detail}; serving without speculation"
     return "ok"
-
-
-async def _no_draft_service(request: DraftRequest) -> Any:
-    raise RuntimeError("the drafter runs in the attention workers: no DraftRequest is sent")

@@ -258,7 +258,7 @@ async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer
     context = zmq.asyncio.Context()
     supervisor = Supervisor(derive_endpoints(deployment).supervisor, context=context, security=security)
     supervisor_task = asyncio.create_task(supervisor.run(), name="supervisor")
-    from moemesh.services.router.engine_drafts import coordinator_for
+    from moemesh.services.router.drafter_link import coordinator_for
 
     speculation = coordinator_for(deployment, supervisor, context, security)  # None without a drafter
     engine = Engine(configs.engine, Scheduler(configs.scheduler), supervisor=supervisor, context=context,
