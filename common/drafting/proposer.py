@@ -140,7 +140,8 @@ class DraftProposer:
     # ------------------------------------------------------------------ features
     @torch.no_grad()
     def add_features(self, message: TargetFeatures) -> None:
-        """Fuse every segment's rows ([n, F] -> [n, D]) and append them to its request's ring."""
+        """Fuse every segment's rows ([n, F] -> [n, D]) and append them to its request's ring (timed)."""
+        started_s = time.perf_counter()
         features = message.features
         expected_width = len(self.drafter.dspark.target_layer_ids) * self.drafter.config.hidden_size
         if features.dim() != 2 or features.shape[1] != expected_width:
@@ -151,11 +152,15 @@ class DraftProposer:
                 raise ValueError(f"{segment.request_id}: rows {segment.row_start}..{end} outside {features.shape[0]}")
             rows = features[segment.row_start:end].to(self.device)  # [n, F]
             self.rings.append(segment.request_id, segment.start_position, self.drafter.fuse_features(rows))
+        self.timings.num_feature_messages += 1
+        self.timings.num_feature_rows += int(features.shape[0])
+        self.timings.features_s_total += time.perf_counter() - started_s
 
     # ------------------------------------------------------------------ the loop
     @torch.no_grad()
     def propose(self, request: DraftRequest) -> DraftTokens:
-        """Drafts for every slot of `request`: one batched forward, then per-request chains and widths."""
+        """Drafts for every slot of `request`: one batched forward, then per-request chains and widths (timed)."""
+        proposed_s = time.perf_counter()
         for request_id in request.finished_request_ids:
             self.rings.drop(request_id)
         drafted = [slot for slot in request.slots if self._wants_drafts(slot)]
@@ -177,6 +182,9 @@ class DraftProposer:
                 rows[slot.request_id] = self._proposal(slot, chains, index)
             self.timings.forward_s_total += forward_done_s - started_s
             self.timings.chains_s_total += time.perf_counter() - forward_done_s
+        self.timings.num_proposals += 1
+        self.timings.num_drafted_requests += sum(1 for proposal in rows.values() if proposal.token_ids)
+        self.timings.propose_s_total += time.perf_counter() - proposed_s
         return DraftTokens(step_id=request.step_id, proposals=tuple(
             rows.get(slot.request_id) or DraftProposal(slot.request_id, (), (), ()) for slot in request.slots))
 

@@ -16,6 +16,7 @@ drafts, so outputs never depend on it. Rings of sequences whose slot is freed ar
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -61,17 +62,12 @@ class LocalDrafter:
         return self.proposer.drafter.dspark.block_size
 
     def send(self, message: TargetFeatures) -> bool:
-        started_s = time.perf_counter()
         try:
             self.proposer.add_features(message)
         except ValueError as error:  # a capture that does not fit the drafter: no drafts from stale rings
             self.num_failures += 1
             log.error("attention.features_not_added", step_id=message.step_id, error=str(error)[:200])
             return False
-        timings = self.proposer.timings
-        timings.num_feature_messages += 1
-        timings.num_feature_rows += int(message.features.shape[0])
-        timings.features_s_total += time.perf_counter() - started_s
         return True
 
     def propose_next(self, asks: list[NextDraftAsk]) -> dict[str, DraftProposal]:
@@ -85,7 +81,6 @@ class LocalDrafter:
                                 seed=ask.seed if ask.temperature > 0 else None,
                                 first_output_position=ask.num_outputs if ask.temperature > 0 else None)
                       for ask in asks)
-        started_s = time.perf_counter()
         try:
             reply = self.proposer.propose(DraftRequest(step_id=self._step_ids, slots=slots))
         except (DraftSlotError, ValueError, RuntimeError) as error:
@@ -93,11 +88,35 @@ class LocalDrafter:
             log.error("attention.draft_failed", error=str(error)[:300], num_failures=self.num_failures,
                       action="this step's sequences go on without drafts")
             return {}
-        timings = self.proposer.timings
-        timings.num_proposals += 1
-        timings.num_drafted_requests += sum(1 for p in reply.proposals if p.token_ids)
-        timings.propose_s_total += time.perf_counter() - started_s
         return {p.request_id: p for p in reply.proposals if p.token_ids}
+
+    def propose_after_step(self, work, results: dict) -> float:
+        """The next block of every sequence of the step whose plan entry asks for it (`draft_after`), put into
+        its SequenceResult in `results` (by request id). work: the step's items (`.scheduled`, `.slot`).
+        Returns the seconds it took."""
+        started_s = time.perf_counter()
+        asks = []
+        for item in work:
+            scheduled = item.scheduled
+            result = results.get(scheduled.request_id)
+            if scheduled.draft_after < 1 or result is None or result.error is not None or not result.token_ids:
+                continue
+            params = item.slot.params
+            sampled = params is not None and not params.is_greedy
+            if sampled and scheduled.draft_seed is None:
+                continue  # a sampled request's drafts need their own seed: none asked, none drafted
+            asks.append(NextDraftAsk(
+                request_id=scheduled.request_id, num_draft_tokens=min(scheduled.draft_after, self.block_size),
+                seed_token_id=result.token_ids[-1],
+                seed_position=seed_position_after(scheduled.start_position, len(scheduled.token_ids),
+                                                  len(scheduled.draft_token_ids), result.num_draft_accepted),
+                num_outputs=len(item.slot.output_token_ids), temperature=params.temperature if sampled else 0.0,
+                seed=scheduled.draft_seed if sampled else None))
+        if not asks:
+            return 0.0
+        for request_id, proposal in self.propose_next(asks).items():
+            results[request_id] = dataclasses.replace(results[request_id], next_drafts=proposal)
+        return time.perf_counter() - started_s
 
     def drop(self, request_ids) -> None:
         for request_id in request_ids:

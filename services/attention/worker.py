@@ -24,7 +24,6 @@ Legend: B sequences that sample, V vocab, K top logprobs.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,7 +246,7 @@ class AttentionWorker(Service):
         results, rejected = self._sample(work, self._masked_logits(work, logits, plan.token_masks))
         self.dispatcher.confirm_deferred()  # a step graph's mailbox waits: a lost worker fails the attempt here
         self._send_features(plan.step_id, work, groups, rejected)
-        draft_s = self._propose_next(work, results)
+        draft_s = 0.0 if self.local_drafter is None else self.local_drafter.propose_after_step(work, results)
         self._free_slots(plan.free_seq_slots)
         log.debug("attention.step_done", step_id=plan.step_id, num_sequences=len(work),
                   num_micro_batches=len(groups), num_overlapped_runs=self.runner.stats.num_overlapped_runs)
@@ -444,43 +443,9 @@ class AttentionWorker(Service):
         if rows:
             self.feature_sender.send(target_features_message(step_id, rows, self.runner.captured))
 
-    def _propose_next(self, work: list[_Work], results: dict[str, SequenceResult]) -> float:
-        """With the drafter in this process: the next block of every sequence whose plan entry asks for it
-        (`draft_after`), put into its result. Returns the seconds it took (0 without a drafter here)."""
-        from moemesh.services.attention.local_drafter import NextDraftAsk, seed_position_after
-
-        drafter = getattr(self, "local_drafter", None)
-        if drafter is None:
-            return 0.0
-        asks = []
-        for item in work:
-            scheduled = item.scheduled
-            result = results.get(scheduled.request_id)
-            if scheduled.draft_after < 1 or result is None or result.error is not None or not result.token_ids:
-                continue
-            params = item.slot.params
-            sampled = params is not None and not params.is_greedy
-            if sampled and scheduled.draft_seed is None:
-                continue  # a sampled request's drafts need their own seed: none asked, none drafted
-            asks.append(NextDraftAsk(
-                request_id=scheduled.request_id, num_draft_tokens=min(scheduled.draft_after, drafter.block_size),
-                seed_token_id=result.token_ids[-1],
-                seed_position=seed_position_after(scheduled.start_position, len(scheduled.token_ids),
-                                                  len(scheduled.draft_token_ids), result.num_draft_accepted),
-                num_outputs=len(item.slot.output_token_ids), temperature=params.temperature if sampled else 0.0,
-                seed=scheduled.draft_seed if sampled else None))
-        if not asks:
-            return 0.0
-        started_s = time.perf_counter()
-        proposals = drafter.propose_next(asks)
-        for request_id, proposal in proposals.items():
-            results[request_id] = dataclasses.replace(results[request_id], next_drafts=proposal)
-        return time.perf_counter() - started_s
-
     def _free_slots(self, seq_slots) -> None:
-        drafter = getattr(self, "local_drafter", None)
-        if drafter is not None:  # a freed slot's request is finished or preempted: its ring goes too
-            drafter.drop([slot.request_id for slot in (self.slots.slots.get(s) for s in seq_slots) if slot is not None])
+        if self.local_drafter is not None:  # a freed slot's request is finished or preempted: its ring goes too
+            self.local_drafter.drop([slot.request_id for slot in map(self.slots.slots.get, seq_slots) if slot])
         self.slots.free(seq_slots)
 
 

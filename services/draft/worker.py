@@ -11,7 +11,6 @@ Messages (`handle`):
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import structlog
@@ -44,22 +43,13 @@ class DraftWorker(DraftProposer, Service):
     async def handle(self, message: Any) -> Any:
         match message:
             case TargetFeatures():
-                started_s = time.perf_counter()
                 self.add_features(message)
-                self.timings.num_feature_messages += 1
-                self.timings.num_feature_rows += int(message.features.shape[0])
-                self.timings.features_s_total += time.perf_counter() - started_s
                 return Ack()
             case DraftRequest():
-                started_s = time.perf_counter()
                 try:
-                    reply = self.propose(message)
+                    return self.propose(message)
                 except DraftSlotError as error:
                     return ErrorReply(code=ErrorCode.MALFORMED, message=str(error), request_id=error.request_id)
-                self.timings.num_proposals += 1
-                self.timings.num_drafted_requests += sum(1 for p in reply.proposals if p.token_ids)
-                self.timings.propose_s_total += time.perf_counter() - started_s
-                return reply
         return await super().handle(message)
 
     async def close(self) -> None:
