@@ -37,12 +37,15 @@ def test_metadata_path_matches_eager_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "moemesh.bench.checks.decode_graphs", "--suite", "interpret"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
+    from moemesh.bench.checks.decode_graphs import INTERPRET_CASES, prefill_counts
+
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert records, f"no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    assert [record["case_id"] for record in records] == ["join_leave_windows", "paged_rows"]
-    for record, num_decode_steps, num_prefills in zip(records, (10, 5), (4, 3)):
-        assert record["num_graph_steps"] == num_decode_steps, record  # every decode step took the metadata path
-        assert record["eager_reasons"] == {"not_decode": num_prefills}, record  # the prefills did not
+    assert [record["case_id"] for record in records] == ["join_leave_windows", "verify_chunks", "paged_rows"]
+    for record, case in zip(records, INTERPRET_CASES):
+        short, long = prefill_counts(case)  # prompts of at most 8 tokens are short chunks: the metadata path
+        assert record["num_graph_steps"] == case.num_decode_steps + short, record  # every decode / verify step too
+        assert record["eager_reasons"] == ({"chunk_too_long": long} if long else {}), record  # longer prompts not
         assert record["max_relative_error"] < 1e-5, record
         assert record["state_relative_error"] < 1e-5, record
         assert record["num_token_mismatches"] == 0, record
@@ -80,9 +83,13 @@ def test_plan_keys_and_eager_reasons(tiny_side):
     index, bucket, index_rows, (paged, _) = keys[0]
     assert (index, bucket, index_rows, paged) == (0, 4, 16, False)  # 41 // 4 = 10 rows > top-k 2 -> 16
     assert graphs.plan(_chunks(states + [SequenceState(config) for _ in range(2)])) is None
-    prefill = [(torch.zeros(3, dtype=torch.long), [SequenceChunk(states[0], 2), SequenceChunk(states[1], 1)])]
+    verify = [(torch.zeros(3, dtype=torch.long), [SequenceChunk(states[0], 2), SequenceChunk(states[1], 1)])]
+    assert graphs.plan(verify)[0][1] == 4  # chunks of several tokens: the bucket counts tokens
+    prefill = [(torch.zeros(9, dtype=torch.long), [SequenceChunk(states[0], 9)])]
     assert graphs.plan(prefill) is None
-    assert graphs.stats.eager_reasons == {"batch_above_buckets": 1, "not_decode": 1}
+    too_many = [(torch.zeros(5, dtype=torch.long), [SequenceChunk(states[0], 3), SequenceChunk(states[1], 2)])]
+    assert graphs.plan(too_many) is None
+    assert graphs.stats.eager_reasons == {"batch_above_buckets": 2, "chunk_too_long": 1}
 
 
 def test_tables_fill_matches_eager_tables(tiny_side):
@@ -112,6 +119,39 @@ def test_tables_fill_matches_eager_tables(tiny_side):
         assert size == plan_splits(3, config.num_attention_heads, max_keys, default_config(3)).keys_per_split
     assert tables.max_rows_visible(config.csa_compress_ratio) == 16
     assert tables.closing_tokens(config.csa_compress_ratio)[1] == 4  # every row: closes are predicated
+
+
+def test_tables_fill_chunks_of_several_tokens(tiny_side):
+    """Verification chunks: every token gets its sequence and position; padding rows are scratch sequences of one
+    token; the sequence entries past them are empty; split sizes are the eager plan of the real tokens."""
+    from moemesh.common.model.attention_tables import build_tables, sequence_addresses
+    from moemesh.common.kernels.sparse_attention import default_config, max_keys_of, plan_splits
+    from moemesh.common.model.state import SequenceState
+    from moemesh.services.attention.graph_tables import StaticDecodeTables, split_keys
+
+    config, _ = tiny_side
+    states = [SequenceState(config) for _ in range(2)]
+    for state, count in zip(states, (5, 30)):
+        state.commit_kernel_writes(count)
+        state.reserve_tokens(count + 4)
+    scratch = SequenceState(config)
+    first = sequence_addresses(states[0])
+    tables = StaticDecodeTables(config, 8, dict(first.rows_per_block), 1, 16, torch.float32, torch.device("cpu"),
+                                min_real_tokens=5)
+    tables.fill(states, torch.arange(10, 16), scratch, [4, 2])
+    assert tables.positions.tolist() == [5, 6, 7, 8, 30, 31, 0, 0]
+    assert tables.token_seq.tolist() == [0, 0, 0, 0, 1, 1, 2, 3]
+    assert tables.token_seq.dtype == torch.int32
+    assert tables.seq_info.tolist() == [[5, 0, 4], [30, 4, 2], [0, 6, 1], [0, 7, 1]] + [[0, 0, 0]] * 4
+    assert tables.token_ids.tolist() == [10, 11, 12, 13, 14, 15, 0, 0]
+    for index in range(2, 8):
+        assert torch.equal(tables.fields[:, index], sequence_addresses(scratch).fields)
+    eager = build_tables(config, states, [5, 30], [4, 2], torch.tensor([5, 6, 7, 8, 30, 31]))
+    for key, size in zip(split_keys(config), tables.split_sizes.tolist()):
+        max_keys = max_keys_of(eager, key.window, key.ratio, key.topk)
+        assert size == plan_splits(6, config.num_attention_heads, max_keys, default_config(6)).keys_per_split
+    with pytest.raises(ValueError, match="9 tokens"):
+        tables.fill(states, None, scratch, [5, 4])
 
 
 def test_commit_kernel_writes_advances_every_store(tiny_side):

@@ -18,16 +18,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 FLASH_TOLERANCE = 3e-2  # bf16; padded batches run the linears at the bucket's size
 
 
-@pytest.mark.parametrize("case_index", [0, 1, 2])
+@pytest.mark.parametrize("case_index", [0, 1, 2, 3])
 def test_tiny_graph_replays_match_eager(case_index):
-    from moemesh.bench.checks.decode_graphs import CUDA_CASES, run_graph_case, tiny_graph_config
+    from moemesh.bench.checks.decode_graphs import CUDA_CASES, prefill_counts, run_graph_case, tiny_graph_config
 
     case = CUDA_CASES[case_index]
     result = run_graph_case(case, tiny_graph_config(), torch.device("cuda"), capture=True, dtype="float32")
     print(asdict(result))  # shown by `pytest -rA` (bench/device/decode-graphs.sh)
-    num_prefills = len(case.prompt_lengths) + len(case.joins)
-    assert result.num_graph_steps == case.num_decode_steps, result
-    assert result.eager_reasons == {"not_decode": num_prefills}, result
+    short, long = prefill_counts(case)
+    assert result.num_graph_steps == case.num_decode_steps + short, result  # decode, verification, short prompts
+    assert result.eager_reasons == ({"chunk_too_long": long} if long else {}), result
     assert result.num_captures >= 2, result  # buckets / width classes change during the script
     assert result.max_relative_error < 1e-4, result
     assert result.state_relative_error < 1e-4, result
@@ -35,12 +35,12 @@ def test_tiny_graph_replays_match_eager(case_index):
 
 
 def test_flash_width_graph_replays_match_eager():
-    from moemesh.bench.checks.decode_graphs import FLASH_CASES, flash_graph_config, run_graph_case
+    from moemesh.bench.checks.decode_graphs import FLASH_CASES, flash_graph_config, prefill_counts, run_graph_case
 
     case = FLASH_CASES[0]
     result = run_graph_case(case, flash_graph_config(), torch.device("cuda"), capture=True, dtype="bfloat16")
     print(asdict(result))
-    assert result.num_graph_steps == case.num_decode_steps, result
+    assert result.num_graph_steps == case.num_decode_steps + prefill_counts(case)[0], result
     assert result.max_relative_error < FLASH_TOLERANCE, result
     assert result.state_relative_error < FLASH_TOLERANCE, result
     assert result.num_token_mismatches == 0, result

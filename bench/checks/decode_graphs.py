@@ -6,8 +6,10 @@ torch attention path, on CUDA the Triton kernels with per-forward tables) and a 
 on CPU the same segment functions run eagerly under TRITON_INTERPRET=1). The script prefills
 sequences of different lengths (those steps run eagerly on both sides), then decodes with
 sequences joining (prefilled in between) and leaving, across compression-window closes of both
-ratios and across indexer width classes. Both sides are fed the eager side's greedy tokens;
-after every step the final streams h and the greedy tokens are compared, and at the end every
+ratios and across indexer width classes. Verification steps give every sequence its greedy token
+and a few random drafts (one chunk of several tokens each, as speculative decoding does), then roll
+both sides back by the rejected drafts. Both sides are fed the eager side's greedy tokens;
+after every step the logits of every new token and the greedy tokens are compared, and at the end every
 tensor the next step could read (`SequenceState.live_tensors`).
 
 `python -m moemesh.bench.checks.decode_graphs --suite interpret|cuda|flash [--micro-batches M]` prints one
@@ -34,6 +36,9 @@ class GraphCase:
     num_decode_steps: int
     joins: tuple[tuple[int, int], ...] = ()  # (decode step, prompt length): a new sequence starts then
     leaves: tuple[tuple[int, int], ...] = ()  # (decode step, sequence index): that sequence stops then
+    # (decode step, tokens per sequence, rejected): that step verifies the greedy token and tokens - 1 random drafts
+    # per sequence, then both sides roll back the last `rejected` of them
+    verifies: tuple[tuple[int, int, int], ...] = ()
     num_micro_batches: int = 1
     buckets: tuple[int, ...] = (1, 2, 4, 8)
     row_store: str = "own"  # "own": each store's growing tensor; "paged": the worker's KV pool, scattered blocks
@@ -47,7 +52,7 @@ class GraphCaseResult:
     num_graph_steps: int
     num_eager_steps: int
     num_captures: int
-    max_relative_error: float  # final streams h, worst step
+    max_relative_error: float  # logits of the new tokens, worst step
     state_relative_error: float  # live state tensors at the end
     num_token_mismatches: int
     elapsed_s: float
@@ -115,25 +120,30 @@ def run_graph_case(case: GraphCase, config, device: torch.device, *, capture: bo
     mismatches: list[tuple[float, float]] = []
     num_steps = 0
 
-    def compare(got: torch.Tensor, want: torch.Tensor) -> int:
-        """Record the error of one row of logits [1, V]; -> eager's greedy token."""
+    def compare(got: torch.Tensor, want: torch.Tensor, row: int = -1) -> int:
+        """Record the error of one chunk's logits [n, V]; -> eager's greedy token after row `row`."""
         nonlocal worst
         worst = max(worst, _relative(got, want))
-        token = int(want.argmax())
-        if int(got.argmax()) != token:
-            top2 = want[0].topk(2).values
-            mismatches.append((float(top2[0] - top2[1]), float((got - want).abs().max())))
-        return token
+        for got_row, want_row in zip(got, want):
+            if int(got_row.argmax()) != int(want_row.argmax()):
+                top2 = want_row.topk(2).values
+                mismatches.append((float(top2[0] - top2[1]), float((got_row - want_row).abs().max())))
+        return int(want[row].argmax())
 
     def run(runner: ModelRunner, states: list[SequenceState], members: list[int], tokens: list[torch.Tensor],
-            step_id: int) -> list[torch.Tensor]:
-        """-> logits [1, V] of each member's last token."""
+            step_id: int, all_rows: bool = False) -> list[torch.Tensor]:
+        """-> logits [1, V] of each member's last token ([n, V] of all its n tokens with all_rows)."""
         items = [(tokens[k], SequenceChunk(states[i], tokens[k].shape[0])) for k, i in enumerate(members)]
         micro_batches = [(torch.cat([t for t, _ in group]).to(device), [c for _, c in group])
                          for group in _split(items, case.num_micro_batches)]
         finals = runner.forward(step_id, micro_batches)
         out = []
         for (ids, chunks), h in zip(micro_batches, finals):
+            if all_rows:
+                logits = side.logits(h, torch.arange(h.shape[0], device=device)).float()
+                bounds = [0] + torch.tensor([c.num_new_tokens for c in chunks]).cumsum(0).tolist()
+                out.extend(logits[bounds[k]: bounds[k + 1]] for k in range(len(chunks)))
+                continue
             ends = torch.tensor([c.num_new_tokens for c in chunks]).cumsum(0) - 1
             logits = side.logits(h, ends.to(device)).float()
             out.extend(logits[k: k + 1] for k in range(len(chunks)))
@@ -179,11 +189,17 @@ def run_graph_case(case: GraphCase, config, device: torch.device, *, capture: bo
             for at, index in case.leaves:
                 if at == step and index in active:
                     active.remove(index)
-            tokens = [torch.tensor([next_tokens[i]]) for i in active]
-            want = run(eager, eager_states, active, tokens, num_steps)
-            got = run(graphed, graph_states, active, tokens, num_steps)
+            verify = next(((n, r) for at, n, r in case.verifies if at == step), (1, 0))
+            num_new, num_rejected = verify
+            drafts = [torch.randint(0, config.vocab_size, (num_new - 1,), generator=generator) for _ in active]
+            tokens = [torch.cat([torch.tensor([next_tokens[i]]), d]) for i, d in zip(active, drafts)]
+            want = run(eager, eager_states, active, tokens, num_steps, all_rows=True)
+            got = run(graphed, graph_states, active, tokens, num_steps, all_rows=True)
             for k, i in enumerate(active):
-                next_tokens[i] = compare(got[k], want[k])
+                next_tokens[i] = compare(got[k], want[k], row=num_new - 1 - num_rejected)
+                if num_rejected:
+                    eager_states[i].rollback(num_rejected)
+                    graph_states[i].rollback(num_rejected)
             num_steps += 1
     state_error = 0.0
     for want_state, got_state in zip(eager_states, graph_states):
@@ -196,14 +212,28 @@ def run_graph_case(case: GraphCase, config, device: torch.device, *, capture: bo
                            dict(stats.eager_reasons), mismatches)
 
 
+def prefill_counts(case: GraphCase) -> tuple[int, int]:
+    """(prompts short enough for the graphed path, longer prompts that run eagerly) of a case."""
+    from moemesh.services.attention.graph_decode import DEFAULT_MAX_TOKENS_PER_SEQUENCE
+
+    lengths = list(case.prompt_lengths) + [length for _, length in case.joins]
+    short = sum(1 for length in lengths if length <= DEFAULT_MAX_TOKENS_PER_SEQUENCE)
+    return short, len(lengths) - short
+
+
 INTERPRET_CASES = (  # positions 5..37: CSA rows 1..9 (indexer off, width 8, width 16), HCA closes at 15, 23, 31
     GraphCase("join_leave_windows", prompt_lengths=(13, 6, 28), num_decode_steps=10, joins=((3, 9),),
               leaves=((7, 1),)),
+    # chunks of 3..6 tokens across window closes of both ratios, some drafts rejected and rolled back
+    GraphCase("verify_chunks", prompt_lengths=(10, 21), num_decode_steps=6, joins=((4, 9),),
+              verifies=((0, 6, 2), (1, 3, 0), (2, 5, 4), (3, 4, 1), (4, 3, 1)), buckets=(2, 4, 8, 16)),
     GraphCase("paged_rows", prompt_lengths=(30, 5), num_decode_steps=5, joins=((2, 11),), row_store="paged"),
 )
 CUDA_CASES = (
     GraphCase("join_leave_windows", prompt_lengths=(13, 6, 30), num_decode_steps=40, joins=((5, 21), (20, 3)),
               leaves=((12, 1), (30, 0))),
+    GraphCase("verify_chunks", prompt_lengths=(10, 21, 33), num_decode_steps=24, joins=((6, 9),), leaves=((18, 1),),
+              verifies=tuple((step, 2 + step % 5, step % 3) for step in range(0, 24, 2)), buckets=(4, 8, 16, 32)),
     GraphCase("two_micro_batches", prompt_lengths=(13, 6, 30, 17, 2), num_decode_steps=24, joins=((8, 40),),
               leaves=((16, 2),), num_micro_batches=2),
     GraphCase("paged_rows", prompt_lengths=(30, 5, 60), num_decode_steps=30, joins=((2, 11),), leaves=((20, 0),),

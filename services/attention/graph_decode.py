@@ -1,4 +1,4 @@
-"""CUDA graphs of the serving attention worker's decode steps, by batch-size bucket.
+"""CUDA graphs of the serving attention worker's decode and verification steps, by token bucket.
 
 The graphs are captured from `ModelRunner`'s own segments (`LayerSegments`, model_runner.py), one
 each; `DecodeGraphs.runs` hands `ModelRunner.run_segments` a `SegmentRun` per micro-batch whose
@@ -29,13 +29,17 @@ placement change or a worker's new mailbox; after each replay the mailboxes' err
 (`MoEDispatcher.confirm_all`, read after the step's sampling by `confirm_deferred`), so a worker that did not
 answer fails the attempt before anything leaves the worker (recovery rolls its states back).
 
+A step of short chunks runs on graphs too: a sequence may bring up to `max_tokens_per_sequence` new
+tokens (speculative verification: the seed and its drafts), the bucket is the micro-batch's token count,
+and the tables give each token its sequence and position (`StaticDecodeTables.fill`), so the kernels
+treat the chunk causally as an eager forward does; the states then advance by each chunk's length and
+verification rolls the rejected drafts back as after an eager step.
 A step runs eagerly instead (the runner's eager segments; logged once per reason) when any
-micro-batch has a sequence with more than one new token (prefill chunks, speculative verification),
-more sequences than the largest bucket, stores the kernels cannot address, mixed row-store layouts,
-or a block table wider than the capacity. With `capture=False` the same segment functions run
-eagerly over the static tables (no graph): the CPU tests use it to check the metadata path under
-TRITON_INTERPRET=1.
-Legend: T tokens (= sequences), Tb bucket tokens, L layers, N hc streams, D hidden, K top-k.
+micro-batch has a longer chunk (prefill), more tokens than the largest bucket, stores the kernels
+cannot address, mixed row-store layouts, or a block table wider than the capacity. With
+`capture=False` the same segment functions run eagerly over the static tables (no graph): the CPU
+tests use it to check the metadata path under TRITON_INTERPRET=1.
+Legend: T tokens, Tb bucket tokens, L layers, N hc streams, D hidden, K top-k.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from moemesh.common.kernels.sparse_attention import default_config
 from moemesh.common.model.attention_tables import sequence_addresses
 from moemesh.common.model.batch import AttentionBackend, SequenceChunk, default_attention_backend
 from moemesh.common.model.kv_storage import KVStorage
-from moemesh.common.model.state import SequenceState
+from moemesh.common.model.state import DEFAULT_MAX_ROLLBACK_TOKENS, SequenceState
 from moemesh.services.attention.graph_tables import StaticDecodeTables, index_rows_class
 from moemesh.services.attention.model_runner import LayerSegments, SegmentRun
 from moemesh.services.attention.routing_stats import NOT_COUNTED
@@ -63,16 +67,22 @@ from moemesh.services.attention.routing_stats import NOT_COUNTED
 log = structlog.get_logger("attention")
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# new tokens a sequence may bring to a graphed step: a seed and up to 7 drafts. No more than the rings' rollback
+# reach R, so a prefix-cache block end crossed by the chunk is still in the rings for its snapshot (boundary.py)
+DEFAULT_MAX_TOKENS_PER_SEQUENCE = DEFAULT_MAX_ROLLBACK_TOKENS
 
 
 @dataclass(frozen=True)
 class DecodeGraphConfig:
-    """buckets: batch sizes graphs are captured for (ascending); max_blocks_per_sequence: block-table
-    width of the static tables (a paged sequence with more blocks runs eagerly); capture: False runs
-    the segment functions eagerly over the static tables (CPU tests of the metadata path); kv_storage:
-    how the sequences store their KV rows (sequences stored otherwise run eagerly)."""
+    """buckets: token counts graphs are captured for (ascending); max_tokens_per_sequence: the longest chunk
+    a graphed step takes (decode 1, verification 1 + drafts; longer chunks, prefills, run eagerly);
+    max_blocks_per_sequence: block-table width of the static tables (a paged sequence with more blocks runs
+    eagerly); capture: False runs the segment functions eagerly over the static tables (CPU tests of the
+    metadata path); kv_storage: how the sequences store their KV rows (sequences stored otherwise run
+    eagerly)."""
 
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    max_tokens_per_sequence: int = DEFAULT_MAX_TOKENS_PER_SEQUENCE
     max_blocks_per_sequence: int = 256
     capture: bool = True
     kv_storage: KVStorage = KVStorage.BF16
@@ -206,12 +216,13 @@ class DecodeGraphs:
         return keys
 
     def _key(self, index: int, chunks: list[SequenceChunk]) -> tuple[tuple | None, str | None]:
-        if any(chunk.num_new_tokens != 1 for chunk in chunks):
-            return None, "not_decode"
-        bucket = self.bucket_for(len(chunks))
+        if any(not 1 <= chunk.num_new_tokens <= self.config.max_tokens_per_sequence for chunk in chunks):
+            return None, "chunk_too_long"
+        num_tokens = sum(chunk.num_new_tokens for chunk in chunks)
+        bucket = self.bucket_for(num_tokens)
         if bucket is None:
             return None, "batch_above_buckets"
-        if default_config(len(chunks)) != default_config(bucket):  # tile configs must not change with padding
+        if default_config(num_tokens) != default_config(bucket):  # tile configs must not change with padding
             return None, "bucket_changes_attention_config"
         config = self.side.config
         geometry = None
@@ -220,7 +231,8 @@ class DecodeGraphs:
             state = chunk.state
             if state.dtype != self.side.dtype or state.kv_storage is not self.config.kv_storage:
                 return None, "state_dtype"
-            state.reserve_tokens(state.num_tokens + 1)
+            end = state.num_tokens + chunk.num_new_tokens
+            state.reserve_tokens(end)
             addresses = sequence_addresses(state)
             if addresses is None:
                 return None, "unaddressable_store"
@@ -233,10 +245,10 @@ class DecodeGraphs:
                 if len(ids) > self.config.max_blocks_per_sequence:
                     return None, "block_table_too_wide"
                 for (layer, _), per_block in addresses.rows_per_block.items():
-                    if len(ids) * per_block < (state.num_tokens + 1) // config.compress_ratio(layer):
+                    if len(ids) * per_block < end // config.compress_ratio(layer):
                         return None, "block_table_too_short"
             if config.csa_compress_ratio:
-                max_csa_rows = max(max_csa_rows, (state.num_tokens + 1) // config.csa_compress_ratio)
+                max_csa_rows = max(max_csa_rows, end // config.csa_compress_ratio)
         index_rows = index_rows_class(max_csa_rows, config.index_topk) if config.csa_compress_ratio else None
         return (index, bucket, index_rows, geometry), None
 
@@ -267,8 +279,9 @@ class DecodeGraphs:
             step_graph = self._capture_step(runner, key, routing_token)
             self._step_graphs[key] = step_graph
         members = [chunk.state for chunk in chunks]
-        num_real = len(members)
-        step_graph.graph_set.tables.fill(members, token_ids, self.scratch)
+        counts = [chunk.num_new_tokens for chunk in chunks]
+        num_real = sum(counts)  # token rows
+        step_graph.graph_set.tables.fill(members, token_ids, self.scratch, counts)
         step_graph.phases[num_real:].fill_(NOT_COUNTED)
         if decode_mask is None:
             step_graph.phases[:num_real].zero_()
@@ -278,7 +291,7 @@ class DecodeGraphs:
         # a mailbox wait that failed in the replay raises after sampling (AttentionWorker: confirm_deferred), so
         # the host samples while the GPU runs; recovery rolls the committed token back like any failed attempt
         dispatcher.confirm_all(defer_mailboxes=True)
-        _commit_one_token(members)
+        _commit_kernel_writes(chunks)
         runner.captured = [[mean[:num_real] for mean in step_graph.captured]]
         runner.step_logits = step_graph.logits[:num_real]
         num_layers = self.side.config.num_hidden_layers
@@ -318,7 +331,9 @@ class DecodeGraphs:
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pools[key[0]], capture_error_mode="thread_local"):
             finals, logits = whole_step()
         captured = runner.captured[0]
-        runner.stats, runner.captured, runner.dispatcher.num_slot_tokens_sent = saved
+        runner.stats, runner.captured, sent_before = saved
+        sent = runner.dispatcher.num_slot_tokens_sent  # the warm-up may have grown it (a first step captured)
+        sent[:] = sent_before + [0] * (len(sent) - len(sent_before))
         self.stats.num_captures += 1
         log.info("attention.step_graph_captured", micro_batch=key[0], bucket=bucket, index_rows=key[2],
                  paged=key[3][0], num_layers=self.side.config.num_hidden_layers,
@@ -340,10 +355,10 @@ class DecodeGraphs:
             if key not in self._sets:
                 self._sets[key] = self._build(key)  # captured on first use
             graph_set = self._sets[key]
-            members = [chunk.state for chunk in chunks]
-            graph_set.tables.fill(members, token_ids, self.scratch)
-            runs.append(SegmentRun(graph_set.segments, len(chunks), graph_set.run_segment, graph_set.run_shared,
-                                   functools.partial(_commit_one_token, members)))
+            counts = [chunk.num_new_tokens for chunk in chunks]
+            graph_set.tables.fill([chunk.state for chunk in chunks], token_ids, self.scratch, counts)
+            runs.append(SegmentRun(graph_set.segments, sum(counts), graph_set.run_segment, graph_set.run_shared,
+                                   functools.partial(_commit_kernel_writes, chunks)))
         self.stats.num_graph_steps += 1
         return runs
 
@@ -388,6 +403,6 @@ class DecodeGraphs:
         return graph_set
 
 
-def _commit_one_token(states: list[SequenceState]) -> None:
-    for state in states:  # after a replay: the stores advance by the token the kernels wrote
-        state.commit_kernel_writes(1)
+def _commit_kernel_writes(chunks: list[SequenceChunk]) -> None:
+    for chunk in chunks:  # after a replay: the stores advance by the tokens the kernels wrote
+        chunk.state.commit_kernel_writes(chunk.num_new_tokens)
