@@ -62,3 +62,20 @@ def test_streams_for_rows_skips_rows_without_seed():
     assert generators[0] is None
     expected = torch.rand(4, generator=stream(5, Purpose.SAMPLE, 2))
     assert torch.equal(torch.rand(4, generator=generators[1]), expected)
+
+
+def test_key_exponentials_are_the_reference_draws_in_any_batch():
+    from moemesh.common.sampling.rng import (derive_key, key_exponentials, key_exponentials_reference, signed_key)
+
+    cases = [(0, 0), (7, 3), (2**63 + 5, 11), (123456789, 2**20)]
+    keys = torch.tensor([signed_key(seed, Purpose.DRAFT, position) for seed, position in cases])
+    batched = key_exponentials(keys, 16)  # [4, 16]
+    for row, (seed, position) in enumerate(cases):
+        want = torch.tensor(key_exponentials_reference(derive_key(seed, Purpose.DRAFT, position), 16))
+        torch.testing.assert_close(batched[row], want, rtol=1e-6, atol=0.0)
+        torch.testing.assert_close(key_exponentials(keys[row: row + 1], 16)[0], batched[row], rtol=0.0, atol=0.0)
+    assert (batched > 0).all() and torch.isfinite(batched).all()
+    # Exp(1): mean ~1 over many draws, and different keys give different draws
+    many = key_exponentials(torch.arange(64, dtype=torch.int64) * 7919, 512)
+    assert abs(float(many.mean()) - 1.0) < 0.03
+    assert not torch.equal(many[0], many[1])

@@ -10,15 +10,16 @@ same q; the truncation only lowers acceptance by the tail mass it drops. q trave
 (token ids, float32 probabilities) per slot, and a float32 survives msgpack's float64 exactly,
 so the verifier rebuilds the very tensor the draft was sampled from (`dense_distribution`).
 
-The random draw uses the stream (seed, Purpose.DRAFT, output position) — its own purpose, so
+The random draw is keyed by (seed, Purpose.DRAFT, output position) — its own purpose, so
 the draft is independent of the verifier's accept and resample noise (docs/speculation.md §6.5):
-- max_support None (full q): `sample_from_probs` on the dense q, exactly the tokens
-  `DSparkDrafter.sampled_chain` draws;
-- truncated q: an exponential race over the support only, `support_draw`: the stream's first S
-  Exp(1) draws go to the support tokens in ascending id order and the token with the largest
-  q / E wins. That is a draw from q (the race's winner has probability q_v / Σq), it is
-  reproducible and batch-independent (the stream and the support order are the request's own),
-  and it draws S exponentials instead of V: on a CPU, V = 12,288 draws cost 1.5 ms a slot.
+- max_support None (full q): `sample_from_probs` on the dense q with the key's stream, exactly the
+  tokens `DSparkDrafter.sampled_chain` draws;
+- truncated q: an exponential race over the support only, `support_draw`: the key's first S
+  Exp(1) draws (`rng.key_exponentials`, plain tensor arithmetic on the key) go to the support tokens
+  in ascending id order and the token with the largest q / E wins. That is a draw from q (the race's
+  winner has probability q_v / Σq), it is reproducible and batch-independent (the key and the support
+  order are the request's own), it draws S exponentials instead of V, and it needs no generator, so
+  the drafter's CUDA graphs draw sampled chains inside the replay (draft_graphs.py).
 Legend: G slots, V vocab, S support size.
 """
 
@@ -31,7 +32,7 @@ import torch
 
 from moemesh.common.model.dspark import DSparkDrafter
 from moemesh.common.sampling.draw import sample_from_probs
-from moemesh.common.sampling.rng import Purpose, stream
+from moemesh.common.sampling.rng import Purpose, key_exponentials, signed_key, stream
 
 
 @dataclass(frozen=True)
@@ -67,18 +68,21 @@ def dense_distribution(support_ids: Sequence[int], support_probs: Sequence[float
     return dense
 
 
-_MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny  # a zero draw would make q / E infinite
-
-
-def support_draw(support_ids: torch.Tensor, support_probs: torch.Tensor, generators: Sequence[torch.Generator]
+def support_draw(support_ids: torch.Tensor, support_probs: torch.Tensor, keys: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from a sparse q. support_ids [R, S] ascending, support_probs [R, S] (q on
-    them; zeros allowed, never drawn). Returns (token ids [R], their q [R])."""
-    num_support = support_ids.shape[1]
-    noise = torch.stack([torch.empty(num_support, dtype=torch.float32, device=support_ids.device)
-                         .exponential_(generator=generator) for generator in generators]).clamp_min_(_MIN_EXPONENTIAL)
+    them; zeros allowed, never drawn), keys [R] int64 (`rng.signed_key` of each row's (seed, DRAFT,
+    position)). Returns (token ids [R], their q [R])."""
+    noise = key_exponentials(keys, support_ids.shape[1])  # [R, S]
     pick = (support_probs.float() / noise).argmax(dim=-1, keepdim=True)  # [R, 1]
     return support_ids.gather(1, pick).squeeze(1), support_probs.gather(1, pick).squeeze(1)
+
+
+def draft_keys(seeds: Sequence[int], first_positions: Sequence[int], num_slots: int,
+               device: torch.device | str) -> torch.Tensor:
+    """[R, G] int64: the DRAFT key of every row's slots (row r, slot k: position first_positions[r] + k)."""
+    return torch.tensor([[signed_key(int(seed), Purpose.DRAFT, int(position) + k) for k in range(num_slots)]
+                         for seed, position in zip(seeds, first_positions)], dtype=torch.int64).to(device)
 
 
 def top_support(q: torch.Tensor, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,14 +115,15 @@ def sparse_sampled_chain(drafter: DSparkDrafter, base_logits: torch.Tensor, hidd
     for k in range(num_slots):
         logits, embedding = drafter.markov_logits(base_logits[k], prev)  # [V], [r]
         confidences[k] = drafter.confidence(hidden[k], embedding)
-        generator = stream(seed, Purpose.DRAFT, int(output_positions[k]), device)
         if max_support is None or max_support >= logits.shape[0]:
             q = truncated_distribution(logits, temperature, None)  # [V]
+            generator = stream(seed, Purpose.DRAFT, int(output_positions[k]), device)
             token = int(sample_from_probs(q[None], [generator])[0])
         else:
             top_ids, top_probs = top_support(torch.softmax(logits.float() / temperature, dim=-1)[None], max_support)
             q = torch.zeros(logits.shape[0], dtype=torch.float32, device=device).scatter_(0, top_ids[0], top_probs[0])
-            token = int(support_draw(top_ids, top_probs, [generator])[0][0])
+            keys = draft_keys([seed], [int(output_positions[k])], 1, device)[:, 0]  # [1]
+            token = int(support_draw(top_ids, top_probs, keys)[0][0])
         ids = torch.nonzero(q, as_tuple=True)[0]  # [S] ascending
         token_ids[k] = token
         chosen_probs[k] = q[token]
@@ -146,6 +151,18 @@ class RowChains:
     support_probs: list[list[tuple[float, ...]]]
 
 
+def greedy_slot(drafter: DSparkDrafter, base_logits: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One slot of A chains, on the device: base_logits [A, V], hidden [A, D] (pre-norm), prev [A] the previous
+    tokens -> (argmax token [A], its probability at temperature 1 [A], confidence [A] fp32, the Markov-corrected
+    logits [A, V] fp32). What greedy rows keep; also inside the drafter's CUDA graphs (draft_graphs.py)."""
+    logits, embedding = drafter.markov_logits(base_logits, prev)  # [A, V] fp32, [A, r]
+    confidence = drafter.confidence(hidden, embedding).float()  # [A]
+    token = logits.argmax(dim=-1)  # [A]
+    chosen = torch.softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1)  # [A]
+    return token, chosen, confidence, logits
+
+
 @torch.no_grad()
 def batched_chains(drafter: DSparkDrafter, base_logits: torch.Tensor, hidden: torch.Tensor,
                    seed_token_ids: Sequence[int], temperatures: Sequence[float], seeds: Sequence[int | None],
@@ -167,23 +184,24 @@ def batched_chains(drafter: DSparkDrafter, base_logits: torch.Tensor, hidden: to
             raise ValueError(f"row {a}: a sampled chain needs a seed and a first output position")
     sampled_index = torch.tensor(sampled, dtype=torch.long, device=device)
     support_k = num_vocab if max_support is None else min(max_support, num_vocab)
+    keys = None
+    if sampled and support_k < num_vocab:  # [S, G]: every sampled row's DRAFT keys, one copy
+        keys = draft_keys([seeds[a] for a in sampled], [first_output_positions[a] for a in sampled], num_slots,
+                          device)
     prev = torch.tensor([int(t) for t in seed_token_ids], dtype=torch.long, device=device)  # [A]
     tokens, chosen, confidences, top_ids, top_probs = [], [], [], [], []
     for k in range(num_slots):
-        logits, embedding = drafter.markov_logits(base_logits[:, k], prev)  # [A, V] fp32, [A, r]
-        confidences.append(drafter.confidence(hidden[:, k], embedding).float())  # [A]
-        token = logits.argmax(dim=-1)  # [A]; greedy rows keep it
-        probs = torch.softmax(logits, dim=-1)  # [A, V]; temperature 1: the greedy rows' reported probs
-        chosen_k = probs.gather(1, token[:, None]).squeeze(1)  # [A]
+        token, chosen_k, confidence, logits = greedy_slot(drafter, base_logits[:, k], hidden[:, k], prev)  # [A]
+        confidences.append(confidence)  # greedy rows keep token and chosen_k (temperature-1 probability)
         if sampled:
             rows_logits = logits.index_select(0, sampled_index) / temps.index_select(0, sampled_index)[:, None]
             q = torch.softmax(rows_logits, dim=-1)  # [S, V]
-            generators = [stream(int(seeds[a]), Purpose.DRAFT, int(first_output_positions[a]) + k, device)
-                          for a in sampled]
             if support_k < num_vocab:
                 ids, values = top_support(q, support_k)  # [S, K] ascending ids
-                drawn, drawn_q = support_draw(ids, values, generators)
+                drawn, drawn_q = support_draw(ids, values, keys[:, k])
             else:  # full q: the dense draw, as DSparkDrafter.sampled_chain
+                generators = [stream(int(seeds[a]), Purpose.DRAFT, int(first_output_positions[a]) + k, device)
+                              for a in sampled]
                 ids = torch.arange(num_vocab, device=device).expand(len(sampled), -1)
                 values = q
                 drawn = sample_from_probs(q, generators)  # [S]
@@ -209,3 +227,26 @@ def batched_chains(drafter: DSparkDrafter, base_logits: torch.Tensor, hidden: to
                 support_ids[a][k] = tuple(i for i, _ in kept)
                 support_probs[a][k] = tuple(q for _, q in kept)
     return RowChains(token_rows, chosen_rows, confidence_rows, support_ids, support_probs)
+
+
+def replay_row_chains(chains: torch.Tensor, support_ids: torch.Tensor | None, support_probs: torch.Tensor | None,
+                      sampled: Sequence[bool]) -> RowChains:
+    """A drafter graph's chains (draft_graphs.py) -> the RowChains `batched_chains` gives, with one transfer per
+    tensor. chains [A, G, 3] fp32 (token id, its probability, confidence per slot); support_ids / support_probs
+    [A, G, K] (the sparse q of every slot, ids ascending; None when no row samples); sampled[a]: row a drew
+    its tokens (its support kept where q > 0), else a greedy row (empty supports)."""
+    rows = chains.tolist()  # [A, G, 3]
+    num_slots = chains.shape[1]
+    support_id_rows = [[()] * num_slots for _ in rows]
+    support_prob_rows = [[()] * num_slots for _ in rows]
+    if any(sampled):
+        index = torch.tensor([a for a, flag in enumerate(sampled) if flag], device=chains.device)
+        ids_host = support_ids.index_select(0, index).tolist()  # [S, G, K]
+        probs_host = support_probs.index_select(0, index).float().tolist()
+        for row, a in enumerate(index.tolist()):
+            for k in range(num_slots):
+                kept = [(i, q) for i, q in zip(ids_host[row][k], probs_host[row][k]) if q > 0]  # q = 0: not support
+                support_id_rows[a][k] = tuple(i for i, _ in kept)
+                support_prob_rows[a][k] = tuple(q for _, q in kept)
+    return RowChains([[int(slot[0]) for slot in row] for row in rows], [[slot[1] for slot in row] for row in rows],
+                     [[slot[2] for slot in row] for row in rows], support_id_rows, support_prob_rows)

@@ -8,7 +8,9 @@ State: one `FeatureRing` per live request (fused features of its last 128 commit
   the three stages in one batched forward (contexts padded to the longest ring, padding masked
   out), then the Markov chains of all of them run together, slot by slot (greedy, or sampled from a
   sparse exact q: chains.batched_chains, one host transfer at the end), and each request gets its
-  width from its confidences (common/speculation_width.py). Every slot of the request gets a
+  width from its confidences (common/speculation_width.py). On a CUDA device with `cuda_graphs`, the
+  forward and the chains (greedy and sampled) are one replay of a captured graph (draft_graphs.py)
+  whenever the drafted requests fit its buckets. Every slot of the request gets a
   proposal, empty when it asked for no drafts or speculation is off.
 
 The draft worker service (`services/draft/worker.py`) and the attention worker's in-process drafter
@@ -23,9 +25,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import structlog
 import torch
 
-from moemesh.common.drafting.chains import RowChains, batched_chains
+from moemesh.common.drafting.chains import RowChains, batched_chains, draft_keys, replay_row_chains
 from moemesh.common.drafting.feature_ring import FeatureRings
 from moemesh.common.drafting.options import DEFAULT_MAX_SUPPORT
 from moemesh.common.model.config import ModelConfig, NumericsConfig
@@ -33,13 +36,16 @@ from moemesh.common.model.dspark import DSparkDrafter
 from moemesh.common.speculation_width import SpeculationConfig, choose_width
 from moemesh.common.wire.messages import DraftProposal, DraftRequest, DraftSlot, DraftTokens, TargetFeatures
 
+log = structlog.get_logger("draft")
+
 @dataclass(frozen=True)
 class DrafterConfig:
     """name: who runs it (the draft worker's service name, or `<attention worker>/draft`); checkpoint_path:
     model directory (config.json + safetensors);
     dtype: "auto" (float32 on CPU, bfloat16 elsewhere) or a dtype name; speculation: the width
     policy (None: the model's default, adaptive up to dspark_block_size); max_support: tokens
-    kept in a sampled slot's proposal distribution (None: the full vocabulary, large on the wire)."""
+    kept in a sampled slot's proposal distribution (None: the full vocabulary, large on the wire);
+    cuda_graphs: on a CUDA device, replay the block forward as CUDA graphs (draft_graphs.py)."""
 
     name: str = "draft"
     checkpoint_path: str = ""
@@ -47,6 +53,7 @@ class DrafterConfig:
     dtype: str = "auto"
     speculation: SpeculationConfig | None = None
     max_support: int | None = DEFAULT_MAX_SUPPORT
+    cuda_graphs: bool = True
 
 
 def resolve_numerics(dtype: str, device: str) -> NumericsConfig:
@@ -116,6 +123,7 @@ class DraftProposer:
         self.drafter: DSparkDrafter | None = None
         self.speculation: SpeculationConfig | None = None
         self.rings: FeatureRings | None = None
+        self.graphs = None  # draft_graphs.DraftGraphs on a CUDA device with config.cuda_graphs
         self.timings = DraftTimings()
         if drafter is not None:
             self._install(drafter)
@@ -128,6 +136,11 @@ class DraftProposer:
         self.drafter = drafter
         self.device = drafter.head.weight.device
         self.rings = FeatureRings(model.sliding_window, model.hidden_size, dtype=drafter.dtype, device=self.device)
+        if self.config.cuda_graphs and self.device.type == "cuda":
+            from moemesh.common.drafting.draft_graphs import DraftGraphs
+
+            if DraftGraphs.capturable(drafter):
+                self.graphs = DraftGraphs(drafter, model.sliding_window, self.config.max_support)
 
     def load_now(self, on_progress=None) -> None:
         """Read the drafter from config.checkpoint_path (on_progress: bytes and tensors read)."""
@@ -168,16 +181,37 @@ class DraftProposer:
         if drafted:
             batch = self._batch_inputs(drafted)
             started_s = time.perf_counter()
-            hidden = self.drafter.block_hidden(batch.main_x, batch.context_positions, batch.context_valid,
-                                               batch.block_token_ids, batch.block_positions)  # [A, G, D]
-            base_logits = self.drafter.base_logits(hidden)  # [A, G, V]
+            replay = None
+            temperatures = [float(slot.temperature) for slot in drafted]
+            sampled = [t > 0 for t in temperatures]
+            if self.graphs is not None:
+                keys = None
+                if any(sampled):  # every row's DRAFT keys (greedy rows: zeros, unused)
+                    keys = draft_keys([slot.seed or 0 for slot in drafted],
+                                      [slot.first_output_position or 0 for slot in drafted],
+                                      self.drafter.dspark.block_size, self.device)
+                try:
+                    replay = self.graphs.run(batch.main_x, batch.context_positions, batch.context_valid,
+                                             batch.block_token_ids, batch.block_positions, temperatures, keys)
+                except RuntimeError as error:  # a capture that failed: drafts go on eagerly, said once
+                    self.graphs = None
+                    log.error("draft.graphs_off", error=str(error)[:300], action="the drafter runs eagerly")
+            if replay is not None:
+                hidden, base_logits = replay.hidden, replay.base_logits  # [A, G, D], [A, G, V]
+            else:
+                hidden = self.drafter.block_hidden(batch.main_x, batch.context_positions, batch.context_valid,
+                                                   batch.block_token_ids, batch.block_positions)  # [A, G, D]
+                base_logits = self.drafter.base_logits(hidden)  # [A, G, V]
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # one sync per proposal, so the split below is true
             forward_done_s = time.perf_counter()
-            chains = batched_chains(
-                self.drafter, base_logits, hidden, [slot.last_token_ids[-1] for slot in drafted],
-                [slot.temperature for slot in drafted], [slot.seed for slot in drafted],
-                [slot.first_output_position for slot in drafted], self.config.max_support)
+            if replay is not None and (replay.support_ids is not None or not any(sampled)):
+                chains = replay_row_chains(replay.chains, replay.support_ids, replay.support_probs, sampled)
+            else:
+                chains = batched_chains(
+                    self.drafter, base_logits, hidden, [slot.last_token_ids[-1] for slot in drafted],
+                    temperatures, [slot.seed for slot in drafted],
+                    [slot.first_output_position for slot in drafted], self.config.max_support)
             for index, slot in enumerate(drafted):
                 rows[slot.request_id] = self._proposal(slot, chains, index)
             self.timings.forward_s_total += forward_done_s - started_s

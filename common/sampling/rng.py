@@ -10,6 +10,11 @@ cryptographic hash (BLAKE2b), so:
   generation was split into steps: the token at position p always uses the streams of p;
 - streams of different purposes are independent, even at the same position.
 
+Two ways to draw from a key: a torch.Generator seeded from it (`stream`), or, where a generator
+cannot go (inside a captured CUDA graph, many rows in one launch), `key_exponentials`: tensor
+arithmetic on the keys themselves (a splitmix64 mix of key and draw index), the same values on
+every device and in every batch. The sparse draft draw uses the latter (common/drafting/chains.py).
+
 Why independence of purposes matters (docs/speculation.md §4.1, §6.5): the losslessness proof of
 ratio-test rejection sampling assumes the draft token x ~ p_d is independent of the uniform u
 used to accept it and of the noise used to draw the replacement. If the draft and the verifier
@@ -63,6 +68,52 @@ def stream(
     generator = torch.Generator(device=device)
     generator.manual_seed(derive_key(seed, purpose, position) >> 1)  # 63 bits: always accepted
     return generator
+
+
+def signed_key(seed: int, purpose: Purpose, position: int) -> int:
+    """derive_key as a signed 64-bit value (what an int64 tensor holds)."""
+    key = derive_key(seed, purpose, position)
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as signed int64
+_MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX_2 = 0x94D049BB133111EB - (1 << 64)
+_MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny  # a zero draw would make q / E infinite
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic on signed values)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def key_exponentials(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """keys [...] int64 (`signed_key`) -> [..., count] float32 Exp(1) draws, draw j of a key from
+    splitmix64(key + (j + 1)·golden): 24 bits of uniform u in (0, 1], E = -log(u). Pure elementwise int64
+    arithmetic (wrapping multiplication), so it runs inside a captured graph and gives the same draws
+    whatever the batch or device (`key_exponentials_reference` is the same on Python integers)."""
+    index = torch.arange(1, count + 1, dtype=torch.int64, device=keys.device)  # [count]
+    z = keys.unsqueeze(-1) + index * _GOLDEN  # [..., count]
+    z = (z ^ _shift_right(z, 30)) * _MIX_1
+    z = (z ^ _shift_right(z, 27)) * _MIX_2
+    z = z ^ _shift_right(z, 31)
+    u = (_shift_right(z, 40) + 1).float() * 2.0**-24  # (0, 1], exact in float32
+    return (-torch.log(u)).clamp_min_(_MIN_EXPONENTIAL)
+
+
+def key_exponentials_reference(key: int, count: int) -> list[float]:
+    """`key_exponentials` of one key on Python integers (the test's reference), as float32 values."""
+    import math
+
+    out = []
+    for j in range(1, count + 1):
+        z = (key + j * 0x9E3779B97F4A7C15) & _MASK_64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+        z ^= z >> 31
+        u = ((z >> 40) + 1) * 2.0**-24
+        out.append(max(float(torch.tensor(-math.log(u), dtype=torch.float32)), _MIN_EXPONENTIAL))
+    return out
 
 
 def uniform(seed: int, purpose: Purpose, position: int) -> float:

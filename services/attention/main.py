@@ -149,7 +149,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
         routing_stats=RoutingStatsConfig(out_path=options.routing_stats_out),
         recovery=RecoveryConfig(budget_s=budget_for(deployment.timeouts.step_s, deployment.timeouts.dispatch_s)),
         security=security, draft_endpoint=endpoints.draft, replica_policy=options.replica_policy,
-        drafter=_drafter_config(deployment, entry, model_config, options.draft),
+        drafter=_drafter_config(deployment, entry, model_config, options.draft, cuda_graphs),
         data_plane=data_plane, cuda_graphs=cuda_graphs, local_holdings=local))
     service_config = ServiceConfig(name=entry.name, role=ServiceRole.ATTENTION,
                                    endpoint=endpoints.attention[entry.name], supervisor_endpoint=endpoints.supervisor,
@@ -159,7 +159,7 @@ def main(deployment: Deployment, name: str | None, log_level: str = "info",
     return run_service(worker, service_config)
 
 
-def _drafter_config(deployment: Deployment, entry, model_config, options: DraftOptions):
+def _drafter_config(deployment: Deployment, entry, model_config, options: DraftOptions, cuda_graphs: bool):
     """The draft worker's config for a drafter in this process ([draft] placement = "attention"), else None.
     A bad --spec-width fails here, before loading anything."""
     if not deployment.draft.in_attention:
@@ -173,7 +173,8 @@ def _drafter_config(deployment: Deployment, entry, model_config, options: DraftO
     speculation = SpeculationConfig.for_model(options.mode, options.width, model_config.dspark.block_size,
                                               survival_threshold=options.survival_threshold)
     return DrafterConfig(name=f"{entry.name}/draft", checkpoint_path=deployment.model.path, device=entry.device,
-                             dtype=deployment.model.dtype, speculation=speculation, max_support=options.max_support)
+                         dtype=deployment.model.dtype, speculation=speculation, max_support=options.max_support,
+                         cuda_graphs=cuda_graphs)
 
 
 def _budget_fits(entry, deployment: Deployment, model_config, kv: KVPoolConfig, num_local_pairs: int) -> bool:

@@ -174,9 +174,10 @@ def committed_rows(request_id: str, micro_batch: int, chunk_offset: int, token_i
                          tuple(token_ids[skip:num_committed]))
 
 
-def target_features_message(step_id: int, rows: list[CommittedRows], captured: list[list[torch.Tensor]]
-                            ) -> TargetFeatures:
-    """captured[i]: micro-batch i's [T_i, D] per capture layer -> one TargetFeatures [N, L·D]."""
+def target_features_message(step_id: int, rows: list[CommittedRows], captured: list[list[torch.Tensor]],
+                            to_host: bool = True) -> TargetFeatures:
+    """captured[i]: micro-batch i's [T_i, D] per capture layer -> one TargetFeatures [N, L·D] (on the host for
+    the wire; to_host=False: left on the capture's device, for a drafter in this process)."""
     pieces, segments, num_rows = [], [], 0
     for entry in rows:
         layers = captured[entry.micro_batch]
@@ -185,7 +186,8 @@ def target_features_message(step_id: int, rows: list[CommittedRows], captured: l
         segments.append(FeatureSegment(entry.request_id, num_rows, entry.num_rows, entry.start_position,
                                        entry.token_ids))
         num_rows += entry.num_rows
-    features = torch.cat(pieces).to("cpu").contiguous()  # [N, L·D]
+    features = torch.cat(pieces)  # [N, L·D]
+    features = features.to("cpu").contiguous() if to_host else features
     return TargetFeatures(step_id=step_id, segments=tuple(segments), features=features)
 
 

@@ -441,7 +441,8 @@ class AttentionWorker(Service):
                         rows.append(entry)
                 offset += len(scheduled.token_ids)
         if rows:
-            self.feature_sender.send(target_features_message(step_id, rows, self.runner.captured))
+            self.feature_sender.send(target_features_message(  # the drafter in this process reads them in place
+                step_id, rows, self.runner.captured, to_host=self.local_drafter is None))
 
     def _free_slots(self, seq_slots) -> None:
         if self.local_drafter is not None:  # a freed slot's request is finished or preempted: its ring goes too

@@ -1,0 +1,184 @@
+"""CUDA graphs of the drafter's block forward, by drafted-request bucket.
+
+Eagerly, one draft of the DSpark drafter is thousands of small launches (the stages' projections, mHC
+mixing, attention over the ring, the routed experts, the head, then the Markov chain slot by slot), and
+on a GPU the host issuing them is the draft's cost, not the bytes. `DraftGraphs` captures all of it once
+per bucket of drafted requests A_b (1, 2, 4, ...) over fixed shapes: every request's context padded to the
+ring capacity C (positions past its ring are masked out, as eagerly past the longest ring), the block of G
+slots, and the Markov chains of every row: greedy rows take the argmax (`chains.greedy_slot`, the very
+function `batched_chains` runs), sampled rows draw from their sparse q at their temperature with the
+key-derived exponential race (`chains.support_draw`, keys `chains.draft_keys` computed on the host and
+copied in), as `batched_chains` does. A draft is then one copy of the padded inputs into the graph's static
+buffers, one replay and one transfer of (tokens, probabilities, confidences), plus the supports of the
+sampled rows. Without a support cap (max_support None: the dense q and a generator per draw) sampled rows
+draw eagerly from the replay's logits. The padding rows of a bucket see no context and cost a few idle
+rows of the same launches.
+Only a bf16/fp16 drafter is captured (`capturable`): in float32 its experts group tokens on the host.
+
+Graphs are captured lazily (one eager warm-up on a side stream first: Triton compiles and workspaces),
+all buckets in one memory pool (a draft replays exactly one of them). The stages' RoPE frequencies move
+to the device first (no host-to-device copy inside a capture). Legend: A drafted requests, A_b bucket,
+C ring capacity, G block slots, D hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from moemesh.common.drafting.chains import greedy_slot, support_draw, top_support
+from moemesh.common.model.dspark import DSparkDrafter
+from moemesh.common.model.rope import RotaryTable
+
+log = structlog.get_logger("draft")
+
+DEFAULT_DRAFT_BUCKETS = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class DraftGraphOutputs:
+    """Views of one replay's static outputs (valid until the next replay): hidden [A, G, D] (pre-norm),
+    base_logits [A, G, V]; chains [A, G, 3] fp32 (token id, its probability: at temperature 1 for greedy rows,
+    q for sampled rows; confidence); support_ids / support_probs [A, G, K] every slot's sparse q (None without
+    a support cap: then only the greedy rows' chains are valid)."""
+
+    hidden: torch.Tensor
+    base_logits: torch.Tensor
+    chains: torch.Tensor
+    support_ids: torch.Tensor | None
+    support_probs: torch.Tensor | None
+
+
+@dataclass
+class _BucketGraph:
+    main_x: torch.Tensor  # [A_b, C, D]
+    context_positions: torch.Tensor  # [A_b, C] int64
+    context_valid: torch.Tensor  # [A_b, C] bool
+    block_token_ids: torch.Tensor  # [A_b, G] int64
+    block_positions: torch.Tensor  # [A_b, G] int64
+    temperatures: torch.Tensor  # [A_b] fp32, 0: greedy row
+    keys: torch.Tensor  # [A_b, G] int64 DRAFT keys of the sampled rows' slots
+    hidden: torch.Tensor | None = None  # [A_b, G, D]
+    base_logits: torch.Tensor | None = None  # [A_b, G, V]
+    chains: torch.Tensor | None = None  # [A_b, G, 3] fp32
+    support_ids: torch.Tensor | None = None  # [A_b, G, K]
+    support_probs: torch.Tensor | None = None  # [A_b, G, K]
+    graph: Any = None
+
+
+class DraftGraphs:
+    """The drafter's captured block forwards (see the module docstring). context_len: the ring capacity C;
+    max_support: the sampled rows' support cap K (None: sampled chains are drawn eagerly)."""
+
+    def __init__(self, drafter: DSparkDrafter, context_len: int, max_support: int | None,
+                 buckets: tuple[int, ...] = DEFAULT_DRAFT_BUCKETS) -> None:
+        self.drafter = drafter
+        self.device = drafter.head.weight.device
+        if not self.capturable(drafter):
+            raise ValueError(f"DraftGraphs needs a bf16/fp16 drafter on CUDA, not {drafter.dtype} on {self.device}")
+        self.context_len = context_len
+        vocab_size = drafter.config.vocab_size
+        self.support_k = None if max_support is None or max_support >= vocab_size else max_support
+        self.buckets = tuple(sorted(buckets))
+        self._graphs: dict[int, _BucketGraph] = {}
+        self._pool = None
+        self.num_replays = 0
+        for stage in drafter.mtp:  # cos/sin computed in the graph from device frequencies
+            rope = stage.attn.rope
+            stage.attn.rope = RotaryTable(rope.name, rope.rope_dim, rope.inv_freq.to(self.device))
+
+    @staticmethod
+    def capturable(drafter: DSparkDrafter) -> bool:
+        """On CUDA in bf16/fp16 the stages' routed experts run the grouped kernels, which never wait on the host;
+        in float32 they group tokens per expert on the host (`torch.unique`), which a capture forbids."""
+        return drafter.head.weight.device.type == "cuda" and drafter.dtype in (torch.bfloat16, torch.float16)
+
+    def bucket_for(self, num_requests: int) -> int | None:
+        return next((bucket for bucket in self.buckets if bucket >= num_requests), None)
+
+    def run(self, main_x: torch.Tensor, context_positions: torch.Tensor, context_valid: torch.Tensor,
+            block_token_ids: torch.Tensor, block_positions: torch.Tensor, temperatures: list[float],
+            keys: torch.Tensor | None) -> DraftGraphOutputs | None:
+        """The eager `block_hidden` inputs (main_x [A, c, D] with c <= C, ...), every row's temperature (0:
+        greedy) and the sampled rows' DRAFT keys [A, G] int64 (`chains.draft_keys`; None when no row samples)
+        -> one replay's outputs for the A requests; None when A is above the largest bucket or c above the
+        capacity (the caller runs eagerly)."""
+        num_requests, num_context = context_valid.shape
+        bucket = self.bucket_for(num_requests)
+        if bucket is None or num_context > self.context_len:
+            return None
+        entry = self._graphs.get(bucket)
+        if entry is None:
+            entry = self._graphs[bucket] = self._capture(bucket)
+        entry.context_valid.zero_()
+        entry.main_x[:num_requests, :num_context].copy_(main_x)
+        entry.context_positions[:num_requests, :num_context].copy_(context_positions)
+        entry.context_valid[:num_requests, :num_context].copy_(context_valid)
+        entry.block_token_ids[:num_requests].copy_(block_token_ids)
+        entry.block_positions[:num_requests].copy_(block_positions)
+        entry.temperatures[:num_requests].copy_(torch.tensor(temperatures, dtype=torch.float32), non_blocking=True)
+        if keys is not None:
+            entry.keys[:num_requests].copy_(keys)
+        entry.graph.replay()
+        self.num_replays += 1
+        sampled = self.support_k is not None
+        return DraftGraphOutputs(entry.hidden[:num_requests], entry.base_logits[:num_requests],
+                                 entry.chains[:num_requests],
+                                 entry.support_ids[:num_requests] if sampled else None,
+                                 entry.support_probs[:num_requests] if sampled else None)
+
+    def _forward(self, entry: _BucketGraph) -> None:
+        drafter = self.drafter
+        hidden = drafter.block_hidden(entry.main_x, entry.context_positions, entry.context_valid,
+                                      entry.block_token_ids, entry.block_positions)  # [A_b, G, D]
+        base_logits = drafter.base_logits(hidden)  # [A_b, G, V]
+        prev = entry.block_token_ids[:, 0]  # [A_b]: the seeds
+        is_sampled = entry.temperatures > 0  # [A_b]
+        temperatures = torch.where(is_sampled, entry.temperatures, 1.0)[:, None]  # [A_b, 1]
+        slots, support_ids, support_probs = [], [], []
+        for k in range(hidden.shape[1]):
+            token, chosen, confidence, logits = greedy_slot(drafter, base_logits[:, k], hidden[:, k], prev)
+            if self.support_k is not None:  # every row's sparse q; the sampled rows draw from theirs
+                ids, values = top_support(torch.softmax(logits / temperatures, dim=-1), self.support_k)  # [A_b, K]
+                drawn, drawn_q = support_draw(ids, values, entry.keys[:, k])
+                token = torch.where(is_sampled, drawn, token)
+                chosen = torch.where(is_sampled, drawn_q, chosen)
+                support_ids.append(ids)
+                support_probs.append(values)
+            slots.append(torch.stack([token.float(), chosen.float(), confidence.float()], dim=-1))  # [A_b, 3]
+            prev = token
+        entry.hidden, entry.base_logits, entry.chains = hidden, base_logits, torch.stack(slots, dim=1)  # [A_b, G, 3]
+        if support_ids:
+            entry.support_ids, entry.support_probs = torch.stack(support_ids, dim=1), torch.stack(support_probs, dim=1)
+
+    def _capture(self, bucket: int) -> _BucketGraph:
+        started_s = time.perf_counter()
+        drafter, device = self.drafter, self.device
+        num_slots = drafter.dspark.block_size
+        entry = _BucketGraph(
+            main_x=torch.zeros(bucket, self.context_len, drafter.config.hidden_size, dtype=drafter.dtype,
+                               device=device),
+            context_positions=torch.zeros(bucket, self.context_len, dtype=torch.long, device=device),
+            context_valid=torch.zeros(bucket, self.context_len, dtype=torch.bool, device=device),
+            block_token_ids=drafter.block_inputs(torch.zeros(bucket, dtype=torch.long, device=device)),
+            block_positions=torch.arange(num_slots, dtype=torch.long, device=device).repeat(bucket, 1),
+            temperatures=torch.zeros(bucket, dtype=torch.float32, device=device),
+            keys=torch.zeros(bucket, num_slots, dtype=torch.int64, device=device))
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            self._forward(entry)  # compiles and workspaces outside the capture
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        entry.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(entry.graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._forward(entry)
+        log.info("draft.graph_captured", bucket=bucket, context_len=self.context_len, block_size=num_slots,
+                 elapsed_s=round(time.perf_counter() - started_s, 3))
+        return entry
