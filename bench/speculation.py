@@ -266,9 +266,12 @@ def _measure(servers: list[Server], args: argparse.Namespace, ignore_eos: bool, 
     deadline_s (time.monotonic): no run starts after it."""
     temperatures = [float(t) for t in args.temperatures.split(",")]
     stream_counts = sorted({1, args.streams})
-    for server in servers:  # first-step costs out of the figures: greedy and sampled, long enough to draft
+    for server in servers:  # first-step costs out of the figures (Triton compiles, CUDA-graph captures of the
+        # decode, verification and drafter shapes): one stream and two, greedy and sampled, long enough to draft
+        alone = [f"warm up\n{PROMPTS[0]}"]
+        asyncio.run(_run(server.base_url, alone, 0.0, 16, 0, ignore_eos, args.request_timeout_s))
         asyncio.run(_run(server.base_url, ["Warm up", "Warm up again"], 0.0, 16, 0, ignore_eos, args.request_timeout_s))
-        asyncio.run(_run(server.base_url, ["Warm up sampled"], 1.0, 16, 0, ignore_eos, args.request_timeout_s))
+        asyncio.run(_run(server.base_url, alone, 1.0, 16, 0, ignore_eos, args.request_timeout_s))
     for temperature in temperatures:
         for num_streams in stream_counts:
             for repeat in range(args.repeats):

@@ -138,3 +138,13 @@ def test_recite_size_fits_the_hub_budget():
              for size in ("full", "recite")}
     assert 25e6 < sizes["full"] < 26e6  # the shipped size, 25.3 MB
     assert 39e6 < sizes["recite"] < 40e6  # 39.2 MB: under 50 MB with room in a 64 MiB device transfer
+
+
+def test_the_model_card_says_when_a_run_kept_the_target():
+    from moemesh.tools.train.report import _target_line
+    from moemesh.tools.train.settings import TrainSettings
+
+    settings = TrainSettings()
+    assert _target_line({"steps": 0}, settings) == "not trained in this run (kept as loaded: `--target-steps 0`)"
+    line = _target_line({"steps": 12}, settings)
+    assert line.startswith("12 steps × ") and f"peak lr {settings.target_lr}" in line

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Speculative decoding on the H200 (`moemesh bench speculation`), within a 330 s cap:
-#   1. CUDA correctness tests (drafter on cuda equals cpu; sampled drafts valid)            ~20 s (cap 35)
+#   1. CUDA correctness tests (drafter on cuda equals cpu, graph replays equal eager; sampled drafts valid) (cap 70)
 #   2. the speculation benchmark with every service on cuda:0, bf16 as served: off / fixed / adaptive (the
 #      router's cost-aware widths) with the drafter in the attention worker, and fixed with it in a draft
 #      worker process (fixed-process), temperature 0 and 1, a single stream, --repeats 2 (the second
@@ -11,7 +11,8 @@
 # arrives; the servers' service logs go beside it. Run by bench/device/run_all.sh from the repo root
 # with PYTHONPATH set; results go to $RESULTS_DIR.
 # SPEC_MODEL: the checkpoint to serve (default: the shipped default model; e.g. /tmp/train-default-model-last,
-# the one train-default-model.sh left on this warm machine). SPEC_SKIP_CPU=1 leaves out step 3.
+# the one train-default-model.sh left on this warm machine). SPEC_SKIP_CPU=1 leaves out step 3. SPEC_MODES and
+# SPEC_REPEATS replace step 2's modes and repeats (median of an odd count: the middle run).
 set -u
 model_args=()
 [ -n "${SPEC_MODEL:-}" ] && model_args=(--model "$SPEC_MODEL")
@@ -28,11 +29,12 @@ elapsed() { echo "$(( $(date +%s) - start_s ))s"; }
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name(0))"
 
 echo "=== CUDA correctness (drafter on cuda equals cpu; sampled drafts valid) [$(elapsed)]"
-timeout -k 5 35 python3 -m pytest -x -q -p no:cacheprovider tests/test_spec_cuda.py 2>&1 | tail -n 15
+timeout -k 5 70 python3 -m pytest -q -p no:cacheprovider tests/test_spec_cuda.py 2>&1 | tail -n 15
 
 echo "=== bench speculation on cuda:0, bf16, 2 repeats (the benchmark checks greedy outputs equal across modes) [$(elapsed)]"
 timeout -s TERM -k 15 215 python3 -m moemesh.bench.speculation "${model_args[@]}" --devices cuda:0 --max-tokens 64 --streams 1 \
-  --modes off,fixed,adaptive,fixed-process --temperatures 0,1 --repeats 2 --request-timeout-s 90 --time-budget-s 170 \
+  --modes "${SPEC_MODES:-off,fixed,adaptive,fixed-process}" --temperatures 0,1 --repeats "${SPEC_REPEATS:-2}" \
+  --request-timeout-s 90 --time-budget-s 170 \
   --keep-logs "$RESULTS_DIR/spec-logs-cuda" --out-dir "$RESULTS_DIR"
 echo "bench rc=$? [$(elapsed)]"
 

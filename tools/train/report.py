@@ -62,6 +62,14 @@ def training_runs(history: dict) -> str:
     return "\n".join(lines)
 
 
+
+def _target_line(target: dict, settings) -> str:
+    """The last run's target training in the model card's words (a drafter-only run keeps the target as loaded)."""
+    if not target["steps"]:
+        return "not trained in this run (kept as loaded: `--target-steps 0`)"
+    return (f"{target['steps']} steps × {settings.batch_size} windows × {settings.seq_len} tokens at peak lr "
+            f"{settings.target_lr}")
+
 def model_card(config, settings, reports: dict) -> str:
     target, drafter, export = reports["target"], reports["drafter"], reports["export"]
     dataset = reports["dataset"]
@@ -119,7 +127,7 @@ test; it is not a useful language model beyond reciting and paraphrasing KJV ver
 ```
 {training_runs(reports["history"])}
 Last run: seed {settings.seed}; AdamW (β 0.9/0.95, weight decay {settings.weight_decay}), warm-up + cosine; target
-{target['steps']} steps × {settings.batch_size} windows × {settings.seq_len} tokens at peak lr {settings.target_lr}; drafter
+{_target_line(target, settings)}; drafter
 {drafter['steps']} steps of DSpark distillation (0.1 CE + 0.9 TV + 1.0 BCE, slot weights exp(-(k-1)/γ),
 {settings.anchors_per_sequence} blocks per window) at peak lr {settings.drafter_lr}; precision {settings.precision}
 (bf16 autocast on CUDA). The log is `train_log.jsonl` beside this card. GPU kernels are not bit-deterministic,
