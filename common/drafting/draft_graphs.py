@@ -15,8 +15,9 @@ draw eagerly from the replay's logits. The padding rows of a bucket see no conte
 rows of the same launches.
 Only a bf16/fp16 drafter is captured (`capturable`): in float32 its experts group tokens on the host.
 
-Graphs are captured lazily (one eager warm-up on a side stream first: Triton compiles and workspaces),
-all buckets in one memory pool (a draft replays exactly one of them). The stages' RoPE frequencies move
+Graphs are captured lazily per (bucket, whether any row samples): a batch of greedy rows replays a graph
+without the supports. One eager warm-up on a side stream comes first (Triton compiles and workspaces);
+all graphs share one memory pool (a draft replays exactly one of them). The stages' RoPE frequencies move
 to the device first (no host-to-device copy inside a capture). Legend: A drafted requests, A_b bucket,
 C ring capacity, G block slots, D hidden, V vocab.
 """
@@ -72,22 +73,24 @@ class _BucketGraph:
 
 class DraftGraphs:
     """The drafter's captured block forwards (see the module docstring). context_len: the ring capacity C;
-    max_support: the sampled rows' support cap K (None: sampled chains are drawn eagerly)."""
+    max_support: the sampled rows' support cap K (None: sampled chains are drawn eagerly); capture: False runs
+    the same work over the same static buffers without a graph (the CPU tests of the padding and the chains)."""
 
     def __init__(self, drafter: DSparkDrafter, context_len: int, max_support: int | None,
-                 buckets: tuple[int, ...] = DEFAULT_DRAFT_BUCKETS) -> None:
+                 buckets: tuple[int, ...] = DEFAULT_DRAFT_BUCKETS, capture: bool = True) -> None:
         self.drafter = drafter
         self.device = drafter.head.weight.device
-        if not self.capturable(drafter):
+        self.capture = capture
+        if capture and not self.capturable(drafter):
             raise ValueError(f"DraftGraphs needs a bf16/fp16 drafter on CUDA, not {drafter.dtype} on {self.device}")
         self.context_len = context_len
         vocab_size = drafter.config.vocab_size
         self.support_k = None if max_support is None or max_support >= vocab_size else max_support
         self.buckets = tuple(sorted(buckets))
-        self._graphs: dict[int, _BucketGraph] = {}
+        self._graphs: dict[tuple[int, bool], _BucketGraph] = {}  # (bucket, sampled rows drawn in the graph)
         self._pool = None
         self.num_replays = 0
-        for stage in drafter.mtp:  # cos/sin computed in the graph from device frequencies
+        for stage in drafter.mtp:  # cos/sin computed in the graph from device frequencies (a no-op on the CPU)
             rope = stage.attn.rope
             stage.attn.rope = RotaryTable(rope.name, rope.rope_dim, rope.inv_freq.to(self.device))
 
@@ -111,9 +114,10 @@ class DraftGraphs:
         bucket = self.bucket_for(num_requests)
         if bucket is None or num_context > self.context_len:
             return None
-        entry = self._graphs.get(bucket)
+        sampled = keys is not None and self.support_k is not None
+        entry = self._graphs.get((bucket, sampled))
         if entry is None:
-            entry = self._graphs[bucket] = self._capture(bucket)
+            entry = self._graphs[(bucket, sampled)] = self._capture(bucket, sampled)
         entry.context_valid.zero_()
         entry.main_x[:num_requests, :num_context].copy_(main_x)
         entry.context_positions[:num_requests, :num_context].copy_(context_positions)
@@ -121,41 +125,27 @@ class DraftGraphs:
         entry.block_token_ids[:num_requests].copy_(block_token_ids)
         entry.block_positions[:num_requests].copy_(block_positions)
         entry.temperatures[:num_requests].copy_(torch.tensor(temperatures, dtype=torch.float32), non_blocking=True)
-        if keys is not None:
+        if sampled:
             entry.keys[:num_requests].copy_(keys)
-        entry.graph.replay()
+        if self.capture:
+            entry.graph.replay()
+        else:
+            self._forward(entry, sampled)
         self.num_replays += 1
-        sampled = self.support_k is not None
         return DraftGraphOutputs(entry.hidden[:num_requests], entry.base_logits[:num_requests],
                                  entry.chains[:num_requests],
                                  entry.support_ids[:num_requests] if sampled else None,
                                  entry.support_probs[:num_requests] if sampled else None)
 
-    def _forward(self, entry: _BucketGraph) -> None:
-        drafter = self.drafter
-        hidden = drafter.block_hidden(entry.main_x, entry.context_positions, entry.context_valid,
-                                      entry.block_token_ids, entry.block_positions)  # [A_b, G, D]
-        base_logits = drafter.base_logits(hidden)  # [A_b, G, V]
-        prev = entry.block_token_ids[:, 0]  # [A_b]: the seeds
-        is_sampled = entry.temperatures > 0  # [A_b]
-        temperatures = torch.where(is_sampled, entry.temperatures, 1.0)[:, None]  # [A_b, 1]
-        slots, support_ids, support_probs = [], [], []
-        for k in range(hidden.shape[1]):
-            token, chosen, confidence, logits = greedy_slot(drafter, base_logits[:, k], hidden[:, k], prev)
-            if self.support_k is not None:  # every row's sparse q; the sampled rows draw from theirs
-                ids, values = top_support(torch.softmax(logits / temperatures, dim=-1), self.support_k)  # [A_b, K]
-                drawn, drawn_q = support_draw(ids, values, entry.keys[:, k])
-                token = torch.where(is_sampled, drawn, token)
-                chosen = torch.where(is_sampled, drawn_q, chosen)
-                support_ids.append(ids)
-                support_probs.append(values)
-            slots.append(torch.stack([token.float(), chosen.float(), confidence.float()], dim=-1))  # [A_b, 3]
-            prev = token
-        entry.hidden, entry.base_logits, entry.chains = hidden, base_logits, torch.stack(slots, dim=1)  # [A_b, G, 3]
-        if support_ids:
-            entry.support_ids, entry.support_probs = torch.stack(support_ids, dim=1), torch.stack(support_probs, dim=1)
+    def _forward(self, entry: _BucketGraph, sampled: bool) -> None:
+        """The captured work (`block_chains` over the entry's static inputs, outputs kept in the entry)."""
+        outputs = block_chains(self.drafter, entry.main_x, entry.context_positions, entry.context_valid,
+                               entry.block_token_ids, entry.block_positions, entry.temperatures, entry.keys,
+                               self.support_k if sampled else None)
+        entry.hidden, entry.base_logits, entry.chains = outputs.hidden, outputs.base_logits, outputs.chains
+        entry.support_ids, entry.support_probs = outputs.support_ids, outputs.support_probs
 
-    def _capture(self, bucket: int) -> _BucketGraph:
+    def _capture(self, bucket: int, sampled: bool) -> _BucketGraph:
         started_s = time.perf_counter()
         drafter, device = self.drafter, self.device
         num_slots = drafter.dspark.block_size
@@ -168,17 +158,50 @@ class DraftGraphs:
             block_positions=torch.arange(num_slots, dtype=torch.long, device=device).repeat(bucket, 1),
             temperatures=torch.zeros(bucket, dtype=torch.float32, device=device),
             keys=torch.zeros(bucket, num_slots, dtype=torch.int64, device=device))
+        if not self.capture:
+            return entry
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.inference_mode(), torch.cuda.stream(stream):
-            self._forward(entry)  # compiles and workspaces outside the capture
+            self._forward(entry, sampled)  # compiles and workspaces outside the capture
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         entry.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(entry.graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._forward(entry)
-        log.info("draft.graph_captured", bucket=bucket, context_len=self.context_len, block_size=num_slots,
+            self._forward(entry, sampled)
+        log.info("draft.graph_captured", bucket=bucket, sampled=sampled, context_len=self.context_len,
+                 block_size=num_slots,
                  elapsed_s=round(time.perf_counter() - started_s, 3))
         return entry
+
+
+def block_chains(drafter: DSparkDrafter, main_x: torch.Tensor, context_positions: torch.Tensor,
+                 context_valid: torch.Tensor, block_token_ids: torch.Tensor, block_positions: torch.Tensor,
+                 temperatures: torch.Tensor, keys: torch.Tensor, support_k: int | None) -> DraftGraphOutputs:
+    """What a drafter graph computes, as plain tensor code (captured on CUDA; the CPU tests run it as is):
+    `block_hidden`, the base logits and every row's chain. temperatures [A] fp32 (0: greedy row), keys [A, G]
+    int64 (the sampled rows' DRAFT keys); support_k: the sampled rows draw from their top-k sparse q (None:
+    greedy chains only, no supports). Shapes as `DraftGraphOutputs`."""
+    hidden = drafter.block_hidden(main_x, context_positions, context_valid, block_token_ids,
+                                  block_positions)  # [A, G, D]
+    base_logits = drafter.base_logits(hidden)  # [A, G, V]
+    prev = block_token_ids[:, 0]  # [A]: the seeds
+    is_sampled = temperatures > 0  # [A]
+    divisors = torch.where(is_sampled, temperatures, 1.0)[:, None]  # [A, 1]
+    slots, support_ids, support_probs = [], [], []
+    for k in range(hidden.shape[1]):
+        token, chosen, confidence, logits = greedy_slot(drafter, base_logits[:, k], hidden[:, k], prev)
+        if support_k is not None:  # every row's sparse q; the sampled rows draw from theirs
+            ids, values = top_support(torch.softmax(logits / divisors, dim=-1), support_k)  # [A, K]
+            drawn, drawn_q = support_draw(ids, values, keys[:, k])
+            token = torch.where(is_sampled, drawn, token)
+            chosen = torch.where(is_sampled, drawn_q, chosen)
+            support_ids.append(ids)
+            support_probs.append(values)
+        slots.append(torch.stack([token.float(), chosen.float(), confidence.float()], dim=-1))  # [A, 3]
+        prev = token
+    return DraftGraphOutputs(hidden, base_logits, torch.stack(slots, dim=1),
+                             torch.stack(support_ids, dim=1) if support_ids else None,
+                             torch.stack(support_probs, dim=1) if support_probs else None)
