@@ -68,3 +68,28 @@ def test_requests_are_isolated_and_dropped():
     rings.truncate("missing", 3)  # ignored, creates nothing
     assert list(rings) == ["b"] and "a" not in rings and len(rings) == 1
     assert rings.ring("a").num_positions == 0  # a new request starts empty
+
+
+def test_random_appends_and_truncates_match_a_list_of_the_newest_positions():
+    """Against the plain model of a ring: the committed (position, feature) pairs, newest `max_positions`."""
+    generator = torch.Generator().manual_seed(3)
+    ring = FeatureRing(8, 2, dtype=torch.float32)
+    kept: list[tuple[int, float]] = []
+    next_position = 0
+    for _ in range(300):
+        if torch.rand(1, generator=generator).item() < 0.2 and kept:
+            cut = int(torch.randint(0, next_position + 1, (1,), generator=generator))
+            ring.truncate(cut)
+            kept = [(p, v) for p, v in kept if p < cut]
+            next_position = min(next_position, cut)
+            continue
+        start = int(torch.randint(max(0, next_position - 3), next_position + 3, (1,), generator=generator))
+        count = int(torch.randint(1, 12, (1,), generator=generator))
+        values = torch.randn(count, generator=generator)
+        ring.append(start, values[:, None].expand(count, 2))
+        kept = [(p, v) for p, v in kept if p < start] + [(start + i, float(values[i])) for i in range(count)]
+        kept = kept[-8:]
+        next_position = start + count
+        features, positions = ring.context()
+        assert positions.tolist() == [p for p, _ in kept]
+        torch.testing.assert_close(features[:, 0], torch.tensor([v for _, v in kept]))

@@ -54,26 +54,38 @@ class FeatureRing:
             self._oldest = 0
 
     def append(self, start_position: int, features: torch.Tensor) -> None:
-        """features [n, D] for positions start_position ..< start_position + n (already fused)."""
+        """features [n, D] for positions start_position ..< start_position + n (already fused). The rows land
+        in at most two slices of the ring (one copy each, no index tensor to move to the device)."""
         if start_position < 0:
             raise ValueError(f"start_position={start_position} must be >= 0")
         self.truncate(start_position)
         num_rows = features.shape[0]
         skip = max(0, num_rows - self.max_positions)  # only the newest max_positions can survive
-        for row in range(skip, num_rows):
-            if self.num_positions == self.max_positions:  # full: overwrite the oldest
-                self._oldest = (self._oldest + 1) % self.max_positions
-                self.num_positions -= 1
-            slot = self._slot(self.num_positions)
-            self._positions[slot] = start_position + row
-            self._features[slot].copy_(features[row])
-            self.num_positions += 1
+        rows = features[skip:]  # [n', D]
+        first = start_position + skip
+        count = rows.shape[0]
+        overflow = max(0, self.num_positions + count - self.max_positions)  # oldest entries overwritten
+        start_slot = self._slot(self.num_positions)  # where the first new row goes
+        if overflow:
+            self._oldest = (self._oldest + overflow) % self.max_positions
+            self.num_positions -= overflow
+        head = min(count, self.max_positions - start_slot)  # rows before the ring's end, the rest wraps to 0
+        self._features[start_slot: start_slot + head].copy_(rows[:head])
+        self._positions[start_slot: start_slot + head] = torch.arange(first, first + head)
+        if count > head:
+            self._features[: count - head].copy_(rows[head:])
+            self._positions[: count - head] = torch.arange(first + head, first + count)
+        self.num_positions += count
 
     def context(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(main_x [C, D], positions [C] int64), oldest first; C = num_positions."""
-        order = [self._slot(age) for age in range(self.num_positions)]
-        index = torch.tensor(order, dtype=torch.long)
-        return self._features.index_select(0, index.to(self._features.device)), self._positions.index_select(0, index)
+        """(main_x [C, D], positions [C] int64), oldest first; C = num_positions. At most two slices joined
+        (no index tensor to move to the device)."""
+        end = self._oldest + self.num_positions
+        if end <= self.max_positions:
+            return self._features[self._oldest: end], self._positions[self._oldest: end]
+        wrapped = end - self.max_positions
+        return (torch.cat([self._features[self._oldest:], self._features[:wrapped]]),
+                torch.cat([self._positions[self._oldest:], self._positions[:wrapped]]))
 
 
 class FeatureRings:
