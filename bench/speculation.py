@@ -13,7 +13,8 @@ the features sent to the drafter), mean drafter round trip (DraftRequest .. Draf
 drafter in the attention worker, the drafting inside the step, which the step time then excludes), and the
 rest of the wall clock per step (router, HTTP, scheduling). After the servers stop, the drafter's
 own compute per proposal and per features message and the attention worker's feature-send time
-come from their logs (`draft.timing_summary` or `attention.drafter_summary`, `attention.feature_send_summary`).
+come from their logs (`draft.timing_summary` or `attention.drafter_summary`, `attention.feature_send_summary`,
+`attention.step_phase_summary`: the attention worker's step time by phase, decode and verify steps apart).
 
 Deterministic decode check (in the manner of Lucebox's bench_ds4_decode.py); the benchmark exits 1
 when any holds:
@@ -200,10 +201,10 @@ async def _run(base_url: str, prompts: list[str], temperature: float, max_tokens
 
 
 def _log_summaries(run_dir: Path) -> dict:
-    """The last timing summary of the drafter and the attention worker's feature sender (written at
-    their drain) from the service logs of one server."""
+    """The last timing summary of the drafter, the attention worker's feature sender and its step phases
+    (written at their drain) from the service logs of one server."""
     wanted = {"draft.timing_summary": "drafter", "attention.drafter_summary": "drafter",
-              "attention.feature_send_summary": "feature_sender"}
+              "attention.feature_send_summary": "feature_sender", "attention.step_phase_summary": "step_phases"}
     found: dict = {}
     for path in sorted((run_dir / "logs").glob("*.log")):
         for line in path.read_text(errors="replace").splitlines():

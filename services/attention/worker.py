@@ -41,6 +41,7 @@ from moemesh.services.attention.mailbox_plane import MailboxConfig
 from moemesh.services.attention.recovery import RecoveryConfig, build_step_recovery
 from moemesh.services.attention.routing_config import RoutingStatsConfig
 from moemesh.services.attention.step_counters import StepCounting
+from moemesh.services.attention.step_phases import StepPhases, step_kind
 from moemesh.common.placement.worker_holdings import WorkerHoldings, owner_table
 
 log = structlog.get_logger("attention")
@@ -166,6 +167,7 @@ class AttentionWorker(Service):
         self.sampler = Sampler()
         self.recovery = build_step_recovery(self)
         self.counting = StepCounting(self.channel, self.device, model_config.num_hidden_layers)
+        self.phases = StepPhases(self.device)  # where step time goes, logged at close
         self._install_speculation(model_config)
         log.info("attention.loaded", name=self.config.name, device=str(self.device), dtype=str(dtype),
                  num_expert_workers=len(self.config.expert_endpoints),
@@ -211,6 +213,8 @@ class AttentionWorker(Service):
         return RoutingStatsWritten(paths=tuple(str(p) for p in written), summary=self.routing.summary())
 
     async def close(self) -> None:
+        if getattr(self, "phases", None) is not None and self.phases.by_kind:
+            log.info("attention.step_phase_summary", **self.phases.as_log_fields())
         if hasattr(self, "routing") and self.config.routing_stats.out_path is not None:
             self.routing.write(self.config.routing_stats.out_path)  # SIGTERM drains, then closes: stats land
         if getattr(self, "feature_sender", None) is not None:
@@ -236,23 +240,32 @@ class AttentionWorker(Service):
     @torch.inference_mode()
     def _compute_step(self, plan: StepPlan) -> StepResult:
         """One attempt of `step` without the block moves (what a retry repeats)."""
+        timer = self.phases.start()
         work, errors = self._prepare(plan)
         groups = split_micro_batches(len(work), self.config.num_micro_batches)
         micro_batches = [self._micro_batch_inputs([work[i] for i in group]) for group in groups]
         decode_masks = [self._decode_mask([work[i] for i in group]) for group in groups]
+        timer.mark("prepare")
+        timer.forward_started()
         finals = self.runner.forward(plan.step_id, micro_batches, decode_masks) if work else []
+        timer.forward_done()
+        timer.mark("forward")
         logits = self._sampling_logits(work, groups, finals)
         self.last_logits = logits
         results, rejected = self._sample(work, self._masked_logits(work, logits, plan.token_masks))
         self.dispatcher.confirm_deferred()  # a step graph's mailbox waits: a lost worker fails the attempt here
+        timer.mark("sample")
         self._send_features(plan.step_id, work, groups, rejected)
+        timer.mark("features")
         draft_s = 0.0 if self.local_drafter is None else self.local_drafter.propose_after_step(work, results)
+        timer.mark("draft")
         self._free_slots(plan.free_seq_slots)
         log.debug("attention.step_done", step_id=plan.step_id, num_sequences=len(work),
                   num_micro_batches=len(groups), num_overlapped_runs=self.runner.stats.num_overlapped_runs)
         by_id = {**results, **errors}
         routing = self.routing.step_done() if work else None
         self._step_routing = routing  # for step(): the summary survives recovery's merge
+        timer.finish(step_kind(plan))
         return StepResult(step_id=plan.step_id, sequences=tuple(by_id[s.request_id] for s in plan.sequences),
                           routing=routing, draft_s=draft_s)
 
