@@ -41,9 +41,11 @@ def test_equals_routed_experts_on_dequantised_weights(fmt, before_w2):
     holder = _holder(fmt, route_weight_before_w2=before_w2)
     reference = RoutedExperts(dequantized_expert_weights(holder), LIMIT, route_weight_before_w2=before_w2)
     hidden, ids, weights = _routing(11, seed=2)
+    # FP4 on the CPU runs the native kernel (cpu_experts), whose sums run in another order: 1e-5 relative
+    tolerance = dict(rtol=1e-5, atol=1e-5) if fmt is ExpertFormat.FP4 else {}
     for layer in (0, 1):
         out = holder(layer, hidden, ids, weights)
-        torch.testing.assert_close(out, reference(layer, hidden, ids, weights))
+        torch.testing.assert_close(out, reference(layer, hidden, ids, weights), **tolerance)
         assert out.abs().max() > 0
     assert holder.pairs == reference.pairs
 

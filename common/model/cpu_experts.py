@@ -174,14 +174,14 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, runne
     """x [R, K] @ dequant(packed [N, K/2], scale [N, K/32])ᵀ -> [R, N] in x's dtype, by `runner`
     (default: native on torch's thread count, else torch blocks on one thread)."""
     out = x.new_empty(x.shape[0], packed.shape[0])
-    (runner or _default_runner()).linear([(out, x, packed, scale)])
+    (runner or default_runner()).linear([(out, x, packed, scale)])
     return out
 
 
 _default_runners: dict[int, CpuBlockRunner] = {}
 
 
-def _default_runner() -> CpuBlockRunner:
+def default_runner() -> CpuBlockRunner:
     """A runner for callers that pass none: the native kernel on torch.get_num_threads() threads, or the
     serial torch blocks (one per thread count, kept)."""
     num_threads = torch.get_num_threads()
@@ -215,7 +215,7 @@ def expert_rows(held, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Te
     batch of jobs, then every expert's w2 blocks."""
     from moemesh.common.model.moe import _swiglu
 
-    runner = runner or _default_runner()
+    runner = runner or default_runner()
     if runner.native is not None:
         return _native_expert_rows(runner, held, hidden, ids, weights, slot_mask, swiglu_limit, route_weight_before_w2)
     num_tokens, top_k = ids.shape

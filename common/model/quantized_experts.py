@@ -3,7 +3,8 @@ scales, or FP8), as the grouped kernel reads them.
 
 `QuantizedRoutedExperts` has the exact interface of `RoutedExperts`. On CUDA with bf16/fp16 activations the
 grouped Triton kernels (`common.kernels.fp4_experts`) convert weights in registers, ~0.53 byte (FP4 + scales)
-per parameter in device memory; elsewhere each expert is dequantised to the activation dtype and multiplied
+per parameter in device memory; on the CPU, FP4 stacks go through the native kernel of `cpu_experts` (the whole
+layer in one call) when it is built; elsewhere each expert is dequantised to the activation dtype and multiplied
 with torch, one expert at a time (a small CPU expert keeps its dequantised matrices, `_LayerExperts.matrices`).
 
 The CUDA path never synchronises with the host (no `.item()`, `unique`, `nonzero`, `bincount`), so a decode
@@ -202,6 +203,13 @@ class QuantizedRoutedExperts:
             rows = self._slot_rows_kernel(held, hidden, ids, weights, slot_mask, stack_table=held.local,
                                           layout=layout)  # [R, D]
             return rows.view(num_tokens, top_k, -1)  # masked slots already zero
+        if hidden.device.type == "cpu" and held.fmt is ExpertFormat.FP4:
+            from moemesh.common.model.cpu_experts import default_runner, expert_rows
+
+            runner = default_runner()
+            if runner.native is not None:  # one native call for the layer (masked slots stay zero)
+                return expert_rows(held, hidden, ids.long(), weights, slot_mask, self.swiglu_limit,
+                                   self.route_weight_before_w2, runner=runner)
         local = held.local[ids]  # [T, K]
         rows = self._rows_torch(held, hidden, local, weights, slot_mask)
         out = rows.view(num_tokens, top_k, -1)
