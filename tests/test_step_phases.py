@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from moemesh.services.attention.step_phases import PHASES, StepPhases, step_kind
@@ -37,3 +38,22 @@ def test_phases_add_up_per_kind():
     total = sum(fields[f"verify_{phase}_ms_mean"] for phase in PHASES)
     assert abs(fields["verify_total_ms_mean"] - total) < 1e-3
     assert "verify_forward_device_ms_mean" not in fields  # device time only on CUDA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_forward_device_time_comes_from_cuda_events():
+    phases = StepPhases(torch.device("cuda"))
+    x = torch.randn(2048, 2048, device="cuda")
+    for _ in range(3):
+        timer = phases.start()
+        timer.mark("prepare")
+        timer.forward_started()
+        for _ in range(20):
+            x = (x @ x).tanh()
+        timer.forward_done()
+        timer.mark("forward")
+        float(x.sum())  # the step's read-back
+        timer.mark("sample")
+        timer.finish("decode")
+    fields = phases.as_log_fields()
+    assert fields["decode_num_steps"] == 3 and fields["decode_forward_device_ms_mean"] > 0

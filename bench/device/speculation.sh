@@ -29,7 +29,7 @@ elapsed() { echo "$(( $(date +%s) - start_s ))s"; }
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name(0))"
 
 echo "=== CUDA correctness (drafter on cuda equals cpu; sampled drafts valid) [$(elapsed)]"
-timeout -k 5 70 python3 -m pytest -q -p no:cacheprovider tests/test_spec_cuda.py 2>&1 | tail -n 15
+timeout -k 5 70 python3 -m pytest -q -p no:cacheprovider tests/test_spec_cuda.py tests/test_step_phases.py 2>&1 | tail -n 15
 
 echo "=== bench speculation on cuda:0, bf16, 2 repeats (the benchmark checks greedy outputs equal across modes) [$(elapsed)]"
 timeout -s TERM -k 15 215 python3 -m moemesh.bench.speculation "${model_args[@]}" --devices cuda:0 --max-tokens 64 --streams 1 \

@@ -25,6 +25,7 @@ class _KindTotals:
     num_steps: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     forward_device_s: float = 0.0
+    num_device_timed: int = 0  # steps whose forward events had completed by the end of the step
 
 
 class StepPhaseTimer:
@@ -52,15 +53,16 @@ class StepPhaseTimer:
             self.events[1].record()
 
     def finish(self, kind: str) -> None:
-        """Close the step as `kind` (its last phase is `rest`). The forward's events are read here: by now the
-        step has read its sampled tokens back, so they have completed and reading them waits for nothing."""
+        """Close the step as `kind` (its last phase is `rest`). The forward's events count when they have
+        completed (a step that sampled read its tokens back after them); a step that sampled nothing is not
+        made to wait for them."""
         self.mark("rest")
         totals = self.totals.by_kind.setdefault(kind, _KindTotals())
         totals.num_steps += 1
         for phase, seconds in self.seconds.items():
             totals.seconds[phase] += seconds
-        if self.events is not None:
-            self.events[1].synchronize()
+        if self.events is not None and self.events[1].query():
+            totals.num_device_timed += 1
             totals.forward_device_s += self.events[0].elapsed_time(self.events[1]) / 1e3
 
 
@@ -73,7 +75,8 @@ class StepPhases:
         return StepPhaseTimer(self)
 
     def as_log_fields(self) -> dict[str, float | int]:
-        """Per kind: its step count, then the mean ms of every phase and of the forward on the device."""
+        """Per kind: its step count, then the mean ms of every phase and of the forward on the device (over the
+    steps whose forward had completed by their end)."""
         fields: dict[str, float | int] = {}
         for kind, totals in sorted(self.by_kind.items()):
             count = max(1, totals.num_steps)
@@ -81,8 +84,9 @@ class StepPhases:
             for phase, seconds in totals.seconds.items():
                 fields[f"{kind}_{phase}_ms_mean"] = round(1e3 * seconds / count, 4)
             fields[f"{kind}_total_ms_mean"] = round(1e3 * sum(totals.seconds.values()) / count, 4)
-            if self.cuda:
-                fields[f"{kind}_forward_device_ms_mean"] = round(1e3 * totals.forward_device_s / count, 4)
+            if self.cuda and totals.num_device_timed:
+                fields[f"{kind}_forward_device_ms_mean"] = round(
+                    1e3 * totals.forward_device_s / totals.num_device_timed, 4)
         return fields
 
 
