@@ -124,3 +124,20 @@ def attention_beside_one_expert_worker(cluster, path, config, name: str, num_blo
         kv=KVPoolConfig(num_primary_blocks=num_blocks), **extra))
     attention.load_now()
     return attention
+
+
+def tiny_drafter_checkpoint(path, block_size: int, seed: int, prompts: dict, max_tokens: int):
+    """A tiny checkpoint with a DSpark drafter (3 stages fed by target layers 1-3) written to `path`, and the
+    plain greedy outputs of `prompts` ({request_id: token ids}) from the single-process reference:
+    (config, {request_id: output token ids})."""
+    from moemesh.commands.generate import _load_model
+    from moemesh.common.checkpoint.writer import write_checkpoint
+    from moemesh.common.model.generate import GenerationConfig, generate_batch
+    from tiny_checkpoint_support import random_hub_state_dict, tiny_config
+
+    config = tiny_config(num_nextn_predict_layers=3, dspark_block_size=block_size, dspark_markov_rank=32,
+                         dspark_target_layer_ids=[1, 2, 3], dspark_noise_token_id=255)  # the worker captures features
+    write_checkpoint(path, config, random_hub_state_dict(config, seed=seed))
+    reference, _ = _load_model(str(path), "float32", "cpu")
+    outputs = generate_batch(reference, list(prompts.values()), GenerationConfig(max_new_tokens=max_tokens))
+    return config, dict(zip(prompts, outputs))

@@ -18,8 +18,6 @@ import asyncio
 import pytest
 import torch
 
-from moemesh.common.checkpoint.writer import write_checkpoint
-from tiny_checkpoint_support import random_hub_state_dict, tiny_config
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.common.wire.messages import DraftProposal, DraftRequest, DraftTokens
 from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
@@ -27,7 +25,7 @@ from moemesh.services.router.engine_drafts import DraftConfig, DraftCoordinator
 from moemesh.services.router.scheduler import SchedulerConfig
 from moemesh.services.router.spec_cost import FixedStepCost
 from moemesh.services.router.spec_policy import CostPolicyConfig, WidthPolicyKind
-from spec_inprocess import SpecLoop, attention_beside_one_expert_worker
+from spec_inprocess import SpecLoop, attention_beside_one_expert_worker, tiny_drafter_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,19 +71,11 @@ class OracleDrafter:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """(loaded attention worker, {request_id: prompt}, {request_id: reference output})."""
-    from moemesh.commands.generate import _load_model
-    from moemesh.common.model.generate import GenerationConfig, generate_batch
-
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    config = tiny_config(num_nextn_predict_layers=3, dspark_block_size=BLOCK, dspark_markov_rank=32,
-                         dspark_target_layer_ids=[1, 2, 3], dspark_noise_token_id=255)  # the worker captures features
     path = tmp_path_factory.mktemp("spec_greedy_ckpt")
-    write_checkpoint(path, config, random_hub_state_dict(config, seed=23))
     prompts = {f"r{index}": prompt for index, prompt in enumerate(_prompts())}
-    reference, _ = _load_model(str(path), "float32", "cpu")
-    outputs = generate_batch(reference, list(prompts.values()), GenerationConfig(max_new_tokens=MAX_TOKENS))
-    expected = dict(zip(prompts, outputs))
+    config, expected = tiny_drafter_checkpoint(path, BLOCK, 23, prompts, MAX_TOKENS)
     spec = ClusterSpec(model_path=str(path), run_dir=str(tmp_path_factory.mktemp("spec_greedy_run")),
                        num_expert_workers=1, placement="all", with_attention=False)
     with LocalCluster(spec) as cluster:

@@ -18,7 +18,6 @@ import dataclasses
 import pytest
 import torch
 
-from moemesh.common.checkpoint.writer import write_checkpoint
 from moemesh.common.runtime.deployment import DeploymentError, derive_endpoints, parse_deployment
 from moemesh.common.runtime.local_cluster import ClusterSpec, LocalCluster
 from moemesh.common.sampling_params import SamplingParams
@@ -29,8 +28,7 @@ from moemesh.common.drafting.proposer import DrafterConfig
 from moemesh.services.router.engine_drafts import DraftConfig, DraftCoordinator
 from moemesh.services.router.engine_plan import PlanTranslator
 from moemesh.services.router.scheduler import Request, Scheduler, SchedulerConfig
-from spec_inprocess import SpecLoop, attention_beside_one_expert_worker
-from tiny_checkpoint_support import random_hub_state_dict, tiny_config
+from spec_inprocess import SpecLoop, attention_beside_one_expert_worker, tiny_drafter_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,20 +40,12 @@ NUM_BLOCKS = 64
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """(attention worker drafting in its process, {request_id: prompt}, {request_id: reference output})."""
-    from moemesh.commands.generate import _load_model
-    from moemesh.common.model.generate import GenerationConfig, generate_batch
-
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    config = tiny_config(num_nextn_predict_layers=3, dspark_block_size=BLOCK, dspark_markov_rank=32,
-                         dspark_target_layer_ids=[1, 2, 3], dspark_noise_token_id=255)
     path = tmp_path_factory.mktemp("in_attention_ckpt")
-    write_checkpoint(path, config, random_hub_state_dict(config, seed=29))
     generator = torch.Generator().manual_seed(5)
     prompts = {f"r{i}": tuple(torch.randint(2, 250, (6 + 3 * i,), generator=generator).tolist()) for i in range(4)}
-    reference, _ = _load_model(str(path), "float32", "cpu")
-    outputs = generate_batch(reference, list(prompts.values()), GenerationConfig(max_new_tokens=MAX_TOKENS))
-    expected = dict(zip(prompts, outputs))
+    config, expected = tiny_drafter_checkpoint(path, BLOCK, 29, prompts, MAX_TOKENS)
     spec = ClusterSpec(model_path=str(path), run_dir=str(tmp_path_factory.mktemp("in_attention_run")),
                        num_expert_workers=1, placement="all", with_attention=False)
     with LocalCluster(spec) as cluster:
