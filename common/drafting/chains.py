@@ -78,6 +78,16 @@ def support_draw(support_ids: torch.Tensor, support_probs: torch.Tensor, keys: t
     return support_ids.gather(1, pick).squeeze(1), support_probs.gather(1, pick).squeeze(1)
 
 
+def sparse_slot_draw(logits: torch.Tensor, divisors: torch.Tensor, keys: torch.Tensor, support_k: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One slot of sampled rows: logits [R, V] (Markov-corrected), divisors [R, 1] (temperatures), keys [R] ->
+    (support ids [R, K] ascending, their q [R, K], the drawn token [R], its q [R]), q being the top support_k of
+    softmax(logits / T) renormalised. `batched_chains` and the drafter's graphs (draft_graphs.py) draw with it."""
+    ids, values = top_support(torch.softmax(logits / divisors, dim=-1), support_k)
+    drawn, drawn_q = support_draw(ids, values, keys)
+    return ids, values, drawn, drawn_q
+
+
 def draft_keys(seeds: Sequence[int], first_positions: Sequence[int], num_slots: int,
                device: torch.device | str) -> torch.Tensor:
     """[R, G] int64: the DRAFT key of every row's slots (row r, slot k: position first_positions[r] + k)."""
@@ -194,12 +204,12 @@ def batched_chains(drafter: DSparkDrafter, base_logits: torch.Tensor, hidden: to
         token, chosen_k, confidence, logits = greedy_slot(drafter, base_logits[:, k], hidden[:, k], prev)  # [A]
         confidences.append(confidence)  # greedy rows keep token and chosen_k (temperature-1 probability)
         if sampled:
-            rows_logits = logits.index_select(0, sampled_index) / temps.index_select(0, sampled_index)[:, None]
-            q = torch.softmax(rows_logits, dim=-1)  # [S, V]
+            rows_logits = logits.index_select(0, sampled_index)  # [S, V]
+            divisors = temps.index_select(0, sampled_index)[:, None]  # [S, 1]
             if support_k < num_vocab:
-                ids, values = top_support(q, support_k)  # [S, K] ascending ids
-                drawn, drawn_q = support_draw(ids, values, keys[:, k])
+                ids, values, drawn, drawn_q = sparse_slot_draw(rows_logits, divisors, keys[:, k], support_k)
             else:  # full q: the dense draw, as DSparkDrafter.sampled_chain
+                q = torch.softmax(rows_logits / divisors, dim=-1)  # [S, V]
                 generators = [stream(int(seeds[a]), Purpose.DRAFT, int(first_output_positions[a]) + k, device)
                               for a in sampled]
                 ids = torch.arange(num_vocab, device=device).expand(len(sampled), -1)
@@ -216,17 +226,28 @@ def batched_chains(drafter: DSparkDrafter, base_logits: torch.Tensor, hidden: to
     token_rows = torch.stack(tokens, dim=1).tolist()  # [A, G]; the one host sync of the chains
     chosen_rows = torch.stack(chosen, dim=1).tolist()
     confidence_rows = torch.stack(confidences, dim=1).tolist()
+    support_ids, support_probs = _host_supports(
+        torch.stack(top_ids, dim=1) if sampled else None, torch.stack(top_probs, dim=1) if sampled else None,
+        sampled, num_rows, num_slots)
+    return RowChains(token_rows, chosen_rows, confidence_rows, support_ids, support_probs)
+
+
+def _host_supports(ids: torch.Tensor | None, probs: torch.Tensor | None, sampled_rows: Sequence[int],
+                   num_rows: int, num_slots: int) -> tuple[list, list]:
+    """The sampled rows' sparse q on the host: ids / probs [S, G, K] (ids ascending within a slot) of rows
+    `sampled_rows` -> per row of num_rows, per slot, (ids, probs) tuples kept where q > 0 (empty for the rest)."""
     support_ids = [[() for _ in range(num_slots)] for _ in range(num_rows)]
     support_probs = [[() for _ in range(num_slots)] for _ in range(num_rows)]
-    if sampled:
-        ids_host = torch.stack(top_ids, dim=1).tolist()  # [S, G, K], ids ascending within a slot
-        probs_host = torch.stack(top_probs, dim=1).float().tolist()
-        for row, a in enumerate(sampled):
-            for k in range(num_slots):
-                kept = [(i, q) for i, q in zip(ids_host[row][k], probs_host[row][k]) if q > 0]  # q = 0: not support
-                support_ids[a][k] = tuple(i for i, _ in kept)
-                support_probs[a][k] = tuple(q for _, q in kept)
-    return RowChains(token_rows, chosen_rows, confidence_rows, support_ids, support_probs)
+    if not sampled_rows:
+        return support_ids, support_probs
+    ids_host = ids.tolist()
+    probs_host = probs.float().tolist()
+    for row, a in enumerate(sampled_rows):
+        for k in range(num_slots):
+            kept = [(i, q) for i, q in zip(ids_host[row][k], probs_host[row][k]) if q > 0]  # q = 0: not support
+            support_ids[a][k] = tuple(i for i, _ in kept)
+            support_probs[a][k] = tuple(q for _, q in kept)
+    return support_ids, support_probs
 
 
 def replay_row_chains(chains: torch.Tensor, support_ids: torch.Tensor | None, support_probs: torch.Tensor | None,
@@ -236,17 +257,11 @@ def replay_row_chains(chains: torch.Tensor, support_ids: torch.Tensor | None, su
     [A, G, K] (the sparse q of every slot, ids ascending; None when no row samples); sampled[a]: row a drew
     its tokens (its support kept where q > 0), else a greedy row (empty supports)."""
     rows = chains.tolist()  # [A, G, 3]
-    num_slots = chains.shape[1]
-    support_id_rows = [[()] * num_slots for _ in rows]
-    support_prob_rows = [[()] * num_slots for _ in rows]
-    if any(sampled):
-        index = torch.tensor([a for a, flag in enumerate(sampled) if flag], device=chains.device)
-        ids_host = support_ids.index_select(0, index).tolist()  # [S, G, K]
-        probs_host = support_probs.index_select(0, index).float().tolist()
-        for row, a in enumerate(index.tolist()):
-            for k in range(num_slots):
-                kept = [(i, q) for i, q in zip(ids_host[row][k], probs_host[row][k]) if q > 0]  # q = 0: not support
-                support_id_rows[a][k] = tuple(i for i, _ in kept)
-                support_prob_rows[a][k] = tuple(q for _, q in kept)
+    sampled_rows = [a for a, flag in enumerate(sampled) if flag]
+    if sampled_rows:
+        index = torch.tensor(sampled_rows, dtype=torch.long, device=chains.device)
+        support_ids, support_probs = support_ids.index_select(0, index), support_probs.index_select(0, index)
+    support_id_rows, support_prob_rows = _host_supports(support_ids, support_probs, sampled_rows, len(rows),
+                                                        chains.shape[1])
     return RowChains([[int(slot[0]) for slot in row] for row in rows], [[slot[1] for slot in row] for row in rows],
                      [[slot[2] for slot in row] for row in rows], support_id_rows, support_prob_rows)

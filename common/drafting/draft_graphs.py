@@ -31,7 +31,7 @@ from typing import Any
 import structlog
 import torch
 
-from moemesh.common.drafting.chains import greedy_slot, support_draw, top_support
+from moemesh.common.drafting.chains import greedy_slot, sparse_slot_draw
 from moemesh.common.model.dspark import DSparkDrafter
 from moemesh.common.model.rope import RotaryTable
 
@@ -63,11 +63,7 @@ class _BucketGraph:
     block_positions: torch.Tensor  # [A_b, G] int64
     temperatures: torch.Tensor  # [A_b] fp32, 0: greedy row
     keys: torch.Tensor  # [A_b, G] int64 DRAFT keys of the sampled rows' slots
-    hidden: torch.Tensor | None = None  # [A_b, G, D]
-    base_logits: torch.Tensor | None = None  # [A_b, G, V]
-    chains: torch.Tensor | None = None  # [A_b, G, 3] fp32
-    support_ids: torch.Tensor | None = None  # [A_b, G, K]
-    support_probs: torch.Tensor | None = None  # [A_b, G, K]
+    outputs: DraftGraphOutputs | None = None  # over A_b rows, written by every replay
     graph: Any = None
 
 
@@ -132,18 +128,16 @@ class DraftGraphs:
         else:
             self._forward(entry, sampled)
         self.num_replays += 1
-        return DraftGraphOutputs(entry.hidden[:num_requests], entry.base_logits[:num_requests],
-                                 entry.chains[:num_requests],
-                                 entry.support_ids[:num_requests] if sampled else None,
-                                 entry.support_probs[:num_requests] if sampled else None)
+        out = entry.outputs
+        return DraftGraphOutputs(out.hidden[:num_requests], out.base_logits[:num_requests], out.chains[:num_requests],
+                                 None if out.support_ids is None else out.support_ids[:num_requests],
+                                 None if out.support_probs is None else out.support_probs[:num_requests])
 
     def _forward(self, entry: _BucketGraph, sampled: bool) -> None:
         """The captured work (`block_chains` over the entry's static inputs, outputs kept in the entry)."""
-        outputs = block_chains(self.drafter, entry.main_x, entry.context_positions, entry.context_valid,
-                               entry.block_token_ids, entry.block_positions, entry.temperatures, entry.keys,
-                               self.support_k if sampled else None)
-        entry.hidden, entry.base_logits, entry.chains = outputs.hidden, outputs.base_logits, outputs.chains
-        entry.support_ids, entry.support_probs = outputs.support_ids, outputs.support_probs
+        entry.outputs = block_chains(self.drafter, entry.main_x, entry.context_positions, entry.context_valid,
+                                     entry.block_token_ids, entry.block_positions, entry.temperatures, entry.keys,
+                                     self.support_k if sampled else None)
 
     def _capture(self, bucket: int, sampled: bool) -> _BucketGraph:
         started_s = time.perf_counter()
@@ -193,9 +187,8 @@ def block_chains(drafter: DSparkDrafter, main_x: torch.Tensor, context_positions
     slots, support_ids, support_probs = [], [], []
     for k in range(hidden.shape[1]):
         token, chosen, confidence, logits = greedy_slot(drafter, base_logits[:, k], hidden[:, k], prev)
-        if support_k is not None:  # every row's sparse q; the sampled rows draw from theirs
-            ids, values = top_support(torch.softmax(logits / divisors, dim=-1), support_k)  # [A, K]
-            drawn, drawn_q = support_draw(ids, values, keys[:, k])
+        if support_k is not None:  # every row's sparse q [A, K]; the sampled rows draw from theirs
+            ids, values, drawn, drawn_q = sparse_slot_draw(logits, divisors, keys[:, k], support_k)
             token = torch.where(is_sampled, drawn, token)
             chosen = torch.where(is_sampled, drawn_q, chosen)
             support_ids.append(ids)
