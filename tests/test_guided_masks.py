@@ -242,16 +242,16 @@ def test_masked_verification_emits_only_allowed_tokens_and_matches_masked_greedy
 
 
 def test_worker_refuses_mask_rows_a_plan_does_not_carry():
-    from moemesh.services.attention.worker import _token_mask_problem
+    from moemesh.services.attention.step_sampling import token_mask_problem
 
     def seq(row, drafts=(), do_sample=True):
         return m.ScheduledSequence("r", 0, (5, *drafts), 3, ((0,),), do_sample, draft_token_ids=drafts,
                                    token_mask_row=row)
 
     masks = torch.zeros(3, 4, dtype=torch.int32)
-    assert _token_mask_problem(seq(None), None) is None
-    assert _token_mask_problem(seq(1, (7,)), masks) is None  # rows 1 and 2
-    assert "outside" in _token_mask_problem(seq(2, (7,)), masks)
-    assert _token_mask_problem(seq(0), None) is not None
-    assert _token_mask_problem(seq(0, do_sample=False), masks) is not None
-    assert _token_mask_problem(seq(0), masks.to(torch.int64)) is not None
+    assert token_mask_problem(seq(None), None) is None
+    assert token_mask_problem(seq(1, (7,)), masks) is None  # rows 1 and 2
+    assert "outside" in token_mask_problem(seq(2, (7,)), masks)
+    assert token_mask_problem(seq(0), None) is not None
+    assert token_mask_problem(seq(0, do_sample=False), masks) is not None
+    assert token_mask_problem(seq(0), masks.to(torch.int64)) is not None

@@ -8,8 +8,9 @@
     position each sequence in its slot          slots.SlotTable.prepare
     split the sequences into micro-batches      split_micro_batches
     run the layers, dispatching routed experts  model_runner.ModelRunner.run_segments (eager or graph replays)
-    logits of the sequences that sample         AttentionSide.logits
-    sample (+ logprobs), or verify drafts       sampling.Sampler; speculation.verify_drafted (rolls back rejects)
+    logits of the sequences that sample         step_sampling.sampling_logits (AttentionSide.logits)
+    sample (+ logprobs), or verify drafts       step_sampling.sample_or_verify (sampling.Sampler;
+                                                  speculation.verify_drafted rolls back rejects)
     target features to the drafter              speculation.FeatureSender (before the StepResult)
     next drafts, drafter in this process        local_drafter.LocalDrafter (in the StepResult)
     release finished slots                      slots.SlotTable.free
@@ -33,7 +34,7 @@ import torch
 from moemesh.common.runtime.service import Service
 from moemesh.common.wire.messages import (
     ErrorCode, ErrorReply, RoutingStatsWritten, ScheduledSequence, SequenceResult, StepPlan, StepResult,
-    SwitchPlacement, TokenLogprobs, WriteRoutingStats,
+    SwitchPlacement, WriteRoutingStats,
 )
 from moemesh.services.attention.kv_capacity import log_kv_capacity
 from moemesh.services.attention.kv_config import KVPoolConfig
@@ -42,6 +43,7 @@ from moemesh.services.attention.recovery import RecoveryConfig, build_step_recov
 from moemesh.services.attention.routing_config import RoutingStatsConfig
 from moemesh.services.attention.step_counters import StepCounting
 from moemesh.services.attention.step_phases import StepPhases, step_kind
+from moemesh.services.attention.step_sampling import masked_logits, sample_or_verify, sampling_logits, token_mask_problem
 from moemesh.common.placement.worker_holdings import WorkerHoldings, owner_table
 
 log = structlog.get_logger("attention")
@@ -250,9 +252,10 @@ class AttentionWorker(Service):
         finals = self.runner.forward(plan.step_id, micro_batches, decode_masks) if work else []
         timer.forward_done()
         timer.mark("forward")
-        logits = self._sampling_logits(work, groups, finals)
+        logits = sampling_logits(work, groups, finals, self.runner.step_logits, self.side, self.device)
         self.last_logits = logits
-        results, rejected = self._sample(work, self._masked_logits(work, logits, plan.token_masks))
+        results, rejected = sample_or_verify(work, masked_logits(work, logits, plan.token_masks), self.sampler,
+                                             self.device)
         self.dispatcher.confirm_deferred()  # a step graph's mailbox waits: a lost worker fails the attempt here
         timer.mark("sample")
         self._send_features(plan.step_id, work, groups, rejected)
@@ -298,7 +301,7 @@ class AttentionWorker(Service):
             except SlotError as error:
                 errors[scheduled.request_id] = SequenceResult(scheduled.request_id, (), error=str(error)[:300])
                 continue
-            problem = _token_mask_problem(scheduled, plan.token_masks)
+            problem = token_mask_problem(scheduled, plan.token_masks)
             if problem is not None:
                 errors[scheduled.request_id] = SequenceResult(scheduled.request_id, (), error=problem)
                 continue
@@ -317,92 +320,6 @@ class AttentionWorker(Service):
         prompt tokens (prefill); the phase split of the routing statistics."""
         flags = [bool(item.slot.output_token_ids) for item in items for _ in item.scheduled.token_ids]
         return torch.tensor(flags, dtype=torch.bool).to(self.device, non_blocking=True)
-
-    def _sampling_logits(self, work: list[_Work], groups: list[range], finals: list[torch.Tensor]
-                         ) -> torch.Tensor | None:
-        rows = []
-        for group, h in zip(groups, finals):
-            ends = []
-            offset = 0
-            for index in group:
-                offset += len(work[index].scheduled.token_ids)
-                if work[index].scheduled.do_sample:  # the seed slot and every draft slot
-                    ends.extend(range(offset - 1 - len(work[index].scheduled.draft_token_ids), offset))
-            step_logits = self.runner.step_logits  # [T, V] of every row, from a step graph (one group)
-            if step_logits is not None and ends == list(range(step_logits.shape[0])):
-                rows.append(step_logits)
-            elif ends:
-                rows.append(self.side.logits(h, torch.tensor(ends, device=self.device)))  # [b, V]
-        return torch.cat(rows) if rows else None
-
-    @staticmethod
-    def _masked_logits(work: list[_Work], logits: torch.Tensor | None, token_masks: torch.Tensor | None
-                       ) -> torch.Tensor | None:
-        """The sampling logits with each constrained sequence's grammar masks applied to its rows
-        (sampling/token_masks.py), so the sampler and the verifier both see the constrained
-        distribution."""
-        if token_masks is None or logits is None:
-            return logits
-        from moemesh.services.attention.sampling.token_masks import apply_token_masks
-
-        logit_rows, mask_rows, row = [], [], 0
-        for item in work:
-            if not item.scheduled.do_sample:
-                continue
-            num_rows = 1 + len(item.scheduled.draft_token_ids)
-            if item.scheduled.token_mask_row is not None:
-                logit_rows.extend(range(row, row + num_rows))
-                mask_rows.extend(range(item.scheduled.token_mask_row, item.scheduled.token_mask_row + num_rows))
-            row += num_rows
-        return apply_token_masks(logits, token_masks, logit_rows, mask_rows)
-
-    def _sample(self, work: list[_Work], logits: torch.Tensor | None
-                ) -> tuple[dict[str, SequenceResult], dict[str, int]]:
-        """(results by request id, rejected drafts by request id). Sequences with drafts are
-        verified (speculation.verify_drafted), the others sampled from their one row."""
-        from moemesh.common.sampling.rng import Purpose, stream
-        from moemesh.services.attention.speculation import DraftedRow, verify_drafted
-
-        results = {item.scheduled.request_id: SequenceResult(item.scheduled.request_id, ()) for item in work
-                   if not item.scheduled.do_sample}
-        sampling, plain_rows, drafted, row = [], [], [], 0
-        for item in work:
-            if not item.scheduled.do_sample:
-                continue
-            if item.scheduled.draft_token_ids:
-                drafted.append(DraftedRow(item.scheduled, item.slot, row))
-            else:
-                sampling.append(item)
-                plain_rows.append(row)
-            row += 1 + len(item.scheduled.draft_token_ids)
-        rejected: dict[str, int] = {}
-        if drafted:
-            verified, rejected = verify_drafted(drafted, logits)
-            results.update(verified)
-        if not sampling:
-            return results, rejected
-        if drafted:
-            logits = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))  # [B, V]
-        slots = [item.slot for item in sampling]
-        generators = [None if slot.seed is None else stream(slot.seed, Purpose.SAMPLE, len(slot.output_token_ids),
-                                                            self.device) for slot in slots]
-        out = self.sampler.sample(logits, [s.params for s in slots], generators,
-                                  [s.prompt_token_ids for s in slots], [s.output_token_ids for s in slots])
-        token_ids = out.token_ids.tolist()  # the one host sync the step needs
-        wants_logprobs = any(slot.params.num_logprobs is not None for slot in slots)
-        chosen = out.logprobs.tolist() if wants_logprobs else None
-        top_ids = out.top_logprob_ids.tolist() if wants_logprobs else None
-        top_values = out.top_logprobs.tolist() if wants_logprobs else None
-        for row, (item, slot) in enumerate(zip(sampling, slots)):
-            slot.output_token_ids.append(token_ids[row])
-            logprobs = None
-            if slot.params.num_logprobs is not None:
-                k = slot.params.num_logprobs
-                logprobs = TokenLogprobs(logprobs=(chosen[row],), top_token_ids=(tuple(top_ids[row][:k]),),
-                                         top_logprobs=(tuple(top_values[row][:k]),))
-            results[item.scheduled.request_id] = SequenceResult(item.scheduled.request_id, (token_ids[row],),
-                                                                logprobs=logprobs)
-        return results, rejected
 
     # ------------------------------------------------------------------ speculation
     def _install_speculation(self, model_config) -> None:
@@ -466,16 +383,3 @@ class AttentionWorker(Service):
 def local_bytes(local, kind: str) -> int:
     """The local experts' resident or stored bytes (0 without local experts)."""
     return 0 if local is None else getattr(local.holdings, f"{kind}_bytes")()
-
-
-def _token_mask_problem(scheduled, token_masks: torch.Tensor | None) -> str | None:
-    """Why a sequence's grammar mask rows cannot be applied (a malformed plan), or None."""
-    first = scheduled.token_mask_row
-    if first is None:
-        return None
-    num_rows = 1 + len(scheduled.draft_token_ids)
-    if not scheduled.do_sample or token_masks is None or token_masks.dim() != 2 or token_masks.dtype != torch.int32:
-        return "token_mask_row without int32 [M, words] token_masks on a sampled sequence"
-    if not 0 <= first <= token_masks.shape[0] - num_rows:
-        return f"token mask rows {first}..{first + num_rows} outside the plan's {token_masks.shape[0]}"
-    return None
