@@ -91,7 +91,8 @@ def bench_decode(kind_name: str, batch_size: int, ceilings: dict, quick: bool) -
     import torch
 
     from moemesh.common.kernels.indexer_topk import indexer_scores, indexer_topk
-    from moemesh.common.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
+    from moemesh.common.kernels.sparse_attention import sparse_attention
+    from moemesh.common.kernels.sparse_attention_plan import SparseAttentionConfig
     from moemesh.common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
     from moemesh.common.model.config import AttentionKind
     from moemesh.common.model.random_init import fill_random_context, new_sequence_state
@@ -156,7 +157,8 @@ def bench_prefill(kind_name: str, num_tokens: int, ceilings: dict, quick: bool) 
     import torch
 
     from moemesh.common.kernels.indexer_topk import indexer_scores, indexer_topk
-    from moemesh.common.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
+    from moemesh.common.kernels.sparse_attention import sparse_attention
+    from moemesh.common.kernels.sparse_attention_plan import SparseAttentionConfig
     from moemesh.common.model.batch import AttentionBackend, ForwardBatch, SequenceChunk
     from moemesh.common.model.config import AttentionKind
     from moemesh.common.model.random_init import new_sequence_state

@@ -95,7 +95,7 @@ def test_plan_keys_and_eager_reasons(tiny_side):
 def test_tables_fill_matches_eager_tables(tiny_side):
     """Positions, per-sequence fields, padding rows and the split sizes the eager launch would plan."""
     from moemesh.common.model.attention_tables import build_tables, sequence_addresses
-    from moemesh.common.kernels.sparse_attention import default_config, max_keys_of, plan_splits
+    from moemesh.common.kernels.sparse_attention_plan import default_config, max_keys_of, plan_splits
     from moemesh.common.model.state import SequenceState
     from moemesh.services.attention.graph_tables import StaticDecodeTables, split_keys
 
@@ -125,7 +125,7 @@ def test_tables_fill_chunks_of_several_tokens(tiny_side):
     """Verification chunks: every token gets its sequence and position; padding rows are scratch sequences of one
     token; the sequence entries past them are empty; split sizes are the eager plan of the real tokens."""
     from moemesh.common.model.attention_tables import build_tables, sequence_addresses
-    from moemesh.common.kernels.sparse_attention import default_config, max_keys_of, plan_splits
+    from moemesh.common.kernels.sparse_attention_plan import default_config, max_keys_of, plan_splits
     from moemesh.common.model.state import SequenceState
     from moemesh.services.attention.graph_tables import StaticDecodeTables, split_keys
 

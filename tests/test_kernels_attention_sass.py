@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(_tool("ptxas")), reason="trit
 @pytest.mark.parametrize("split", [False, True], ids=["one_split", "splits_merged_in_launch"])
 def test_default_sparse_attention_tile_compiles_without_spills(split):
     from moemesh.bench.attention_sass import compile_sparse
-    from moemesh.common.kernels.sparse_attention import SparseAttentionConfig
+    from moemesh.common.kernels.sparse_attention_plan import SparseAttentionConfig
 
     default = SparseAttentionConfig()
     summary = summarise(compile_sparse(block_h=default.block_h, block_n=default.block_n,

@@ -468,7 +468,7 @@ def test_fp8_attention_tiles_compile_for_sm90_without_spills(prefill, use_topk):
     """V4-Flash width, Triton's bundled ptxas (no GPU needed): the default FP8 tiles keep everything in registers."""
     from moemesh.bench.attention_sass import compile_sparse
     from moemesh.bench.kernel_sass import _tool, summarise
-    from moemesh.common.kernels.sparse_attention import default_config
+    from moemesh.common.kernels.sparse_attention_plan import default_config
 
     if not os.path.exists(_tool("ptxas")):
         pytest.skip("triton without its bundled ptxas")

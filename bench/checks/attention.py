@@ -208,7 +208,8 @@ def check_rotate_back(config: ModelConfig, dtype: torch.dtype, device) -> CheckR
     followed by a separate `apply_rope(..., inverse=True)`: one and three key splits (the combine kernel
     writes the output then), window and compressed layers, 3 sequences decoding 2 tokens each."""
     from moemesh.common.kernels.norm_rope import apply_rope
-    from moemesh.common.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
+    from moemesh.common.kernels.sparse_attention import sparse_attention
+    from moemesh.common.kernels.sparse_attention_plan import SparseAttentionConfig
 
     generator = torch.Generator(device=device).manual_seed(7)
     states = []

@@ -55,7 +55,7 @@ import structlog
 import torch
 
 from moemesh.common.kernels.attention_layout import CONTIGUOUS_ROWS_PER_BLOCK
-from moemesh.common.kernels.sparse_attention import default_config
+from moemesh.common.kernels.sparse_attention_plan import default_config
 from moemesh.common.model.attention_tables import sequence_addresses
 from moemesh.common.model.batch import AttentionBackend, SequenceChunk, default_attention_backend
 from moemesh.common.model.kv_storage import KVStorage

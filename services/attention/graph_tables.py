@@ -129,7 +129,7 @@ class StaticDecodeTables(AttentionTables):
         past them are padding) and copy it to the device buffers, in stream order.
 
         The caller checked addressability, geometry and that the tokens fit (`DecodeGraphs._key`)."""
-        from moemesh.common.kernels.sparse_attention import choose_num_splits, default_config, plan_splits
+        from moemesh.common.kernels.sparse_attention_plan import choose_num_splits, default_config, plan_splits
 
         if self._copy_done is not None:  # the previous step's copy must have read the mirror
             self._copy_done.synchronize()
