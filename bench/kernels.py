@@ -69,7 +69,7 @@ def triton_cdiv(a: int, b: int) -> int:
 def fp8_sweep_configs(num_tokens: int, heuristic) -> list:
     """fp8_linear variants beside the heuristic: the inline-PTX quad decode on the heuristic's tiles
     and narrower ones, no split-K (one launch, no workspace), and the FMA GEMV at one token."""
-    from moemesh.common.kernels.fp8_linear import Fp8LinearConfig
+    from moemesh.common.kernels.fp8_linear_config import Fp8LinearConfig
 
     quad = dict(asm_decode=True, asm_quad=True, use_fma=False)
     configs = [dataclasses.replace(heuristic, **quad)]
@@ -95,7 +95,8 @@ def bench_fp8_linear(ceilings: dict, quick: bool, no_baselines: bool = False,
     import torch
 
     from moemesh.bench.checks.quantized_kernels import random_fp8_weight
-    from moemesh.common.kernels.fp8_linear import Fp8LinearConfig, choose_fp8_linear_config, device_num_sms, fp8_linear
+    from moemesh.common.kernels.fp8_linear import fp8_linear
+    from moemesh.common.kernels.fp8_linear_config import Fp8LinearConfig, choose_fp8_linear_config, device_num_sms
 
     rows = []
     generator = torch.Generator(device="cuda").manual_seed(0)

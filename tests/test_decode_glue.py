@@ -91,7 +91,7 @@ def _fp8_pair(num_out, num_in, generator, device="cpu"):
 
 
 def _gate_up_cases():
-    from moemesh.common.kernels.fp8_linear import Fp8LinearConfig
+    from moemesh.common.kernels.fp8_linear_config import Fp8LinearConfig
 
     return [(None, "heuristic"), (Fp8LinearConfig(block_n=32, block_t=16, split_k=3), "split3"),
             (Fp8LinearConfig(block_n=32, block_t=1, use_fma=True, split_k=2), "fma_t1_split2")]
@@ -152,7 +152,8 @@ def _separate_row_norm(y, row_norm):
 @pytest.mark.parametrize("num_tokens", [1, 3, 17])
 @pytest.mark.parametrize("case", ROW_NORM_CASES, ids=[case[0] for case in ROW_NORM_CASES])
 def test_interpreted_fp8_linear_row_norm_equals_a_second_launch(dtype, num_tokens, case):
-    from moemesh.common.kernels.fp8_linear import Fp8LinearConfig, fp8_linear
+    from moemesh.common.kernels.fp8_linear import fp8_linear
+    from moemesh.common.kernels.fp8_linear_config import Fp8LinearConfig
 
     _, num_out, group, norm, rope_half = case
     generator = torch.Generator().manual_seed(num_tokens * 7 + num_out)

@@ -214,7 +214,7 @@ Case = tuple[str, Callable[[], CheckResult]]
 def interpret_cases() -> list[Case]:
     """Small shapes with ragged edges, split-K, empty experts, both weight formats (~10 s interpreted)."""
     from moemesh.common.kernels.fp4_experts import Fp4Decode, GroupedGemmConfig
-    from moemesh.common.kernels.fp8_linear import Fp8LinearConfig
+    from moemesh.common.kernels.fp8_linear_config import Fp8LinearConfig
 
     bf16, f32 = torch.bfloat16, torch.float32
     small = GroupedGemmConfig(block_m=16, block_n=16, block_k=64)
@@ -297,7 +297,7 @@ def cuda_cases() -> list[Case]:
 def _asm_quad_config(num_tokens: int, out_features: int, in_features: int):
     import dataclasses
 
-    from moemesh.common.kernels.fp8_linear import choose_fp8_linear_config
+    from moemesh.common.kernels.fp8_linear_config import choose_fp8_linear_config
 
     heuristic = choose_fp8_linear_config(num_tokens, out_features, in_features)
     return dataclasses.replace(heuristic, asm_decode=True, asm_quad=True, use_fma=False)
@@ -331,7 +331,8 @@ def expert_variant_configs() -> list[tuple[str, int, object]]:
 
 def check_fp8_linear_repeatable(num_tokens: int, out_features: int, in_features: int, *, split_k: int) -> CheckResult:
     """Split-K twice in a row on CUDA: both right (the counters reset) and bitwise equal (fixed-order sum)."""
-    from moemesh.common.kernels.fp8_linear import Fp8LinearConfig, fp8_linear
+    from moemesh.common.kernels.fp8_linear import fp8_linear
+    from moemesh.common.kernels.fp8_linear_config import Fp8LinearConfig
 
     config = Fp8LinearConfig(block_n=64, block_t=16, split_k=split_k)
     generator = torch.Generator(device="cuda").manual_seed(5)

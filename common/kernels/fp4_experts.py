@@ -405,7 +405,7 @@ def quartered_handoff(num_rows: int, weights: ExpertWeights, dtype: torch.dtype,
 
 
 def _num_sms(device: torch.device) -> int:
-    from moemesh.common.kernels.fp8_linear import device_num_sms
+    from moemesh.common.kernels.fp8_linear_config import device_num_sms
 
     return device_num_sms(device)
 

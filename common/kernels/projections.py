@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moemesh.common.kernels.fp8_linear import DECODE_MAX_TOKENS, device_num_sms
+from moemesh.common.kernels.fp8_linear_config import DECODE_MAX_TOKENS, device_num_sms
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)

@@ -164,7 +164,8 @@ class SharedExpert(nn.Module):
         if not _use_kernel(w1.backend, x) or torch_glue_forced():
             return None
         from moemesh.common.kernels.fp8_dequant import use_dequant_linear
-        from moemesh.common.kernels.fp8_linear import DECODE_MAX_TOKENS, fp8_gate_up_swiglu
+        from moemesh.common.kernels.fp8_linear import fp8_gate_up_swiglu
+        from moemesh.common.kernels.fp8_linear_config import DECODE_MAX_TOKENS
 
         num_tokens = x.numel() // x.shape[-1]
         if not 0 < num_tokens <= DECODE_MAX_TOKENS or use_dequant_linear(num_tokens):  # w1 would not run fp8_linear

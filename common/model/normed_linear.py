@@ -3,7 +3,7 @@
     y = linear(x) [T, N], viewed [T, N / G, G]; each group: RMSNorm (with a weight, or unweighted), then RoPE
     of its trailing 2·R/2 channels by the token's (cos, sin) [T, R/2].
 
-Where `linear` is an FP8 linear on its decode kernel (CUDA, T <= `fp8_linear.DECODE_MAX_TOKENS`) the norm and
+Where `linear` is an FP8 linear on its decode kernel (CUDA, T <= `fp8_linear_config.DECODE_MAX_TOKENS`) the norm and
 rotation run in the linear's launch (`fp8_linear.RowNorm`: the last tile of each group normalises it); everywhere
 else the linear, then `rms_norm` / `rms_norm_rope` / `apply_rope` (one fused glue launch on CUDA, the torch
 code on the CPU, which stays the reference). Same roundings either way; on the GPU the fp32 sum of squares may
@@ -51,7 +51,8 @@ def _fused(linear: nn.Module, x: torch.Tensor, group: int, norm: bool, eps: floa
     if type(linear) is not Fp8Linear or x.dim() != 2 or not _use_kernel(linear.backend, x) or torch_glue_forced():
         return None
     from moemesh.common.kernels.fp8_dequant import use_dequant_linear
-    from moemesh.common.kernels.fp8_linear import DECODE_MAX_TOKENS, RowNorm, fp8_linear, row_norm_fits
+    from moemesh.common.kernels.fp8_linear import RowNorm, fp8_linear, row_norm_fits
+    from moemesh.common.kernels.fp8_linear_config import DECODE_MAX_TOKENS
     from moemesh.common.kernels.norm_rope import NormKind
 
     num_tokens = x.shape[0]
