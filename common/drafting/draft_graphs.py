@@ -33,7 +33,6 @@ import torch
 
 from moemesh.common.drafting.chains import greedy_slot, sparse_slot_draw
 from moemesh.common.model.dspark import DSparkDrafter
-from moemesh.common.model.rope import RotaryTable
 
 log = structlog.get_logger("draft")
 
@@ -87,8 +86,7 @@ class DraftGraphs:
         self._pool = None
         self.num_replays = 0
         for stage in drafter.mtp:  # cos/sin computed in the graph from device frequencies (a no-op on the CPU)
-            rope = stage.attn.rope
-            stage.attn.rope = RotaryTable(rope.name, rope.rope_dim, rope.inv_freq.to(self.device))
+            stage.attn.rope = stage.attn.rope.to(self.device)
 
     @staticmethod
     def capturable(drafter: DSparkDrafter) -> bool:

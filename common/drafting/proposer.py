@@ -185,8 +185,8 @@ class DraftProposer:
             temperatures = [float(slot.temperature) for slot in drafted]
             sampled = [t > 0 for t in temperatures]
             if self.graphs is not None:
-                keys = None
-                if any(sampled):  # every row's DRAFT keys (greedy rows: zeros, unused)
+                keys = None  # the DRAFT keys of every row (greedy rows: zeros, unused) when the graph draws
+                if any(sampled) and self.graphs.support_k is not None:
                     keys = draft_keys([slot.seed or 0 for slot in drafted],
                                       [slot.first_output_position or 0 for slot in drafted],
                                       self.drafter.dspark.block_size, self.device)

@@ -27,7 +27,7 @@ from moemesh.common.model.config import ModelConfig, NumericsConfig
 from moemesh.common.model.hyper import embed_streams, hc_head, hc_post, hc_post_with_mix, hc_pre
 from moemesh.common.model.linear import Embedding, Linear, RMSNorm, assign_frozen, parameter
 from moemesh.common.model.moe import Gate, SharedExpert
-from moemesh.common.model.rope import RotaryTable, RotaryTables
+from moemesh.common.model.rope import RotaryTables
 
 
 class FeedForwardSide(nn.Module):
@@ -90,8 +90,7 @@ class AttentionSide(nn.Module):
         host-to-device copy happens inside a forward (a CUDA-graph capture forbids them, and the decode
         kernels read them in place)."""
         for block in self.layers:
-            rope = block.attn.rope
-            block.attn.rope = RotaryTable(rope.name, rope.rope_dim, rope.inv_freq.to(device))
+            block.attn.rope = block.attn.rope.to(device)
 
     # ----------------------------------------------------------------------------- steps
     def embed_tokens(self, token_ids: torch.Tensor, batch=None) -> torch.Tensor:

@@ -64,6 +64,10 @@ class RotaryTable:
             return cls("compress", config.qk_rope_head_dim, freqs)
         return cls("main", config.qk_rope_head_dim, inverse_frequencies(config.qk_rope_head_dim, config.rope_theta, None))
 
+    def to(self, device) -> "RotaryTable":
+        """The same table with its frequencies on `device` (read in place by kernels and captured graphs)."""
+        return RotaryTable(self.name, self.rope_dim, self.inv_freq.to(device))
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] int -> (cos, sin) each [N, R/2] float32; one launch on CUDA."""
         if use_triton_glue(positions, self.inv_freq):
