@@ -2,8 +2,9 @@
 
 Starts one `moemesh serve` per mode on the same model and devices (all at once, so their start-up
 overlaps; they are then measured one after the other, the others idle), and for temperature 0
-and 1, one stream and N streams, sends the same completions (running text of chapters the default
-model memorised, so decodes run long) and measures output tokens per second (wall clock over the batch),
+and 1, one stream and N streams, sends the same streamed completions (running text of chapters the default
+model memorised, so decodes run long) and measures output tokens per second (wall clock over the batch), the
+decode alone (the tokens after each request's first, over first token .. last token: TTFT left out), TTFT,
 the mean accepted length per verify step (bonus included) from each response's
 usage.speculative, and the speedup over the `off` server of the same run.
 
@@ -158,16 +159,18 @@ async def _run(base_url: str, prompts: list[str], temperature: float, max_tokens
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         async def one(index: int, prompt: str) -> dict:
             body = {"model": "moemesh", "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-                    "seed": seed + index, "ignore_eos": ignore_eos}
-            reply = await client.post(f"{base_url}/v1/completions", json=body)
-            reply.raise_for_status()
-            return reply.json()
+                    "seed": seed + index, "ignore_eos": ignore_eos, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            return await _streamed_completion(client, f"{base_url}/v1/completions", body)
 
         before = await _engine_counters(client, base_url)
         start_s = time.perf_counter()
         replies = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         elapsed_s = time.perf_counter() - start_s
         after = await _engine_counters(client, base_url)
+    first_s = min(r["first_token_s"] for r in replies) - start_s
+    decode_s = max(r["last_token_s"] for r in replies) - min(r["first_token_s"] for r in replies)
+    num_decoded = sum(max(0, r["usage"]["completion_tokens"] - 1) for r in replies)
     num_tokens = sum(r["usage"]["completion_tokens"] for r in replies)
     spec = [r["usage"].get("speculative") or {} for r in replies]
     accepted_lengths = [s["mean_accepted_length"] for s in spec if s.get("ran")]
@@ -180,6 +183,9 @@ async def _run(base_url: str, prompts: list[str], temperature: float, max_tokens
     return {
         "num_requests": len(prompts), "num_output_tokens": num_tokens, "elapsed_s": elapsed_s,
         "tokens_per_s": num_tokens / elapsed_s if elapsed_s > 0 else 0.0,
+        # decode alone: the tokens after each request's first, over first token .. last token (TTFT left out)
+        "decode_tokens_per_s": num_decoded / decode_s if decode_s > 0 else 0.0,
+        "time_to_first_token_s": first_s,
         "speculation_ran": any(s.get("ran") for s in spec),
         "draft_tokens": sum(s.get("draft_tokens", 0) for s in spec),
         "accepted_tokens": sum(s.get("accepted_tokens", 0) for s in spec),
@@ -198,6 +204,35 @@ async def _run(base_url: str, prompts: list[str], temperature: float, max_tokens
         "tokens_per_step": num_tokens / num_steps if num_steps else 0.0,
         "policy": policy,  # the router's cost-aware width policy in this run (adaptive mode)
     }
+
+
+async def _streamed_completion(client, url: str, body: dict) -> dict:
+    """One streamed completion -> {"choices": [{"text", "finish_reason"}], "usage", "first_token_s",
+    "last_token_s"} (perf_counter times of the first and the last chunk that carried text)."""
+    text, finish_reason, usage = [], None, None
+    first_s = last_s = None
+    async with client.stream("POST", url, json=body) as reply:
+        if reply.status_code >= 400:
+            await reply.aread()
+            reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or ():
+                if choice.get("text"):
+                    last_s = time.perf_counter()
+                    first_s = first_s or last_s
+                    text.append(choice["text"])
+                finish_reason = choice.get("finish_reason") or finish_reason
+    if usage is None or first_s is None:
+        raise RuntimeError(f"stream ended without {'usage' if usage is None else 'text'}")
+    return {"choices": [{"text": "".join(text), "finish_reason": finish_reason}], "usage": usage,
+            "first_token_s": first_s, "last_token_s": last_s}
 
 
 def _log_summaries(run_dir: Path) -> dict:
@@ -221,11 +256,23 @@ def _log_summaries(run_dir: Path) -> dict:
 
 
 def _print_run(key: str, run: dict) -> None:
-    print(f"{key:44s} {run['tokens_per_s']:8.2f} tok/s  tokens {run['num_output_tokens']:5d}  "
+    print(f"{key:44s} {run['tokens_per_s']:8.2f} tok/s  decode {run['decode_tokens_per_s']:8.2f} tok/s  "
+          f"ttft {1e3 * run['time_to_first_token_s']:6.1f} ms  tokens {run['num_output_tokens']:5d}  "
           f"accepted length {run['mean_accepted_length']:.2f}  drafts {run['draft_tokens']:5d}  "
           f"steps {run['num_steps']:4.0f}  step {run['step_ms_mean']:6.1f} ms  "
           f"draft rtt {run['draft_round_trip_ms_mean']:5.1f} ms  other {run['other_ms_per_step']:5.1f} ms/step",
           flush=True)
+
+
+def _print_phase_medians(mode: str, fields: dict) -> None:
+    """One line per kind of step: the attention worker's median ms per phase (step_phases.py)."""
+    for kind in ("decode", "verify", "prefill"):
+        if f"{kind}_total_ms_median" not in fields:
+            continue
+        parts = " ".join(f"{name} {fields.get(f'{kind}_{name}_ms_median', 0.0):.2f}"
+                         for name in ("prepare", "forward", "forward_device", "sample", "features", "draft", "rest"))
+        print(f"{mode:10s} {kind:7s} steps {fields.get(f'{kind}_num_steps', 0):5d}  median ms: total "
+              f"{fields[f'{kind}_total_ms_median']:.2f} = {parts}", flush=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -306,6 +353,7 @@ def _summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
     for key, repeats in runs.items():  # repeats in repeat order (same prompts across modes per repeat)
         ordered = sorted(repeats, key=lambda run: run["tokens_per_s"])
         results[key] = {**ordered[len(ordered) // 2], "repeat_tokens_per_s": [r["tokens_per_s"] for r in repeats],
+                        "repeat_decode_tokens_per_s": [r["decode_tokens_per_s"] for r in repeats],
                         "repeat_texts": [r["texts"] for r in repeats], "repeat_ids": [r["repeat"] for r in repeats],
                         "repeat_hashes": [r["output_hash"] for r in repeats]}
     return results
@@ -375,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode, summary in summaries.items():
         if summary:
             print(f"{mode:10s} inside the workers: {json.dumps(summary, sort_keys=True)}")
+            _print_phase_medians(mode, summary.get("step_phases") or {})
     for mode, model in cost_models.items():
         print(f"{mode:10s} cost model learned by the router: {json.dumps(model, sort_keys=True)}")
     ratios = speedups(results, problems)

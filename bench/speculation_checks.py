@@ -4,11 +4,13 @@ bench_ds4_decode.py), kept apart so they can be tested on hand-made runs.
 `run_problems` flags one run: a short request (no token, or fewer than max_tokens without EOS; with
 ignore_eos any request below max_tokens), a finish other than length / stop, a cached prefix, zero
 throughput, or a speculative run in which speculation did not run. `speedups` gives spec / off
-tokens/s per configuration and flags greedy outputs that differ from the `off` server's (per
+tokens/s per configuration (end to end, and the decode alone when the runs have it) and flags greedy outputs that differ from the `off` server's (per
 repeat, with the request and the texts' tails where they part).
 """
 
 from __future__ import annotations
+
+from statistics import median
 
 
 def run_problems(name: str, run: dict, max_tokens: int, speculative: bool, ignore_eos: bool) -> list[str]:
@@ -46,6 +48,10 @@ def speedups(results: dict[str, dict], problems: list[str]) -> dict[str, float]:
         if mode == "off" or plain is None:
             continue
         ratios[f"speedup/{mode}/{suffix}"] = spec["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
+        if plain.get("repeat_decode_tokens_per_s") and spec.get("repeat_decode_tokens_per_s"):
+            # the decode alone (first token .. last, TTFT left out): medians over the repeats
+            plain_decode, spec_decode = median(plain["repeat_decode_tokens_per_s"]), median(spec["repeat_decode_tokens_per_s"])
+            ratios[f"decode_speedup/{mode}/{suffix}"] = spec_decode / plain_decode if plain_decode else 0.0
         if not suffix.startswith("temperature=0/"):
             continue
         plain_by_repeat = dict(zip(plain["repeat_ids"], plain["repeat_texts"]))

@@ -93,3 +93,32 @@ def test_random_appends_and_truncates_match_a_list_of_the_newest_positions():
         features, positions = ring.context()
         assert positions.tolist() == [p for p, _ in kept]
         torch.testing.assert_close(features[:, 0], torch.tensor([v for _, v in kept]))
+
+
+def test_rows_appended_before_verification_read_as_the_committed_prefix():
+    """A verify step's rows go to the in-process drafter's ring before verification decides; after the
+    truncation to the seed position that precedes every draft, the ring reads as if only the committed rows
+    had been appended (here: a chunk of seed + 5 drafts at positions 40..45, 2 drafts accepted, so the new
+    seed sits at 43 and positions 43..45 were rejected)."""
+    features = torch.randn(60, 4)
+    provisional = FeatureRing(16, 4, dtype=torch.float32, spare_positions=5)  # room for a block of drafts
+    committed = FeatureRing(16, 4, dtype=torch.float32)
+    for ring in (provisional, committed):
+        ring.append(0, features[:40])  # the prefill's rows (the newest 16 kept)
+    provisional.append(40, features[40:46])  # every row of the chunk
+    committed.append(40, features[40:43])  # the seed and the two accepted drafts
+    provisional.truncate(43)
+    committed.truncate(43)
+    (x, p), (y, q) = provisional.context(), committed.context()
+    assert p.tolist() == list(range(27, 43)) and torch.equal(p, q) and torch.equal(x, y)
+    # without the spare entries the six rows would have pushed out positions 27..29, still in the window
+    bare = FeatureRing(16, 4, dtype=torch.float32)
+    bare.append(0, features[:40])
+    bare.append(40, features[40:46])
+    bare.truncate(43)
+    assert bare.context()[1].tolist() == list(range(30, 43))
+    # the next verify step's chunk starts at the new seed: the same again
+    provisional.append(43, features[43:49])
+    committed.append(43, features[43:45])
+    provisional.truncate(45)
+    assert all(torch.equal(a, b) for a, b in zip(provisional.context(), committed.context()))

@@ -19,7 +19,7 @@ from spec_support import DEFAULT_MODEL, REPO_ROOT
 
 def _run(**overrides) -> dict:
     run = {"finish_reasons": ["length", "stop"], "completion_tokens": [8, 5], "cached_tokens": 0,
-           "tokens_per_s": 10.0, "speculation_ran": True, "num_draft_requests": 4, "policy": {},
+           "tokens_per_s": 10.0, "decode_tokens_per_s": 12.0, "speculation_ran": True, "num_draft_requests": 4, "policy": {},
            "texts": ["a b c", "d e"], "output_hash": "h"}
     return {**run, **overrides}
 
@@ -60,7 +60,8 @@ def test_greedy_outputs_are_compared_repeat_by_repeat():
         # off's repeat 0 failed: its only run is repeat 1
         "off/temperature=0/streams=1": [{**_run(texts=["x y"]), "repeat": 1}],
         "fixed/temperature=0/streams=1": [{**_run(texts=["other nonce"]), "repeat": 0},
-                                          {**_run(texts=["x y"], tokens_per_s=20.0), "repeat": 1}],
+                                          {**_run(texts=["x y"], tokens_per_s=20.0, decode_tokens_per_s=36.0),
+                                           "repeat": 1}],
         "off/temperature=1/streams=1": [{**_run(texts=["s"]), "repeat": 0}],
         "fixed/temperature=1/streams=1": [{**_run(texts=["t"]), "repeat": 0}],  # sampled: texts may differ
     }
@@ -68,6 +69,8 @@ def test_greedy_outputs_are_compared_repeat_by_repeat():
     ratios = speedups(_summarise(runs), problems)
     assert problems == []
     assert ratios["speedup/fixed/temperature=0/streams=1"] == pytest.approx(20.0 / 10.0)  # upper median of 10, 20
+    # the decode alone: the median of each mode's repeats (12 and 36 -> 24) over off's (12)
+    assert ratios["decode_speedup/fixed/temperature=0/streams=1"] == pytest.approx(24.0 / 12.0)
     runs["fixed/temperature=0/streams=1"][1]["texts"] = ["x z"]
     speedups(_summarise(runs), problems)
     assert len(problems) == 1 and "greedy output hash differs with speculation fixed" in problems[0]

@@ -38,6 +38,20 @@ def test_phases_add_up_per_kind():
     total = sum(fields[f"verify_{phase}_ms_mean"] for phase in PHASES)
     assert abs(fields["verify_total_ms_mean"] - total) < 1e-3
     assert "verify_forward_device_ms_mean" not in fields  # device time only on CUDA
+    assert "verify_forward_device_ms_median" not in fields
+
+
+def test_medians_leave_out_a_slow_first_step():
+    phases = StepPhases(torch.device("cpu"))
+    for pause_s in (0.05, 0.001, 0.001, 0.001):  # a capture-like first step, then three quick ones
+        timer = phases.start()
+        time.sleep(pause_s)
+        timer.mark("forward")
+        timer.finish("decode")
+    fields = phases.as_log_fields()
+    assert fields["decode_forward_ms_mean"] > 10.0
+    assert 1.0 <= fields["decode_forward_ms_median"] < 10.0
+    assert fields["decode_total_ms_median"] >= fields["decode_forward_ms_median"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -57,3 +71,4 @@ def test_the_forward_device_time_comes_from_cuda_events():
         timer.finish("decode")
     fields = phases.as_log_fields()
     assert fields["decode_num_steps"] == 3 and fields["decode_forward_device_ms_mean"] > 0
+    assert fields["decode_forward_device_ms_median"] > 0

@@ -16,7 +16,8 @@ DEFAULT_FILES="tests/test_quantized_cuda.py tests/test_kernels_cuda.py tests/tes
   tests/test_guided_masks.py tests/test_wire_staging.py tests/test_attention_boundary_kernels.py \
   tests/test_attention_prefix_restore.py tests/test_bench_layers_disagg.py tests/test_step_graph_cuda.py \
   tests/test_attention_graphs_cuda.py tests/test_local_experts.py tests/test_mailbox_step_graph_cuda.py \
-  tests/test_route_layout_cuda.py tests/test_quartered_handoff.py tests/test_step_phases.py"
+  tests/test_route_layout_cuda.py tests/test_quartered_handoff.py tests/test_step_phases.py \
+  tests/test_verify_sampled.py tests/test_verify_argmax_path.py"
 # shellcheck disable=SC2086
 python3 -m pytest -q -rfEs -n "${CUDA_TESTS_WORKERS:-4}" --tb=short -p no:cacheprovider --timeout 200 \
   ${CUDA_TESTS_FILES:-$DEFAULT_FILES} ${CUDA_TESTS_EXTRA:-} 2>&1

@@ -12,7 +12,9 @@
 # with PYTHONPATH set; results go to $RESULTS_DIR.
 # SPEC_MODEL: the checkpoint to serve (default: the shipped default model; e.g. /tmp/train-default-model-last,
 # the one train-default-model.sh left on this warm machine). SPEC_SKIP_CPU=1 leaves out step 3. SPEC_MODES and
-# SPEC_REPEATS replace step 2's modes and repeats (median of an odd count: the middle run).
+# SPEC_REPEATS replace step 2's modes and repeats (median of an odd count: the middle run). SPEC_SKIP_TESTS=1 leaves
+# out step 1. SPEC_TORCH_PROFILE=SKIP:COUNT profiles those steps of every server's attention worker (torch.profiler,
+# MOEMESH_TORCH_PROFILE_STEPS; traces and tables under $RESULTS_DIR/torch-profile; the figures then carry its cost).
 set -u
 model_args=()
 [ -n "${SPEC_MODEL:-}" ] && model_args=(--model "$SPEC_MODEL")
@@ -28,10 +30,16 @@ elapsed() { echo "$(( $(date +%s) - start_s ))s"; }
 
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name(0))"
 
-echo "=== CUDA correctness (drafter on cuda equals cpu; sampled drafts valid) [$(elapsed)]"
-timeout -k 5 70 python3 -m pytest -q -p no:cacheprovider tests/test_spec_cuda.py tests/test_step_phases.py 2>&1 | tail -n 15
+if [ "${SPEC_SKIP_TESTS:-0}" != 1 ]; then
+  echo "=== CUDA correctness (drafter on cuda equals cpu; sampled drafts valid) [$(elapsed)]"
+  timeout -k 5 70 python3 -m pytest -q -p no:cacheprovider tests/test_spec_cuda.py tests/test_step_phases.py tests/test_verify_sampled.py \
+    tests/test_verify_argmax_path.py 2>&1 | tail -n 15
+fi
+if [ -n "${SPEC_TORCH_PROFILE:-}" ]; then
+  export MOEMESH_TORCH_PROFILE_STEPS="$SPEC_TORCH_PROFILE" MOEMESH_TORCH_PROFILE_DIR="$RESULTS_DIR/torch-profile"
+fi
 
-echo "=== bench speculation on cuda:0, bf16, 2 repeats (the benchmark checks greedy outputs equal across modes) [$(elapsed)]"
+echo "=== bench speculation on cuda:0, bf16, ${SPEC_REPEATS:-2} repeats (the benchmark checks greedy outputs equal across modes) [$(elapsed)]"
 timeout -s TERM -k 15 215 python3 -m moemesh.bench.speculation "${model_args[@]}" --devices cuda:0 --max-tokens 64 --streams 1 \
   --modes "${SPEC_MODES:-off,fixed,adaptive,fixed-process}" --temperatures 0,1 --repeats "${SPEC_REPEATS:-2}" \
   --request-timeout-s 90 --time-budget-s 170 \

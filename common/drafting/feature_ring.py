@@ -9,8 +9,11 @@ Invariants of one ring:
 - positions strictly increase from oldest to newest; at most `max_positions` entries (older
   ones are overwritten: the drafter's window is `sliding_window` = 128 positions);
 - appending rows that start at position p first drops every entry at a position >= p: such
-  entries belong to tokens that verification rejected, or are being resent, so the ring always
-  describes the request's committed prefix (rollback is implicit in the next append);
+  entries belong to tokens that verification rejected, or are being resent (rollback is implicit in
+  the next append). A drafter in the attention worker's process is given a verify step's rows before
+  verification decides, so its ring may end in rejected drafts' rows until the next append or the
+  truncation to the seed position that precedes every draft; what a draft reads is always the
+  request's committed prefix;
 - `truncate(n)` keeps positions < n (explicit rollback to an accepted length of n tokens).
 Gaps (positions never sent, e.g. a prefix restored from cache) are allowed: the drafter just
 has fewer context entries. Legend: C context positions, D hidden.
@@ -24,20 +27,24 @@ import torch
 
 
 class FeatureRing:
-    """One request's context ring on one device."""
+    """One request's context ring on one device. It stores up to max_positions + spare_positions entries and
+    shows the newest max_positions: rows appended past the committed prefix (at most spare_positions of them,
+    a verify step's drafts given before verification decides) never push out a committed entry the drafter
+    still reads."""
 
     def __init__(self, max_positions: int, hidden_size: int, *, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
-        if max_positions < 1:
-            raise ValueError(f"max_positions={max_positions} must be >= 1")
+                 device: torch.device | str = "cpu", spare_positions: int = 0) -> None:
+        if max_positions < 1 or spare_positions < 0:
+            raise ValueError(f"max_positions={max_positions} must be >= 1, spare_positions={spare_positions} >= 0")
         self.max_positions = max_positions
-        self._features = torch.zeros(max_positions, hidden_size, dtype=dtype, device=device)  # [cap, D]
-        self._positions = torch.zeros(max_positions, dtype=torch.long)  # [cap], host: read every step
+        self.capacity = max_positions + spare_positions
+        self._features = torch.zeros(self.capacity, hidden_size, dtype=dtype, device=device)  # [cap, D]
+        self._positions = torch.zeros(self.capacity, dtype=torch.long)  # [cap], host: read every step
         self._oldest = 0  # index of the oldest entry
-        self.num_positions = 0
+        self.num_positions = 0  # entries stored (up to capacity)
 
     def _slot(self, age: int) -> int:
-        return (self._oldest + age) % self.max_positions
+        return (self._oldest + age) % self.capacity
 
     @property
     def next_position(self) -> int | None:
@@ -60,16 +67,16 @@ class FeatureRing:
             raise ValueError(f"start_position={start_position} must be >= 0")
         self.truncate(start_position)
         num_rows = features.shape[0]
-        skip = max(0, num_rows - self.max_positions)  # only the newest max_positions can survive
+        skip = max(0, num_rows - self.capacity)  # only the newest capacity rows can survive
         rows = features[skip:]  # [n', D]
         first = start_position + skip
         count = rows.shape[0]
-        overflow = max(0, self.num_positions + count - self.max_positions)  # oldest entries overwritten
+        overflow = max(0, self.num_positions + count - self.capacity)  # oldest entries overwritten
         start_slot = self._slot(self.num_positions)  # where the first new row goes
         if overflow:
-            self._oldest = (self._oldest + overflow) % self.max_positions
+            self._oldest = (self._oldest + overflow) % self.capacity
             self.num_positions -= overflow
-        head = min(count, self.max_positions - start_slot)  # rows before the ring's end, the rest wraps to 0
+        head = min(count, self.capacity - start_slot)  # rows before the ring's end, the rest wraps to 0
         self._features[start_slot: start_slot + head].copy_(rows[:head])
         self._positions[start_slot: start_slot + head] = torch.arange(first, first + head)
         if count > head:
@@ -78,22 +85,25 @@ class FeatureRing:
         self.num_positions += count
 
     def context(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(main_x [C, D], positions [C] int64), oldest first; C = num_positions. At most two slices joined
-        (no index tensor to move to the device)."""
-        end = self._oldest + self.num_positions
-        if end <= self.max_positions:
-            return self._features[self._oldest: end], self._positions[self._oldest: end]
-        wrapped = end - self.max_positions
-        return (torch.cat([self._features[self._oldest:], self._features[:wrapped]]),
-                torch.cat([self._positions[self._oldest:], self._positions[:wrapped]]))
+        """(main_x [C, D], positions [C] int64) of the newest C = min(num_positions, max_positions) entries, oldest
+        first. At most two slices joined (no index tensor to move to the device)."""
+        count = min(self.num_positions, self.max_positions)
+        begin = self._slot(self.num_positions - count)
+        end = begin + count
+        if end <= self.capacity:
+            return self._features[begin: end], self._positions[begin: end]
+        wrapped = end - self.capacity
+        return (torch.cat([self._features[begin:], self._features[:wrapped]]),
+                torch.cat([self._positions[begin:], self._positions[:wrapped]]))
 
 
 class FeatureRings:
     """Every live request's ring; requests never see each other's entries."""
 
     def __init__(self, max_positions: int, hidden_size: int, *, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", spare_positions: int = 0) -> None:
         self.max_positions = max_positions
+        self.spare_positions = spare_positions
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.device = device
@@ -112,7 +122,8 @@ class FeatureRings:
         """The request's ring, created empty on first use."""
         ring = self._rings.get(request_id)
         if ring is None:
-            ring = FeatureRing(self.max_positions, self.hidden_size, dtype=self.dtype, device=self.device)
+            ring = FeatureRing(self.max_positions, self.hidden_size, dtype=self.dtype, device=self.device,
+                               spare_positions=self.spare_positions)
             self._rings[request_id] = ring
         return ring
 

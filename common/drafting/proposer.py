@@ -1,6 +1,7 @@
 """Proposing drafts with the DSpark drafter: target features in, a block of drafts per request out.
 
-State: one `FeatureRing` per live request (fused features of its last 128 committed positions).
+State: one `FeatureRing` per live request (fused features of its last 128 positions; a draft reads the
+committed ones).
 - `add_features(TargetFeatures)`: fuse and append each segment's rows to its request's ring. Rows
   starting at position p replace whatever the ring held at positions >= p (rejected drafts'
   features), so rollback needs nothing of its own.
@@ -135,7 +136,9 @@ class DraftProposer:
         self.speculation = speculation.validate_block_size(block_size)
         self.drafter = drafter
         self.device = drafter.head.weight.device
-        self.rings = FeatureRings(model.sliding_window, model.hidden_size, dtype=drafter.dtype, device=self.device)
+        # spare entries: a verify step's drafts (at most a block) may be appended before verification decides
+        self.rings = FeatureRings(model.sliding_window, model.hidden_size, dtype=drafter.dtype, device=self.device,
+                                  spare_positions=block_size)
         if self.config.cuda_graphs and self.device.type == "cuda":
             from moemesh.common.drafting.draft_graphs import DraftGraphs
 

@@ -70,16 +70,101 @@ class DraftedRow:
     first_row: int
 
 
-def verify_drafted(rows: list[DraftedRow], logits: torch.Tensor) -> tuple[dict[str, SequenceResult], dict[str, int]]:
+def verify_drafted(rows: list[DraftedRow], logits: torch.Tensor, argmax_rows: list[int] | None = None
+                   ) -> tuple[dict[str, SequenceResult], dict[str, int]]:
     """Verify every drafted request. logits [R, V]: rows first_row .. first_row + W_b of
     request b score the seed slot and each draft slot. Returns (results by request id,
-    rejected drafts by request id). Appends emitted tokens to each slot and rolls back its state."""
+    rejected drafts by request id). Appends emitted tokens to each slot and rolls back its state.
+    argmax_rows: the argmax of every logits row, when the caller has it and every request is `argmax_only`
+    (the greedy rule then runs on the host)."""
+    from moemesh.services.attention.sampling.verify_sampled import temperature_only
+
+    num_drafts = [len(row.scheduled.draft_token_ids) for row in rows]
+    greedy = [argmax_only(row.slot.params) for row in rows]
+    simple = [g or temperature_only(row.slot.params, logits.shape[1]) for g, row in zip(greedy, rows)]
+    if all(simple):  # the argmax rule on the host, the temperature-only sampled rule (verify_sampled.py)
+        accepted, emitted = _verify_simple(rows, num_drafts, logits, greedy, argmax_rows)
+        logprobs = [None] * len(rows)
+    else:
+        accepted, emitted, logprobs = _verify_general(rows, num_drafts, logits)
+    results, rejected = {}, {}
+    for b, row in enumerate(rows):
+        request_id = row.scheduled.request_id
+        num_rejected = num_drafts[b] - accepted[b]
+        if num_rejected:
+            row.slot.state.rollback(num_rejected)
+        row.slot.output_token_ids.extend(emitted[b])
+        rejected[request_id] = num_rejected
+        results[request_id] = SequenceResult(request_id, tuple(emitted[b]), num_draft_accepted=accepted[b],
+                                             logprobs=logprobs[b])
+    return results, rejected
+
+
+def argmax_only(params) -> bool:
+    """Whether a request's token at a slot is the argmax of the raw logits: greedy, no logit bias, no
+    penalties, no logprobs (process_logits leaves such a row as it is; grammar masks are applied before)."""
+    return params.is_greedy and not params.logit_bias and not params.has_penalties and params.num_logprobs is None
+
+
+def accept_by_argmax(rows: list[DraftedRow], num_drafts: list[int], targets: list[int]
+                     ) -> tuple[list[int], list[list[int]]]:
+    """The greedy rule on the host for requests whose target token is the raw argmax (`argmax_only`).
+    targets: the argmax of every logits row of the step. -> (accepted, emitted) per request: the tokens
+    `sampling.verify.verify` emits for them (torch.argmax's first maximum on ties)."""
+    accepted, emitted = [], []
+    for row, num in zip(rows, num_drafts):
+        slot_targets = targets[row.first_row:row.first_row + num + 1]  # the seed slot, then each draft slot
+        drafts = row.scheduled.draft_token_ids
+        count = 0
+        while count < num and drafts[count] == slot_targets[count]:
+            count += 1
+        accepted.append(count)
+        emitted.append([*drafts[:count], slot_targets[count]])
+    return accepted, emitted
+
+
+def _verify_simple(rows: list[DraftedRow], num_drafts: list[int], logits: torch.Tensor, greedy: list[bool],
+                   argmax_rows: list[int] | None) -> tuple[list[int], list[list[int]]]:
+    """Requests that are each `argmax_only` or `temperature_only`: the first by `accept_by_argmax`, the others by
+    `verify_sampled.verify_sampled`. -> (accepted, emitted) per request, in order."""
+    from moemesh.services.attention.sampling.verify_sampled import SampledDrafts, verify_sampled
+
+    accepted: list[int] = [0] * len(rows)
+    emitted: list[list[int]] = [[] for _ in rows]
+    greedy_at = [b for b, g in enumerate(greedy) if g]
+    sampled_at = [b for b, g in enumerate(greedy) if not g]
+    if greedy_at:
+        if argmax_rows is None:
+            argmax_rows = logits.argmax(dim=-1).tolist()  # [R]: the argmax of every row, one host sync
+        counts, tokens = accept_by_argmax([rows[b] for b in greedy_at], [num_drafts[b] for b in greedy_at],
+                                          argmax_rows)
+        for b, count, emitted_b in zip(greedy_at, counts, tokens):
+            accepted[b], emitted[b] = count, emitted_b
+    if sampled_at:
+        requests = []
+        for b in sampled_at:
+            scheduled, slot = rows[b].scheduled, rows[b].slot
+            if len(scheduled.draft_support_token_ids) != num_drafts[b] or any(
+                    len(ids) != len(probs) for ids, probs in zip(scheduled.draft_support_token_ids,
+                                                                 scheduled.draft_support_probs)):
+                raise ValueError(f"{scheduled.request_id}: {num_drafts[b]} sampled drafts need as many draft "
+                                 "distributions, each with as many ids as probs")
+            requests.append(SampledDrafts(rows[b].first_row, scheduled.draft_token_ids,
+                                          scheduled.draft_support_token_ids, scheduled.draft_support_probs,
+                                          slot.params.temperature, slot.seed, len(slot.output_token_ids)))
+        for b, (count, emitted_b) in zip(sampled_at, verify_sampled(logits, requests)):
+            accepted[b], emitted[b] = count, emitted_b
+    return accepted, emitted
+
+
+def _verify_general(rows: list[DraftedRow], num_drafts: list[int], logits: torch.Tensor
+                    ) -> tuple[list[int], list[list[int]], list[TokenLogprobs | None]]:
+    """Any sampling settings (`sampling.verify.verify`) -> (accepted, emitted, logprobs) per request."""
     from moemesh.services.attention.sampling.verify import verify
 
     num_requests = len(rows)
     num_vocab = logits.shape[1]
     device = logits.device
-    num_drafts = [len(row.scheduled.draft_token_ids) for row in rows]
     max_drafts = max(num_drafts)
     index = torch.tensor([[row.first_row + min(k, n) for k in range(max_drafts + 1)]
                           for row, n in zip(rows, num_drafts)], dtype=torch.long, device=device)  # [B, W1]
@@ -94,18 +179,8 @@ def verify_drafted(rows: list[DraftedRow], logits: torch.Tensor) -> tuple[dict[s
                  [row.slot.seed for row in rows], [len(row.slot.output_token_ids) for row in rows],
                  [row.slot.prompt_token_ids for row in rows], [row.slot.output_token_ids for row in rows],
                  num_drafts)
-    results, rejected = {}, {}
-    for b, row in enumerate(rows):
-        request_id = row.scheduled.request_id
-        emitted = out.emitted_token_ids[b]
-        num_rejected = num_drafts[b] - out.num_accepted[b]
-        if num_rejected:
-            row.slot.state.rollback(num_rejected)
-        row.slot.output_token_ids.extend(emitted)
-        rejected[request_id] = num_rejected
-        results[request_id] = SequenceResult(request_id, tuple(emitted), num_draft_accepted=out.num_accepted[b],
-                                             logprobs=_logprobs(out, b, row.slot.params.num_logprobs))
-    return results, rejected
+    return (list(out.num_accepted), out.emitted_token_ids,
+            [_logprobs(out, b, row.slot.params.num_logprobs) for b, row in enumerate(rows)])
 
 
 def _dense_draft_probs(rows: list[DraftedRow], num_drafts: list[int], max_drafts: int, num_vocab: int,

@@ -6,18 +6,23 @@ this is where the host waits for the forward to finish), features (target featur
 rings or to the draft worker), draft (the in-process drafter's next blocks) and the rest (freed slots, the
 result). On CUDA a pair of events around the forward also gives its device time. Steps are kept apart by
 kind: `decode` (one new token per sequence), `verify` (some sequence verifies drafts), `prefill` (the rest).
-The worker logs the means once, at close (`attention.step_phase_summary`); `moemesh bench speculation`
-prints them beside the drafter's own timings. Plain Python around torch.cuda.Event: nothing per token.
+The worker logs the means once, at close (`attention.step_phase_summary`), and the medians over each kind's
+last `NUM_RECENT_STEPS` steps (a few slow first steps, captures and compiles, move the means, not the medians);
+`moemesh bench speculation` prints them beside the drafter's own timings. Plain Python around torch.cuda.Event:
+nothing per token.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 
 import torch
 
 PHASES = ("prepare", "forward", "sample", "features", "draft", "rest")
+NUM_RECENT_STEPS = 2048  # per kind of step: the window the medians are taken over
 
 
 @dataclass
@@ -26,6 +31,9 @@ class _KindTotals:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     forward_device_s: float = 0.0
     num_device_timed: int = 0  # steps whose forward events had completed by the end of the step
+    # the last NUM_RECENT_STEPS steps: each phase's seconds (and "total"), the forward's device seconds
+    recent: dict[str, deque] = field(default_factory=lambda: {
+        name: deque(maxlen=NUM_RECENT_STEPS) for name in (*PHASES, "total", "forward_device")})
 
 
 class StepPhaseTimer:
@@ -59,11 +67,16 @@ class StepPhaseTimer:
         self.mark("rest")
         totals = self.totals.by_kind.setdefault(kind, _KindTotals())
         totals.num_steps += 1
-        for phase, seconds in self.seconds.items():
+        for phase in PHASES:
+            seconds = self.seconds.get(phase, 0.0)
             totals.seconds[phase] += seconds
+            totals.recent[phase].append(seconds)
+        totals.recent["total"].append(sum(self.seconds.values()))
         if self.events is not None and self.events[1].query():
+            device_s = self.events[0].elapsed_time(self.events[1]) / 1e3
             totals.num_device_timed += 1
-            totals.forward_device_s += self.events[0].elapsed_time(self.events[1]) / 1e3
+            totals.forward_device_s += device_s
+            totals.recent["forward_device"].append(device_s)
 
 
 class StepPhases:
@@ -76,7 +89,7 @@ class StepPhases:
 
     def as_log_fields(self) -> dict[str, float | int]:
         """Per kind: its step count, then the mean ms of every phase and of the forward on the device (over the
-    steps whose forward had completed by their end)."""
+        steps whose forward had completed by their end), and the median ms of each over the recent steps."""
         fields: dict[str, float | int] = {}
         for kind, totals in sorted(self.by_kind.items()):
             count = max(1, totals.num_steps)
@@ -87,6 +100,9 @@ class StepPhases:
             if self.cuda and totals.num_device_timed:
                 fields[f"{kind}_forward_device_ms_mean"] = round(
                     1e3 * totals.forward_device_s / totals.num_device_timed, 4)
+            for name, values in totals.recent.items():
+                if values:
+                    fields[f"{kind}_{name}_ms_median"] = round(1e3 * median(values), 4)
         return fields
 
 

@@ -61,9 +61,11 @@ def masked_logits(work: list, logits: torch.Tensor | None, token_masks: torch.Te
 def sample_or_verify(work: list, logits: torch.Tensor | None, sampler, device: torch.device
                      ) -> tuple[dict[str, SequenceResult], dict[str, int]]:
     """(results by request id, rejected drafts by request id). Sequences with drafts are verified
-    (speculation.verify_drafted), the others sampled from their one row by `sampler` (sampling.Sampler)."""
+    (speculation.verify_drafted), the others sampled from their one row by `sampler` (sampling.Sampler). When
+    every row is a plain argmax (`speculation.argmax_only`: greedy, no bias, penalties or logprobs), one argmax
+    over the rows and one host transfer decide them all, what the sampler and the verifier would choose."""
     from moemesh.common.sampling.rng import Purpose, stream
-    from moemesh.services.attention.speculation import DraftedRow, verify_drafted
+    from moemesh.services.attention.speculation import DraftedRow, argmax_only, verify_drafted
 
     results = {item.scheduled.request_id: SequenceResult(item.scheduled.request_id, ()) for item in work
                if not item.scheduled.do_sample}
@@ -78,10 +80,18 @@ def sample_or_verify(work: list, logits: torch.Tensor | None, sampler, device: t
             plain_rows.append(row)
         row += 1 + len(item.scheduled.draft_token_ids)
     rejected: dict[str, int] = {}
+    argmax_rows = None
+    if logits is not None and all(argmax_only(item.slot.params) for item in work if item.scheduled.do_sample):
+        argmax_rows = logits.argmax(dim=-1).tolist()  # [R]: every row's token, the step's one host sync
     if drafted:
-        verified, rejected = verify_drafted(drafted, logits)
+        verified, rejected = verify_drafted(drafted, logits, argmax_rows)
         results.update(verified)
     if not sampling:
+        return results, rejected
+    if argmax_rows is not None:
+        for item, row in zip(sampling, plain_rows):
+            item.slot.output_token_ids.append(argmax_rows[row])
+            results[item.scheduled.request_id] = SequenceResult(item.scheduled.request_id, (argmax_rows[row],))
         return results, rejected
     if drafted:
         logits = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))  # [B, V]

@@ -8,10 +8,12 @@
     position each sequence in its slot          slots.SlotTable.prepare
     split the sequences into micro-batches      split_micro_batches
     run the layers, dispatching routed experts  model_runner.ModelRunner.run_segments (eager or graph replays)
+    target features, drafter in this process    local_drafter.LocalDrafter.send (every row, while the device
+                                                  computes; the rings drop rejected rows before a draft)
     logits of the sequences that sample         step_sampling.sampling_logits (AttentionSide.logits)
     sample (+ logprobs), or verify drafts       step_sampling.sample_or_verify (sampling.Sampler;
                                                   speculation.verify_drafted rolls back rejects)
-    target features to the drafter              speculation.FeatureSender (before the StepResult)
+    target features to a draft worker process   speculation.FeatureSender (committed rows, before the StepResult)
     next drafts, drafter in this process        local_drafter.LocalDrafter (in the StepResult)
     release finished slots                      slots.SlotTable.free
 
@@ -24,6 +26,7 @@ Legend: B sequences that sample, V vocab, K top logprobs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +46,7 @@ from moemesh.services.attention.recovery import RecoveryConfig, build_step_recov
 from moemesh.services.attention.routing_config import RoutingStatsConfig
 from moemesh.services.attention.step_counters import StepCounting
 from moemesh.services.attention.step_phases import StepPhases, step_kind
+from moemesh.services.attention.step_profiler import StepProfiler
 from moemesh.services.attention.step_sampling import masked_logits, sample_or_verify, sampling_logits, token_mask_problem
 from moemesh.common.placement.worker_holdings import WorkerHoldings, owner_table
 
@@ -170,6 +174,7 @@ class AttentionWorker(Service):
         self.recovery = build_step_recovery(self)
         self.counting = StepCounting(self.channel, self.device, model_config.num_hidden_layers)
         self.phases = StepPhases(self.device)  # where step time goes, logged at close
+        self.profiler = StepProfiler.from_env(self.config.name, self.device)  # MOEMESH_TORCH_PROFILE_STEPS
         self._install_speculation(model_config)
         log.info("attention.loaded", name=self.config.name, device=str(self.device), dtype=str(dtype),
                  num_expert_workers=len(self.config.expert_endpoints),
@@ -215,6 +220,8 @@ class AttentionWorker(Service):
         return RoutingStatsWritten(paths=tuple(str(p) for p in written), summary=self.routing.summary())
 
     async def close(self) -> None:
+        if getattr(self, "profiler", None) is not None:
+            self.profiler.close()
         if getattr(self, "phases", None) is not None and self.phases.by_kind:
             log.info("attention.step_phase_summary", **self.phases.as_log_fields())
         if hasattr(self, "routing") and self.config.routing_stats.out_path is not None:
@@ -234,7 +241,8 @@ class AttentionWorker(Service):
         order; one row each, or 1 + drafts rows for a sequence with drafts) in the last computed attempt."""
         self.pool.move(plan.swap_out, plan.swap_in)
         self._step_routing = None
-        result = self.counting.count(plan, self.recovery.run)  # with its StepCounters
+        with self.profiler.step(step_kind(plan)) if self.profiler is not None else contextlib.nullcontext():
+            result = self.counting.count(plan, self.recovery.run)  # with its StepCounters
         if result.routing is None and self._step_routing is not None:  # recovery rebuilds the result without it
             result = dataclasses.replace(result, routing=self._step_routing)
         return result
@@ -252,14 +260,18 @@ class AttentionWorker(Service):
         finals = self.runner.forward(plan.step_id, micro_batches, decode_masks) if work else []
         timer.forward_done()
         timer.mark("forward")
+        if self.local_drafter is not None:  # every row, while the device runs the forward (see _send_features)
+            self._send_features(plan.step_id, work, groups, None)
+            timer.mark("features")
         logits = sampling_logits(work, groups, finals, self.runner.step_logits, self.side, self.device)
         self.last_logits = logits
         results, rejected = sample_or_verify(work, masked_logits(work, logits, plan.token_masks), self.sampler,
                                              self.device)
         self.dispatcher.confirm_deferred()  # a step graph's mailbox waits: a lost worker fails the attempt here
         timer.mark("sample")
-        self._send_features(plan.step_id, work, groups, rejected)
-        timer.mark("features")
+        if self.local_drafter is None:
+            self._send_features(plan.step_id, work, groups, rejected)
+            timer.mark("features")
         draft_s = 0.0 if self.local_drafter is None else self.local_drafter.propose_after_step(work, results)
         timer.mark("draft")
         self._free_slots(plan.free_seq_slots)
@@ -352,8 +364,14 @@ class AttentionWorker(Service):
         log.info("attention.features_to_drafter", endpoint=self.config.draft_endpoint,
                  layers=sorted(self.runner.capture_layer_ids))
 
-    def _send_features(self, step_id: int, work: list[_Work], groups: list[range], rejected: dict[str, int]) -> None:
-        """TargetFeatures of the committed positions of every sequence the plan marks."""
+    def _send_features(self, step_id: int, work: list[_Work], groups: list[range],
+                       rejected: dict[str, int] | None) -> None:
+        """TargetFeatures of the committed positions of every sequence the plan marks. rejected None: every
+        row of every chunk, before verification has decided (the drafter in this process gets them while the
+        device is still computing the forward, so their host work overlaps it; the rows of drafts that
+        verification then rejects sit past the committed prefix in the rings, where the next append or the
+        truncation to the seed position before the next draft drops them). The draft worker process gets the
+        committed rows only, after verification."""
         from moemesh.services.attention.speculation import committed_rows, target_features_message
 
         if self.feature_sender is None or not any(item.scheduled.send_features for item in work):
@@ -365,7 +383,8 @@ class AttentionWorker(Service):
                 scheduled = work[index].scheduled
                 if scheduled.send_features:
                     entry = committed_rows(scheduled.request_id, micro_batch, offset, scheduled.token_ids,
-                                           scheduled.start_position, rejected.get(scheduled.request_id, 0),
+                                           scheduled.start_position,
+                                           0 if rejected is None else rejected.get(scheduled.request_id, 0),
                                            self.max_feature_positions)
                     if entry is not None:
                         rows.append(entry)

@@ -88,8 +88,6 @@ def _format_error(message: str) -> ProtocolError:
 
 def parse_response_format(value: Any) -> ResponseFormat | None:
     """The body's response_format -> None (absent or text) or a compiled grammar; 400 naming it."""
-    from llguidance import LLMatcher
-
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type") not in _FORMAT_TYPES:
@@ -97,6 +95,8 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
     kind = value["type"]
     if kind == "text":
         return None
+    from llguidance import LLMatcher  # imported by the first request that asks for a grammar
+
     name = None
     if kind == "json_object":
         schema = _JSON_OBJECT_SCHEMA
