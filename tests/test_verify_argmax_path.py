@@ -1,4 +1,4 @@
-"""The worker's argmax verification (speculation.accept_by_argmax, greedy requests without bias, penalties or
+"""The worker's argmax verification (draft_verification.accept_by_argmax, greedy requests without bias, penalties or
 logprobs) emits what the general verifier (sampling.verify.verify) emits, on random steps with ties, mixed
 draft counts and rows of undrafted sequences between the drafted ones."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moemesh.common.sampling_params import SamplingParams
-from moemesh.services.attention.speculation import DraftedRow, _verify_general, accept_by_argmax, argmax_only
+from moemesh.services.attention.draft_verification import DraftedRow, _verify_general, accept_by_argmax, argmax_only
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Temperature-only sampled verification (sampling/verify_sampled.py, as the worker calls it through
-speculation._verify_simple) emits exactly what the general verifier (sampling.verify.verify) emits: the same
+draft_verification._verify_simple) emits exactly what the general verifier (sampling.verify.verify) emits: the same
 accepted counts and tokens on random steps with acceptances, rejections, resamples and bonus draws, greedy
 and sampled requests mixed."""
 
@@ -11,7 +11,7 @@ import torch
 
 from moemesh.common.sampling_params import SamplingParams
 from moemesh.services.attention.sampling.verify_sampled import temperature_only
-from moemesh.services.attention.speculation import DraftedRow, _verify_general, _verify_simple, argmax_only
+from moemesh.services.attention.draft_verification import DraftedRow, _verify_general, _verify_simple, argmax_only
 
 
 @dataclass

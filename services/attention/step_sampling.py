@@ -6,7 +6,7 @@ drafts (the seed slot and every draft slot), in plan order. `sampling_logits` ta
 logits when those are exactly the rows (a decode or verification step replayed whole) and computes the head
 on just those rows otherwise; `masked_logits` applies each constrained sequence's grammar masks to its rows,
 so the sampler and the verifier both see the constrained distribution; `sample_or_verify` verifies every
-drafted sequence (speculation.verify_drafted, which rolls back the rejected drafts) and samples the others
+drafted sequence (draft_verification.verify_drafted, which rolls back the rejected drafts) and samples the others
 from their one row. `token_mask_problem` is the plan check `_prepare` runs on each sequence's mask rows.
 work items carry `.scheduled` (ScheduledSequence) and `.slot` (slots.Slot). Legend: B sequences that
 sample, V vocab, T step tokens.
@@ -61,11 +61,11 @@ def masked_logits(work: list, logits: torch.Tensor | None, token_masks: torch.Te
 def sample_or_verify(work: list, logits: torch.Tensor | None, sampler, device: torch.device
                      ) -> tuple[dict[str, SequenceResult], dict[str, int]]:
     """(results by request id, rejected drafts by request id). Sequences with drafts are verified
-    (speculation.verify_drafted), the others sampled from their one row by `sampler` (sampling.Sampler). When
-    every row is a plain argmax (`speculation.argmax_only`: greedy, no bias, penalties or logprobs), one argmax
+    (draft_verification.verify_drafted), the others sampled from their one row by `sampler` (sampling.Sampler). When
+    every row is a plain argmax (`draft_verification.argmax_only`: greedy, no bias, penalties or logprobs), one argmax
     over the rows and one host transfer decide them all, what the sampler and the verifier would choose."""
     from moemesh.common.sampling.rng import Purpose, stream
-    from moemesh.services.attention.speculation import DraftedRow, argmax_only, verify_drafted
+    from moemesh.services.attention.draft_verification import DraftedRow, argmax_only, verify_drafted
 
     results = {item.scheduled.request_id: SequenceResult(item.scheduled.request_id, ()) for item in work
                if not item.scheduled.do_sample}

@@ -12,7 +12,7 @@
                                                   computes; the rings drop rejected rows before a draft)
     logits of the sequences that sample         step_sampling.sampling_logits (AttentionSide.logits)
     sample (+ logprobs), or verify drafts       step_sampling.sample_or_verify (sampling.Sampler;
-                                                  speculation.verify_drafted rolls back rejects)
+                                                  draft_verification.verify_drafted rolls back rejects)
     target features to a draft worker process   speculation.FeatureSender (committed rows, before the StepResult)
     next drafts, drafter in this process        local_drafter.LocalDrafter (in the StepResult)
     release finished slots                      slots.SlotTable.free
