@@ -19,18 +19,22 @@ from pathlib import Path
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def current_commit() -> str | None:
+def current_commit(directory: Path | None = None) -> str | None:
+    """The checkout's short commit (of `directory`, default this one), with "+changes" when its tracked files
+    differ from it (a device copy of a working tree, a run before a commit): the figures then come from that
+    commit and changes on top."""
+    here = directory or Path(__file__).resolve().parent
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=5)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                 capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    commit = head.stdout.strip()
+    if not commit:
+        return None
+    return f"{commit}+changes" if changed.returncode == 0 and changed.stdout.strip() else commit
 
 
 def describe_device() -> str:

@@ -8,9 +8,9 @@ ring capacity C (positions past its ring are masked out, as eagerly past the lon
 slots, and the Markov chains of every row: greedy rows take the argmax (`chains.greedy_slot`, the very
 function `batched_chains` runs), sampled rows draw from their sparse q at their temperature with the
 key-derived exponential race (`chains.support_draw`, keys `chains.draft_keys` computed on the host and
-copied in), as `batched_chains` does. A draft is then one copy of the padded inputs into the graph's static
-buffers, one replay and one transfer of (tokens, probabilities, confidences), plus the supports of the
-sampled rows. Without a support cap (max_support None: the dense q and a generator per draw) sampled rows
+copied in), as `batched_chains` does. A draft is then a copy of each ring into the graph's static context
+buffer, one copy of the integer inputs (positions, block, keys: one flat table), one replay and one transfer
+of (tokens, probabilities, confidences), plus the supports of the sampled rows. Without a support cap (max_support None: the dense q and a generator per draw) sampled rows
 draw eagerly from the replay's logits. The padding rows of a bucket see no context and cost a few idle
 rows of the same launches.
 Only a bf16/fp16 drafter is captured (`capturable`): in float32 its experts group tokens on the host.
@@ -55,15 +55,26 @@ class DraftGraphOutputs:
 
 @dataclass
 class _BucketGraph:
+    """One bucket's static buffers. The integer inputs share one flat int64 buffer `tables` (one host-to-device
+    copy a draft), each region a contiguous [A_b, .] view: context positions (-1 where a row has no context
+    entry: the graph derives the mask from it), block token ids, block positions, DRAFT keys."""
+
     main_x: torch.Tensor  # [A_b, C, D]
-    context_positions: torch.Tensor  # [A_b, C] int64
-    context_valid: torch.Tensor  # [A_b, C] bool
+    tables: torch.Tensor  # [A_b·C + 3·A_b·G] int64, the views below
+    context_positions: torch.Tensor  # [A_b, C] int64, -1: no entry
     block_token_ids: torch.Tensor  # [A_b, G] int64
     block_positions: torch.Tensor  # [A_b, G] int64
-    temperatures: torch.Tensor  # [A_b] fp32, 0: greedy row
     keys: torch.Tensor  # [A_b, G] int64 DRAFT keys of the sampled rows' slots
+    temperatures: torch.Tensor  # [A_b] fp32, 0: greedy row
     outputs: DraftGraphOutputs | None = None  # over A_b rows, written by every replay
     graph: Any = None
+
+
+def _table_views(tables: torch.Tensor, bucket: int, context_len: int, num_slots: int) -> tuple[torch.Tensor, ...]:
+    """(context positions [A_b, C], block token ids, block positions, keys [A_b, G]) over a flat table."""
+    sizes = (bucket * context_len, bucket * num_slots, bucket * num_slots, bucket * num_slots)
+    parts = torch.split(tables, sizes)
+    return (parts[0].view(bucket, context_len), *(part.view(bucket, num_slots) for part in parts[1:]))
 
 
 class DraftGraphs:
@@ -97,30 +108,40 @@ class DraftGraphs:
     def bucket_for(self, num_requests: int) -> int | None:
         return next((bucket for bucket in self.buckets if bucket >= num_requests), None)
 
-    def run(self, main_x: torch.Tensor, context_positions: torch.Tensor, context_valid: torch.Tensor,
-            block_token_ids: torch.Tensor, block_positions: torch.Tensor, temperatures: list[float],
-            keys: torch.Tensor | None) -> DraftGraphOutputs | None:
-        """The eager `block_hidden` inputs (main_x [A, c, D] with c <= C, ...), every row's temperature (0:
-        greedy) and the sampled rows' DRAFT keys [A, G] int64 (`chains.draft_keys`; None when no row samples)
-        -> one replay's outputs for the A requests; None when A is above the largest bucket or c above the
-        capacity (the caller runs eagerly)."""
-        num_requests, num_context = context_valid.shape
+    def run(self, contexts: list[tuple[torch.Tensor, torch.Tensor]], seed_token_ids: list[int],
+            seed_positions: list[int], temperatures: list[float], keys: torch.Tensor | None
+            ) -> DraftGraphOutputs | None:
+        """One replay for A requests, or None when A is above the largest bucket or a context above the capacity
+        (the caller runs eagerly). contexts: each request's ring, oldest first (main_x [c, D] on the device,
+        positions [c] int64 on the host); its seed token and the seed's position; every row's temperature (0:
+        greedy); the sampled rows' DRAFT keys [A, G] int64 on the host (`chains.draft_keys`; None when no row
+        samples). The features go straight into the static buffer, the integer inputs in one copy."""
+        num_requests = len(contexts)
         bucket = self.bucket_for(num_requests)
-        if bucket is None or num_context > self.context_len:
+        if bucket is None or any(features.shape[0] > self.context_len for features, _ in contexts):
             return None
         sampled = keys is not None and self.support_k is not None
         entry = self._graphs.get((bucket, sampled))
         if entry is None:
             entry = self._graphs[(bucket, sampled)] = self._capture(bucket, sampled)
-        entry.context_valid.zero_()
-        entry.main_x[:num_requests, :num_context].copy_(main_x)
-        entry.context_positions[:num_requests, :num_context].copy_(context_positions)
-        entry.context_valid[:num_requests, :num_context].copy_(context_valid)
-        entry.block_token_ids[:num_requests].copy_(block_token_ids)
-        entry.block_positions[:num_requests].copy_(block_positions)
-        entry.temperatures[:num_requests].copy_(torch.tensor(temperatures, dtype=torch.float32), non_blocking=True)
+        num_slots = self.drafter.dspark.block_size
+        host = torch.empty(entry.tables.shape, dtype=torch.int64)
+        positions, block_ids, block_positions, host_keys = _table_views(host, bucket, self.context_len, num_slots)
+        positions.fill_(-1)
+        block_ids.fill_(self.drafter.dspark.noise_token_id)
+        block_ids[:num_requests, 0] = torch.tensor(seed_token_ids, dtype=torch.int64)
+        block_positions.copy_(torch.arange(num_slots, dtype=torch.int64).expand(bucket, num_slots))
+        block_positions[:num_requests] += torch.tensor(seed_positions, dtype=torch.int64)[:, None]
+        host_keys.zero_()
         if sampled:
-            entry.keys[:num_requests].copy_(keys)
+            host_keys[:num_requests] = keys
+        for row, (features, context_positions) in enumerate(contexts):
+            count = features.shape[0]
+            positions[row, :count] = context_positions
+            entry.main_x[row, :count].copy_(features)  # past count: stale rows, masked out
+        entry.tables.copy_(host)
+        if sampled:
+            entry.temperatures.copy_(torch.tensor(temperatures + [0.0] * (bucket - num_requests), dtype=torch.float32))
         if self.capture:
             entry.graph.replay()
         else:
@@ -133,7 +154,8 @@ class DraftGraphs:
 
     def _forward(self, entry: _BucketGraph, sampled: bool) -> None:
         """The captured work (`block_chains` over the entry's static inputs, outputs kept in the entry)."""
-        entry.outputs = block_chains(self.drafter, entry.main_x, entry.context_positions, entry.context_valid,
+        valid = entry.context_positions >= 0  # [A_b, C]
+        entry.outputs = block_chains(self.drafter, entry.main_x, entry.context_positions.clamp_min(0), valid,
                                      entry.block_token_ids, entry.block_positions, entry.temperatures, entry.keys,
                                      self.support_k if sampled else None)
 
@@ -141,15 +163,17 @@ class DraftGraphs:
         started_s = time.perf_counter()
         drafter, device = self.drafter, self.device
         num_slots = drafter.dspark.block_size
+        context_len = self.context_len
+        tables = torch.empty(bucket * (context_len + 3 * num_slots), dtype=torch.int64, device=device)
+        positions, block_ids, block_positions, keys = _table_views(tables, bucket, context_len, num_slots)
+        positions.fill_(-1)
+        block_ids.fill_(drafter.dspark.noise_token_id)
+        block_positions.copy_(torch.arange(num_slots, dtype=torch.long, device=device).expand(bucket, num_slots))
+        keys.zero_()
         entry = _BucketGraph(
-            main_x=torch.zeros(bucket, self.context_len, drafter.config.hidden_size, dtype=drafter.dtype,
-                               device=device),
-            context_positions=torch.zeros(bucket, self.context_len, dtype=torch.long, device=device),
-            context_valid=torch.zeros(bucket, self.context_len, dtype=torch.bool, device=device),
-            block_token_ids=drafter.block_inputs(torch.zeros(bucket, dtype=torch.long, device=device)),
-            block_positions=torch.arange(num_slots, dtype=torch.long, device=device).repeat(bucket, 1),
-            temperatures=torch.zeros(bucket, dtype=torch.float32, device=device),
-            keys=torch.zeros(bucket, num_slots, dtype=torch.int64, device=device))
+            main_x=torch.zeros(bucket, context_len, drafter.config.hidden_size, dtype=drafter.dtype, device=device),
+            tables=tables, context_positions=positions, block_token_ids=block_ids, block_positions=block_positions,
+            keys=keys, temperatures=torch.zeros(bucket, dtype=torch.float32, device=device))
         if not self.capture:
             return entry
         stream = torch.cuda.Stream(device)

@@ -182,7 +182,8 @@ class DraftProposer:
         drafted = [slot for slot in request.slots if self._wants_drafts(slot)]
         rows: dict[str, DraftProposal] = {}
         if drafted:
-            batch = self._batch_inputs(drafted)
+            contexts, seed_positions = self._contexts(drafted)
+            seed_token_ids = [slot.last_token_ids[-1] for slot in drafted]
             started_s = time.perf_counter()
             replay = None
             temperatures = [float(slot.temperature) for slot in drafted]
@@ -192,16 +193,16 @@ class DraftProposer:
                 if any(sampled) and self.graphs.support_k is not None:
                     keys = draft_keys([slot.seed or 0 for slot in drafted],
                                       [slot.first_output_position or 0 for slot in drafted],
-                                      self.drafter.dspark.block_size, self.device)
+                                      self.drafter.dspark.block_size, "cpu")
                 try:
-                    replay = self.graphs.run(batch.main_x, batch.context_positions, batch.context_valid,
-                                             batch.block_token_ids, batch.block_positions, temperatures, keys)
+                    replay = self.graphs.run(contexts, seed_token_ids, seed_positions, temperatures, keys)
                 except RuntimeError as error:  # a capture that failed: drafts go on eagerly, said once
                     self.graphs = None
                     log.error("draft.graphs_off", error=str(error)[:300], action="the drafter runs eagerly")
             if replay is not None:
                 hidden, base_logits = replay.hidden, replay.base_logits  # [A, G, D], [A, G, V]
             else:
+                batch = self._padded_batch(contexts, seed_token_ids, seed_positions)
                 hidden = self.drafter.block_hidden(batch.main_x, batch.context_positions, batch.context_valid,
                                                    batch.block_token_ids, batch.block_positions)  # [A, G, D]
                 base_logits = self.drafter.base_logits(hidden)  # [A, G, V]
@@ -233,15 +234,20 @@ class DraftProposer:
             raise DraftSlotError(slot.request_id, "a sampled slot needs seed and first_output_position")
         return self.speculation.enabled and slot.num_draft_tokens > 0
 
-    def _batch_inputs(self, slots: list[DraftSlot]) -> _Batch:
-        """Roll each ring back to its seed position, then pad the contexts to one length."""
+    def _contexts(self, slots: list[DraftSlot]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+        """Roll each ring back to its seed position -> (each ring's (main_x [c, D], positions [c]), seed positions)."""
         contexts, seed_positions = [], []
         for slot in slots:
             seed_position = slot.start_position + len(slot.last_token_ids) - 1
             self.rings.truncate(slot.request_id, seed_position)  # entries >= the seed are rejected drafts'
             contexts.append(self.rings.ring(slot.request_id).context())
             seed_positions.append(seed_position)
-        num_blocks = len(slots)
+        return contexts, seed_positions
+
+    def _padded_batch(self, contexts: list[tuple[torch.Tensor, torch.Tensor]], seed_token_ids: list[int],
+                      seed_positions: list[int]) -> _Batch:
+        """The eager forward's inputs: the contexts padded to the longest one."""
+        num_blocks = len(contexts)
         num_context = max(features.shape[0] for features, _ in contexts)
         hidden_size = self.drafter.config.hidden_size
         main_x = torch.zeros(num_blocks, num_context, hidden_size, dtype=self.drafter.dtype, device=self.device)
@@ -252,7 +258,7 @@ class DraftProposer:
             main_x[index, :count] = features
             positions[index, :count] = context_positions
             valid[index, :count] = True
-        seeds = torch.tensor([slot.last_token_ids[-1] for slot in slots], dtype=torch.long, device=self.device)
+        seeds = torch.tensor(seed_token_ids, dtype=torch.long, device=self.device)
         offsets = torch.arange(self.drafter.dspark.block_size, dtype=torch.long)
         block_positions = torch.tensor(seed_positions, dtype=torch.long)[:, None] + offsets[None]  # [A, G]
         return _Batch(main_x, positions.to(self.device), valid.to(self.device), self.drafter.block_inputs(seeds),
