@@ -4,9 +4,9 @@ Starts one `moemesh serve` per mode on the same model and devices (all at once, 
 overlaps; they are then measured one after the other, the others idle), and for temperature 0
 and 1, one stream and N streams, sends the same streamed completions (running text of chapters the default
 model memorised, so decodes run long) and measures output tokens per second (wall clock over the batch), the
-decode alone (the tokens after each request's first, over first token .. last token: TTFT left out), TTFT,
-the mean accepted length per verify step (bonus included) from each response's
-usage.speculative, and the speedup over the `off` server of the same run.
+decode alone (the tokens after each request's first, over first token .. last token: TTFT left out), TTFT
+(one run over HTTP: speculation_client.measure_run), the mean accepted length per verify step (bonus included)
+from each response's usage.speculative, and the speedup over the `off` server of the same run.
 
 Where the time goes, per run, from the router's counters (/status.json, before and after):
 engine steps, mean attention step time (plan sent .. StepResult: the forward, verification and
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import signal
@@ -56,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moemesh.bench.speculation_checks import run_problems, speedups
+from moemesh.bench.speculation_client import measure_run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Running text of the chapters the default model memorised (its training format `Book C:V text`), so
@@ -142,99 +142,6 @@ def _stop_all(servers: list[Server], timeout_s: float) -> None:
             server.process.wait()
 
 
-async def _engine_counters(client, base_url: str) -> dict:
-    reply = await client.get(f"{base_url}/status.json")
-    reply.raise_for_status()
-    return reply.json().get("engine", {})
-
-
-def _counter_delta(before: dict, after: dict, key: str) -> float:
-    return float(after.get(key, 0) or 0) - float(before.get(key, 0) or 0)
-
-
-async def _run(base_url: str, prompts: list[str], temperature: float, max_tokens: int, seed: int,
-               ignore_eos: bool, timeout_s: float = 600.0) -> dict:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
-        async def one(index: int, prompt: str) -> dict:
-            body = {"model": "moemesh", "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-                    "seed": seed + index, "ignore_eos": ignore_eos, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            return await _streamed_completion(client, f"{base_url}/v1/completions", body)
-
-        before = await _engine_counters(client, base_url)
-        start_s = time.perf_counter()
-        replies = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        elapsed_s = time.perf_counter() - start_s
-        after = await _engine_counters(client, base_url)
-    first_s = min(r["first_token_s"] for r in replies) - start_s
-    decode_s = max(r["last_token_s"] for r in replies) - min(r["first_token_s"] for r in replies)
-    num_decoded = sum(max(0, r["usage"]["completion_tokens"] - 1) for r in replies)
-    num_tokens = sum(r["usage"]["completion_tokens"] for r in replies)
-    spec = [r["usage"].get("speculative") or {} for r in replies]
-    accepted_lengths = [s["mean_accepted_length"] for s in spec if s.get("ran")]
-    num_steps = _counter_delta(before, after, "num_steps")
-    step_s = _counter_delta(before, after, "step_seconds_total")
-    num_draft_requests = _counter_delta(before, after, "spec_num_draft_requests")
-    draft_s = _counter_delta(before, after, "spec_draft_round_trip_s_total")
-    policy = {key.removeprefix("spec_policy_"): _counter_delta(before, after, key)
-              for key in after if key.startswith("spec_policy_num_")}
-    return {
-        "num_requests": len(prompts), "num_output_tokens": num_tokens, "elapsed_s": elapsed_s,
-        "tokens_per_s": num_tokens / elapsed_s if elapsed_s > 0 else 0.0,
-        # decode alone: the tokens after each request's first, over first token .. last token (TTFT left out)
-        "decode_tokens_per_s": num_decoded / decode_s if decode_s > 0 else 0.0,
-        "time_to_first_token_s": first_s,
-        "speculation_ran": any(s.get("ran") for s in spec),
-        "draft_tokens": sum(s.get("draft_tokens", 0) for s in spec),
-        "accepted_tokens": sum(s.get("accepted_tokens", 0) for s in spec),
-        "mean_accepted_length": sum(accepted_lengths) / len(accepted_lengths) if accepted_lengths else 0.0,
-        "cached_tokens": sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in replies),
-        "finish_reasons": [r["choices"][0]["finish_reason"] for r in replies],
-        "completion_tokens": [r["usage"]["completion_tokens"] for r in replies],
-        "output_hash": hashlib.sha256("\x00".join(r["choices"][0]["text"] for r in replies).encode()).hexdigest(),
-        "texts": [r["choices"][0]["text"] for r in replies],
-        # where the time goes (router's view), per engine step
-        "num_steps": num_steps,
-        "step_ms_mean": 1e3 * step_s / num_steps if num_steps else 0.0,
-        "num_draft_requests": num_draft_requests,
-        "draft_round_trip_ms_mean": 1e3 * draft_s / num_draft_requests if num_draft_requests else 0.0,
-        "other_ms_per_step": 1e3 * (elapsed_s - step_s - draft_s) / num_steps if num_steps else 0.0,
-        "tokens_per_step": num_tokens / num_steps if num_steps else 0.0,
-        "policy": policy,  # the router's cost-aware width policy in this run (adaptive mode)
-    }
-
-
-async def _streamed_completion(client, url: str, body: dict) -> dict:
-    """One streamed completion -> {"choices": [{"text", "finish_reason"}], "usage", "first_token_s",
-    "last_token_s"} (perf_counter times of the first and the last chunk that carried text)."""
-    text, finish_reason, usage = [], None, None
-    first_s = last_s = None
-    async with client.stream("POST", url, json=body) as reply:
-        if reply.status_code >= 400:
-            await reply.aread()
-            reply.raise_for_status()
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices") or ():
-                if choice.get("text"):
-                    last_s = time.perf_counter()
-                    first_s = first_s or last_s
-                    text.append(choice["text"])
-                finish_reason = choice.get("finish_reason") or finish_reason
-    if usage is None or first_s is None:
-        raise RuntimeError(f"stream ended without {'usage' if usage is None else 'text'}")
-    return {"choices": [{"text": "".join(text), "finish_reason": finish_reason}], "usage": usage,
-            "first_token_s": first_s, "last_token_s": last_s}
-
-
 def _log_summaries(run_dir: Path) -> dict:
     """The last timing summary of the drafter, the attention worker's feature sender and its step phases
     (written at their drain) from the service logs of one server."""
@@ -317,9 +224,10 @@ def _measure(servers: list[Server], args: argparse.Namespace, ignore_eos: bool, 
     for server in servers:  # first-step costs out of the figures (Triton compiles, CUDA-graph captures of the
         # decode, verification and drafter shapes): one stream and two, greedy and sampled, long enough to draft
         alone = [f"warm up\n{PROMPTS[0]}"]
-        asyncio.run(_run(server.base_url, alone, 0.0, 16, 0, ignore_eos, args.request_timeout_s))
-        asyncio.run(_run(server.base_url, ["Warm up", "Warm up again"], 0.0, 16, 0, ignore_eos, args.request_timeout_s))
-        asyncio.run(_run(server.base_url, alone, 1.0, 16, 0, ignore_eos, args.request_timeout_s))
+        asyncio.run(measure_run(server.base_url, alone, 0.0, 16, 0, ignore_eos, args.request_timeout_s))
+        asyncio.run(measure_run(server.base_url, ["Warm up", "Warm up again"], 0.0, 16, 0, ignore_eos,
+                                args.request_timeout_s))
+        asyncio.run(measure_run(server.base_url, alone, 1.0, 16, 0, ignore_eos, args.request_timeout_s))
     for temperature in temperatures:
         for num_streams in stream_counts:
             for repeat in range(args.repeats):
@@ -336,8 +244,8 @@ def _measure(servers: list[Server], args: argparse.Namespace, ignore_eos: bool, 
                         continue
                     print(f"run {key} repeat {repeat}", flush=True)
                     try:
-                        run = asyncio.run(_run(server.base_url, prompts, temperature, args.max_tokens, 7, ignore_eos,
-                                               args.request_timeout_s))
+                        run = asyncio.run(measure_run(server.base_url, prompts, temperature, args.max_tokens, 7,
+                                                      ignore_eos, args.request_timeout_s))
                     except Exception as error:  # a timeout or an error reply: recorded, the rest still runs
                         problems.append(f"{key} repeat {repeat}: {type(error).__name__}: {str(error)[:200]}")
                         print(f"FAIL {problems[-1]}", flush=True)

@@ -4,6 +4,7 @@ accepted counts and tokens on random steps with acceptances, rejections, resampl
 and sampled requests mixed."""
 
 import random
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -98,3 +99,18 @@ def test_temperature_only_verification_equals_the_general_verifier(device):
 ])
 def test_temperature_only(params, expected):
     assert temperature_only(params, num_vocab=40) is expected
+
+
+@pytest.mark.parametrize("supports, probs, message", [
+    (((1, 2),), ((0.5, 0.5),), "2 sampled drafts but 1 draft distributions"),
+    (((1, 2), (3,)), ((0.5, 0.5), (0.5, 0.5)), "draft 1 has 1 ids, 2 probs"),
+    (((1, 2), (3, 99)), ((0.5, 0.5), (0.5, 0.5)), "ids outside [0, 16)"),
+])
+def test_malformed_draft_distributions_are_refused_before_anything_changes(supports, probs, message):
+    from moemesh.services.attention.draft_verification import verify_drafted
+
+    slot = _Slot(SamplingParams(temperature=1.0), seed=3)
+    row = DraftedRow(_Scheduled("bad", (1, 3), supports, probs), slot, 0)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        verify_drafted([row], torch.randn(3, 16))
+    assert slot.output_token_ids == []

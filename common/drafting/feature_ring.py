@@ -6,8 +6,9 @@ layers. Features are fused (`main_proj` + `main_norm`) once, when they arrive, s
 D floats per position instead of L·D and a draft step does not re-fuse the same rows every step.
 
 Invariants of one ring:
-- positions strictly increase from oldest to newest; at most `max_positions` entries (older
-  ones are overwritten: the drafter's window is `sliding_window` = 128 positions);
+- positions strictly increase from oldest to newest; at most `max_positions` + `spare_positions` entries
+  stored (older ones are overwritten), the newest `max_positions` read (the drafter's window is
+  `sliding_window` = 128 positions);
 - appending rows that start at position p first drops every entry at a position >= p: such
   entries belong to tokens that verification rejected, or are being resent (rollback is implicit in
   the next append). A drafter in the attention worker's process is given a verify step's rows before

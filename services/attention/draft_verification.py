@@ -42,6 +42,7 @@ def verify_drafted(rows: list[DraftedRow], logits: torch.Tensor, argmax_rows: li
     from moemesh.services.attention.sampling.verify_sampled import temperature_only
 
     num_drafts = [len(row.scheduled.draft_token_ids) for row in rows]
+    _check_supports(rows, num_drafts, logits.shape[1])
     greedy = [argmax_only(row.slot.params) for row in rows]
     simple = [g or temperature_only(row.slot.params, logits.shape[1]) for g, row in zip(greedy, rows)]
     if all(simple):  # the argmax rule on the host, the temperature-only sampled rule (verify_sampled.py)
@@ -60,6 +61,23 @@ def verify_drafted(rows: list[DraftedRow], logits: torch.Tensor, argmax_rows: li
         results[request_id] = SequenceResult(request_id, tuple(emitted[b]), num_draft_accepted=accepted[b],
                                              logprobs=logprobs[b])
     return results, rejected
+
+
+def _check_supports(rows: list[DraftedRow], num_drafts: list[int], num_vocab: int) -> None:
+    """Every sampled request's relayed draft distributions: one per draft, as many ids as probs, ids in the
+    vocabulary (checked on the host: on a GPU a bad index would be a device assert). ValueError naming it."""
+    for row, num in zip(rows, num_drafts):
+        if row.slot.params.is_greedy:
+            continue
+        scheduled = row.scheduled
+        supports, probs = scheduled.draft_support_token_ids, scheduled.draft_support_probs
+        if len(supports) != num or len(probs) != num:
+            raise ValueError(f"{scheduled.request_id}: {num} sampled drafts but {len(supports)} draft distributions")
+        for k, (ids, values) in enumerate(zip(supports, probs)):
+            if len(ids) != len(values):
+                raise ValueError(f"{scheduled.request_id}: draft {k} has {len(ids)} ids, {len(values)} probs")
+            if ids and (min(ids) < 0 or max(ids) >= num_vocab):
+                raise ValueError(f"{scheduled.request_id}: draft {k}'s distribution has ids outside [0, {num_vocab})")
 
 
 def argmax_only(params) -> bool:
@@ -106,11 +124,6 @@ def _verify_simple(rows: list[DraftedRow], num_drafts: list[int], logits: torch.
         requests = []
         for b in sampled_at:
             scheduled, slot = rows[b].scheduled, rows[b].slot
-            if len(scheduled.draft_support_token_ids) != num_drafts[b] or any(
-                    len(ids) != len(probs) for ids, probs in zip(scheduled.draft_support_token_ids,
-                                                                 scheduled.draft_support_probs)):
-                raise ValueError(f"{scheduled.request_id}: {num_drafts[b]} sampled drafts need as many draft "
-                                 "distributions, each with as many ids as probs")
             requests.append(SampledDrafts(rows[b].first_row, scheduled.draft_token_ids,
                                           scheduled.draft_support_token_ids, scheduled.draft_support_probs,
                                           slot.params.temperature, slot.seed, len(slot.output_token_ids)))
@@ -136,7 +149,7 @@ def _verify_general(rows: list[DraftedRow], num_drafts: list[int], logits: torch
         draft_ids[b, :num_drafts[b]] = torch.tensor(row.scheduled.draft_token_ids, dtype=torch.long)
     draft_probs = None
     if any(not row.slot.params.is_greedy for row in rows):
-        draft_probs = _dense_draft_probs(rows, num_drafts, max_drafts, num_vocab, device)  # [B, W, V]
+        draft_probs = _dense_draft_probs(rows, max_drafts, num_vocab, device)  # [B, W, V]
     out = verify(target_logits, draft_ids.to(device), draft_probs, [row.slot.params for row in rows],
                  [row.slot.seed for row in rows], [len(row.slot.output_token_ids) for row in rows],
                  [row.slot.prompt_token_ids for row in rows], [row.slot.output_token_ids for row in rows],
@@ -145,29 +158,22 @@ def _verify_general(rows: list[DraftedRow], num_drafts: list[int], logits: torch
             [_logprobs(out, b, row.slot.params.num_logprobs) for b, row in enumerate(rows)])
 
 
-def _dense_draft_probs(rows: list[DraftedRow], num_drafts: list[int], max_drafts: int, num_vocab: int,
-                       device: torch.device) -> torch.Tensor:
+def _dense_draft_probs(rows: list[DraftedRow], max_drafts: int, num_vocab: int, device: torch.device
+                       ) -> torch.Tensor:
     """The sparse q of every sampled request's drafts, as the dense [B, W, V] fp32 the verifier
     takes (zeros for greedy rows and padding). One host-to-device copy and one scatter for the
     whole step (a copy per slot cost ~3 small transfers each on a GPU); the values are the relayed
-    float32s, so q is bit for bit the distribution each draft was drawn from."""
+    float32s, so q is bit for bit the distribution each draft was drawn from (checked by `_check_supports`)."""
     index_b, index_k, index_v, values = [], [], [], []
     for b, row in enumerate(rows):
         if row.slot.params.is_greedy:
             continue
-        supports = row.scheduled.draft_support_token_ids
-        if len(supports) != num_drafts[b]:
-            raise ValueError(f"{row.scheduled.request_id}: {num_drafts[b]} sampled drafts but "
-                             f"{len(supports)} draft distributions")
-        for k, (ids, probs) in enumerate(zip(supports, row.scheduled.draft_support_probs)):
-            if len(ids) != len(probs):
-                raise ValueError(f"{row.scheduled.request_id}: draft {k} has {len(ids)} ids, {len(probs)} probs")
+        for k, (ids, probs) in enumerate(zip(row.scheduled.draft_support_token_ids,
+                                             row.scheduled.draft_support_probs)):
             index_b.extend([b] * len(ids))
             index_k.extend([k] * len(ids))
             index_v.extend(ids)
             values.extend(probs)
-    if index_v and (min(index_v) < 0 or max(index_v) >= num_vocab):  # checked here: on a GPU a bad index
-        raise ValueError(f"draft distribution ids outside [0, {num_vocab})")  # would be a device assert
     dense = torch.zeros(len(rows), max_drafts, num_vocab, dtype=torch.float32, device=device)
     if values:
         index = torch.tensor([index_b, index_k, index_v], dtype=torch.long).to(device)  # [3, N]
