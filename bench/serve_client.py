@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -134,10 +135,11 @@ def _read_event(record: RequestRecord, payload: dict, arrived_s: float) -> None:
         record.finish_reason = choice.get("finish_reason") or record.finish_reason
 
 
-async def send_request(client: httpx.AsyncClient, index: int, endpoint: Endpoint, body: dict) -> RequestRecord:
+async def send_request(client: httpx.AsyncClient, index: int, endpoint: Endpoint, body: dict,
+                       on_first_token: Callable[[], None] | None = None) -> RequestRecord:
     """Send one streaming request and time it. Never raises for a failed request: the failure
     is in `record.error` (HTTP status, transport error, an error finish reason, or a stream
-    that ended before `[DONE]`)."""
+    that ended before `[DONE]`). on_first_token: called once when the first token's event arrives."""
     record = RequestRecord(index=index, start_s=time.perf_counter())
     done = False
     try:
@@ -154,6 +156,9 @@ async def send_request(client: httpx.AsyncClient, index: int, endpoint: Endpoint
                     record.end_s, done = arrived_s, True
                     break
                 _read_event(record, json.loads(data), arrived_s)
+                if on_first_token is not None and record.chunk_times_s:
+                    on_first_token()
+                    on_first_token = None
                 if record.error is not None:
                     return record
     except (httpx.HTTPError, ValueError, TypeError, AttributeError) as error:  # transport or malformed events

@@ -34,6 +34,8 @@ Example (every key optional except the model path and one attention and expert w
     num_primary_blocks = 256       # blocks in each attention worker's device pool
     num_cpu_blocks = 256           # blocks in the host (swap) tier; 0: preempted requests are recomputed
     prefix_caching = true          # share full blocks between requests with the same prefix
+    max_model_len = 0              # prompt + output tokens of one request; 0: the model's positions, capped
+                                   # by the device pool (a larger value than either fails at start)
 
     [[attention]]
     name = "attention-0"
@@ -133,6 +135,7 @@ class KVConfig:
     num_primary_blocks: int = 256
     num_cpu_blocks: int = 256
     prefix_caching: bool = True
+    max_model_len: int = 0  # 0: min(max_position_embeddings, num_primary_blocks x block_size_tokens)
 
 
 @dataclass(frozen=True)
@@ -304,6 +307,12 @@ def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
         raise DeploymentError("kv.num_primary_blocks: must be >= 1")
     if deployment.kv.num_cpu_blocks < 0:
         raise DeploymentError("kv.num_cpu_blocks: must be >= 0")
+    if deployment.kv.max_model_len < 0 or deployment.kv.max_model_len == 1:
+        raise DeploymentError("kv.max_model_len: must be 0 (from the model and the pool) or >= 2")
+    pool_tokens = deployment.kv.num_primary_blocks * deployment.kv.block_size_tokens
+    if deployment.kv.max_model_len > pool_tokens:
+        raise DeploymentError(f"kv.max_model_len: {deployment.kv.max_model_len} tokens do not fit the device pool "
+                              f"(num_primary_blocks x block_size_tokens = {pool_tokens})")
     for index, worker in enumerate(deployment.attention):
         if worker.kv_dtype not in KV_DTYPES:
             raise DeploymentError(f"attention[{index}].kv_dtype: {worker.kv_dtype!r} is not one of "

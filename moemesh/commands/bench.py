@@ -74,6 +74,9 @@ BENCHMARKS: dict[str, Benchmark] = {
                       "long run of streams with client aborts and expert worker restarts: failures, leaks"),
     "default-model": Benchmark("moemesh.bench.default_model_figures",
                                "the default model on the CPU: loss, recitation, drafter acceptance, expert skew"),
+    "long-context": Benchmark("moemesh.bench.long_context",
+                              "long prompts through a running server: capacity, prefill and decode against floors, "
+                              "short-request TTFT during a long prefill"),
     "kv-bytes": Benchmark("moemesh.bench.kv_bytes",
                           "KV bytes per context token as stored (--kv-dtype), measured from a sequence state"),
     "plots": Benchmark("moemesh.bench.plots", "render result JSON files as PNG plots beside them"),

@@ -52,6 +52,19 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="how the attention worker stores window and compressed KV rows: bf16 (the compute dtype) "
                              "or fp8 (584-byte V4-Flash rows instead of 1,024, read by the attention kernels "
                              "directly; docs/model.md §3.1)")
+    parser.add_argument("--kv-tokens", default="32768", metavar="N|auto",
+                        help="context tokens the attention worker's device KV pool holds, over all sequences, in "
+                             "128-token blocks; auto: as many as fit in --gpu-memory-utilization of the device's free "
+                             "memory beside every worker's plan there (default 32768)")
+    parser.add_argument("--kv-cpu-tokens", type=int, default=32768, metavar="N",
+                        help="context tokens of the pinned CPU tier (preempted sequences swap there; 0: they are "
+                             "recomputed) (default 32768)")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                        help="prompt + output tokens of one request (default: the model's positions, capped by "
+                             "the device pool)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                        help="with --kv-tokens auto: the fraction of the device's free memory the workers on it "
+                             "may plan (default 0.9)")
     parser.add_argument("--expert-dtype", choices=("native", "fp8", "bf16"), default="native",
                         help="what expert workers keep of the routed experts: native (as stored), fp8 (FP4 "
                              "re-encoded to FP8 e4m3 at load, docs/checkpoints.md) or bf16 (debugging)")
@@ -115,6 +128,31 @@ def request_limits(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
     """The limits given on the command line, as (router key, value) pairs."""
     keys = ("max_body_bytes", "max_json_depth", "max_concurrent_tokenizations")
     return tuple((key, getattr(args, key)) for key in keys if getattr(args, key, None) is not None)
+
+
+def _size_kv(layout, request, model_dir: Path):
+    """The layout with its [kv] pool: the asked-for tokens in blocks, or `auto` sized from the attention device's
+    free memory (moemesh/commands/serve_kv.py); ValueError when the pool or --max-model-len cannot be."""
+    import dataclasses
+
+    from moemesh.commands.serve_config import deployment_table
+    from moemesh.commands.serve_kv import (auto_device_blocks, blocks_for, check_max_model_len,
+                                           measure_free_bytes_isolated, planned_bytes_beside_kv)
+    from moemesh.common.model.config import ModelConfig
+    from moemesh.common.runtime.deployment import parse_deployment
+
+    config = ModelConfig.load(model_dir)
+    layout = dataclasses.replace(layout, kv_num_cpu_blocks=blocks_for(request.cpu_tokens))
+    if request.device_tokens is not None:
+        blocks = blocks_for(request.device_tokens)
+    else:
+        sized = parse_deployment(deployment_table(dataclasses.replace(layout, kv_num_primary_blocks=1)))
+        planned, block_bytes = planned_bytes_beside_kv(sized, config)
+        device = layout.devices[0]
+        blocks = auto_device_blocks(measure_free_bytes_isolated(device), request.memory_utilization, planned,
+                                    block_bytes, device)
+    check_max_model_len(request.max_model_len, config.max_position_embeddings, blocks)
+    return dataclasses.replace(layout, kv_num_primary_blocks=blocks, max_model_len=request.max_model_len)
 
 
 def _parse_devices(text: str) -> tuple[str, ...]:
@@ -188,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
     from moemesh.common.runtime.launcher import start_service, stop_services
     from moemesh.common.speculation_width import SpeculationConfig
     from moemesh.commands.serve_restarts import RestartPolicy
+    from moemesh.commands.serve_kv import parse_kv_request
     from moemesh.commands.serve_model import HubModelMissing, is_hub_id, resolve_model
     from moemesh.common.runtime.deployment import DeploymentError
     from moemesh.common.runtime.logging import configure_logging
@@ -207,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
         collect_api_keys(args.api_key, args.api_key_file)  # a bad key or key file fails before anything starts
         # refuses a width above dspark_block_size (or speculation without a drafter) before anything starts
         speculation = SpeculationConfig.for_model(args.speculation, args.spec_width, draft_block_size(model_dir))
+        kv_request = parse_kv_request(args.kv_tokens, args.kv_cpu_tokens, args.max_model_len,
+                                      args.gpu_memory_utilization)
         restart_policy = RestartPolicy(initial_backoff_s=args.restart_backoff_s,
                                        max_backoff_s=max(30.0, args.restart_backoff_s),
                                        max_restarts=args.max_restarts, stable_after_s=args.restart_stable_s)
@@ -232,9 +273,13 @@ def run(args: argparse.Namespace) -> int:
                          router_limits=request_limits(args), expert_dtype=args.expert_dtype,
                          experts_in_attention=experts_in_attention, kv_dtype=args.kv_dtype)
     try:
+        layout = _size_kv(layout, kv_request, model_dir)
         config_path, deployment = write_deployment(layout)
     except DeploymentError as error:
         print(f"moemesh serve: bad deployment: {error}", file=sys.stderr)
+        return 2
+    except ValueError as error:
+        print(f"moemesh serve: {error}", file=sys.stderr)
         return 2
 
     stop = _StopRequested()

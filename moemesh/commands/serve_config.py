@@ -51,6 +51,9 @@ class ServeLayout:
     # placement file naming attention-0 and every expert worker (`--experts-in-attention`)
     experts_in_attention: str = "none"
     kv_dtype: str = "bf16"  # how the attention worker stores window and compressed KV rows (bf16, fp8)
+    kv_num_primary_blocks: int = 256  # [kv] pool geometry (moemesh/commands/serve_kv.py sizes it)
+    kv_num_cpu_blocks: int = 256
+    max_model_len: int = 0  # [kv] max_model_len; 0: the model's positions capped by the device pool
 
 
 def check_layout_data_plane(layout: ServeLayout) -> DataPlane:
@@ -102,6 +105,8 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
                        **({"placement": layout.experts_in_attention} if layout.experts_in_attention != "none" else {}),
                        **({"kv_dtype": layout.kv_dtype} if layout.kv_dtype != "bf16" else {})}],
         "expert": experts,
+        "kv": {"num_primary_blocks": layout.kv_num_primary_blocks, "num_cpu_blocks": layout.kv_num_cpu_blocks,
+               **({"max_model_len": layout.max_model_len} if layout.max_model_len else {})},
         **({"draft": {"enabled": True, "name": DRAFT_NAME, "device": layout.devices[0],
                       "placement": layout.draft_placement}} if layout.with_drafter else {}),
         **({"security": {"api_key_file": layout.api_key_file}} if layout.api_key_file is not None else {}),

@@ -167,9 +167,11 @@ class AttentionWorker(Service):
         if self.config.cuda_graphs and self.device.type == "cuda":
             from moemesh.services.attention.graph_decode import DecodeGraphConfig, DecodeGraphs
 
+            kv = self.config.kv  # no request is longer than the model's positions: tables need no wider rows
+            max_blocks = min(kv.num_primary_blocks, -(-model_config.max_position_embeddings // kv.block_size_tokens))
             self.runner.graphs = DecodeGraphs(
-                self.side, DecodeGraphConfig(max_blocks_per_sequence=self.config.kv.num_primary_blocks,
-                                             kv_storage=self.config.kv.kv_storage), self.device)
+                self.side, DecodeGraphConfig(max_blocks_per_sequence=max_blocks, kv_storage=kv.kv_storage),
+                self.device)
         self.sampler = Sampler()
         self.recovery = build_step_recovery(self)
         self.counting = StepCounting(self.channel, self.device, model_config.num_hidden_layers)

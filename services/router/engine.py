@@ -179,6 +179,8 @@ class Engine(EngineRecovery):
             "num_running": stats.num_running_seqs,
             "kv_blocks_used": {"gpu": stats.num_gpu_blocks_used, "cpu": stats.num_cpu_blocks_used},
             "kv_blocks_total": {"gpu": stats.num_gpu_blocks_total, "cpu": stats.num_cpu_blocks_total},
+            "kv_block_size_tokens": self.scheduler.config.block_size_tokens,
+            "max_model_len": self.scheduler.config.max_model_len,
             "prefix_cache_queried_tokens": stats.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
             "preemptions": {"swap": stats.counters.num_preemptions_swap,

@@ -33,7 +33,7 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from moemesh.common.runtime.deployment import Deployment, derive_endpoints
+from moemesh.common.runtime.deployment import Deployment, DeploymentError, derive_endpoints
 from moemesh.services.router.engine_config import EngineConfig
 from moemesh.services.router.gateway_config import GatewayConfig
 from moemesh.services.router.prompt_tokens import prompt_tokens_for
@@ -75,6 +75,18 @@ class RouterConfigs:
     port: int
 
 
+def _max_model_len(configured: int, max_positions: int, pool_tokens: int) -> int:
+    """`[kv] max_model_len` when set (0: unset), else the model's positions capped by the device pool; a configured
+    length past the model's positions fails (DeploymentError naming the key); past the pool, the scheduler's
+    config refuses it."""
+    if not configured:
+        return min(max_positions, pool_tokens)
+    if configured > max_positions:
+        raise DeploymentError(f"kv.max_model_len: {configured} is past the model's max_position_embeddings "
+                              f"({max_positions})")
+    return configured
+
+
 def build_configs(deployment: Deployment, tokenizer, settings: RouterSettings = RouterSettings()) -> RouterConfigs:
     """Every config the router runs with, from the deployment and the model's config.json."""
     model_dir = Path(deployment.model.path)
@@ -83,7 +95,8 @@ def build_configs(deployment: Deployment, tokenizer, settings: RouterSettings = 
     kv = deployment.kv
     block_size_tokens = _or(settings.block_size_tokens, kv.block_size_tokens)
     num_gpu_blocks = _or(settings.num_gpu_blocks, kv.num_primary_blocks)
-    max_model_len = min(int(model.get("max_position_embeddings", 4096)), num_gpu_blocks * block_size_tokens)
+    max_model_len = _max_model_len(kv.max_model_len, int(model.get("max_position_embeddings", 4096)),
+                                   num_gpu_blocks * block_size_tokens)
     eos_ids = {model["eos_token_id"]} if isinstance(model.get("eos_token_id"), int) else set()
     tokenizer_eos = tokenizer.token_to_id(EOS_TOKEN_TEXT)
     if tokenizer_eos is not None:
