@@ -66,6 +66,7 @@ def test_the_graph_path_proposes_what_the_eager_forward_proposes(proposers, mix)
     for left, right in zip(got.proposals, want.proposals):
         assert left.token_ids == right.token_ids, left.request_id
         assert left.support_token_ids == right.support_token_ids
+        assert all(type(token) is int for ids in left.support_token_ids for token in ids)  # read back packed as fp32
         torch.testing.assert_close(torch.tensor(left.draft_probs), torch.tensor(right.draft_probs), rtol=1e-4,
                                    atol=1e-6)
         torch.testing.assert_close(torch.tensor(left.confidences), torch.tensor(right.confidences), rtol=1e-4,

@@ -81,3 +81,36 @@ def test_a_row_does_not_depend_on_the_other_rows(drafter):
                                   for key, value in args.items()})
         assert alone.token_ids[0] == together.token_ids[a]
         assert alone.support_ids[0] == together.support_ids[a]
+
+
+def test_truncated_q_is_the_renormalised_top_of_the_full_softmax():
+    """top_support takes the S largest of logits / T and a softmax over them: the full softmax kept on its S
+    largest entries and renormalised, ids ascending (no [V] softmax computed)."""
+    from moemesh.common.drafting.chains import top_support, truncated_distribution
+
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 500, generator=generator) * 4  # [R, V]
+    for temperature in (0.6, 1.0, 1.7):
+        ids, probs = top_support(logits / temperature, 32)  # [R, 32]
+        full = torch.softmax(logits / temperature, dim=-1)
+        top_probs, top_ids = torch.topk(full, 32, dim=-1)
+        assert torch.equal(ids, top_ids.sort(dim=-1).values)
+        torch.testing.assert_close(probs, full.gather(1, ids) / top_probs.sum(dim=-1, keepdim=True),
+                                   rtol=1e-5, atol=1e-8)
+        dense = truncated_distribution(logits[0], temperature, 32)  # [V]
+        assert torch.equal(dense[ids[0]], probs[0]) and int((dense > 0).sum()) == 32
+
+
+def test_a_batch_of_sampled_rows_draws_what_those_rows_draw_beside_greedy_ones(drafter):
+    """With every row sampled the chains skip the greedy argmax and its softmax; the rows get what they get in a
+    batch that also has greedy rows."""
+    base, hidden, seed_tokens = _block(drafter, 3, seed=5)
+    sampled = batched_chains(drafter, base[1:], hidden[1:], seed_tokens[1:], [1.0, 0.8], [21, 22], [2, 6], 64)
+    mixed = batched_chains(drafter, base, hidden, seed_tokens, [0.0, 1.0, 0.8], [None, 21, 22], [None, 2, 6], 64)
+    for a in range(2):
+        assert sampled.token_ids[a] == mixed.token_ids[a + 1]
+        assert sampled.support_ids[a] == mixed.support_ids[a + 1]
+        for values, expected in ((sampled.chosen_probs[a], mixed.chosen_probs[a + 1]),
+                                 (sampled.support_probs[a], mixed.support_probs[a + 1]),
+                                 (sampled.confidences[a], mixed.confidences[a + 1])):  # up to the batch's rounding
+            torch.testing.assert_close(torch.tensor(values), torch.tensor(expected), rtol=1e-5, atol=1e-8)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,24 @@ def test_router_side_codec_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_scalar_sequences_keep_their_values_and_name_a_bad_element():
+    """tuple[int, ...] / tuple[float, ...] fields are checked in one pass; ints in a float sequence arrive as
+    floats, a float32 value survives exactly, and a bad element is still refused by its index."""
+    proposal = m.DraftProposal(request_id="r", token_ids=(3, 9), draft_probs=(0.25, 1), confidences=(0.5, 0.75),
+                               support_token_ids=((1, 3), (9,)), support_probs=((0.1, 0.9), (1.0,)))
+    decoded = codec.decode(codec.encode(m.DraftTokens(step_id=1, proposals=(proposal,)))).proposals[0]
+    assert decoded.draft_probs == (0.25, 1.0) and type(decoded.draft_probs[1]) is float
+    assert decoded.support_token_ids == ((1, 3), (9,)) and decoded.support_probs == ((0.1, 0.9), (1.0,))
+    value = float(torch.tensor(0.1, dtype=torch.float32))
+    assert codec.decode(codec.encode(m.DraftTokens(step_id=1, proposals=(
+        dataclasses.replace(proposal, support_probs=((value, 0.9), (1.0,))),)))).proposals[0].support_probs[0][0] == value
+    bad = {"request_id": "r", "token_ids": [3, True], "draft_probs": [], "confidences": []}
+    with pytest.raises(WireError, match=r"proposals\[0\]\.token_ids\[1\]: expected int"):
+        codec.decode([_header("draft_tokens", {"step_id": 1, "proposals": [bad]})])
+    with pytest.raises(WireError, match=r"draft_probs\[0\]: expected float"):
+        codec.decode([_header("draft_tokens", {"step_id": 1, "proposals": [{**bad, "token_ids": [],
+                                                                              "draft_probs": ["x"]}]})])
+    with pytest.raises(WireError, match=r"token_ids\[1\]: expected int"):
+        codec.encode(m.DraftTokens(step_id=1, proposals=(dataclasses.replace(proposal, token_ids=(3, 9.0)),)))

@@ -19,7 +19,11 @@ the draft is independent of the verifier's accept and resample noise (docs/specu
   in ascending id order and the token with the largest q / E wins. That is a draw from q (the race's
   winner has probability q_v / Σq), it is reproducible and batch-independent (the key and the support
   order are the request's own), it draws S exponentials instead of V, and it needs no generator, so
-  the drafter's CUDA graphs draw sampled chains inside the replay (draft_graphs.py).
+  the drafter's CUDA graphs draw sampled chains inside the replay (draft_graphs.py). A chain's keys
+  are known before it starts, so the batched chains draw every slot's exponentials in one go.
+The truncated q is computed from the logits alone (`top_support`): the S largest of logits / T and a
+softmax over those S values. Renormalising a full softmax over its S largest entries gives the same
+distribution (the vocabulary's normaliser cancels), so no [V] softmax is needed for a sampled slot.
 Legend: G slots, V vocab, S support size.
 """
 
@@ -49,14 +53,12 @@ class SparseDraftChain:
 
 def truncated_distribution(logits: torch.Tensor, temperature: float, max_support: int | None) -> torch.Tensor:
     """logits [V] -> dense q [V] fp32: softmax(logits / T), kept on its max_support largest
-    entries and renormalised (None: the full softmax, untouched)."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if max_support is None or max_support >= probs.shape[-1]:
-        return probs
-    top_probs, top_ids = torch.topk(probs, max_support)
-    dense = torch.zeros_like(probs)
-    dense[top_ids] = top_probs / top_probs.sum()
-    return dense
+    entries and renormalised (None: the full softmax, untouched); the values `top_support` gives."""
+    scaled = logits.float() / temperature  # [V]
+    if max_support is None or max_support >= scaled.shape[-1]:
+        return torch.softmax(scaled, dim=-1)
+    ids, probs = top_support(scaled[None], max_support)  # [1, S]
+    return torch.zeros_like(scaled).scatter_(0, ids[0], probs[0])
 
 
 def dense_distribution(support_ids: Sequence[int], support_probs: Sequence[float], vocab_size: int,
@@ -73,18 +75,25 @@ def support_draw(support_ids: torch.Tensor, support_probs: torch.Tensor, keys: t
     """One token per row from a sparse q. support_ids [R, S] ascending, support_probs [R, S] (q on
     them; zeros allowed, never drawn), keys [R] int64 (`rng.signed_key` of each row's (seed, DRAFT,
     position)). Returns (token ids [R], their q [R])."""
-    noise = key_exponentials(keys, support_ids.shape[1])  # [R, S]
+    return exponential_race(support_ids, support_probs, key_exponentials(keys, support_ids.shape[1]))
+
+
+def exponential_race(support_ids: torch.Tensor, support_probs: torch.Tensor, noise: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`support_draw` with the Exp(1) draws given: noise [R, S] (`key_exponentials` of the rows' keys) ->
+    (token ids [R], their q [R])."""
     pick = (support_probs.float() / noise).argmax(dim=-1, keepdim=True)  # [R, 1]
     return support_ids.gather(1, pick).squeeze(1), support_probs.gather(1, pick).squeeze(1)
 
 
-def sparse_slot_draw(logits: torch.Tensor, divisors: torch.Tensor, keys: torch.Tensor, support_k: int
+def sparse_slot_draw(logits: torch.Tensor, divisors: torch.Tensor, noise: torch.Tensor, support_k: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One slot of sampled rows: logits [R, V] (Markov-corrected), divisors [R, 1] (temperatures), keys [R] ->
-    (support ids [R, K] ascending, their q [R, K], the drawn token [R], its q [R]), q being the top support_k of
-    softmax(logits / T) renormalised. `batched_chains` and the drafter's graphs (draft_graphs.py) draw with it."""
-    ids, values = top_support(torch.softmax(logits / divisors, dim=-1), support_k)
-    drawn, drawn_q = support_draw(ids, values, keys)
+    """One slot of sampled rows: logits [R, V] (Markov-corrected), divisors [R, 1] (temperatures), noise [R, K]
+    (the slot's Exp(1) draws: `key_exponentials` of the rows' DRAFT keys) -> (support ids [R, K] ascending, their
+    q [R, K], the drawn token [R], its q [R]), q being the top support_k of softmax(logits / T) renormalised.
+    `batched_chains` and the drafter's graphs (draft_graphs.py) draw with it."""
+    ids, values = top_support(logits / divisors, support_k)
+    drawn, drawn_q = exponential_race(ids, values, noise)
     return ids, values, drawn, drawn_q
 
 
@@ -95,13 +104,13 @@ def draft_keys(seeds: Sequence[int], first_positions: Sequence[int], num_slots: 
                          for seed, position in zip(seeds, first_positions)], dtype=torch.int64).to(device)
 
 
-def top_support(q: torch.Tensor, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [R, V] (softmax) -> its max_support largest entries renormalised, ids ascending:
+def top_support(scaled_logits: torch.Tensor, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scaled_logits [R, V] (logits / T) -> the truncated q: its max_support largest entries, ids ascending, and
+    softmax over them (= softmax over the vocabulary kept on those entries and renormalised):
     (ids [R, S], probs [R, S] fp32)."""
-    values, ids = torch.topk(q, max_support, dim=-1)
-    values = values / values.sum(dim=-1, keepdim=True)
+    top, ids = torch.topk(scaled_logits.float(), max_support, dim=-1)  # [R, S]
     ids, order = ids.sort(dim=-1)
-    return ids, values.gather(1, order)
+    return ids, torch.softmax(top.gather(1, order), dim=-1)
 
 
 @torch.no_grad()
@@ -130,7 +139,7 @@ def sparse_sampled_chain(drafter: DSparkDrafter, base_logits: torch.Tensor, hidd
             generator = stream(seed, Purpose.DRAFT, int(output_positions[k]), device)
             token = int(sample_from_probs(q[None], [generator])[0])
         else:
-            top_ids, top_probs = top_support(torch.softmax(logits.float() / temperature, dim=-1)[None], max_support)
+            top_ids, top_probs = top_support((logits.float() / temperature)[None], max_support)
             q = torch.zeros(logits.shape[0], dtype=torch.float32, device=device).scatter_(0, top_ids[0], top_probs[0])
             keys = draft_keys([seed], [int(output_positions[k])], 1, device)[:, 0]  # [1]
             token = int(support_draw(top_ids, top_probs, keys)[0][0])
@@ -166,11 +175,18 @@ def greedy_slot(drafter: DSparkDrafter, base_logits: torch.Tensor, hidden: torch
     """One slot of A chains, on the device: base_logits [A, V], hidden [A, D] (pre-norm), prev [A] the previous
     tokens -> (argmax token [A], its probability at temperature 1 [A], confidence [A] fp32, the Markov-corrected
     logits [A, V] fp32). What greedy rows keep; also inside the drafter's CUDA graphs (draft_graphs.py)."""
-    logits, embedding = drafter.markov_logits(base_logits, prev)  # [A, V] fp32, [A, r]
-    confidence = drafter.confidence(hidden, embedding).float()  # [A]
+    logits, confidence = markov_slot(drafter, base_logits, hidden, prev)  # [A, V] fp32, [A]
     token = logits.argmax(dim=-1)  # [A]
     chosen = torch.softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1)  # [A]
     return token, chosen, confidence, logits
+
+
+def markov_slot(drafter: DSparkDrafter, base_logits: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One slot of A chains before any choice: base_logits [A, V], hidden [A, D] (pre-norm), prev [A] ->
+    (Markov-corrected logits [A, V] fp32, confidence [A] fp32)."""
+    logits, embedding = drafter.markov_logits(base_logits, prev)  # [A, V] fp32, [A, r]
+    return logits, drafter.confidence(hidden, embedding).float()
 
 
 @torch.no_grad()
@@ -194,20 +210,24 @@ def batched_chains(drafter: DSparkDrafter, base_logits: torch.Tensor, hidden: to
             raise ValueError(f"row {a}: a sampled chain needs a seed and a first output position")
     sampled_index = torch.tensor(sampled, dtype=torch.long, device=device)
     support_k = num_vocab if max_support is None else min(max_support, num_vocab)
-    keys = None
-    if sampled and support_k < num_vocab:  # [S, G]: every sampled row's DRAFT keys, one copy
-        keys = draft_keys([seeds[a] for a in sampled], [first_output_positions[a] for a in sampled], num_slots,
-                          device)
+    noise = None
+    if sampled and support_k < num_vocab:  # [S, G, K]: every sampled row's draws for every slot, from its keys
+        noise = key_exponentials(draft_keys([seeds[a] for a in sampled], [first_output_positions[a] for a in sampled],
+                                            num_slots, device), support_k)
+    all_sampled = len(sampled) == num_rows
+    divisors = temps.index_select(0, sampled_index)[:, None]  # [S, 1]
     prev = torch.tensor([int(t) for t in seed_token_ids], dtype=torch.long, device=device)  # [A]
     tokens, chosen, confidences, top_ids, top_probs = [], [], [], [], []
     for k in range(num_slots):
-        token, chosen_k, confidence, logits = greedy_slot(drafter, base_logits[:, k], hidden[:, k], prev)  # [A]
-        confidences.append(confidence)  # greedy rows keep token and chosen_k (temperature-1 probability)
+        if all_sampled:  # no greedy row: its argmax and temperature-1 softmax are not needed
+            logits, confidence = markov_slot(drafter, base_logits[:, k], hidden[:, k], prev)  # [A, V], [A]
+        else:  # greedy rows keep token and chosen_k (temperature-1 probability)
+            token, chosen_k, confidence, logits = greedy_slot(drafter, base_logits[:, k], hidden[:, k], prev)
+        confidences.append(confidence)
         if sampled:
-            rows_logits = logits.index_select(0, sampled_index)  # [S, V]
-            divisors = temps.index_select(0, sampled_index)[:, None]  # [S, 1]
-            if support_k < num_vocab:
-                ids, values, drawn, drawn_q = sparse_slot_draw(rows_logits, divisors, keys[:, k], support_k)
+            rows_logits = logits if all_sampled else logits.index_select(0, sampled_index)  # [S, V]
+            if noise is not None:
+                ids, values, drawn, drawn_q = sparse_slot_draw(rows_logits, divisors, noise[:, k], support_k)
             else:  # full q: the dense draw, as DSparkDrafter.sampled_chain
                 q = torch.softmax(rows_logits / divisors, dim=-1)  # [S, V]
                 generators = [stream(int(seeds[a]), Purpose.DRAFT, int(first_output_positions[a]) + k, device)
@@ -216,8 +236,11 @@ def batched_chains(drafter: DSparkDrafter, base_logits: torch.Tensor, hidden: to
                 values = q
                 drawn = sample_from_probs(q, generators)  # [S]
                 drawn_q = q.gather(1, drawn[:, None]).squeeze(1)
-            token = token.index_copy(0, sampled_index, drawn)
-            chosen_k = chosen_k.index_copy(0, sampled_index, drawn_q)
+            if all_sampled:
+                token, chosen_k = drawn, drawn_q
+            else:
+                token = token.index_copy(0, sampled_index, drawn)
+                chosen_k = chosen_k.index_copy(0, sampled_index, drawn_q)
             top_ids.append(ids)
             top_probs.append(values)
         tokens.append(token)
@@ -226,25 +249,27 @@ def batched_chains(drafter: DSparkDrafter, base_logits: torch.Tensor, hidden: to
     token_rows = torch.stack(tokens, dim=1).tolist()  # [A, G]; the one host sync of the chains
     chosen_rows = torch.stack(chosen, dim=1).tolist()
     confidence_rows = torch.stack(confidences, dim=1).tolist()
-    support_ids, support_probs = _host_supports(
-        torch.stack(top_ids, dim=1) if sampled else None, torch.stack(top_probs, dim=1) if sampled else None,
-        sampled, num_rows, num_slots)
+    support_ids = support_probs = []
+    if sampled:  # [S, G, K] each
+        support_ids, support_probs = torch.stack(top_ids, dim=1).tolist(), torch.stack(top_probs, dim=1).tolist()
+    support_ids, support_probs = _host_supports(support_ids, support_probs, sampled, num_rows, num_slots)
     return RowChains(token_rows, chosen_rows, confidence_rows, support_ids, support_probs)
 
 
-def _host_supports(ids: torch.Tensor | None, probs: torch.Tensor | None, sampled_rows: Sequence[int],
-                   num_rows: int, num_slots: int) -> tuple[list, list]:
-    """The sampled rows' sparse q on the host: ids / probs [S, G, K] (ids ascending within a slot) of rows
-    `sampled_rows` -> per row of num_rows, per slot, (ids, probs) tuples kept where q > 0 (empty for the rest)."""
+def _host_supports(ids_host: list, probs_host: list, sampled_rows: Sequence[int], num_rows: int, num_slots: int
+                   ) -> tuple[list, list]:
+    """The sampled rows' sparse q on the host: ids_host / probs_host nested lists [S, G, K] (ids ascending within a
+    slot, as ints or as the floats of a packed read-back) of rows `sampled_rows` -> per row of num_rows, per slot,
+    (ids, probs) tuples kept where q > 0 (empty for the rest)."""
     support_ids = [[() for _ in range(num_slots)] for _ in range(num_rows)]
     support_probs = [[() for _ in range(num_slots)] for _ in range(num_rows)]
-    if not sampled_rows:
-        return support_ids, support_probs
-    ids_host = ids.tolist()
-    probs_host = probs.float().tolist()
     for row, a in enumerate(sampled_rows):
         for k in range(num_slots):
-            kept = [(i, q) for i, q in zip(ids_host[row][k], probs_host[row][k]) if q > 0]  # q = 0: not support
+            slot_ids, slot_probs = ids_host[row][k], probs_host[row][k]
+            if min(slot_probs) > 0:  # the common case: every entry is support
+                support_ids[a][k], support_probs[a][k] = tuple(map(int, slot_ids)), tuple(slot_probs)
+                continue
+            kept = [(int(i), q) for i, q in zip(slot_ids, slot_probs) if q > 0]  # q = 0: not support
             support_ids[a][k] = tuple(i for i, _ in kept)
             support_probs[a][k] = tuple(q for _, q in kept)
     return support_ids, support_probs
@@ -252,16 +277,22 @@ def _host_supports(ids: torch.Tensor | None, probs: torch.Tensor | None, sampled
 
 def replay_row_chains(chains: torch.Tensor, support_ids: torch.Tensor | None, support_probs: torch.Tensor | None,
                       sampled: Sequence[bool]) -> RowChains:
-    """A drafter graph's chains (draft_graphs.py) -> the RowChains `batched_chains` gives, with one transfer per
-    tensor. chains [A, G, 3] fp32 (token id, its probability, confidence per slot); support_ids / support_probs
+    """A drafter graph's chains (draft_graphs.py) -> the RowChains `batched_chains` gives, in one transfer.
+    chains [A, G, 3] fp32 (token id, its probability, confidence per slot); support_ids / support_probs
     [A, G, K] (the sparse q of every slot, ids ascending; None when no row samples); sampled[a]: row a drew
-    its tokens (its support kept where q > 0), else a greedy row (empty supports)."""
-    rows = chains.tolist()  # [A, G, 3]
+    its tokens (its support kept where q > 0), else a greedy row (empty supports). With supports, one fp32
+    [A, G, 3 + 2K] read-back carries all of it (token ids are exact in fp32 below 2**24)."""
     sampled_rows = [a for a, flag in enumerate(sampled) if flag]
-    if sampled_rows:
-        index = torch.tensor(sampled_rows, dtype=torch.long, device=chains.device)
-        support_ids, support_probs = support_ids.index_select(0, index), support_probs.index_select(0, index)
-    support_id_rows, support_prob_rows = _host_supports(support_ids, support_probs, sampled_rows, len(rows),
-                                                        chains.shape[1])
+    num_rows, num_slots = chains.shape[0], chains.shape[1]
+    if not sampled_rows:
+        rows = chains.tolist()  # [A, G, 3]
+        support_id_rows, support_prob_rows = _host_supports([], [], [], num_rows, num_slots)
+    else:
+        support_k = support_ids.shape[2]
+        packed = torch.cat([chains, support_ids.float(), support_probs.float()], dim=-1).tolist()  # [A, G, 3 + 2K]
+        rows = packed
+        support_id_rows, support_prob_rows = _host_supports(
+            [[slot[3:3 + support_k] for slot in packed[a]] for a in sampled_rows],
+            [[slot[3 + support_k:] for slot in packed[a]] for a in sampled_rows], sampled_rows, num_rows, num_slots)
     return RowChains([[int(slot[0]) for slot in row] for row in rows], [[slot[1] for slot in row] for row in rows],
                      [[slot[2] for slot in row] for row in rows], support_id_rows, support_prob_rows)

@@ -180,6 +180,26 @@ def _sequence_codec(inner: tuple[Encoder, Decoder]) -> tuple[Encoder, Decoder]:
     return encode, decode
 
 
+def _scalar_sequence_codec(scalar: type) -> tuple[Encoder, Decoder]:
+    """tuple[int | float | bool | bytes, ...]: the element types checked in one pass over the sequence (token
+    ids, draft distributions), the per-element codec only to name a bad element; the same values and errors."""
+    _, accepted, convert = _SCALARS[scalar]
+    accepted_types = frozenset(accepted)
+    slow_encode, slow_decode = _sequence_codec(_scalar_codec(*_SCALARS[scalar]))
+
+    def encode(value, path, ctx):
+        if type(value) in (list, tuple) and accepted_types.issuperset(map(type, value)):
+            return list(value) if convert is None else list(map(convert, value))
+        return slow_encode(value, path, ctx)
+
+    def decode(value, path, ctx):
+        if type(value) is list and len(value) <= ctx.limits.max_items and accepted_types.issuperset(map(type, value)):
+            return tuple(value) if convert is None else tuple(map(convert, value))
+        return slow_decode(value, path, ctx)
+
+    return encode, decode
+
+
 def _fixed_tuple_codec(items: list[tuple[Encoder, Decoder]]) -> tuple[Encoder, Decoder]:
     def run(value, path, ctx, index, kinds):
         if type(value) not in kinds or len(value) != len(items):
@@ -319,6 +339,8 @@ def compile_type(tp: Any) -> tuple[Encoder, Decoder]:
             return _optional_codec(compile_type(non_none[0]))
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
+            if isinstance(args[0], type) and args[0] in _SCALARS:
+                return _scalar_sequence_codec(args[0])
             return _sequence_codec(compile_type(args[0]))
         return _fixed_tuple_codec([compile_type(arg) for arg in args])
     if origin is dict and args and args[0] is str:
