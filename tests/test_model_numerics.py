@@ -251,6 +251,24 @@ def test_fp8_quant_dequant_error_bound_idempotence_and_dtypes():
     assert torch.equal(rows[:, 88:], x[:, 88:]) and torch.equal(rows[:, :88], fp8_quant_dequant(x[:, :88]))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp8_qat_captures_in_a_cuda_graph_and_replays_as_eager():
+    """The serving step captures the KV and indexer quantisation with the rest of the layer: no host tensor may
+    be copied to the device inside them, and a replay over new rows equals the eager result."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    rows = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16, generator=generator)  # [R, C]
+    fns = (lambda x: kv_nope_fp8_qat(x, 448), lambda x: indexer_fp8_qat(x), lambda x: pow2_scale_ceil(x.abs()))
+    for fn in fns:
+        fn(rows)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(rows)
+        rows.copy_(torch.randn(8, 512, device="cuda", dtype=torch.bfloat16, generator=generator) * 7)
+        graph.replay()
+        assert torch.equal(out, fn(rows))
+
+
 def _assert_e4m3_times_pow2_per_block(rows: torch.Tensor, nope_dim: int, what: str) -> None:
     """Every 64-block of rows[:, :nope_dim] is exactly (e4m3 value) · 2^k for one k (checked in Python math)."""
     assert rows.shape[0] > 0, what

@@ -39,7 +39,8 @@ def pow2_scale_ceil(amax: torch.Tensor, max_value: float = E4M3_MAX) -> torch.Te
 
     Computed from frexp (ratio = m · 2^e, m in [0.5, 1)): an exact power of two (m = 0.5) keeps its
     exponent, anything else rounds up, as the reference's bit-level `fast_log2_ceil` does."""
-    inverse = torch.tensor(1.0 / max_value, dtype=torch.float32, device=amax.device)
+    # a fill, not a host tensor's copy: a CUDA graph can capture it
+    inverse = torch.full((), 1.0 / max_value, dtype=torch.float32, device=amax.device)
     ratio = amax.float() * inverse  # [...]
     mantissa, exponent = torch.frexp(ratio)
     log2_ceil = torch.where(mantissa == 0.5, exponent - 1, exponent)  # int32
