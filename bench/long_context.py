@@ -1,19 +1,26 @@
 """`moemesh bench long-context`: long prompts through a running server, against their floors.
 
 Usage: moemesh bench long-context --base-url URL --model-dir DIR [--lengths 65536,131072] [--decode-tokens 32]
-       [--probes 5] [--log-dir DIR] [--ceilings-device cuda:0] [--kv-dtype fp8|bf16] [--label TEXT] [--out-dir DIR]
+       [--probes 5] [--load-probes 12] [--log-dir DIR] [--ceilings-device cuda:0] [--kv-dtype fp8|bf16]
+       [--warm-up-length N] [--label TEXT] [--seed TEXT] [--out-dir DIR]
 
-Against a server started with `moemesh serve` (idle, prefix caching harmless: every prompt is fresh random token
-ids), in order:
+Against a server started with `moemesh serve` (idle, prefix caching harmless: every prompt is random token ids
+drawn from the run's `--seed`, fresh unless given), in order:
 1. capacity: `/status.json` (the router's KV blocks per tier, block size, max_model_len) in tokens, and how many
    sequences of 128K and of 1M tokens fit at once; with `--log-dir` also the attention worker's
    `attention.kv_capacity` event (bytes per block, per context token, per layer type);
+0. warm-up (kept in the JSON as `warm_up`, out of the figures): two short requests, then one request of
+   `--warm-up-length` prompt tokens (default the longest length; 0 skips it) with a few short ones arriving
+   during its prefill, so kernel compiles and graph captures a first long prefill, a mixed prefill/decode step
+   and decode at that context trigger (tens of seconds on a fresh machine) land before anything is measured;
 2. idle TTFT: `--probes` short requests (64 prompt tokens, 2 output tokens) one after another;
 3. per `--lengths` L: one streamed request of L prompt tokens and `--decode-tokens` output tokens (ignore_eos,
    temperature 0): prefill tok/s = L / TTFT, decode per step = (last token - first token) / (tokens - 1), the
    context then being L..L+decode_tokens;
-4. TTFT under load: the longest length again, and while it prefills (from the moment the server reports it
-   running until its first token) short requests one after another; their median TTFT over the idle median.
+4. TTFT under load: the longest length again, and `--load-probes` short requests arriving open-loop at moments
+   drawn uniformly over that prefill (its duration from step 3, counted from when the server reports it
+   running): their median TTFT over the idle median. Open-loop, because a probe sent when the previous one
+   answers lands on the same point of the server's step cycle every time.
 
 Floors (`bench.layers_floors`, the model's config): prefill FLOPs of every layer at L tokens (matmuls, the
 attention core over window, CSA top-k and HCA rows, the CSA indexer) over the device's bf16 matmul rate; a decode
@@ -39,6 +46,8 @@ from moemesh.bench.serve_client import Endpoint, send_request
 from moemesh.bench.timing import median
 
 SHORT_PROMPT_TOKENS = 64
+WARM_UP_PROBES = 4  # short requests arriving during the warm-up prefill (a mixed prefill/decode step)
+WARM_UP_PROBE_SPAN_S = 2.0  # spread over its first seconds
 REFERENCE_LENGTHS = (131072, 1048576)  # the sequence lengths capacity is reported for
 # stored bytes per stored element of a KV row: bf16 2; fp8 the 584-byte row of 512 channels, the 132-byte
 # indexer row of 128 (docs/model.md §3.1)
@@ -52,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lengths", default="65536,131072", help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--decode-tokens", type=int, default=32, help="output tokens of each long request")
     parser.add_argument("--probes", type=int, default=5, help="short requests for the idle TTFT")
+    parser.add_argument("--load-probes", type=int, default=12,
+                        help="short requests arriving at random moments during the longest prefill")
     parser.add_argument("--log-dir", default=None, help="the services' logs (for the attention.kv_capacity event)")
     parser.add_argument("--ceilings-device", default=None,
                         help="measure copy bandwidth and bf16 matmul rate on this device for the floors")
@@ -59,11 +70,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="how the server stores KV rows (the decode floor's KV bytes)")
     parser.add_argument("--label", default=None, help="the device description written into the result")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one request may take")
+    parser.add_argument("--warm-up-length", type=int, default=None, metavar="N",
+                        help="prompt tokens of the long warm-up request (default: the longest --lengths; 0: none)")
+    parser.add_argument("--seed", default=None,
+                        help="prompts are drawn from it (default: a fresh one each run, so a rerun against the same "
+                             "server misses its prefix cache)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
+    if args.seed is None:
+        args.seed = f"{random.SystemRandom().getrandbits(48):012x}"
     args.lengths = [int(part) for part in args.lengths.split(",") if part.strip()]
-    if not args.lengths or min(args.lengths) < SHORT_PROMPT_TOKENS or args.decode_tokens < 2 or args.probes < 1:
-        parser.error("--lengths must be >= 64 tokens each, --decode-tokens >= 2, --probes >= 1")
+    if not args.lengths or min(args.lengths) < SHORT_PROMPT_TOKENS or args.decode_tokens < 2 or args.probes < 1 \
+            or args.load_probes < 1:
+        parser.error("--lengths must be >= 64 tokens each, --decode-tokens >= 2, --probes and --load-probes >= 1")
     return args
 
 
@@ -111,7 +130,7 @@ def measure_rates(device_name: str) -> dict:
 # ------------------------------------------------------------------ requests
 
 
-def random_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:
+def random_prompt(num_tokens: int, vocab_size: int, seed: str) -> list[int]:
     """Token ids away from both ends of the vocabulary (special and control tokens)."""
     rng = random.Random(seed)
     low, high = min(1000, vocab_size // 8), vocab_size - min(1000, vocab_size // 8)
@@ -141,11 +160,11 @@ async def status(client: httpx.AsyncClient) -> dict:
     return response.json()
 
 
-async def short_ttfts(client, model: str, vocab: int, count: int, seed: int) -> list[float]:
+async def short_ttfts(client, model: str, vocab: int, count: int, seed: str) -> list[float]:
     """TTFT of `count` short requests sent one after another."""
     ttfts = []
     for index in range(count):
-        body = request_body(model, random_prompt(SHORT_PROMPT_TOKENS, vocab, seed + index), 2)
+        body = request_body(model, random_prompt(SHORT_PROMPT_TOKENS, vocab, f"{seed}/{index}"), 2)
         record = await send_request(client, index, Endpoint.COMPLETIONS, body)
         if record.error is not None:
             raise RuntimeError(f"short request failed: {record.error}")
@@ -153,9 +172,12 @@ async def short_ttfts(client, model: str, vocab: int, count: int, seed: int) -> 
     return ttfts
 
 
-async def ttft_under_prefill(client, model: str, vocab: int, length: int, decode_tokens: int, seed: int) -> dict:
-    """The long request, and short ones one after another while it prefills: from when the router runs it
-    (tokenizing and admission are not prefill) until its first token."""
+async def ttft_under_prefill(client, model: str, vocab: int, length: int, decode_tokens: int, seed: str,
+                             num_probes: int, expected_prefill_s: float) -> dict:
+    """The long request, and `num_probes` short ones arriving open-loop at random moments while it prefills: each
+    is sent at an offset drawn uniformly from the first 90 % of `expected_prefill_s` after the router runs the long
+    one (tokenizing and admission are not prefill), none waits for another, so arrivals fall anywhere in the
+    server's steps as a user's would. Probes sent before the long request's first token count."""
     first_token = asyncio.Event()
     long_task = asyncio.create_task(send_request(
         client, 0, Endpoint.COMPLETIONS, request_body(model, random_prompt(length, vocab, seed), decode_tokens),
@@ -163,13 +185,26 @@ async def ttft_under_prefill(client, model: str, vocab: int, length: int, decode
     started = time.perf_counter()
     while not long_task.done() and (await status(client)).get("engine", {}).get("num_running", 0) < 1:
         await asyncio.sleep(0.05)
-    running_after_s = time.perf_counter() - started
-    probes = []
-    while not first_token.is_set() and not long_task.done():
-        # a probe still counts when the long prompt's first token arrives while it runs: it overlapped the prefill
-        probes += await short_ttfts(client, model, vocab, 1, seed + 1000 + len(probes))
+    running_at = time.perf_counter()
+    rng = random.Random(seed)
+    offsets_s = sorted(rng.uniform(0.0, 0.9 * expected_prefill_s) for _ in range(num_probes))
+
+    async def probe(index: int, offset_s: float) -> dict | None:
+        await asyncio.sleep(max(0.0, running_at + offset_s - time.perf_counter()))
+        if first_token.is_set() or long_task.done():
+            return None
+        sent_s = time.perf_counter() - running_at
+        body = request_body(model, random_prompt(SHORT_PROMPT_TOKENS, vocab, f"{seed}/probe/{index}"), 2)
+        record = await send_request(client, index + 1, Endpoint.COMPLETIONS, body)
+        if record.error is not None:
+            raise RuntimeError(f"short request failed: {record.error}")
+        return {"sent_after_running_s": sent_s, "ttft_s": record.ttft_s}
+
+    probes = [p for p in await asyncio.gather(*(probe(i, o) for i, o in enumerate(offsets_s))) if p is not None]
     record = await long_task
-    return {"long": summarise(record, length), "running_after_s": running_after_s, "probe_ttfts_s": probes}
+    return {"long": summarise(record, length), "running_after_s": running_at - started,
+            "expected_prefill_s": expected_prefill_s, "probes": probes,
+            "probe_ttfts_s": [p["ttft_s"] for p in probes]}
 
 
 def capacity(engine: dict, kv_event: dict | None) -> dict:
@@ -205,18 +240,30 @@ async def run(args: argparse.Namespace, config) -> dict:
         if too_long:
             raise SystemExit(f"lengths {too_long} + {args.decode_tokens} output tokens exceed the server's "
                              f"max_model_len {max_len} (serve --kv-tokens / --max-model-len)")
-        result = {"capacity": capacity(engine, read_kv_event(args.log_dir))}
-        await short_ttfts(client, model, vocab, 2, seed=7)  # warm-up: first-request costs stay out of the figures
-        idle = await short_ttfts(client, model, vocab, args.probes, seed=100)
+        result = {"seed": args.seed, "capacity": capacity(engine, read_kv_event(args.log_dir))}
+        await short_ttfts(client, model, vocab, 2, seed=f"{args.seed}/warm-up")  # warm-up: first-request costs stay out of the figures
+        warm_up_length = max(args.lengths) if args.warm_up_length is None else args.warm_up_length
+        if warm_up_length:
+            warm = await ttft_under_prefill(client, model, vocab, warm_up_length, args.decode_tokens,
+                                            seed=f"{args.seed}/warm-up-long", num_probes=WARM_UP_PROBES,
+                                            expected_prefill_s=WARM_UP_PROBE_SPAN_S)
+            result["warm_up"] = {"long": warm["long"], "probe_ttfts_s": warm["probe_ttfts_s"]}
+            print(json.dumps({"warm_up": result["warm_up"]}), flush=True)
+        idle = await short_ttfts(client, model, vocab, args.probes, seed=f"{args.seed}/idle")
         result["idle_ttft_s"] = idle
         runs = []
         for index, length in enumerate(args.lengths):
-            body = request_body(model, random_prompt(length, vocab, seed=10_000 + index), args.decode_tokens)
+            body = request_body(model, random_prompt(length, vocab, seed=f"{args.seed}/long/{index}"), args.decode_tokens)
             record = await send_request(client, index, Endpoint.COMPLETIONS, body)
             runs.append(summarise(record, length))
             print(json.dumps(runs[-1]), flush=True)
         result["long_requests"] = runs
-        under = await ttft_under_prefill(client, model, vocab, max(args.lengths), args.decode_tokens, seed=20_000)
+        longest = max(args.lengths)
+        measured = [run["ttft_s"] for run in runs if run["prompt_tokens"] == longest and "error" not in run]
+        if not measured:
+            raise SystemExit(f"the {longest}-token request failed: no prefill time to place the load probes in")
+        under = await ttft_under_prefill(client, model, vocab, longest, args.decode_tokens, seed=f"{args.seed}/under-load",
+                                         num_probes=args.load_probes, expected_prefill_s=measured[0])
         result["under_prefill"] = under
         after = (await status(client))["engine"]
         result["preemptions"] = after.get("preemptions")

@@ -85,6 +85,54 @@ def test_short_request_gets_first_token_while_long_prompt_is_still_prefilling():
     assert steps_to_first_long_token == 5
 
 
+def test_long_prompt_sits_out_one_step_for_a_short_arrival_and_never_two_in_a_row():
+    config = make_config(num_gpu_blocks=80, max_model_len=8192)
+    engine = SimulatedEngine(Scheduler(config))
+    engine.add(make_request("long", 5000, max_tokens=2))
+    assert [(s.request_id, s.num_tokens) for s in engine.step().plan.scheduled] == [("long", 1024)]
+    engine.add(make_request("short-a", 10, max_tokens=3))
+    # the short prompt starts alone: its first token does not wait on a chunk over the long history
+    step = engine.step()
+    assert [(s.request_id, s.num_tokens) for s in step.plan.scheduled] == [("short-a", 10)]
+    assert [event.request_id for event in step.events] == ["short-a"]
+    engine.add(make_request("short-b", 10, max_tokens=3))
+    # the long prompt sat out the last step, so this one it runs beside the new arrival
+    step = engine.step()
+    assert [(s.request_id, s.num_tokens) for s in step.plan.scheduled] == [
+        ("short-a", 1), ("long", 1024), ("short-b", 10)
+    ]
+    assert engine.requests["long"].num_computed_tokens == 2048
+    # a waiting prompt longer than one chunk does not make the long prompt sit out
+    engine.add(make_request("second-long", 1500, max_tokens=1))
+    plan = engine.step().plan
+    assert ("long", 1024) in [(s.request_id, s.num_tokens) for s in plan.scheduled]
+
+
+def test_long_prompt_runs_when_the_short_arrival_cannot_be_admitted():
+    config = make_config(num_gpu_blocks=41, max_model_len=5120, num_cpu_blocks=0, max_num_running_seqs=1)
+    engine = SimulatedEngine(Scheduler(config))
+    engine.add(make_request("long", 5000, max_tokens=2))
+    engine.step()
+    engine.add(make_request("short", 10, max_tokens=2))  # no free running slot: it waits
+    plan = engine.step().plan
+    assert [(s.request_id, s.num_tokens) for s in plan.scheduled] == [("long", 1024)]
+    engine.run_until_done(max_steps=100)
+    assert engine.requests["short"].finish_reason is FinishReason.LENGTH
+
+
+def test_long_prompt_runs_when_the_pool_refuses_the_short_arrival(monkeypatch):
+    engine = SimulatedEngine(Scheduler(make_config(num_gpu_blocks=80, max_model_len=8192)))
+    engine.add(make_request("long", 5000, max_tokens=2))
+    engine.step()
+    engine.add(make_request("short", 10, max_tokens=2))
+    monkeypatch.setattr(engine.scheduler.kv, "can_admit", lambda *args: False)
+    plan = engine.step().plan
+    assert [(s.request_id, s.num_tokens) for s in plan.scheduled] == [("long", 1024)]
+    monkeypatch.undo()
+    plan = engine.step().plan  # it sat out no step, so the short arrival goes first now
+    assert [(s.request_id, s.num_tokens) for s in plan.scheduled] == [("short", 10)]
+
+
 def test_chunked_prefill_positions_and_token_ids():
     config = make_config(long_prefill_token_threshold=128)
     engine = SimulatedEngine(Scheduler(config))

@@ -8,6 +8,12 @@ Policy, in priority order:
   1. running requests (admission order), decodes before continuing prefills;
   2. swapped requests (FCFS), brought back before anything new is admitted;
   3. waiting requests (FCFS; recompute-preempted ones go back to the front).
+A short prompt does not wait behind a long one: when the waiting head fits in one chunk
+(at most long_prefill_token_threshold tokens), the chunks of running long prompts (longer
+than one chunk) sit out that step, so the short prompt's first token costs a short step,
+not a step beside a chunk that attends over a long history. A long prompt sits out at most
+one step in a row, so it keeps at least half its pace under a stream of short arrivals, and
+it is scheduled after all when nothing new could be admitted.
 When a running request needs a block and none is free, the lowest-priority running
 request (the last admitted) is preempted: its full blocks go to the CPU tier if it has room
 (swap), otherwise everything is freed and it starts over (recompute; its keyed blocks stay
@@ -82,6 +88,7 @@ class Scheduler:
         self._freed_ids: list[str] = []  # slots to announce in the next plan
         self._step_ids = itertools.count(1)
         self._in_flight: SchedulerOutput | None = None
+        self._sat_out_ids: frozenset[str] = frozenset()  # long prefills that sat out the last step
 
     # -- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -130,7 +137,8 @@ class Scheduler:
         planned: dict[str, _Planned] = {}
         swap_out: list[tuple[int, int]] = []
         preempted_ids: list[str] = []
-        self._schedule_running(planned, budget, swap_out, preempted_ids)
+        sitting_out = self._long_prefills_to_sit_out()
+        self._schedule_running(planned, budget, swap_out, preempted_ids, sitting_out)
         swap_in: list[tuple[int, int]] = []
         restores: list[StateRestore] = []
         num_cached_tokens = 0
@@ -138,11 +146,37 @@ class Scheduler:
             self._schedule_swapped(planned, budget, swap_in, restores)
             if not self._swapped:
                 num_cached_tokens = self._schedule_waiting(planned, budget, restores)
+        if sitting_out and not any(entry.is_new_sequence for entry in planned.values()):
+            # nothing new was admitted after all: the long prompts go on this step
+            self._schedule_running(planned, budget, swap_out, preempted_ids, frozenset(), only=sitting_out)
+            sitting_out = frozenset()
+        self._sat_out_ids = sitting_out
         return self._finalise(planned, swap_out, swap_in, restores, preempted_ids, num_cached_tokens)
 
-    def _schedule_running(self, planned, budget, swap_out, preempted_ids) -> None:
+    def _long_prefills_to_sit_out(self) -> frozenset[str]:
+        """Running prompts longer than one chunk that skip this step so a short waiting prompt
+        (one chunk or less) starts in a short step; none that sat out the last step."""
+        threshold = self.config.long_prefill_token_threshold
+        if (
+            not self._waiting
+            or self._swapped
+            or self._waiting[0].num_tokens > threshold
+            or len(self._running) >= self.config.max_num_running_seqs
+        ):
+            return frozenset()
+        return frozenset(
+            request.request_id
+            for request in self._running
+            if request.num_prompt_tokens > threshold
+            and request.num_tokens - request.num_computed_tokens > 1
+            and request.request_id not in self._sat_out_ids
+        )
+
+    def _schedule_running(self, planned, budget, swap_out, preempted_ids, sitting_out, only=None) -> None:
         decodes, prefills = [], []
         for request in self._running:
+            if request.request_id in sitting_out or (only is not None and request.request_id not in only):
+                continue
             (decodes if request.num_tokens - request.num_computed_tokens == 1 else prefills).append(request)
         for request in itertools.chain(decodes, prefills):
             if budget[0] == 0:
