@@ -10,8 +10,8 @@ drawn from the run's `--seed`, fresh unless given), in order:
    sequences of 128K and of 1M tokens fit at once; with `--log-dir` also the attention worker's
    `attention.kv_capacity` event (bytes per block, per context token, per layer type);
 0. warm-up (kept in the JSON as `warm_up`, out of the figures): two short requests, then one request of
-   `--warm-up-length` prompt tokens (default the longest length; 0 skips it) with a few short ones arriving
-   during its prefill, so kernel compiles and graph captures a first long prefill, a mixed prefill/decode step
+   `--warm-up-length` prompt tokens (default the longest length; 0 skips it) with `--load-probes` short ones
+   arriving together during its prefill, so kernel compiles and graph captures a first long prefill, a mixed prefill/decode step
    and decode at that context trigger (tens of seconds on a fresh machine) land before anything is measured;
 2. idle TTFT: `--probes` short requests (64 prompt tokens, 2 output tokens) one after another;
 3. per `--lengths` L: one streamed request of L prompt tokens and `--decode-tokens` output tokens (ignore_eos,
@@ -46,8 +46,7 @@ from moemesh.bench.serve_client import Endpoint, send_request
 from moemesh.bench.timing import median
 
 SHORT_PROMPT_TOKENS = 64
-WARM_UP_PROBES = 4  # short requests arriving during the warm-up prefill (a mixed prefill/decode step)
-WARM_UP_PROBE_SPAN_S = 2.0  # spread over its first seconds
+WARM_UP_PROBE_SPAN_S = 1.0  # the warm-up's short requests arrive together: decode steps of several sizes
 REFERENCE_LENGTHS = (131072, 1048576)  # the sequence lengths capacity is reported for
 # stored bytes per stored element of a KV row: bf16 2; fp8 the 584-byte row of 512 channels, the 132-byte
 # indexer row of 128 (docs/model.md §3.1)
@@ -245,7 +244,7 @@ async def run(args: argparse.Namespace, config) -> dict:
         warm_up_length = max(args.lengths) if args.warm_up_length is None else args.warm_up_length
         if warm_up_length:
             warm = await ttft_under_prefill(client, model, vocab, warm_up_length, args.decode_tokens,
-                                            seed=f"{args.seed}/warm-up-long", num_probes=WARM_UP_PROBES,
+                                            seed=f"{args.seed}/warm-up-long", num_probes=args.load_probes,
                                             expected_prefill_s=WARM_UP_PROBE_SPAN_S)
             result["warm_up"] = {"long": warm["long"], "probe_ttfts_s": warm["probe_ttfts_s"]}
             print(json.dumps({"warm_up": result["warm_up"]}), flush=True)
