@@ -51,7 +51,7 @@ def server(tmp_path_factory):
     key_file.write_text(f"# gateway keys\n{FILE_KEY}\n\n")
     key_file.chmod(0o600)
     server = start_serve(root / "run", "--api-key", FLAG_KEY, "--api-key-file", str(key_file),
-                         "--recovery-timeout", "45", "--speculation", "off", "--revision", "main",
+                         "--recovery-timeout", "45", "--step-timeout", "75", "--speculation", "off", "--revision", "main",
                          model=HUB_ID, env={**_hub_env(root), "MOEMESH_API_KEY": ENV_KEY}, devices=None)
     if "moemesh serving" not in server.first_line:
         server.stop()
@@ -88,6 +88,7 @@ def test_hub_id_from_the_local_cache_with_default_devices(server):
     assert [w["device"] for w in deployment["attention"]] == [auto[0]]
     assert [w["device"] for w in deployment["expert"]] == list(auto)  # one expert worker per device
     assert deployment["timeouts"]["recovery_s"] == 45.0
+    assert deployment["timeouts"]["step_s"] == 75.0
     assert "api_keys" not in deployment.get("security", {})  # the keys live in a 0600 file, not the TOML
     assert (server.run_dir / "api_keys").stat().st_mode & 0o077 == 0
     models = httpx.get(f"{server.base_url}/v1/models", headers=_auth(), timeout=30).json()

@@ -4,7 +4,7 @@
 # 4.6 GB per layer; reused when present), served on cuda:0 alone with the routed experts in the attention worker,
 # KV rows as LC_KV_DTYPE (default fp8) and the device pool sized by `--kv-tokens auto`; then
 # `moemesh bench long-context` (LC_LENGTHS, default 65536,131072 prompt tokens, LC_DECODE output tokens) against
-# it. Its JSON goes to $RESULTS_DIR, the attention worker's capacity and budget events to the log.
+# it (`--step-timeout` LC_STEP_TIMEOUT, default 180 s: the first steps compile and capture). Its JSON goes to $RESULTS_DIR, the attention worker's capacity and budget events to the log.
 # Run by bench/device/run_all.sh from the repo root with PYTHONPATH and RESULTS_DIR set.
 set -u
 source bench/device/serve-wait.sh
@@ -25,7 +25,7 @@ fi
 rm -rf "$RUN_DIR"
 echo "--- $(date -u +%H:%M:%S) serve (${SECONDS}s)"
 python3 -m moemesh.cli serve --model "$CKPT" --devices cuda:0 --kv-dtype "$KV_DTYPE" --kv-tokens "${LC_KV_TOKENS:-auto}" \
-  --port "$PORT" --run-dir "$RUN_DIR" --ready-timeout 600 ${LC_SERVE_ARGS:-} > "$RUN_DIR.serve.log" 2>&1 &
+  --port "$PORT" --run-dir "$RUN_DIR" --ready-timeout 600 --step-timeout "${LC_STEP_TIMEOUT:-180}" ${LC_SERVE_ARGS:-} > "$RUN_DIR.serve.log" 2>&1 &
 SERVE_PID=$!
 mps_on_exit='kill -TERM $SERVE_PID 2>/dev/null; wait $SERVE_PID; echo "serve exited"'
 wait_ready "$PORT" "$SERVE_PID" 600

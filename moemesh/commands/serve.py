@@ -77,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--recovery-timeout", type=float, default=None,
                         help="seconds a request waits for a restarting worker before a 503 with Retry-After "
                              "(default: the deployment's timeouts.recovery_s, 90)")
+    parser.add_argument("--step-timeout", type=float, default=None,
+                        help="seconds the router waits for one step's answer before it treats the attention worker "
+                             "as lost (default: the deployment's timeouts.step_s, 30); a full-width model's first "
+                             "steps compile kernels and capture graphs, which can take longer on a fresh machine")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every endpoint but /health (repeatable; "
                              "visible in `ps`: prefer --api-key-file or MOEMESH_API_KEY)")
@@ -243,6 +247,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--expert-workers must be >= 1, got {num_expert_workers}")
         if args.recovery_timeout is not None and not args.recovery_timeout > 0:
             raise ValueError(f"--recovery-timeout must be > 0, got {args.recovery_timeout}")
+        if args.step_timeout is not None and not args.step_timeout > 0:
+            raise ValueError(f"--step-timeout must be > 0, got {args.step_timeout}")
         collect_api_keys(args.api_key, args.api_key_file)  # a bad key or key file fails before anything starts
         # refuses a width above dspark_block_size (or speculation without a drafter) before anything starts
         speculation = SpeculationConfig.for_model(args.speculation, args.spec_width, draft_block_size(model_dir))
@@ -268,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
                          data_plane=args.data_plane,
                          cuda_graphs=args.cuda_graphs == "on" or (args.cuda_graphs == "auto"
                                                                   and devices[0].startswith("cuda")),
-                         api_key_file=api_key_file, recovery_timeout_s=args.recovery_timeout,
+                         api_key_file=api_key_file, recovery_timeout_s=args.recovery_timeout, step_timeout_s=args.step_timeout,
                          model_name=model_name, drain_s=args.drain_timeout,
                          router_limits=request_limits(args), expert_dtype=args.expert_dtype,
                          experts_in_attention=experts_in_attention, kv_dtype=args.kv_dtype)

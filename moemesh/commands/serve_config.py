@@ -44,6 +44,7 @@ class ServeLayout:
     api_key_file: str | None = None  # the gateway's Bearer keys (serve writes them to <run_dir>/api_keys)
     model_name: str | None = None  # the served model name (a hub id); None: the directory's name
     recovery_timeout_s: float | None = None  # timeouts.recovery_s; None: the deployment default
+    step_timeout_s: float | None = None  # timeouts.step_s; None: the deployment default
     drain_s: float = 30.0  # the router lets open requests finish this long on SIGTERM
     router_limits: tuple[tuple[str, int], ...] = ()  # [router] request limits: (key, value), e.g. max_json_depth
     expert_dtype: str = "native"  # what expert workers keep of the routed experts (native, fp8, bf16)
@@ -98,7 +99,8 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
         "paths": {"run_dir": layout.run_dir, "log_dir": layout.log_dir},
         "router": {"host": layout.host, "port": layout.port, **dict(layout.router_limits)},
         "timeouts": {"drain_s": float(layout.drain_s),
-                     **({"recovery_s": float(layout.recovery_timeout_s)} if layout.recovery_timeout_s is not None else {})},
+                     **({"recovery_s": float(layout.recovery_timeout_s)} if layout.recovery_timeout_s is not None else {}),
+                     **({"step_s": float(layout.step_timeout_s)} if layout.step_timeout_s is not None else {})},
         "attention": [{"name": "attention-0", "device": layout.devices[0],
                        **({"data_plane": layout.data_plane} if layout.data_plane != "zmq" else {}),
                        **({"cuda_graphs": True} if layout.cuda_graphs else {}),
