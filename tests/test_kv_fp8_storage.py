@@ -77,7 +77,7 @@ def test_the_attention_worker_takes_kv_dtype_from_its_entry_or_the_command_line(
 
 
 def test_serve_writes_kv_dtype_into_the_deployment(tmp_path):
-    from moemesh.commands.serve import add_arguments
+    from moemesh.commands.serve_args import add_arguments
     from moemesh.commands.serve_config import ServeLayout, deployment_table, write_deployment
 
     parser = argparse.ArgumentParser()

@@ -121,7 +121,7 @@ def test_limits_and_drain_timeout_reach_the_router_from_the_command_line(tmp_pat
     from tokenizers import Tokenizer
 
     from moemesh.cli import build_parser
-    from moemesh.commands.serve import request_limits
+    from moemesh.commands.serve_args import request_limits
     from moemesh.commands.serve_config import ServeLayout, write_deployment
     from moemesh.commands.service import deployment_overrides
     from moemesh.common.runtime.deployment import load_deployment

@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         "role has several workers)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     if name == "router":
-        from moemesh.commands.serve import add_request_limit_arguments
+        from moemesh.commands.serve_args import add_request_limit_arguments
 
         add_request_limit_arguments(parser)
     if name == "attention":
@@ -42,7 +42,7 @@ def deployment_overrides(args: argparse.Namespace) -> list[str]:
     """`--set` overrides, and for the router its request-limit flags as `[router]` keys."""
     overrides = list(args.overrides)
     if args.command_name == "router":
-        from moemesh.commands.serve import request_limits
+        from moemesh.commands.serve_args import request_limits
 
         overrides += [f"router.{key}={value}" for key, value in request_limits(args)]
     return overrides

@@ -138,7 +138,8 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         preempted_ids: list[str] = []
         sitting_out = self._long_prefills_to_sit_out()
-        self._schedule_running(planned, budget, swap_out, preempted_ids, sitting_out)
+        self._schedule_running(planned, budget, swap_out, preempted_ids,
+                               lambda request: request.request_id not in sitting_out)
         swap_in: list[tuple[int, int]] = []
         restores: list[StateRestore] = []
         num_cached_tokens = 0
@@ -148,7 +149,8 @@ class Scheduler:
                 num_cached_tokens = self._schedule_waiting(planned, budget, restores)
         if sitting_out and not any(entry.is_new_sequence for entry in planned.values()):
             # nothing new was admitted after all: the long prompts go on this step
-            self._schedule_running(planned, budget, swap_out, preempted_ids, frozenset(), only=sitting_out)
+            self._schedule_running(planned, budget, swap_out, preempted_ids,
+                                   lambda request: request.request_id in sitting_out)
             sitting_out = frozenset()
         self._sat_out_ids = sitting_out
         return self._finalise(planned, swap_out, swap_in, restores, preempted_ids, num_cached_tokens)
@@ -172,10 +174,11 @@ class Scheduler:
             and request.request_id not in self._sat_out_ids
         )
 
-    def _schedule_running(self, planned, budget, swap_out, preempted_ids, sitting_out, only=None) -> None:
+    def _schedule_running(self, planned, budget, swap_out, preempted_ids, takes_part) -> None:
+        """takes_part(request): whether a running request is scheduled in this pass."""
         decodes, prefills = [], []
         for request in self._running:
-            if request.request_id in sitting_out or (only is not None and request.request_id not in only):
+            if not takes_part(request):
                 continue
             (decodes if request.num_tokens - request.num_computed_tokens == 1 else prefills).append(request)
         for request in itertools.chain(decodes, prefills):
