@@ -9,16 +9,17 @@ drawn from the run's `--seed`, fresh unless given), in order:
 1. capacity: `/status.json` (the router's KV blocks per tier, block size, max_model_len) in tokens, and how many
    sequences of 128K and of 1M tokens fit at once; with `--log-dir` also the attention worker's
    `attention.kv_capacity` event (bytes per block, per context token, per layer type);
-0. warm-up (kept in the JSON as `warm_up`, out of the figures): two short requests, then one request of
+2. warm-up (kept in the JSON as `warm_up`, out of the figures): two short requests, then one request of
    `--warm-up-length` prompt tokens (default the longest length; 0 skips it) with `--load-probes` short ones
-   arriving together during its prefill, so kernel compiles and graph captures a first long prefill, a mixed prefill/decode step
-   and decode at that context trigger (tens of seconds on a fresh machine) land before anything is measured;
-2. idle TTFT: `--probes` short requests (64 prompt tokens, 2 output tokens) one after another;
-3. per `--lengths` L: one streamed request of L prompt tokens and `--decode-tokens` output tokens (ignore_eos,
+   arriving together during its prefill, so the kernel compiles and graph captures that a first long prefill,
+   a mixed prefill/decode step and decode at that context trigger (tens of seconds on a fresh machine) land
+   before anything is measured;
+3. idle TTFT: `--probes` short requests (64 prompt tokens, 2 output tokens) one after another;
+4. per `--lengths` L: one streamed request of L prompt tokens and `--decode-tokens` output tokens (ignore_eos,
    temperature 0): prefill tok/s = L / TTFT, decode per step = (last token - first token) / (tokens - 1), the
    context then being L..L+decode_tokens;
-4. TTFT under load: the longest length again, and `--load-probes` short requests arriving open-loop at moments
-   drawn uniformly over that prefill (its duration from step 3, counted from when the server reports it
+5. TTFT under load: the longest length again, and `--load-probes` short requests arriving open-loop at moments
+   drawn uniformly over that prefill (its duration from step 4, counted from when the server reports it
    running): their median TTFT over the idle median. Open-loop, because a probe sent when the previous one
    answers lands on the same point of the server's step cycle every time.
 
@@ -240,7 +241,7 @@ async def run(args: argparse.Namespace, config) -> dict:
             raise SystemExit(f"lengths {too_long} + {args.decode_tokens} output tokens exceed the server's "
                              f"max_model_len {max_len} (serve --kv-tokens / --max-model-len)")
         result = {"seed": args.seed, "capacity": capacity(engine, read_kv_event(args.log_dir))}
-        await short_ttfts(client, model, vocab, 2, seed=f"{args.seed}/warm-up")  # warm-up: first-request costs stay out of the figures
+        await short_ttfts(client, model, vocab, 2, seed=f"{args.seed}/warm-up")  # first-request costs: no figure
         warm_up_length = max(args.lengths) if args.warm_up_length is None else args.warm_up_length
         if warm_up_length:
             warm = await ttft_under_prefill(client, model, vocab, warm_up_length, args.decode_tokens,
@@ -252,7 +253,8 @@ async def run(args: argparse.Namespace, config) -> dict:
         result["idle_ttft_s"] = idle
         runs = []
         for index, length in enumerate(args.lengths):
-            body = request_body(model, random_prompt(length, vocab, seed=f"{args.seed}/long/{index}"), args.decode_tokens)
+            prompt = random_prompt(length, vocab, seed=f"{args.seed}/long/{index}")
+            body = request_body(model, prompt, args.decode_tokens)
             record = await send_request(client, index, Endpoint.COMPLETIONS, body)
             runs.append(summarise(record, length))
             print(json.dumps(runs[-1]), flush=True)
@@ -261,7 +263,8 @@ async def run(args: argparse.Namespace, config) -> dict:
         measured = [run["ttft_s"] for run in runs if run["prompt_tokens"] == longest and "error" not in run]
         if not measured:
             raise SystemExit(f"the {longest}-token request failed: no prefill time to place the load probes in")
-        under = await ttft_under_prefill(client, model, vocab, longest, args.decode_tokens, seed=f"{args.seed}/under-load",
+        under = await ttft_under_prefill(client, model, vocab, longest, args.decode_tokens,
+                                         seed=f"{args.seed}/under-load",
                                          num_probes=args.load_probes, expected_prefill_s=measured[0])
         result["under_prefill"] = under
         after = (await status(client))["engine"]
