@@ -113,6 +113,8 @@ def sample_messages() -> list[Any]:
         m.SwitchPlacement(placement_version=4, workers=(
             m.PlacementWorker(name="expert-1", endpoint="tcp://10.0.0.2:7001", experts=experts, replicas=experts[:1]),)),
         m.WriteRoutingStats(path="/var/lib/moemesh/stats.csv"),
+        m.EndWarmUp(),
+        m.WarmUpEnded(num_graph_captures=14, num_graph_steps=40, num_eager_steps=31),
         m.RoutingStatsWritten(paths=("/tmp/stats.csv", "/tmp/stats.decode.csv"), summary=m.RoutingSummary(
             num_steps=9, layers=(m.LayerRoutingSkew(layer=2, phase=m.RoutingPhase.DECODE, num_activations=60,
                                                     max_over_mean=2.5, top8_share=0.75, effective_experts=5.5,

@@ -29,6 +29,11 @@ Example (every key optional except the model path and one attention and expert w
     heartbeat_interval_s = 1.0
     recovery_s = 90.0              # a request waits this long for a restarting worker, then 503
 
+    [warm_up]                      # synthetic steps before /health turns 200 (services/router/warm_up.py)
+    mode = "auto"                  # auto: on when the attention worker runs on a CUDA device; on; off
+    step_timeout_s = 600.0         # the router's step timeout while warming up (first compiles, captures)
+    max_context_tokens = 0         # longest synthetic context; 0: max_model_len
+
     [kv]                           # KV pool geometry: the router's scheduler and every attention worker
     block_size_tokens = 128        # a multiple of every compression ratio (128 for DeepSeek-V4)
     num_primary_blocks = 256       # blocks in each attention worker's device pool
@@ -126,6 +131,25 @@ class TimeoutsConfig:
 
 
 
+WARM_UP_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class WarmUpConfig:
+    """The router's start-time warm-up (services/router/warm_up.py): synthetic requests through the
+    scheduler and the workers before `/health` turns 200, so that first-use compiles and graph captures
+    happen before any client waits on them. mode "auto": on when the first attention worker's device is
+    CUDA; step_timeout_s replaces `timeouts.step_s` for the warm-up's own steps; max_context_tokens caps
+    the longest synthetic context (0: max_model_len)."""
+
+    mode: str = "auto"
+    step_timeout_s: float = 600.0
+    max_context_tokens: int = 0
+
+    def enabled_for(self, attention_device: str) -> bool:
+        return self.mode == "on" or (self.mode == "auto" and attention_device.startswith("cuda"))
+
+
 @dataclass(frozen=True)
 class KVConfig:
     """The KV pool geometry, in one place so the router's block bookkeeping and the attention
@@ -210,6 +234,7 @@ class Deployment:
     draft: DraftWorkerConfig = field(default_factory=DraftWorkerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     kv: KVConfig = field(default_factory=KVConfig)
+    warm_up: WarmUpConfig = field(default_factory=WarmUpConfig)
 
     @property
     def is_multi_host(self) -> bool:
@@ -295,6 +320,12 @@ def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
         raise DeploymentError("timeouts.recovery_s: must be > 0")
     if deployment.timeouts.drain_s < 0:
         raise DeploymentError("timeouts.drain_s: must be >= 0")
+    if deployment.warm_up.mode not in WARM_UP_MODES:
+        raise DeploymentError(f"warm_up.mode: {deployment.warm_up.mode!r} is not one of {', '.join(WARM_UP_MODES)}")
+    if not deployment.warm_up.step_timeout_s > 0:
+        raise DeploymentError("warm_up.step_timeout_s: must be > 0")
+    if deployment.warm_up.max_context_tokens < 0:
+        raise DeploymentError("warm_up.max_context_tokens: must be >= 0 (0: max_model_len)")
     if deployment.router.max_body_bytes < 1024:
         raise DeploymentError("router.max_body_bytes: must be >= 1024")
     if not 2 <= deployment.router.max_json_depth <= 512:

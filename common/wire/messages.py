@@ -9,7 +9,7 @@ Receivers dispatch with `match message: case Dispatch(): ...`.
 Channels (docs/design.md §3):
 - control: router <-> attention / draft, registration, readiness, heartbeats, drain;
 - data:    attention <-> expert per MoE layer and micro-batch, attention -> draft features;
-- admin:   placement load / drop, inventory and memory reports.
+- admin:   placement load / drop, inventory and memory reports, the end of the start-time warm-up.
 
 The classes live in one module per channel (`messages_lifecycle`, `messages_step`,
 `messages_draft`, `messages_data`, `messages_admin`; enums in `message_enums`); this module is the
@@ -73,6 +73,8 @@ from moemesh.common.wire.messages_admin import (  # noqa: F401
     MemoryReport,
     WriteRoutingStats,
     RoutingStatsWritten,
+    EndWarmUp,
+    WarmUpEnded,
     PlacementWorker,
     SwitchPlacement,
 )
@@ -89,7 +91,7 @@ DATA_MESSAGES: tuple[type, ...] = (Dispatch, Combine, TargetFeatures, AttachCuda
                                    CombineSlot, AttachMailbox, MailboxAttached)
 ADMIN_MESSAGES: tuple[type, ...] = (
     LoadExperts, DropExperts, QueryInventory, ExpertInventory, MemoryReport, WriteRoutingStats, RoutingStatsWritten,
-    SwitchPlacement,
+    SwitchPlacement, EndWarmUp, WarmUpEnded,
 )
 ALL_MESSAGES: tuple[type, ...] = CONTROL_MESSAGES + DATA_MESSAGES + ADMIN_MESSAGES
 

@@ -94,6 +94,26 @@ class RoutingStatsWritten:
 
 
 @dataclass(frozen=True)
+class EndWarmUp:
+    """Router -> attention worker, after the start-time warm-up's last step (services/router/warm_up.py):
+    drop the routing counts the synthetic steps added (placement is planned from real traffic only) and
+    report what the warm-up captured. Answered by WarmUpEnded."""
+
+    TYPE: ClassVar[str] = "end_warm_up"
+
+
+@dataclass(frozen=True)
+class WarmUpEnded:
+    """num_graph_captures: decode graph sets (or whole-step graphs) the attention worker has captured;
+    num_graph_steps / num_eager_steps: its steps replayed on graphs / run eagerly (all 0 without graphs)."""
+
+    TYPE: ClassVar[str] = "warm_up_ended"
+    num_graph_captures: int = 0
+    num_graph_steps: int = 0
+    num_eager_steps: int = 0
+
+
+@dataclass(frozen=True)
 class PlacementWorker:
     """One expert worker of a placement: where it listens and which pairs it serves."""
 

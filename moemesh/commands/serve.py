@@ -144,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--recovery-timeout must be > 0, got {args.recovery_timeout}")
         if args.step_timeout is not None and not args.step_timeout > 0:
             raise ValueError(f"--step-timeout must be > 0, got {args.step_timeout}")
+        if args.warm_up_context_tokens is not None and args.warm_up_context_tokens < 1:
+            raise ValueError(f"--warm-up-context-tokens must be >= 1, got {args.warm_up_context_tokens}")
         collect_api_keys(args.api_key, args.api_key_file)  # a bad key or key file fails before anything starts
         # refuses a width above dspark_block_size (or speculation without a drafter) before anything starts
         speculation = SpeculationConfig.for_model(args.speculation, args.spec_width, draft_block_size(model_dir))
@@ -172,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
                          api_key_file=api_key_file, recovery_timeout_s=args.recovery_timeout, step_timeout_s=args.step_timeout,
                          model_name=model_name, drain_s=args.drain_timeout,
                          router_limits=request_limits(args), expert_dtype=args.expert_dtype,
-                         experts_in_attention=experts_in_attention, kv_dtype=args.kv_dtype)
+                         experts_in_attention=experts_in_attention, kv_dtype=args.kv_dtype,
+                         warm_up=args.warm_up, warm_up_context_tokens=args.warm_up_context_tokens)
     try:
         layout = _size_kv(layout, kv_request, model_dir)
         config_path, deployment = write_deployment(layout)

@@ -7,6 +7,7 @@ import argparse
 
 from moemesh.commands.serve_config import DEFAULT_MODEL_DIR
 from moemesh.common.model.kv_storage import KV_DTYPES
+from moemesh.common.runtime.deployment import WARM_UP_MODES
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -58,8 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                              "(default: the deployment's timeouts.recovery_s, 90)")
     parser.add_argument("--step-timeout", type=float, default=None,
                         help="seconds the router waits for one step's answer before it treats the attention worker "
-                             "as lost (default: the deployment's timeouts.step_s, 30); a full-width model's first "
-                             "steps compile kernels and capture graphs, which can take longer on a fresh machine")
+                             "as lost (default: the deployment's timeouts.step_s, 30); the warm-up's own steps, which "
+                             "compile kernels and capture graphs, wait [warm_up] step_timeout_s (600) instead")
+    parser.add_argument("--warm-up", choices=WARM_UP_MODES, default="auto",
+                        help="before /health turns 200, run synthetic requests through the scheduler and the "
+                             "workers so that kernels compile and CUDA graphs are captured for every decode batch "
+                             "bucket, step size and context class a request can reach (docs/design.md §2.1); auto "
+                             "(default): on when the attention worker runs on a CUDA device")
+    parser.add_argument("--warm-up-context-tokens", type=int, default=None, metavar="N",
+                        help="longest context the warm-up reaches (its prefill costs about half of it; default: "
+                             "--max-model-len)")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every endpoint but /health (repeatable; "
                              "visible in `ps`: prefer --api-key-file or MOEMESH_API_KEY)")

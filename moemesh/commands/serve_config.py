@@ -55,6 +55,8 @@ class ServeLayout:
     kv_num_primary_blocks: int = 256  # [kv] pool geometry (moemesh/commands/serve_kv.py sizes it)
     kv_num_cpu_blocks: int = 256
     max_model_len: int = 0  # [kv] max_model_len; 0: the model's positions capped by the device pool
+    warm_up: str = "auto"  # [warm_up] mode: auto (on with a CUDA attention worker), on, off
+    warm_up_context_tokens: int | None = None  # [warm_up] max_context_tokens; None: max_model_len
 
 
 def check_layout_data_plane(layout: ServeLayout) -> DataPlane:
@@ -107,6 +109,9 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
                        **({"placement": layout.experts_in_attention} if layout.experts_in_attention != "none" else {}),
                        **({"kv_dtype": layout.kv_dtype} if layout.kv_dtype != "bf16" else {})}],
         "expert": experts,
+        "warm_up": {"mode": layout.warm_up,
+                    **({"max_context_tokens": layout.warm_up_context_tokens}
+                       if layout.warm_up_context_tokens is not None else {})},
         "kv": {"num_primary_blocks": layout.kv_num_primary_blocks, "num_cpu_blocks": layout.kv_num_cpu_blocks,
                **({"max_model_len": layout.max_model_len} if layout.max_model_len else {})},
         **({"draft": {"enabled": True, "name": DRAFT_NAME, "device": layout.devices[0],

@@ -35,7 +35,8 @@ _WIRE_PHASES = {Phase.PREFILL: RoutingPhase.PREFILL, Phase.DECODE: RoutingPhase.
 
 
 class RoutingCounter:
-    """Device-side activation counts. Invariant: `counts` is [P, L, E] int64, only ever added to."""
+    """Device-side activation counts. Invariant: `counts` is [P, L, E] int64, only ever added to (or
+    zeroed whole by `forget`)."""
 
     def __init__(self, num_layers: int, num_experts: int, num_experts_per_tok: int, device: torch.device,
                  summary_every_steps: int | None = None) -> None:
@@ -67,6 +68,12 @@ class RoutingCounter:
             phase = is_decode.to(device=ids.device, dtype=torch.long)[:, None].expand_as(ids).reshape(-1)  # [T*K]
             flat = flat + phase * (self.num_layers * self.num_experts)
         self._planes.view(-1).index_add_(0, flat, torch.ones_like(flat))
+
+    def forget(self) -> None:
+        """Drop every count and the step count (after the router's start-time warm-up: its synthetic
+        steps must not steer a placement planned from these statistics)."""
+        self._planes.zero_()
+        self.num_steps = 0
 
     def snapshot(self) -> RoutingStats:
         """The counts so far as a RoutingStats (one device->host copy)."""

@@ -36,7 +36,7 @@ import torch
 
 from moemesh.common.runtime.service import Service
 from moemesh.common.wire.messages import (
-    ErrorCode, ErrorReply, RoutingStatsWritten, ScheduledSequence, SequenceResult, StepPlan, StepResult,
+    EndWarmUp, ErrorCode, ErrorReply, RoutingStatsWritten, ScheduledSequence, SequenceResult, StepPlan, StepResult,
     SwitchPlacement, WriteRoutingStats,
 )
 from moemesh.services.attention.kv_capacity import log_kv_capacity
@@ -101,7 +101,7 @@ class _Work:
 
 
 class AttentionWorker(Service):
-    accepts = (StepPlan, WriteRoutingStats, SwitchPlacement)
+    accepts = (StepPlan, WriteRoutingStats, SwitchPlacement, EndWarmUp)
 
     def __init__(self, config: AttentionWorkerConfig) -> None:
         self.config = config
@@ -210,6 +210,10 @@ class AttentionWorker(Service):
                 from moemesh.services.attention.placement_switch import apply_switch
 
                 return apply_switch(self, message)
+            case EndWarmUp():  # the router's warm-up is over: its routing counts go (warm_up_end.py)
+                from moemesh.services.attention.warm_up_end import end_warm_up
+
+                return end_warm_up(self)
         return ErrorReply(code=ErrorCode.UNEXPECTED, message=f"{type(message).TYPE} not handled")
 
     def write_routing_stats(self, path: str | None = None) -> RoutingStatsWritten | ErrorReply:

@@ -14,7 +14,8 @@ Everything else is a named helper. The loop is one asyncio task in the router's 
 awaits and needs no lock: the HTTP handlers only append to the inbox and read counters.
 
 Failure model (a failed step, a restarted attention worker, requests waiting for recovery):
-engine_recovery.py. Imports no torch.
+engine_recovery.py. The start-time warm-up (warm_up.py) is a task beside the loop that submits synthetic
+requests to it before `health()` may be ok, then forgets them (engine_warm_up.py). Imports no torch.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ from moemesh.services.router.engine_drafts import DraftCoordinator
 from moemesh.services.router.engine_health import HealthTracker
 from moemesh.services.router.engine_plan import PlanTranslator, ResultMismatch, TranslatedResult, failed_results, translate_result
 from moemesh.services.router.engine_recovery import EngineRecovery
+from moemesh.services.router.engine_warm_up import EngineWarmUp
 from moemesh.services.router.engine_streams import RequestStream
 from moemesh.services.router.guided_decoding import attach_token_masks
 from moemesh.services.router.scheduler import Request, RequestEvent, Scheduler, SchedulerOutput
 from moemesh.services.router.step_totals import DecodeStepTotals
+from moemesh.services.router.warm_up import WarmUp
 
 log = structlog.get_logger("router")
 
@@ -59,14 +62,17 @@ class WorkerRestarted(StepFailed):
     """A new attention worker process announced itself while a plan was in flight."""
 
 
-class Engine(EngineRecovery):
+class Engine(EngineRecovery, EngineWarmUp):
     def __init__(self, config: EngineConfig, scheduler: Scheduler, *, supervisor: Supervisor | None = None,
                  context: zmq.asyncio.Context | None = None, security: SocketSecurity | None = None,
-                 drafts: DraftCoordinator | None = None) -> None:
+                 drafts: DraftCoordinator | None = None, warm_up: WarmUp | None = None) -> None:
         """security: how the client socket to the attention worker is secured (CURVE client), None: plain.
-        drafts: speculative decoding (engine_drafts.py); None: no drafter."""
+        drafts: speculative decoding (engine_drafts.py); None: no drafter.
+        warm_up: the start-time warm-up (warm_up.py), run once the workers are ready; None: none."""
         self.config = config
         self.drafts = drafts
+        self.warm_up = warm_up
+        self._warm_up_task: asyncio.Task | None = None
         self._security = security
         self.scheduler = scheduler
         self.health_tracker = HealthTracker(config, supervisor)
@@ -95,11 +101,17 @@ class Engine(EngineRecovery):
             self._context = zmq.asyncio.Context()
         self._client = self._attention_client()
         self._task = asyncio.create_task(self._run_guarded(), name="engine-loop")
-        log.info("router.engine_started", attention=self.config.attention_endpoint)
+        if self.warm_up is not None:
+            self._warm_up_task = asyncio.create_task(self.warm_up.run(self), name="warm-up")
+        log.info("router.engine_started", attention=self.config.attention_endpoint, warm_up=self.warm_up is not None)
 
     async def stop(self, reason: str = "router shutting down") -> None:
         """Stop the loop, end every open stream with an ERROR event, close the socket."""
         self.health_tracker.stopping = True
+        if self._warm_up_task is not None:
+            self._warm_up_task.cancel()
+            await asyncio.gather(self._warm_up_task, return_exceptions=True)
+            self._warm_up_task = None
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -118,6 +130,9 @@ class Engine(EngineRecovery):
         report = self.health()
         if not report.ok:
             await self._await_recovery(request.request_id, report)
+        return self._open_stream(request)
+
+    def _open_stream(self, request: GenerationRequest) -> AsyncIterator:
         if request.request_id in self._streams:
             raise EngineError(f"duplicate request id {request.request_id!r}")
         max_model_len = self.scheduler.config.max_model_len
@@ -161,6 +176,8 @@ class Engine(EngineRecovery):
         report = self.health_tracker.report()
         if self.drafts is not None:  # a detail only: serving goes on without the drafter
             report = HealthReport(ok=report.ok, services={**report.services, "draft": self.drafts.status()})
+        if self.warm_up is not None and not self.warm_up.finished:
+            report = HealthReport(ok=False, services={**report.services, "router": self.warm_up.status()})
         if self._task is None or self._task.done():
             return HealthReport(ok=False, services={**report.services, "router": "down: engine loop not running"})
         return report
@@ -288,7 +305,7 @@ class Engine(EngineRecovery):
                     case _:
                         raise StepFailed(f"attention worker answered {type(reply).TYPE} to a step_plan")
         except ReplyTimeout:
-            return self._step_failed(output, f"attention worker did not answer within {self.config.step_timeout_s:.1f}s",
+            return self._step_failed(output, f"attention worker did not answer within {self._step_timeout_s():.1f}s",
                                      worker_lost=True)
         except WorkerRestarted as error:
             return self._step_failed(output, str(error), worker_lost=True)
@@ -317,10 +334,10 @@ class Engine(EngineRecovery):
         delays no reply (asyncio.wait returns as soon as the reply is there)."""
         supervisor = self.health_tracker.supervisor
         if supervisor is None:
-            return await self._client.request(plan, timeout_s=self.config.step_timeout_s)
+            return await self._client.request(plan, timeout_s=self._step_timeout_s())
         name = self.config.attention_name
         known_pid = supervisor.ready[name].pid if name in supervisor.ready else None
-        reply = asyncio.ensure_future(self._client.request(plan, timeout_s=self.config.step_timeout_s))
+        reply = asyncio.ensure_future(self._client.request(plan, timeout_s=self._step_timeout_s()))
         try:
             while True:
                 done, _ = await asyncio.wait({reply}, timeout=0.25)

@@ -99,6 +99,7 @@ class DraftCoordinator:
     def __init__(self, config: DraftConfig, propose: ProposeFn, supervisor: Any = None,
                  clock: Callable[[], float] = time.monotonic, cost: StepCostModel | None = None) -> None:
         self.config = config
+        self._cost = cost
         self.widths = (CostAwareWidths(config.cost_policy, cost)
                        if config.width_policy is WidthPolicyKind.COST else None)
         self._propose = propose
@@ -352,6 +353,18 @@ class DraftCoordinator:
                 if self.widths is not None:
                     self.widths.forget(request_id)
         return finished
+
+    def forget_measurements(self) -> None:
+        """After the router's start-time warm-up (warm_up.py): the acceptance counters and the cost policy's
+        measurements start afresh, since synthetic drafts and first-use step times say nothing of served
+        traffic. The per-request bookkeeping stays: the finished synthetic requests are still reported to
+        the drafter, whose rings they free. Failures and recoveries stay counted: they happened."""
+        self.round_trip_s_total = 0.0
+        self.num_draft_requests = 0
+        self.draft_by_position = [0] * self.config.max_draft_tokens
+        self.accepted_by_position = [0] * self.config.max_draft_tokens
+        if self.widths is not None:
+            self.widths = CostAwareWidths(self.config.cost_policy, self._cost)
 
     # -- counters --------------------------------------------------------------------------
     def stats(self) -> dict:

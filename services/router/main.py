@@ -13,7 +13,9 @@ ends with an error: streams get a final chunk with finish_reason "error", an err
 `[DONE]`; other requests a 503. uvicorn then closes the connections. A second signal cuts at once.
 
 The router binds the deployment's supervisor endpoint, so `/health` reflects every worker's
-readiness and liveness; `moemesh serve` waits on that `/health`.
+readiness and liveness; `moemesh serve` waits on that `/health`. With `[warm_up]` on (by default when the
+attention worker runs on CUDA) `/health` stays 503 ("router": "warming up: ...") until the start-time
+warm-up's synthetic requests have run through the engine (services/router/warm_up.py).
 
 KV geometry: the scheduler's block counts must equal the attention worker's pool, so both
 read the deployment's `[kv]` table (`common.runtime.deployment.KVConfig`: block size, primary
@@ -38,6 +40,8 @@ from moemesh.services.router.engine_config import EngineConfig
 from moemesh.services.router.gateway_config import GatewayConfig
 from moemesh.services.router.prompt_tokens import prompt_tokens_for
 from moemesh.services.router.scheduler import SchedulerConfig
+from moemesh.services.router.warm_up import EngineWarmUpConfig
+from moemesh.services.router.warm_up_plan import WarmUpShape
 
 CUT_GRACE_S = 5.0  # after the drain timeout: for cut streams to send their last chunks
 CLOSE_GRACE_S = 2.0  # uvicorn's wait for connections to close once nothing is open
@@ -45,6 +49,9 @@ CLOSE_GRACE_S = 2.0  # uvicorn's wait for connections to close once nothing is o
 log = structlog.get_logger("router")
 
 EOS_TOKEN_TEXT = "<｜end▁of▁sentence｜>"
+# synthetic prompts of the warm-up draw their tokens from this text's (ordinary text, no special tokens)
+WARM_UP_FILLER_TEXT = ("In the beginning God created the heaven and the earth. And the earth was without form, and "
+                       "void; and darkness was upon the face of the deep. 0123456789, (x + y) * z; {\"key\": [1, 2]}")
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class RouterConfigs:
     gateway: GatewayConfig
     host: str
     port: int
+    warm_up: EngineWarmUpConfig | None = None  # None: no start-time warm-up
 
 
 def _max_model_len(configured: int, max_positions: int, pool_tokens: int) -> int:
@@ -132,7 +140,30 @@ def build_configs(deployment: Deployment, tokenizer, settings: RouterSettings = 
                             max_body_bytes=limits.max_body_bytes, max_json_depth=limits.max_json_depth,
                             max_concurrent_tokenizations=limits.max_concurrent_tokenizations,
                             prompt_tokens=prompt_tokens_for(tokenizer, model_dir))
-    return RouterConfigs(scheduler, engine, gateway, deployment.router.host, deployment.router.port)
+    return RouterConfigs(scheduler, engine, gateway, deployment.router.host, deployment.router.port,
+                         _warm_up_config(deployment, model_dir, scheduler, tokenizer))
+
+
+def _warm_up_config(deployment: Deployment, model_dir: Path, scheduler: SchedulerConfig,
+                    tokenizer) -> EngineWarmUpConfig | None:
+    """The start-time warm-up's config, None when `[warm_up] mode` (auto: on with a CUDA attention worker)
+    says off. Its longest context is `max_context_tokens` (0: max_model_len), below max_model_len."""
+    from moemesh.common.model.config import AttentionKind, ModelConfig  # torch-free
+
+    settings = deployment.warm_up
+    if not settings.enabled_for(deployment.attention[0].device):
+        return None
+    model = ModelConfig.load(model_dir)
+    has_csa = AttentionKind.CSA in model.layer_types
+    max_context_tokens = min(settings.max_context_tokens or scheduler.max_model_len, scheduler.max_model_len - 1)
+    shape = WarmUpShape(
+        max_num_running_seqs=scheduler.max_num_running_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        long_prefill_token_threshold=scheduler.long_prefill_token_threshold,
+        block_size_tokens=scheduler.block_size_tokens, num_gpu_blocks=scheduler.num_gpu_blocks,
+        max_context_tokens=max_context_tokens, csa_compress_ratio=model.csa_compress_ratio if has_csa else None,
+        index_topk=model.index_topk if has_csa else None)
+    filler = tuple(sorted(set(tokenizer.encode(WARM_UP_FILLER_TEXT, add_special_tokens=False).ids)))
+    return EngineWarmUpConfig(shape, settings.step_timeout_s, filler)
 
 
 def main(deployment: Deployment, name: str | None = None, log_level: str = "info",
@@ -274,8 +305,11 @@ async def serve_router(deployment: Deployment, configs: RouterConfigs, tokenizer
     from moemesh.services.router.drafter_link import coordinator_for
 
     speculation = coordinator_for(deployment, supervisor, context, security)  # None without a drafter
+    from moemesh.services.router.warm_up import WarmUp
+
     engine = Engine(configs.engine, Scheduler(configs.scheduler), supervisor=supervisor, context=context,
-                    security=security, drafts=speculation[0] if speculation else None)
+                    security=security, drafts=speculation[0] if speculation else None,
+                    warm_up=WarmUp(configs.warm_up) if configs.warm_up is not None else None)
     await engine.start()
     route, registry, admin = _placement_route(deployment, security, supervisor,
                                               configs.engine.max_heartbeat_silence_s)
