@@ -3,14 +3,18 @@
 It is the executable statement of what a plan promises the real worker, used by the
 scheduler tests. Instead of KV tensors, every written
 position of a block holds a fingerprint of the token there and of every token before it
-(a rolling hash), and a state slot holds how far its sequence has advanced. With checking
-on, it verifies on every step that:
+(a rolling hash), a resume snapshot holds the fingerprint at the block end it was recorded at,
+and a state slot holds how far its sequence has advanced. With checking on, it verifies on
+every step that:
   - a scheduled sequence owns its state slot, and the slot stands exactly at start_position
     (a fresh slot at 0, or at the restore boundary);
   - the block table covers every position computed, and blocks of positions before
     start_position hold exactly the request's tokens (so swaps, prefix hits and rollbacks
     never corrupt or lose KV);
   - no block is written by one sequence while another sequence's table holds it;
+  - a restore's snapshot was recorded at that block end after exactly the request's tokens
+    (so snapshot targets, rollbacks, swaps and the snapshot cache never resume from the wrong
+    state), and every snapshot target lies at a block end the step crosses;
   - copies run in the documented order (swap_out, swap_in, restores, compute).
 Tokens come from a deterministic "target model": the token after position p is a function
 of the fingerprint at p; drafts are verified greedily (exact match plus a bonus token).
@@ -61,6 +65,8 @@ class SimulatedWorker:
         self.known_token_ids = known_token_ids
         self.gpu_blocks: list[list[int | None]] = [[None] * self.block_size for _ in range(config.num_gpu_blocks)]
         self.cpu_blocks: list[list[int | None]] = [[None] * self.block_size for _ in range(config.num_cpu_blocks)]
+        self.gpu_snapshots: list[int | None] = [None] * config.num_gpu_snapshots
+        self.cpu_snapshots: list[int | None] = [None] * config.num_cpu_snapshots
         # slot -> (request_id, position the state stands at, fingerprint of the last token)
         self.slots: dict[int, tuple[str, int, int]] = {}
         self.num_steps = 0
@@ -76,11 +82,16 @@ class SimulatedWorker:
             self._release_slot_of(request_id)
         for gpu_block, cpu_block in plan.swap_out:
             self.cpu_blocks[cpu_block] = list(self.gpu_blocks[gpu_block])
+        for gpu_snapshot, cpu_snapshot in plan.snapshot_swap_out:
+            self.cpu_snapshots[cpu_snapshot] = self.gpu_snapshots[gpu_snapshot]
         for cpu_block, gpu_block in plan.swap_in:
             self.gpu_blocks[gpu_block] = list(self.cpu_blocks[cpu_block])
+        for cpu_snapshot, gpu_snapshot in plan.snapshot_swap_in:
+            self.gpu_snapshots[gpu_snapshot] = self.cpu_snapshots[cpu_snapshot]
         restored_slots = set()
         for restore in plan.state_restores:
-            self._restore(restore.request_id, restore.state_slot, restore.block_ids, restore.num_restored_tokens)
+            self._restore(restore.request_id, restore.state_slot, restore.block_ids, restore.num_restored_tokens,
+                          restore.snapshot_id)
             restored_slots.add(restore.state_slot)
         if self.check:
             self._check_no_shared_writes(plan)
@@ -112,6 +123,12 @@ class SimulatedWorker:
             position = seq.start_position + offset
             self.gpu_blocks[seq.block_ids[position // self.block_size]][position % self.block_size] = fingerprint
             per_position.append(fingerprint)
+        for block_index, snapshot in seq.snapshot_targets:
+            boundary = (block_index + 1) * self.block_size
+            if not seq.start_position < boundary <= end:
+                raise ContractViolation(f"{seq.request_id}: snapshot target at {boundary} outside the step "
+                                        f"({seq.start_position} .. {end})")
+            self.gpu_snapshots[snapshot] = per_position[boundary - 1 - seq.start_position]
         if not seq.sample_logits:
             self.slots[seq.state_slot] = (seq.request_id, end, fingerprint)
             return None
@@ -142,11 +159,14 @@ class SimulatedWorker:
             if owner == request_id:
                 del self.slots[slot]
 
-    def _restore(self, request_id: str, slot: int, block_ids, num_tokens: int) -> None:
+    def _restore(self, request_id: str, slot: int, block_ids, num_tokens: int, snapshot: int) -> None:
         if num_tokens % self.block_size or len(block_ids) * self.block_size != num_tokens:
             raise ContractViolation(f"{request_id}: restore of {num_tokens} tokens from {len(block_ids)} blocks")
         self._check_prefix(request_id, block_ids, num_tokens)
         last = self.gpu_blocks[block_ids[-1]][self.block_size - 1]
+        if self.gpu_snapshots[snapshot] != last:
+            raise ContractViolation(f"{request_id}: snapshot {snapshot} was not recorded at {num_tokens} after "
+                                    f"its tokens")
         self._claim_slot(request_id, slot, num_tokens, last)
 
     # -- checks ---------------------------------------------------------------------------

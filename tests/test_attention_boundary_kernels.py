@@ -116,7 +116,9 @@ def run_cases(device: str) -> list[dict]:
         pool = KVPool(config, KVPoolConfig(BLOCK, num_primary_blocks=NUM_BLOCKS), dtype, device)
         table = BlockTable(torch.device(device))
         table.update(range(5))  # blocks 0..4: positions 0 .. 79
-        source = recording_state(config, pool, table, Recorder(pool, table), dtype, torch.device(device),
+        source_recorder = Recorder(pool, table)
+        source_recorder.set_targets((index, index) for index in range(5))  # every block end: snapshot k for block k
+        source = recording_state(config, pool, table, source_recorder, dtype, torch.device(device),
                                  max_chunk_tokens=max_chunk_tokens)
         for start, end in CHUNKS:
             last_logits = _kernel_forward(model, prompt[start:end].to(device), source)[-1]
@@ -130,7 +132,7 @@ def run_cases(device: str) -> list[dict]:
             recorder = Recorder(pool, restored_table)
             restored = recording_state(config, pool, restored_table, recorder, dtype, torch.device(device))
             try:
-                restore_state(restored, recorder, boundary)
+                restore_state(restored, recorder, boundary, boundary // BLOCK - 1)
             except KVPoolError as error:
                 records.append({**record, "refused": str(error)})
                 continue
@@ -200,7 +202,9 @@ def test_ring_writes_record_what_append_records(via_commit):
         pool = KVPool(config, KVPoolConfig(BLOCK, num_primary_blocks=4), torch.float32, "cpu")
         table = BlockTable(torch.device("cpu"))
         table.update(range(3))
-        return pool, recording_state(config, pool, table, Recorder(pool, table), torch.float32, torch.device("cpu"))
+        recorder = Recorder(pool, table)
+        recorder.set_targets(((0, 0), (1, 1), (2, 2)))
+        return pool, recording_state(config, pool, table, recorder, torch.float32, torch.device("cpu"))
 
     (pool_a, by_append), (pool_k, by_kernel) = build(), build()
     for num_new in steps:
@@ -227,11 +231,11 @@ def test_ring_writes_record_what_append_records(via_commit):
             by_kernel.commit_kernel_writes(num_new)
         else:
             by_kernel.advance(num_new)
-    snapshot_keys = [key for key in pool_a.primary if "snapshot" in key[1] or "pending" in key[1]]
+    snapshot_keys = list(pool_a.snapshot_primary)
     assert snapshot_keys
     for key in snapshot_keys:
-        assert pool_a.primary[key][:3].abs().sum() > 0, key
-        assert torch.equal(pool_k.primary[key][:3], pool_a.primary[key][:3]), key
+        assert pool_a.snapshot_primary[key][:3].abs().sum() > 0, key
+        assert torch.equal(pool_k.snapshot_primary[key][:3], pool_a.snapshot_primary[key][:3]), key
 
 
 def test_a_write_past_the_ring_reach_without_record_write_is_poisoned_and_refused():
@@ -242,7 +246,9 @@ def test_a_write_past_the_ring_reach_without_record_write_is_poisoned_and_refuse
     pool = KVPool(config, KVPoolConfig(BLOCK, num_primary_blocks=4), torch.float32, "cpu")
     table = BlockTable(torch.device("cpu"))
     table.update(range(3))
-    state = recording_state(config, pool, table, Recorder(pool, table), torch.float32, torch.device("cpu"))
+    source_recorder = Recorder(pool, table)
+    source_recorder.set_targets(((0, 0),))
+    state = recording_state(config, pool, table, source_recorder, torch.float32, torch.device("cpu"))
     num_new = 40  # block end 16 lies 24 tokens before the write's end: beyond W + 8 ring rows
     for layer in state.layers:
         for store in layer.stores():
@@ -252,8 +258,8 @@ def test_a_write_past_the_ring_reach_without_record_write_is_poisoned_and_refuse
     restored_table.update([0, 3])
     recorder = Recorder(pool, restored_table)
     restored = recording_state(config, pool, restored_table, recorder, torch.float32, torch.device("cpu"))
-    with pytest.raises(KVPoolError, match="no snapshot"):
-        restore_state(restored, recorder, BLOCK)
+    with pytest.raises(KVPoolError, match="holds no"):
+        restore_state(restored, recorder, BLOCK, 0)
 
 
 if __name__ == "__main__":  # the interpreter child of test_kernel_path_snapshots_restore_under_interpreter

@@ -378,7 +378,8 @@ def run_static_decode(config, dtype, device, tolerance: float, *, capture: bool,
     for index, length in enumerate(prompts):
         blocks = tuple(range(index * num_blocks_each, (index + 1) * num_blocks_each))
         for side in (0, 1):
-            states[side].append(slot_tables[side].prepare(index, f"r{index}", 0, blocks, {}).state)
+            targets = tuple(enumerate(blocks))  # every block end records, into the snapshot of the block's id
+            states[side].append(slot_tables[side].prepare(index, f"r{index}", 0, blocks, {}, targets).state)
     generator = torch.Generator().manual_seed(3)
     layout = MainRowLayout.of(config)
     scratch = SequenceState(config, dtype=dtype, device=device, kv_storage=KVStorage.FP8)
@@ -437,11 +438,11 @@ def run_static_decode(config, dtype, device, tolerance: float, *, capture: bool,
                     assert torch.equal(got_layer.window.ring, want_layer.window.ring)
     for layer in range(config.num_hidden_layers):  # block-end snapshots: from the rings, what the torch path took
         key = (layer, "window_snapshot")
-        got, want = (unpack_main_rows(pool.primary[key], layout) for pool in (pools[1], pools[0]))
+        got, want = (unpack_main_rows(pool.snapshot_primary[key], layout) for pool in (pools[1], pools[0]))
         assert _relative(got, want) <= tolerance, key
         if tolerance == FP32_TOLERANCE:
-            assert torch.equal(pools[1].primary[key], pools[0].primary[key]), key
-    assert bool(unpack_main_rows(pools[1].primary[(0, "window_snapshot")][0], layout).abs().sum() > 0)
+            assert torch.equal(pools[1].snapshot_primary[key], pools[0].snapshot_primary[key]), key
+    assert bool(unpack_main_rows(pools[1].snapshot_primary[(0, "window_snapshot")][0], layout).abs().sum() > 0)
 
 
 @interpreted

@@ -43,8 +43,8 @@ def token_ids(model) -> torch.Tensor:
 
 
 def _pool(config, num_primary_blocks: int = 8, num_cpu_blocks: int = 4) -> KVPool:
-    return KVPool(config, KVPoolConfig(BLOCK, num_primary_blocks, num_cpu_blocks, kv_storage=KVStorage.FP8),
-                  torch.float32, "cpu")
+    return KVPool(config, KVPoolConfig(BLOCK, num_primary_blocks, num_cpu_blocks, kv_storage=KVStorage.FP8,
+                                       num_primary_snapshots=6, num_cpu_snapshots=2), torch.float32, "cpu")
 
 
 def _run(model, state, token_ids, chunks) -> list[torch.Tensor]:
@@ -58,10 +58,11 @@ def _run(model, state, token_ids, chunks) -> list[torch.Tensor]:
 
 
 def _source(model, token_ids, pool):
-    """Slot 0 prefilled with CHUNKS[:2] (up to 64) in blocks 0, 1, 2 of an FP8 pool."""
+    """Slot 0 prefilled with CHUNKS[:2] (up to 64) in blocks 0, 1, 2 of an FP8 pool, its snapshots at 32 and 64 in
+    snapshots 0 and 1."""
     slots = SlotTable(model.config, pool, torch.float32, torch.device("cpu"))
     for start, end in CHUNKS[:2]:
-        slot = slots.prepare(0, "source", start, (0, 1, 2), SAMPLING if start == 0 else None)
+        slot = slots.prepare(0, "source", start, (0, 1, 2), SAMPLING if start == 0 else None, ((0, 0), (1, 1)))
         model.forward(token_ids[start:end], [SequenceChunk(slot.state, end - start)])
     return slots
 
@@ -102,7 +103,7 @@ def test_restore_at_a_chunk_end_continues_bit_for_bit(model, token_ids):
     reference = SequenceState(model.config, kv_storage=KVStorage.FP8)
     expected = _run(model, reference, token_ids, CHUNKS)
     sealed = {key: tensor[:2].clone() for key, tensor in pool.primary.items()}
-    slots.restore(1, "second", (0, 1), 64)
+    slots.restore(1, "second", (0, 1), 64, 1)
     slot = slots.prepare(1, "second", 64, (0, 1, 3), SAMPLING)
     assert slot.state.kv_storage is KVStorage.FP8
     for got, want in zip(_run(model, slot.state, token_ids, CHUNKS[2:]), expected[2:]):
@@ -119,12 +120,12 @@ def test_swap_in_after_the_blocks_were_reused(model, token_ids):
     slots = _source(model, token_ids, pool)
     reference = SequenceState(model.config, kv_storage=KVStorage.FP8)
     expected = _run(model, reference, token_ids, CHUNKS)
-    pool.move(swap_out=[(0, 2), (1, 0)], swap_in=[])
+    pool.move(swap_out=[(0, 2), (1, 0)], swap_in=[], snapshot_swap_out=[(1, 0)])
     slots.free([0])
-    for tensor in pool.primary.values():  # others wrote the blocks meanwhile
+    for tensor in (*pool.primary.values(), *pool.snapshot_primary.values()):  # others wrote them meanwhile
         tensor.fill_(POISON_BYTE if tensor.dtype == torch.uint8 else float("nan"))
-    pool.move(swap_out=[], swap_in=[(2, 6), (0, 3)])
-    slots.restore(0, "source", (6, 3), 64)
+    pool.move(swap_out=[], swap_in=[(2, 6), (0, 3)], snapshot_swap_in=[(0, 4)])
+    slots.restore(0, "source", (6, 3), 64, 4)
     slot = slots.prepare(0, "source", 64, (6, 3, 7), SAMPLING)
     for got, want in zip(_run(model, slot.state, token_ids, CHUNKS[2:]), expected[2:]):
         assert torch.equal(got, want)
@@ -134,13 +135,13 @@ def test_swap_in_after_the_blocks_were_reused(model, token_ids):
 def test_drafts_rolled_back_across_a_block_end_leave_the_confirmed_snapshot(model, token_ids):
     pool = _pool(model.config, num_primary_blocks=4)
     slots = SlotTable(model.config, pool, torch.float32, torch.device("cpu"))
-    slot = slots.prepare(0, "a", 0, (0, 1), SAMPLING)
+    slot = slots.prepare(0, "a", 0, (0, 1), SAMPLING, ((0, 3),))
     model.forward(token_ids[:30], [SequenceChunk(slot.state, 30)])
     wrong = torch.full((4,), 7 if token_ids[30] != 7 else 8)
     model.forward(wrong, [SequenceChunk(slot.state, 4)])  # "drafts" 30..33 cross 32
-    slot = slots.prepare(0, "a", 30, (0, 1), None)  # rolled back to 30
+    slot = slots.prepare(0, "a", 30, (0, 1), None, ((0, 3),))  # rolled back to 30
     model.forward(token_ids[30:50], [SequenceChunk(slot.state, 20)])
-    restored = slots.restore(1, "b", (0,), 32)
+    restored = slots.restore(1, "b", (0,), 32, 3)
     other = SequenceState(model.config, kv_storage=KVStorage.FP8)  # the same prefix, stopped exactly at 32
     model.forward(token_ids[:30], [SequenceChunk(other, 30)])
     model.forward(token_ids[30:32], [SequenceChunk(other, 2)])
@@ -153,6 +154,7 @@ def test_a_snapshot_that_was_not_captured_is_refused(model, token_ids):
     table = BlockTable(torch.device("cpu"))
     table.update((0, 1))
     recorder = Recorder(pool, table)
+    recorder.set_targets(((0, 2),))
     state = recording_state(model.config, pool, table, recorder, torch.float32, torch.device("cpu"))
     model.forward(token_ids[:40], [SequenceChunk(state, 40)])
 
@@ -161,26 +163,25 @@ def test_a_snapshot_that_was_not_captured_is_refused(model, token_ids):
         restored_table.update((0,))
         fresh = Recorder(pool, restored_table)
         restore_state(recording_state(model.config, pool, restored_table, fresh, torch.float32, torch.device("cpu")),
-                      fresh, 32)
+                      fresh, 32, 2)
 
     restore_at_32()  # captured: restores
     recorder.poison((2, "window_snapshot"), 32)
-    assert bool((pool.primary[(2, "window_snapshot")][0] == POISON_BYTE).all())
-    with pytest.raises(KVPoolError, match="has no snapshot"):
+    assert bool((pool.snapshot_primary[(2, "window_snapshot")][2] == POISON_BYTE).all())
+    with pytest.raises(KVPoolError, match="holds no"):
         restore_at_32()
 
 
-def test_a_block_holds_fp8_rows_and_snapshots():
+def test_a_block_holds_fp8_rows_and_a_snapshot_fp8_window_rows():
     """Per 32-token block of the tiny model (head_dim 32 = 24 + 8: 48-byte FP8 rows instead of 128 fp32 bytes;
-    index_head_dim 16: 20-byte FP8 indexer rows instead of 64 fp32 bytes)."""
+    index_head_dim 16: 20-byte FP8 indexer rows instead of 64 fp32 bytes); a resume snapshot's window rows too."""
     config = tiny_config()
     fp8 = _pool(config, num_primary_blocks=1, num_cpu_blocks=0)
     fp32 = KVPool(config, KVPoolConfig(BLOCK, 1, 0), torch.float32, "cpu")
     csa_layers, hca_layers = 2, 1
     rows = csa_layers * (BLOCK // 4) + hca_layers * (BLOCK // 8)  # compressed rows per block
     indexer_rows = csa_layers * (BLOCK // 4)
-    assert fp8.num_row_bytes_per_block() == rows * 48 + indexer_rows * 20
-    assert fp32.num_row_bytes_per_block() == rows * config.head_dim * 4 + indexer_rows * config.index_head_dim * 4
+    assert fp8.num_bytes_per_block() == rows * 48 + indexer_rows * 20
+    assert fp32.num_bytes_per_block() == rows * config.head_dim * 4 + indexer_rows * config.index_head_dim * 4
     snapshot_saving = config.num_hidden_layers * config.sliding_window * (config.head_dim * 4 - 48)
-    assert fp32.num_bytes_per_block() - fp8.num_bytes_per_block() == (
-        fp32.num_row_bytes_per_block() - fp8.num_row_bytes_per_block() + snapshot_saving)
+    assert fp32.num_bytes_per_snapshot() - fp8.num_bytes_per_snapshot() == snapshot_saving

@@ -108,7 +108,7 @@ def test_slots_of_an_fp8_pool_hold_fp8_rows():
     assert indexer_pool.dtype == torch.uint8 and indexer_pool.shape[2] == config.index_head_dim + 4  # codes, scale
     assert all(ring.dtype == torch.float32 for store in (csa.compressor, csa.indexer)
                for ring in store.input_rings)  # pending inputs as they are
-    assert pool.primary[(0, "window_snapshot")].dtype == torch.uint8
+    assert pool.snapshot_primary[(0, "window_snapshot")].dtype == torch.uint8
     bf16_pool = KVPool(config, KVPoolConfig(block_size_tokens=16, num_primary_blocks=4), torch.float32, "cpu")
     assert pool.num_bytes_per_block() < bf16_pool.num_bytes_per_block()
 
@@ -310,14 +310,15 @@ def test_an_fp8_attention_worker_generates_what_the_reference_does_with_fp8_rows
         worker = attention_worker(path, None, None, pairs, kv=kv)
     capacity = [event for event in logs if event["event"] == "attention.kv_capacity"]
     assert len(capacity) == 1 and capacity[0]["message"] == "KV capacity: 512 tokens on cpu, 0 on the CPU tier"
-    assert capacity[0]["device_bytes"] == 4 * worker.pool.num_bytes_per_block()  # what the pool allocated
-    assert capacity[0]["by_layer_type"]["indexer"]["bytes_per_block"] == sum(
+    assert capacity[0]["device_bytes"] == (4 * worker.pool.num_bytes_per_block()  # what the pool allocated
+                                           + kv.num_primary_snapshots * worker.pool.num_bytes_per_snapshot())
+    assert capacity[0]["by_layer_type"]["indexer"]["row_bytes_per_block"] == sum(
         tensor[0].numel() * tensor.element_size() for (_, name), tensor in worker.pool.primary.items()
         if name.startswith("indexer"))
     assert worker.side.layers[0].attn.fp8_qat_nope_dim == config.nope_head_dim  # the QAT comes with FP8 rows
     csa = next(layer for layer in worker.side.layers if layer.attn.indexer is not None)
     assert csa.attn.indexer.compressor.fp8_qat_nope_dim == config.index_head_dim  # and rounds the indexer rows
-    assert worker.pool.primary[(0, "window_snapshot")].dtype == torch.uint8
+    assert worker.pool.snapshot_primary[(0, "window_snapshot")].dtype == torch.uint8
     prompts = [[5, 9, 17], list(range(30, 52))]
     got, _ = run_offline(worker, prompts, SamplingParams(max_tokens=5))
 

@@ -12,7 +12,7 @@ import structlog
 from moemesh.common.runtime.deployment import (
     Deployment, DeploymentError, ExpertWorkerConfig, KVConfig, ModelConfig, PathsConfig, TimeoutsConfig,
     AttentionWorkerConfig, DraftWorkerConfig, add_deployment_arguments, derive_endpoints, load_deployment,
-    parse_deployment,
+    SchedulingConfig, parse_deployment,
 )
 from moemesh.common.runtime.deployment_writer import format_deployment, write_deployment_file
 from moemesh.common.runtime.logging import bound_request, configure_logging
@@ -90,6 +90,9 @@ def test_hosts_switch_every_endpoint_to_tcp():
         (("", ""), ["router.port=eighty"], "router.port"),
         (("", ""), ["attention[0].gpu=1"], "attention[0].gpu"),
         (("name = \"expert-1\"", "name = \"expert-0\""), [], "expert[1].name"),
+        (("", ""), ["scheduler.shared_prefill_token_threshold=0"], "scheduler.shared_prefill_token_threshold"),
+        (("", ""), ["scheduler.short_request_window_s=-1"], "scheduler.short_request_window_s"),
+        (("", ""), ["kv.num_primary_snapshots=-1"], "kv.num_primary_snapshots"),
     ],
 )
 def test_errors_name_the_bad_key(tmp_path, edit, overrides, key):
@@ -141,8 +144,10 @@ def test_written_deployment_loads_back_equal(tmp_path):
                 ExpertWorkerConfig("expert-1", placement=str(tmp_path / "placement.toml"), expert_dtype="fp8")),
         paths=PathsConfig(run_dir=str(tmp_path), log_dir=str(tmp_path / "logs")),
         timeouts=TimeoutsConfig(dispatch_s=2.5, step_s=60.0),
-        kv=KVConfig(num_primary_blocks=64, num_cpu_blocks=0, prefix_caching=False),
+        kv=KVConfig(num_primary_blocks=64, num_cpu_blocks=0, prefix_caching=False, num_primary_snapshots=32,
+                    num_cpu_snapshots=0),
         draft=DraftWorkerConfig(enabled=True, device="cuda:1"),
+        scheduler=SchedulingConfig(shared_prefill_token_threshold=512, short_request_window_s=0.5),
     )
     path = write_deployment_file(tmp_path / "deployment.toml", deployment)
     assert load_deployment(path) == deployment

@@ -67,7 +67,7 @@ def test_budget_cap_and_running_limit_hold_every_step():
 
 
 def test_short_request_gets_first_token_while_long_prompt_is_still_prefilling():
-    config = make_config(num_gpu_blocks=80, max_model_len=8192)
+    config = make_config(short_request_window_s=0, num_gpu_blocks=80, max_model_len=8192)
     engine = SimulatedEngine(Scheduler(config))
     engine.add(make_request("long", 5000, max_tokens=4))
     engine.add(make_request("short", 10, max_tokens=4))
@@ -86,7 +86,7 @@ def test_short_request_gets_first_token_while_long_prompt_is_still_prefilling():
 
 
 def test_long_prompt_sits_out_one_step_for_a_short_arrival_and_never_two_in_a_row():
-    config = make_config(num_gpu_blocks=80, max_model_len=8192)
+    config = make_config(short_request_window_s=0, num_gpu_blocks=80, max_model_len=8192)
     engine = SimulatedEngine(Scheduler(config))
     engine.add(make_request("long", 5000, max_tokens=2))
     assert [(s.request_id, s.num_tokens) for s in engine.step().plan.scheduled] == [("long", 1024)]
@@ -108,8 +108,33 @@ def test_long_prompt_sits_out_one_step_for_a_short_arrival_and_never_two_in_a_ro
     assert ("long", 1024) in [(s.request_id, s.num_tokens) for s in plan.scheduled]
 
 
+def test_long_prompt_chunks_shrink_while_short_requests_are_about():
+    """Within short_request_window_s of a short arrival a long prompt computes shared_prefill_token_threshold tokens
+    a step (a short request then waits on a short chunk in flight); alone, full chunks."""
+    now = [0.0]
+    config = make_config(num_gpu_blocks=80, max_model_len=8192, short_request_window_s=2.0,
+                         shared_prefill_token_threshold=256)
+    engine = SimulatedEngine(Scheduler(config, clock=lambda: now[0]))
+    engine.add(make_request("long", 6000, max_tokens=2))
+    assert [(s.request_id, s.num_tokens) for s in engine.step().plan.scheduled] == [("long", 1024)]
+    now[0] = 10.0
+    engine.add(make_request("short", 10, max_tokens=2))
+    assert [(s.request_id, s.num_tokens) for s in engine.step().plan.scheduled] == [("short", 10)]  # sits out
+    now[0] = 10.5
+    assert ("long", 256) in [(s.request_id, s.num_tokens) for s in engine.step().plan.scheduled]
+    now[0] = 11.9
+    assert [(s.request_id, s.num_tokens) for s in engine.step().plan.scheduled] == [("long", 256)]
+    now[0] = 12.0  # the window has passed
+    assert [(s.request_id, s.num_tokens) for s in engine.step().plan.scheduled] == [("long", 1024)]
+    engine.add(make_request("second-long", 3000, max_tokens=1))  # a long arrival does not shrink chunks
+    assert ("long", 1024) in [(s.request_id, s.num_tokens) for s in engine.step().plan.scheduled]
+    engine.run_until_done(max_steps=100)
+    assert engine.requests["long"].output_token_ids == engine.expected_output(engine.requests["long"], 2)
+
+
 def test_long_prompt_runs_when_the_short_arrival_cannot_be_admitted():
-    config = make_config(num_gpu_blocks=41, max_model_len=5120, num_cpu_blocks=0, max_num_running_seqs=1)
+    config = make_config(short_request_window_s=0, num_gpu_blocks=41, max_model_len=5120, num_cpu_blocks=0,
+                         max_num_running_seqs=1)
     engine = SimulatedEngine(Scheduler(config))
     engine.add(make_request("long", 5000, max_tokens=2))
     engine.step()
@@ -121,7 +146,7 @@ def test_long_prompt_runs_when_the_short_arrival_cannot_be_admitted():
 
 
 def test_long_prompt_runs_when_the_pool_refuses_the_short_arrival(monkeypatch):
-    engine = SimulatedEngine(Scheduler(make_config(num_gpu_blocks=80, max_model_len=8192)))
+    engine = SimulatedEngine(Scheduler(make_config(short_request_window_s=0, num_gpu_blocks=80, max_model_len=8192)))
     engine.add(make_request("long", 5000, max_tokens=2))
     engine.step()
     engine.add(make_request("short", 10, max_tokens=2))

@@ -22,6 +22,8 @@ CONFIGS = [
                           max_num_batched_tokens=64, long_prefill_token_threshold=48, max_num_running_seqs=3)),
     ("block_256_no_cache", dict(num_gpu_blocks=3, max_model_len=768, num_cpu_blocks=1, block_size_tokens=256,
                                 enable_prefix_caching=False)),
+    ("few_snapshots", dict(num_gpu_blocks=6, max_model_len=512, num_cpu_blocks=8, num_gpu_snapshots=3,
+                           num_cpu_snapshots=1, max_num_running_seqs=3, snapshot_interval_blocks=1)),
 ]
 
 
@@ -89,6 +91,8 @@ def test_random_workload_completes_without_leak(name, config_values, seed):
             assert request.output_token_ids[-1] in request.eos_token_ids
     stats = engine.scheduler.stats()
     assert stats.num_gpu_blocks_used == 0 and stats.num_cpu_blocks_used == 0
+    snapshots = engine.scheduler.kv.snapshots
+    assert snapshots.gpu.num_used_blocks == 0 and snapshots.cpu.num_used_blocks == 0
     assert stats.num_free_state_slots == config.max_num_running_seqs
     assert stats.num_waiting_prompt_tokens == 0
     assert stats.counters.num_finished_requests + stats.counters.num_aborted_requests == 16

@@ -78,7 +78,7 @@ def test_concurrent_requests_share_blocks_with_reference_counts():
 def test_hit_leaves_at_least_one_token_to_compute():
     engine = make_engine()
     prompt = tokens("exact", 2 * BLOCK)
-    run_one(engine, "first", prompt + (1,))
+    run_one(engine, "first", prompt)
     again = Request("again", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
     engine.add(again)
     record = engine.step()
@@ -123,3 +123,54 @@ def test_disabled_prefix_caching_never_hits():
     run_one(engine, "one", prompt)
     two = run_one(engine, "two", prompt)
     assert two.num_cached_prefix_tokens == 0 and engine.scheduler.kv.gpu.num_cached_blocks == 0
+
+
+def test_a_hit_resumes_at_a_kept_snapshot_and_a_divergence_point_is_kept_for_the_next():
+    """Blocks alone do not resume a sequence: a hit ends at the deepest cached block whose end has a cached resume
+    snapshot. A shared system prompt that ends inside a block is found by the second request with it (its cached
+    blocks match deeper than any snapshot) and kept there, so the third resumes at the shared blocks."""
+    engine = make_engine()
+    system = tokens("system", 3 * BLOCK + 40)
+    first = run_one(engine, "first", system + tokens("x", 200))
+    second = run_one(engine, "second", system + tokens("y", 200))
+    third = run_one(engine, "third", system + tokens("z", 200))
+    assert first.num_cached_prefix_tokens == 0
+    assert second.num_cached_prefix_tokens == 0  # blocks 0..2 cached, no snapshot at 128, 256 or 384
+    assert third.num_cached_prefix_tokens == 3 * BLOCK
+    assert engine.requests["third"].output_token_ids == engine.expected_output(third, 2)
+
+
+def test_snapshots_every_interval_let_a_long_shared_prefix_resume_mid_prompt():
+    engine = make_engine(snapshot_interval_blocks=2)
+    document = tokens("document", 5 * BLOCK + 7)
+    run_one(engine, "first", document + tokens("q1", 200))  # kept: 256, 512 (every 2 blocks) and 768 (prompt)
+    second = run_one(engine, "second", document + tokens("q2", 200))
+    assert second.num_cached_prefix_tokens == 4 * BLOCK  # 5 blocks match; the deepest snapshot among them: 512
+
+
+def test_a_step_records_the_snapshots_it_needs_and_none_leak():
+    """A prefill chunk names its last block end (where the request resumes after a preemption) and the kept ones;
+    after every request is done, no snapshot is held: the cached ones are evictable, the rest free."""
+    engine = make_engine(long_prefill_token_threshold=4 * BLOCK, snapshot_interval_blocks=16)
+    prompt = tokens("p", 9 * BLOCK + 50)
+    engine.add(Request("a", prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    record = engine.step()
+    [seq] = record.plan.scheduled
+    assert [index for index, _ in seq.snapshot_targets] == [3]  # positions 0..511: the block end at 512 only
+    record = engine.step()
+    assert [index for index, _ in record.plan.scheduled[0].snapshot_targets] == [7]
+    record = engine.step()  # the prompt's rest, 1024 .. 1202: its last block end 1152 is kept for the cache too
+    assert [index for index, _ in record.plan.scheduled[0].snapshot_targets] == [8]
+    engine.run_until_done(max_steps=100)
+    pool = engine.scheduler.kv.snapshots.gpu
+    assert pool.num_used_blocks == 0 and pool.num_cached_blocks >= 1
+    assert not engine.scheduler.kv.holds_anything("a")
+
+
+def test_without_free_snapshots_a_hit_finds_nothing_and_requests_still_run():
+    engine = make_engine(num_gpu_snapshots=0)
+    prompt = tokens("p", 2 * BLOCK + 10)
+    run_one(engine, "first", prompt)
+    again = run_one(engine, "again", prompt)
+    assert again.num_cached_prefix_tokens == 0
+    assert engine.requests["again"].output_token_ids == engine.expected_output(again, 2)

@@ -287,9 +287,10 @@ def test_plan_translation_of_restores_swaps_and_sampling():
     from moemesh.services.router.engine_plan import PlanTranslator
     from moemesh.services.router.scheduler import RestoreReason, ScheduledSequence, SchedulerOutput, StateRestore
 
-    def output(step_id, scheduled, freed=(), preempted=(), restores=(), swap_out=(), swap_in=()):
-        return SchedulerOutput(step_id, tuple(scheduled), tuple(swap_out), tuple(swap_in), tuple(restores),
-                               tuple(preempted), tuple(freed), sum(len(s.token_ids) for s in scheduled), 0, 0)
+    def output(step_id, scheduled, freed=(), preempted=(), restores=(), swap_out=(), swap_in=(), snapshot_out=()):
+        return SchedulerOutput(step_id, tuple(scheduled), tuple(swap_out), tuple(swap_in), tuple(snapshot_out), (),
+                               tuple(restores), tuple(preempted), tuple(freed),
+                               sum(len(s.token_ids) for s in scheduled), 0, 0)
 
     def seq(request_id, slot, tokens, start, new):
         return ScheduledSequence(request_id, slot, tuple(tokens), start, (4, 5), True, (), new,
@@ -301,13 +302,14 @@ def test_plan_translation_of_restores_swaps_and_sampling():
     assert first.sequences[0].sampling == SamplingParams(max_tokens=3, seed=7).to_wire()
     assert first.sequences[0].block_ids == ((4, 5),) and first.free_seq_slots == ()
     # a finishes; c takes its slot 0 with a 128-token prefix hit; b is preempted with a swap-out
-    restore = StateRestore("c", 0, (4,), 128, RestoreReason.PREFIX_HIT)
+    restore = StateRestore("c", 0, (4,), 128, RestoreReason.PREFIX_HIT, 6)
     plans = translator.plans_for(output(2, [seq("c", 0, [9], 128, True)], freed=["a"], preempted=["b"],
-                                        restores=[restore], swap_out=[(5, 0)]))
+                                        restores=[restore], swap_out=[(5, 0)], snapshot_out=[(2, 1)]))
     assert [p.sequences for p in plans[:1]] == [()] and plans[0].free_seq_slots == (0,)  # released first
     main = plans[1]
     assert main.step_id == plans[0].step_id + 1
-    assert main.free_seq_slots == (1,) and main.swap_out == ((5, 0),)
-    assert [(r.request_id, r.seq_slot, r.block_ids, r.num_tokens) for r in main.prefix_restores] == [("c", 0, (4,), 128)]
+    assert main.free_seq_slots == (1,) and main.swap_out == ((5, 0),) and main.snapshot_swap_out == ((2, 1),)
+    assert [(r.request_id, r.seq_slot, r.block_ids, r.num_tokens, r.snapshot_id)
+            for r in main.prefix_restores] == [("c", 0, (4,), 128, 6)]
     [later] = translator.plans_for(output(3, [seq("c", 0, [8], 129, False)]))
     assert later.sequences[0].sampling is None  # the worker keeps it per slot

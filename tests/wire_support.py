@@ -53,13 +53,16 @@ def sample_messages() -> list[Any]:
                 ),
                 m.ScheduledSequence(
                     request_id="req-2", seq_slot=3, token_ids=(9,), start_position=130,
-                    block_ids=((2,), ()), do_sample=False,
+                    block_ids=((2,), ()), do_sample=False, snapshot_targets=((1, 7),),
                 ),
             ),
             swap_out=((4, 0), (7, 1)),
             swap_in=((2, 5),),
+            snapshot_swap_out=((3, 0),),
+            snapshot_swap_in=((1, 2),),
             free_seq_slots=(5, 6),
-            prefix_restores=(m.PrefixRestore(request_id="req-3", seq_slot=4, block_ids=(8, 9), num_tokens=256),),
+            prefix_restores=(m.PrefixRestore(request_id="req-3", seq_slot=4, block_ids=(8, 9), num_tokens=256,
+                                              snapshot_id=3),),
         ),
         m.StepResult(
             step_id=11,

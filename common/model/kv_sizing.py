@@ -1,19 +1,21 @@
-"""What the attention worker's KV pool holds per block and per layer type, in bytes and in tokens (torch-free:
-the start-up memory budget and the command line price the pool with it before torch is loaded).
+"""What the attention worker's KV pool holds per block, per resume snapshot and per layer type, in bytes and in
+tokens (torch-free: the start-up memory budget and the command line price the pool with it before torch is loaded).
 
-A pool block covers `block_size_tokens` consecutive positions of one sequence for every layer (docs/design.md §4).
-It holds, per layer, a list of `BlockSegment`s, each one tensor of the pool ([blocks, rows, width] in one element
-type) that `services/attention/kv_pool.py` allocates exactly as listed here:
-- layer type "window" (every layer): the boundary snapshot of the window rows, W rows (main row format);
-- "csa" / "hca": the compressed rows, B / m rows (main row format); on CSA layers also the boundary snapshot of
-  the compressor's pending inputs, m rows of 2·hd fp32 for K and for Z (HCA's ratio divides B: none pending);
-- "indexer" (CSA layers): the indexer's compressed rows, B / m rows (indexer row format), and its pending inputs.
+The pool has two kinds of entries (docs/design.md §4), each a list of `BlockSegment`s, one tensor of the pool
+([entries, rows, width] in one element type) that `services/attention/kv_pool.py` allocates exactly as listed here:
+- a block covers `block_size_tokens` consecutive positions of one sequence and holds what grows with the context:
+  "csa" / "hca" the compressed rows, B / m rows (main row format); "indexer" (CSA layers) the indexer's
+  compressed rows, B / m rows (indexer row format);
+- a resume snapshot holds what a sequence needs to resume at one block end, a fixed size whatever the context:
+  "window" (every layer) the last W window rows (main row format); on CSA layers the compressor's and the
+  indexer's pending inputs, m rows of 2·hd fp32 for K and for Z (HCA's ratio divides B: none pending).
 Rows are stored as `KVStorage` says: FP8 main rows of `MainRowLayout.row_bytes` and FP8 indexer rows of
 `IndexerRowLayout.row_bytes` bytes (uint8), or `activation_bytes` per channel (bf16: 2, fp32: 4).
 
-The compressed and indexer rows grow with the context ("rows"); the snapshots are a fixed cost per block (they let
-a sequence resume at the block's end: prefix reuse, swap-in). Every block holds every layer type's segments, so
-each layer type has the same token capacity: blocks × B on the device, and as many again per block of the CPU tier.
+So a context token costs only its rows; snapshots are a separate pool whose size (`num_primary_snapshots`,
+`num_cpu_snapshots`) the deployment sets, a few per running sequence plus those kept for the prefix cache. Every
+block holds every layer type's rows, so each layer type has the same token capacity: blocks × B on the device, and
+as many again per block of the CPU tier.
 Legend: B tokens per block, m compression ratio, W sliding window, hd head dim.
 """
 
@@ -27,6 +29,10 @@ from moemesh.common.model.kv_layouts import IndexerRowLayout, MainRowLayout
 from moemesh.common.model.kv_storage import KVStorage
 
 PENDING_INPUT_BYTES = 4  # the compressors' pending inputs are fp32 in every storage
+# Resume snapshots per tier unless a deployment says otherwise: the router's bookkeeping and the attention worker's
+# pool take the same defaults (a snapshot id the router hands out must exist in the pool).
+DEFAULT_NUM_PRIMARY_SNAPSHOTS = 256
+DEFAULT_NUM_CPU_SNAPSHOTS = 64
 
 
 class LayerType(enum.Enum):
@@ -46,8 +52,8 @@ class Element(enum.Enum):
 
 @dataclass(frozen=True)
 class BlockSegment:
-    """One tensor of the pool, per block: [num_rows, width] elements. `grows`: rows of the context (compressed and
-    indexer rows); else a boundary snapshot."""
+    """One tensor of the pool, per entry: [num_rows, width] elements. `grows`: rows of the context (compressed and
+    indexer rows, one entry per block); else part of a resume snapshot (one entry per snapshot)."""
 
     key: tuple[int, str]  # (layer, "compressor" | "indexer" | "window_snapshot" | "<which>_pending_kv|score")
     layer_type: LayerType
@@ -65,32 +71,21 @@ class BlockSegment:
 
 @dataclass(frozen=True)
 class LayerTypeCapacity:
-    """One layer type's share of the pool: its layers, bytes per block (rows and snapshots) and tokens held."""
+    """One layer type's share of the pool: its layers, row bytes per block, bytes per resume snapshot and tokens
+    held."""
 
     layer_type: LayerType
     num_layers: int
     row_bytes_per_block: int
-    snapshot_bytes_per_block: int
+    snapshot_bytes: int  # its part of one resume snapshot
     block_size_tokens: int
     primary_tokens: int
     cpu_tokens: int
 
     @property
-    def bytes_per_block(self) -> int:
-        return self.row_bytes_per_block + self.snapshot_bytes_per_block
-
-    @property
     def row_bytes_per_token(self) -> float:
         """What one more context token stores in this layer type's rows (0 for window layers)."""
         return self.row_bytes_per_block / self.block_size_tokens
-
-    @property
-    def primary_bytes(self) -> int:
-        return self.bytes_per_block * (self.primary_tokens // self.block_size_tokens)
-
-    @property
-    def cpu_bytes(self) -> int:
-        return self.bytes_per_block * (self.cpu_tokens // self.block_size_tokens)
 
 
 def _main_row(config: ModelConfig, storage: KVStorage, activation_bytes: int) -> tuple[int, Element, int]:
@@ -136,7 +131,7 @@ def block_segments(config: ModelConfig, block_size_tokens: int, storage: KVStora
 
 @dataclass(frozen=True)
 class KVPoolSizing:
-    """The pool of one attention worker: its block geometry, row storage and every segment of a block."""
+    """The pool of one attention worker: its block geometry, row storage, resume snapshots and every segment."""
 
     block_size_tokens: int
     num_primary_blocks: int
@@ -144,25 +139,39 @@ class KVPoolSizing:
     kv_storage: KVStorage
     activation_bytes: int
     segments: tuple[BlockSegment, ...]
+    num_primary_snapshots: int = 0
+    num_cpu_snapshots: int = 0
 
     @classmethod
     def of(cls, config: ModelConfig, *, block_size_tokens: int, num_primary_blocks: int, num_cpu_blocks: int,
-           kv_storage: KVStorage, activation_bytes: int) -> KVPoolSizing:
+           kv_storage: KVStorage, activation_bytes: int, num_primary_snapshots: int = 0,
+           num_cpu_snapshots: int = 0) -> KVPoolSizing:
         """activation_bytes: bytes of one activation-dtype element (plain rows: bf16 2, fp32 4)."""
         if activation_bytes not in (2, 4):
             raise ValueError(f"activation_bytes={activation_bytes}: rows are kept in bf16 / fp16 (2) or fp32 (4)")
         return cls(block_size_tokens, num_primary_blocks, num_cpu_blocks, kv_storage, activation_bytes,
-                   block_segments(config, block_size_tokens, kv_storage, activation_bytes))
+                   block_segments(config, block_size_tokens, kv_storage, activation_bytes), num_primary_snapshots,
+                   num_cpu_snapshots)
+
+    @property
+    def row_segments(self) -> tuple[BlockSegment, ...]:
+        """The tensors of a block (what grows with the context)."""
+        return tuple(segment for segment in self.segments if segment.grows)
+
+    @property
+    def snapshot_segments(self) -> tuple[BlockSegment, ...]:
+        """The tensors of a resume snapshot."""
+        return tuple(segment for segment in self.segments if not segment.grows)
 
     @property
     def bytes_per_block(self) -> int:
-        """One block's rows and boundary snapshots, as stored (the same in both tiers)."""
-        return sum(segment.num_bytes for segment in self.segments)
+        """One block's compressed and indexer rows, as stored (the same in both tiers): what a context token costs."""
+        return sum(segment.num_bytes for segment in self.row_segments)
 
     @property
-    def row_bytes_per_block(self) -> int:
-        """One block's compressed and indexer rows alone (what grows with the context)."""
-        return sum(segment.num_bytes for segment in self.segments if segment.grows)
+    def bytes_per_snapshot(self) -> int:
+        """One resume snapshot (window rows of every layer, pending compressor inputs), as stored."""
+        return sum(segment.num_bytes for segment in self.snapshot_segments)
 
     @property
     def primary_tokens(self) -> int:
@@ -174,14 +183,15 @@ class KVPoolSizing:
 
     @property
     def primary_bytes(self) -> int:
-        return self.num_primary_blocks * self.bytes_per_block
+        """The device tier: its blocks and its resume snapshots."""
+        return self.num_primary_blocks * self.bytes_per_block + self.num_primary_snapshots * self.bytes_per_snapshot
 
     @property
     def cpu_bytes(self) -> int:
-        return self.num_cpu_blocks * self.bytes_per_block
+        return self.num_cpu_blocks * self.bytes_per_block + self.num_cpu_snapshots * self.bytes_per_snapshot
 
     def by_layer_type(self) -> dict[LayerType, LayerTypeCapacity]:
-        """Each layer type present in the model -> its bytes per block and tokens held in each tier."""
+        """Each layer type present in the model -> its row bytes per block, snapshot bytes and tokens per tier."""
         out: dict[LayerType, LayerTypeCapacity] = {}
         for layer_type in LayerType:
             segments = [segment for segment in self.segments if segment.layer_type is layer_type]

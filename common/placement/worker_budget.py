@@ -8,8 +8,8 @@ config (the checkpoint inventory gives every tensor's logical shape) and the wor
   the old one on a LoadExperts, and one matrix's conversion temporaries), plus the activations of
   one full Dispatch (max batched tokens x top-k x hidden, a few copies);
 - attention worker: every non-expert tensor of the main model, FP8 linears at their stored bytes
-  (they stay FP8 on the device) and the rest in the compute dtype, the KV pools with their boundary
-  snapshots in the worker's `kv_dtype` (the device pool; the CPU tier too when the device is the CPU),
+  (they stay FP8 on the device) and the rest in the compute dtype, the KV pools (blocks and resume
+  snapshots) in the worker's `kv_dtype` (the device pool; the CPU tier too when the device is the CPU),
   the transient of one FP8 matrix dequantised on the CPU path, and the activations of one step (the
   mHC residual streams and a few [T, D] intermediates per token, plus the sampled rows' logits);
 - draft worker: the `mtp.*` / DSpark tensors (FP8 linears at their stored bytes) plus its own copy
@@ -163,18 +163,31 @@ def draft_weight_bytes(config, element_bytes: int) -> int:
 def kv_block_bytes(config, block_size_tokens: int, element_bytes: int,
                    kv_storage: KVStorage = KVStorage.BF16) -> int:
     """Bytes of one KV block in the pool with rows stored as `kv_storage` says (element_bytes: the compute dtype's,
-    for plain rows): compressed and indexer rows plus the boundary snapshot, the segments
-    services/attention/kv_pool.py allocates (`common.model.kv_sizing`; pending compressor inputs are fp32)."""
+    for plain rows): its compressed and indexer rows, the segments services/attention/kv_pool.py allocates
+    (`common.model.kv_sizing`)."""
+    return _kv_sizing(config, block_size_tokens, element_bytes, kv_storage).bytes_per_block
+
+
+def kv_snapshot_bytes(config, block_size_tokens: int, element_bytes: int,
+                      kv_storage: KVStorage = KVStorage.BF16) -> int:
+    """Bytes of one resume snapshot of the pool (window rows of every layer as `kv_storage` stores them, pending
+    compressor inputs in fp32)."""
+    return _kv_sizing(config, block_size_tokens, element_bytes, kv_storage).bytes_per_snapshot
+
+
+def _kv_sizing(config, block_size_tokens: int, element_bytes: int, kv_storage: KVStorage) -> KVPoolSizing:
     return KVPoolSizing.of(config, block_size_tokens=block_size_tokens, num_primary_blocks=1, num_cpu_blocks=0,
-                           kv_storage=kv_storage, activation_bytes=element_bytes).bytes_per_block
+                           kv_storage=kv_storage, activation_bytes=element_bytes)
 
 
 def attention_worker_budget(config, *, service: str, device: str, dtype: str, block_size_tokens: int,
                             num_primary_blocks: int, num_cpu_blocks: int, free_bytes: int,
                             step: StepShape = StepShape(), num_local_pairs: int = 0,
-                            kv_storage: KVStorage = KVStorage.BF16, with_drafter: bool = False) -> MemoryBudget:
+                            kv_storage: KVStorage = KVStorage.BF16, with_drafter: bool = False,
+                            num_primary_snapshots: int = 0, num_cpu_snapshots: int = 0) -> MemoryBudget:
     """num_local_pairs: routed experts its own placement gives it (kept as stored); kv_storage: how its KV rows
-    are stored (the `kv_dtype` setting: the pool is priced in it); with_drafter: it also runs the DSpark
+    are stored (the `kv_dtype` setting: the pool is priced in it); num_primary_snapshots / num_cpu_snapshots: its
+    pool's resume snapshots per tier (the CPU tier counts only on a CPU device); with_drafter: it also runs the DSpark
     drafter in its process (`[draft] placement = "attention"`), whose weights and activations count here."""
     from moemesh.common.model.inventory import tensor_inventory
 
@@ -184,9 +197,10 @@ def attention_worker_budget(config, *, service: str, device: str, dtype: str, bl
     expert_bytes = num_local_pairs * resident_bytes_per_expert(config)
     if num_local_pairs:
         loading = max(loading, expert_load_peak_bytes(config, "native", min(num_local_pairs, config.n_routed_experts)))
-    per_block = kv_block_bytes(config, block_size_tokens, element, kv_storage)
+    sizing = _kv_sizing(config, block_size_tokens, element, kv_storage)
     on_cpu = device.split(":")[0] == "cpu"
-    kv = per_block * (num_primary_blocks + (num_cpu_blocks if on_cpu else 0))
+    kv = sizing.bytes_per_block * (num_primary_blocks + (num_cpu_blocks if on_cpu else 0))
+    kv += sizing.bytes_per_snapshot * (num_primary_snapshots + (num_cpu_snapshots if on_cpu else 0))
     tokens = step.max_num_batched_tokens
     hc_mult = getattr(config, "hc_mult", 1) or 1
     activations = tokens * config.hidden_size * (2 * hc_mult + 8) * element  # residual streams + intermediates

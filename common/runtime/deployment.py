@@ -29,6 +29,12 @@ Example (every key optional except the model path and one attention and expert w
     heartbeat_interval_s = 1.0
     recovery_s = 90.0              # a request waits this long for a restarting worker, then 503
 
+    [scheduler]                    # the router's chunking of long prompts (services/router/scheduler/config.py)
+    long_prefill_token_threshold = 1024   # the most tokens one prompt computes per step
+    shared_prefill_token_threshold = 256  # the same while short requests are about (one arrived within the
+    short_request_window_s = 2.0          # window): a short request's first token waits on a short chunk
+    snapshot_interval_blocks = 16         # a long prompt's resume snapshots kept for the prefix cache
+
     [warm_up]                      # synthetic steps before /health turns 200 (services/router/warm_up.py)
     mode = "auto"                  # auto: on when the attention worker runs on a CUDA device; on; off
     step_timeout_s = 600.0         # the router's step timeout while warming up (first compiles, captures)
@@ -38,6 +44,9 @@ Example (every key optional except the model path and one attention and expert w
     block_size_tokens = 128        # a multiple of every compression ratio (128 for DeepSeek-V4)
     num_primary_blocks = 256       # blocks in each attention worker's device pool
     num_cpu_blocks = 256           # blocks in the host (swap) tier; 0: preempted requests are recomputed
+    num_primary_snapshots = 256    # resume snapshots on the device (window rows and compressor inputs at a block
+                                   # end, for prefix hits and swap-ins; a few per running sequence plus the cache's)
+    num_cpu_snapshots = 64         # resume snapshots in the host tier (one per swapped-out sequence)
     prefix_caching = true          # share full blocks between requests with the same prefix
     max_model_len = 0              # prompt + output tokens of one request; 0: the model's positions, capped
                                    # by the device pool (a larger value than either fails at start)
@@ -85,6 +94,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moemesh.common.model.kv_sizing import DEFAULT_NUM_CPU_SNAPSHOTS, DEFAULT_NUM_PRIMARY_SNAPSHOTS
 from moemesh.common.model.kv_storage import KV_DTYPES
 from moemesh.common.security.cli_args import add_security_arguments
 
@@ -131,6 +141,17 @@ class TimeoutsConfig:
 
 
 
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """The router scheduler's chunking and prefix-cache resume points ([scheduler]; the meaning of each key
+    is SchedulerConfig's, services/router/scheduler/config.py)."""
+
+    long_prefill_token_threshold: int = 1024
+    shared_prefill_token_threshold: int = 256
+    short_request_window_s: float = 2.0
+    snapshot_interval_blocks: int = 16
+
+
 WARM_UP_MODES = ("auto", "on", "off")
 
 
@@ -158,6 +179,8 @@ class KVConfig:
     block_size_tokens: int = 128
     num_primary_blocks: int = 256
     num_cpu_blocks: int = 256
+    num_primary_snapshots: int = DEFAULT_NUM_PRIMARY_SNAPSHOTS
+    num_cpu_snapshots: int = DEFAULT_NUM_CPU_SNAPSHOTS
     prefix_caching: bool = True
     max_model_len: int = 0  # 0: min(max_position_embeddings, num_primary_blocks x block_size_tokens)
 
@@ -235,6 +258,7 @@ class Deployment:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     kv: KVConfig = field(default_factory=KVConfig)
     warm_up: WarmUpConfig = field(default_factory=WarmUpConfig)
+    scheduler: SchedulingConfig = field(default_factory=SchedulingConfig)
 
     @property
     def is_multi_host(self) -> bool:
@@ -320,6 +344,11 @@ def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
         raise DeploymentError("timeouts.recovery_s: must be > 0")
     if deployment.timeouts.drain_s < 0:
         raise DeploymentError("timeouts.drain_s: must be >= 0")
+    for key in ("long_prefill_token_threshold", "shared_prefill_token_threshold", "snapshot_interval_blocks"):
+        if getattr(deployment.scheduler, key) < 1:
+            raise DeploymentError(f"scheduler.{key}: must be >= 1")
+    if deployment.scheduler.short_request_window_s < 0:
+        raise DeploymentError("scheduler.short_request_window_s: must be >= 0 (0: chunks never shrink)")
     if deployment.warm_up.mode not in WARM_UP_MODES:
         raise DeploymentError(f"warm_up.mode: {deployment.warm_up.mode!r} is not one of {', '.join(WARM_UP_MODES)}")
     if not deployment.warm_up.step_timeout_s > 0:
@@ -336,8 +365,9 @@ def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
         raise DeploymentError("kv.block_size_tokens: must be >= 1")
     if deployment.kv.num_primary_blocks < 1:
         raise DeploymentError("kv.num_primary_blocks: must be >= 1")
-    if deployment.kv.num_cpu_blocks < 0:
-        raise DeploymentError("kv.num_cpu_blocks: must be >= 0")
+    for key in ("num_cpu_blocks", "num_primary_snapshots", "num_cpu_snapshots"):
+        if getattr(deployment.kv, key) < 0:
+            raise DeploymentError(f"kv.{key}: must be >= 0")
     if deployment.kv.max_model_len < 0 or deployment.kv.max_model_len == 1:
         raise DeploymentError("kv.max_model_len: must be 0 (from the model and the pool) or >= 2")
     pool_tokens = deployment.kv.num_primary_blocks * deployment.kv.block_size_tokens

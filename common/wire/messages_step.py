@@ -34,6 +34,10 @@ class ScheduledSequence:
     attention worker's process (`[draft] placement = "attention"`), `draft_after` > 0 asks the
     worker to propose up to that many drafts from the token this step samples, returned in
     `SequenceResult.next_drafts`; a sampled request's drafts are drawn from stream `draft_seed`.
+
+    `snapshot_targets`: (block index k, snapshot id) pairs: when this step's tokens cross the end of
+    block k (position (k+1)·block_size), the worker records the sequence's resume snapshot there
+    (services/attention/boundary.py); block ends without a pair are not recorded.
     """
 
     request_id: str
@@ -58,16 +62,19 @@ class ScheduledSequence:
     token_mask_row: int | None = None
     draft_after: int = 0
     draft_seed: int | None = None
+    snapshot_targets: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
 class PrefixRestore:
-    """Resume `seq_slot` from cached prefix blocks holding its first `num_tokens` tokens."""
+    """Resume `seq_slot` from cached prefix blocks holding its first `num_tokens` tokens and the resume
+    snapshot `snapshot_id` (primary tier) taken at that block end."""
 
     request_id: str
     seq_slot: int
     block_ids: tuple[int, ...]
     num_tokens: int
+    snapshot_id: int
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,8 @@ class StepPlan:
     """Router -> attention worker: everything one step computes and every block move it needs.
 
     Block moves run before the step's compute: swap_out pairs are (gpu_block, cpu_block),
-    swap_in pairs are (cpu_block, gpu_block). `free_seq_slots` are released after the step.
+    swap_in pairs are (cpu_block, gpu_block), and the resume snapshots' `snapshot_swap_out` /
+    `snapshot_swap_in` likewise (snapshot ids). `free_seq_slots` are released after the step.
     Plain integers only, so the router's scheduler output maps onto it without torch, except
     `token_masks`: the packed allowed-token bitmasks of constrained sequences, [M, ceil(V / 32)]
     int32 (bit j of word w allows token 32 * w + j; see services/attention/sampling/token_masks.py),
@@ -91,6 +99,8 @@ class StepPlan:
     free_seq_slots: tuple[int, ...] = ()
     prefix_restores: tuple[PrefixRestore, ...] = ()
     token_masks: Tensor | None = None
+    snapshot_swap_out: tuple[tuple[int, int], ...] = ()
+    snapshot_swap_in: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--recovery-timeout must be > 0, got {args.recovery_timeout}")
         if args.step_timeout is not None and not args.step_timeout > 0:
             raise ValueError(f"--step-timeout must be > 0, got {args.step_timeout}")
+        for flag, value in (("--long-prefill-tokens", args.long_prefill_tokens),
+                            ("--shared-prefill-tokens", args.shared_prefill_tokens)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
         if args.warm_up_context_tokens is not None and args.warm_up_context_tokens < 1:
             raise ValueError(f"--warm-up-context-tokens must be >= 1, got {args.warm_up_context_tokens}")
         collect_api_keys(args.api_key, args.api_key_file)  # a bad key or key file fails before anything starts
@@ -175,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
                          model_name=model_name, drain_s=args.drain_timeout,
                          router_limits=request_limits(args), expert_dtype=args.expert_dtype,
                          experts_in_attention=experts_in_attention, kv_dtype=args.kv_dtype,
-                         warm_up=args.warm_up, warm_up_context_tokens=args.warm_up_context_tokens)
+                         warm_up=args.warm_up, warm_up_context_tokens=args.warm_up_context_tokens,
+                         long_prefill_tokens=args.long_prefill_tokens,
+                         shared_prefill_tokens=args.shared_prefill_tokens)
     try:
         layout = _size_kv(layout, kv_request, model_dir)
         config_path, deployment = write_deployment(layout)

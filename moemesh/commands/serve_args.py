@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="seconds the router waits for one step's answer before it treats the attention worker "
                              "as lost (default: the deployment's timeouts.step_s, 30); the warm-up's own steps, which "
                              "compile kernels and capture graphs, wait [warm_up] step_timeout_s (600) instead")
+    parser.add_argument("--long-prefill-tokens", type=int, default=1024, metavar="N",
+                        help="the most prompt tokens one request computes per step (default 1024): a longer prompt "
+                             "prefills in chunks, beside other requests' steps")
+    parser.add_argument("--shared-prefill-tokens", type=int, default=256, metavar="N",
+                        help="the chunk of a long prompt while short requests are about (one arrived within the last "
+                             "2 s), so a short request's first token waits on a short chunk (default 256; as large as "
+                             "--long-prefill-tokens: long prompts keep full chunks, at the cost of short requests' TTFT)")
     parser.add_argument("--warm-up", choices=WARM_UP_MODES, default="auto",
                         help="before /health turns 200, run synthetic requests through the scheduler and the "
                              "workers so that kernels compile and CUDA graphs are captured for every decode batch "

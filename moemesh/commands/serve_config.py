@@ -57,6 +57,8 @@ class ServeLayout:
     max_model_len: int = 0  # [kv] max_model_len; 0: the model's positions capped by the device pool
     warm_up: str = "auto"  # [warm_up] mode: auto (on with a CUDA attention worker), on, off
     warm_up_context_tokens: int | None = None  # [warm_up] max_context_tokens; None: max_model_len
+    long_prefill_tokens: int = 1024  # [scheduler] long_prefill_token_threshold
+    shared_prefill_tokens: int = 256  # [scheduler] shared_prefill_token_threshold
 
 
 def check_layout_data_plane(layout: ServeLayout) -> DataPlane:
@@ -109,6 +111,8 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
                        **({"placement": layout.experts_in_attention} if layout.experts_in_attention != "none" else {}),
                        **({"kv_dtype": layout.kv_dtype} if layout.kv_dtype != "bf16" else {})}],
         "expert": experts,
+        "scheduler": {"long_prefill_token_threshold": layout.long_prefill_tokens,
+                      "shared_prefill_token_threshold": layout.shared_prefill_tokens},
         "warm_up": {"mode": layout.warm_up,
                     **({"max_context_tokens": layout.warm_up_context_tokens}
                        if layout.warm_up_context_tokens is not None else {})},

@@ -4,7 +4,8 @@ Token counts are rounded up to whole blocks of `block_size_tokens` (128). `--kv-
 pool from memory: the attention device's free memory times `--gpu-memory-utilization`, less what every worker on
 that device plans at start (weights, its routed experts, activations, the loading peak and the reserve, priced
 as each worker's own start-up budget prices them, `common.placement.worker_budget`), over the bytes of one block
-in the chosen `kv_dtype` (rows and boundary snapshot, `common.model.kv_sizing`) with its reserve. Free memory
+in the chosen `kv_dtype` (its compressed and indexer rows, `common.model.kv_sizing`) with its reserve; the
+deployment's resume snapshots (`[kv] num_primary_snapshots`) are a fixed part of what the worker plans. Free memory
 is read in a short child process on CUDA (serve itself keeps no CUDA context), from /proc/meminfo on the CPU.
 The CPU tier is pinned host memory and not counted against a GPU. `--max-model-len` (default: the model's
 positions, capped by the device pool) is checked against both here, before any service starts.
@@ -102,6 +103,7 @@ def planned_bytes_beside_kv(deployment, model_config) -> tuple[int, int]:
         model_config, service="attention", device=device, dtype=dtype, block_size_tokens=kv.block_size_tokens,
         num_primary_blocks=0, num_cpu_blocks=kv.num_cpu_blocks, free_bytes=0, num_local_pairs=own_pairs,
         kv_storage=storage, with_drafter=deployment.draft.in_attention and model_config.dspark is not None,
+        num_primary_snapshots=kv.num_primary_snapshots, num_cpu_snapshots=kv.num_cpu_snapshots,
     ).needed_bytes
     for entry in deployment.expert:
         if entry.device == device:

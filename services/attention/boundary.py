@@ -1,12 +1,17 @@
-"""Boundary snapshots: what a KV block holds so a sequence can resume at the block's end.
+"""Resume snapshots: what a sequence needs, besides its KV blocks, to resume at a block end.
 
 A block's compressed and indexer rows already live in the pool (`kv_pool.py`). The rest of a
 sequence's state at position b = k·B (the end of its block k-1) is fixed-size and lives in
 the slot: the raw window rows of positions b-W .. b-1 and every overlapping compressor's
 pending inputs b-m .. b-1 (a non-overlapping compressor with m | B has none at b). The
-recording stores below copy exactly those into the block's snapshot entries at the moment a
-forward's append crosses b, whether b falls at the end of the appended rows or inside a long
-prefill chunk; `restore_state` rebuilds a fresh `SequenceState` at b from them.
+recording stores below copy exactly those into a snapshot of the pool's snapshot tier at the
+moment a forward's append crosses b, whether b falls at the end of the appended rows or inside
+a long prefill chunk; `restore_state` rebuilds a fresh `SequenceState` at b from them.
+
+Which block ends get a snapshot is the router's choice, per step (`Recorder.set_targets`:
+(block index, snapshot id) pairs from the plan): the last block end a step crosses, so the
+sequence can be swapped out and resumed, and those the prefix cache keeps. A block end without
+a target is not recorded at all.
 
 Why capture on append: after a chunk that runs past b the window ring no longer holds
 b-W .. b-1, and nothing else can recompute those rows without the layer inputs.
@@ -41,7 +46,7 @@ P positions of a combined buffer, C row or input dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -58,44 +63,53 @@ log = structlog.get_logger("attention")
 
 @dataclass
 class Recorder:
-    """Where one sequence's boundary snapshots go: its block table in the pool's primary tier."""
+    """Where one sequence's resume snapshots go: the snapshots its current plan names, per block end."""
 
     pool: KVPool
     table: BlockTable
     num_sealed_tokens: int = 0  # boundaries at or below this are never written
+    targets: dict[int, int] = field(default_factory=dict)  # block index k (its end: (k+1)·B) -> snapshot id
 
     @property
     def block_size_tokens(self) -> int:
         return self.pool.config.block_size_tokens
 
-    def boundaries(self, first_position: int, end_position: int) -> range:
-        """Block ends b with first_position < b <= end_position, above the sealed prefix."""
+    def set_targets(self, pairs) -> None:
+        """This step's (block index, snapshot id) pairs, replacing the last step's; KVPoolError for an id outside
+        the primary snapshot tier."""
+        num_snapshots = self.pool.config.num_primary_snapshots
+        targets = {int(index): int(snapshot) for index, snapshot in pairs}
+        bad = [snapshot for snapshot in targets.values() if not 0 <= snapshot < num_snapshots]
+        if bad:
+            raise KVPoolError(f"resume snapshots {bad} are outside the primary tier ({num_snapshots} snapshots)")
+        self.targets = targets
+
+    def boundaries(self, first_position: int, end_position: int) -> list[int]:
+        """Block ends b with first_position < b <= end_position, above the sealed prefix, that have a target."""
         size = self.block_size_tokens
         low = max(first_position, self.num_sealed_tokens) // size + 1
-        return range(low * size, end_position + 1, size)
+        return [boundary for boundary in range(low * size, end_position + 1, size)
+                if boundary // size - 1 in self.targets]
 
-    def block_of_boundary(self, boundary: int) -> int:
-        index = boundary // self.block_size_tokens - 1
-        if index >= len(self.table.block_ids):
-            raise KVPoolError(f"boundary {boundary} needs block {index}, the table has {len(self.table.block_ids)}")
-        return self.table.block_ids[index]
+    def _snapshot(self, key: tuple[int, str], boundary: int) -> torch.Tensor:
+        return self.pool.snapshot_primary[key][self.targets[boundary // self.block_size_tokens - 1]]  # [S, C]
 
     def write(self, key: tuple[int, str], boundary: int, rows: torch.Tensor) -> None:
-        """rows [n, C] as stored, right-aligned in the snapshot (its last row is position boundary-1)."""
-        target = self.pool.primary[key][self.block_of_boundary(boundary)]  # [S, C]
+        """rows [n, C] as stored, right-aligned in the boundary's snapshot (its last row is position boundary-1)."""
+        target = self._snapshot(key, boundary)
         target[target.shape[0] - rows.shape[0]:] = rows.to(target.dtype)
 
     def poison(self, key: tuple[int, str], boundary: int) -> None:
         """Mark a snapshot that could not be captured (NaN once decoded), so a restore from it is refused."""
-        snapshot = self.pool.primary[key][self.block_of_boundary(boundary)]
+        snapshot = self._snapshot(key, boundary)
         if key[1] == "window_snapshot":
             self.pool.main_row_format.poison_(snapshot)
         else:
             snapshot.fill_(float("nan"))
 
-    def read(self, key: tuple[int, str], block_id: int, num_rows: int) -> torch.Tensor:
-        """The last num_rows rows of a block's snapshot, as stored -> [num_rows, C]."""
-        snapshot = self.pool.primary[key][block_id]
+    def read(self, key: tuple[int, str], snapshot_id: int, num_rows: int) -> torch.Tensor:
+        """The last num_rows rows of a snapshot, as stored -> [num_rows, C]."""
+        snapshot = self.pool.snapshot_primary[key][snapshot_id]
         return snapshot[snapshot.shape[0] - num_rows:]
 
 
@@ -277,7 +291,7 @@ def recording_state(config: ModelConfig, pool: KVPool, table: BlockTable, record
     return state
 
 
-def _check_captured(recorder: Recorder, state: SequenceState, block_id: int, num_tokens: int) -> None:
+def _check_captured(recorder: Recorder, state: SequenceState, snapshot_id: int, num_tokens: int) -> None:
     """Refuse a snapshot poisoned by `mark_written` (one host sync; restores are rare)."""
     for layer, layer_state in enumerate(state.layers):
         keys = [((layer, "window_snapshot"), min(num_tokens, layer_state.window.sliding_window))]
@@ -285,16 +299,17 @@ def _check_captured(recorder: Recorder, state: SequenceState, block_id: int, num
             if store is not None and store.num_pending_at_boundary():
                 keys.append(((layer, f"{store.which}_pending_kv"), store.num_pending_at_boundary()))
         for key, num_rows in keys:
-            snapshot = recorder.read(key, block_id, num_rows)
+            snapshot = recorder.read(key, snapshot_id, num_rows)
             if key[1] == "window_snapshot":
                 snapshot = layer_state.window.row_format.decode(snapshot)
             if not bool(torch.isfinite(snapshot).all()):
-                raise KVPoolError(f"block {block_id} (boundary {num_tokens}) has no snapshot of {key}: it was "
+                raise KVPoolError(f"snapshot {snapshot_id} (boundary {num_tokens}) holds no {key}: it was "
                                   f"crossed deep inside a kernel-path chunk longer than the ring reach")
 
 
-def restore_state(state: SequenceState, recorder: Recorder, num_tokens: int) -> None:
-    """Position a fresh recording state at the block boundary num_tokens from its last block's snapshot.
+def restore_state(state: SequenceState, recorder: Recorder, num_tokens: int, snapshot_id: int) -> None:
+    """Position a fresh recording state at the block boundary num_tokens from that boundary's resume snapshot
+    (`snapshot_id` in the primary snapshot tier).
 
     The table (recorder.table) must already hold the blocks of positions 0 .. num_tokens-1;
     their compressed rows are read through it, so only the fixed-size part is loaded here."""
@@ -307,12 +322,17 @@ def restore_state(state: SequenceState, recorder: Recorder, num_tokens: int) -> 
     if any(not 0 <= block_id < num_blocks for block_id in recorder.table.block_ids):
         raise KVPoolError(f"restore from blocks {recorder.table.block_ids}: outside the primary tier "
                           f"({num_blocks} blocks)")
-    last_block = recorder.block_of_boundary(num_tokens)
-    _check_captured(recorder, state, last_block, num_tokens)
+    if len(recorder.table.block_ids) < num_tokens // size:
+        raise KVPoolError(f"restore at {num_tokens} tokens needs {num_tokens // size} blocks, the table has "
+                          f"{len(recorder.table.block_ids)}")
+    num_snapshots = recorder.pool.config.num_primary_snapshots
+    if not 0 <= snapshot_id < num_snapshots:
+        raise KVPoolError(f"restore from snapshot {snapshot_id}: outside the primary tier ({num_snapshots} snapshots)")
+    _check_captured(recorder, state, snapshot_id, num_tokens)
     for layer, layer_state in enumerate(state.layers):
         window = layer_state.window
         num_window_rows = min(num_tokens, window.sliding_window)
-        window.load_boundary(num_tokens, recorder.read((layer, "window_snapshot"), last_block, num_window_rows))
+        window.load_boundary(num_tokens, recorder.read((layer, "window_snapshot"), snapshot_id, num_window_rows))
         for store in (layer_state.compressor, layer_state.indexer):
             if store is None:
                 continue
@@ -320,7 +340,8 @@ def restore_state(state: SequenceState, recorder: Recorder, num_tokens: int) -> 
             if num_pending == 0:
                 store.load_boundary(num_tokens, None, None)
                 continue
-            store.load_boundary(num_tokens, recorder.read((layer, f"{store.which}_pending_kv"), last_block, num_pending),
-                                recorder.read((layer, f"{store.which}_pending_score"), last_block, num_pending))
+            store.load_boundary(num_tokens,
+                                recorder.read((layer, f"{store.which}_pending_kv"), snapshot_id, num_pending),
+                                recorder.read((layer, f"{store.which}_pending_score"), snapshot_id, num_pending))
     state.num_tokens = num_tokens
     recorder.num_sealed_tokens = num_tokens

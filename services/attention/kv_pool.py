@@ -7,32 +7,37 @@ compressor inputs) stays in the sequence's slot (`slots.py`). A block holds the 
 table covers positions [b·B, (b+1)·B) and so rows [b·B/m, (b+1)·B/m) of a ratio-m compressor.
 B must be a multiple of every ratio, so a compressor window never straddles two blocks.
 
-Boundary snapshots: a block also holds what a sequence needs to resume at the block's end
-(`boundary.py` writes and reads them): per layer the raw window rows of the last W positions
-(`(layer, "window_snapshot")` [blocks, W, Ws]) and, per overlapping (CSA) compressor, the
-pending inputs of the last m positions (`(layer, "<which>_pending_kv" | "<which>_pending_score")`
-[blocks, m, C] fp32; a non-overlapping compressor whose ratio divides B has none). They are
-ordinary entries of the tier dicts, so swap_out / swap_in move them with the block.
+Resume snapshots: what a sequence needs to resume at a block end besides its blocks lives in a
+separate, smaller pool of snapshots (`boundary.py` writes and reads them): per layer the raw
+window rows of the last W positions (`(layer, "window_snapshot")` [snapshots, W, Ws]) and, per
+overlapping (CSA) compressor, the pending inputs of the last m positions
+(`(layer, "<which>_pending_kv" | "<which>_pending_score")` [snapshots, m, C] fp32; a
+non-overlapping compressor whose ratio divides B has none). The router hands a sequence a
+snapshot only for the block ends it wants to resume from (the last one it crossed, and those it
+keeps for the prefix cache), so a context token costs only its rows. `snapshot_primary` /
+`snapshot_cpu` hold them per tier; swaps move them by their own pairs.
 
 Row storage (`KVPoolConfig.kv_storage`): compressed rows, indexer rows and window snapshots are kept as the
 sequence states keep them (common/model/kv_rows.py `RowFormat`): in the activation dtype, or as packed FP8 rows
 (uint8 [.., row_bytes]: 584-byte main rows and 132-byte indexer rows for V4-Flash); pending inputs stay in fp32.
 Every copy below (swaps, snapshots) moves those bytes as they are.
 
-Sizing: the tensors of a block are those `common.model.kv_sizing.block_segments` lists (`KVPool.sizing`: bytes
-and tokens per layer type, the same arithmetic the start-up memory budget and `moemesh bench kv-bytes` use).
+Sizing: the tensors of a block and of a snapshot are those `common.model.kv_sizing.block_segments` lists
+(`KVPool.sizing`: bytes and tokens per layer type, the same arithmetic the start-up memory budget and
+`moemesh bench kv-bytes` use).
 
 Tiers: `primary[seg]` [num_primary_blocks, B/m, Ws] on the compute device, `cpu[seg]`
-[num_cpu_blocks, B/m, Ws] in host memory (pinned when the device is CUDA). The router decides
-which block is where; this pool only moves bytes as the StepPlan says: `swap_out` (primary ->
-cpu) then `swap_in` (cpu -> primary), both before the step's compute.
+[num_cpu_blocks, B/m, Ws] in host memory (pinned when the device is CUDA), and the snapshots
+likewise. The router decides which block and snapshot is where; this pool only moves bytes as
+the StepPlan says: `swap_out` (primary -> cpu) then `swap_in` (cpu -> primary), blocks and
+snapshots, all before the step's compute.
 
 Ordering on CUDA: copies run on a side stream. The side stream first waits for an event
 recorded on the compute stream (so a block is copied only after every kernel writing it is
 done), and the compute stream then waits for an event recorded after the copies (so nothing
 reads a swapped-in block, or overwrites a swapped-out one, before its copy finished). No host
 sync is needed. On the CPU the copies are plain synchronous copies.
-Legend: B tokens per block, m compression ratio, d row dim, R = B/m rows per block, W sliding window,
+Legend: B tokens per block, m compression ratio, R = B/m rows per block, W sliding window,
 hd head dim, C compressor input dim, Ws stored row width (d, or row_bytes for FP8 main rows).
 """
 
@@ -135,17 +140,23 @@ class KVPool:
         self.sizing = KVPoolSizing.of(model_config, block_size_tokens=config.block_size_tokens,
                                       num_primary_blocks=config.num_primary_blocks,
                                       num_cpu_blocks=config.num_cpu_blocks, kv_storage=config.kv_storage,
-                                      activation_bytes=torch.empty((), dtype=dtype).element_size())
+                                      activation_bytes=torch.empty((), dtype=dtype).element_size(),
+                                      num_primary_snapshots=config.num_primary_snapshots,
+                                      num_cpu_snapshots=config.num_cpu_snapshots)
         pin = self.device.type == "cuda"
-        self.primary: dict[tuple[int, str], torch.Tensor] = {}
-        self.cpu: dict[tuple[int, str], torch.Tensor] = {}
         element_dtypes = {Element.FP8_BYTE: torch.uint8, Element.ACTIVATION: dtype, Element.FLOAT32: torch.float32}
-        for segment in self.sizing.segments:
-            tier_dtype = element_dtypes[segment.element]
-            self.primary[segment.key] = torch.zeros(config.num_primary_blocks, segment.num_rows, segment.width,
-                                                    dtype=tier_dtype, device=self.device)  # [blocks, rows, Ws]
-            self.cpu[segment.key] = torch.zeros(config.num_cpu_blocks, segment.num_rows, segment.width,
-                                                dtype=tier_dtype, pin_memory=pin)
+
+        def tier(segments, num_entries: int, device, pin_memory: bool) -> dict[tuple[int, str], torch.Tensor]:
+            return {segment.key: torch.zeros(num_entries, segment.num_rows, segment.width,
+                                             dtype=element_dtypes[segment.element], device=device,
+                                             pin_memory=pin_memory)  # [entries, rows, Ws]
+                    for segment in segments}
+
+        rows, snapshots = self.sizing.row_segments, self.sizing.snapshot_segments
+        self.primary = tier(rows, config.num_primary_blocks, self.device, False)
+        self.cpu = tier(rows, config.num_cpu_blocks, "cpu", pin)
+        self.snapshot_primary = tier(snapshots, config.num_primary_snapshots, self.device, False)
+        self.snapshot_cpu = tier(snapshots, config.num_cpu_snapshots, "cpu", pin)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
@@ -158,13 +169,12 @@ class KVPool:
         return factory
 
     def num_bytes_per_block(self) -> int:
-        """Bytes of one block in each tier: its rows and its boundary snapshot, as stored."""
+        """Bytes of one block in each tier (its compressed and indexer rows), as allocated."""
         return sum(t.shape[1:].numel() * t.element_size() for t in self.primary.values())
 
-    def num_row_bytes_per_block(self) -> int:
-        """Bytes of one block's compressed and indexer rows alone (what grows with the context), as stored."""
-        return sum(self.primary[(s.layer, s.which)].shape[1:].numel() * self.primary[(s.layer, s.which)].element_size()
-                   for s in self.segments)
+    def num_bytes_per_snapshot(self) -> int:
+        """Bytes of one resume snapshot in each tier, as allocated."""
+        return sum(t.shape[1:].numel() * t.element_size() for t in self.snapshot_primary.values())
 
     def _check(self, pairs: Sequence[tuple[int, int]], source_blocks: int, target_blocks: int, what: str) -> None:
         for source, target in pairs:
@@ -172,30 +182,40 @@ class KVPool:
                 raise KVPoolError(f"{what} ({source}, {target}) is outside the tiers "
                                   f"({source_blocks}, {target_blocks} blocks)")
 
-    def move(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
-        """swap_out (primary, cpu) pairs, then swap_in (cpu, primary) pairs; ordered as the module says."""
-        if not swap_out and not swap_in:
+    def move(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]],
+             snapshot_swap_out: Sequence[tuple[int, int]] = (), snapshot_swap_in: Sequence[tuple[int, int]] = ()) -> None:
+        """swap_out (primary, cpu) pairs, then swap_in (cpu, primary) pairs, of blocks and of snapshots; ordered as
+        the module says."""
+        if not (swap_out or swap_in or snapshot_swap_out or snapshot_swap_in):
             return
-        self._check(swap_out, self.config.num_primary_blocks, self.config.num_cpu_blocks, "swap_out")
-        self._check(swap_in, self.config.num_cpu_blocks, self.config.num_primary_blocks, "swap_in")
+        config = self.config
+        self._check(swap_out, config.num_primary_blocks, config.num_cpu_blocks, "swap_out")
+        self._check(swap_in, config.num_cpu_blocks, config.num_primary_blocks, "swap_in")
+        self._check(snapshot_swap_out, config.num_primary_snapshots, config.num_cpu_snapshots, "snapshot swap_out")
+        self._check(snapshot_swap_in, config.num_cpu_snapshots, config.num_primary_snapshots, "snapshot swap_in")
+        moves = ((self.primary, self.cpu, swap_out, swap_in),
+                 (self.snapshot_primary, self.snapshot_cpu, snapshot_swap_out, snapshot_swap_in))
         if self._copy_stream is None:
-            self._copy(swap_out, swap_in, non_blocking=False)
+            self._copy(moves, non_blocking=False)
         else:
             compute = torch.cuda.current_stream(self.device)
             self._copy_stream.wait_stream(compute)  # = an event recorded on compute, waited on the side
             with torch.cuda.stream(self._copy_stream):
-                self._copy(swap_out, swap_in, non_blocking=True)
+                self._copy(moves, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self._copy_stream)
             compute.wait_event(done)
         self.num_blocks_swapped_out += len(swap_out)
         self.num_blocks_swapped_in += len(swap_in)
-        log.debug("attention.kv_moved", num_swapped_out=len(swap_out), num_swapped_in=len(swap_in))
+        log.debug("attention.kv_moved", num_swapped_out=len(swap_out), num_swapped_in=len(swap_in),
+                  num_snapshots_swapped_out=len(snapshot_swap_out), num_snapshots_swapped_in=len(snapshot_swap_in))
 
-    def _copy(self, swap_out, swap_in, non_blocking: bool) -> None:
-        for key, primary in self.primary.items():
-            cpu = self.cpu[key]
-            for primary_block, cpu_block in swap_out:
-                cpu[cpu_block].copy_(primary[primary_block], non_blocking=non_blocking)
-            for cpu_block, primary_block in swap_in:
-                primary[primary_block].copy_(cpu[cpu_block], non_blocking=non_blocking)
+    @staticmethod
+    def _copy(moves, non_blocking: bool) -> None:
+        for primary_tier, cpu_tier, swap_out, swap_in in moves:
+            for key, primary in primary_tier.items():
+                cpu = cpu_tier[key]
+                for primary_entry, cpu_entry in swap_out:
+                    cpu[cpu_entry].copy_(primary[primary_entry], non_blocking=non_blocking)
+                for cpu_entry, primary_entry in swap_in:
+                    primary[primary_entry].copy_(cpu[cpu_entry], non_blocking=non_blocking)

@@ -81,7 +81,8 @@ def kv_pool_config(deployment: Deployment) -> KVPoolConfig:
     """The attention worker's pool geometry from the deployment's [kv] table."""
     kv = deployment.kv
     return KVPoolConfig(block_size_tokens=kv.block_size_tokens, num_primary_blocks=kv.num_primary_blocks,
-                        num_cpu_blocks=kv.num_cpu_blocks)
+                        num_cpu_blocks=kv.num_cpu_blocks, num_primary_snapshots=kv.num_primary_snapshots,
+                        num_cpu_snapshots=kv.num_cpu_snapshots)
 
 
 def attention_kv_config(deployment: Deployment, entry, options: AttentionOptions) -> KVPoolConfig:
@@ -188,7 +189,8 @@ def _budget_fits(entry, deployment: Deployment, model_config, kv: KVPoolConfig, 
         model_config, service="attention", device=entry.device, dtype=deployment.model.dtype,
         block_size_tokens=kv.block_size_tokens, num_primary_blocks=kv.num_primary_blocks,
         num_cpu_blocks=kv.num_cpu_blocks, free_bytes=measure_free_bytes(entry.device, entry.memory_limit),
-        num_local_pairs=num_local_pairs, kv_storage=kv.kv_storage,
+        num_local_pairs=num_local_pairs, kv_storage=kv.kv_storage, num_primary_snapshots=kv.num_primary_snapshots,
+        num_cpu_snapshots=kv.num_cpu_snapshots,
         with_drafter=deployment.draft.in_attention and model_config.dspark is not None)
     refusal = check_at_start(budget, entry.name)
     if refusal is not None:

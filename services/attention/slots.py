@@ -5,8 +5,10 @@ ring and open compressor inputs live in it; its compressed rows live in the KV p
 reached through the slot's `BlockTable`), its sampling parameters and seed, and the token ids
 the penalties need. A slot is (re)initialised when a plan schedules a new request_id in it or
 a sequence from position 0, and released by `free_seq_slots`. `restore` initialises a slot
-at a block boundary from blocks (a prefix-cache hit or a swap-in, `boundary.py`); the plan
-that restores also schedules the sequence from that boundary, with its sampling params.
+at a block boundary from blocks and the resume snapshot of that boundary (a prefix-cache hit or
+a swap-in, `boundary.py`); the plan that restores also schedules the sequence from that
+boundary, with its sampling params. Each plan names the snapshots the sequence's step writes
+(`snapshot_targets`: the block ends it crosses that the router wants to resume from).
 A restored slot never rolls back below its restore point (those blocks may be shared).
 """
 
@@ -93,9 +95,11 @@ class SlotTable:
         self.slots[seq_slot] = slot
         return slot
 
-    def restore(self, seq_slot: int, request_id: str, block_ids: tuple[int, ...], num_tokens: int) -> Slot:
+    def restore(self, seq_slot: int, request_id: str, block_ids: tuple[int, ...], num_tokens: int,
+                snapshot_id: int) -> Slot:
         """A fresh slot standing at the block boundary num_tokens, rebuilt from block_ids (its
-        first num_tokens / block_size blocks, already in the primary tier)."""
+        first num_tokens / block_size blocks, already in the primary tier) and the resume snapshot
+        snapshot_id of that boundary (primary tier)."""
         size = self.pool.config.block_size_tokens
         if num_tokens <= 0 or num_tokens % size or len(block_ids) * size != num_tokens:
             raise SlotError(f"{request_id}: restore of {num_tokens} tokens from {len(block_ids)} blocks "
@@ -104,15 +108,16 @@ class SlotTable:
         slot = self._new_slot(seq_slot, request_id)
         slot.table.update(block_ids)
         try:
-            restore_state(slot.state, slot.recorder, num_tokens)
+            restore_state(slot.state, slot.recorder, num_tokens, snapshot_id)
         except Exception:
             self.slots.pop(seq_slot, None)
             raise
         return slot
 
     def prepare(self, seq_slot: int, request_id: str, start_position: int, block_ids: tuple[int, ...],
-                sampling: dict | None) -> Slot:
-        """The slot for this step's share of a sequence, positioned at start_position."""
+                sampling: dict | None, snapshot_targets=()) -> Slot:
+        """The slot for this step's share of a sequence, positioned at start_position; snapshot_targets:
+        (block index, snapshot id) pairs, the resume snapshots this step writes when it crosses their block ends."""
         slot = self.slots.get(seq_slot)
         if slot is None or slot.request_id != request_id or start_position == 0:
             if sampling is None:
@@ -133,6 +138,7 @@ class SlotTable:
             raise SlotError(f"{request_id}: scheduled at position {start_position}, its state is at "
                             f"{slot.state.num_tokens}")
         slot.table.update(block_ids)
+        slot.recorder.set_targets(snapshot_targets)
         return slot
 
     def free(self, seq_slots) -> None:

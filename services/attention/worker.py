@@ -182,6 +182,7 @@ class AttentionWorker(Service):
                  num_expert_workers=len(self.config.expert_endpoints),
                  num_local_experts=0 if local is None else len(local.pairs), num_micro_batches=self.config.num_micro_batches,
                  placement_invariant=self.config.placement_invariant, kv_bytes_per_block=self.pool.num_bytes_per_block(),
+                 kv_bytes_per_snapshot=self.pool.num_bytes_per_snapshot(),
                  resident_weight_bytes=self.weight_bytes.resident, stored_weight_bytes=self.weight_bytes.stored,
                  cuda_graphs=self.runner.graphs is not None)
         log_kv_capacity(self.config.name, self.pool.sizing, str(self.device))
@@ -245,7 +246,7 @@ class AttentionWorker(Service):
         """The one step entry: block moves, then `_compute_step`, retried within a bound when an expert worker
         is lost (recovery.StepRecovery). `last_logits`: the logits [R, V] of the sequences that sampled (plan
         order; one row each, or 1 + drafts rows for a sequence with drafts) in the last computed attempt."""
-        self.pool.move(plan.swap_out, plan.swap_in)
+        self.pool.move(plan.swap_out, plan.swap_in, plan.snapshot_swap_out, plan.snapshot_swap_in)
         self._step_routing = None
         with self.profiler.step(step_kind(plan)) if self.profiler is not None else contextlib.nullcontext():
             result = self.counting.count(plan, self.recovery.run)  # with its StepCounters
@@ -298,7 +299,8 @@ class AttentionWorker(Service):
         work, errors = [], {}
         for restore in plan.prefix_restores:  # after the block moves, before compute (prefix hits, swap-ins)
             try:
-                self.slots.restore(restore.seq_slot, restore.request_id, tuple(restore.block_ids), restore.num_tokens)
+                self.slots.restore(restore.seq_slot, restore.request_id, tuple(restore.block_ids), restore.num_tokens,
+                                   restore.snapshot_id)
             except (SlotError, KVPoolError, ValueError) as error:
                 errors[restore.request_id] = SequenceResult(restore.request_id, (), error=str(error)[:300])
         for scheduled in plan.sequences:
@@ -306,7 +308,8 @@ class AttentionWorker(Service):
                 continue
             try:
                 slot = self.slots.prepare(scheduled.seq_slot, scheduled.request_id, scheduled.start_position,
-                                          scheduled.block_ids[0] if scheduled.block_ids else (), scheduled.sampling)
+                                          scheduled.block_ids[0] if scheduled.block_ids else (), scheduled.sampling,
+                                          scheduled.snapshot_targets)
             except (SlotError, KVPoolError, ValueError) as error:
                 errors[scheduled.request_id] = SequenceResult(scheduled.request_id, (), error=str(error)[:300])
                 continue

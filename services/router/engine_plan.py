@@ -76,6 +76,7 @@ class PlanTranslator:
                     num_prompt_tokens=seq.num_prompt_tokens if seq.is_new_sequence else None,
                     client_request_id=(self._client_request_id(seq.request_id)
                                        if seq.is_new_sequence and self._client_request_id is not None else None),
+                    snapshot_targets=seq.snapshot_targets,
                 )
             )
         restores = tuple(
@@ -84,6 +85,7 @@ class PlanTranslator:
                 seq_slot=restore.state_slot,
                 block_ids=restore.block_ids,
                 num_tokens=restore.num_restored_tokens,
+                snapshot_id=restore.snapshot_id,
             )
             for restore in output.state_restores
         )
@@ -93,6 +95,8 @@ class PlanTranslator:
                 sequences=tuple(sequences),
                 swap_out=output.swap_out,
                 swap_in=output.swap_in,
+                snapshot_swap_out=output.snapshot_swap_out,
+                snapshot_swap_in=output.snapshot_swap_in,
                 free_seq_slots=tuple(slot for slot in released if slot not in reused),
                 prefix_restores=restores,
             )

@@ -65,7 +65,7 @@ class RouterSettings:
     num_cpu_blocks: int | None = None
     max_num_running_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int = 1024
+    long_prefill_token_threshold: int | None = None  # None: the deployment's [scheduler]
     enable_prefix_caching: bool | None = None
 
 
@@ -117,8 +117,14 @@ def build_configs(deployment: Deployment, tokenizer, settings: RouterSettings = 
         block_size_tokens=block_size_tokens,
         max_num_running_seqs=settings.max_num_running_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
-        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        long_prefill_token_threshold=_or(settings.long_prefill_token_threshold,
+                                         deployment.scheduler.long_prefill_token_threshold),
+        shared_prefill_token_threshold=deployment.scheduler.shared_prefill_token_threshold,
+        short_request_window_s=deployment.scheduler.short_request_window_s,
+        snapshot_interval_blocks=deployment.scheduler.snapshot_interval_blocks,
         enable_prefix_caching=_or(settings.enable_prefix_caching, kv.prefix_caching),
+        num_gpu_snapshots=kv.num_primary_snapshots,
+        num_cpu_snapshots=kv.num_cpu_snapshots,
     )
     endpoints = derive_endpoints(deployment)
     attention = deployment.attention[0]  # one data-parallel rank for now

@@ -1,4 +1,4 @@
-"""One tier of KV blocks, and the pool of per-sequence state slots. Integers only.
+"""One tier of KV blocks (or of resume snapshots), and the pool of per-sequence state slots. Integers only.
 
 A block is free, in use (reference count >= 1), or cached: free with a prefix key still
 attached, so a later request with the same prefix can take it back without recomputing.
@@ -64,16 +64,22 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
-    def free(self, block_ids: Iterable[int]) -> None:
+    def free(self, block_ids: Iterable[int], *, keep_cached: bool = True) -> None:
         """Drop one reference from each block. Pass a request's blocks tail first so its
-        last blocks are evicted before its first ones (the first are shared more often)."""
+        last blocks are evicted before its first ones (the first are shared more often).
+        keep_cached=False: a block whose last reference this drops loses its key (it goes
+        back to the never-keyed free blocks instead of waiting for eviction)."""
         for block_id in block_ids:
             count = self._ref_counts[block_id] - 1
             if count < 0:
                 raise RuntimeError(f"block {block_id} freed more often than taken")
             self._ref_counts[block_id] = count
             if count == 0:
-                if self._block_hashes[block_id] is None:
+                block_hash = self._block_hashes[block_id]
+                if block_hash is not None and not keep_cached:
+                    del self._hash_to_block[block_hash]
+                    self._block_hashes[block_id] = block_hash = None
+                if block_hash is None:
                     self._free_uncached.append(block_id)
                 else:
                     self._evictable[block_id] = None

@@ -7,11 +7,21 @@ from moemesh.services.router.scheduler.request import Request
 from moemesh.services.router.scheduler.stop_checks import max_output_tokens
 
 
-def num_tokens_to_compute(request: Request, config: SchedulerConfig, budget: int) -> tuple[int, int]:
+def chunk_cap(request: Request, config: SchedulerConfig, short_requests_about: bool) -> int:
+    """The most tokens the request computes in one step: long_prefill_token_threshold, or
+    shared_prefill_token_threshold for a prompt longer than that while short requests are about."""
+    if short_requests_about and request.num_prompt_tokens > config.long_prefill_token_threshold:
+        return min(config.long_prefill_token_threshold, config.shared_prefill_token_threshold)
+    return config.long_prefill_token_threshold
+
+
+def num_tokens_to_compute(request: Request, config: SchedulerConfig, budget: int,
+                          short_requests_about: bool = False) -> tuple[int, int]:
     """(tokens to compute this step, how many of them are drafts).
 
     The request's known tokens not yet computed come first, capped at
-    long_prefill_token_threshold and at the remaining step budget. Drafts ride along only
+    long_prefill_token_threshold (shared_prefill_token_threshold for a prompt longer than that
+    while short requests are about) and at the remaining step budget. Drafts ride along only
     when the request has caught up (one known token left), and never past max_tokens:
     verifying k drafts yields up to k + 1 new tokens. Drafts that do not fit are dropped."""
     num_remaining = request.num_tokens - request.num_computed_tokens
@@ -19,5 +29,5 @@ def num_tokens_to_compute(request: Request, config: SchedulerConfig, budget: int
     if num_remaining == 1 and request.draft_token_ids:
         num_output_left = max_output_tokens(request, config.max_model_len) - request.num_output_tokens
         num_drafts = max(0, min(len(request.draft_token_ids), num_output_left - 1))
-    num_new = min(num_remaining + num_drafts, config.long_prefill_token_threshold, budget)
+    num_new = min(num_remaining + num_drafts, chunk_cap(request, config, short_requests_about), budget)
     return num_new, max(0, min(num_drafts, num_new - num_remaining))

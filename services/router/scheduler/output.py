@@ -1,9 +1,9 @@
 """What one `schedule()` hands the attention worker, what comes back, and what the router streams.
 
-Order the worker must follow within a step: (1) swap_out copies (GPU -> CPU), because a
-GPU block freed by a swap-out may be written by this very step; (2) swap_in copies
-(CPU -> GPU); (3) state_restores (rebuild a fresh state slot at a block boundary from its
-blocks); (4) compute the scheduled sequences. Slots of freed_request_ids and
+Order the worker must follow within a step: (1) swap_out copies (GPU -> CPU, blocks and
+resume snapshots), because a GPU block or snapshot freed by a swap-out may be written by this
+very step; (2) swap_in copies (CPU -> GPU); (3) state_restores (rebuild a fresh state slot at
+a block boundary from its blocks and the snapshot there); (4) compute the scheduled sequences. Slots of freed_request_ids and
 preempted_request_ids are free from this step on; a sequence with is_new_sequence set
 starts in a slot that must be reset (or restored, when a state restore names it).
 """
@@ -45,6 +45,8 @@ class ScheduledSequence:
     sampling_params: SamplingParams
     prior_token_ids: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
+    # (block index, GPU snapshot): the block ends this step crosses where the worker records a resume snapshot
+    snapshot_targets: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -59,13 +61,15 @@ class RestoreReason(enum.Enum):
 @dataclass(frozen=True)
 class StateRestore:
     """Rebuild the state slot of a sequence at the boundary after num_restored_tokens from
-    the blocks block_ids (the first num_restored_tokens / block_size of its table)."""
+    the blocks block_ids (the first num_restored_tokens / block_size of its table) and the
+    GPU resume snapshot snapshot_id taken at that boundary."""
 
     request_id: str
     state_slot: int
     block_ids: tuple[int, ...]
     num_restored_tokens: int
     reason: RestoreReason
+    snapshot_id: int
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledSequence, ...]
     swap_out: tuple[tuple[int, int], ...]  # (gpu_block_id, cpu_block_id)
     swap_in: tuple[tuple[int, int], ...]  # (cpu_block_id, gpu_block_id)
+    snapshot_swap_out: tuple[tuple[int, int], ...]  # (gpu snapshot, cpu snapshot), with swap_out
+    snapshot_swap_in: tuple[tuple[int, int], ...]  # (cpu snapshot, gpu snapshot), with swap_in
     state_restores: tuple[StateRestore, ...]
     preempted_request_ids: tuple[str, ...]
     freed_request_ids: tuple[str, ...]  # finished or aborted since the previous plan

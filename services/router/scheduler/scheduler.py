@@ -13,10 +13,13 @@ A short prompt does not wait behind a long one: when the waiting head fits in on
 than one chunk) sit out that step, so the short prompt's first token costs a short step,
 not a step beside a chunk that attends over a long history. A long prompt sits out at most
 one step in a row, so it keeps at least half its pace under a stream of short arrivals, and
-it is scheduled after all when nothing new could be admitted.
+it is scheduled after all when nothing new could be admitted. And while short requests are
+about (one arrived within short_request_window_s), a long prompt's chunks shrink to
+shared_prefill_token_threshold tokens, so a short arrival waits on a short chunk in flight,
+not a full one; alone, a long prompt prefills in full chunks.
 When a running request needs a block and none is free, the lowest-priority running
-request (the last admitted) is preempted: its full blocks go to the CPU tier if it has room
-(swap), otherwise everything is freed and it starts over (recompute; its keyed blocks stay
+request (the last admitted) is preempted: its full blocks and the resume snapshot at their
+end go to the CPU tier if it has room (swap), otherwise everything is freed and it starts over (recompute; its keyed blocks stay
 in the prefix cache, so the restart is usually cheap). No step both preempts and admits.
 
 Why this never deadlocks: the config guarantees one request at max_model_len fits the GPU
@@ -55,8 +58,16 @@ from moemesh.services.router.scheduler.output import (
     StateRestore,
 )
 from moemesh.services.router.scheduler.request import FinishReason, Request, RequestStatus
-from moemesh.services.router.scheduler.budget import num_tokens_to_compute
+from moemesh.services.router.scheduler.budget import chunk_cap, num_tokens_to_compute
 from moemesh.services.router.scheduler.stop_checks import append_sampled_tokens, result_problem
+
+
+@dataclass
+class _Swaps:
+    """One direction of a step's copies between the tiers: block pairs and resume snapshot pairs."""
+
+    blocks: list[tuple[int, int]]
+    snapshots: list[tuple[int, int]]
 
 
 @dataclass
@@ -89,6 +100,8 @@ class Scheduler:
         self._step_ids = itertools.count(1)
         self._in_flight: SchedulerOutput | None = None
         self._sat_out_ids: frozenset[str] = frozenset()  # long prefills that sat out the last step
+        self._last_short_arrival_s = float("-inf")  # when the last short prompt was added
+        self._short_requests_about = False  # one arrived within short_request_window_s (set per schedule())
 
     # -- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -105,6 +118,8 @@ class Scheduler:
         self._requests[request.request_id] = request
         self._arrival_order[request.request_id] = next(self._next_arrival)
         self._enqueue_waiting(request, front=False)
+        if request.num_tokens <= self.config.long_prefill_token_threshold:
+            self._last_short_arrival_s = self.clock()
         if request.deadline_s is not None:
             self._deadline_ids.add(request.request_id)
 
@@ -135,12 +150,13 @@ class Scheduler:
             raise RuntimeError("schedule() called before update() of the previous step")
         budget = [self.config.max_num_batched_tokens]  # boxed: helpers refund into it
         planned: dict[str, _Planned] = {}
-        swap_out: list[tuple[int, int]] = []
+        swap_out = _Swaps([], [])
         preempted_ids: list[str] = []
         sitting_out = self._long_prefills_to_sit_out()
+        self._short_requests_about = self.clock() - self._last_short_arrival_s < self.config.short_request_window_s
         self._schedule_running(planned, budget, swap_out, preempted_ids,
                                lambda request: request.request_id not in sitting_out)
-        swap_in: list[tuple[int, int]] = []
+        swap_in = _Swaps([], [])
         restores: list[StateRestore] = []
         num_cached_tokens = 0
         if not preempted_ids:
@@ -186,7 +202,7 @@ class Scheduler:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new, num_drafts = num_tokens_to_compute(request, self.config, budget[0])
+            num_new, num_drafts = num_tokens_to_compute(request, self.config, budget[0], self._short_requests_about)
             total = request.num_computed_tokens + num_new
             while not self.kv.grow(request.request_id, total):
                 victim = self._running[-1]
@@ -200,13 +216,14 @@ class Scheduler:
     def _schedule_swapped(self, planned, budget, swap_in, restores) -> None:
         while self._swapped and budget[0] > 0 and len(self._running) < self.config.max_num_running_seqs:
             request = self._swapped[0]
-            num_new, _ = num_tokens_to_compute(request, self.config, budget[0])
+            num_new, _ = num_tokens_to_compute(request, self.config, budget[0], self._short_requests_about)
             total = request.num_computed_tokens + num_new
             if not self.kv.can_swap_in(request.request_id, total):
                 return
             self._swapped.pop(0)
-            pairs, slot = self.kv.swap_in(request.request_id, total)
-            swap_in.extend(pairs)
+            pairs, snapshot_pair, slot = self.kv.swap_in(request.request_id, total)
+            swap_in.blocks.extend(pairs)
+            swap_in.snapshots.append(snapshot_pair)
             num_restored_blocks = request.num_computed_tokens // self.config.block_size_tokens
             restores.append(
                 StateRestore(
@@ -215,6 +232,7 @@ class Scheduler:
                     tuple(self.kv.gpu_block_ids(request.request_id)[:num_restored_blocks]),
                     request.num_computed_tokens,
                     RestoreReason.SWAP_IN,
+                    snapshot_pair[1],
                 )
             )
             self._start_running(request, planned, budget, num_new)
@@ -224,25 +242,23 @@ class Scheduler:
         block_size = self.config.block_size_tokens
         while self._waiting and budget[0] > 0 and len(self._running) < self.config.max_num_running_seqs:
             request = self._waiting[0]
-            cached_block_ids = self.kv.find_cached_prefix(request)
-            num_cached = len(cached_block_ids) * block_size
-            num_new = min(
-                request.num_tokens - num_cached,
-                self.config.long_prefill_token_threshold,
-                budget[0],
-            )
-            if not self.kv.can_admit(cached_block_ids, num_cached + num_new):
+            prefix = self.kv.find_cached_prefix(request)
+            num_cached = len(prefix.block_ids) * block_size
+            num_new = min(request.num_tokens - num_cached,
+                          chunk_cap(request, self.config, self._short_requests_about), budget[0])
+            if not self.kv.can_admit(prefix, num_cached + num_new):
                 break
             self._waiting.popleft()
             self._num_waiting_prompt_tokens -= request.num_tokens
-            slot = self.kv.admit(request, cached_block_ids, num_cached + num_new)
+            slot = self.kv.admit(request, prefix, num_cached + num_new)
             request.num_computed_tokens = num_cached
             request.num_cached_prefix_tokens = num_cached
             num_cached_tokens += num_cached
             if num_cached:
                 restores.append(
                     StateRestore(
-                        request.request_id, slot, tuple(cached_block_ids), num_cached, RestoreReason.PREFIX_HIT
+                        request.request_id, slot, prefix.block_ids, num_cached, RestoreReason.PREFIX_HIT,
+                        prefix.snapshot_id,
                     )
                 )
             self._start_running(request, planned, budget, num_new)
@@ -263,8 +279,10 @@ class Scheduler:
         victim.num_preemptions += 1
         preempted_ids.append(victim.request_id)
         num_full_blocks = victim.num_computed_tokens // self.config.block_size_tokens
-        if self.kv.can_swap_out(num_full_blocks):
-            swap_out.extend(self.kv.swap_out(victim.request_id, num_full_blocks))
+        if self.kv.can_swap_out(victim.request_id, num_full_blocks):
+            swapped = self.kv.swap_out(victim.request_id, num_full_blocks)
+            swap_out.blocks.extend(swapped.block_pairs)
+            swap_out.snapshots.append(swapped.snapshot_pair)
             victim.num_computed_tokens = num_full_blocks * self.config.block_size_tokens
             victim.status = RequestStatus.PREEMPTED_SWAPPED
             order = self._arrival_order
@@ -289,6 +307,7 @@ class Scheduler:
             token_ids = tuple(request.token_ids_between(start, start + num_known)) + drafts
             request.num_computed_tokens = start + entry.num_new_tokens
             num_draft_tokens += len(drafts)
+            snapshot_targets = self.kv.snapshot_targets(request, start, request.num_computed_tokens)
             scheduled.append(
                 ScheduledSequence(
                     request_id=request.request_id,
@@ -302,6 +321,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     prior_token_ids=tuple(request.token_ids_between(0, start)) if entry.is_new_sequence else (),
                     num_prompt_tokens=len(request.prompt_token_ids),
+                    snapshot_targets=snapshot_targets,
                 )
             )
         freed_ids, self._freed_ids = tuple(self._freed_ids), []
@@ -310,8 +330,10 @@ class Scheduler:
         output = SchedulerOutput(
             step_id=next(self._step_ids),
             scheduled=tuple(scheduled),
-            swap_out=tuple(swap_out),
-            swap_in=tuple(swap_in),
+            swap_out=tuple(swap_out.blocks),
+            swap_in=tuple(swap_in.blocks),
+            snapshot_swap_out=tuple(swap_out.snapshots),
+            snapshot_swap_in=tuple(swap_in.snapshots),
             state_restores=tuple(restores),
             preempted_request_ids=tuple(preempted_ids),
             freed_request_ids=freed_ids,
@@ -341,7 +363,7 @@ class Scheduler:
                     events.append(self._finish(request, FinishReason.ERROR, (), error=result.error))
                     continue
                 num_confirmed += seq.num_tokens
-                self.kv.cache_full_blocks(request)
+                self.kv.settle(request)
                 continue
             problem = result_problem(seq, result)
             if problem is not None:
@@ -355,10 +377,12 @@ class Scheduler:
             appended, reason = append_sampled_tokens(request, result.sampled_token_ids, self.config.max_model_len)
             if reason is not None:
                 error = "a sampled token breaks the response_format grammar" if reason is FinishReason.ERROR else None
+                if error is None:  # its confirmed blocks and last snapshot stay cached for a next turn
+                    self.kv.settle(request)
                 events.append(self._finish(request, reason, appended, seq, result.num_accepted_drafts, error))
                 continue
             self.kv.trim(request.request_id, request.num_computed_tokens)
-            self.kv.cache_full_blocks(request)
+            self.kv.settle(request)
             events.append(
                 RequestEvent(
                     request.request_id,
