@@ -258,14 +258,16 @@ def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: floa
                 run_dir: Path | None = None, expected_bytes: dict[str, int] | None = None) -> str:
     """"ready", "stopped" or why not, after printing a progress line while waiting. With a
     drafter, ready also waits for it to come up, unless it exits (then serving goes on without it).
+    timeout_s bounds a wait without progress: loading, then each wave of the router's start-time
+    warm-up (each new wave restarts the clock; a full-width model's warm-up may take longer in all).
     With `run_dir`, the line also carries a load progress bar per worker (the router loads no
     weights), filled by the bytes each is expected to read (`expected_bytes`)."""
     from moemesh.common.runtime.launcher import first_exited, load_progress_bar
 
     loading_names = [service.name for service in services if service.name != "router"]
 
-    start_s = time.monotonic()
-    last_line = ""
+    start_s = progress_s = time.monotonic()
+    last_line = last_warm_up = ""
     while True:
         if stop:
             print(file=sys.stderr)
@@ -280,10 +282,14 @@ def _wait_ready(health_url: str, services, stop: _StopRequested, timeout_s: floa
         if ok and (drafter is None or drafter.exited or not statuses.get("draft", "ok").startswith("starting")):
             print(file=sys.stderr)
             return "ready"
-        elapsed_s = time.monotonic() - start_s
-        if elapsed_s > timeout_s:
+        now_s = time.monotonic()
+        warm_up = statuses.get("router", "")
+        if warm_up.startswith("warming up") and warm_up != last_warm_up:
+            last_warm_up, progress_s = warm_up, now_s
+        elapsed_s = now_s - start_s
+        if now_s - progress_s > timeout_s:
             print(file=sys.stderr)
-            return f"not ready after {timeout_s:.0f}s: {statuses}"
+            return f"not ready after {elapsed_s:.0f}s ({timeout_s:.0f}s without progress): {statuses}"
         line = _progress(statuses, elapsed_s)
         if run_dir is not None:
             line = line.rstrip() + "  " + load_progress_bar(run_dir, loading_names,

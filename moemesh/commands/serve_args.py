@@ -50,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                              "re-encoded to FP8 e4m3 at load, docs/checkpoints.md) or bf16 (debugging)")
     parser.add_argument("--run-dir", default=None, help="sockets and the deployment file (default: a new temp dir)")
     parser.add_argument("--log-dir", default=None, help="service logs (default: <run-dir>/logs)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait without progress for readiness: loading, then each wave of the "
+                             "start-time warm-up (a new wave restarts the clock; default 600)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds open requests get to finish (new ones get 503) before the rest "
                              "end with an error; each service then gets this long to stop (default 30)")
