@@ -183,7 +183,8 @@ class KVPool:
                                   f"({source_blocks}, {target_blocks} blocks)")
 
     def move(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]],
-             snapshot_swap_out: Sequence[tuple[int, int]] = (), snapshot_swap_in: Sequence[tuple[int, int]] = ()) -> None:
+             snapshot_swap_out: Sequence[tuple[int, int]] = (),
+             snapshot_swap_in: Sequence[tuple[int, int]] = ()) -> None:
         """swap_out (primary, cpu) pairs, then swap_in (cpu, primary) pairs, of blocks and of snapshots; ordered as
         the module says."""
         if not (swap_out or swap_in or snapshot_swap_out or snapshot_swap_in):
