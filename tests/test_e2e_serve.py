@@ -414,6 +414,9 @@ def test_abort_after_a_prefix_hit_frees_all_blocks(server, reference):
     assert server.metric("moemesh_kv_blocks_used", '{tier="gpu"}') == 0
     assert server.metric("moemesh_kv_blocks_used", '{tier="cpu"}') == 0
     assert server.metric("moemesh_running_sequences") == 0
+    # no request holds a resume snapshot any more; the prefix cache keeps some (where the hit above resumed)
+    assert server.metric("moemesh_kv_snapshots_used", '{tier="gpu"}') == 0
+    assert server.metric("moemesh_kv_snapshots_cached", '{tier="gpu"}') > 0
 
 
 @pytest.mark.slow  # ~100 s on 2 cores: its own router, attention and expert processes

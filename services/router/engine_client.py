@@ -133,8 +133,8 @@ class EngineClient(Protocol):
     def stats(self) -> dict:
         """Engine counters for /metrics; every key is optional:
 
-        `num_waiting`, `num_running` (ints); `kv_blocks_used`, `kv_blocks_total`
-        ({tier: int}, tiers such as "gpu", "cpu"); `prefix_cache_queried_tokens`,
+        `num_waiting`, `num_running` (ints); `kv_blocks_used`, `kv_blocks_total`,
+        `kv_snapshots_used`, `kv_snapshots_cached`, `kv_snapshots_total` ({tier: int}, tiers such as "gpu", "cpu"); `prefix_cache_queried_tokens`,
         `prefix_cache_hit_tokens` (cumulative ints); `spec_draft_by_position`,
         `spec_accepted_by_position` (cumulative lists, index = draft position).
         """

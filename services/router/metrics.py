@@ -35,6 +35,11 @@ class _EngineStatsCollector:
         for key, name, doc in (
             ("kv_blocks_used", "moemesh_kv_blocks_used", "KV cache blocks in use, per tier."),
             ("kv_blocks_total", "moemesh_kv_blocks_total", "KV cache blocks, per tier."),
+            ("kv_snapshots_used", "moemesh_kv_snapshots_used",
+             "Resume snapshots held by requests (where each resumes after a preemption), per tier."),
+            ("kv_snapshots_cached", "moemesh_kv_snapshots_cached",
+             "Resume snapshots the prefix cache keeps (where a hit can resume), per tier."),
+            ("kv_snapshots_total", "moemesh_kv_snapshots_total", "Resume snapshots, per tier."),
         ):
             if key in stats:
                 family = GaugeMetricFamily(name, doc, labels=["tier"])

@@ -37,6 +37,11 @@ class SchedulerStats:
     num_cpu_blocks_total: int
     num_cpu_blocks_used: int
     num_free_state_slots: int
+    num_gpu_snapshots_total: int  # resume snapshots (resume_snapshots.py) per tier
+    num_gpu_snapshots_used: int  # held by requests
+    num_gpu_snapshots_cached: int  # kept for the prefix cache, held or reclaimable
+    num_cpu_snapshots_total: int
+    num_cpu_snapshots_used: int
     prefix_cache_queries: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
@@ -63,6 +68,11 @@ def collect_stats(
         num_cpu_blocks_total=kv.cpu.num_blocks,
         num_cpu_blocks_used=kv.cpu.num_used_blocks,
         num_free_state_slots=kv.slots.num_free_slots,
+        num_gpu_snapshots_total=kv.snapshots.gpu.num_blocks,
+        num_gpu_snapshots_used=kv.snapshots.gpu.num_used_blocks,
+        num_gpu_snapshots_cached=kv.snapshots.gpu.num_cached_blocks,
+        num_cpu_snapshots_total=kv.snapshots.cpu.num_blocks,
+        num_cpu_snapshots_used=kv.snapshots.cpu.num_used_blocks,
         prefix_cache_queries=kv.prefix_counters.num_queries,
         prefix_cache_queried_tokens=kv.prefix_counters.num_queried_tokens,
         prefix_cache_hit_tokens=kv.prefix_counters.num_hit_tokens,
