@@ -52,7 +52,7 @@ def server(tmp_path_factory):
     key_file.chmod(0o600)
     server = start_serve(root / "run", "--api-key", FLAG_KEY, "--api-key-file", str(key_file),
                          "--recovery-timeout", "45", "--step-timeout", "75", "--speculation", "off", "--revision", "main",
-                         "--long-prefill-tokens", "768", "--shared-prefill-tokens", "128",
+                         "--long-prefill-tokens", "768", "--shared-prefill-tokens", "128", "--kv-snapshots", "96",
                          model=HUB_ID, env={**_hub_env(root), "MOEMESH_API_KEY": ENV_KEY}, devices=None)
     if "moemesh serving" not in server.first_line:
         server.stop()
@@ -92,6 +92,7 @@ def test_hub_id_from_the_local_cache_with_default_devices(server):
     assert deployment["timeouts"]["step_s"] == 75.0
     assert deployment["scheduler"]["long_prefill_token_threshold"] == 768
     assert deployment["scheduler"]["shared_prefill_token_threshold"] == 128
+    assert deployment["kv"]["num_primary_snapshots"] == 96
     assert "api_keys" not in deployment.get("security", {})  # the keys live in a 0600 file, not the TOML
     assert (server.run_dir / "api_keys").stat().st_mode & 0o077 == 0
     models = httpx.get(f"{server.base_url}/v1/models", headers=_auth(), timeout=30).json()
@@ -149,13 +150,15 @@ def test_request_ids_on_responses_and_in_the_logs(server):
     assert any(e["event"] == "router.request_id_refused" for e in events)
 
 
-@pytest.mark.parametrize("flag", ["--long-prefill-tokens", "--shared-prefill-tokens"])
-def test_a_chunk_of_no_tokens_is_refused_before_anything_starts(tmp_path, flag):
+@pytest.mark.parametrize("flag, value, message", [("--long-prefill-tokens", "0", ">= 1, got 0"),
+                                                  ("--shared-prefill-tokens", "0", ">= 1, got 0"),
+                                                  ("--kv-snapshots", "-1", ">= 0, got -1")])
+def test_bad_chunk_and_snapshot_counts_are_refused_before_anything_starts(tmp_path, flag, value, message):
     command = [sys.executable, "-m", "moemesh.cli", "serve", "--model", str(DEFAULT_MODEL), "--run-dir",
-               str(tmp_path / "run"), flag, "0"]
+               str(tmp_path / "run"), flag, value]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=_base_env())
     assert done.returncode == 2, done.stderr
-    assert f"{flag} must be >= 1, got 0" in done.stderr
+    assert f"{flag} must be {message}" in done.stderr
 
 
 @pytest.mark.parametrize("model, revision", [("moemesh-test/not-cached", None), (HUB_ID, "v9.9")])

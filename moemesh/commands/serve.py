@@ -144,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--recovery-timeout must be > 0, got {args.recovery_timeout}")
         if args.step_timeout is not None and not args.step_timeout > 0:
             raise ValueError(f"--step-timeout must be > 0, got {args.step_timeout}")
+        if args.kv_snapshots < 0:
+            raise ValueError(f"--kv-snapshots must be >= 0, got {args.kv_snapshots}")
         for flag, value in (("--long-prefill-tokens", args.long_prefill_tokens),
                             ("--shared-prefill-tokens", args.shared_prefill_tokens)):
             if value < 1:
@@ -180,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
                          router_limits=request_limits(args), expert_dtype=args.expert_dtype,
                          experts_in_attention=experts_in_attention, kv_dtype=args.kv_dtype,
                          warm_up=args.warm_up, warm_up_context_tokens=args.warm_up_context_tokens,
-                         long_prefill_tokens=args.long_prefill_tokens,
+                         long_prefill_tokens=args.long_prefill_tokens, kv_num_primary_snapshots=args.kv_snapshots,
                          shared_prefill_tokens=args.shared_prefill_tokens)
     try:
         layout = _size_kv(layout, kv_request, model_dir)

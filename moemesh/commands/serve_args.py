@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from moemesh.commands.serve_config import DEFAULT_MODEL_DIR
+from moemesh.common.model.kv_sizing import DEFAULT_NUM_PRIMARY_SNAPSHOTS
 from moemesh.common.model.kv_storage import KV_DTYPES
 from moemesh.common.runtime.deployment import WARM_UP_MODES
 
@@ -39,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--kv-cpu-tokens", type=int, default=32768, metavar="N",
                         help="context tokens of the pinned CPU tier (preempted sequences swap there; 0: they are "
                              "recomputed) (default 32768)")
+    parser.add_argument("--kv-snapshots", type=int, default=DEFAULT_NUM_PRIMARY_SNAPSHOTS, metavar="N",
+                        help="resume snapshots on the device: what a sequence needs besides its KV blocks to resume at "
+                             "a block end (one or two per running sequence, the rest keep prefix-cache resume points; "
+                             "about 4 MB each for V4-Flash with fp8 rows, priced before --kv-tokens auto) (default "
+                             f"{DEFAULT_NUM_PRIMARY_SNAPSHOTS})")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="prompt + output tokens of one request (default: the model's positions, capped by "
                              "the device pool)")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moemesh.common.model.kv_sizing import DEFAULT_NUM_PRIMARY_SNAPSHOTS
 from moemesh.common.runtime.data_plane import WorkerPlace, check_data_plane
 from moemesh.common.runtime.deployment import Deployment, load_deployment
 from moemesh.common.runtime.deployment_writer import write_deployment_file
@@ -54,6 +55,7 @@ class ServeLayout:
     kv_dtype: str = "bf16"  # how the attention worker stores window and compressed KV rows (bf16, fp8)
     kv_num_primary_blocks: int = 256  # [kv] pool geometry (moemesh/commands/serve_kv.py sizes it)
     kv_num_cpu_blocks: int = 256
+    kv_num_primary_snapshots: int = DEFAULT_NUM_PRIMARY_SNAPSHOTS  # [kv] resume snapshots on the device
     max_model_len: int = 0  # [kv] max_model_len; 0: the model's positions capped by the device pool
     warm_up: str = "auto"  # [warm_up] mode: auto (on with a CUDA attention worker), on, off
     warm_up_context_tokens: int | None = None  # [warm_up] max_context_tokens; None: max_model_len
@@ -117,6 +119,7 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
                     **({"max_context_tokens": layout.warm_up_context_tokens}
                        if layout.warm_up_context_tokens is not None else {})},
         "kv": {"num_primary_blocks": layout.kv_num_primary_blocks, "num_cpu_blocks": layout.kv_num_cpu_blocks,
+               "num_primary_snapshots": layout.kv_num_primary_snapshots,
                **({"max_model_len": layout.max_model_len} if layout.max_model_len else {})},
         **({"draft": {"enabled": True, "name": DRAFT_NAME, "device": layout.devices[0],
                       "placement": layout.draft_placement}} if layout.with_drafter else {}),
