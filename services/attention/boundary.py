@@ -86,6 +86,8 @@ class Recorder:
 
     def boundaries(self, first_position: int, end_position: int) -> list[int]:
         """Block ends b with first_position < b <= end_position, above the sealed prefix, that have a target."""
+        if not self.targets:  # most steps: called per layer and store, so no range to build
+            return []
         size = self.block_size_tokens
         low = max(first_position, self.num_sealed_tokens) // size + 1
         return [boundary for boundary in range(low * size, end_position + 1, size)

@@ -33,8 +33,9 @@ class CachedPrefix:
 
 
 @dataclass(frozen=True)
-class SwapOut:
-    """What a swap-out copies: (gpu_block, cpu_block) pairs and the (gpu, cpu) snapshot pair."""
+class TierMove:
+    """What a swap copies between the tiers: (source, target) block pairs and the (source, target) snapshot pair
+    (swap-out: GPU -> CPU; swap-in: CPU -> GPU)."""
 
     block_pairs: list[tuple[int, int]]
     snapshot_pair: tuple[int, int]
@@ -95,16 +96,16 @@ class KVBlockManager:
         )
         max_hit_blocks = (request.num_tokens - 1) // self.block_size_tokens
         hit_block_ids: list[int] = []
-        prefix = CachedPrefix()
+        num_resumable, snapshot_id = 0, None  # the deepest hit block whose end has a cached snapshot
         for block_hash in request.block_hashes[:max_hit_blocks]:
             block_id = self.gpu.lookup(block_hash)
             if block_id is None:
                 break
             hit_block_ids.append(block_id)
-            snapshot_id = self.snapshots.cached(block_hash)
-            if snapshot_id is not None:
-                prefix = CachedPrefix(tuple(hit_block_ids), snapshot_id)
-        return CachedPrefix(prefix.block_ids, prefix.snapshot_id, len(hit_block_ids))
+            cached = self.snapshots.cached(block_hash)
+            if cached is not None:
+                num_resumable, snapshot_id = len(hit_block_ids), cached
+        return CachedPrefix(tuple(hit_block_ids[:num_resumable]), snapshot_id, len(hit_block_ids))
 
     def can_admit(self, prefix: CachedPrefix, num_total_tokens: int) -> bool:
         """Whether a slot and the blocks for num_total_tokens (cached ones reused) are free."""
@@ -191,7 +192,7 @@ class KVBlockManager:
         return (0 < num_full_blocks <= self.cpu.num_free_blocks
                 and self.snapshots.can_swap_out(request_id, num_full_blocks - 1))
 
-    def swap_out(self, request_id: str, num_full_blocks: int) -> SwapOut:
+    def swap_out(self, request_id: str, num_full_blocks: int) -> TierMove:
         """Copy the first num_full_blocks blocks and the snapshot at their end to the CPU tier, free the GPU
         table, its snapshots and the slot. The worker must copy them before the step writes into any GPU
         block or snapshot (a freed one may be reused in the same step)."""
@@ -203,7 +204,7 @@ class KVBlockManager:
         self._cpu_tables[request_id] = cpu_table
         self._num_registered.pop(request_id)
         self.slots.free(self._slots.pop(request_id))
-        return SwapOut(pairs, snapshot_pair)
+        return TierMove(pairs, snapshot_pair)
 
     def can_swap_in(self, request_id: str, num_total_tokens: int) -> bool:
         if self.slots.num_free_slots == 0 or not self.snapshots.can_swap_in():
@@ -214,9 +215,9 @@ class KVBlockManager:
         )
         return num_blocks <= self.gpu.num_free_blocks
 
-    def swap_in(self, request_id: str, num_total_tokens: int) -> tuple[list[tuple[int, int]], tuple[int, int], int]:
+    def swap_in(self, request_id: str, num_total_tokens: int) -> tuple[TierMove, int]:
         """Bring a swapped request's blocks and snapshot back and give it a slot and room for
-        num_total_tokens. Returns ((cpu_block_id, gpu_block_id) pairs, (cpu, gpu) snapshot pair, slot)."""
+        num_total_tokens. Returns (what to copy CPU -> GPU, slot)."""
         cpu_table = self._cpu_tables.pop(request_id)
         table = self.gpu.allocate(len(cpu_table))
         pairs = list(zip(cpu_table, table))
@@ -228,7 +229,7 @@ class KVBlockManager:
         self._slots[request_id] = slot
         if not self.grow(request_id, num_total_tokens):
             raise RuntimeError("swap_in without room; call can_swap_in first")
-        return pairs, snapshot_pair, slot
+        return TierMove(pairs, snapshot_pair), slot
 
     # -- release ----------------------------------------------------------------------
     def free_request(self, request_id: str) -> None:

@@ -8,19 +8,14 @@ Policy, in priority order:
   1. running requests (admission order), decodes before continuing prefills;
   2. swapped requests (FCFS), brought back before anything new is admitted;
   3. waiting requests (FCFS; recompute-preempted ones go back to the front).
-A short prompt does not wait behind a long one: when the waiting head fits in one chunk
-(at most long_prefill_token_threshold tokens), the chunks of running long prompts (longer
-than one chunk) sit out that step, so the short prompt's first token costs a short step,
-not a step beside a chunk that attends over a long history. A long prompt sits out at most
-one step in a row, so it keeps at least half its pace under a stream of short arrivals, and
-it is scheduled after all when nothing new could be admitted. And while short requests are
-about (one arrived within short_request_window_s), a long prompt's chunks shrink to
-shared_prefill_token_threshold tokens, so a short arrival waits on a short chunk in flight,
-not a full one; alone, a long prompt prefills in full chunks.
+A short prompt does not wait behind a long one (short_requests.py): running long prompts sit
+out the step a short waiting head starts in, and their chunks shrink while short requests are
+about.
 When a running request needs a block and none is free, the lowest-priority running
 request (the last admitted) is preempted: its full blocks and the resume snapshot at their
-end go to the CPU tier if it has room (swap), otherwise everything is freed and it starts over (recompute; its keyed blocks stay
-in the prefix cache, so the restart is usually cheap). No step both preempts and admits.
+end go to the CPU tier if it has room (swap), otherwise everything is freed and it starts
+over (recompute; its keyed blocks stay in the prefix cache, so the restart is usually cheap).
+No step both preempts and admits.
 
 Why this never deadlocks: the config guarantees one request at max_model_len fits the GPU
 pool alone, and the highest-priority running request is never chosen as a victim while
@@ -47,7 +42,7 @@ from moemesh.services.router.scheduler.admission import (
     ThroughputMeter,
 )
 from moemesh.services.router.scheduler.config import SchedulerConfig
-from moemesh.services.router.scheduler.kv_manager import KVBlockManager
+from moemesh.services.router.scheduler.kv_manager import KVBlockManager, TierMove
 from moemesh.services.router.scheduler.metrics import SchedulerCounters, SchedulerStats, collect_stats
 from moemesh.services.router.scheduler.output import (
     RequestEvent,
@@ -58,6 +53,7 @@ from moemesh.services.router.scheduler.output import (
     StateRestore,
 )
 from moemesh.services.router.scheduler.request import FinishReason, Request, RequestStatus
+from moemesh.services.router.scheduler.short_requests import ShortRequestPolicy
 from moemesh.services.router.scheduler.budget import chunk_cap, num_tokens_to_compute
 from moemesh.services.router.scheduler.stop_checks import append_sampled_tokens, result_problem
 
@@ -68,6 +64,10 @@ class _Swaps:
 
     blocks: list[tuple[int, int]]
     snapshots: list[tuple[int, int]]
+
+    def add(self, move: TierMove) -> None:
+        self.blocks.extend(move.block_pairs)
+        self.snapshots.append(move.snapshot_pair)
 
 
 @dataclass
@@ -99,9 +99,7 @@ class Scheduler:
         self._freed_ids: list[str] = []  # slots to announce in the next plan
         self._step_ids = itertools.count(1)
         self._in_flight: SchedulerOutput | None = None
-        self._sat_out_ids: frozenset[str] = frozenset()  # long prefills that sat out the last step
-        self._last_short_arrival_s = float("-inf")  # when the last short prompt was added
-        self._short_requests_about = False  # one arrived within short_request_window_s (set per schedule())
+        self.short_requests = ShortRequestPolicy(config)
 
     # -- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -118,8 +116,7 @@ class Scheduler:
         self._requests[request.request_id] = request
         self._arrival_order[request.request_id] = next(self._next_arrival)
         self._enqueue_waiting(request, front=False)
-        if request.num_tokens <= self.config.long_prefill_token_threshold:
-            self._last_short_arrival_s = self.clock()
+        self.short_requests.note_arrival(request, self.clock())
         if request.deadline_s is not None:
             self._deadline_ids.add(request.request_id)
 
@@ -152,8 +149,7 @@ class Scheduler:
         planned: dict[str, _Planned] = {}
         swap_out = _Swaps([], [])
         preempted_ids: list[str] = []
-        sitting_out = self._long_prefills_to_sit_out()
-        self._short_requests_about = self.clock() - self._last_short_arrival_s < self.config.short_request_window_s
+        sitting_out = self.short_requests.begin_step(self.clock(), self._waiting, self._running, bool(self._swapped))
         self._schedule_running(planned, budget, swap_out, preempted_ids,
                                lambda request: request.request_id not in sitting_out)
         swap_in = _Swaps([], [])
@@ -168,27 +164,8 @@ class Scheduler:
             self._schedule_running(planned, budget, swap_out, preempted_ids,
                                    lambda request: request.request_id in sitting_out)
             sitting_out = frozenset()
-        self._sat_out_ids = sitting_out
+        self.short_requests.end_step(sitting_out)
         return self._finalise(planned, swap_out, swap_in, restores, preempted_ids, num_cached_tokens)
-
-    def _long_prefills_to_sit_out(self) -> frozenset[str]:
-        """Running prompts longer than one chunk that skip this step so a short waiting prompt
-        (one chunk or less) starts in a short step; none that sat out the last step."""
-        threshold = self.config.long_prefill_token_threshold
-        if (
-            not self._waiting
-            or self._swapped
-            or self._waiting[0].num_tokens > threshold
-            or len(self._running) >= self.config.max_num_running_seqs
-        ):
-            return frozenset()
-        return frozenset(
-            request.request_id
-            for request in self._running
-            if request.num_prompt_tokens > threshold
-            and request.num_tokens - request.num_computed_tokens > 1
-            and request.request_id not in self._sat_out_ids
-        )
 
     def _schedule_running(self, planned, budget, swap_out, preempted_ids, takes_part) -> None:
         """takes_part(request): whether a running request is scheduled in this pass."""
@@ -202,7 +179,7 @@ class Scheduler:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new, num_drafts = num_tokens_to_compute(request, self.config, budget[0], self._short_requests_about)
+            num_new, num_drafts = num_tokens_to_compute(request, self.config, budget[0], self.short_requests.about)
             total = request.num_computed_tokens + num_new
             while not self.kv.grow(request.request_id, total):
                 victim = self._running[-1]
@@ -216,14 +193,13 @@ class Scheduler:
     def _schedule_swapped(self, planned, budget, swap_in, restores) -> None:
         while self._swapped and budget[0] > 0 and len(self._running) < self.config.max_num_running_seqs:
             request = self._swapped[0]
-            num_new, _ = num_tokens_to_compute(request, self.config, budget[0], self._short_requests_about)
+            num_new, _ = num_tokens_to_compute(request, self.config, budget[0], self.short_requests.about)
             total = request.num_computed_tokens + num_new
             if not self.kv.can_swap_in(request.request_id, total):
                 return
             self._swapped.pop(0)
-            pairs, snapshot_pair, slot = self.kv.swap_in(request.request_id, total)
-            swap_in.blocks.extend(pairs)
-            swap_in.snapshots.append(snapshot_pair)
+            move, slot = self.kv.swap_in(request.request_id, total)
+            swap_in.add(move)
             num_restored_blocks = request.num_computed_tokens // self.config.block_size_tokens
             restores.append(
                 StateRestore(
@@ -232,7 +208,7 @@ class Scheduler:
                     tuple(self.kv.gpu_block_ids(request.request_id)[:num_restored_blocks]),
                     request.num_computed_tokens,
                     RestoreReason.SWAP_IN,
-                    snapshot_pair[1],
+                    move.snapshot_pair[1],
                 )
             )
             self._start_running(request, planned, budget, num_new)
@@ -245,7 +221,7 @@ class Scheduler:
             prefix = self.kv.find_cached_prefix(request)
             num_cached = len(prefix.block_ids) * block_size
             num_new = min(request.num_tokens - num_cached,
-                          chunk_cap(request, self.config, self._short_requests_about), budget[0])
+                          chunk_cap(request, self.config, self.short_requests.about), budget[0])
             if not self.kv.can_admit(prefix, num_cached + num_new):
                 break
             self._waiting.popleft()
@@ -280,9 +256,7 @@ class Scheduler:
         preempted_ids.append(victim.request_id)
         num_full_blocks = victim.num_computed_tokens // self.config.block_size_tokens
         if self.kv.can_swap_out(victim.request_id, num_full_blocks):
-            swapped = self.kv.swap_out(victim.request_id, num_full_blocks)
-            swap_out.blocks.extend(swapped.block_pairs)
-            swap_out.snapshots.append(swapped.snapshot_pair)
+            swap_out.add(self.kv.swap_out(victim.request_id, num_full_blocks))
             victim.num_computed_tokens = num_full_blocks * self.config.block_size_tokens
             victim.status = RequestStatus.PREEMPTED_SWAPPED
             order = self._arrival_order
