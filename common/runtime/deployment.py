@@ -85,17 +85,14 @@ Endpoints are derived in `derive_endpoints` and nowhere else.
 
 from __future__ import annotations
 
-import dataclasses
-import re
 import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moemesh.common.model.kv_sizing import DEFAULT_NUM_CPU_SNAPSHOTS, DEFAULT_NUM_PRIMARY_SNAPSHOTS
 from moemesh.common.model.kv_storage import KV_DTYPES
+from moemesh.common.runtime.toml_tables import TableError, apply_override, build_dataclass
 from moemesh.common.security.cli_args import add_security_arguments
 
 
@@ -331,9 +328,12 @@ EXPERT_DTYPES = ("native", "fp8", "bf16")
 
 
 def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Deployment:
-    for override in overrides:
-        apply_override(raw, override)
-    deployment = _build(Deployment, raw, "")
+    try:
+        for override in overrides:
+            apply_override(raw, override)
+        deployment = build_dataclass(Deployment, raw, "")
+    except TableError as error:
+        raise DeploymentError(str(error)) from None
     if not deployment.attention:
         raise DeploymentError("attention: at least one attention worker is required")
     if not deployment.expert:
@@ -400,103 +400,6 @@ def _check_unique_names(deployment: Deployment) -> None:
         if name in seen:
             raise DeploymentError(f"{key}: {name!r} is already used by {seen[name]}")
         seen[name] = key
-
-
-_SEGMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\[(\d+)\])?$")
-
-
-def apply_override(raw: dict[str, Any], override: str) -> None:
-    """Apply `a.b[1].c=value` to the raw table in place. Values parse as TOML when they
-    can (`3`, `true`, `"x"`, `[1, 2]`) and are taken as plain strings otherwise."""
-    key, sep, text = override.partition("=")
-    if not sep or not key.strip():
-        raise DeploymentError(f"{override!r}: overrides are key=value")
-    key = key.strip()
-    try:
-        value = tomllib.loads(f"value = {text.strip()}")["value"]
-    except tomllib.TOMLDecodeError:
-        value = text.strip()
-    parts: list[str | int] = []
-    for segment in key.replace("]", "].").split("."):
-        if segment.isdigit():
-            parts.append(int(segment))
-            continue
-        if not segment:
-            continue
-        match = _SEGMENT.match(segment)
-        if match is None:
-            raise DeploymentError(f"{key}: bad key syntax")
-        parts.append(match.group(1))
-        if match.group(2) is not None:
-            parts.append(int(match.group(2)))
-    node: Any = raw
-    for position, part in enumerate(parts[:-1]):
-        following = parts[position + 1]
-        where = _render_key(parts[: position + 1])
-        if isinstance(part, int):
-            if not isinstance(node, list) or part > len(node):
-                raise DeploymentError(f"{where}: no such entry")
-            if part == len(node):
-                node.append({})  # one past the end: a new entry (e.g. an expert worker joining)
-            node = node[part]
-            continue
-        child = node.setdefault(part, [] if isinstance(following, int) else {})
-        if isinstance(child, list) and not isinstance(following, int):
-            if len(child) != 1:
-                raise DeploymentError(f"{where}: {len(child)} entries, name one as {part}[i]")
-            child = child[0]
-        node = child
-    last = parts[-1]
-    if isinstance(last, int) or not isinstance(node, dict):
-        raise DeploymentError(f"{key}: must name a key inside a table")
-    node[last] = value
-
-
-def _render_key(parts: list[str | int]) -> str:
-    text = ""
-    for part in parts:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
-    return text
-
-
-def _build(cls: type, table: Any, where: str) -> Any:
-    """Build dataclass `cls` from a TOML table; errors name the key (`expert[1].device`)."""
-    if not isinstance(table, dict):
-        raise DeploymentError(f"{where or '<root>'}: expected a table, got {type(table).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(table) - set(fields))
-    if unknown:
-        raise DeploymentError(f"{_join(where, unknown[0])}: unknown key (known: {sorted(fields)})")
-    values = {}
-    for name, item in table.items():
-        values[name] = _convert(hints[name], item, _join(where, name))
-    for name, spec in fields.items():
-        if name not in values and spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
-            raise DeploymentError(f"{_join(where, name)}: required key is missing")
-    return cls(**values)
-
-
-def _join(where: str, name: str) -> str:
-    return f"{where}.{name}" if where else name
-
-
-def _convert(tp: Any, value: Any, where: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        non_none = [arg for arg in args if arg is not type(None)]
-        return _convert(non_none[0], value, where)  # TOML has no null: a present key is a value
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise DeploymentError(f"{where}: expected an array, got {type(value).__name__}")
-        return tuple(_convert(args[0], item, f"{where}[{i}]") for i, item in enumerate(value))
-    if tp is float and type(value) in (int, float):
-        return float(value)
-    if tp in (str, int, bool) and type(value) is tp:
-        return value
-    raise DeploymentError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__} {value!r:.40}")
 
 
 def add_deployment_arguments(parser: Any) -> None:
