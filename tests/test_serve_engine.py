@@ -24,7 +24,8 @@ from moemesh.common.wire.transport import AsyncServer
 from moemesh.services.router.engine import Engine
 from moemesh.services.router.engine_client import EngineError, FinishReason, GenerationRequest
 from moemesh.services.router.engine_config import EngineConfig
-from moemesh.services.router.scheduler import Scheduler, SchedulerConfig
+from moemesh.services.router.scheduler import SchedulerConfig
+from engine_peer_support import run_engine_against_peer
 
 VOCAB = 97
 EOS = 3
@@ -108,29 +109,17 @@ def run_engine(tmp_path):
     """run_engine(scenario, **scheduler overrides): scenario(engine, peer) runs inside one loop."""
 
     def run(scenario, step_timeout_s: float = 5.0, recovery_timeout_s: float = 90.0, **overrides):
-        async def main():
-            context = zmq.asyncio.Context()
-            endpoint = f"ipc://{tmp_path}/attention.sock"
-            peer = ContractPeer(endpoint, context)
-            peer_task = asyncio.create_task(peer.run())
-            config = dict(num_gpu_blocks=16, max_model_len=1024, max_num_running_seqs=2,
-                          max_num_batched_tokens=64, long_prefill_token_threshold=24)
-            config.update(overrides)
-            engine = Engine(EngineConfig(attention_endpoint=endpoint, step_timeout_s=step_timeout_s,
-                                         probe_interval_s=0.05, probe_timeout_s=0.5, eos_token_ids=(EOS,),
-                                         recovery_timeout_s=recovery_timeout_s, recovery_poll_s=0.02),
-                            Scheduler(SchedulerConfig(**config)), context=context)
-            await engine.start()
-            try:
-                return await asyncio.wait_for(scenario(engine, peer), timeout=30)
-            finally:
-                await engine.stop()
-                peer_task.cancel()
-                await asyncio.gather(peer_task, return_exceptions=True)
-                peer.server.close()
-                context.term()
+        config = dict(num_gpu_blocks=16, max_model_len=1024, max_num_running_seqs=2,
+                      max_num_batched_tokens=64, long_prefill_token_threshold=24)
+        config.update(overrides)
 
-        return asyncio.run(main())
+        def engine_config(endpoint: str) -> EngineConfig:
+            return EngineConfig(attention_endpoint=endpoint, step_timeout_s=step_timeout_s, probe_interval_s=0.05,
+                                probe_timeout_s=0.5, eos_token_ids=(EOS,), recovery_timeout_s=recovery_timeout_s,
+                                recovery_poll_s=0.02)
+
+        return run_engine_against_peer(tmp_path, ContractPeer, engine_config, SchedulerConfig(**config), scenario,
+                                       timeout_s=30)
 
     return run
 

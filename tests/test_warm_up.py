@@ -32,12 +32,13 @@ from moemesh.common.wire.transport import AsyncServer
 from moemesh.services.router.engine import Engine
 from moemesh.services.router.engine_client import GenerationRequest
 from moemesh.services.router.engine_config import EngineConfig
-from moemesh.services.router.scheduler import Scheduler, SchedulerConfig
+from moemesh.services.router.scheduler import SchedulerConfig
 from moemesh.services.router.warm_up import EngineWarmUpConfig, WarmUp, prompt_token_ids
 from moemesh.services.router.warm_up_plan import (
     GRAPH_BUCKETS, SyntheticRequest, WarmUpShape, batch_sizes, context_waves, decode_waves, plan_waves, staggered,
     step_token_waves,
 )
+from engine_peer_support import run_engine_against_peer
 
 SHAPE = WarmUpShape(max_num_running_seqs=8, max_num_batched_tokens=256, long_prefill_token_threshold=64,
                     block_size_tokens=128, num_gpu_blocks=64, max_context_tokens=700, csa_compress_ratio=4,
@@ -164,28 +165,16 @@ class RecordingPeer:
 
 
 def _run_with_peer(tmp_path, scenario, warm_up: WarmUp | None):
-    async def main():
-        context = zmq.asyncio.Context()
-        endpoint = f"ipc://{tmp_path}/attention.sock"
-        peer = RecordingPeer(endpoint, context)
-        peer_task = asyncio.create_task(peer.run())
-        scheduler = SchedulerConfig(num_gpu_blocks=SHAPE.num_gpu_blocks, max_model_len=1024,
-                                    max_num_running_seqs=SHAPE.max_num_running_seqs,
-                                    max_num_batched_tokens=SHAPE.max_num_batched_tokens,
-                                    long_prefill_token_threshold=SHAPE.long_prefill_token_threshold)
-        engine = Engine(EngineConfig(attention_endpoint=endpoint, step_timeout_s=0.3, recovery_poll_s=0.02),
-                        Scheduler(scheduler), context=context, warm_up=warm_up)
-        await engine.start()
-        try:
-            return await asyncio.wait_for(scenario(engine, peer), timeout=60)
-        finally:
-            await engine.stop()
-            peer_task.cancel()
-            await asyncio.gather(peer_task, return_exceptions=True)
-            peer.server.close()
-            context.term()
+    scheduler = SchedulerConfig(num_gpu_blocks=SHAPE.num_gpu_blocks, max_model_len=1024,
+                                max_num_running_seqs=SHAPE.max_num_running_seqs,
+                                max_num_batched_tokens=SHAPE.max_num_batched_tokens,
+                                long_prefill_token_threshold=SHAPE.long_prefill_token_threshold)
 
-    return asyncio.run(main())
+    def engine_config(endpoint: str) -> EngineConfig:
+        return EngineConfig(attention_endpoint=endpoint, step_timeout_s=0.3, recovery_poll_s=0.02)
+
+    return run_engine_against_peer(tmp_path, RecordingPeer, engine_config, scheduler, scenario, timeout_s=60,
+                                   warm_up=warm_up)
 
 
 async def _generate(engine: Engine, request_id: str, prompt: tuple[int, ...], max_tokens: int):
