@@ -385,7 +385,7 @@ sm90 = pytest.mark.skipif(INTERPRETED or not _ptxas_present(), reason="compiles 
 @pytest.mark.parametrize("fused,split_k,x_rows,out_rows", [(True, 2, True, False), (False, 1, False, True),
                                                            (False, 2, False, True)])
 def test_grouped_kernel_with_row_ids_compiles_for_sm90_without_spills(fused, split_k, x_rows, out_rows):
-    from moemesh.common.kernels.fp4_experts import _grouped_kernel
+    from moemesh.common.kernels.fp4_experts_kernel import _grouped_kernel
 
     pointers = dict(zip(("x_ptr", "wa_ptr", "sa_ptr", "wb_ptr", "sb_ptr", "out_ptr", "offsets_ptr", "row_weights_ptr",
                          "partial_ptr", "counter_ptr"),
