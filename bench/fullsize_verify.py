@@ -109,9 +109,9 @@ def verify_pairs_served(dispatcher, plan, endpoints: dict[str, str], worker_name
     """Run every check against the live expert workers and the attention worker's `MoEDispatcher`
     (or a wrapper with `.inner`); worker_names[i] is behind the dispatcher's channel index i."""
     dispatcher = getattr(dispatcher, "inner", dispatcher)
-    router = dispatcher.router
-    dispatcher._refresh_tables()  # the table the next dispatch indexes
-    device_owner = dispatcher.owner.cpu().tolist()  # [L, E]
+    router = dispatcher.slot_owners.router
+    dispatcher.slot_owners.refresh()  # the table the next dispatch indexes
+    device_owner = dispatcher.slot_owners.owner.cpu().tolist()  # [L, E]
     held = query_inventories(endpoints, timeout_s)
     return check_pairs(planned_pairs(plan), held, worker_names, router.holders, set(router.down), device_owner,
                        router.num_layers, router.num_experts)

@@ -163,7 +163,7 @@ def bench_start(device: torch.device, token_counts: list[int], iterations: int, 
                         began = time.perf_counter()
                         routing = dispatcher._routing_on_host(ids, weights)
                         began = _tick(stages, "ipc_routing_readback", began)
-                        dispatcher._owner_of_slots(0, routing.ids)
+                        dispatcher.slot_owners.of_slots(0, routing.ids, dispatcher.num_slot_tokens_in_flight)
                         _tick(stages, "ipc_owner_split", began)
                     sample.add(stages, warm=i >= 5)
             row.update({variant: sample.summary() for variant, sample in samples.items()})

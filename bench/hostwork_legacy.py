@@ -77,10 +77,11 @@ def legacy_start_stages(dispatcher, step_id: int, layer: int, x: torch.Tensor, i
     """The old ZeroMQ split of one layer (single-copy placement): sends every Dispatch through the
     dispatcher's channel and returns (worker index, Dispatch) in send order."""
     began = time.perf_counter()
-    max(dispatcher.channel.num_workers, dispatcher.router.num_workers)  # _grow_counters: walks every holder list
+    # _grow_counters: walks every holder list
+    max(dispatcher.channel.num_workers, dispatcher.slot_owners.router.num_workers)
     began = _tick(stages, "counters", began)
-    dispatcher._refresh_tables()
-    owner = dispatcher.owner[layer][ids]  # [T, K] on the device
+    dispatcher.slot_owners.refresh()
+    owner = dispatcher.slot_owners.owner[layer][ids]  # [T, K] on the device
     per_worker = torch.bincount(owner.reshape(-1), minlength=dispatcher.channel.num_workers).tolist()
     slot_tokens = {w: n for w, n in enumerate(per_worker) if n}
     began = _tick(stages, "owner", began)

@@ -93,14 +93,14 @@ def test_worker_count_is_read_once_per_router_version(tmp_path):
     channel = ExpertChannel([f"ipc://{tmp_path}/a.sock", f"ipc://{tmp_path}/b.sock"], context=context)
     try:
         dispatcher = MoEDispatcher(channel, [[0, 1]], placement_invariant=False, device=torch.device("cpu"))
-        dispatcher.set_router(CountingRouter([[(0,), (1,)]]))
+        dispatcher.slot_owners.set_router(CountingRouter([[(0,), (1,)]]))
         for _ in range(3):
             dispatcher._grow_counters()
     finally:
         channel.close()
         context.term()
     assert len(calls) == 1
-    dispatcher.router.mark_down(1)  # a new version: read again
+    dispatcher.slot_owners.router.mark_down(1)  # a new version: read again
     dispatcher._grow_counters()
     assert len(calls) == 2 and len(dispatcher.num_slot_tokens_in_flight) == 2
 

@@ -143,7 +143,7 @@ def test_scale_in_then_out_with_replicas_mid_generation(setup):
                        for n in names}
         assert inventories[names[0]] == set(all_pairs)
         assert inventories[names[1]] == {p for p in all_pairs if p[1] % 2 == 0}
-        assert worker.dispatcher.owners.shape[0] == 2  # two copies of every pair: two round-robin tables
+        assert worker.dispatcher.slot_owners.owners.shape[0] == 2  # two copies of every pair: two round-robin tables
         assert len(worker.channel.sockets) == 3
 
         # a placement that leaves pairs unowned is refused by the attention worker before any switch

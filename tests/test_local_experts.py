@@ -103,7 +103,7 @@ def test_partial_sums_with_a_remote_replica_of_local_experts(checkpoint, open_wo
     worker = _attention(checkpoint, open_workers, expert_process, ((), odd), every, num_micro_batches=2)
     tokens, _ = _run(worker)
     assert tokens == reference_outputs
-    assert worker.dispatcher.router.has_choice(0)  # odd experts have two live copies
+    assert worker.dispatcher.slot_owners.router.has_choice(0)  # odd experts have two live copies
     assert worker.recovery.failover.all_answer()  # the local holder always counts as answering
 
 
@@ -142,7 +142,7 @@ def test_a_lost_remote_replica_is_retried_on_the_local_copy(checkpoint, open_wor
         tokens, _ = _run(worker, kill_at_step_two)
     assert tokens == reference_outputs
     assert worker.recovery.num_replica_retries >= 1 and worker.recovery.num_failed_steps == 0
-    assert worker.dispatcher.router.down == {0}  # the expert worker; the local copy served the retry
+    assert worker.dispatcher.slot_owners.router.down == {0}  # the expert worker; the local copy served the retry
     assert worker.dispatcher.num_slot_tokens_sent[0] > 0  # the remote copy had carried tokens before
 
 

@@ -115,7 +115,7 @@ def test_killed_replica_is_routed_around_then_readmitted(setup):
         recovery = worker.recovery
         assert recovery.num_replica_retries >= 1 and recovery.num_failed_steps == 0
         assert recovery.num_waits == 0  # retried on the twin at once, never waited for a restart
-        assert worker.dispatcher.router.down == {1}
+        assert worker.dispatcher.slot_owners.router.down == {1}
         sent = worker.dispatcher.num_slot_tokens_sent
         assert sent[1] == killed["sent"][1] or sent[1] - killed["sent"][1] < sent[0] - killed["sent"][0]
 
@@ -126,7 +126,7 @@ def test_killed_replica_is_routed_around_then_readmitted(setup):
         before = list(worker.dispatcher.num_slot_tokens_sent)
         again = _generate(worker)
         assert [r.output_token_ids for r in again] == reference
-        assert worker.dispatcher.router.down == set()
+        assert worker.dispatcher.slot_owners.router.down == set()
         assert worker.dispatcher.num_slot_tokens_sent[1] > before[1]
     finally:
         asyncio.run(worker.close())

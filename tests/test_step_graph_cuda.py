@@ -78,7 +78,7 @@ def test_a_new_routing_table_captures_the_step_again(open_workers):
     def switch_at_step_four(num_steps: int) -> None:
         captures.append(worker.runner.graphs.stats.num_captures)
         if num_steps == 4:  # the same holders in a new table: what a placement switch installs
-            dispatcher.set_holders(dispatcher.router.holders)
+            dispatcher.slot_owners.set_holders(dispatcher.slot_owners.router.holders)
 
     tokens, _ = _run(worker, PROMPTS[:1], max_tokens=8, before_step=switch_at_step_four)
     assert captures[:3] == [0, 1, 2]  # step 0 (a 3-token prompt: a short chunk, bucket 4) and step 1 capture

@@ -49,7 +49,7 @@ class ExpertFailover:
 
     @property
     def router(self):
-        return self.dispatcher.router
+        return self.dispatcher.slot_owners.router
 
     def endpoint(self, worker_index: int) -> str:
         endpoints = self.dispatcher.channel.endpoints

@@ -271,7 +271,7 @@ class DecodeGraphs:
                      decode_mask: torch.Tensor | None) -> torch.Tensor:
         dispatcher = runner.dispatcher
         mailboxes = dispatcher.mailbox_plane  # captured steps name the mailboxes' segments: a new one recaptures
-        routing_token = (dispatcher.router, dispatcher.router.version, runner.capture_layer_ids,
+        routing_token = (*dispatcher.slot_owners.version_key, runner.capture_layer_ids,
                          None if mailboxes is None else mailboxes.generation)
         step_graph = self._step_graphs.get(key)
         if step_graph is None or step_graph.routing_token != routing_token:

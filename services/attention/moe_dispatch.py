@@ -19,10 +19,10 @@ Host work of `start`: with CUDA IPC, one device->host read-back per layer and mi
 counts, token rows and slot masks are then computed on the host and each worker's rows and mask go
 up asynchronously. Over ZeroMQ the same split runs on the device (a read-back per count and per
 worker's rows), see `start`.
-Replicas and down workers: a `ReplicaRouter` (replica_routing.py) holds every pair's holders.
-Layers where no expert has two live copies use a precomputed owner table (`owner_host`); layers
-with a choice count the tokens per expert (on the host) and let the router pick a copy per
-expert, least outstanding work first (`num_slot_tokens_in_flight` per worker) or in turn.
+Replicas and down workers: `slot_owners` (slot_owners.py) says which worker computes each slot: a
+precomputed owner table where no expert of the layer has two live copies, else a copy per expert
+picked by the `ReplicaRouter`, least outstanding work first (`num_slot_tokens_in_flight` per worker)
+or in turn.
 A worker that times out or refuses raises `ExpertWorkerLost` naming its channel index, so
 recovery can mark it down and retry on the live replicas.
 Local experts: pairs the placement gives the attention worker itself (local_experts.py) have a channel
@@ -54,11 +54,11 @@ from moemesh.common.wire.staging import RecvStagingRing
 from moemesh.services.attention.dispatch_slots import SlotPlane
 from moemesh.services.attention.dispatch_tickets import ExpertWorkerLost, HostRouting, PendingMoE, _Sent
 from moemesh.services.attention.expert_channel import ExpertChannel, is_local_endpoint
-from moemesh.services.attention.layer_holders import LayerHolders
 from moemesh.services.attention.local_experts import LocalExperts
 from moemesh.services.attention.mailbox_layers import MailboxLayers
 from moemesh.services.attention.mailbox_plane import MailboxConfig, MailboxPlane
-from moemesh.services.attention.replica_routing import ReplicaPolicy, ReplicaRouter
+from moemesh.services.attention.replica_routing import ReplicaPolicy
+from moemesh.services.attention.slot_owners import SlotOwners
 
 
 class MoEDispatcher:
@@ -85,12 +85,7 @@ class MoEDispatcher:
                                         channel_prefix=channel_prefix,
                                         on_lost=lambda w, cause: ExpertWorkerLost(w, channel.endpoints[w], cause))
                           if DataPlane(data_plane) is DataPlane.MAILBOX else None)
-        self._holders: LayerHolders | None = None  # of the current router and version (`_layer_holders`)
-        self._counted_router: ReplicaRouter | None = None  # the router (and version) _num_router_workers is of
-        self._counted_version = 0
-        self._num_router_workers = 0
-        self.replica_policy = ReplicaPolicy(replica_policy)
-        self.set_router(ReplicaRouter([[(owner,) for owner in row] for row in owner_table], self.replica_policy))
+        self.slot_owners = SlotOwners(owner_table, replica_policy, device)  # which worker computes each slot
         self.placement_invariant = placement_invariant
         self.recv_ring = RecvStagingRing(str(device), num_slots=num_recv_slots, slot_bytes=recv_slot_bytes)
         self.recv_slot_bytes = recv_slot_bytes
@@ -101,43 +96,9 @@ class MoEDispatcher:
         if self.mailboxes is not None and model_shape is not None:
             self.mailboxes.make_plane(*model_shape)
 
-    def set_router(self, router: ReplicaRouter) -> None:
-        """Replace the routing table (between steps only: nothing may be in flight)."""
-        self.router = router
-        self._uploaded_version: int | None = None
-        self._refresh_tables()
-
-    def set_holders(self, holders: list[list[tuple[int, ...]]]) -> None:
-        """holders [L][E] -> worker indices (primary first); workers marked down stay down."""
-        router = ReplicaRouter(holders, self.replica_policy)
-        for worker in sorted(self.router.down):
-            router.mark_down(worker)
-        self.set_router(router)
-
-    def set_owner_tables(self, owner_tables: list[list[list[int]]]) -> None:
-        """R >= 1 tables [L, E] (table r: the r-th copy of each pair), as `replica_owner_tables` builds."""
-        self.set_holders(ReplicaRouter.from_owner_tables(owner_tables).holders)
-
-    @property
-    def owners(self) -> torch.Tensor:
-        """[R, L, E] live holders taken in turn (for display and tests; dispatch uses the router)."""
-        return torch.tensor(self.router.round_robin_tables(), dtype=torch.long)
-
-    def _refresh_tables(self) -> None:
-        """`owner_host` [L, E] (what start indexes) and `owner` [L, E] on the device (what the pair check reads)."""
-        if self._uploaded_version != self.router.version:
-            self.owner_host = torch.tensor(self.router.base, dtype=torch.long)  # [L, E]
-            self.owner = self.owner_host.to(self.device)  # [L, E]
-            self._uploaded_version = self.router.version
-
     def _grow_counters(self) -> None:
-        """Per-worker counters for every worker the channel or the router names. `router.num_workers` walks
-        every (layer, expert) holder list (11,008 at V4-Flash size: ~0.5 ms), so it is read once per router
-        and version, not once per layer."""
-        if self._counted_router is not self.router or self._counted_version != self.router.version:
-            self._counted_router, self._counted_version = self.router, self.router.version
-            self._num_router_workers = self.router.num_workers
-        missing = max(self.channel.num_workers, self._num_router_workers) - len(self.num_slot_tokens_in_flight)
+        """Per-worker counters for every worker the channel or the router names."""
+        missing = max(self.channel.num_workers, self.slot_owners.num_workers()) - len(self.num_slot_tokens_in_flight)
         if missing > 0:
             self.num_slot_tokens_in_flight += [0] * missing
             self.num_slot_tokens_sent += [0] * missing
@@ -170,30 +131,6 @@ class MoEDispatcher:
         if self.mailbox_plane is not None:
             self.mailbox_plane.confirm_deferred()
 
-    def _owner_of_slots(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
-        """ids [T, K] int64 -> (owner [T, K] worker index, on the device of ids; {worker: expert-slot
-        tokens} of the workers that get any, ascending). Host ids (the CUDA IPC split): host work only;
-        device ids (ZeroMQ): one read-back of the counts."""
-        self._refresh_tables()
-        if not self.router.has_choice(layer):
-            owner = (self.owner_host if ids.device.type == "cpu" else self.owner)[layer][ids]  # [T, K]
-            per_worker = torch.bincount(owner.reshape(-1), minlength=len(self.num_slot_tokens_in_flight)).tolist()
-            return owner, {w: n for w, n in enumerate(per_worker) if n}
-        row, per_worker = self._choose_replicas(layer, ids)
-        return torch.tensor(row, dtype=torch.long, device=ids.device)[ids], per_worker
-
-    def _choose_replicas(self, layer: int, ids: torch.Tensor) -> tuple[list[int], dict[int, int]]:
-        """A layer with replicas: (row [E] worker index per expert, chosen least-loaded for this batch;
-        {worker: expert-slot tokens} of the workers that get any, ascending). One read-back of the
-        per-expert counts."""
-        counts = torch.bincount(ids.reshape(-1), minlength=self.router.num_experts).tolist()  # [E]
-        row = self.router.choose(layer, counts, self.num_slot_tokens_in_flight)  # [E]
-        per_worker: dict[int, int] = {}
-        for expert, count in enumerate(counts):
-            if count:
-                per_worker[row[expert]] = per_worker.get(row[expert], 0) + count
-        return row, dict(sorted(per_worker.items()))
-
     def _routing_on_host(self, ids: torch.Tensor, weights: torch.Tensor) -> HostRouting:
         """The layer's routing on the host in one device->host transfer: the only host sync of the CUDA
         IPC split (it waits for the layer's device work, as any read-back must)."""
@@ -223,15 +160,16 @@ class MoEDispatcher:
         if self.mailboxes is not None and self.mailboxes.plane is None and layer == 0 and micro_batch == 0:
             self.mailboxes.make_plane(x.shape[1], ids.shape[1], x.dtype)  # no model shape was given
             self.mailboxes.begin_step(x.shape[0])  # the plane's first step begins here
-        if self.local_index is not None and not self.router.has_choice(layer) and \
-                self._layer_holders().sole(layer) == self.local_index:  # every expert of the layer is here
+        owners = self.slot_owners
+        if self.local_index is not None and not owners.router.has_choice(layer) and \
+                owners.layer_holders().sole(layer) == self.local_index:  # every expert of the layer is here
             sent = [self._compute_local(layer, x, ids, weights, None, ids.numel())]
             return PendingMoE(layer, micro_batch, x.shape[0], ids.shape[1], x.shape[1], x.dtype, x.device, sent)
         whole = self._start_whole(step_id, micro_batch, layer, x, ids, weights)
         if whole is None and self.mailboxes is not None:
             whole = self._start_mailboxes(micro_batch, layer, x, ids, weights)
             if whole is None and self.mailbox_plane is not None and micro_batch == 0:
-                self.mailbox_plane.skip(layer, self._layer_holders().holders[layer])  # GPU workers' graphs go on
+                self.mailbox_plane.skip(layer, owners.layer_holders().holders[layer])  # GPU workers' graphs go on
         if whole is not None:
             return whole
         routing = HostRouting(ids, weights)
@@ -239,7 +177,7 @@ class MoEDispatcher:
             if self.slot_plane.num_unconfirmed:
                 self.slot_plane.confirm_all()  # the host sync below must not wait behind a dead worker's flag
             routing = self._routing_on_host(ids, weights)
-        owner, slot_tokens = self._owner_of_slots(layer, routing.ids)  # [T, K] where the routing is
+        owner, slot_tokens = owners.of_slots(layer, routing.ids, self.num_slot_tokens_in_flight)  # [T, K]
         sent = []
         for worker_index, num_slot_tokens in slot_tokens.items():
             if worker_index == self.local_index:
@@ -307,9 +245,9 @@ class MoEDispatcher:
                      weights: torch.Tensor) -> PendingMoE | None:
         """CUDA IPC fast path: the layer's only holder gets the whole micro-batch, no host sync
         (dispatch_slots.py); None when that does not apply."""
-        if self.slot_plane is None or self.router.has_choice(layer):
+        if self.slot_plane is None or self.slot_owners.router.has_choice(layer):
             return None
-        worker_index = self._layer_holders().sole(layer)
+        worker_index = self.slot_owners.layer_holders().sole(layer)
         if worker_index is None:
             return None
         self._dispatch_ids += 1
@@ -331,7 +269,7 @@ class MoEDispatcher:
         """Whether this process computes every routed expert of every layer: each layer's only holder is the
         attention worker itself (no replicas) and its kernels need no host sync. A decode step then sends
         no message and waits on nothing, so its whole layer loop can be one CUDA graph (graph_decode.py)."""
-        return (self._layer_holders().all_held_by(self.local_index)
+        return (self.slot_owners.layer_holders().all_held_by(self.local_index)
                 and self.local_experts.capturable(self.device))
 
     def record_local_work(self, num_slot_tokens: int) -> None:
@@ -346,13 +284,14 @@ class MoEDispatcher:
         a holder without a mailbox)."""
         if micro_batch != 0 or x.shape[0] > self.mailboxes.config.max_tokens or not self._mailboxes_take(layer):
             return None
-        holders = self._layer_holders().holders[layer]
+        owners = self.slot_owners
+        holders = owners.layer_holders().holders[layer]
         remote = [w for w in holders if w != self.local_index]
         local_here = self.local_index in holders
         # [T, K] worker index per slot, on the attention device: for the local share's mask and per-slot combine
-        slot_owner = self.owner[layer][ids.long()] if local_here or self.placement_invariant else None
+        slot_owner = owners.owner[layer][ids.long()] if local_here or self.placement_invariant else None
         if ids.device.type == "cpu":  # per-worker slot counts (load statistics); not read back from a device
-            counts = torch.bincount(self.owner_host[layer][ids.long()].reshape(-1),
+            counts = torch.bincount(owners.owner_host[layer][ids.long()].reshape(-1),
                                     minlength=len(self.num_slot_tokens_in_flight)).tolist()
         else:
             counts = [0] * len(self.num_slot_tokens_in_flight)
@@ -371,8 +310,9 @@ class MoEDispatcher:
         return None if self.mailboxes is None else self.mailboxes.plane
 
     def _mailboxes_take(self, layer: int) -> bool:
-        self._refresh_tables()
-        return self.mailboxes.takes(layer, self._layer_holders(), self.local_index, (self.router, self.router.version))
+        self.slot_owners.refresh()
+        return self.mailboxes.takes(layer, self.slot_owners.layer_holders(), self.local_index,
+                                    self.slot_owners.version_key)
 
     def device_step_ready(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` rows runs on the device alone, layer after layer, so one CUDA graph
@@ -382,15 +322,10 @@ class MoEDispatcher:
             return True
         if self.mailboxes is None:
             return False
-        self._refresh_tables()
-        return self.mailboxes.step_ready(num_tokens, self._layer_holders(), self.local_index,
+        self.slot_owners.refresh()
+        return self.mailboxes.step_ready(num_tokens, self.slot_owners.layer_holders(), self.local_index,
                                          lambda: self.local_experts.capturable(self.device),
-                                         (self.router, self.router.version))
-
-    def _layer_holders(self) -> LayerHolders:
-        if self._holders is None or not self._holders.current(self.router):
-            self._holders = LayerHolders.of(self.router)
-        return self._holders
+                                         self.slot_owners.version_key)
 
     def finish(self, pending: PendingMoE) -> torch.Tensor:
         """Wait for every answer of `pending` -> routed output [T, D], combined in the fixed order; or, where

@@ -91,10 +91,11 @@ def apply_switch(worker: Any, message: SwitchPlacement) -> Ack | ErrorReply:
         return ErrorReply(code=ErrorCode.UNEXPECTED, message=f"placement {message.placement_version}: {error}")
     indices = [connect_endpoint(worker.channel, entry.endpoint, worker._zmq_context, worker.config.security)
                for entry in message.workers]
-    worker.dispatcher.set_holders([[tuple(indices[w] for w in copies) for copies in row] for row in holders])
+    worker.dispatcher.slot_owners.set_holders([[tuple(indices[w] for w in copies) for copies in row]
+                                               for row in holders])
     worker.placement_version = message.placement_version
     log.info("attention.placement_switched", placement_version=message.placement_version,
              workers=[w.name for w in message.workers], max_copies=max(len(c) for row in holders for c in row),
-             replica_policy=str(worker.dispatcher.replica_policy), num_sockets=len(worker.channel.sockets),
-             down_workers=sorted(worker.dispatcher.router.down))
+             replica_policy=str(worker.dispatcher.slot_owners.replica_policy),
+             num_sockets=len(worker.channel.sockets), down_workers=sorted(worker.dispatcher.slot_owners.router.down))
     return Ack(detail=f"placement {message.placement_version}")

@@ -158,7 +158,7 @@ class AttentionWorker(Service):
                                         mailbox=self.config.mailbox, channel_prefix=self.config.name,
                                         model_shape=(model_config.hidden_size, model_config.num_experts_per_tok,
                                                      self.side.dtype))
-        self.dispatcher.set_holders(pair_holders(workers, model_config.num_hidden_layers,
+        self.dispatcher.slot_owners.set_holders(pair_holders(workers, model_config.num_hidden_layers,
                                                  model_config.n_routed_experts))  # replicas share load from the start
         self.routing = RoutingCounter(model_config.num_hidden_layers, model_config.n_routed_experts,
                                       model_config.num_experts_per_tok, self.device,
