@@ -12,23 +12,24 @@ from moemesh.common.model.state import SequenceState
 from moemesh.bench.checks.tiny_model import random_hub_state_dict, split_hub_state_dict, tiny_config
 from moemesh.common.model.attention_side import AttentionSide
 from moemesh.services.attention.kv_config import KVPoolConfig
-from moemesh.services.attention.kv_pool import BlockTable, KVPool, KVPoolError, pool_segments
+from moemesh.services.attention.kv_pool import BlockTable, KVPool, KVPoolError
 
 
 def test_paged_rows_round_trip_through_the_cpu_tier():
     config = tiny_config()
     pool = KVPool(config, KVPoolConfig(block_size_tokens=8, num_primary_blocks=4, num_cpu_blocks=4),
                   torch.float32, "cpu")
-    segment = pool_segments(config)[0]
+    segment = pool.sizing.row_segments[0]  # fp32 rows: width = row dim
+    (layer, which), ratio, row_dim = segment.key, 8 // segment.num_rows, segment.width
     table = BlockTable(torch.device("cpu"))
     table.update((3, 1))
-    store = pool.row_store_factory(table)(segment.layer, segment.which, segment.row_dim)
-    rows = torch.randn(16 // segment.ratio, segment.row_dim)
+    store = pool.row_store_factory(table)(layer, which, row_dim)
+    rows = torch.randn(16 // ratio, row_dim)
     store.write(0, rows[:1])
     store.write(1, rows[1:])
     assert torch.equal(store.read(rows.shape[0]), rows)
     pool.move(swap_out=[(3, 0), (1, 2)], swap_in=[])
-    pool.primary[(segment.layer, segment.which)].zero_()
+    pool.primary[(layer, which)].zero_()
     pool.move(swap_out=[], swap_in=[(0, 2), (2, 0)])  # back into other primary blocks
     table.update((2, 0))
     assert torch.equal(store.read(rows.shape[0]), rows)

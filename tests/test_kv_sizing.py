@@ -135,7 +135,7 @@ def test_the_capacity_line_and_event_come_from_the_sizing():
 
 
 def test_the_start_up_budget_prices_the_pool_in_the_kv_dtype():
-    from moemesh.common.placement.worker_budget import attention_worker_budget, kv_block_bytes, kv_snapshot_bytes
+    from moemesh.common.placement.worker_budget import attention_worker_budget, kv_block_bytes
     from moemesh.services.attention.kv_pool import KVPool
 
     budgets = {}
@@ -147,7 +147,6 @@ def test_the_start_up_budget_prices_the_pool_in_the_kv_dtype():
         pool = KVPool(FLASH, KVPoolConfig(block_size_tokens=BLOCK, num_primary_blocks=1, kv_storage=storage),
                       torch.bfloat16, "meta")
         assert kv_block_bytes(FLASH, BLOCK, 2, storage) == pool.num_bytes_per_block()
-        assert kv_snapshot_bytes(FLASH, BLOCK, 2, storage) == pool.num_bytes_per_snapshot()
         # the CPU tier is not on the GPU
         assert budgets[storage].kv_pool_bytes == 4 * pool.num_bytes_per_block() + 3 * pool.num_bytes_per_snapshot()
     assert budgets[KVStorage.FP8].kv_pool_bytes < budgets[KVStorage.BF16].kv_pool_bytes

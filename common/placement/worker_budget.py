@@ -168,13 +168,6 @@ def kv_block_bytes(config, block_size_tokens: int, element_bytes: int,
     return _kv_sizing(config, block_size_tokens, element_bytes, kv_storage).bytes_per_block
 
 
-def kv_snapshot_bytes(config, block_size_tokens: int, element_bytes: int,
-                      kv_storage: KVStorage = KVStorage.BF16) -> int:
-    """Bytes of one resume snapshot of the pool (window rows of every layer as `kv_storage` stores them, pending
-    compressor inputs in fp32)."""
-    return _kv_sizing(config, block_size_tokens, element_bytes, kv_storage).bytes_per_snapshot
-
-
 def _kv_sizing(config, block_size_tokens: int, element_bytes: int, kv_storage: KVStorage) -> KVPoolSizing:
     return KVPoolSizing.of(config, block_size_tokens=block_size_tokens, num_primary_blocks=1, num_cpu_blocks=0,
                            kv_storage=kv_storage, activation_bytes=element_bytes)

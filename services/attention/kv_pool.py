@@ -44,12 +44,11 @@ hd head dim, C compressor input dim, Ws stored row width (d, or row_bytes for FP
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import structlog
 import torch
 
-from moemesh.common.model.config import AttentionKind, ModelConfig
+from moemesh.common.model.config import ModelConfig
 from moemesh.common.model.kv_rows import RowFormat
 from moemesh.common.model.kv_sizing import Element, KVPoolSizing
 from moemesh.services.attention.kv_config import KVPoolConfig
@@ -59,27 +58,6 @@ log = structlog.get_logger("attention")
 
 class KVPoolError(RuntimeError):
     """A block table that does not cover a row, or a block id outside its tier."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One compressor's rows inside a block."""
-
-    layer: int
-    which: str  # "compressor" | "indexer"
-    ratio: int
-    row_dim: int
-
-
-def pool_segments(config: ModelConfig) -> list[Segment]:
-    segments = []
-    for layer, kind in enumerate(config.layer_types):
-        ratio = config.compress_ratio(layer)
-        if kind in (AttentionKind.CSA, AttentionKind.HCA):
-            segments.append(Segment(layer, "compressor", ratio, config.head_dim))
-        if kind is AttentionKind.CSA:
-            segments.append(Segment(layer, "indexer", ratio, config.index_head_dim))
-    return segments
 
 
 class BlockTable:
@@ -136,7 +114,6 @@ class KVPool:
         self.main_row_format = RowFormat.main(model_config, config.kv_storage, dtype)
         self.indexer_row_format = RowFormat.indexer(model_config, config.kv_storage, dtype)
         self.device = torch.device(device)
-        self.segments = pool_segments(model_config)
         self.sizing = KVPoolSizing.of(model_config, block_size_tokens=config.block_size_tokens,
                                       num_primary_blocks=config.num_primary_blocks,
                                       num_cpu_blocks=config.num_cpu_blocks, kv_storage=config.kv_storage,
