@@ -84,14 +84,14 @@ def test_a_row_does_not_depend_on_the_other_rows(drafter):
 
 
 def test_truncated_q_is_the_renormalised_top_of_the_full_softmax():
-    """top_support takes the S largest of logits / T and a softmax over them: the full softmax kept on its S
+    """top_support takes the S largest logits and a softmax over them / T: the full softmax kept on its S
     largest entries and renormalised, ids ascending (no [V] softmax computed)."""
     from moemesh.common.drafting.chains import top_support, truncated_distribution
 
     generator = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 500, generator=generator) * 4  # [R, V]
     for temperature in (0.6, 1.0, 1.7):
-        ids, probs = top_support(logits / temperature, 32)  # [R, 32]
+        ids, probs = top_support(logits, torch.full((3, 1), temperature), 32)  # [R, 32]
         full = torch.softmax(logits / temperature, dim=-1)
         top_probs, top_ids = torch.topk(full, 32, dim=-1)
         assert torch.equal(ids, top_ids.sort(dim=-1).values)
@@ -99,6 +99,18 @@ def test_truncated_q_is_the_renormalised_top_of_the_full_softmax():
                                    rtol=1e-5, atol=1e-8)
         dense = truncated_distribution(logits[0], temperature, 32)  # [V]
         assert torch.equal(dense[ids[0]], probs[0]) and int((dense > 0).sum()) == 32
+
+
+def test_the_support_breaks_ties_at_its_last_place_toward_lower_ids():
+    """Equal logits at the S-th place (bf16 logits have few values): the lower ids are kept, every larger logit
+    is, and negative logits and -0.0 / +0.0 rank by value."""
+    from moemesh.common.drafting.chains import support_keys, top_support
+
+    logits = torch.tensor([[0.5, 2.0, 0.5, -1.0, 0.5, 3.0, -0.0, 0.0, -2.5, 0.5]])
+    ids, _ = top_support(logits, torch.ones(1, 1), 4)
+    assert ids.tolist() == [[0, 1, 2, 5]]
+    order = torch.argsort(support_keys(logits)[0], descending=True).tolist()
+    assert order == [5, 1, 0, 2, 4, 9, 7, 6, 3, 8]
 
 
 def test_a_batch_of_sampled_rows_draws_what_those_rows_draw_beside_greedy_ones(drafter):

@@ -21,9 +21,11 @@ the draft is independent of the verifier's accept and resample noise (docs/specu
   order are the request's own), it draws S exponentials instead of V, and it needs no generator, so
   the drafter's CUDA graphs draw sampled chains inside the replay (draft_graphs.py). A chain's keys
   are known before it starts, so the batched chains draw every slot's exponentials in one go.
-The truncated q is computed from the logits alone (`top_support`): the S largest of logits / T and a
-softmax over those S values. Renormalising a full softmax over its S largest entries gives the same
-distribution (the vocabulary's normaliser cancels), so no [V] softmax is needed for a sampled slot.
+The truncated q is computed from the logits alone (`top_support`): the S largest logits (ranked by
+`support_keys`: by logit, the lower token id first among equal logits, so the set is unique and the kernel
+of the drafter's graphs, common/kernels/draft_support.py, picks the same one) and a softmax over those S
+values / T. Renormalising a full softmax over its S largest entries gives the same distribution (the
+vocabulary's normaliser cancels), so no [V] softmax is needed for a sampled slot.
 Legend: G slots, V vocab, S support size.
 """
 
@@ -57,7 +59,7 @@ def truncated_distribution(logits: torch.Tensor, temperature: float, max_support
     scaled = logits.float() / temperature  # [V]
     if max_support is None or max_support >= scaled.shape[-1]:
         return torch.softmax(scaled, dim=-1)
-    ids, probs = top_support(scaled[None], max_support)  # [1, S]
+    ids, probs = top_support(logits[None], torch.tensor([[temperature]], device=logits.device), max_support)  # [1, S]
     return torch.zeros_like(scaled).scatter_(0, ids[0], probs[0])
 
 
@@ -91,8 +93,9 @@ def sparse_slot_draw(logits: torch.Tensor, divisors: torch.Tensor, noise: torch.
     """One slot of sampled rows: logits [R, V] (Markov-corrected), divisors [R, 1] (temperatures), noise [R, K]
     (the slot's Exp(1) draws: `key_exponentials` of the rows' DRAFT keys) -> (support ids [R, K] ascending, their
     q [R, K], the drawn token [R], its q [R]), q being the top support_k of softmax(logits / T) renormalised.
-    `batched_chains` and the drafter's graphs (draft_graphs.py) draw with it."""
-    ids, values = top_support(logits / divisors, support_k)
+    `batched_chains` draws with it; the drafter's graphs (draft_graphs.py) with its kernel on CUDA
+    (common/kernels/draft_support.py)."""
+    ids, values = top_support(logits, divisors, support_k)
     drawn, drawn_q = exponential_race(ids, values, noise)
     return ids, values, drawn, drawn_q
 
@@ -104,13 +107,24 @@ def draft_keys(seeds: Sequence[int], first_positions: Sequence[int], num_slots: 
                          for seed, position in zip(seeds, first_positions)], dtype=torch.int64).to(device)
 
 
-def top_support(scaled_logits: torch.Tensor, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """scaled_logits [R, V] (logits / T) -> the truncated q: its max_support largest entries, ids ascending, and
-    softmax over them (= softmax over the vocabulary kept on those entries and renormalised):
-    (ids [R, S], probs [R, S] fp32)."""
-    top, ids = torch.topk(scaled_logits.float(), max_support, dim=-1)  # [R, S]
-    ids, order = ids.sort(dim=-1)
-    return ids, torch.softmax(top.gather(1, order), dim=-1)
+def support_keys(logits: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] fp32 -> int64 keys [R, V], one per token, larger for a larger logit and, among equal logits,
+    for the lower token id: ordered(logit) · 2³² + (2³² - 1 - id), ordered() the float's bits as a signed integer
+    of the same order. Their top S is a unique set (torch.topk leaves ties at the S-th place to the device)."""
+    bits = logits.float().contiguous().view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # [R, V]
+    ids = torch.arange(logits.shape[-1], dtype=torch.int64, device=logits.device)
+    return ordered * (1 << 32) + ((1 << 32) - 1 - ids)
+
+
+def top_support(logits: torch.Tensor, divisors: torch.Tensor, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V], divisors [R, 1] (temperatures) -> the truncated q: the max_support largest logits
+    (`support_keys`), ids ascending, and softmax over them / T (= softmax(logits / T) over the vocabulary kept
+    on those entries and renormalised): (ids [R, S], probs [R, S] fp32)."""
+    logits = logits.float()
+    keys = torch.topk(support_keys(logits), max_support, dim=-1).values  # [R, S]
+    ids = ((1 << 32) - 1 - (keys & 0xFFFFFFFF)).sort(dim=-1).values  # [R, S] ascending
+    return ids, torch.softmax(logits.gather(1, ids) / divisors, dim=-1)
 
 
 @torch.no_grad()
@@ -139,7 +153,8 @@ def sparse_sampled_chain(drafter: DSparkDrafter, base_logits: torch.Tensor, hidd
             generator = stream(seed, Purpose.DRAFT, int(output_positions[k]), device)
             token = int(sample_from_probs(q[None], [generator])[0])
         else:
-            top_ids, top_probs = top_support((logits.float() / temperature)[None], max_support)
+            top_ids, top_probs = top_support(logits[None], torch.tensor([[float(temperature)]], device=device),
+                                             max_support)
             q = torch.zeros(logits.shape[0], dtype=torch.float32, device=device).scatter_(0, top_ids[0], top_probs[0])
             keys = draft_keys([seed], [int(output_positions[k])], 1, device)[:, 0]  # [1]
             token = int(support_draw(top_ids, top_probs, keys)[0][0])

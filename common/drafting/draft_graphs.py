@@ -7,8 +7,9 @@ per bucket of drafted requests A_b (1, 2, 4, ...) over fixed shapes: every reque
 ring capacity C (positions past its ring are masked out, as eagerly past the longest ring), the block of G
 slots, and the Markov chains of every row: greedy rows take the argmax (`chains.greedy_slot`, the very
 function `batched_chains` runs), sampled rows draw from their sparse q at their temperature with the
-key-derived exponential race (`chains.sparse_slot_draw`, keys `chains.draft_keys` computed on the host and
-copied in, every slot's Exp(1) draws computed from them at once), as `batched_chains` does. A draft is then a copy of each ring into the graph's static context
+key-derived exponential race (`chains.sparse_slot_draw`, on CUDA its two-launch kernel
+common/kernels/draft_support.py; keys `chains.draft_keys` computed on the host and copied in, every slot's
+Exp(1) draws computed from them at once), as `batched_chains` does. A draft is then a copy of each ring into the graph's static context
 buffer, one copy of the integer inputs (positions, block, keys: one flat table), one replay and one transfer
 of (tokens, probabilities, confidences), plus the supports of the sampled rows. Without a support cap (max_support None: the dense q and a generator per draw) sampled rows
 draw eagerly from the replay's logits. The padding rows of a bucket see no context and cost a few idle
@@ -32,6 +33,7 @@ import structlog
 import torch
 
 from moemesh.common.drafting.chains import greedy_slot, sparse_slot_draw
+from moemesh.common.kernels.draft_support import sparse_slot_draw_kernel
 from moemesh.common.model.dspark import DSparkDrafter
 from moemesh.common.sampling.rng import key_exponentials
 
@@ -208,11 +210,12 @@ def block_chains(drafter: DSparkDrafter, main_x: torch.Tensor, context_positions
     is_sampled = temperatures > 0  # [A]
     divisors = torch.where(is_sampled, temperatures, 1.0)[:, None]  # [A, 1]
     noise = None if support_k is None else key_exponentials(keys, support_k)  # [A, G, K]: every slot's draws
+    slot_draw = sparse_slot_draw_kernel if base_logits.is_cuda else sparse_slot_draw  # same ids, same draws
     slots, support_ids, support_probs = [], [], []
     for k in range(hidden.shape[1]):
         token, chosen, confidence, logits = greedy_slot(drafter, base_logits[:, k], hidden[:, k], prev)
         if support_k is not None:  # every row's sparse q [A, K]; the sampled rows draw from theirs
-            ids, values, drawn, drawn_q = sparse_slot_draw(logits, divisors, noise[:, k], support_k)
+            ids, values, drawn, drawn_q = slot_draw(logits, divisors, noise[:, k], support_k)
             token = torch.where(is_sampled, drawn, token)
             chosen = torch.where(is_sampled, drawn_q, chosen)
             support_ids.append(ids)

@@ -63,16 +63,16 @@ def verify_sampled(logits: torch.Tensor, requests: Sequence[SampledDrafts]) -> l
         num_slots = len(request.draft_token_ids) + 1
         rows.extend(range(request.first_row, request.first_row + num_slots))
         temperatures.extend([request.temperature] * num_slots)
-    row_index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)  # [N]
-    divisors = torch.tensor(temperatures, dtype=torch.float32).to(device, non_blocking=True).unsqueeze(1)
-    probs = (logits.index_select(0, row_index).float() / divisors).softmax(dim=-1)  # [N, V]
-    # host sync 1: p_k(x_k) of every draft slot
     draft_rows = [offset + k for offset, request in zip(offsets, requests) for k in range(len(request.draft_token_ids))]
     draft_tokens = [token for request in requests for token in request.draft_token_ids]
-    p_drafted = []
+    num_rows, num_drafts_total = len(rows), len(draft_rows)
+    # one host-to-device copy of the step's integer inputs: verified rows [N], drafted rows and tokens [2, D]
+    table = torch.tensor(rows + draft_rows + draft_tokens, dtype=torch.int64).to(device, non_blocking=True)
+    divisors = torch.tensor(temperatures, dtype=torch.float32).to(device, non_blocking=True).unsqueeze(1)
+    probs = (logits.index_select(0, table[:num_rows]).float() / divisors).softmax(dim=-1)  # [N, V]
+    p_drafted = []  # host sync 1: p_k(x_k) of every draft slot
     if draft_rows:
-        pick = torch.tensor([draft_rows, draft_tokens], dtype=torch.int64).to(device)  # [2, D]
-        p_drafted = probs[pick[0], pick[1]].tolist()
+        p_drafted = probs[table[num_rows:num_rows + num_drafts_total], table[num_rows + num_drafts_total:]].tolist()
     accepted, chosen_rows, purposes, cursor = [], [], [], 0
     q_rows, q_ids, q_values = [], [], []  # the rejected slots' sparse q, to subtract from their rows
     for b, (offset, request) in enumerate(zip(offsets, requests)):
@@ -91,13 +91,15 @@ def verify_sampled(logits: torch.Tensor, requests: Sequence[SampledDrafts]) -> l
             q_rows.extend([b] * len(request.support_ids[count]))
             q_ids.extend(request.support_ids[count])
             q_values.extend(request.support_probs[count])
-    chosen = probs.index_select(0, torch.tensor(chosen_rows, dtype=torch.int64).to(device))  # [S, V]
+    # one copy: the chosen rows [S], then the rejected slots' support (row, id) pairs [2, Q]
+    chosen_table = torch.tensor(chosen_rows + q_rows + q_ids, dtype=torch.int64).to(device, non_blocking=True)
+    chosen = probs.index_select(0, chosen_table[:len(requests)])  # [S, V]
     residual = chosen
     if q_ids:
-        q_dense = torch.zeros_like(chosen)
-        index = torch.tensor([q_rows, q_ids], dtype=torch.int64).to(device)  # [2, Q]
-        q_dense[index[0], index[1]] = torch.tensor(q_values, dtype=torch.float32).to(device)
-        residual = (chosen - q_dense).clamp_min(0.0)
+        num_q = len(q_ids)
+        index = (chosen_table[len(requests):len(requests) + num_q], chosen_table[len(requests) + num_q:])
+        negated = torch.tensor(q_values, dtype=torch.float32).neg_().to(device, non_blocking=True)  # [Q]
+        residual = chosen.index_put(index, negated, accumulate=True).clamp_min_(0.0)  # max(0, p - q)
         residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, chosen)
     generators = [stream(request.seed, purpose, request.first_position + count, device)
                   for request, purpose, count in zip(requests, purposes, accepted)]
