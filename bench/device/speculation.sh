@@ -12,7 +12,9 @@
 # with PYTHONPATH set; results go to $RESULTS_DIR.
 # SPEC_MODEL: the checkpoint to serve (default: the shipped default model; e.g. /tmp/train-default-model-last,
 # the one train-default-model.sh left on this warm machine). SPEC_SKIP_CPU=1 leaves out step 3. SPEC_MODES and
-# SPEC_REPEATS replace step 2's modes and repeats (median of an odd count: the middle run). SPEC_SKIP_TESTS=1 leaves
+# SPEC_REPEATS replace step 2's modes and repeats (median of an odd count: the middle run); SPEC_MAX_TOKENS (64) and
+# SPEC_TEMPERATURES (0,1) its output length and temperatures (one temperature per run keeps the attention workers'
+# phase summaries apart). SPEC_BUDGET_S (170) is its --time-budget-s. SPEC_SKIP_TESTS=1 leaves
 # out step 1. SPEC_TORCH_PROFILE=SKIP:COUNT profiles those steps of every server's attention worker (torch.profiler,
 # MOEMESH_TORCH_PROFILE_STEPS; traces and tables under $RESULTS_DIR/torch-profile; the figures then carry its cost).
 set -u
@@ -40,9 +42,10 @@ if [ -n "${SPEC_TORCH_PROFILE:-}" ]; then
 fi
 
 echo "=== bench speculation on cuda:0, bf16, ${SPEC_REPEATS:-2} repeats (the benchmark checks greedy outputs equal across modes) [$(elapsed)]"
-timeout -s TERM -k 15 215 python3 -m moemesh.bench.speculation "${model_args[@]}" --devices cuda:0 --max-tokens 64 --streams 1 \
-  --modes "${SPEC_MODES:-off,fixed,adaptive,fixed-process}" --temperatures 0,1 --repeats "${SPEC_REPEATS:-2}" \
-  --request-timeout-s 90 --time-budget-s 170 \
+budget_s=${SPEC_BUDGET_S:-170}
+timeout -s TERM -k 15 $((budget_s + 45)) python3 -m moemesh.bench.speculation "${model_args[@]}" --devices cuda:0 \
+  --max-tokens "${SPEC_MAX_TOKENS:-64}" --streams 1 --modes "${SPEC_MODES:-off,fixed,adaptive,fixed-process}" \
+  --temperatures "${SPEC_TEMPERATURES:-0,1}" --repeats "${SPEC_REPEATS:-2}" --request-timeout-s 90 --time-budget-s "$budget_s" \
   --keep-logs "$RESULTS_DIR/spec-logs-cuda" --out-dir "$RESULTS_DIR"
 echo "bench rc=$? [$(elapsed)]"
 
