@@ -232,7 +232,9 @@ def build_worker(model_dir: Path, device_name: str):
 
     drafter = load_drafter(str(model_dir), device_name, resolve_numerics("auto", device_name))
     speculation = SpeculationConfig(SpeculationMode.FIXED, width=drafter.dspark.block_size)
-    return DraftWorker(DrafterConfig(device=device_name, speculation=speculation), drafter=drafter)
+    # temperature > 0 rows measure the sampled chains (top-64 supports), not serve's default greedy drafting
+    return DraftWorker(DrafterConfig(device=device_name, speculation=speculation, draft_sampling="sampled"),
+                       drafter=drafter)
 
 
 def main(argv=None) -> int:

@@ -36,7 +36,9 @@ Speed is printed, never asserted.
 
 Modes: off, fixed, adaptive (the confidence rule and the router's cost-aware widths:
 MOEMESH_SPEC_WIDTH_POLICY=cost for that server's router), and `confidence` (adaptive with the
-confidence rule alone: the router keeps the drafter's widths), for comparing the two in one run.
+confidence rule alone: the router keeps the drafter's widths), for comparing the two in one run;
+`-process` after fixed or adaptive puts the drafter in a draft worker process, `-sampled` has sampled
+requests draw their drafts from the drafter's distribution (`serve --draft-sampling sampled`).
 """
 
 from __future__ import annotations
@@ -67,14 +69,19 @@ PROMPTS = [  # the first one alone is the single-stream run: Psalms 119 is long,
     "Matthew 6:9 After this manner therefore pray ye:",
 ]
 # fixed-process / adaptive-process: the same with the drafter in a draft worker process of its own
-# (`serve --draft-placement process`); the others keep serve's default, the drafter in the attention worker
-MODES = ("off", "fixed", "adaptive", "confidence", "fixed-process", "adaptive-process")
+# (`serve --draft-placement process`); the others keep serve's default, the drafter in the attention worker.
+# fixed-sampled / adaptive-sampled: sampled requests draw their drafts from the drafter's distribution
+# (`serve --draft-sampling sampled`) instead of serve's default, the drafter's argmax
+MODES = ("off", "fixed", "adaptive", "confidence", "fixed-process", "adaptive-process", "fixed-sampled",
+         "adaptive-sampled")
 DEFAULT_MODES = ("off", "fixed", "adaptive")
 SERVE_MODE = {"off": "off", "fixed": "fixed", "adaptive": "adaptive", "confidence": "adaptive",
-              "fixed-process": "fixed", "adaptive-process": "adaptive"}
+              "fixed-process": "fixed", "adaptive-process": "adaptive", "fixed-sampled": "fixed",
+              "adaptive-sampled": "adaptive"}
 # the router's width policy per bench mode (services/router/engine_drafts.py: width_policy_from_env)
 WIDTH_POLICY = {"off": "drafter", "fixed": "drafter", "adaptive": "cost", "confidence": "drafter",
-                "fixed-process": "drafter", "adaptive-process": "cost"}
+                "fixed-process": "drafter", "adaptive-process": "cost", "fixed-sampled": "drafter",
+                "adaptive-sampled": "cost"}
 
 
 @dataclass
@@ -105,7 +112,9 @@ def _serve_args(mode: str, spec_width: int | None) -> list[str]:
     if mode == "off":
         return ["--speculation", "off"]
     placement = ["--draft-placement", "process"] if mode.endswith("-process") else []
-    return ["--speculation", SERVE_MODE[mode]] + (["--spec-width", str(spec_width)] if spec_width else []) + placement
+    sampling = ["--draft-sampling", "sampled"] if mode.endswith("-sampled") else []
+    return (["--speculation", SERVE_MODE[mode]] + (["--spec-width", str(spec_width)] if spec_width else [])
+            + placement + sampling)
 
 
 def _launch(model: str, mode: str, extra: list[str]) -> Server:
@@ -188,8 +197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=8, help="the multi-stream runs' concurrency")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                        help="comma-separated subset of off,fixed,adaptive,confidence,fixed-process,adaptive-process "
-                        "(must include off)")
+                        help="comma-separated subset of " + ",".join(MODES) + " (must include off)")
     parser.add_argument("--speculation", default=None, choices=("fixed", "adaptive"),
                         help="shorthand for --modes off,<mode> (the previous interface)")
     parser.add_argument("--spec-width", type=int, default=None, help="width of the speculative modes")

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="d
 
 def _proposer(graphs: bool) -> DraftProposer:
     proposer = DraftProposer(DrafterConfig(checkpoint_path=str(MODEL), device="cpu", dtype="float32",
+                                           draft_sampling="sampled",
                                            speculation=SpeculationConfig(SpeculationMode.FIXED, width=5)))
     proposer.load_now()
     if graphs:

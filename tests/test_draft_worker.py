@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="d
 
 
 def make_worker(**kwargs) -> DraftWorker:
-    worker = DraftWorker(DrafterConfig(checkpoint_path=str(MODEL), **kwargs))
+    """A loaded draft worker on the default model; sampled requests draw their drafts unless told otherwise."""
+    worker = DraftWorker(DrafterConfig(checkpoint_path=str(MODEL), **{"draft_sampling": "sampled", **kwargs}))
     asyncio.run(worker.load())
     return worker
 
@@ -61,6 +62,26 @@ def test_greedy_proposals_equal_the_drafters_greedy_chain_on_the_same_features(f
         torch.testing.assert_close(torch.tensor(proposal.draft_probs), expected_probs, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(torch.tensor(proposal.confidences), chain.confidences, rtol=1e-4, atol=1e-6)
         assert proposal.support_token_ids == ()
+
+
+def test_greedy_drafting_proposes_a_sampled_request_its_argmax_chain_with_all_of_q_on_each_draft():
+    """draft_sampling="greedy" (the serving default): a sampled slot gets the greedy chain's tokens, each with the
+    point distribution on it as its q (one support token, probability 1.0), whatever its temperature and seed."""
+    greedy = make_worker(speculation=SpeculationConfig(SpeculationMode.FIXED, width=5), draft_sampling="greedy")
+    features = raw_features(greedy, 30, 8)
+    send(greedy, "t", 0, features)
+    proposals = []
+    for temperature, seed in ((1.0, 3), (0.7, 11)):
+        slot = m.DraftSlot("t", 5, (4,), 30, temperature=temperature, seed=seed, first_output_position=2)
+        proposals.append(greedy.propose(m.DraftRequest(step_id=1, slots=(slot,))).proposals[0])
+    base, hidden = greedy.drafter.propose(features, torch.arange(30), 4, 30)
+    chain = greedy.drafter.greedy_chain(base, hidden, 4)
+    for proposal in proposals:
+        assert proposal.token_ids == tuple(chain.token_ids.tolist())
+        assert proposal.support_token_ids == tuple((token,) for token in proposal.token_ids)
+        assert proposal.support_probs == ((1.0,),) * 5 and proposal.draft_probs == (1.0,) * 5
+    with pytest.raises(ValueError, match="draft_sampling='top'"):
+        DrafterConfig(draft_sampling="top")
 
 
 def test_rejected_positions_are_rolled_back_before_drafting(fixed_worker):

@@ -92,6 +92,7 @@ def test_hosts_switch_every_endpoint_to_tcp():
         (("name = \"expert-1\"", "name = \"expert-0\""), [], "expert[1].name"),
         (("", ""), ["scheduler.shared_prefill_token_threshold=0"], "scheduler.shared_prefill_token_threshold"),
         (("", ""), ["scheduler.short_request_window_s=-1"], "scheduler.short_request_window_s"),
+        (("", ""), ["scheduler.graph_prefill_token_threshold=-1"], "scheduler.graph_prefill_token_threshold"),
         (("", ""), ["kv.num_primary_snapshots=-1"], "kv.num_primary_snapshots"),
     ],
 )
@@ -147,7 +148,8 @@ def test_written_deployment_loads_back_equal(tmp_path):
         kv=KVConfig(num_primary_blocks=64, num_cpu_blocks=0, prefix_caching=False, num_primary_snapshots=32,
                     num_cpu_snapshots=0),
         draft=DraftWorkerConfig(enabled=True, device="cuda:1"),
-        scheduler=SchedulingConfig(shared_prefill_token_threshold=512, short_request_window_s=0.5),
+        scheduler=SchedulingConfig(shared_prefill_token_threshold=512, short_request_window_s=0.5,
+                                   graph_prefill_token_threshold=0),
     )
     path = write_deployment_file(tmp_path / "deployment.toml", deployment)
     assert load_deployment(path) == deployment
@@ -157,3 +159,17 @@ def test_written_deployment_loads_back_equal(tmp_path):
     assert tomllib.loads(format_deployment(table)) == table
     with pytest.raises(TypeError):
         format_deployment({"model": {"bad": None}})
+
+
+def test_short_prefills_follow_the_attention_workers_graphs():
+    """The router sizes short prefills to the graphs' chunk only when every attention worker replays them."""
+    from moemesh.services.router.main import graph_chunk_tokens
+
+    def deployment(*workers):
+        return Deployment(model=ModelConfig(path="m"), attention=workers, expert=(ExpertWorkerConfig("expert-0"),))
+
+    assert graph_chunk_tokens(deployment(AttentionWorkerConfig("a", device="cuda:0", cuda_graphs=True))) == 8
+    assert graph_chunk_tokens(deployment(AttentionWorkerConfig("a", device="cuda:0"))) == 0
+    assert graph_chunk_tokens(deployment(AttentionWorkerConfig("a", device="cpu", cuda_graphs=True))) == 0
+    assert graph_chunk_tokens(deployment(AttentionWorkerConfig("a", device="cuda:0", cuda_graphs=True),
+                                         AttentionWorkerConfig("b", device="cuda:1"))) == 0

@@ -132,6 +132,29 @@ def test_long_prompt_chunks_shrink_while_short_requests_are_about():
     assert engine.requests["long"].output_token_ids == engine.expected_output(engine.requests["long"], 2)
 
 
+def test_short_prefills_go_in_graph_sized_chunks_when_the_attention_worker_replays_graphs():
+    """graph_chunk_tokens (8) and graph_prefill_token_threshold (20): a prompt of at most 20 tokens computes 8 a step,
+    decodes stay one token (plus drafts) a step, a longer prompt its usual chunks until at most 20 are left; without
+    graphs (graph_chunk_tokens 0) one chunk as ever. Outputs are what the whole-prompt steps give."""
+    config = make_config(num_gpu_blocks=80, max_model_len=8192, short_request_window_s=0,
+                         graph_chunk_tokens=8, graph_prefill_token_threshold=20)
+    engine = SimulatedEngine(Scheduler(config))
+    engine.add(make_request("short", 19, max_tokens=3))
+    chunks = [[(s.request_id, s.num_tokens) for s in engine.step().plan.scheduled] for _ in range(4)]
+    assert chunks == [[("short", 8)], [("short", 8)], [("short", 3)], [("short", 1)]]
+    engine.add(make_request("long", 1040, max_tokens=2))
+    assert ("long", 1024) in [(s.request_id, s.num_tokens) for s in engine.step().plan.scheduled]
+    assert ("long", 8) in [(s.request_id, s.num_tokens) for s in engine.step().plan.scheduled]  # 16 left
+    engine.run_until_done(max_steps=100)
+    for request_id, max_tokens in (("short", 3), ("long", 2)):
+        assert engine.requests[request_id].output_token_ids == engine.expected_output(engine.requests[request_id],
+                                                                                       max_tokens)
+    eager = SimulatedEngine(Scheduler(make_config(num_gpu_blocks=80, max_model_len=8192, graph_chunk_tokens=0,
+                                                  graph_prefill_token_threshold=20)))
+    eager.add(make_request("short", 19, max_tokens=3))
+    assert [(s.request_id, s.num_tokens) for s in eager.step().plan.scheduled] == [("short", 19)]
+
+
 def test_long_prompt_runs_when_the_short_arrival_cannot_be_admitted():
     config = make_config(short_request_window_s=0, num_gpu_blocks=41, max_model_len=5120, num_cpu_blocks=0,
                          max_num_running_seqs=1)

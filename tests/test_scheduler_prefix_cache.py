@@ -174,3 +174,18 @@ def test_without_free_snapshots_a_hit_finds_nothing_and_requests_still_run():
     again = run_one(engine, "again", prompt)
     assert again.num_cached_prefix_tokens == 0
     assert engine.requests["again"].output_token_ids == engine.expected_output(again, 2)
+
+
+def test_the_rest_of_a_prefix_hit_goes_in_graph_sized_chunks():
+    """With the attention worker's graphs (chunks of 8) a hit that leaves at most graph_prefill_token_threshold tokens
+    computes them 8 a step from admission on; the same prompt without a hit computes its usual chunk."""
+    engine = make_engine(graph_chunk_tokens=8, graph_prefill_token_threshold=32)
+    prompt = tokens("doc", 2 * BLOCK)
+    first = run_one(engine, "first", prompt + tokens("q1", 20))
+    assert first.num_cached_prefix_tokens == 0
+    engine.add(Request("second", prompt + tokens("q2", 20), SamplingParams(max_tokens=2, ignore_eos=True)))
+    plan = engine.step().plan
+    assert [(s.request_id, s.num_tokens) for s in plan.scheduled] == [("second", 8)]
+    assert engine.requests["second"].num_cached_prefix_tokens == 2 * BLOCK
+    engine.run_until_done(max_steps=100)
+    assert engine.requests["second"].output_token_ids == engine.expected_output(engine.requests["second"], 2)

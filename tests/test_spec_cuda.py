@@ -30,7 +30,7 @@ pytestmark = [
 
 
 def _worker(device: str, dtype: str = "float32", cuda_graphs: bool = True) -> DraftWorker:
-    worker = DraftWorker(DrafterConfig(checkpoint_path=str(MODEL), device=device, dtype=dtype,
+    worker = DraftWorker(DrafterConfig(checkpoint_path=str(MODEL), device=device, dtype=dtype, draft_sampling="sampled",
                                        speculation=SpeculationConfig(SpeculationMode.FIXED, width=5),
                                        cuda_graphs=cuda_graphs))
     asyncio.run(worker.load())

@@ -17,7 +17,8 @@ verifier makes: it leans toward the drafter) and for r uniform. The probability 
 chi-square test at the same N rejects such a biased joint is estimated by simulation (400
 multinomial samples) and asserted >= 0.9, so the sample size is shown to be enough.
 
-Cases: temperature 1 with the checkpoint's own (random) drafter; temperature 0.8 with top-p 0.9
+Cases: temperature 1 with the checkpoint's own (random) drafter, drafting greedily (q all on the argmax, the
+serving default) and sampling its drafts (marked slow); temperature 0.8 with top-p 0.9
 (the target has zeros) and a deliberately wrong drafter (its head rows permuted, its Markov bias
 sharpened and negated) whose proposals are truncated to 5 of the 8 tokens (q has zeros the target
 has not); the same wrong drafter at temperature 1 (marked slow). The emitted distribution must not
@@ -103,9 +104,9 @@ def stack(tmp_path_factory, one_thread):
         asyncio.run(attention.close())
 
 
-def _draft_worker(path: str, max_support: int | None, wrong: bool) -> DraftWorker:
-    worker = DraftWorker(DrafterConfig(checkpoint_path=path, max_support=max_support,
-                                           speculation=SpeculationConfig(SpeculationMode.FIXED, width=BLOCK)))
+def _draft_worker(path: str, max_support: int | None, wrong: bool, draft_sampling: str) -> DraftWorker:
+    worker = DraftWorker(DrafterConfig(checkpoint_path=path, max_support=max_support, draft_sampling=draft_sampling,
+                                       speculation=SpeculationConfig(SpeculationMode.FIXED, width=BLOCK)))
     asyncio.run(worker.load())
     if wrong:
         with torch.no_grad():
@@ -154,20 +155,22 @@ def _power(expected: torch.Tensor, other: torch.Tensor, num_samples: int, seed: 
 
 
 CASES = {
-    # name: (params without seed, max_support, wrong drafter)
-    "temperature_1": (dict(temperature=1.0), None, False),
-    "temperature_0.8_top_p_0.9_wrong_drafter_truncated_q": (dict(temperature=0.8, top_p=0.9), 5, True),
-    "temperature_1_wrong_drafter": (dict(temperature=1.0), None, True),
+    # name: (params without seed, max_support, wrong drafter, draft sampling)
+    "temperature_1_greedy_drafts": (dict(temperature=1.0), None, False, "greedy"),
+    "temperature_0.8_top_p_0.9_wrong_drafter_truncated_q": (dict(temperature=0.8, top_p=0.9), 5, True, "sampled"),
+    "temperature_1_sampled_drafts": (dict(temperature=1.0), None, False, "sampled"),
+    "temperature_1_wrong_drafter": (dict(temperature=1.0), None, True, "sampled"),
 }
-SLOW_CASES = {"temperature_1_wrong_drafter"}  # the two others already cover both drafters (~20 s each)
+# the two others already cover both drafters and both draft samplings (~20 s each)
+SLOW_CASES = {"temperature_1_sampled_drafts", "temperature_1_wrong_drafter"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_CASES else [])
                                   for name in CASES])
 def test_emitted_tokens_follow_the_target_through_the_worker(stack, case):
     path, _, attention, reference = stack
-    param_fields, max_support, wrong = CASES[case]
-    draft_worker = _draft_worker(path, max_support, wrong)
+    param_fields, max_support, wrong, draft_sampling = CASES[case]
+    draft_worker = _draft_worker(path, max_support, wrong, draft_sampling)
     loop = SpecLoop(attention, draft_worker, SchedulerConfig(
         num_gpu_blocks=NUM_BLOCKS, max_model_len=64, max_num_batched_tokens=8 * NUM_REQUESTS,
         long_prefill_token_threshold=64, max_num_running_seqs=NUM_REQUESTS, enable_prefix_caching=False),
@@ -179,11 +182,12 @@ def test_emitted_tokens_follow_the_target_through_the_worker(stack, case):
     outputs = loop.outputs()
     assert all(len(tokens) == MAX_TOKENS for tokens in outputs.values())
     # speculation ran: every request verified drafts, some accepted (emitted as drafted), some rejected
-    # (replaced by a residual draw); at temperature 1 also past the first draft position
+    # (replaced by a residual draw); at temperature 1 with sampled drafts also past the first draft position
+    # (a greedy draft of this random drafter is accepted with the target's probability of it, about 1/8)
     drafted, accepted = loop.drafts.draft_by_position, loop.drafts.accepted_by_position
     assert drafted[0] >= NUM_REQUESTS and drafted[1] >= NUM_REQUESTS
     assert 0 < accepted[0] < drafted[0], (drafted, accepted)
-    if param_fields["temperature"] == 1.0:
+    if param_fields["temperature"] == 1.0 and draft_sampling == "sampled":
         assert 0 < accepted[1] < drafted[1], (drafted, accepted)
 
     params = SamplingParams(max_tokens=MAX_TOKENS, **param_fields)

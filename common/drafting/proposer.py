@@ -8,7 +8,8 @@ committed ones).
 - `propose(DraftRequest)`: drop the finished requests' rings, then all drafted requests go through
   the three stages in one batched forward (contexts padded to the longest ring, padding masked
   out), then the Markov chains of all of them run together, slot by slot (greedy, or sampled from a
-  sparse exact q: chains.batched_chains, one host transfer at the end), and each request gets its
+  sparse exact q: chains.batched_chains, one host transfer at the end; with `draft_sampling="greedy"` a
+  sampled request takes the greedy chain and each draft's q is all on it), and each request gets its
   width from its confidences (common/speculation_width.py). On a CUDA device with `cuda_graphs`, the
   forward and the chains (greedy and sampled) are one replay of a captured graph (draft_graphs.py)
   whenever the drafted requests fit its buckets. Every slot of the request gets a
@@ -31,7 +32,7 @@ import torch
 
 from moemesh.common.drafting.chains import RowChains, batched_chains, draft_keys, replay_row_chains
 from moemesh.common.drafting.feature_ring import FeatureRings
-from moemesh.common.drafting.options import DEFAULT_MAX_SUPPORT
+from moemesh.common.drafting.options import DEFAULT_DRAFT_SAMPLING, DEFAULT_MAX_SUPPORT, DRAFT_SAMPLING_CHOICES
 from moemesh.common.model.config import ModelConfig, NumericsConfig
 from moemesh.common.model.dspark import DSparkDrafter
 from moemesh.common.speculation_width import SpeculationConfig, choose_width
@@ -46,6 +47,8 @@ class DrafterConfig:
     dtype: "auto" (float32 on CPU, bfloat16 elsewhere) or a dtype name; speculation: the width
     policy (None: the model's default, adaptive up to dspark_block_size); max_support: tokens
     kept in a sampled slot's proposal distribution (None: the full vocabulary, large on the wire);
+    draft_sampling: "greedy" drafts a sampled request's argmax chain with all of q on each draft (no
+    supports to draw or send), "sampled" draws its chain from the truncated q (options.py);
     cuda_graphs: on a CUDA device, replay the block forward as CUDA graphs (draft_graphs.py)."""
 
     name: str = "draft"
@@ -54,7 +57,12 @@ class DrafterConfig:
     dtype: str = "auto"
     speculation: SpeculationConfig | None = None
     max_support: int | None = DEFAULT_MAX_SUPPORT
+    draft_sampling: str = DEFAULT_DRAFT_SAMPLING
     cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.draft_sampling not in DRAFT_SAMPLING_CHOICES:
+            raise ValueError(f"draft_sampling={self.draft_sampling!r}: one of {', '.join(DRAFT_SAMPLING_CHOICES)}")
 
 
 def resolve_numerics(dtype: str, device: str) -> NumericsConfig:
@@ -186,7 +194,9 @@ class DraftProposer:
             seed_token_ids = [slot.last_token_ids[-1] for slot in drafted]
             started_s = time.perf_counter()
             replay = None
-            temperatures = [float(slot.temperature) for slot in drafted]
+            # the chains' temperature per row: with greedy drafting every row takes the argmax chain
+            temperatures = [float(slot.temperature) if self.config.draft_sampling == "sampled" else 0.0
+                            for slot in drafted]
             sampled = [t > 0 for t in temperatures]
             if self.graphs is not None:
                 keys = None  # the DRAFT keys of every row (greedy rows: zeros, unused) when the graph draws
@@ -268,14 +278,19 @@ class DraftProposer:
         """Row `index` of the batch's chains, cut to the width policy's choice and to slot.num_draft_tokens."""
         confidences = chains.confidences[index]
         width = min(choose_width(confidences, self.speculation), slot.num_draft_tokens)
+        token_ids = tuple(chains.token_ids[index][:width])
+        draft_probs = tuple(chains.chosen_probs[index][:width])
         support_ids = support_probs = ()
-        if slot.temperature > 0:
+        if slot.temperature > 0 and self.config.draft_sampling == "greedy":  # q = all mass on each argmax draft
+            support_ids = tuple((token,) for token in token_ids)
+            support_probs = ((1.0,),) * width
+            draft_probs = (1.0,) * width
+        elif slot.temperature > 0:
             support_ids = tuple(chains.support_ids[index][:width])
             support_probs = tuple(chains.support_probs[index][:width])
         return DraftProposal(
-            request_id=slot.request_id, token_ids=tuple(chains.token_ids[index][:width]),
-            draft_probs=tuple(chains.chosen_probs[index][:width]), confidences=tuple(confidences[:width]),
-            support_token_ids=support_ids, support_probs=support_probs)
+            request_id=slot.request_id, token_ids=token_ids, draft_probs=draft_probs,
+            confidences=tuple(confidences[:width]), support_token_ids=support_ids, support_probs=support_probs)
 
 
 class DraftSlotError(ValueError):

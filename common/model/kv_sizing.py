@@ -33,6 +33,10 @@ PENDING_INPUT_BYTES = 4  # the compressors' pending inputs are fp32 in every sto
 # pool take the same defaults (a snapshot id the router hands out must exist in the pool).
 DEFAULT_NUM_PRIMARY_SNAPSHOTS = 256
 DEFAULT_NUM_CPU_SNAPSHOTS = 64
+# Tokens a sequence's state can roll back (its window rings keep this many rows past the window): also the
+# longest chunk per sequence the attention worker's decode graphs replay, which the router's scheduler sizes
+# short prefills to.
+DEFAULT_MAX_ROLLBACK_TOKENS = 8
 
 
 class LayerType(enum.Enum):

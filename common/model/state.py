@@ -40,9 +40,10 @@ import torch
 
 from moemesh.common.model.config import AttentionKind, ModelConfig
 from moemesh.common.model.kv_rows import IndexerRowLayout, MainRowLayout, RowFormat
+from moemesh.common.model.kv_sizing import DEFAULT_MAX_ROLLBACK_TOKENS
 from moemesh.common.model.kv_storage import KVStorage
 
-DEFAULT_MAX_ROLLBACK_TOKENS = 8
+__all__ = ["DEFAULT_MAX_ROLLBACK_TOKENS"]
 
 
 class RollbackError(ValueError):

@@ -34,6 +34,8 @@ Example (every key optional except the model path and one attention and expert w
     shared_prefill_token_threshold = 256  # the same while short requests are about (one arrived within the
     short_request_window_s = 2.0          # window): a short request's first token waits on a short chunk
     snapshot_interval_blocks = 16         # a long prompt's resume snapshots kept for the prefix cache
+    graph_prefill_token_threshold = 64    # with CUDA graphs in every attention worker: at most this many tokens
+                                          # left to compute go in graph-sized chunks (8 a step); 0: never
 
     [warm_up]                      # synthetic steps before /health turns 200 (services/router/warm_up.py)
     mode = "auto"                  # auto: on when the attention worker runs on a CUDA device; on; off
@@ -147,6 +149,7 @@ class SchedulingConfig:
     shared_prefill_token_threshold: int = 256
     short_request_window_s: float = 2.0
     snapshot_interval_blocks: int = 16
+    graph_prefill_token_threshold: int = 64
 
 
 WARM_UP_MODES = ("auto", "on", "off")
@@ -347,6 +350,9 @@ def parse_deployment(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
     for key in ("long_prefill_token_threshold", "shared_prefill_token_threshold", "snapshot_interval_blocks"):
         if getattr(deployment.scheduler, key) < 1:
             raise DeploymentError(f"scheduler.{key}: must be >= 1")
+    if deployment.scheduler.graph_prefill_token_threshold < 0:
+        raise DeploymentError("scheduler.graph_prefill_token_threshold: must be >= 0 (0: prefills never go in "
+                              "graph-sized chunks)")
     if deployment.scheduler.short_request_window_s < 0:
         raise DeploymentError("scheduler.short_request_window_s: must be >= 0 (0: chunks never shrink)")
     if deployment.warm_up.mode not in WARM_UP_MODES:

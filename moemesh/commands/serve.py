@@ -150,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
                             ("--shared-prefill-tokens", args.shared_prefill_tokens)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if args.graph_prefill_tokens < 0:
+            raise ValueError(f"--graph-prefill-tokens must be >= 0, got {args.graph_prefill_tokens}")
         if args.warm_up_context_tokens is not None and args.warm_up_context_tokens < 1:
             raise ValueError(f"--warm-up-context-tokens must be >= 1, got {args.warm_up_context_tokens}")
         collect_api_keys(args.api_key, args.api_key_file)  # a bad key or key file fails before anything starts
@@ -183,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
                          experts_in_attention=experts_in_attention, kv_dtype=args.kv_dtype,
                          warm_up=args.warm_up, warm_up_context_tokens=args.warm_up_context_tokens,
                          long_prefill_tokens=args.long_prefill_tokens, kv_num_primary_snapshots=args.kv_snapshots,
-                         shared_prefill_tokens=args.shared_prefill_tokens)
+                         shared_prefill_tokens=args.shared_prefill_tokens,
+                         graph_prefill_tokens=args.graph_prefill_tokens)
     try:
         layout = _size_kv(layout, kv_request, model_dir)
         config_path, deployment = write_deployment(layout)
@@ -202,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     watched = None  # after readiness: every service serve restarts (the list the restarter updates)
     router_cuts = _set_router_width_policy(speculation)
     try:
-        spec_args = _drafter_args(speculation, router_cuts)
+        spec_args = _drafter_args(speculation, router_cuts) + ("--draft-sampling", args.draft_sampling)
         services.append(start_service("router", "router", config_path, log_dir))
         services += [start_service("attention", w.name, config_path, log_dir,
                                    extra_args=spec_args if deployment.draft.in_attention else ())

@@ -76,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="the chunk of a long prompt while short requests are about (one arrived within the last "
                              "2 s), so a short request's first token waits on a short chunk (default 256; as large as "
                              "--long-prefill-tokens: long prompts keep full chunks, at the cost of short requests' TTFT)")
+    parser.add_argument("--graph-prefill-tokens", type=int, default=64, metavar="N",
+                        help="with the attention worker's CUDA graphs, a request with at most N tokens left to compute "
+                             "(a short prompt, the rest of a prefix hit) computes them 8 a step as graph replays "
+                             "instead of one eager forward (default 64; 0: never)")
     parser.add_argument("--warm-up", choices=WARM_UP_MODES, default="auto",
                         help="before /health turns 200, run synthetic requests through the scheduler and the "
                              "workers so that kernels compile and CUDA graphs are captured for every decode batch "
@@ -94,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="DSpark speculative decoding (default: adaptive when the checkpoint has a drafter)")
     parser.add_argument("--spec-width", type=int, default=None,
                         help="drafts per request (fixed) or their cap (adaptive); at most dspark_block_size")
+    parser.add_argument("--draft-sampling", choices=("greedy", "sampled"), default="greedy",
+                        help="a sampled request's drafts: the drafter's argmax, accepted with the target's probability "
+                        "of it (default), or drawn from the drafter's own distribution at the request's temperature; "
+                        "outputs follow the target's distribution either way (docs/speculation.md)")
     parser.add_argument("--draft-placement", choices=("attention", "process"), default="attention",
                         help="where the drafter runs: in the attention worker's process, on its device (default; "
                         "drafts come back with each step) or in a draft worker process of its own (features and "

@@ -61,6 +61,7 @@ class ServeLayout:
     warm_up_context_tokens: int | None = None  # [warm_up] max_context_tokens; None: max_model_len
     long_prefill_tokens: int = 1024  # [scheduler] long_prefill_token_threshold
     shared_prefill_tokens: int = 256  # [scheduler] shared_prefill_token_threshold
+    graph_prefill_tokens: int = 64  # [scheduler] graph_prefill_token_threshold
 
 
 def check_layout_data_plane(layout: ServeLayout) -> DataPlane:
@@ -114,7 +115,8 @@ def deployment_table(layout: ServeLayout) -> dict[str, Any]:
                        **({"kv_dtype": layout.kv_dtype} if layout.kv_dtype != "bf16" else {})}],
         "expert": experts,
         "scheduler": {"long_prefill_token_threshold": layout.long_prefill_tokens,
-                      "shared_prefill_token_threshold": layout.shared_prefill_tokens},
+                      "shared_prefill_token_threshold": layout.shared_prefill_tokens,
+                      "graph_prefill_token_threshold": layout.graph_prefill_tokens},
         "warm_up": {"mode": layout.warm_up,
                     **({"max_context_tokens": layout.warm_up_context_tokens}
                        if layout.warm_up_context_tokens is not None else {})},

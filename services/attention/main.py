@@ -175,7 +175,7 @@ def _drafter_config(deployment: Deployment, entry, model_config, options: DraftO
                                               survival_threshold=options.survival_threshold)
     return DrafterConfig(name=f"{entry.name}/draft", checkpoint_path=deployment.model.path, device=entry.device,
                          dtype=deployment.model.dtype, speculation=speculation, max_support=options.max_support,
-                         cuda_graphs=cuda_graphs)
+                         draft_sampling=options.draft_sampling, cuda_graphs=cuda_graphs)
 
 
 def _budget_fits(entry, deployment: Deployment, model_config, kv: KVPoolConfig, num_local_pairs: int) -> bool:

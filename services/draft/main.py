@@ -44,7 +44,8 @@ def run(deployment: Deployment, name: str | None = None, log_level: str = "info"
     endpoints = derive_endpoints(deployment)
     worker = DraftWorker(DrafterConfig(name=entry.name, checkpoint_path=deployment.model.path, device=entry.device,
                                            dtype=deployment.model.dtype, speculation=speculation,
-                                           max_support=options.max_support))
+                                           max_support=options.max_support,
+                                           draft_sampling=options.draft_sampling))
     service_config = ServiceConfig(name=entry.name, role=ServiceRole.DRAFT, endpoint=endpoints.draft,
                                    supervisor_endpoint=endpoints.supervisor, device=entry.device,
                                    heartbeat_interval_s=deployment.timeouts.heartbeat_interval_s,

@@ -7,9 +7,16 @@ from moemesh.services.router.scheduler.request import Request
 from moemesh.services.router.scheduler.stop_checks import max_output_tokens
 
 
-def chunk_cap(request: Request, config: SchedulerConfig, short_requests_about: bool) -> int:
+def chunk_cap(request: Request, config: SchedulerConfig, short_requests_about: bool,
+              num_computed: int | None = None) -> int:
     """The most tokens the request computes in one step: long_prefill_token_threshold, or
-    shared_prefill_token_threshold for a prompt longer than that while short requests are about."""
+    shared_prefill_token_threshold for a prompt longer than that while short requests are about, or
+    graph_chunk_tokens while at most graph_prefill_token_threshold of its known tokens are left to compute
+    (more than one: a decode step and its drafts are not capped here). num_computed: the tokens it will have
+    computed before this step (default: request.num_computed_tokens; at admission, its cached prefix)."""
+    num_left = request.num_tokens - (request.num_computed_tokens if num_computed is None else num_computed)
+    if config.graph_chunk_tokens and 1 < num_left <= config.graph_prefill_token_threshold:
+        return min(config.long_prefill_token_threshold, config.graph_chunk_tokens)
     if short_requests_about and request.num_prompt_tokens > config.long_prefill_token_threshold:
         return min(config.long_prefill_token_threshold, config.shared_prefill_token_threshold)
     return config.long_prefill_token_threshold
@@ -19,9 +26,8 @@ def num_tokens_to_compute(request: Request, config: SchedulerConfig, budget: int
                           short_requests_about: bool = False) -> tuple[int, int]:
     """(tokens to compute this step, how many of them are drafts).
 
-    The request's known tokens not yet computed come first, capped at
-    long_prefill_token_threshold (shared_prefill_token_threshold for a prompt longer than that
-    while short requests are about) and at the remaining step budget. Drafts ride along only
+    The request's known tokens not yet computed come first, capped by `chunk_cap` and at the remaining
+    step budget. Drafts ride along only
     when the request has caught up (one known token left), and never past max_tokens:
     verifying k drafts yields up to k + 1 new tokens. Drafts that do not fit are dropped."""
     num_remaining = request.num_tokens - request.num_computed_tokens

@@ -221,7 +221,7 @@ class Scheduler:
             prefix = self.kv.find_cached_prefix(request)
             num_cached = len(prefix.block_ids) * block_size
             num_new = min(request.num_tokens - num_cached,
-                          chunk_cap(request, self.config, self.short_requests.about), budget[0])
+                          chunk_cap(request, self.config, self.short_requests.about, num_cached), budget[0])
             if not self.kv.can_admit(prefix, num_cached + num_new):
                 break
             self._waiting.popleft()
