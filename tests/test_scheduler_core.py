@@ -137,7 +137,7 @@ def test_short_prefills_go_in_graph_sized_chunks_when_the_attention_worker_repla
     decodes stay one token (plus drafts) a step, a longer prompt its usual chunks until at most 20 are left; without
     graphs (graph_chunk_tokens 0) one chunk as ever. Outputs are what the whole-prompt steps give."""
     config = make_config(num_gpu_blocks=80, max_model_len=8192, short_request_window_s=0,
-                         graph_chunk_tokens=8, graph_prefill_token_threshold=20)
+                         graph_chunk_tokens=8, graph_step_tokens=64, graph_prefill_token_threshold=20)
     engine = SimulatedEngine(Scheduler(config))
     engine.add(make_request("short", 19, max_tokens=3))
     chunks = [[(s.request_id, s.num_tokens) for s in engine.step().plan.scheduled] for _ in range(4)]
@@ -153,6 +153,24 @@ def test_short_prefills_go_in_graph_sized_chunks_when_the_attention_worker_repla
                                                   graph_prefill_token_threshold=20)))
     eager.add(make_request("short", 19, max_tokens=3))
     assert [(s.request_id, s.num_tokens) for s in eager.step().plan.scheduled] == [("short", 19)]
+
+
+def test_a_busy_step_keeps_short_prompts_whole():
+    """More live sequences than graph_step_tokens / graph_chunk_tokens (9 x 8 > 64): the step may run eagerly, so a
+    short prompt computes its whole chunk; once few enough are left, graph-sized chunks again."""
+    config = make_config(num_gpu_blocks=80, max_model_len=8192, short_request_window_s=0,
+                         graph_chunk_tokens=8, graph_step_tokens=64, graph_prefill_token_threshold=40)
+    engine = SimulatedEngine(Scheduler(config))
+    for index in range(8):
+        engine.add(make_request(f"decode-{index}", 4, max_tokens=3))
+    engine.add(make_request("short", 30, max_tokens=2))
+    plan = engine.step().plan
+    assert ("short", 30) in [(s.request_id, s.num_tokens) for s in plan.scheduled]
+    engine.run_until_done(max_steps=100)
+    engine.add(make_request("alone", 30, max_tokens=2))
+    assert [(s.request_id, s.num_tokens) for s in engine.step().plan.scheduled] == [("alone", 8)]
+    with pytest.raises(ValueError, match="graph_step_tokens=4 must be >= graph_chunk_tokens=8"):
+        make_config(graph_chunk_tokens=8, graph_step_tokens=4)
 
 
 def test_long_prompt_runs_when_the_short_arrival_cannot_be_admitted():

@@ -24,6 +24,8 @@ CONFIGS = [
                                 enable_prefix_caching=False)),
     ("few_snapshots", dict(num_gpu_blocks=6, max_model_len=512, num_cpu_blocks=8, num_gpu_snapshots=3,
                            num_cpu_snapshots=1, max_num_running_seqs=3, snapshot_interval_blocks=1)),
+    ("graph_sized_prefills", dict(num_gpu_blocks=6, max_model_len=512, num_cpu_blocks=8, graph_chunk_tokens=8,
+                                  graph_step_tokens=64, graph_prefill_token_threshold=200)),
 ]
 
 
@@ -54,6 +56,9 @@ def test_random_workload_completes_without_leak(name, config_values, seed):
         plan = record.plan
         assert plan.num_scheduled_tokens <= config.max_num_batched_tokens
         assert all(seq.num_tokens <= config.long_prefill_token_threshold for seq in plan.scheduled)
+        if engine.scheduler.graph_chunks:  # a prompt within the threshold computes graph-sized chunks only
+            assert all(seq.num_tokens <= config.graph_chunk_tokens for seq in plan.scheduled
+                       if engine.requests[seq.request_id].num_tokens <= config.graph_prefill_token_threshold)
         stats = engine.scheduler.stats()
         assert stats.num_running_seqs <= config.max_num_running_seqs
         if plan.preempted_request_ids:  # a step that preempts admits nothing

@@ -179,7 +179,7 @@ def test_without_free_snapshots_a_hit_finds_nothing_and_requests_still_run():
 def test_the_rest_of_a_prefix_hit_goes_in_graph_sized_chunks():
     """With the attention worker's graphs (chunks of 8) a hit that leaves at most graph_prefill_token_threshold tokens
     computes them 8 a step from admission on; the same prompt without a hit computes its usual chunk."""
-    engine = make_engine(graph_chunk_tokens=8, graph_prefill_token_threshold=32)
+    engine = make_engine(graph_chunk_tokens=8, graph_step_tokens=64, graph_prefill_token_threshold=32)
     prompt = tokens("doc", 2 * BLOCK)
     first = run_one(engine, "first", prompt + tokens("q1", 20))
     assert first.num_cached_prefix_tokens == 0

@@ -165,10 +165,12 @@ class RecordingPeer:
 
 
 def _run_with_peer(tmp_path, scenario, warm_up: WarmUp | None):
+    # graph-sized short prefills on, as with a CUDA attention worker: the warm-up still runs whole chunks
     scheduler = SchedulerConfig(num_gpu_blocks=SHAPE.num_gpu_blocks, max_model_len=1024,
                                 max_num_running_seqs=SHAPE.max_num_running_seqs,
                                 max_num_batched_tokens=SHAPE.max_num_batched_tokens,
-                                long_prefill_token_threshold=SHAPE.long_prefill_token_threshold)
+                                long_prefill_token_threshold=SHAPE.long_prefill_token_threshold,
+                                graph_chunk_tokens=8, graph_step_tokens=64, graph_prefill_token_threshold=64)
 
     def engine_config(endpoint: str) -> EngineConfig:
         return EngineConfig(attention_endpoint=endpoint, step_timeout_s=0.3, recovery_poll_s=0.02)
@@ -192,6 +194,7 @@ def _expected(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
 def test_engine_warm_up_reaches_every_bucket_then_leaves_nothing(tmp_path):
     filler = tuple(range(10, 60))
     warm_up = WarmUp(EngineWarmUpConfig(SHAPE, step_timeout_s=5.0, filler_token_ids=filler))
+    num_warm_plans = [0]
 
     async def scenario(engine: Engine, peer: RecordingPeer):
         peer.delay_s = 1.0  # past the engine's 0.3 s step timeout, within the warm-up's 5 s
@@ -202,7 +205,9 @@ def test_engine_warm_up_reaches_every_bucket_then_leaves_nothing(tmp_path):
             await asyncio.sleep(0.01)
         assert engine.health().ok and warm_up.num_waves_done == len(warm_up.waves)
         assert peer.end_warm_up_after == [len(peer.plans)]  # once, after the warm-up's last plan
+        num_warm_plans[0] = len(peer.plans)
         stats = engine.scheduler.stats()
+        assert engine.scheduler.config.graph_chunk_tokens == 8  # the serving config after the warm-up
         assert stats.counters.num_steps == 0 and stats.prefix_cache_queried_tokens == 0
         assert stats.num_gpu_blocks_cached == 0 and stats.num_gpu_blocks_used == 0
         assert engine.stats()["num_steps"] == 0 and engine.num_failed_steps == 0
@@ -211,10 +216,15 @@ def test_engine_warm_up_reaches_every_bucket_then_leaves_nothing(tmp_path):
         events = await _generate(engine, "user-1", prompt, 4)
         assert [t for e in events for t in e.new_token_ids] == _expected(prompt, 4)
         assert events[-1].usage.num_cached_prompt_tokens == 0
+        short = tuple(range(200, 220))  # after the warm-up a short prompt goes in graph-sized chunks
+        events = await _generate(engine, "user-2", short, 2)
+        assert [t for e in events for t in e.new_token_ids] == _expected(short, 2)
         return peer.plans
 
     plans = _run_with_peer(tmp_path, scenario, warm_up)
-    warm_plans = plans[:-4]
+    warm_plans = plans[:num_warm_plans[0]]
+    chunks = [len(seq.token_ids) for plan in plans for seq in plan.sequences if seq.request_id == "user-2"]
+    assert chunks == [8, 8, 4, 1]
     decode_sizes: dict[str, set[int]] = {}
     for plan in warm_plans:
         if plan.sequences and all(len(seq.token_ids) == 1 for seq in plan.sequences):
@@ -226,7 +236,7 @@ def test_engine_warm_up_reaches_every_bucket_then_leaves_nothing(tmp_path):
                  "context_516"):
         assert buckets <= decode_sizes[f"warm-up-{name}"], name
     step_tokens = {sum(len(seq.token_ids) for seq in plan.sequences) for plan in warm_plans}
-    assert {16, 32, 64, 256} <= step_tokens
+    assert {16, 32, 64, 256} <= step_tokens  # whole short prompts, not graph-sized chunks
     assert any(plan.prefix_restores for plan in warm_plans)  # the context stages restore one another
 
 

@@ -35,7 +35,8 @@ Example (every key optional except the model path and one attention and expert w
     short_request_window_s = 2.0          # window): a short request's first token waits on a short chunk
     snapshot_interval_blocks = 16         # a long prompt's resume snapshots kept for the prefix cache
     graph_prefill_token_threshold = 64    # with CUDA graphs in every attention worker: at most this many tokens
-                                          # left to compute go in graph-sized chunks (8 a step); 0: never
+                                          # left to compute go in graph-sized chunks (8 a step, at most 8 live
+                                          # sequences); 0: never
 
     [warm_up]                      # synthetic steps before /health turns 200 (services/router/warm_up.py)
     mode = "auto"                  # auto: on when the attention worker runs on a CUDA device; on; off

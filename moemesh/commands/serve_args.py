@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--graph-prefill-tokens", type=int, default=64, metavar="N",
                         help="with the attention worker's CUDA graphs, a request with at most N tokens left to compute "
                              "(a short prompt, the rest of a prefix hit) computes them 8 a step as graph replays "
-                             "instead of one eager forward (default 64; 0: never)")
+                             "instead of one eager forward, while at most 8 sequences are live (default 64; 0: never)")
     parser.add_argument("--warm-up", choices=WARM_UP_MODES, default="auto",
                         help="before /health turns 200, run synthetic requests through the scheduler and the "
                              "workers so that kernels compile and CUDA graphs are captured for every decode batch "

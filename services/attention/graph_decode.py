@@ -59,17 +59,16 @@ from moemesh.common.kernels.sparse_attention_plan import default_config
 from moemesh.common.model.attention_tables import sequence_addresses
 from moemesh.common.model.batch import AttentionBackend, SequenceChunk, default_attention_backend
 from moemesh.common.model.kv_storage import KVStorage
-from moemesh.common.model.state import DEFAULT_MAX_ROLLBACK_TOKENS, SequenceState
+from moemesh.common.model.state import SequenceState
+from moemesh.common.model.step_graphs import DECODE_GRAPH_BUCKETS, GRAPH_CHUNK_TOKENS
 from moemesh.services.attention.graph_tables import StaticDecodeTables, index_rows_class
 from moemesh.services.attention.model_runner import LayerSegments, SegmentRun
 from moemesh.services.attention.routing_stats import NOT_COUNTED
 
 log = structlog.get_logger("attention")
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# new tokens a sequence may bring to a graphed step: a seed and up to 7 drafts. No more than the rings' rollback
-# reach R, so a prefix-cache block end crossed by the chunk is still in the rings for its snapshot (boundary.py)
-DEFAULT_MAX_TOKENS_PER_SEQUENCE = DEFAULT_MAX_ROLLBACK_TOKENS
+DEFAULT_BUCKETS = DECODE_GRAPH_BUCKETS
+DEFAULT_MAX_TOKENS_PER_SEQUENCE = GRAPH_CHUNK_TOKENS  # the rings' rollback reach (boundary.py, step_graphs.py)
 
 
 @dataclass(frozen=True)

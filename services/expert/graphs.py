@@ -28,10 +28,11 @@ import structlog
 import torch
 
 from moemesh.common.kernels.moe_layout import sum_slots_in_order
+from moemesh.common.model.step_graphs import DECODE_GRAPH_BUCKETS
 
 log = structlog.get_logger("expert")
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_BUCKETS = DECODE_GRAPH_BUCKETS
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from moemesh.services.router.engine_drafts import DraftCoordinator
 from moemesh.services.router.engine_health import HealthTracker
 from moemesh.services.router.engine_plan import PlanTranslator, ResultMismatch, TranslatedResult, failed_results, translate_result
 from moemesh.services.router.engine_recovery import EngineRecovery
-from moemesh.services.router.engine_warm_up import EngineWarmUp
+from moemesh.services.router.engine_warm_up import EngineWarmUp, warm_up_scheduler
 from moemesh.services.router.engine_streams import RequestStream
 from moemesh.services.router.guided_decoding import attach_token_masks
 from moemesh.services.router.scheduler import Request, RequestEvent, Scheduler, SchedulerOutput
@@ -75,6 +75,9 @@ class Engine(EngineRecovery, EngineWarmUp):
         self._warm_up_task: asyncio.Task | None = None
         self._security = security
         self.scheduler = scheduler
+        self.serving_scheduler_config = scheduler.config  # what the scheduler runs with after the warm-up
+        if warm_up is not None:
+            self.scheduler = warm_up_scheduler(scheduler)
         self.health_tracker = HealthTracker(config, supervisor)
         self.translator = PlanTranslator(self._client_request_id)
         self._context = context

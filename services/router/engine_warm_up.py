@@ -1,7 +1,8 @@
 """The router engine's side of the start-time warm-up (warm_up.py runs it): synthetic requests in, the step
 timeout while it runs, and forgetting it afterwards. `Engine` (engine.py) inherits it.
 
-`EngineWarmUp` keeps no state of its own: it works on the engine's (`config`, `scheduler`, `translator`,
+`EngineWarmUp` keeps no state of its own: it works on the engine's (`config`, `scheduler`,
+`serving_scheduler_config`, `translator`,
 `health_tracker`, `drafts`, `warm_up`, `_client`, `_new_requests`, the step counters, `routing_summary`),
 all set by `Engine.__init__`, and on its `_open_stream`. Imports no torch.
 """
@@ -9,6 +10,7 @@ all set by `Engine.__init__`, and on its `_open_stream`. Imports no torch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -21,6 +23,15 @@ from moemesh.services.router.scheduler import Scheduler
 from moemesh.services.router.step_totals import DecodeStepTotals
 
 log = structlog.get_logger("router")
+
+
+def warm_up_scheduler(scheduler: Scheduler) -> Scheduler:
+    """The scheduler the warm-up runs with: the serving one, but prompts always in their usual chunks (no
+    graph-sized short prefills), so the warm-up's step-token waves reach the eager step sizes a busy server
+    computes a short prompt in; `end_warm_up` then starts the serving config's scheduler."""
+    if not scheduler.config.graph_chunk_tokens:
+        return scheduler
+    return Scheduler(dataclasses.replace(scheduler.config, graph_chunk_tokens=0), scheduler.clock)
 
 
 class EngineWarmUp:
@@ -54,7 +65,7 @@ class EngineWarmUp:
                 log.warning("router.warm_up_end_refused", reply=type(reply).TYPE)
         except (ReplyTimeout, WireError) as error:
             log.warning("router.warm_up_end_failed", error=str(error)[:200])
-        self.scheduler = Scheduler(self.scheduler.config, self.scheduler.clock)
+        self.scheduler = Scheduler(self.serving_scheduler_config, self.scheduler.clock)
         self.num_steps = self.num_failed_steps = 0
         self.step_seconds_total = 0.0
         self.decode_step_totals = DecodeStepTotals()

@@ -35,7 +35,7 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from moemesh.common.model.kv_sizing import DEFAULT_MAX_ROLLBACK_TOKENS
+from moemesh.common.model.step_graphs import DECODE_GRAPH_BUCKETS, GRAPH_CHUNK_TOKENS
 from moemesh.common.runtime.deployment import Deployment, DeploymentError, derive_endpoints
 from moemesh.services.router.engine_config import EngineConfig
 from moemesh.services.router.gateway_config import GatewayConfig
@@ -100,7 +100,7 @@ def graph_chunk_tokens(deployment: Deployment) -> int:
     """The longest chunk per sequence every attention worker replays as a CUDA graph (0: some worker runs
     every step eagerly): what the scheduler sizes short prefills to."""
     replays = all(worker.cuda_graphs and worker.device.startswith("cuda") for worker in deployment.attention)
-    return DEFAULT_MAX_ROLLBACK_TOKENS if replays else 0
+    return GRAPH_CHUNK_TOKENS if replays else 0
 
 
 def build_configs(deployment: Deployment, tokenizer, settings: RouterSettings = RouterSettings()) -> RouterConfigs:
@@ -131,6 +131,7 @@ def build_configs(deployment: Deployment, tokenizer, settings: RouterSettings = 
         short_request_window_s=deployment.scheduler.short_request_window_s,
         snapshot_interval_blocks=deployment.scheduler.snapshot_interval_blocks,
         graph_chunk_tokens=graph_chunk_tokens(deployment),
+        graph_step_tokens=DECODE_GRAPH_BUCKETS[-1],
         graph_prefill_token_threshold=deployment.scheduler.graph_prefill_token_threshold,
         enable_prefix_caching=_or(settings.enable_prefix_caching, kv.prefix_caching),
         num_gpu_snapshots=kv.num_primary_snapshots,

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the workers' decode graph buckets (graph_decode.py, expert/graphs.py)
+from moemesh.common.model.step_graphs import DECODE_GRAPH_BUCKETS
+
+GRAPH_BUCKETS = DECODE_GRAPH_BUCKETS  # the workers' decode graph buckets (common/model/step_graphs.py)
 SHORT_PROMPT_TOKENS = 8
 MIN_STEP_TOKENS = 16  # below it, decode-sized steps: the decode waves reach them
 LEAD_EXTRA_TOKENS = 4  # a context lead's tokens beyond its followers' decode steps (their admission, a step late)

@@ -8,14 +8,15 @@ from moemesh.services.router.scheduler.stop_checks import max_output_tokens
 
 
 def chunk_cap(request: Request, config: SchedulerConfig, short_requests_about: bool,
-              num_computed: int | None = None) -> int:
+              num_computed: int | None = None, graph_chunks: bool = False) -> int:
     """The most tokens the request computes in one step: long_prefill_token_threshold, or
-    shared_prefill_token_threshold for a prompt longer than that while short requests are about, or
-    graph_chunk_tokens while at most graph_prefill_token_threshold of its known tokens are left to compute
-    (more than one: a decode step and its drafts are not capped here). num_computed: the tokens it will have
-    computed before this step (default: request.num_computed_tokens; at admission, its cached prefix)."""
+    shared_prefill_token_threshold for a prompt longer than that while short requests are about, or, in a step
+    that can replay graphs (graph_chunks: `Scheduler.graph_chunks_fit`), graph_chunk_tokens while at most
+    graph_prefill_token_threshold of its known tokens are left to compute (more than one: a decode step and
+    its drafts are not capped here). num_computed: the tokens it will have computed before this step
+    (default: request.num_computed_tokens; at admission, its cached prefix)."""
     num_left = request.num_tokens - (request.num_computed_tokens if num_computed is None else num_computed)
-    if config.graph_chunk_tokens and 1 < num_left <= config.graph_prefill_token_threshold:
+    if graph_chunks and config.graph_chunk_tokens and 1 < num_left <= config.graph_prefill_token_threshold:
         return min(config.long_prefill_token_threshold, config.graph_chunk_tokens)
     if short_requests_about and request.num_prompt_tokens > config.long_prefill_token_threshold:
         return min(config.long_prefill_token_threshold, config.shared_prefill_token_threshold)
@@ -23,7 +24,7 @@ def chunk_cap(request: Request, config: SchedulerConfig, short_requests_about: b
 
 
 def num_tokens_to_compute(request: Request, config: SchedulerConfig, budget: int,
-                          short_requests_about: bool = False) -> tuple[int, int]:
+                          short_requests_about: bool = False, graph_chunks: bool = False) -> tuple[int, int]:
     """(tokens to compute this step, how many of them are drafts).
 
     The request's known tokens not yet computed come first, capped by `chunk_cap` and at the remaining
@@ -35,5 +36,6 @@ def num_tokens_to_compute(request: Request, config: SchedulerConfig, budget: int
     if num_remaining == 1 and request.draft_token_ids:
         num_output_left = max_output_tokens(request, config.max_model_len) - request.num_output_tokens
         num_drafts = max(0, min(len(request.draft_token_ids), num_output_left - 1))
-    num_new = min(num_remaining + num_drafts, chunk_cap(request, config, short_requests_about), budget)
+    num_new = min(num_remaining + num_drafts,
+                  chunk_cap(request, config, short_requests_about, graph_chunks=graph_chunks), budget)
     return num_new, max(0, min(num_drafts, num_new - num_remaining))

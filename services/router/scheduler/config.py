@@ -26,7 +26,7 @@ _MINIMUMS = {
     "long_prefill_token_threshold": 1, "max_num_running_seqs": 1, "max_waiting_requests": 1,
     "max_waiting_prompt_tokens": 1, "shared_prefill_token_threshold": 1, "short_request_window_s": 0,
     "num_gpu_snapshots": 0, "num_cpu_snapshots": 0, "snapshot_interval_blocks": 1,
-    "graph_chunk_tokens": 0, "graph_prefill_token_threshold": 0,
+    "graph_chunk_tokens": 0, "graph_step_tokens": 0, "graph_prefill_token_threshold": 0,
 }
 
 
@@ -52,10 +52,12 @@ class SchedulerConfig:
         running sequence plus those the prefix cache keeps (resume_snapshots.py).
     snapshot_interval_blocks: besides a prompt's last block end, the prefix cache keeps the
         snapshots at every this many blocks (where a shared prefix can resume mid-prompt).
-    graph_chunk_tokens / graph_prefill_token_threshold: with the attention worker replaying CUDA graphs for
-        chunks of up to graph_chunk_tokens tokens per sequence (0: it does not), a request with at most
-        graph_prefill_token_threshold tokens left to compute (a short prompt, the rest of a prefix hit) computes
-        them in chunks of graph_chunk_tokens: a few graph replays instead of one eager forward (0: never).
+    graph_chunk_tokens / graph_step_tokens / graph_prefill_token_threshold: with the attention worker replaying
+        CUDA graphs for steps of up to graph_step_tokens tokens in chunks of up to graph_chunk_tokens per sequence
+        (0: it does not), a request with at most graph_prefill_token_threshold tokens left to compute (a short
+        prompt, the rest of a prefix hit) computes them in chunks of graph_chunk_tokens, a few graph replays
+        instead of one eager forward, in steps whose every sequence fits such a chunk into graph_step_tokens
+        (few sequences: a busy step runs eagerly anyway and takes whole chunks; 0: never).
     max_model_len: prompt + output tokens of one request.
     max_waiting_requests / max_waiting_prompt_tokens: admission bounds of the waiting queue.
     """
@@ -76,6 +78,7 @@ class SchedulerConfig:
     num_cpu_snapshots: int = DEFAULT_NUM_CPU_SNAPSHOTS
     snapshot_interval_blocks: int = 16
     graph_chunk_tokens: int = 0
+    graph_step_tokens: int = 0
     graph_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
@@ -94,6 +97,9 @@ class SchedulerConfig:
                     f"one request of max_model_len={self.max_model_len} needs {needed} blocks of "
                     f"{self.block_size_tokens} tokens but num_gpu_blocks={self.num_gpu_blocks}"
                 )
+        if not problems and self.graph_chunk_tokens and self.graph_step_tokens < self.graph_chunk_tokens:
+            problems.append(f"graph_step_tokens={self.graph_step_tokens} must be >= graph_chunk_tokens="
+                            f"{self.graph_chunk_tokens}")
         if problems:
             raise ValueError("; ".join(problems))
 
