@@ -56,7 +56,7 @@ def test_random_workload_completes_without_leak(name, config_values, seed):
         plan = record.plan
         assert plan.num_scheduled_tokens <= config.max_num_batched_tokens
         assert all(seq.num_tokens <= config.long_prefill_token_threshold for seq in plan.scheduled)
-        if engine.scheduler.graph_chunks:  # a prompt within the threshold computes graph-sized chunks only
+        if engine.scheduler.chunking.graph_chunks:  # a prompt within the threshold computes graph-sized chunks only
             assert all(seq.num_tokens <= config.graph_chunk_tokens for seq in plan.scheduled
                        if engine.requests[seq.request_id].num_tokens <= config.graph_prefill_token_threshold)
         stats = engine.scheduler.stats()

@@ -43,8 +43,6 @@ from moemesh.common.model.kv_rows import IndexerRowLayout, MainRowLayout, RowFor
 from moemesh.common.model.kv_sizing import DEFAULT_MAX_ROLLBACK_TOKENS
 from moemesh.common.model.kv_storage import KVStorage
 
-__all__ = ["DEFAULT_MAX_ROLLBACK_TOKENS"]
-
 
 class RollbackError(ValueError):
     """Rolling back further than the state retains."""

@@ -57,7 +57,7 @@ class SchedulerConfig:
         (0: it does not), a request with at most graph_prefill_token_threshold tokens left to compute (a short
         prompt, the rest of a prefix hit) computes them in chunks of graph_chunk_tokens, a few graph replays
         instead of one eager forward, in steps whose every sequence fits such a chunk into graph_step_tokens
-        (few sequences: a busy step runs eagerly anyway and takes whole chunks; 0: never).
+        (few sequences: a busy step runs eagerly anyway and takes whole chunks; budget.graph_chunks_fit; 0: never).
     max_model_len: prompt + output tokens of one request.
     max_waiting_requests / max_waiting_prompt_tokens: admission bounds of the waiting queue.
     """

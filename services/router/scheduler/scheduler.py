@@ -54,7 +54,7 @@ from moemesh.services.router.scheduler.output import (
 )
 from moemesh.services.router.scheduler.request import FinishReason, Request, RequestStatus
 from moemesh.services.router.scheduler.short_requests import ShortRequestPolicy
-from moemesh.services.router.scheduler.budget import chunk_cap, num_tokens_to_compute
+from moemesh.services.router.scheduler.budget import StepChunking, chunk_cap, graph_chunks_fit, num_tokens_to_compute
 from moemesh.services.router.scheduler.stop_checks import append_sampled_tokens, result_problem
 
 
@@ -100,7 +100,7 @@ class Scheduler:
         self._step_ids = itertools.count(1)
         self._in_flight: SchedulerOutput | None = None
         self.short_requests = ShortRequestPolicy(config)
-        self.graph_chunks = False  # the step planned last took graph-sized short prefills (graph_chunks_fit)
+        self.chunking = StepChunking()  # the chunk caps of the step planned last (set at its start)
 
     # -- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -151,7 +151,8 @@ class Scheduler:
         swap_out = _Swaps([], [])
         preempted_ids: list[str] = []
         sitting_out = self.short_requests.begin_step(self.clock(), self._waiting, self._running, bool(self._swapped))
-        self.graph_chunks = self.graph_chunks_fit()
+        num_live = len(self._running) + len(self._swapped) + len(self._waiting)
+        self.chunking = StepChunking(self.short_requests.about, graph_chunks_fit(self.config, num_live))
         self._schedule_running(planned, budget, swap_out, preempted_ids,
                                lambda request: request.request_id not in sitting_out)
         swap_in = _Swaps([], [])
@@ -169,15 +170,6 @@ class Scheduler:
         self.short_requests.end_step(sitting_out)
         return self._finalise(planned, swap_out, swap_in, restores, preempted_ids, num_cached_tokens)
 
-    def graph_chunks_fit(self) -> bool:
-        """Whether this step may size short prefills for the attention worker's graphs: with every live sequence
-        bringing at most graph_chunk_tokens, the step stays within graph_step_tokens (more sequences: the step
-        may run eagerly, where a short prompt's whole chunk costs no more than a piece of it)."""
-        if not self.config.graph_chunk_tokens:
-            return False
-        num_sequences = len(self._running) + len(self._swapped) + len(self._waiting)
-        return num_sequences * self.config.graph_chunk_tokens <= self.config.graph_step_tokens
-
     def _schedule_running(self, planned, budget, swap_out, preempted_ids, takes_part) -> None:
         """takes_part(request): whether a running request is scheduled in this pass."""
         decodes, prefills = [], []
@@ -190,8 +182,7 @@ class Scheduler:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new, num_drafts = num_tokens_to_compute(request, self.config, budget[0], self.short_requests.about,
-                                                     self.graph_chunks)
+            num_new, num_drafts = num_tokens_to_compute(request, self.config, budget[0], self.chunking)
             total = request.num_computed_tokens + num_new
             while not self.kv.grow(request.request_id, total):
                 victim = self._running[-1]
@@ -205,8 +196,7 @@ class Scheduler:
     def _schedule_swapped(self, planned, budget, swap_in, restores) -> None:
         while self._swapped and budget[0] > 0 and len(self._running) < self.config.max_num_running_seqs:
             request = self._swapped[0]
-            num_new, _ = num_tokens_to_compute(request, self.config, budget[0], self.short_requests.about,
-                                               self.graph_chunks)
+            num_new, _ = num_tokens_to_compute(request, self.config, budget[0], self.chunking)
             total = request.num_computed_tokens + num_new
             if not self.kv.can_swap_in(request.request_id, total):
                 return
@@ -234,8 +224,7 @@ class Scheduler:
             prefix = self.kv.find_cached_prefix(request)
             num_cached = len(prefix.block_ids) * block_size
             num_new = min(request.num_tokens - num_cached,
-                          chunk_cap(request, self.config, self.short_requests.about, num_cached,
-                                    self.graph_chunks), budget[0])
+                          chunk_cap(request, self.config, self.chunking, num_cached), budget[0])
             if not self.kv.can_admit(prefix, num_cached + num_new):
                 break
             self._waiting.popleft()
@@ -454,11 +443,5 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def stats(self) -> SchedulerStats:
-        return collect_stats(
-            self.kv,
-            self.counters,
-            self._waiting,
-            self._num_waiting_prompt_tokens,
-            len(self._running),
-            len(self._swapped),
-        )
+        return collect_stats(self.kv, self.counters, self._waiting, self._num_waiting_prompt_tokens,
+                             len(self._running), len(self._swapped))
