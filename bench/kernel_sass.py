@@ -18,8 +18,10 @@ import sys
 HIDDEN, EXPERT_WIDTH, NUM_EXPERTS = 4096, 2048, 256
 
 
-def compile_grouped(config, *, fused_gate_up: bool, weight_format: int = 0, x_quartered: bool = False):
-    """The compiled kernel (triton CompiledKernel) for one launch of V4-Flash experts."""
+def compile_grouped(config, *, fused_gate_up: bool, weight_format: int = 0, x_quartered: bool = False,
+                    dependent: bool = False):
+    """The compiled kernel (triton CompiledKernel) for one launch of V4-Flash experts (`dependent`: as
+    a programmatic dependent launch, `common/kernels/dependent_launch.py`)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -37,7 +39,7 @@ def compile_grouped(config, *, fused_gate_up: bool, weight_format: int = 0, x_qu
         "IN_FEATURES": in_features, "WEIGHT_FORMAT": weight_format, "FP4_DECODE": int(config.fp4_decode),
         "FUSE_SWIGLU": fused_gate_up, "HAS_LIMIT": fused_gate_up, "HAS_ROW_WEIGHTS": False,
         "SPLIT_K": config.split_k, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-        "BLOCK_K": config.block_k, "BLOCK_E": NUM_EXPERTS, "X_QUARTERED": x_quartered,
+        "BLOCK_K": config.block_k, "BLOCK_E": NUM_EXPERTS, "X_QUARTERED": x_quartered, "USE_PDL": dependent,
     }
     for name in constexprs:
         signature[name] = "constexpr"
@@ -47,7 +49,7 @@ def compile_grouped(config, *, fused_gate_up: bool, weight_format: int = 0, x_qu
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     source = ASTSource(_grouped_kernel, signature, constexprs=constexprs, attrs=attrs)
     return compile(source, target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+                   options={"num_warps": config.num_warps, "num_stages": config.num_stages, "launch_pdl": dependent})
 
 
 def _tool(name: str) -> str:

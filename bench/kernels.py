@@ -188,7 +188,8 @@ def fp4_sweep_configs(num_tokens: int, sweep: str) -> list:
         configs += [C(16, 64, 128, 4, 3, 1, w), C(16, 64, 128, 4, 4, 1, w), C(16, 128, 128, 4, 3, 1, w)]
         if num_tokens == 1:
             configs += [C(16, 64, 128, 4, 3, 2, w), C(16, 64, 128, 4, 3, 2, q), C(16, 64, 256, 4, 3, 2, q), C(16, 128, 128, 4, 3, 2, q),
-                        C(16, 32, 256, 4, 3, 2, q), C(16, 64, 128, 4, 4, 2, q)]
+                        C(16, 32, 256, 4, 3, 2, q), C(16, 64, 128, 4, 4, 2, q), C(16, 64, 128, 4, 3, 4, q),
+                        C(16, 32, 128, 4, 3, 2, q), C(16, 32, 128, 4, 3, 4, q), C(16, 64, 128, 4, 4, 4, q)]
         if sweep == "full":
             configs += [C(16, 64, 128, 4, 3, 1, D.HALVES), C(16, 64, 128, 4, 3, 1, D.ASM_FOLDED),
                         C(16, 64, 128, 4, 3, 1, D.ASM), C(16, 64, 128, 4, 3, 1, D.DOT_SCALED)]
@@ -203,9 +204,10 @@ def fp4_sweep_configs(num_tokens: int, sweep: str) -> list:
 
 
 def bench_fp4_experts(ceilings: dict, quick: bool, no_baselines: bool = False, sweep: str = "full",
-                      token_counts: tuple[int, ...] = (1, 64, 2048)) -> list[dict]:
+                      token_counts: tuple[int, ...] = (1, 64, 2048), decode_name: str | None = None) -> list[dict]:
     """Per token count: the default end to end, then every variant's gate-up and down launch apart
-    (an invalid or failing variant is recorded as an error, not fatal), and the best pair."""
+    (an invalid or failing variant is recorded as an error, not fatal), and the best pair; with
+    `decode_name` only the variants of that FP4 decode are swept."""
     import torch
 
     from moemesh.bench.checks.quantized_kernels import random_fp4_weight
@@ -237,7 +239,11 @@ def bench_fp4_experts(ceilings: dict, quick: bool, no_baselines: bool = False, s
         # None = the default each launch chooses itself; then the JOIN reference configuration, then the sweep.
         join_reference = C(64, 128, 64, 8, 3) if num_rows >= 32 * NUM_EXPERTS else C(16, 64, 128, 4, 3)
         reference_configs = [] if sweep == "prefill" else [join_reference]
-        for config in [None, *reference_configs, *fp4_sweep_configs(num_tokens, "none" if quick else sweep)]:
+        variants = fp4_sweep_configs(num_tokens, "none" if quick else sweep)
+        if decode_name is not None:
+            reference_configs = []
+            variants = [c for c in variants if c.fp4_decode.name.lower() == decode_name.lower()]
+        for config in [None, *reference_configs, *variants]:
             label = "default" if config is None else config.short()
             for launch, table, fn in (
                 ("gate_up", gate_up_times,
@@ -297,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 2048], help="token counts")
     parser.add_argument("--fp8-tokens", type=int, nargs="+", default=None, help="fp8 token counts (default --tokens)")
     parser.add_argument("--no-baselines", action="store_true", help="skip the torch dequantise+matmul baselines")
+    parser.add_argument("--fp4-decode", default=None, metavar="NAME",
+                        help="sweep only this FP4 decode's variants (e.g. asm_quad) beside the default")
     args = parser.parse_args(argv)
     import torch
 
@@ -313,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             _write(ceilings, rows, args.out_dir, f"kernels-fp8-T{num_tokens}")
     if args.only in ("all", "fp4"):
         for num_tokens in args.tokens:
-            rows += bench_fp4_experts(ceilings, args.quick, args.no_baselines, args.sweep, (num_tokens,))
+            rows += bench_fp4_experts(ceilings, args.quick, args.no_baselines, args.sweep, (num_tokens,),
+                                      decode_name=args.fp4_decode)
             _write(ceilings, rows, args.out_dir, f"kernels-fp4-T{num_tokens}")
     print_table(ceilings, rows)
     return 0

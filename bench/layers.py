@@ -147,7 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                               "graph_error": graph_error, "kernels_per_piece": timed.kernels,
                               "kv_bytes_per_layer": [batch_size * floors.kv_bytes_per_sequence(
                                   config, i, args.context, torch.finfo(dtype).bits // 8) for i in range(len(kinds))],
-                              "expected_distinct_experts": floors.expected_distinct_experts(config, batch_size)})
+                              "expected_distinct_experts": floors.expected_distinct_experts(config, batch_size),
+                              "kernel_read_bytes_per_layer": [floors.kernel_read_bytes(
+                                  side, config, i, batch_size, args.context, torch.finfo(dtype).bits // 8,
+                                  experts.bytes_per_expert(0), torch.finfo(dtype).bits // 8)
+                                  for i in range(len(kinds))]})
         del states
         if device.type == "cuda":
             torch.cuda.empty_cache()

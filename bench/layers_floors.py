@@ -35,6 +35,61 @@ def head_weight_bytes(side) -> int:
             + sum(t.numel() * t.element_size() for t in (side.hc_head_fn, side.hc_head_base, side.hc_head_scale)))
 
 
+# Which decode kernel reads a layer tensor, by the tensor's module path (first match wins); every tensor
+# of the block must match one rule (`kernel_read_bytes` raises naming the one that does not).
+_KERNEL_OF_TENSOR = (
+    ("attn.wo_a.", "_grouped_kernel"),  # wo_a's groups run as a grouped FP8 launch
+    ("attn.compressor.norm.", "_compressor_step_kernel"),
+    ("attn.indexer.compressor.norm.", "_compressor_step_kernel"),
+    ("attn.compressor.", "_projections_kernel"),
+    ("attn.indexer.compressor.", "_projections_kernel"),
+    ("attn.indexer.weights_proj.", "_projections_kernel"),
+    ("attn.attn_sink", "_sparse_attention_kernel"),
+    ("attn.", "_fp8_linear_kernel"),  # wq_a, wq_b, wkv, wo_b, indexer.wq_b and the q / kv norms in their launches
+    ("ffn.gate.", "_gate_kernel"),
+    ("ffn.shared_experts.", "_fp8_linear_kernel"),
+    ("attn_norm.", "_hc_finish_kernel"),
+    ("ffn_norm.", "_hc_finish_kernel"),
+    ("hc_attn_fn", "_hc_post_kernel"),  # the mix GEMV runs in the hc_post before the site
+    ("hc_ffn_fn", "_hc_post_kernel"),
+    ("hc_", "_hc_finish_kernel"),  # bases and scales
+)
+
+
+def kernel_read_bytes(side, config: ModelConfig, layer: int, batch_size: int, context_tokens: int,
+                      kv_element_bytes: int, expert_bytes: int, activation_bytes: int) -> dict[str, float]:
+    """Bytes each decode kernel of `layer` must read in one step, by kernel name (their sum is the
+    layer's floor bytes plus its KV rows and mHC streams): the weights by `_KERNEL_OF_TENSOR`, the
+    expected distinct routed experts to the grouped kernel, the window / selected / HCA rows to sparse
+    attention, the indexer rows to the indexer, the B·hc·D residual streams once to each mHC kernel."""
+    block = side.layers[layer]
+    tid2eid = getattr(block.ffn.gate, "tid2eid", None)
+    out: dict[str, float] = {}
+    for name, tensor in list(block.named_parameters()) + list(block.named_buffers()):
+        if tid2eid is not None and tensor is tid2eid:
+            continue  # gathered, one row per token
+        kernel = next((k for prefix, k in _KERNEL_OF_TENSOR if name.startswith(prefix)), None)
+        if kernel is None:
+            raise ValueError(f"layer {layer} tensor {name}: no decode kernel reads it in layers_floors")
+        out[kernel] = out.get(kernel, 0.0) + tensor.numel() * tensor.element_size()
+    out["_grouped_kernel"] = out.get("_grouped_kernel", 0.0) + expected_distinct_experts(config, batch_size) * expert_bytes
+    c, kind = config, config.layer_types[layer]
+    window_rows = min(context_tokens + 1, c.sliding_window)
+    attention_rows = window_rows
+    if kind is AttentionKind.CSA:
+        num_compressed = (context_tokens + 1) // c.csa_compress_ratio
+        attention_rows += min(c.index_topk, num_compressed)
+        out["_indexer_scores_topk_kernel"] = batch_size * num_compressed * c.index_head_dim * kv_element_bytes
+    elif kind is AttentionKind.HCA:
+        attention_rows += (context_tokens + 1) // c.hca_compress_ratio
+    out["_sparse_attention_kernel"] = (out.get("_sparse_attention_kernel", 0.0)
+                                       + batch_size * attention_rows * c.head_dim * kv_element_bytes)
+    streams = batch_size * c.hc_mult * c.hidden_size * activation_bytes
+    for kernel in ("_hc_post_kernel", "_hc_finish_kernel"):
+        out[kernel] = out.get(kernel, 0.0) + 2 * streams  # two sites a layer
+    return out
+
+
 def expected_distinct_experts(config: ModelConfig, batch_size: int) -> float:
     num_experts, top_k = config.n_routed_experts, config.num_experts_per_tok
     return num_experts * (1 - (1 - top_k / num_experts) ** batch_size)

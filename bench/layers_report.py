@@ -50,7 +50,27 @@ def _decode_summary(entry: dict, raw: dict, config, kinds: list[AttentionKind]) 
         "model43_floor_tok_s": entry["batch_size"] / floor43,
         "stand_ins": stand_ins,
         "kernels_per_layer": _kernels_per_layer(entry, len(kinds)),
+        "kernel_floors": _kernel_floors(entry, len(kinds), copy),
     }
+
+
+def _kernel_floors(entry: dict, num_layers: int, copy_bytes_per_s: float) -> list[dict] | None:
+    """Per layer and kernel name: the profiled device µs of one step, launches, the floor of the bytes the
+    kernel must read (`layers_floors.kernel_read_bytes`) and their ratio (None where either is missing)."""
+    pieces, read_bytes = entry.get("kernels_per_piece"), entry.get("kernel_read_bytes_per_layer")
+    if not pieces or not read_bytes:
+        return None
+    out = []
+    for layer in range(num_layers):
+        measured = {name: (us, count) for name, us, count in pieces[f"layer{layer}"]["top"]}
+        rows = {}
+        for name in sorted(set(measured) | set(read_bytes[layer])):
+            us, launches = measured.get(name, (None, 0))
+            floor_us = read_bytes[layer].get(name, 0.0) / copy_bytes_per_s * 1e6
+            rows[name] = {"device_us": us, "launches": launches, "floor_us": floor_us,
+                          "x_floor": us / floor_us if us and floor_us > 0 else None}
+        out.append(rows)
+    return out
 
 
 def _kernels_per_layer(entry: dict, num_layers: int) -> list[float] | None:
@@ -183,6 +203,12 @@ def print_table(raw: dict, ratios: dict) -> None:
         kernels = "/".join(f"{k:.0f}" for k in d["kernels_per_layer"]) if d.get("kernels_per_layer") else "-"
         print(f"  b={d['batch_size']:<3} {layers} | {_us(d['step_s'])} ({_us(d['step_floor_s'])}) | "
               f"{d['model43_tok_s']:,.0f} ({d['model43_floor_tok_s']:,.0f}) | {eager} | kernels/layer {kernels}")
+        for layer, rows in enumerate(d.get("kernel_floors") or []):
+            cells = [f"{name.strip('_').removesuffix('_kernel')} {r['device_us']:.1f}/{r['floor_us']:.1f}"
+                     + (f"={r['x_floor']:.1f}x" if r["x_floor"] else "")
+                     for name, r in sorted(rows.items(), key=lambda item: -(item[1]["device_us"] or 0))
+                     if r["device_us"] is not None]
+            print(f"        layer{layer} kernels us/floor: " + ", ".join(cells))
     print("\nPREFILL (per layer; ms)  tokens | layer time/floor/ratio | bf16 share | 43L tok/s (floor)")
     for p in ratios["prefill"]:
         layers = " ".join(f"{t * 1e3:.1f}/{f * 1e3:.1f}/{r:.1f}x" for t, f, r in zip(p["layer_s"], p["layer_floor_s"],

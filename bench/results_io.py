@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import re
 import subprocess
@@ -84,6 +85,7 @@ def write_result(
         "device": device or describe_device(),
         "commit": current_commit(),
         "command": command or " ".join(sys.argv),
+        "environment": {key: value for key, value in sorted(os.environ.items()) if key.startswith("MOEMESH_")},
         "raw": raw,
         "ratios": ratios or {},
     }

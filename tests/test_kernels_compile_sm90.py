@@ -37,3 +37,14 @@ def test_gpu_only_variant_compiles_for_sm90_without_spills(config, fused):
     assert summary["stack_bytes"] == 0, summary
     assert summary["opcodes"].get("HMUL2", 0) > 0, "the inline PTX decode is not in the binary"
     assert summary["opcodes"].get("HGMMA", 0) > 0, "no Hopper wgmma in the main loop"
+
+
+def test_dependent_launch_waits_before_its_first_load():
+    """As a programmatic dependent the kernel waits on the previous grid before any global load."""
+    config = GroupedGemmConfig(16, 64, 128, 4, 3, 2, Fp4Decode.ASM_QUAD)
+    ptx = compile_grouped(config, fused_gate_up=True, dependent=True).asm["ptx"]
+    plain = compile_grouped(config, fused_gate_up=True).asm["ptx"]
+    assert "griddepcontrol" not in plain
+    wait = ptx.index("griddepcontrol.wait")
+    assert wait < ptx.index("griddepcontrol.launch_dependents")
+    assert wait < ptx.index("ld.global"), "a global load ahead of the wait"

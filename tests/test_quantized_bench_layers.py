@@ -42,6 +42,33 @@ def test_flash_floors_match_the_spec():
     assert 107e6 + 4.3e6 + 176e6 < attention_and_experts < 107e6 + 4.3e6 + 176e6 + 3e6
 
 
+def test_every_layer_byte_has_one_decode_kernel():
+    """The per-kernel floors of `bench layers` split the layer's floor bytes without gaps or overlaps: over
+    the kernels, weights + routed experts + KV rows + mHC streams, for every layer kind."""
+    config = tiny_flash_like_config([AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA])
+    side, experts = random_model(config, "cpu", seed=3)
+    expert_bytes, context, batch = experts.bytes_per_expert(0), 300, 3
+    for layer in range(3):
+        read = floors.kernel_read_bytes(side, config, layer, batch, context, 2, expert_bytes, 2)
+        streams = 2 * 2 * batch * config.hc_mult * config.hidden_size * 2  # hc_post and hc_finish, two sites
+        want = (floors.layer_weight_bytes(side, layer) + floors.expected_distinct_experts(config, batch) * expert_bytes
+                + batch * floors.kv_bytes_per_sequence(config, layer, context, 2) + streams)
+        assert abs(sum(read.values()) - want) < 1e-6 * want, (layer, read)
+        assert read["_fp8_linear_kernel"] > 0 and read["_grouped_kernel"] > expert_bytes
+        assert ("_indexer_scores_topk_kernel" in read) == (config.layer_types[layer] is AttentionKind.CSA)
+
+
+def test_kernel_floors_pair_profiled_kernels_with_their_bytes():
+    from moemesh.bench.layers_report import _kernel_floors
+
+    entry = {"kernels_per_piece": {"layer0": {"top": [["_grouped_kernel", 82.0, 3.0], ["_cos_sin_kernel", 1.0, 1.0]]}},
+             "kernel_read_bytes_per_layer": [{"_grouped_kernel": 41e6, "_gate_kernel": 2e6}]}
+    (rows,) = _kernel_floors(entry, 1, copy_bytes_per_s=4.1e12)
+    assert rows["_grouped_kernel"] == {"device_us": 82.0, "launches": 3.0, "floor_us": 10.0, "x_floor": 8.2}
+    assert rows["_cos_sin_kernel"]["x_floor"] is None and rows["_gate_kernel"]["device_us"] is None
+    assert _kernel_floors({"kernels_per_piece": None}, 1, 4e12) is None
+
+
 def test_random_context_then_decode_continues_the_state():
     config = tiny_flash_like_config([AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA])
     side, experts = random_model(config, "cpu", seed=2)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from moemesh.common.kernels.attention_layout import NUM_FIELDS, AttentionTables, Field, check_indexer_row_layout
+from moemesh.common.kernels.dependent_launch import dependent_launch, wait_for_inputs
 from moemesh.common.kernels.kv_write import (
     _fp8_row_constants, _store_fp8_indexer_row, _store_fp8_main_row, compressed_row_address, pool_channels,
 )
@@ -152,7 +153,8 @@ def _compressor_step_kernel(
         BLOCK_H: tl.constexpr, ROW_FORMAT0: tl.constexpr, ROW_FORMAT1: tl.constexpr, NOPE: tl.constexpr,
         ROPE: tl.constexpr,
         BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, ROPE_P2: tl.constexpr,
-        SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr):
+        SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     # grid (B, compressors, channel blocks); compressor 0 the layer's, 1 the indexer's (CSA)
     b = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
@@ -229,4 +231,4 @@ def compressor_step(steps: tuple[CompressorStep, ...], tables: AttentionTables, 
         *args, inv_freq.float().contiguous(), tables.seq_info, tables.layer_fields(layer), tables.block_ids,
         tables.block_ids.shape[1], tile_counters(device, 2 * num_sequences), rope_half,
         RATIO=first.ratio, OVERLAP=first.overlap, NUM_SLOTS=num_slots, NUM_FIELDS_=NUM_FIELDS,
-        BLOCK_H=triton.next_power_of_2(rope_half), **constants, **fp8, num_warps=4)
+        BLOCK_H=triton.next_power_of_2(rope_half), **constants, **fp8, num_warps=4, **dependent_launch(device))

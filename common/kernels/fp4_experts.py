@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from moemesh.common.kernels.dependent_launch import dependent_launch
 from moemesh.common.kernels.expert_configs import Fp4Decode, GroupedGemmConfig, choose_grouped_config, validate
 from moemesh.common.kernels.expert_rows import QUARTER_BLOCK
 from moemesh.common.kernels.fp4_experts_kernel import _grouped_kernel  # the launch name tests and profiles read
@@ -159,7 +160,7 @@ def _launch(
         BLOCK_E=triton.next_power_of_2(num_experts),
         x_rows_ptr=x_row_ids, out_rows_ptr=out_row_ids, num_rows=num_rows if out_row_ids is not None else None,
         X_QUARTERED=x_quartered, OUT_QUARTERED=out_quartered,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(x.device),
     )
     return out
 

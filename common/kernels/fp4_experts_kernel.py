@@ -14,6 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moemesh.common.kernels.dependent_launch import wait_for_inputs
 from moemesh.common.kernels.dequant_tiles import fp4_packed_tile, fp4_tile, fp4_tile_halves, fp8_tile
 from moemesh.common.kernels.expert_rows import find_tile, quartered_columns, store_unrouted_zeros
 from moemesh.common.kernels.ptx_decode import (
@@ -114,8 +115,9 @@ def _grouped_kernel(
     HAS_LIMIT: tl.constexpr, HAS_ROW_WEIGHTS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     x_rows_ptr=None, out_rows_ptr=None, num_rows=None,
-    X_QUARTERED: tl.constexpr = False, OUT_QUARTERED: tl.constexpr = False,
+    X_QUARTERED: tl.constexpr = False, OUT_QUARTERED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(USE_PDL)
     tile_id = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)

@@ -41,6 +41,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from moemesh.common.kernels.dependent_launch import (
+    dependent_launch, prefetch_rows_to_l2, wait_for_inputs, weight_prefetch_enabled,
+)
 from moemesh.common.kernels.norm_rope import NormKind, _norm_rope_row
 from moemesh.common.kernels.ptx_decode import fp8_tile_bf16_asm, fp8_tile_quarters_bf16_asm
 from moemesh.common.kernels.reference import FP8_BLOCK_SIZE, scale_bytes
@@ -162,6 +165,7 @@ def _fp8_linear_kernel(
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, QUANT_BLOCK: tl.constexpr,
     norm_weight_ptr=None, cos_ptr=None, sin_ptr=None, rope_half=0, norm_eps=0.0,
     NORM_GROUP: tl.constexpr = 0, NORM: tl.constexpr = 0, ROPE: tl.constexpr = False, ROPE_BLOCK: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False, PREFETCH_L2: tl.constexpr = False,
 ):
     # GATE_UP: w / s are the gate weight, w_up / s_up the up weight (same shape and scale grid); the output is
     # the SwiGLU of the two products. The split-K workspace then holds [S, T, 2N]: gate partials, then up.
@@ -173,6 +177,14 @@ def _fp8_linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
     mask_n = offs_n < out_features
     mask_t = offs_t < num_tokens
+    if PREFETCH_L2:  # this program's weight bytes towards L2 while the previous kernel drains
+        k_first = pid_s * K_STEPS_PER_SPLIT * BLOCK_K
+        span = tl.minimum(K_STEPS_PER_SPLIT * BLOCK_K, in_features - k_first)  # bytes per row (multiple of 16)
+        rows_ok = mask_n & (pid_t == 0) & (span > 0)  # one token tile fetches; the others hit L2
+        prefetch_rows_to_l2(w_ptr + offs_n * stride_wn + k_first, span + offs_n * 0, rows_ok)
+        if GATE_UP:
+            prefetch_rows_to_l2(w_up_ptr + offs_n * stride_wn + k_first, span + offs_n * 0, rows_ok)
+    wait_for_inputs(USE_PDL)
 
     WIDE: tl.constexpr = USE_FMA and BLOCK_T == 1
     acc = tl.zeros([BLOCK_N, BLOCK_K if WIDE else BLOCK_T], dtype=tl.float32)  # y^T tile (or its k-partials)
@@ -340,6 +352,13 @@ def _row_norm_args(row_norm: RowNorm | None, num_tokens: int, num_out: int, bloc
     return args, num_out // group
 
 
+def _prefetches(device: torch.device, w_bytes: torch.Tensor, w_up: torch.Tensor, num_in: int) -> bool:
+    """Whether the launch prefetches its weight rows into L2 ahead of its wait (`dependent_launch`):
+    dependent launches on, rows 16-byte aligned (bulk prefetch)."""
+    return (weight_prefetch_enabled(device) and num_in % 16 == 0
+            and all(w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0 for w in (w_bytes, w_up)))
+
+
 def _launch(x2d: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor] | None,
             out_dtype: torch.dtype, config: Fp8LinearConfig | None, *, swiglu_limit: float | None,
             row_norm: RowNorm | None = None) -> torch.Tensor:
@@ -386,6 +405,7 @@ def _launch(x2d: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor], up: tupl
         SPLIT_K=split_k, K_STEPS_PER_SPLIT=k_steps_per_split, USE_FMA=config.use_fma, ASM_DECODE=config.asm_decode,
         ASM_QUAD=config.asm_decode and config.asm_quad, GATE_UP=up is not None, HAS_LIMIT=swiglu_limit is not None,
         BLOCK_N=config.block_n, BLOCK_T=config.block_t, BLOCK_K=config.block_k, QUANT_BLOCK=FP8_BLOCK_SIZE,
-        num_warps=config.num_warps, num_stages=config.num_stages, **norm_args,
+        num_warps=config.num_warps, num_stages=config.num_stages, **norm_args, **dependent_launch(out.device),
+        PREFETCH_L2=_prefetches(out.device, w_bytes, w_up, num_in),
     )
     return out

@@ -54,6 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moemesh.common.kernels.dependent_launch import (
+    dependent_launch, prefetch_rows_to_l2, wait_for_inputs, weight_prefetch_enabled,
+)
 from moemesh.common.kernels.route_layout import MAX_BLOCK_ROWS, RouteLayout, empty_layout, route_layout_rows
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
@@ -182,16 +185,24 @@ def _gate_kernel(x_ptr, w_ptr, bias_ptr, tid2eid_ptr, token_ids_ptr, ids_ptr, we
                  BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, NUM_E_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                  USE_DOT: tl.constexpr, PRECISION: tl.constexpr, table_ptr=None, offsets_ptr=None, row_token_ptr=None,
                  row_slot_ptr=None, row_weight_ptr=None, num_held=0, LAYOUT_STEPS: tl.constexpr = 0,
-                 LAYOUT_BLOCK_R: tl.constexpr = 1, LAYOUT_BLOCK_B: tl.constexpr = 1, HAS_TABLE: tl.constexpr = False):
+                 LAYOUT_BLOCK_R: tl.constexpr = 1, LAYOUT_BLOCK_B: tl.constexpr = 1, HAS_TABLE: tl.constexpr = False,
+                 USE_PDL: tl.constexpr = False, PREFETCH_L2: tl.constexpr = False):
     # x [T, D], W [E, D] (same dtype), bias [E] fp32, tid2eid [V, K], token_ids [T] -> ids [T, K], weights [T, K];
     # with LAYOUT_STEPS, also the route layout of all T·K ids (stack index through table [E] when HAS_TABLE,
     # over num_held experts): offsets [num_held + 1], row_token / row_slot / row_weight [T·K]
     row_block = tl.program_id(0)
     e_block = tl.program_id(1) % NUM_E_BLOCKS
     split = tl.program_id(1) // NUM_E_BLOCKS
+    experts = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
+    if PREFETCH_L2:  # this program's gate rows towards L2 while the previous kernel drains (first row block)
+        ELEMENT_BYTES: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        d_first = split * D_STEPS * BLOCK_D
+        span = tl.minimum(D_STEPS * BLOCK_D, hidden - d_first)  # elements per row
+        prefetch_rows_to_l2(w_ptr + experts.to(tl.int64) * hidden + d_first, span * ELEMENT_BYTES + experts * 0,
+                            (experts < num_experts) & (row_block == 0) & (span > 0))
+    wait_for_inputs(USE_PDL)
     rows = row_block * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < num_tokens
-    experts = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
     acc = _logits_block(x_ptr, w_ptr, rows.to(tl.int64), row_mask, experts.to(tl.int64), experts < num_experts,
                         split * D_STEPS * BLOCK_D, hidden, BLOCK_T, BLOCK_E, BLOCK_D, D_STEPS, USE_DOT, PRECISION)
     if NUM_E_BLOCKS * NUM_SPLITS == 1:
@@ -347,5 +358,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, route_scale: f
         TOP_K=top_k, KP=triton.next_power_of_2(top_k), EP=padded, HASH=hashed, HAS_BIAS=bias is not None and not hashed,
         ROUND_BF16=x.dtype == torch.bfloat16, BLOCK_T=config.block_t, BLOCK_E=config.block_e, BLOCK_D=config.block_d,
         D_STEPS=d_steps, NUM_E_BLOCKS=e_blocks, NUM_SPLITS=config.num_splits, USE_DOT=config.use_dot,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps, **layout_args)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps, **layout_args,
+        **dependent_launch(x.device), PREFETCH_L2=weight_prefetch_enabled(x.device) and weight.is_contiguous()
+        and weight.data_ptr() % 16 == 0 and (hidden * weight.element_size()) % 16 == 0
+        and (config.block_d * weight.element_size()) % 16 == 0)
     return ids, weights, layout

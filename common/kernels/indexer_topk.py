@@ -44,6 +44,7 @@ import triton.language as tl
 from moemesh.common.kernels.attention_layout import (
     CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field, check_indexer_row_layout,
 )
+from moemesh.common.kernels.dependent_launch import dependent_launch, wait_for_inputs
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
 
@@ -113,7 +114,8 @@ def _indexer_scores_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positi
                            RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr, F_ROWS_ADDR: tl.constexpr,
                            HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr, ROW_ALIGN: tl.constexpr,
                            BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
-                           IEEE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr):
+                           IEEE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     # grid (T, groups of BLOCKS_PER_PROGRAM row blocks) -> scores [T, N] fp32
     _score_row_blocks(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
                       num_heads, num_rows_out, block_stride, rows_per_block, row_scale, tl.program_id(0),
@@ -161,7 +163,7 @@ def indexer_scores(queries: torch.Tensor, head_weights: torch.Tensor, tables: At
         return torch.empty(queries.shape[0], 0, dtype=torch.float32, device=queries.device)
     scores, grid, args, constexprs = _score_launch(queries, head_weights, tables, layer, ratio=ratio, block_n=block_n,
                                                    block_heads=block_heads, blocks_per_program=blocks_per_program)
-    _indexer_scores_kernel[grid](*args, **constexprs, num_warps=num_warps)
+    _indexer_scores_kernel[grid](*args, **constexprs, num_warps=num_warps, **dependent_launch(queries.device))
     return scores
 
 
@@ -259,7 +261,9 @@ def _select_top_k(row_ptr, out_row_ptr, num_cols, k,
 
 @triton.jit
 def _topk_kernel(scores_ptr, out_ptr, num_cols, k, stride_row,
-                 ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, NUM_DIGITS: tl.constexpr):
+                 ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, NUM_DIGITS: tl.constexpr,
+                 USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     # scores [T, N] fp32 -> out [T, k] int64; one program per row
     row = tl.program_id(0).to(tl.int64)
     _select_top_k(scores_ptr + row * stride_row, out_ptr + row * k, num_cols, k, ONE_BLOCK, BLOCK, RADIX_BITS,
@@ -286,7 +290,8 @@ def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     block, one_block = _select_block(num_cols)
     _topk_kernel[(num_tokens,)](scores, out, num_cols, k, scores.stride(0), ONE_BLOCK=one_block, BLOCK=block,
-                                RADIX_BITS=_RADIX_BITS, NUM_DIGITS=_NUM_DIGITS, num_warps=4 if block <= 2048 else 8)
+                                RADIX_BITS=_RADIX_BITS, NUM_DIGITS=_NUM_DIGITS, num_warps=4 if block <= 2048 else 8,
+                  **dependent_launch(scores.device))
     return out
 
 
@@ -300,7 +305,8 @@ def _indexer_scores_topk_kernel(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, p
                                 BLOCK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
                                 IEEE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr,
                                 ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
-                                NUM_DIGITS: tl.constexpr):
+                                NUM_DIGITS: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     # grid (T, G groups of row blocks) -> scores [T, N] fp32, topk [T, k] int64 (the last of t's G programs picks)
     t = tl.program_id(0)
     _score_row_blocks(q_ptr, weights_ptr, scores_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
@@ -332,5 +338,5 @@ def indexer_scores_top_k(queries: torch.Tensor, head_weights: torch.Tensor, tabl
     block, one_block = _select_block(num_rows)
     _indexer_scores_topk_kernel[grid](*args, topk_ids, tile_counters(queries.device, num_tokens), topk, **constexprs,
                                       ONE_BLOCK=one_block, BLOCK=block, RADIX_BITS=_RADIX_BITS,
-                                      NUM_DIGITS=_NUM_DIGITS, num_warps=num_warps)
+                                      NUM_DIGITS=_NUM_DIGITS, num_warps=num_warps, **dependent_launch(queries.device))
     return scores, topk_ids

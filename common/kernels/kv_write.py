@@ -39,6 +39,7 @@ import triton.language as tl
 from moemesh.common.kernels.attention_layout import (
     NUM_FIELDS, AttentionTables, Field, MainRowBytes, check_indexer_row_layout, check_main_row_layout,
 )
+from moemesh.common.kernels.dependent_launch import dependent_launch, wait_for_inputs
 
 E4M3_MAX = tl.constexpr(448.0)
 AMAX_FLOOR = tl.constexpr(1e-4)  # common/model/qat.py ACT_QUANT_AMAX_FLOOR: an all-zero block keeps a finite scale
@@ -123,7 +124,8 @@ def _fp8_row_constants(layout: MainRowBytes, head_dim: int) -> dict:
 def _write_rings_kernel(src_ptr, src2_ptr, dst_like_ptr, token_seq_ptr, positions_ptr, seq_info_ptr, fields_ptr,
                         num_channels, NUM_FIELDS_: tl.constexpr, F_ADDR: tl.constexpr, F_ADDR2: tl.constexpr,
                         F_RING: tl.constexpr, HAS_SECOND: tl.constexpr, DST_BYTES: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
+                        BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     t = tl.program_id(0)
     channel_block = tl.program_id(1)
     b = tl.load(token_seq_ptr + t)
@@ -149,7 +151,8 @@ def _write_fp8_ring_kernel(src_ptr, token_seq_ptr, positions_ptr, seq_info_ptr, 
                            NUM_FIELDS_: tl.constexpr, F_ADDR: tl.constexpr, F_RING: tl.constexpr,
                            NOPE: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr,
                            BLOCKS_P2: tl.constexpr, ROPE_P2: tl.constexpr, SCALE_OFFSET: tl.constexpr,
-                           ROW_BYTES: tl.constexpr):
+                           ROW_BYTES: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     t = tl.program_id(0)
     b = tl.load(token_seq_ptr + t)
     pos = tl.load(positions_ptr + t)
@@ -176,7 +179,7 @@ def write_rings(src: torch.Tensor, ring_like: torch.Tensor, tables: AttentionTab
         _write_fp8_ring_kernel[(src.shape[0],)](
             src, tables.token_seq, tables.positions, tables.seq_info, tables.layer_fields(layer),
             NUM_FIELDS_=NUM_FIELDS, F_ADDR=int(address_field), F_RING=int(ring_field),
-            **_fp8_row_constants(tables.main_rows, src.shape[1]), num_warps=4)
+            **_fp8_row_constants(tables.main_rows, src.shape[1]), num_warps=4, **dependent_launch(src.device))
         return
     src = src.contiguous()
     src2 = second[0].contiguous() if second is not None else src
@@ -188,7 +191,8 @@ def write_rings(src: torch.Tensor, ring_like: torch.Tensor, tables: AttentionTab
                               F_ADDR=int(address_field),
                               F_ADDR2=int(second[1] if second is not None else address_field),
                               F_RING=int(ring_field), HAS_SECOND=second is not None,
-                              DST_BYTES=ring_like.element_size(), BLOCK_C=block_c, num_warps=4)
+                              DST_BYTES=ring_like.element_size(), BLOCK_C=block_c, num_warps=4,
+                              **dependent_launch(src.device))
 
 
 @triton.jit
@@ -242,7 +246,9 @@ def _pool_windows_kernel(kv_ptr, score_ptr, out_ptr, closing_ptr, token_seq_ptr,
                          seq_info_ptr, fields_ptr, row_dim,
                          RATIO: tl.constexpr, OVERLAP: tl.constexpr, NUM_SLOTS: tl.constexpr,
                          NUM_FIELDS_: tl.constexpr, F_KV: tl.constexpr, F_SCORE: tl.constexpr,
-                         F_RING: tl.constexpr, BLOCK_D: tl.constexpr, PREDICATED: tl.constexpr):
+                         F_RING: tl.constexpr, BLOCK_D: tl.constexpr, PREDICATED: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     i = tl.program_id(0)
     channels = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     channel_mask = channels < row_dim
@@ -281,7 +287,8 @@ def pool_windows(kv: torch.Tensor, score: torch.Tensor, tables: AttentionTables,
                                tables.positions, tables.seq_info, tables.layer_fields(layer), row_dim,
                                RATIO=ratio, OVERLAP=overlap, NUM_SLOTS=num_slots, NUM_FIELDS_=NUM_FIELDS,
                                F_KV=int(fields[0]), F_SCORE=int(fields[1]), F_RING=int(fields[2]),
-                               BLOCK_D=block_d, PREDICATED=tables.closing_predicated, num_warps=4)
+                               BLOCK_D=block_d, PREDICATED=tables.closing_predicated, num_warps=4,
+                               **dependent_launch(kv.device))
     return out
 
 
@@ -298,7 +305,8 @@ def compressed_row_address(fields_ptr, block_ids_ptr, b, block_stride, rows_per_
 def _write_rows_kernel(rows_ptr, dst_like_ptr, closing_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
                        row_dim, block_stride, rows_per_block, RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr,
                        F_ROWS: tl.constexpr, DST_BYTES: tl.constexpr, BLOCK_D: tl.constexpr,
-                       PREDICATED: tl.constexpr):
+                       PREDICATED: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     i = tl.program_id(0)
     channels = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = channels < row_dim
@@ -341,7 +349,9 @@ def _write_fp8_rows_kernel(rows_ptr, closing_ptr, token_seq_ptr, positions_ptr, 
                            block_stride, rows_per_block, RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr,
                            F_ROWS: tl.constexpr, PREDICATED: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
                            BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr,
-                           ROPE_P2: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr):
+                           ROPE_P2: tl.constexpr, SCALE_OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     i = tl.program_id(0)
     dst_addr, write = _closing_row_address(i, closing_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
                                            block_stride, rows_per_block, RATIO, NUM_FIELDS_, F_ROWS, PREDICATED,
@@ -354,7 +364,8 @@ def _write_fp8_rows_kernel(rows_ptr, closing_ptr, token_seq_ptr, positions_ptr, 
 def _write_fp8_indexer_rows_kernel(rows_ptr, closing_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
                                    block_stride, rows_per_block, RATIO: tl.constexpr, NUM_FIELDS_: tl.constexpr,
                                    F_ROWS: tl.constexpr, PREDICATED: tl.constexpr, DIM: tl.constexpr,
-                                   ROW_BYTES: tl.constexpr):
+                                   ROW_BYTES: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     i = tl.program_id(0)
     dst_addr, write = _closing_row_address(i, closing_ptr, token_seq_ptr, positions_ptr, fields_ptr, block_ids_ptr,
                                            block_stride, rows_per_block, RATIO, NUM_FIELDS_, F_ROWS, PREDICATED,
@@ -378,14 +389,14 @@ def write_rows(rows: torch.Tensor, dst_like: torch.Tensor, tables: AttentionTabl
             rows, closing, tables.token_seq, tables.positions, tables.layer_fields(layer), tables.block_ids,
             tables.block_ids.shape[1], tables.rows_per_block(layer, which), RATIO=ratio, NUM_FIELDS_=NUM_FIELDS,
             F_ROWS=int(Field.INDEX_ROWS_ADDR), PREDICATED=tables.closing_predicated, DIM=rows.shape[1],
-            ROW_BYTES=tables.indexer_rows.row_bytes, num_warps=1)
+            ROW_BYTES=tables.indexer_rows.row_bytes, num_warps=1, **dependent_launch(rows.device))
         return
     if tables.main_rows is not None and not indexer:
         _write_fp8_rows_kernel[(num_closing,)](
             rows, closing, tables.token_seq, tables.positions, tables.layer_fields(layer), tables.block_ids,
             tables.block_ids.shape[1], tables.rows_per_block(layer, which), RATIO=ratio, NUM_FIELDS_=NUM_FIELDS,
             F_ROWS=int(Field.ROWS_ADDR), PREDICATED=tables.closing_predicated,
-            **_fp8_row_constants(tables.main_rows, rows.shape[1]), num_warps=4)
+            **_fp8_row_constants(tables.main_rows, rows.shape[1]), num_warps=4, **dependent_launch(rows.device))
         return
     row_dim = rows.shape[1]
     block_d = min(block_d, triton.next_power_of_2(row_dim))
@@ -395,4 +406,4 @@ def write_rows(rows: torch.Tensor, dst_like: torch.Tensor, tables: AttentionTabl
                              RATIO=ratio, NUM_FIELDS_=NUM_FIELDS,
                              F_ROWS=int(Field.INDEX_ROWS_ADDR if indexer else Field.ROWS_ADDR),
                              DST_BYTES=dst_like.element_size(), BLOCK_D=block_d,
-                             PREDICATED=tables.closing_predicated, num_warps=4)
+                             PREDICATED=tables.closing_predicated, num_warps=4, **dependent_launch(rows.device))

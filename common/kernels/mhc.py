@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moemesh.common.kernels.dependent_launch import dependent_launch, wait_for_inputs
 from moemesh.common.kernels.mhc_streams import MixPartials
 
 DEFAULT_NUM_SMS = 132  # H200/H100 SXM; used when no CUDA device answers (the interpreter)
@@ -105,7 +106,9 @@ def choose_mix_config(num_tokens: int, num_cols: int, device: torch.device,
 
 @triton.jit
 def _mix_gemv_kernel(h_ptr, fn_ptr, mix_part_ptr, sq_part_ptr, num_tokens, num_cols, num_mix,
-                     K_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                     K_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     # one token per program: h [T, K], fn [M, K] fp32 -> mix_part [S, T, BM], sq_part [S, T] fp32
     token = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -130,7 +133,8 @@ def _mix_gemv_kernel(h_ptr, fn_ptr, mix_part_ptr, sq_part_ptr, num_tokens, num_c
 @triton.jit
 def _mix_partials_kernel(h_ptr, fn_ptr, mix_part_ptr, sq_part_ptr, num_tokens, num_cols, num_mix,
                          K_STEPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     # h [T, K] (any float dtype), fn [M, K] fp32 -> mix_part [S, T, BM], sq_part [S, T] fp32
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -194,7 +198,8 @@ def _hc_finish_kernel(h_ptr, mix_part_ptr, sq_part_ptr, base_ptr, scale_ptr, x_p
                       out_weight_ptr, num_tokens, hidden, num_splits, hc_eps, norm_eps, out_eps,
                       SINKHORN_ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD: tl.constexpr, OUT_NORM: tl.constexpr,
-                      APPROX_DIV: tl.constexpr):
+                      APPROX_DIV: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     # h [T, N, D]; parts from launch 1 -> x [T, D] (h dtype), post [T, N], comb [T, N, N] fp32
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -258,11 +263,12 @@ def _launch_mix(h: torch.Tensor, fn: torch.Tensor, config: MixConfig) -> tuple[t
     grid = (triton.cdiv(num_tokens, config.block_t), config.num_splits)
     if gemv:
         _mix_gemv_kernel[grid](h, fn, mix_part, sq_part, num_tokens, num_cols, num_mix, K_STEPS=k_steps,
-                               BLOCK_M=block_m, BLOCK_K=config.block_k, num_warps=config.num_warps)
+                               BLOCK_M=block_m, BLOCK_K=config.block_k, num_warps=config.num_warps,
+                               **dependent_launch(h.device))
     else:
         _mix_partials_kernel[grid](h, fn, mix_part, sq_part, num_tokens, num_cols, num_mix, K_STEPS=k_steps,
                                    BLOCK_T=config.block_t, BLOCK_M=block_m, BLOCK_K=config.block_k,
-                                   PRECISION=config.precision, num_warps=config.num_warps)
+                                   PRECISION=config.precision, num_warps=config.num_warps, **dependent_launch(h.device))
     return mix_part, sq_part, block_m
 
 
@@ -280,7 +286,7 @@ def _finish(h, mix_part, sq_part, block_m, base, scale, x, post, comb, num_sinkh
                             SINKHORN_ITERS=num_sinkhorn_iters, N=num_streams, NP=triton.next_power_of_2(num_streams),
                             BLOCK_M=block_m, BLOCK_S=triton.next_power_of_2(config.num_splits),
                             BLOCK_D=block_d, HEAD=head, OUT_NORM=out_norm is not None,
-                            APPROX_DIV=config.approx_division, num_warps=num_warps)
+                            APPROX_DIV=config.approx_division, num_warps=num_warps, **dependent_launch(h.device))
 
 
 def _out_norm(out_norm: tuple[torch.Tensor, float] | None) -> tuple[torch.Tensor, float] | None:

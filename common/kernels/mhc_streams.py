@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moemesh.common.kernels.dependent_launch import dependent_launch, wait_for_inputs
 from moemesh.common.kernels.route_layout import sum_slot_row
 
 
@@ -29,7 +30,8 @@ from moemesh.common.kernels.route_layout import sum_slot_row
 def _hc_post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, hidden,
                     N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr, addend_ptr=None,
                     next_fn_ptr=None, mix_part_ptr=None, sq_part_ptr=None, num_mix=0, BLOCK_M: tl.constexpr = 1,
-                    Y_SLOTS: tl.constexpr = 0):
+                    Y_SLOTS: tl.constexpr = 0, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     # y [T, D], or with Y_SLOTS = K the routed slots [T, K, D] summed in slot order (`sum_slot_row`),
     # (+ addend [T, D], rounded to the dtype), h [T, N, D] (same dtype), post [T, N], comb [T, N, N] fp32
     # -> out [T, N, D]; with next_fn [M, N·D] fp32 also the next hc_pre's launch-1 partials of out over
@@ -104,7 +106,8 @@ def _store_mix_partials(rounded, streams, dims, dim_mask, next_fn_ptr, mix_part_
 @triton.jit
 def _embed_streams_kernel(ids_ptr, table_ptr, out_ptr, hidden, N: tl.constexpr, NP: tl.constexpr,
                           BLOCK_D: tl.constexpr, next_fn_ptr=None, mix_part_ptr=None, sq_part_ptr=None, num_mix=0,
-                          BLOCK_M: tl.constexpr = 1):
+                          BLOCK_M: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     # ids [T] int, table [V, D] -> out [T, N, D] (N copies of the token's row, in out's dtype); with next_fn [M, N·D]
     # fp32 also the first hc_pre's launch-1 partials over this program's D slice, as `_hc_post_kernel` does them
     pid_t, pid_d, dims, dim_mask, streams, stream_mask = _stream_tile(hidden, N, NP, BLOCK_D)
@@ -177,7 +180,8 @@ def embed_streams(token_ids: torch.Tensor, table: torch.Tensor, num_streams: int
     partials, mix_args = _next_mix(out, next_fn, num_d_blocks)
     _embed_streams_kernel[(num_tokens, num_d_blocks)](token_ids.contiguous(), table.contiguous(), out, hidden,
                                                        N=num_streams, NP=triton.next_power_of_2(num_streams),
-                                                       BLOCK_D=block_d, num_warps=4, **mix_args)
+                                                       BLOCK_D=block_d, num_warps=4, **mix_args,
+                  **dependent_launch(out.device))
     return out, partials
 
 
@@ -205,5 +209,6 @@ def hc_post_with_mix(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb:
     grid = (num_tokens, num_d_blocks)
     partials, mix_args = _next_mix(out, next_fn, num_d_blocks)
     _hc_post_kernel[grid](y, h, post, comb, out, hidden, N=num_streams, NP=triton.next_power_of_2(num_streams),
-                          BLOCK_D=block_d, addend_ptr=y_addend, Y_SLOTS=num_slots, num_warps=4, **mix_args)
+                          BLOCK_D=block_d, addend_ptr=y_addend, Y_SLOTS=num_slots, num_warps=4, **mix_args,
+                          **dependent_launch(out.device))
     return out, partials

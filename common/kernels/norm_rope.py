@@ -29,6 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moemesh.common.kernels.dependent_launch import dependent_launch, wait_for_inputs
+
+
 class NormKind(enum.IntEnum):
     """The kernel's NORM constexpr."""
 
@@ -99,7 +102,8 @@ def _norm_rope_row(row_ptr, out_row_ptr, weight_ptr, cos, sin, num_channels, rop
 @triton.jit
 def _norm_rope_kernel(x_ptr, out_ptr, weight_ptr, cos_ptr, sin_ptr, rows_per_token, num_channels, rope_half, eps,
                       NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
-                      BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+                      BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     # x [R, C] -> out [R, C]; cos/sin [T, H] fp32 with T = R / rows_per_token
     row = tl.program_id(0).to(tl.int64)
     pairs = tl.arange(0, BLOCK_H)
@@ -115,7 +119,9 @@ def _norm_rope_kernel(x_ptr, out_ptr, weight_ptr, cos_ptr, sin_ptr, rows_per_tok
 
 @triton.jit
 def _window_rows_norm_rope_kernel(x_ptr, out_ptr, weight_ptr, inv_freq_ptr, positions_ptr, tokens_ptr, num_channels,
-                                  rope_half, eps, RATIO: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+                                  rope_half, eps, RATIO: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                                  USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     # x [Nc, C] (pooled rows, any float dtype) -> out [Nc, C]; row i rotated at positions[tokens[i]] // m · m
     row = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + tl.load(tokens_ptr + row))
@@ -129,7 +135,8 @@ def _window_rows_norm_rope_kernel(x_ptr, out_ptr, weight_ptr, inv_freq_ptr, posi
 
 @triton.jit
 def _cos_sin_kernel(positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, num_positions, rope_half,
-                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     # positions [N] int, inv_freq [K, H] -> cos, sin [K, N, H] fp32 of positions · inv_freq[k]; grid (N / BR, K)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
     table = tl.program_id(1).to(tl.int64)
@@ -185,7 +192,7 @@ def norm_rope(
     _norm_rope_kernel[(num_rows,)](
         x, out, weight_arg, cos if rope else x, sin if rope else x, rows_per_token, num_channels, rope_half,
         float(eps), NORM=int(norm), ROPE=rope, INVERSE=inverse, BLOCK_C=block_c,
-        BLOCK_H=triton.next_power_of_2(max(rope_half, 1)), num_warps=_num_warps(block_c))
+        BLOCK_H=triton.next_power_of_2(max(rope_half, 1)), num_warps=_num_warps(block_c), **dependent_launch(x.device))
     return out
 
 
@@ -232,7 +239,7 @@ def window_rows_norm_rope(
     _window_rows_norm_rope_kernel[(num_rows,)](
         x, out, weight.contiguous(), inv_freq.float().contiguous(), positions.contiguous(), tokens.contiguous(),
         num_channels, rope_half, float(eps), RATIO=ratio, BLOCK_C=block_c,
-        BLOCK_H=triton.next_power_of_2(rope_half), num_warps=_num_warps(block_c))
+        BLOCK_H=triton.next_power_of_2(rope_half), num_warps=_num_warps(block_c), **dependent_launch(x.device))
     return out
 
 
@@ -251,11 +258,13 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, block_rows: in
     block_rows = min(block_rows, triton.next_power_of_2(num_positions))
     _cos_sin_kernel[(triton.cdiv(num_positions, block_rows), num_tables)](
         positions.contiguous(), inv_freq.float().contiguous(), cos, sin, num_positions, rope_half,
-        BLOCK_R=block_rows, BLOCK_H=block_h, num_warps=1 if block_rows * block_h <= 512 else 4)
+        BLOCK_R=block_rows, BLOCK_H=block_h, num_warps=1 if block_rows * block_h <= 512 else 4,
+                 **dependent_launch(positions.device))
     return cos, sin
     block_h = triton.next_power_of_2(rope_half)
     block_rows = min(block_rows, triton.next_power_of_2(num_positions))
     _cos_sin_kernel[(triton.cdiv(num_positions, block_rows),)](
         positions.contiguous(), inv_freq.float().contiguous(), cos, sin, num_positions, rope_half,
-        BLOCK_R=block_rows, BLOCK_H=block_h, num_warps=1 if block_rows * block_h <= 512 else 4)
+        BLOCK_R=block_rows, BLOCK_H=block_h, num_warps=1 if block_rows * block_h <= 512 else 4,
+                 **dependent_launch(positions.device))
     return cos, sin

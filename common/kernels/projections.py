@@ -30,6 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moemesh.common.kernels.dependent_launch import (
+    dependent_launch, prefetch_rows_to_l2, wait_for_inputs, weight_prefetch_enabled,
+)
 from moemesh.common.kernels.fp8_linear_config import DECODE_MAX_TOKENS, device_num_sms
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
 
@@ -54,6 +57,7 @@ def _projections_kernel(
     num_tokens, in_features, width, width2, num_heads, head_scale, stride_xt, stride_ps, stride_pt,
     RATIO: tl.constexpr, WIDTH_TILES: tl.constexpr, WIDTH2_TILES: tl.constexpr, SPLIT_K: tl.constexpr,
     K_STEPS_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False, PREFETCH_L2: tl.constexpr = False,
 ):
     # grid (2 · WIDTH_TILES + 2 · WIDTH2_TILES + head tiles, S); output segment 0: kv, 1: score, 2: kv2,
     # 3: score2 (the second compressor's), 4: head weights
@@ -76,6 +80,13 @@ def _projections_kernel(
         w_ptr = score2_w_ptr
     if segment == 4:
         w_ptr = head_w_ptr
+    if PREFETCH_L2:  # this program's weight rows towards L2 while the previous kernel drains
+        ELEMENT_BYTES: tl.constexpr = kv_w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        k_first = pid_s * K_STEPS_PER_SPLIT * BLOCK_K
+        span = tl.minimum(K_STEPS_PER_SPLIT * BLOCK_K, in_features - k_first)  # elements per row
+        prefetch_rows_to_l2(w_ptr + offs_n.to(tl.int64) * in_features + k_first, span * ELEMENT_BYTES + offs_n * 0,
+                            mask_n & (span > 0))
+    wait_for_inputs(USE_PDL)
     offs_t = tl.arange(0, BLOCK_T)  # [BT]
     mask_t = offs_t < num_tokens
     offs_k = tl.arange(0, BLOCK_K)
@@ -186,6 +197,9 @@ def compressor_projections(
         RATIO=ratio, WIDTH_TILES=width_tiles, WIDTH2_TILES=width2_tiles, SPLIT_K=split_k,
         K_STEPS_PER_SPLIT=k_steps_per_split, BLOCK_N=config.block_n,
         BLOCK_T=max(16, triton.next_power_of_2(num_tokens)), BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(x.device),
+        PREFETCH_L2=weight_prefetch_enabled(x.device) and (in_features * kv_weight.element_size()) % 16 == 0 and all(
+            w.data_ptr() % 16 == 0 for w in (kv_weight, score_weight, kv2_weight, score2_weight, head_weight)
+            if w is not None),
     )
     return (kv, score) + ((kv2, score2) if second is not None else ()) + ((heads,) if head_weight is not None else ())

@@ -48,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moemesh.common.kernels.dependent_launch import dependent_launch, wait_for_inputs
+
 KERNEL_MAX_ROWS = 2048  # routed rows up to which `route_layout` runs the one-program kernel
 MAX_BLOCK_ROWS = 256  # slots per step of the kernel's loops (one step up to 42 tokens of top-6)
 SUM_BLOCK_COLUMNS = 512  # columns per program of the slot sum
@@ -161,8 +163,9 @@ def _route_layout_kernel(
     ids_ptr, weights_ptr, mask_ptr, table_ptr, offsets_ptr, row_token_ptr, row_slot_ptr, row_weight_ptr,
     num_slots, top_k, num_experts, stride_it, stride_ik, stride_wt, stride_wk, stride_mt, stride_mk,
     HAS_TABLE: tl.constexpr, HAS_MASK: tl.constexpr, NUM_STEPS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_B: tl.constexpr,
+    BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(USE_PDL)
     route_layout_rows(ids_ptr, weights_ptr, mask_ptr, table_ptr, offsets_ptr, row_token_ptr, row_slot_ptr,
                       row_weight_ptr, num_slots, top_k, num_experts, stride_it, stride_ik, stride_wt, stride_wk,
                       stride_mt, stride_mk, HAS_TABLE, HAS_MASK, NUM_STEPS, BLOCK_R, BLOCK_B)
@@ -202,6 +205,7 @@ def route_layout_kernel(ids: torch.Tensor, weights: torch.Tensor, num_experts: i
         HAS_TABLE=stack_table is not None, HAS_MASK=slot_mask is not None,
         NUM_STEPS=triton.cdiv(num_slots, block_rows), BLOCK_R=block_rows,
         BLOCK_B=triton.next_power_of_2(num_experts + 2), num_warps=4 if block_rows <= 128 else 8,
+                        **dependent_launch(ids.device)
     )
     return layout
 
@@ -236,7 +240,8 @@ def sum_slot_row(slot_row_ptr, stride_sk, in_row, TOP_K: tl.constexpr, IS_BF16: 
 
 @triton.jit
 def _sum_slots_kernel(slots_ptr, out_ptr, hidden_size, stride_st, stride_sk, stride_ot,
-                      TOP_K: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_D: tl.constexpr):
+                      TOP_K: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     in_row = columns < hidden_size
@@ -256,5 +261,5 @@ def sum_slots_kernel(slot_outputs: torch.Tensor) -> torch.Tensor:
     grid = (num_tokens, triton.cdiv(hidden_size, SUM_BLOCK_COLUMNS))
     _sum_slots_kernel[grid](slot_outputs, out, hidden_size, slot_outputs.stride(0), slot_outputs.stride(1),
                             out.stride(0), TOP_K=top_k, IS_BF16=slot_outputs.dtype == torch.bfloat16,
-                            BLOCK_D=SUM_BLOCK_COLUMNS, num_warps=4)
+                            BLOCK_D=SUM_BLOCK_COLUMNS, num_warps=4, **dependent_launch(out.device))
     return out

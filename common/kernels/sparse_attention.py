@@ -45,6 +45,7 @@ import triton.language as tl
 from moemesh.common.kernels.attention_layout import (
     CONTIGUOUS_ROWS_PER_BLOCK, NUM_FIELDS, AttentionTables, Field, check_main_row_layout,
 )
+from moemesh.common.kernels.dependent_launch import dependent_launch, wait_for_inputs
 from moemesh.common.kernels.kv_write import _store_fp8_main_row
 from moemesh.common.kernels.norm_rope import rotate_pairs
 from moemesh.common.kernels.sparse_attention_plan import (
@@ -151,7 +152,8 @@ def _sparse_attention_kernel(
         SPLIT: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, SPLIT_SIZE_ON_DEVICE: tl.constexpr,
         FP8: tl.constexpr, NOPE: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_OFFSET: tl.constexpr,
         ROPE_HALF: tl.constexpr, WRITE_RING: tl.constexpr, NUM_SCALE_BLOCKS: tl.constexpr,
-        SCALE_BLOCKS_P2: tl.constexpr, ROPE_P2: tl.constexpr):
+        SCALE_BLOCKS_P2: tl.constexpr, ROPE_P2: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_inputs(USE_PDL)
     t = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -375,5 +377,5 @@ def sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, sink: torch.Tensor, 
         NUM_SCALE_BLOCKS=fp8.num_blocks if fp8 is not None else 1,
         SCALE_BLOCKS_P2=triton.next_power_of_2(fp8.num_blocks) if fp8 is not None else 1,
         ROPE_P2=triton.next_power_of_2(fp8.rope_dim) if fp8 is not None else 1,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(q.device))
     return out

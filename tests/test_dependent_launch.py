@@ -1,0 +1,44 @@
+"""When the decode kernels launch as programmatic dependents (common/kernels/dependent_launch.py): only when
+switched on, never on the CPU or under the interpreter; the weight prefetch has its own value. The launch
+itself is checked where it can run: tests/test_dependent_launch_cuda.py and test_kernels_compile_sm90.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moemesh.common.kernels.dependent_launch import (  # noqa: E402
+    ENV_SWITCH, dependent_launch, dependent_launch_enabled, weight_prefetch_enabled,
+)
+
+
+def test_cpu_tensors_launch_plainly(monkeypatch):
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    assert dependent_launch(torch.device("cpu")) == {}
+    assert not weight_prefetch_enabled(torch.device("cpu"))
+
+
+def test_interpreter_and_switch_turn_it_off(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not dependent_launch_enabled(cuda)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    assert not dependent_launch_enabled(cuda) and dependent_launch(cuda) == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs an sm_90 GPU")
+def test_on_hopper_when_switched_on_and_prefetch_has_its_own_value(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(ENV_SWITCH, raising=False)
+    assert dependent_launch(cuda) == {}
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    assert dependent_launch(cuda) == {"launch_pdl": True, "USE_PDL": True}
+    assert weight_prefetch_enabled(cuda)
+    monkeypatch.setenv(ENV_SWITCH, "no-prefetch")
+    assert dependent_launch_enabled(cuda) and not weight_prefetch_enabled(cuda)
