@@ -1,12 +1,14 @@
 """`moemesh bench layers`: N DeepSeek-V4 layers at true V4-Flash width, weights quantized on the device.
 
 Usage: python -m moemesh.bench.layers [--layers csa,hca] [--batch 1,8,64] [--context 4096] [--prefill 2048,8192]
-       [--device cuda:0] [--steps 10] [--no-transformers] [--tiny] [--out-dir DIR]
+       [--device cuda:0] [--steps 10] [--no-transformers] [--tiny | --checkpoint DIR] [--out-dir DIR]
        [--disaggregated [--data-planes zmq,cuda_ipc] [--micro-batches 2] [--no-in-process]]
 
 Builds the layers (window / CSA / HCA, learned routers) plus embedding and head with random weights
 in the checkpoint formats directly on the device (`common.model.random_init`: FP8 128x128 linears,
-FP4 routed experts, bf16 elsewhere; no checkpoint, no dequantised copy), and measures in one run:
+FP4 routed experts, bf16 elsewhere; no checkpoint, no dequantised copy), or with `--checkpoint` reads
+every layer of a checkpoint directory through the serving workers' loaders (`layers_checkpoint`), and
+measures in one run:
 the device's copy bandwidth and bf16 matmul rate; per batch size the decode step time, per layer,
 with a `--context`-token history already in every sequence's state (written directly as random
 rows through the state's append methods, not by a prefill: a 64 x 4K prefill would dominate the
@@ -73,6 +75,10 @@ def parse_args(argv: list[str] | None):
                         help="skip counting each decode piece's kernels with torch.profiler (graphs only)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     parser.add_argument("--tiny", action="store_true", help="a small model of the same structure (CPU checks)")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="time every main layer of this checkpoint, read by the serving loaders "
+                        "(bench/layers_checkpoint.py) instead of random layers built in memory; --layers and "
+                        "--tiny do not apply")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--disaggregated", action="store_true",
                         help="also run decode with the experts in an expert worker process on the same device")
@@ -105,20 +111,27 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kinds = [LAYER_KIND_NAMES[name.strip()] for name in args.layers.split(",") if name.strip()]
-    config = tiny_flash_like_config(kinds) if args.tiny else flash_config(kinds)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-
     print(f"ceilings on {device} ...", flush=True)
     ceilings = timing.measure_ceilings(device)
-    print(f"building {len(kinds)} layers ({args.layers}){' tiny' if args.tiny else ''} ...", flush=True)
-    side, experts = random_model(config, device, seed=args.seed)
+    if args.checkpoint is not None:
+        from moemesh.bench.layers_checkpoint import load_checkpoint_layers
+
+        print(f"loading every layer of {args.checkpoint} ...", flush=True)
+        config, side, experts = load_checkpoint_layers(args.checkpoint, device, dtype)
+        kinds = list(config.layer_types[:config.num_hidden_layers])
+    else:
+        kinds = [LAYER_KIND_NAMES[name.strip()] for name in args.layers.split(",") if name.strip()]
+        config = tiny_flash_like_config(kinds) if args.tiny else flash_config(kinds)
+        print(f"building {len(kinds)} layers ({args.layers}){' tiny' if args.tiny else ''} ...", flush=True)
+        side, experts = random_model(config, device, seed=args.seed)
     bytes_info = {
         "layer_weight_bytes": [floors.layer_weight_bytes(side, i) for i in range(len(kinds))],
         "expert_bytes": experts.bytes_per_expert(0),
         "head_weight_bytes": floors.head_weight_bytes(side),
     }
     raw: dict = {"config": {"layers": [k.name.lower() for k in kinds], "tiny": args.tiny,
+                            "checkpoint": str(args.checkpoint) if args.checkpoint is not None else None,
                             "hidden_size": config.hidden_size, "n_routed_experts": config.n_routed_experts,
                             "dtype": str(dtype).removeprefix("torch.")},
                  "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

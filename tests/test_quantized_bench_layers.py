@@ -31,6 +31,25 @@ def test_bench_layers_tiny_writes_every_figure(tmp_path):
     assert set(ratios["goals"]) >= {"decode_b1_layer_ratio", "single_stream_tok_s", "prefill_tok_s"}
 
 
+def test_bench_layers_reads_every_layer_of_a_checkpoint(tmp_path):
+    """`--checkpoint`: the layers come from a checkpoint on disk through the serving loaders, quantized."""
+    from moemesh.bench.random_checkpoint import hub_config, write_random_checkpoint
+
+    hub = hub_config("tiny", num_layers=4, num_mtp_layers=0)
+    write_random_checkpoint(tmp_path / "ckpt", hub, seed=3, progress=None, workers=1)
+    code = main(["--checkpoint", str(tmp_path / "ckpt"), "--batch", "2", "--context", "40", "--prefill", "",
+                 "--steps", "2", "--no-transformers", "--out-dir", str(tmp_path)])
+    assert code == 0
+    (path,) = tmp_path.glob("layers-*.json")
+    record = json.loads(path.read_text())
+    raw, ratios = record["raw"], record["ratios"]
+    assert raw["config"]["checkpoint"] == str(tmp_path / "ckpt")
+    assert raw["config"]["layers"] == ["window", "window", "csa", "hca"]
+    (decode,) = ratios["decode"]
+    assert len(decode["layer_ratio"]) == 4 and all(r > 0 for r in decode["layer_ratio"])
+    assert all(b > 0 for b in raw["bytes"]["layer_weight_bytes"]) and raw["bytes"]["expert_bytes"] > 0
+
+
 def test_flash_floors_match_the_spec():
     """docs/model.md §8: expected distinct experts at b=64 ≈ 199.9; per-token layer matmul params."""
     from moemesh.common.model.random_init import flash_config
