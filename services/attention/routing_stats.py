@@ -2,7 +2,7 @@
 
 `RoutingCounter.add(layer, ids, is_decode)` runs once per MoE layer and micro-batch with the
 gate's top-k ids. It adds one to a device tensor [P, L, E] per selected slot (P = 2 phases: prefill,
-decode) and never syncs with the host, so counting costs one small kernel per layer. The host
+decode) and never syncs with the host, so counting costs one small kernel per layer (`route_counts`). The host
 sees the counts only when asked: `snapshot()` (one device->host copy) builds a
 `common.placement.stats.RoutingStats`, which writes Lucebox hotness tables
 (`write_stats_files`) and computes per-layer skew (`summary()`, sent to the router in a
@@ -23,6 +23,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from moemesh.common.kernels.route_counts import count_routes
 from moemesh.common.placement.stats import Phase, RoutingStats, write_stats_files
 from moemesh.common.wire.messages import LayerRoutingSkew, RoutingPhase, RoutingSummary
 from moemesh.services.attention.routing_config import RoutingStatsConfig  # noqa: F401  (re-exported)
@@ -61,13 +62,9 @@ class RoutingCounter:
     def add(self, layer: int, ids: torch.Tensor, is_decode: torch.Tensor | None) -> None:
         """ids [T, K] expert ids of one layer; is_decode [T] bool, or int64 phase indices where
         `NOT_COUNTED` marks rows to leave out (None: every token is prefill)."""
-        # Flat index into counts [P, L, E]; index_add_ has a fixed output size, so unlike bincount
-        # (which reads max(ids) back to size its output) it never waits for the device.
-        flat = ids.reshape(-1).long() + layer * self.num_experts  # [T*K]
-        if is_decode is not None:
-            phase = is_decode.to(device=ids.device, dtype=torch.long)[:, None].expand_as(ids).reshape(-1)  # [T*K]
-            flat = flat + phase * (self.num_layers * self.num_experts)
-        self._planes.view(-1).index_add_(0, flat, torch.ones_like(flat))
+        # One launch on the GPU (`common/kernels/route_counts.py`); both paths have a fixed output size, so
+        # unlike bincount (which reads max(ids) back to size its output) they never wait for the device.
+        count_routes(self._planes, layer, ids, is_decode.to(device=ids.device) if is_decode is not None else None)
 
     def forget(self) -> None:
         """Drop every count and the step count (after the router's start-time warm-up: its synthetic
