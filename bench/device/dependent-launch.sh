@@ -11,7 +11,7 @@ quiet() { grep --line-buffered -v -i "warn\|debug\|USDT"; }
 
 stamp "CUDA tests, MOEMESH_DEPENDENT_LAUNCH=1"
 MOEMESH_DEPENDENT_LAUNCH=1 timeout 110 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_dependent_launch.py \
-  tests/test_dependent_launch_cuda.py tests/test_step_graph_cuda.py tests/test_route_layout_cuda.py \
+  tests/test_dependent_launch_cuda.py tests/test_route_counts.py tests/test_step_graph_cuda.py tests/test_route_layout_cuda.py \
   tests/test_attention_graphs_cuda.py tests/test_kernels_cuda.py -k "not T2048 and not R12288 and not prefill" 2>&1 \
   | tail -n 12
 for mode in 0 no-prefetch 1; do
