@@ -88,6 +88,25 @@ def test_kernel_floors_pair_profiled_kernels_with_their_bytes():
     assert _kernel_floors({"kernels_per_piece": None}, 1, 4e12) is None
 
 
+def test_kernel_floors_of_a_result_file_without_byte_counts():
+    """`bench.layers_kernel_floors`: a result that holds only the kernel profile gets its per-kernel floors from
+    the byte counts of the same layers built on the CPU."""
+    from moemesh.bench.layers_kernel_floors import kernel_floor_rows
+
+    top = [["_grouped_kernel", 50.0, 3.0], ["_fp8_linear_kernel", 40.0, 7.0]]
+    entry = {"batch_size": 2, "context_tokens": 64, "kernels_per_piece": {"layer0": {"top": top}, "layer1": {"top": top}}}
+    record = {"raw": {"config": {"layers": ["csa", "hca"], "tiny": True, "dtype": "float32"},
+                      "ceilings": {"copy_bytes_per_s": 1e9}, "bytes": {"expert_bytes": 1000},
+                      "decode": [entry, {"batch_size": 1, "context_tokens": 64, "kernels_per_piece": None}]}}
+    with_profile, without = kernel_floor_rows(record)
+    assert without["layers"] is None and with_profile["batch_size"] == 2
+    csa, hca = with_profile["layers"]
+    assert csa["_grouped_kernel"]["device_us"] == 50.0 and csa["_grouped_kernel"]["floor_us"] > 0
+    assert "_indexer_scores_topk_kernel" in csa and "_indexer_scores_topk_kernel" not in hca
+    ratio = csa["_fp8_linear_kernel"]["device_us"] / csa["_fp8_linear_kernel"]["floor_us"]
+    assert abs(csa["_fp8_linear_kernel"]["x_floor"] - ratio) < 1e-9
+
+
 def test_random_context_then_decode_continues_the_state():
     config = tiny_flash_like_config([AttentionKind.WINDOW, AttentionKind.CSA, AttentionKind.HCA])
     side, experts = random_model(config, "cpu", seed=2)
