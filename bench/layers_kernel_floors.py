@@ -1,4 +1,4 @@
-"""`python -m moemesh.bench.layers_kernel_floors RESULT.json`: the per-kernel floors of a `bench layers` result.
+"""`moemesh bench layers-kernel-floors RESULT.json`: the per-kernel floors of a `bench layers` result.
 
 A result file written before its decode entries carried `kernel_read_bytes_per_layer` (or by a run whose byte
 counts are wanted again) still holds each decode kernel's profiled device time (`kernels_per_piece`); this

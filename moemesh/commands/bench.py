@@ -30,6 +30,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     "layers-disagg": Benchmark("moemesh.bench.layers",
                                "layers with the routed experts in an expert worker process (ZeroMQ, CUDA IPC)",
                                ("--disaggregated",)),
+    "layers-kernel-floors": Benchmark("moemesh.bench.layers_kernel_floors",
+                                      "each decode kernel of a layers result against the bytes it must read"),
     "layers-profile": Benchmark("moemesh.bench.layers_profile",
                                 "torch.profiler of layers' decode steps or prefill: kernels by device time"),
     "kernels": Benchmark("moemesh.bench.kernels",
