@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch_size in [] if args.no_in_process else args.batch:
         print(f"decode batch {batch_size} ...", flush=True)
         states = timing.decode_states(config, batch_size, args.context, dtype, device, args.seed)
+        distinct = timing.routed_distinct_experts(side, experts, states, config.vocab_size, seed=args.seed)
         graph_error = None
         try:
             timed = timing.time_decode(side, experts, states, config.vocab_size, num_steps=args.steps,
@@ -161,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
                               "kv_bytes_per_layer": [batch_size * floors.kv_bytes_per_sequence(
                                   config, i, args.context, torch.finfo(dtype).bits // 8) for i in range(len(kinds))],
                               "expected_distinct_experts": floors.expected_distinct_experts(config, batch_size),
+                              "distinct_experts_per_layer": distinct,
                               "kernel_read_bytes_per_layer": [floors.kernel_read_bytes(
                                   side, config, i, batch_size, args.context, torch.finfo(dtype).bits // 8,
-                                  experts.bytes_per_expert(0), torch.finfo(dtype).bits // 8)
+                                  experts.bytes_per_expert(0), torch.finfo(dtype).bits // 8, distinct[i])
                                   for i in range(len(kinds))]})
         del states
         if device.type == "cuda":

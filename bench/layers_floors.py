@@ -4,8 +4,9 @@ Bytes are counted from the tensors actually built (FP8 weights + scales, FP4 pac
 bf16/fp32 tensors), per layer and for the head, so the floor is the one of the model measured.
 Decode reads, per step: every attention-side weight of each layer (attention, compressor, indexer,
 gate, shared expert, mHC, norms; `tid2eid` is gathered, one row per token, and not counted), the
-expected number of distinct routed experts under uniform routing, `E·(1 − (1 − k/E)^B)`, times
-one expert's bytes, and the head (final norm, hc_head, head matrix). KV reads are counted apart.
+distinct routed experts the timed step selects (counted from its gates' ids; where not counted, the
+expectation under uniform routing, `E·(1 − (1 − k/E)^B)`) times one expert's bytes, and the head
+(final norm, hc_head, head matrix). KV reads are counted apart.
 Prefill FLOPs: 2 · (matmul parameters a token passes through) per token, plus the attention core
 over the keys a token must see (window, CSA top-k rows, HCA rows) and the CSA indexer's scoring.
 Legend: B batch, E routed experts, k top-k, P prompt tokens, D hidden, H heads, hd head dim.
@@ -57,11 +58,13 @@ _KERNEL_OF_TENSOR = (
 
 
 def kernel_read_bytes(side, config: ModelConfig, layer: int, batch_size: int, context_tokens: int,
-                      kv_element_bytes: int, expert_bytes: int, activation_bytes: int) -> dict[str, float]:
+                      kv_element_bytes: int, expert_bytes: int, activation_bytes: int,
+                      distinct_experts: float | None = None) -> dict[str, float]:
     """Bytes each decode kernel of `layer` must read in one step, by kernel name (their sum is the
     layer's floor bytes plus its KV rows and mHC streams): the weights by `_KERNEL_OF_TENSOR`, the
-    expected distinct routed experts to the grouped kernel, the window / selected / HCA rows to sparse
-    attention, the indexer rows to the indexer, the B·hc·D residual streams once to each mHC kernel."""
+    routed experts the step selects (`distinct_experts`, measured; None: the uniform-routing
+    expectation) to the grouped kernel, the window / selected / HCA rows to sparse attention, the
+    indexer rows to the indexer, the B·hc·D residual streams once to each mHC kernel."""
     block = side.layers[layer]
     tid2eid = getattr(block.ffn.gate, "tid2eid", None)
     out: dict[str, float] = {}
@@ -72,7 +75,8 @@ def kernel_read_bytes(side, config: ModelConfig, layer: int, batch_size: int, co
         if kernel is None:
             raise ValueError(f"layer {layer} tensor {name}: no decode kernel reads it in layers_floors")
         out[kernel] = out.get(kernel, 0.0) + tensor.numel() * tensor.element_size()
-    out["_grouped_kernel"] = out.get("_grouped_kernel", 0.0) + expected_distinct_experts(config, batch_size) * expert_bytes
+    routed = expected_distinct_experts(config, batch_size) if distinct_experts is None else distinct_experts
+    out["_grouped_kernel"] = out.get("_grouped_kernel", 0.0) + routed * expert_bytes
     c, kind = config, config.layer_types[layer]
     window_rows = min(context_tokens + 1, c.sliding_window)
     attention_rows = window_rows

@@ -39,9 +39,11 @@ def kernel_floor_rows(record: dict) -> list[dict]:
     copy = raw["ceilings"]["copy_bytes_per_s"]
     out = []
     for entry in raw["decode"]:
+        distinct = entry.get("distinct_experts_per_layer") or [None] * len(kinds)  # None: uniform routing
         read = entry.get("kernel_read_bytes_per_layer") or [
             floors.kernel_read_bytes(side, config, layer, entry["batch_size"], entry["context_tokens"], element_bytes,
-                                     raw["bytes"]["expert_bytes"], element_bytes) for layer in range(len(kinds))]
+                                     raw["bytes"]["expert_bytes"], element_bytes, distinct[layer])
+            for layer in range(len(kinds))]
         layers = _kernel_floors({**entry, "kernel_read_bytes_per_layer": read}, len(kinds), copy)
         out.append({"batch_size": entry["batch_size"], "layers": layers})
     return out

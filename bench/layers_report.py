@@ -24,8 +24,9 @@ def _per_kind(values: list[float], kinds: list[AttentionKind]) -> dict[Attention
 def _decode_summary(entry: dict, raw: dict, config, kinds: list[AttentionKind]) -> dict:
     copy = raw["ceilings"]["copy_bytes_per_s"]
     info = raw["bytes"]
-    routed_bytes = entry["expected_distinct_experts"] * info["expert_bytes"]
-    layer_bytes = [b + routed_bytes for b in info["layer_weight_bytes"]]
+    # the experts the timed step selects (counted); older results hold only the uniform-routing expectation
+    distinct = entry.get("distinct_experts_per_layer") or [entry["expected_distinct_experts"]] * len(kinds)
+    layer_bytes = [b + n * info["expert_bytes"] for b, n in zip(info["layer_weight_bytes"], distinct)]
     layer_s = [entry["piece_s"][f"layer{i}"] for i in range(len(kinds))]
     layer_floor_s = [b / copy for b in layer_bytes]
     fixed_s = entry["piece_s"]["embed"] + entry["piece_s"]["head"]
@@ -35,6 +36,7 @@ def _decode_summary(entry: dict, raw: dict, config, kinds: list[AttentionKind]) 
     return {
         "batch_size": entry["batch_size"],
         "layer_weight_bytes": layer_bytes,
+        "distinct_experts_per_layer": distinct,
         "layer_floor_s": layer_floor_s,
         "layer_s": layer_s,
         "layer_ratio": [t / f for t, f in zip(layer_s, layer_floor_s)],

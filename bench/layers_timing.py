@@ -107,13 +107,41 @@ def _rollback(states, num_tokens: int = 1) -> None:
         state.rollback(num_tokens)
 
 
+def _decode_token_ids(side, states, vocab_size: int, seed: int) -> torch.Tensor:
+    device = side.head.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(0, vocab_size, (len(states),), generator=generator, device=device)  # [B]
+
+
+def routed_distinct_experts(side, experts, states, vocab_size: int, *, seed: int = 0) -> list[int]:
+    """Distinct routed experts each layer's gate selects in the decode step `time_decode` times first (same
+    tokens, same states), run once eagerly and rolled back: the experts that step must read."""
+    token_ids = _decode_token_ids(side, states, vocab_size, seed)
+    distinct: dict[int, int] = {}
+
+    def hook(layer: int):
+        return lambda module, inputs, output: distinct.__setitem__(layer, int(torch.unique(output[0]).numel()))
+
+    handles = [block.ffn.gate.register_forward_hook(hook(layer)) for layer, block in enumerate(side.layers)]
+    try:
+        with torch.inference_mode():
+            batch = _decode_batch(states, token_ids.device)
+            for _, run in step_pieces(side, experts, batch, token_ids):
+                run()
+            batch.finish()
+            _rollback(states)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [distinct[layer] for layer in range(len(side.layers))]
+
+
 def time_decode(side, experts, states, vocab_size: int, *, num_steps: int, num_graph_steps: int = 4,
                 use_graphs: bool = True, seed: int = 0, profile_kernels: bool = False) -> TimedPieces:
     """Median time of one decode step (one new token for every state) and of each piece; with
     `profile_kernels` (graphs only) also the kernels of each piece's replay (`profile_pieces`)."""
     device = side.head.weight.device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    token_ids = torch.randint(0, vocab_size, (len(states),), generator=generator, device=device)  # [B]
+    token_ids = _decode_token_ids(side, states, vocab_size, seed)
     if device.type != "cuda" or not use_graphs:
         return _time_eager(side, experts, states, token_ids, num_steps)
     return _time_graphs(side, experts, states, token_ids, num_steps, num_graph_steps, profile_kernels)

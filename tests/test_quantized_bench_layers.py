@@ -27,6 +27,12 @@ def test_bench_layers_tiny_writes_every_figure(tmp_path):
         assert len(d["layer_ratio"]) == 2 and all(r > 0 for r in d["layer_ratio"])
         assert d["model43_tok_s"] > 0 and d["stand_ins"]["window"] == "hca"
     assert ratios["decode"][1]["step_bytes"] > ratios["decode"][0]["step_bytes"]  # more experts at b=3
+    b1, b3 = raw["decode"]
+    config = tiny_flash_like_config([AttentionKind.CSA, AttentionKind.HCA])
+    assert b1["distinct_experts_per_layer"] == [config.num_experts_per_tok] * 2
+    assert all(config.num_experts_per_tok <= n <= min(config.n_routed_experts, 3 * config.num_experts_per_tok)
+               for n in b3["distinct_experts_per_layer"])
+    assert ratios["decode"][1]["distinct_experts_per_layer"] == b3["distinct_experts_per_layer"]
     assert ratios["prefill"][0]["num_tokens"] == 24 and ratios["prefill"][0]["fraction_of_bf16"] > 0
     assert set(ratios["goals"]) >= {"decode_b1_layer_ratio", "single_stream_tok_s", "prefill_tok_s"}
 
