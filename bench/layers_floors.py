@@ -77,18 +77,12 @@ def kernel_read_bytes(side, config: ModelConfig, layer: int, batch_size: int, co
         out[kernel] = out.get(kernel, 0.0) + tensor.numel() * tensor.element_size()
     routed = expected_distinct_experts(config, batch_size) if distinct_experts is None else distinct_experts
     out["_grouped_kernel"] = out.get("_grouped_kernel", 0.0) + routed * expert_bytes
-    c, kind = config, config.layer_types[layer]
-    window_rows = min(context_tokens + 1, c.sliding_window)
-    attention_rows = window_rows
-    if kind is AttentionKind.CSA:
-        num_compressed = (context_tokens + 1) // c.csa_compress_ratio
-        attention_rows += min(c.index_topk, num_compressed)
-        out["_indexer_scores_topk_kernel"] = batch_size * num_compressed * c.index_head_dim * kv_element_bytes
-    elif kind is AttentionKind.HCA:
-        attention_rows += (context_tokens + 1) // c.hca_compress_ratio
+    attention_rows, indexer_rows = _kv_rows(config, layer, context_tokens)
+    if indexer_rows:
+        out["_indexer_scores_topk_kernel"] = batch_size * indexer_rows * config.index_head_dim * kv_element_bytes
     out["_sparse_attention_kernel"] = (out.get("_sparse_attention_kernel", 0.0)
-                                       + batch_size * attention_rows * c.head_dim * kv_element_bytes)
-    streams = batch_size * c.hc_mult * c.hidden_size * activation_bytes
+                                       + batch_size * attention_rows * config.head_dim * kv_element_bytes)
+    streams = batch_size * config.hc_mult * config.hidden_size * activation_bytes
     for kernel in ("_hc_post_kernel", "_hc_finish_kernel"):
         out[kernel] = out.get(kernel, 0.0) + 2 * streams  # two sites a layer
     return out
@@ -99,16 +93,23 @@ def expected_distinct_experts(config: ModelConfig, batch_size: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** batch_size)
 
 
-def kv_bytes_per_sequence(config: ModelConfig, layer: int, context_tokens: int, element_bytes: int) -> int:
-    """Rows one decode step must read for one sequence (window, selected/all compressed rows)."""
+def _kv_rows(config: ModelConfig, layer: int, context_tokens: int) -> tuple[int, int]:
+    """(attention rows, indexer rows) one decode step reads for one sequence: the window and the selected
+    (CSA) or all (HCA) compressed rows, head_dim wide; the CSA indexer's rows, index_head_dim wide."""
     kind = config.layer_types[layer]
-    rows = min(context_tokens + 1, config.sliding_window) * config.head_dim
+    attention_rows, indexer_rows = min(context_tokens + 1, config.sliding_window), 0
     if kind is AttentionKind.CSA:
-        num_compressed = (context_tokens + 1) // config.csa_compress_ratio
-        rows += min(config.index_topk, num_compressed) * config.head_dim + num_compressed * config.index_head_dim
+        indexer_rows = (context_tokens + 1) // config.csa_compress_ratio
+        attention_rows += min(config.index_topk, indexer_rows)
     elif kind is AttentionKind.HCA:
-        rows += (context_tokens + 1) // config.hca_compress_ratio * config.head_dim
-    return rows * element_bytes
+        attention_rows += (context_tokens + 1) // config.hca_compress_ratio
+    return attention_rows, indexer_rows
+
+
+def kv_bytes_per_sequence(config: ModelConfig, layer: int, context_tokens: int, element_bytes: int) -> int:
+    """Rows one decode step must read for one sequence (window, selected/all compressed rows, indexer rows)."""
+    attention_rows, indexer_rows = _kv_rows(config, layer, context_tokens)
+    return (attention_rows * config.head_dim + indexer_rows * config.index_head_dim) * element_bytes
 
 
 def matmul_params_per_token(config: ModelConfig, layer: int) -> int:

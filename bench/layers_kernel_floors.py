@@ -21,7 +21,7 @@ def kernel_floor_rows(record: dict) -> list[dict]:
     import torch
 
     from moemesh.bench import layers_floors as floors
-    from moemesh.bench.layers_report import _kernel_floors
+    from moemesh.bench.layers_report import kernel_floors
     from moemesh.common.model.config import NumericsConfig
     from moemesh.common.model.random_init import (
         LAYER_KIND_NAMES, flash_config, random_attention_side, tiny_flash_like_config,
@@ -44,7 +44,7 @@ def kernel_floor_rows(record: dict) -> list[dict]:
             floors.kernel_read_bytes(side, config, layer, entry["batch_size"], entry["context_tokens"], element_bytes,
                                      raw["bytes"]["expert_bytes"], element_bytes, distinct[layer])
             for layer in range(len(kinds))]
-        layers = _kernel_floors({**entry, "kernel_read_bytes_per_layer": read}, len(kinds), copy)
+        layers = kernel_floors({**entry, "kernel_read_bytes_per_layer": read}, len(kinds), copy)
         out.append({"batch_size": entry["batch_size"], "layers": layers})
     return out
 

@@ -52,11 +52,11 @@ def _decode_summary(entry: dict, raw: dict, config, kinds: list[AttentionKind]) 
         "model43_floor_tok_s": entry["batch_size"] / floor43,
         "stand_ins": stand_ins,
         "kernels_per_layer": _kernels_per_layer(entry, len(kinds)),
-        "kernel_floors": _kernel_floors(entry, len(kinds), copy),
+        "kernel_floors": kernel_floors(entry, len(kinds), copy),
     }
 
 
-def _kernel_floors(entry: dict, num_layers: int, copy_bytes_per_s: float) -> list[dict] | None:
+def kernel_floors(entry: dict, num_layers: int, copy_bytes_per_s: float) -> list[dict] | None:
     """Per layer and kernel name: the profiled device µs of one step, launches, the floor of the bytes the
     kernel must read (`layers_floors.kernel_read_bytes`) and their ratio (None where either is missing)."""
     pieces, read_bytes = entry.get("kernels_per_piece"), entry.get("kernel_read_bytes_per_layer")

@@ -42,3 +42,14 @@ def test_on_hopper_when_switched_on_and_prefetch_has_its_own_value(monkeypatch):
     assert weight_prefetch_enabled(cuda)
     monkeypatch.setenv(ENV_SWITCH, "no-prefetch")
     assert dependent_launch_enabled(cuda) and not weight_prefetch_enabled(cuda)
+
+
+def test_rows_are_prefetched_only_from_16_byte_aligned_starts(monkeypatch):
+    from moemesh.common.kernels import dependent_launch as module
+
+    monkeypatch.setattr(module, "weight_prefetch_enabled", lambda device: True)
+    weight = torch.zeros(8, 64, dtype=torch.uint8)  # rows of 64 bytes
+    assert module.weight_rows_prefetchable(torch.device("cpu"), (weight, None), 64, 32)
+    assert not module.weight_rows_prefetchable(torch.device("cpu"), (weight,), 64, 40)  # a split start off 16
+    assert not module.weight_rows_prefetchable(torch.device("cpu"), (weight[:, 4:],), 64)  # a base off 16
+    assert not module.weight_rows_prefetchable(torch.device("cpu"), (torch.zeros(8, 24, dtype=torch.uint8),), 16)

@@ -84,14 +84,14 @@ def test_every_layer_byte_has_one_decode_kernel():
 
 
 def test_kernel_floors_pair_profiled_kernels_with_their_bytes():
-    from moemesh.bench.layers_report import _kernel_floors
+    from moemesh.bench.layers_report import kernel_floors
 
     entry = {"kernels_per_piece": {"layer0": {"top": [["_grouped_kernel", 82.0, 3.0], ["_cos_sin_kernel", 1.0, 1.0]]}},
              "kernel_read_bytes_per_layer": [{"_grouped_kernel": 41e6, "_gate_kernel": 2e6}]}
-    (rows,) = _kernel_floors(entry, 1, copy_bytes_per_s=4.1e12)
+    (rows,) = kernel_floors(entry, 1, copy_bytes_per_s=4.1e12)
     assert rows["_grouped_kernel"] == {"device_us": 82.0, "launches": 3.0, "floor_us": 10.0, "x_floor": 8.2}
     assert rows["_cos_sin_kernel"]["x_floor"] is None and rows["_gate_kernel"]["device_us"] is None
-    assert _kernel_floors({"kernels_per_piece": None}, 1, 4e12) is None
+    assert kernel_floors({"kernels_per_piece": None}, 1, 4e12) is None
 
 
 def test_kernel_floors_of_a_result_file_without_byte_counts():

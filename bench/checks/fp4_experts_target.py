@@ -14,11 +14,9 @@ import argparse
 
 import torch
 
-NUM_EXPERTS, HIDDEN, EXPERT_WIDTH, TOP_K = 256, 4096, 2048, 6
-
-
 def main(argv: list[str] | None = None) -> int:
     from moemesh.bench.checks.quantized_kernels import random_fp4_weight
+    from moemesh.bench.kernels import EXPERT_WIDTH, HIDDEN, NUM_EXPERTS, TOP_K
     from moemesh.common.kernels.fp4_experts import ExpertWeights, WeightFormat, grouped_down, grouped_gate_up
     from moemesh.common.kernels.moe_layout import sort_by_expert
 

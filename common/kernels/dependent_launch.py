@@ -60,6 +60,14 @@ def weight_prefetch_enabled(device: torch.device) -> bool:
     return dependent_launch_enabled(device) and os.environ.get(ENV_SWITCH) == "1"
 
 
+def weight_rows_prefetchable(device: torch.device, weights, *byte_offsets: int) -> bool:
+    """Whether a launch on `device` prefetches rows of `weights` (`prefetch_rows_to_l2`): the prefetch is on and
+    every start it issues is 16-byte aligned: each weight's base and row stride, and `byte_offsets` (the row
+    spans and split starts, in bytes). None entries of `weights` are skipped."""
+    return weight_prefetch_enabled(device) and all(offset % 16 == 0 for offset in byte_offsets) and all(
+        w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0 for w in weights if w is not None)
+
+
 def dependent_launch(device: torch.device) -> dict:
     """Launch keywords for a kernel that calls `wait_for_inputs(USE_PDL)` first: the attribute and the flag."""
     if not dependent_launch_enabled(device):

@@ -42,7 +42,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from moemesh.common.kernels.dependent_launch import (
-    dependent_launch, prefetch_rows_to_l2, wait_for_inputs, weight_prefetch_enabled,
+    dependent_launch, prefetch_rows_to_l2, wait_for_inputs, weight_rows_prefetchable,
 )
 from moemesh.common.kernels.norm_rope import NormKind, _norm_rope_row
 from moemesh.common.kernels.ptx_decode import fp8_tile_bf16_asm, fp8_tile_quarters_bf16_asm
@@ -352,13 +352,6 @@ def _row_norm_args(row_norm: RowNorm | None, num_tokens: int, num_out: int, bloc
     return args, num_out // group
 
 
-def _prefetches(device: torch.device, w_bytes: torch.Tensor, w_up: torch.Tensor, num_in: int) -> bool:
-    """Whether the launch prefetches its weight rows into L2 ahead of its wait (`dependent_launch`):
-    dependent launches on, rows 16-byte aligned (bulk prefetch)."""
-    return (weight_prefetch_enabled(device) and num_in % 16 == 0
-            and all(w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0 for w in (w_bytes, w_up)))
-
-
 def _launch(x2d: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor] | None,
             out_dtype: torch.dtype, config: Fp8LinearConfig | None, *, swiglu_limit: float | None,
             row_norm: RowNorm | None = None) -> torch.Tensor:
@@ -406,6 +399,6 @@ def _launch(x2d: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor], up: tupl
         ASM_QUAD=config.asm_decode and config.asm_quad, GATE_UP=up is not None, HAS_LIMIT=swiglu_limit is not None,
         BLOCK_N=config.block_n, BLOCK_T=config.block_t, BLOCK_K=config.block_k, QUANT_BLOCK=FP8_BLOCK_SIZE,
         num_warps=config.num_warps, num_stages=config.num_stages, **norm_args, **dependent_launch(out.device),
-        PREFETCH_L2=_prefetches(out.device, w_bytes, w_up, num_in),
+        PREFETCH_L2=weight_rows_prefetchable(out.device, (w_bytes, w_up), num_in, k_steps_per_split * config.block_k),
     )
     return out

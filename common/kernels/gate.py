@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from moemesh.common.kernels.dependent_launch import (
-    dependent_launch, prefetch_rows_to_l2, wait_for_inputs, weight_prefetch_enabled,
+    dependent_launch, prefetch_rows_to_l2, wait_for_inputs, weight_rows_prefetchable,
 )
 from moemesh.common.kernels.route_layout import MAX_BLOCK_ROWS, RouteLayout, empty_layout, route_layout_rows
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
@@ -359,7 +359,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, route_scale: f
         ROUND_BF16=x.dtype == torch.bfloat16, BLOCK_T=config.block_t, BLOCK_E=config.block_e, BLOCK_D=config.block_d,
         D_STEPS=d_steps, NUM_E_BLOCKS=e_blocks, NUM_SPLITS=config.num_splits, USE_DOT=config.use_dot,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps, **layout_args,
-        **dependent_launch(x.device), PREFETCH_L2=weight_prefetch_enabled(x.device) and weight.is_contiguous()
-        and weight.data_ptr() % 16 == 0 and (hidden * weight.element_size()) % 16 == 0
-        and (config.block_d * weight.element_size()) % 16 == 0)
+        **dependent_launch(x.device), PREFETCH_L2=weight.is_contiguous() and weight_rows_prefetchable(
+            x.device, (weight,), hidden * weight.element_size(), d_steps * config.block_d * weight.element_size()))
     return ids, weights, layout

@@ -291,7 +291,7 @@ def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     block, one_block = _select_block(num_cols)
     _topk_kernel[(num_tokens,)](scores, out, num_cols, k, scores.stride(0), ONE_BLOCK=one_block, BLOCK=block,
                                 RADIX_BITS=_RADIX_BITS, NUM_DIGITS=_NUM_DIGITS, num_warps=4 if block <= 2048 else 8,
-                  **dependent_launch(scores.device))
+                                **dependent_launch(scores.device))
     return out
 
 

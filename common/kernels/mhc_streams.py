@@ -181,7 +181,7 @@ def embed_streams(token_ids: torch.Tensor, table: torch.Tensor, num_streams: int
     _embed_streams_kernel[(num_tokens, num_d_blocks)](token_ids.contiguous(), table.contiguous(), out, hidden,
                                                        N=num_streams, NP=triton.next_power_of_2(num_streams),
                                                        BLOCK_D=block_d, num_warps=4, **mix_args,
-                  **dependent_launch(out.device))
+                                                       **dependent_launch(out.device))
     return out, partials
 
 

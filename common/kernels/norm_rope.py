@@ -259,12 +259,12 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, block_rows: in
     _cos_sin_kernel[(triton.cdiv(num_positions, block_rows), num_tables)](
         positions.contiguous(), inv_freq.float().contiguous(), cos, sin, num_positions, rope_half,
         BLOCK_R=block_rows, BLOCK_H=block_h, num_warps=1 if block_rows * block_h <= 512 else 4,
-                 **dependent_launch(positions.device))
+        **dependent_launch(positions.device))
     return cos, sin
     block_h = triton.next_power_of_2(rope_half)
     block_rows = min(block_rows, triton.next_power_of_2(num_positions))
     _cos_sin_kernel[(triton.cdiv(num_positions, block_rows),)](
         positions.contiguous(), inv_freq.float().contiguous(), cos, sin, num_positions, rope_half,
         BLOCK_R=block_rows, BLOCK_H=block_h, num_warps=1 if block_rows * block_h <= 512 else 4,
-                 **dependent_launch(positions.device))
+        **dependent_launch(positions.device))
     return cos, sin

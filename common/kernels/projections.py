@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from moemesh.common.kernels.dependent_launch import (
-    dependent_launch, prefetch_rows_to_l2, wait_for_inputs, weight_prefetch_enabled,
+    dependent_launch, prefetch_rows_to_l2, wait_for_inputs, weight_rows_prefetchable,
 )
 from moemesh.common.kernels.fp8_linear_config import DECODE_MAX_TOKENS, device_num_sms
 from moemesh.common.kernels.split_k import take_ticket, tile_counters
@@ -198,8 +198,8 @@ def compressor_projections(
         K_STEPS_PER_SPLIT=k_steps_per_split, BLOCK_N=config.block_n,
         BLOCK_T=max(16, triton.next_power_of_2(num_tokens)), BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(x.device),
-        PREFETCH_L2=weight_prefetch_enabled(x.device) and (in_features * kv_weight.element_size()) % 16 == 0 and all(
-            w.data_ptr() % 16 == 0 for w in (kv_weight, score_weight, kv2_weight, score2_weight, head_weight)
-            if w is not None),
+        PREFETCH_L2=weight_rows_prefetchable(
+            x.device, (kv_weight, score_weight, kv2_weight, score2_weight, head_weight),
+            in_features * kv_weight.element_size(), k_steps_per_split * config.block_k * kv_weight.element_size()),
     )
     return (kv, score) + ((kv2, score2) if second is not None else ()) + ((heads,) if head_weight is not None else ())

@@ -205,7 +205,7 @@ def route_layout_kernel(ids: torch.Tensor, weights: torch.Tensor, num_experts: i
         HAS_TABLE=stack_table is not None, HAS_MASK=slot_mask is not None,
         NUM_STEPS=triton.cdiv(num_slots, block_rows), BLOCK_R=block_rows,
         BLOCK_B=triton.next_power_of_2(num_experts + 2), num_warps=4 if block_rows <= 128 else 8,
-                        **dependent_launch(ids.device)
+        **dependent_launch(ids.device),
     )
     return layout
 
