@@ -142,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     for batch_size in [] if args.no_in_process else args.batch:
         print(f"decode batch {batch_size} ...", flush=True)
         states = timing.decode_states(config, batch_size, args.context, dtype, device, args.seed)
-        distinct = timing.routed_distinct_experts(side, experts, states, config.vocab_size, seed=args.seed)
         graph_error = None
         try:
             timed = timing.time_decode(side, experts, states, config.vocab_size, num_steps=args.steps,
@@ -155,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             states = timing.decode_states(config, batch_size, args.context, dtype, device, args.seed)
             timed = timing.time_decode(side, experts, states, config.vocab_size, num_steps=args.steps,
                                        use_graphs=False)
+        distinct = timed.distinct_experts
         raw["decode"].append({"batch_size": batch_size, "context_tokens": args.context,
                               "piece_s": timed.piece_s, "step_s": timed.step_s, "eager_step_s": timed.eager_step_s,
                               "graphs": device.type == "cuda" and not args.no_graphs and graph_error is None,

@@ -38,6 +38,7 @@ class TimedPieces:
     eager_step_s: float | None = None
     attention_path: str | None = None  # prefill: "kernels" (batched Triton attention) or "torch" (reference loop)
     kernels: dict | None = None  # decode in graphs: per piece, what the profiler saw in one replay (`profile_pieces`)
+    distinct_experts: list[float] | None = None  # decode: per layer, distinct routed experts of the timed steps (mean)
 
 
 def measure_ceilings(device: torch.device) -> dict:
@@ -61,10 +62,12 @@ def _host_median(fn: Callable[[], object], reps: int) -> float:
 
 
 def step_pieces(side, experts, batch: ForwardBatch, token_ids: torch.Tensor,
-                logits_indices: torch.Tensor | None = None) -> list[Piece]:
+                logits_indices: torch.Tensor | None = None,
+                routed_ids: dict[int, torch.Tensor] | None = None) -> list[Piece]:
     """The pieces of one forward (the `ReferenceModel.forward` loop, cut at layer boundaries).
 
-    Pieces pass the residual streams through `buf`; `batch.finish()` is the caller's."""
+    Pieces pass the residual streams through `buf`; `batch.finish()` is the caller's. routed_ids: each layer's
+    gate ids [T, K] are kept there (in a captured graph, the buffer every replay rewrites)."""
     buf: dict[str, torch.Tensor] = {}
 
     def embed() -> None:
@@ -75,6 +78,8 @@ def step_pieces(side, experts, batch: ForwardBatch, token_ids: torch.Tensor,
             h = side.attn_block(layer, buf["h"], batch)
             x, post, comb = side.ffn_pre(layer, h)
             ids, weights = side.gate(layer, x, token_ids)
+            if routed_ids is not None:
+                routed_ids[layer] = ids
             shared = side.shared_expert(layer, x)
             routed = routed_answer(experts, layer, x, ids, weights)  # [T, K, D] per slot, or [T, D]
             buf["h"] = side.ffn_post(layer, routed, h, post, comb, shared=shared)
@@ -113,32 +118,17 @@ def _decode_token_ids(side, states, vocab_size: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (len(states),), generator=generator, device=device)  # [B]
 
 
-def routed_distinct_experts(side, experts, states, vocab_size: int, *, seed: int = 0) -> list[int]:
-    """Distinct routed experts each layer's gate selects in the decode step `time_decode` times first (same
-    tokens, same states), run once eagerly and rolled back: the experts that step must read."""
-    token_ids = _decode_token_ids(side, states, vocab_size, seed)
-    distinct: dict[int, int] = {}
-
-    def hook(layer: int):
-        return lambda module, inputs, output: distinct.__setitem__(layer, int(torch.unique(output[0]).numel()))
-
-    handles = [block.ffn.gate.register_forward_hook(hook(layer)) for layer, block in enumerate(side.layers)]
-    try:
-        with torch.inference_mode():
-            batch = _decode_batch(states, token_ids.device)
-            for _, run in step_pieces(side, experts, batch, token_ids):
-                run()
-            batch.finish()
-            _rollback(states)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return [distinct[layer] for layer in range(len(side.layers))]
+def _distinct_experts(routed_ids_per_step: list[dict[int, torch.Tensor]]) -> list[float]:
+    """Per layer, the mean over steps of the distinct experts its gate selected: the experts those steps read."""
+    num_layers = len(routed_ids_per_step[0])
+    return [sum(int(torch.unique(step[layer]).numel()) for step in routed_ids_per_step) / len(routed_ids_per_step)
+            for layer in range(num_layers)]
 
 
 def time_decode(side, experts, states, vocab_size: int, *, num_steps: int, num_graph_steps: int = 4,
                 use_graphs: bool = True, seed: int = 0, profile_kernels: bool = False) -> TimedPieces:
-    """Median time of one decode step (one new token for every state) and of each piece; with
+    """Median time of one decode step (one new token for every state) and of each piece, and the distinct routed
+    experts each layer's gate selected in the timed steps (read back from them, replays included); with
     `profile_kernels` (graphs only) also the kernels of each piece's replay (`profile_pieces`)."""
     device = side.head.weight.device
     token_ids = _decode_token_ids(side, states, vocab_size, seed)
@@ -151,11 +141,12 @@ def _time_eager(side, experts, states, token_ids, num_steps: int) -> TimedPieces
     device = token_ids.device
     per_piece: dict[str, list[float]] = {}
     steps = []
+    routed_ids: dict[int, torch.Tensor] = {}
     with torch.inference_mode():
         for rep in range(num_steps + 1):  # the first is warm-up
             batch = _decode_batch(states, device)
             times = {}
-            for name, run in step_pieces(side, experts, batch, token_ids):
+            for name, run in step_pieces(side, experts, batch, token_ids, routed_ids=routed_ids):
                 times[name] = wall_s(run, device, repeats=1)[0]
             batch.finish()
             _rollback(states)
@@ -163,7 +154,8 @@ def _time_eager(side, experts, states, token_ids, num_steps: int) -> TimedPieces
                 for name, seconds in times.items():
                     per_piece.setdefault(name, []).append(seconds)
                 steps.append(sum(times.values()))
-    return TimedPieces({n: median(v) for n, v in per_piece.items()}, median(steps))
+    return TimedPieces({n: median(v) for n, v in per_piece.items()}, median(steps),
+                       distinct_experts=_distinct_experts([routed_ids]))
 
 
 def _time_graphs(side, experts, states, token_ids, num_steps: int, num_graph_steps: int,
@@ -171,6 +163,7 @@ def _time_graphs(side, experts, states, token_ids, num_steps: int, num_graph_ste
     device = token_ids.device
     pool = torch.cuda.graph_pool_handle()
     captured: list[list[tuple[str, torch.cuda.CUDAGraph]]] = []
+    routed_ids_per_step: list[dict[int, torch.Tensor]] = []  # the captured steps' gate ids, rewritten by replays
     keep_alive = []  # the pieces' closures and buffers must outlive the graphs
     eager_steps = []
     side_stream = torch.cuda.Stream(device)
@@ -185,7 +178,8 @@ def _time_graphs(side, experts, states, token_ids, num_steps: int, num_graph_ste
             batch.finish()
             _rollback(states)
             batch = _decode_batch(states, device)
-            pieces = step_pieces(side, experts, batch, token_ids)
+            routed_ids_per_step.append({})
+            pieces = step_pieces(side, experts, batch, token_ids, routed_ids=routed_ids_per_step[-1])
             graphs = []
             for name, run in pieces:
                 graph = torch.cuda.CUDAGraph()
@@ -211,11 +205,13 @@ def _time_graphs(side, experts, states, token_ids, num_steps: int, num_graph_ste
             for name, seconds in sums.items():
                 per_piece.setdefault(name, []).append(seconds / num_graph_steps)
             step_samples.append(sum(sums.values()) / num_graph_steps)
+        distinct = _distinct_experts(routed_ids_per_step)  # as the timed replays left them
         kernels = profile_pieces(captured, device) if profile_kernels else None
-    del captured, keep_alive
+    del captured, keep_alive, routed_ids_per_step
     torch.cuda.synchronize(device)
     return TimedPieces({n: median(v) for n, v in per_piece.items()}, median(step_samples),
-                       eager_step_s=median(eager_steps[1:] or eager_steps), kernels=kernels)
+                       eager_step_s=median(eager_steps[1:] or eager_steps), kernels=kernels,
+                       distinct_experts=distinct)
 
 
 def profile_pieces(captured: list[list[tuple[str, "torch.cuda.CUDAGraph"]]], device: torch.device,
