@@ -19,9 +19,9 @@ HIDDEN, EXPERT_WIDTH, NUM_EXPERTS = 4096, 2048, 256
 
 
 def compile_grouped(config, *, fused_gate_up: bool, weight_format: int = 0, x_quartered: bool = False,
-                    dependent: bool = False):
+                    dependent: int = 0):
     """The compiled kernel (triton CompiledKernel) for one launch of V4-Flash experts (`dependent`: as
-    a programmatic dependent launch, `common/kernels/dependent_launch.py`)."""
+    a programmatic dependent launch, its `USE_PDL` mode, `common/kernels/dependent_launch.py`)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -49,7 +49,8 @@ def compile_grouped(config, *, fused_gate_up: bool, weight_format: int = 0, x_qu
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     source = ASTSource(_grouped_kernel, signature, constexprs=constexprs, attrs=attrs)
     return compile(source, target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": config.num_warps, "num_stages": config.num_stages, "launch_pdl": dependent})
+                   options={"num_warps": config.num_warps, "num_stages": config.num_stages,
+                            "launch_pdl": bool(dependent)})
 
 
 def _tool(name: str) -> str:

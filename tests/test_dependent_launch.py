@@ -44,6 +44,23 @@ def test_on_hopper_when_switched_on_and_prefetch_has_its_own_value(monkeypatch):
     assert dependent_launch_enabled(cuda) and not weight_prefetch_enabled(cuda)
 
 
+def test_modes_of_the_switch(monkeypatch):
+    from moemesh.common.kernels import dependent_launch as module
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(module, "_device_supports", lambda index: True)  # an sm_90 device, without one
+    cuda = torch.device("cuda", 0)
+    expected = {"1": (module.SIGNAL_AFTER_WAIT, True), "no-prefetch": (module.SIGNAL_AFTER_WAIT, False),
+                "wait-only": (module.WAIT_ONLY, False)}
+    for value, (mode, prefetch) in expected.items():
+        monkeypatch.setenv(ENV_SWITCH, value)
+        assert dependent_launch(cuda) == {"launch_pdl": True, "USE_PDL": mode}, value
+        assert weight_prefetch_enabled(cuda) == prefetch, value
+    for value in ("0", "yes", ""):
+        monkeypatch.setenv(ENV_SWITCH, value)
+        assert dependent_launch(cuda) == {} and not weight_prefetch_enabled(cuda), value
+
+
 def test_rows_are_prefetched_only_from_16_byte_aligned_starts(monkeypatch):
     from moemesh.common.kernels import dependent_launch as module
 

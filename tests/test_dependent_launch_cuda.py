@@ -40,12 +40,13 @@ def test_dependent_launch_leaves_every_bit_unchanged(open_workers, monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert not dependent_launch_enabled(torch.device("cuda"))
     want_tokens, want_logits = _graphed_run("plain-launches", open_workers)
-    monkeypatch.setenv(ENV_SWITCH, "1")
-    assert dependent_launch_enabled(torch.device("cuda"))
-    got_tokens, got_logits = _graphed_run("dependent-launches", open_workers)
-    assert got_tokens == want_tokens
-    assert len(got_logits) == len(want_logits)
-    for got, want in zip(got_logits, want_logits):
-        assert (got is None) == (want is None)
-        if want is not None:
-            assert torch.equal(got, want)
+    for mode in ("1", "wait-only"):
+        monkeypatch.setenv(ENV_SWITCH, mode)
+        assert dependent_launch_enabled(torch.device("cuda"))
+        got_tokens, got_logits = _graphed_run(f"dependent-launches-{mode}", open_workers)
+        assert got_tokens == want_tokens, mode
+        assert len(got_logits) == len(want_logits)
+        for got, want in zip(got_logits, want_logits):
+            assert (got is None) == (want is None)
+            if want is not None:
+                assert torch.equal(got, want), mode

@@ -51,6 +51,15 @@ def test_dependent_launch_waits_before_its_first_load():
     assert wait < ptx.index("ld.global"), "a global load ahead of the wait"
 
 
+def test_wait_only_dependent_launch_never_signals_early():
+    from moemesh.common.kernels.dependent_launch import WAIT_ONLY
+
+    config = GroupedGemmConfig(16, 64, 128, 4, 3, 2, Fp4Decode.ASM_QUAD)
+    ptx = compile_grouped(config, fused_gate_up=True, dependent=WAIT_ONLY).asm["ptx"]
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    assert "griddepcontrol.launch_dependents" not in ptx
+
+
 def _compile_dependent(kernel, constexprs: dict, pointer_types: dict, floats: tuple = ()):
     """`kernel` compiled for sm_90 as a dependent launch; pointers default to bf16, scalars to int32."""
     from triton.backends.compiler import GPUTarget

@@ -21,7 +21,8 @@ Kernels launched without the attribute (torch's own, cuBLAS, the mailbox spin-wa
 ordering on both sides. CUDA graphs capture dependent launches as programmatic edges.
 
 Switch: MOEMESH_DEPENDENT_LAUNCH=1 turns it on (sm_90 or newer, NVIDIA, compiled kernels), `no-prefetch`
-turns it on without the weight prefetch, unset or 0 launches plainly. It stays off by default until
+turns it on without the weight prefetch, `wait-only` launches with the attribute but never signals early (N + 1 is
+scheduled as N's programs exit, its launch already processed; no weight prefetch), unset or 0 launches plainly. It stays off by default until
 `bench/device/dependent-launch.sh` has measured it on the GPU (docs/performance.md); the compiled
 kernels' order of wait, signal and loads is checked without a GPU (tests/test_kernels_compile_sm90.py).
 """
@@ -49,7 +50,7 @@ def dependent_launch_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch as programmatic dependents (read at each launch; cheap)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if os.environ.get(ENV_SWITCH, "0") not in ("1", "no-prefetch"):
+    if os.environ.get(ENV_SWITCH, "0") not in ("1", "no-prefetch", "wait-only"):
         return False
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -68,20 +69,27 @@ def weight_rows_prefetchable(device: torch.device, weights, *byte_offsets: int) 
         w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0 for w in weights if w is not None)
 
 
+SIGNAL_AFTER_WAIT = 1  # USE_PDL values: wait, then let the next kernel be scheduled
+WAIT_ONLY = 2  # wait; the next kernel is scheduled as this one's programs exit
+
+
 def dependent_launch(device: torch.device) -> dict:
-    """Launch keywords for a kernel that calls `wait_for_inputs(USE_PDL)` first: the attribute and the flag."""
+    """Launch keywords for a kernel that calls `wait_for_inputs(USE_PDL)` first: the attribute and the mode."""
     if not dependent_launch_enabled(device):
         return {}
-    return {"launch_pdl": True, "USE_PDL": True}
+    mode = WAIT_ONLY if os.environ.get(ENV_SWITCH) == "wait-only" else SIGNAL_AFTER_WAIT
+    return {"launch_pdl": True, "USE_PDL": mode}
 
 
 @triton.jit
 def wait_for_inputs(USE_PDL: tl.constexpr):
-    """The kernel's first statement: wait until the previous kernel's writes are visible, then let
-    the next kernel be scheduled. Nothing without USE_PDL (plain launches, the interpreter)."""
+    """The kernel's first statement: wait until the previous kernel's writes are visible, then (USE_PDL 1 or
+    True, `SIGNAL_AFTER_WAIT`) let the next kernel be scheduled. Nothing without USE_PDL (plain launches, the
+    interpreter)."""
     if USE_PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if USE_PDL == 1:
+            gdc_launch_dependents()
 
 
 @triton.jit
