@@ -11,10 +11,11 @@ The torch functions in `common/model/hyper.py` are the reference; these compute 
   `_mix_gemv_kernel` (one token per program, fp32 multiply-adds); larger T `_mix_partials_kernel`
   (`tl.dot`: fp32 FMA, tf32x3, or bf16x3 = fn split in three bf16 pieces so every tensor-core
   product is exact when h is bf16).
-- launch 2 (`_hc_finish_kernel`, grid [T, D/BD]): sums the S partials, applies sigmoid / softmax and
-  the full Sinkhorn on the NP×NP matrix in registers, and writes x[t, d] = Σ_n pre_n·h[t, n, d] for its
-  D slice. Every D slice recomputes the (tiny) Sinkhorn instead of waiting for another program; only
-  slice 0 stores post and comb. hc_head runs the same two launches with HEAD=True (no post/comb).
+- launch 2 (`_hc_finish_kernel`, grid [T, D/BD + 1]): sums the S partials; each D-slice program applies the
+  sigmoid to pre and writes x[t, d] = Σ_n pre_n·h[t, n, d] for its slice, and one more program per token
+  computes post and comb (softmax, then the full Sinkhorn on the NP×NP matrix in registers), beside them:
+  the Sinkhorn's serial chain is not on x's path, and post / comb are read only by the block's hc_post.
+  hc_head runs the same two launches with HEAD=True (no post/comb, no extra program).
 No launch reads a value on the host or sizes a buffer from data: all of it can be captured in a CUDA graph.
 """
 
@@ -212,19 +213,10 @@ def _hc_finish_kernel(h_ptr, mix_part_ptr, sq_part_ptr, base_ptr, scale_ptr, x_p
     split_offsets = splits.to(tl.int64) * num_tokens * BLOCK_M
     streams = tl.arange(0, NP)
     stream_mask = streams < N
-    # the streams' slice is loaded first: its latency overlaps the partial sums and the Sinkhorn
-    dims = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    dim_mask = dims < hidden
-    tile = tl.load(h_ptr + pid_t.to(tl.int64) * num_cols + streams[:, None] * hidden + dims[None, :],
-                   mask=stream_mask[:, None] & dim_mask[None, :], other=0.0).to(tl.float32)  # [NP, BD]
-    pre_mix = _sum_parts_1d(part_row, streams, stream_mask, split_offsets, split_mask) * inv_rms  # [NP]
-    pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + streams, mask=stream_mask, other=0.0))
-    pre = tl.where(stream_mask, pre + hc_eps, 0.0)
-    if not HEAD:
-        write_mask = stream_mask & (pid_d == 0)
+    if not HEAD and pid_d == tl.num_programs(1) - 1:  # the last program: post and comb, off x's path
         post_mix = _sum_parts_1d(part_row, N + streams, stream_mask, split_offsets, split_mask) * inv_rms
         post_logit = post_mix * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + streams, mask=stream_mask, other=0.0)
-        tl.store(post_ptr + pid_t * N + streams, 2.0 * tl.sigmoid(post_logit), mask=write_mask)
+        tl.store(post_ptr + pid_t * N + streams, 2.0 * tl.sigmoid(post_logit), mask=stream_mask)
         # comb [NP(j in), NP(k out)]: softmax over k, then Sinkhorn (columns first, then rows/columns)
         pair = streams[:, None] * N + streams[None, :]
         pair_mask = stream_mask[:, None] & stream_mask[None, :]
@@ -239,13 +231,22 @@ def _hc_finish_kernel(h_ptr, mix_part_ptr, sq_part_ptr, base_ptr, scale_ptr, x_p
         for _ in range(SINKHORN_ITERS - 1):
             comb = _divide(comb, tl.sum(comb, axis=1)[:, None] + hc_eps, APPROX_DIV)
             comb = _divide(comb, tl.sum(comb, axis=0)[None, :] + hc_eps, APPROX_DIV)
-        tl.store(comb_ptr + pid_t * N * N + pair, comb, mask=pair_mask & (pid_d == 0))
-    x = tl.sum(pre[:, None] * tile, axis=0)
-    if OUT_NORM:  # RMSNorm(x) of the rounded x, as the block's attn_norm / ffn_norm; BLOCK_D covers D
-        x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
-        out_scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + out_eps)
-        x = tl.load(out_weight_ptr + dims, mask=dim_mask, other=0.0) * (x * out_scale)
-    tl.store(x_ptr + pid_t.to(tl.int64) * hidden + dims, x.to(x_ptr.dtype.element_ty), mask=dim_mask)
+        tl.store(comb_ptr + pid_t * N * N + pair, comb, mask=pair_mask)
+    else:  # x over this program's D slice
+        # the streams' slice is loaded first: its latency overlaps the partial sums
+        dims = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        dim_mask = dims < hidden
+        tile = tl.load(h_ptr + pid_t.to(tl.int64) * num_cols + streams[:, None] * hidden + dims[None, :],
+                       mask=stream_mask[:, None] & dim_mask[None, :], other=0.0).to(tl.float32)  # [NP, BD]
+        pre_mix = _sum_parts_1d(part_row, streams, stream_mask, split_offsets, split_mask) * inv_rms  # [NP]
+        pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + streams, mask=stream_mask, other=0.0))
+        pre = tl.where(stream_mask, pre + hc_eps, 0.0)
+        x = tl.sum(pre[:, None] * tile, axis=0)
+        if OUT_NORM:  # RMSNorm(x) of the rounded x, as the block's attn_norm / ffn_norm; BLOCK_D covers D
+            x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
+            out_scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + out_eps)
+            x = tl.load(out_weight_ptr + dims, mask=dim_mask, other=0.0) * (x * out_scale)
+        tl.store(x_ptr + pid_t.to(tl.int64) * hidden + dims, x.to(x_ptr.dtype.element_ty), mask=dim_mask)
 
 
 def _launch_mix(h: torch.Tensor, fn: torch.Tensor, config: MixConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -280,7 +281,7 @@ def _finish(h, mix_part, sq_part, block_m, base, scale, x, post, comb, num_sinkh
         block_d = triton.next_power_of_2(hidden)
         num_warps = max(num_warps, min(8, block_d // 512))
     out_weight, out_eps = out_norm if out_norm is not None else (x, 0.0)
-    grid = (num_tokens, triton.cdiv(hidden, block_d))
+    grid = (num_tokens, triton.cdiv(hidden, block_d) + (0 if head else 1))  # hc_pre: one more program, post and comb
     _hc_finish_kernel[grid](h, mix_part, sq_part, base, scale, x, post, comb, out_weight,
                             num_tokens, hidden, config.num_splits, float(hc_eps), float(norm_eps), float(out_eps),
                             SINKHORN_ITERS=num_sinkhorn_iters, N=num_streams, NP=triton.next_power_of_2(num_streams),

@@ -134,6 +134,16 @@ class MixPartials:
         return h is self.h and fn.data_ptr() == self.fn.data_ptr() and fn.shape == self.fn.shape
 
 
+def default_block_d(num_tokens: int) -> int:
+    """D slice per program: narrow at one or two tokens, so that a decode launch still spreads over ~64 programs
+    (the next hc_pre's mix, done in the same launch, reads its [M, N·BD] slice of fn per program)."""
+    if num_tokens <= 2:
+        return 64
+    if num_tokens <= 4:
+        return 128
+    return 256 if num_tokens <= 64 else 1024
+
+
 # above, the next hc_pre's mix in hc_post's (or the embedding's) launch costs more than its own launch: each D-slice
 # program re-reads its [M, N·BD] slice of fn per token (measured at 64 tokens on an H200)
 MAX_FUSED_MIX_TOKENS = 16
@@ -175,7 +185,7 @@ def embed_streams(token_ids: torch.Tensor, table: torch.Tensor, num_streams: int
     out = torch.empty(num_tokens, num_streams, hidden, dtype=dtype, device=table.device)
     if num_tokens == 0:
         return out, None
-    block_d = block_d or (256 if num_tokens <= 64 else 1024)
+    block_d = block_d or default_block_d(num_tokens)
     num_d_blocks = triton.cdiv(hidden, block_d)
     partials, mix_args = _next_mix(out, next_fn, num_d_blocks)
     _embed_streams_kernel[(num_tokens, num_d_blocks)](token_ids.contiguous(), table.contiguous(), out, hidden,
@@ -204,7 +214,7 @@ def hc_post_with_mix(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb:
     out = torch.empty_like(h)
     if num_tokens == 0:
         return out, None
-    block_d = block_d or (256 if num_tokens <= 64 else 1024)
+    block_d = block_d or default_block_d(num_tokens)
     num_d_blocks = triton.cdiv(hidden, block_d)
     grid = (num_tokens, num_d_blocks)
     partials, mix_args = _next_mix(out, next_fn, num_d_blocks)
