@@ -66,27 +66,30 @@ def step_pieces(side, experts, batch: ForwardBatch, token_ids: torch.Tensor,
                 routed_ids: dict[int, torch.Tensor] | None = None) -> list[Piece]:
     """The pieces of one forward (the `ReferenceModel.forward` loop, cut at layer boundaries).
 
-    Pieces pass the residual streams through `buf`; `batch.finish()` is the caller's. routed_ids: each layer's
-    gate ids [T, K] are kept there (in a captured graph, the buffer every replay rewrites)."""
-    buf: dict[str, torch.Tensor] = {}
+    Piece i writes streams[i] (the embedding, then each layer's output) and layer i reads streams[i]; every one is
+    kept, never rebound, so no piece's input returns to the memory pool while its graph lives (graphs of all steps
+    share one pool, and `profile_pieces` replays one piece of every step before the next piece).
+    `batch.finish()` is the caller's. routed_ids: each layer's gate ids [T, K] are kept there (in a captured graph,
+    the buffer every replay rewrites)."""
+    streams: list[torch.Tensor] = []  # [T, N, D] each
 
     def embed() -> None:
-        buf["h"] = side.embed_tokens(token_ids, batch)  # [T, N, D]; the forward's RoPE tables
+        streams.append(side.embed_tokens(token_ids, batch))  # the forward's RoPE tables too
 
     def layer_piece(layer: int) -> Callable[[], None]:
         def run() -> None:
-            h = side.attn_block(layer, buf["h"], batch)
+            h = side.attn_block(layer, streams[layer], batch)
             x, post, comb = side.ffn_pre(layer, h)
             ids, weights = side.gate(layer, x, token_ids)
             if routed_ids is not None:
                 routed_ids[layer] = ids
             shared = side.shared_expert(layer, x)
             routed = routed_answer(experts, layer, x, ids, weights)  # [T, K, D] per slot, or [T, D]
-            buf["h"] = side.ffn_post(layer, routed, h, post, comb, shared=shared)
+            streams.append(side.ffn_post(layer, routed, h, post, comb, shared=shared))
         return run
 
     def head() -> None:
-        buf["logits"] = side.logits(buf["h"], logits_indices)  # [T or B, V]
+        side.logits(streams[-1], logits_indices)  # [T or B, V]
 
     num_layers = side.config.num_hidden_layers
     return [("embed", embed)] + [(f"layer{i}", layer_piece(i)) for i in range(num_layers)] + [("head", head)]
