@@ -40,6 +40,15 @@ def test_gpu_only_variant_compiles_for_sm90_without_spills(config, fused):
     assert summary["opcodes"].get("HGMMA", 0) > 0, "no Hopper wgmma in the main loop"
 
 
+def test_fp4_quad_decode_places_codes_without_byte_permutes():
+    """The quad decode shifts each output straight out of the loaded word: per decoded word (4 HMUL2) one PRMT for
+    the scale pair, none for the codes, so the fused gate-up launch has fewer PRMT than half its HMUL2."""
+    summary = summarise(compile_grouped(GroupedGemmConfig(16, 64, 128, 4, 3, 2, Fp4Decode.ASM_QUAD),
+                                        fused_gate_up=True))
+    opcodes = summary["opcodes"]
+    assert opcodes.get("PRMT", 0) < opcodes["HMUL2"] // 2, opcodes
+
+
 def test_dependent_launch_waits_before_its_first_load():
     """As a programmatic dependent the kernel waits on the previous grid before any global load."""
     config = GroupedGemmConfig(16, 64, 128, 4, 3, 2, Fp4Decode.ASM_QUAD)

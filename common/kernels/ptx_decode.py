@@ -37,16 +37,24 @@ def _placed_outputs(operands: list[tuple[str, tuple[int, int], str]], magnitude_
                     bias: bool = False) -> list[str]:
     """Output $i from operands[i] = (code register, (magnitude shift, sign shift), scale register).
 
-    Each output: the codes' magnitude bits and sign placed in both 16-bit lanes of `t`, then (with
-    `bias`) times the register `bias`, then times the scale pair."""
+    Each output: the codes' magnitude bits and sign placed in both 16-bit lanes of `t` (a shift left by a
+    positive count, right by a negative one, none at 0), then (with `bias`) times the register `bias`, then times
+    the scale pair."""
     lines = []
     for out, (codes, (magnitude_shift, sign_shift), scale) in enumerate(operands):
         lines += [
-            f"shl.b32 t, {codes}, {magnitude_shift}", f"and.b32 t, t, {magnitude_mask}",
-            f"shl.b32 u, {codes}, {sign_shift}", "and.b32 u, u, 0x80008000", "or.b32 t, t, u",
+            *_shift("t", codes, magnitude_shift), f"and.b32 t, {'t' if magnitude_shift else codes}, {magnitude_mask}",
+            *_shift("u", codes, sign_shift), f"and.b32 u, {'u' if sign_shift else codes}, 0x80008000",
+            "or.b32 t, t, u",
             *(["mul.bf16x2 t, t, bias"] if bias else []), f"mul.bf16x2 ${out}, t, {scale}",
         ]
     return lines
+
+
+def _shift(destination: str, source: str, count: int) -> list[str]:
+    if count > 0:
+        return [f"shl.b32 {destination}, {source}, {count}"]
+    return [f"shr.b32 {destination}, {source}, {-count}"] if count < 0 else []
 
 
 @triton.jit
@@ -124,13 +132,14 @@ def fp4_tile_halves_bf16_folded_asm(
 
 # One 32-bit register = two uint16 elements = 8 codes, k = 4j..4j+3 for each element j; outputs
 # $0..$3 = the codes with k % 4 == 0, 1, 2, 3 of both elements (bf16x2, W * 2^-16 as in the folded
-# decode); $4 the codes, $5 / $6 the bf16x2 scale pairs 2^(s - 17) of the two elements.
-_E2M1_QUAD_ASM = _asm_block("z, b0, b1, sc, t, u", [
-    "mov.b32 z, 0",
-    "prmt.b32 b0, $4, z, 0x4240", "prmt.b32 b1, $4, z, 0x4341",
+# decode); $4 the codes, $5 / $6 the bf16x2 scale pairs 2^(s - 17) of the two elements. Nibble r of
+# each 16-bit half is code 4j + r, so the two halves already sit 16 bits apart like the two bf16
+# lanes: every output is placed straight from the word, one shift moving both lanes (bits crossing
+# the lane boundary fall outside the masks): magnitude bits 4r..4r+2 -> 6..8, sign 4r+3 -> 15.
+_E2M1_NIBBLE_SHIFTS = tuple((6 - 4 * r, 12 - 4 * r) for r in range(4))  # (magnitude, sign); < 0: right
+_E2M1_QUAD_ASM = _asm_block("sc, t, u", [
     "prmt.b32 sc, $5, $6, 0x7610",
-    *_placed_outputs([("b0", _E2M1_LOW, "sc"), ("b0", _E2M1_HIGH, "sc"),
-                      ("b1", _E2M1_LOW, "sc"), ("b1", _E2M1_HIGH, "sc")], _E2M1_MAGNITUDE_MASK),
+    *_placed_outputs([("$4", shifts, "sc") for shifts in _E2M1_NIBBLE_SHIFTS], _E2M1_MAGNITUDE_MASK),
 ])
 
 
