@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             states = timing.decode_states(config, batch_size, args.context, dtype, device, args.seed)
             timed = timing.time_decode(side, experts, states, config.vocab_size, num_steps=args.steps,
                                        use_graphs=False)
-        distinct = timed.distinct_experts
+        distinct = timed.distinct_experts  # per layer, counted in the timed steps
         raw["decode"].append({"batch_size": batch_size, "context_tokens": args.context,
                               "piece_s": timed.piece_s, "step_s": timed.step_s, "eager_step_s": timed.eager_step_s,
                               "graphs": device.type == "cuda" and not args.no_graphs and graph_error is None,
@@ -163,10 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                                   config, i, args.context, torch.finfo(dtype).bits // 8) for i in range(len(kinds))],
                               "expected_distinct_experts": floors.expected_distinct_experts(config, batch_size),
                               "distinct_experts_per_layer": distinct,
-                              "kernel_read_bytes_per_layer": [floors.kernel_read_bytes(
-                                  side, config, i, batch_size, args.context, torch.finfo(dtype).bits // 8,
-                                  experts.bytes_per_expert(0), torch.finfo(dtype).bits // 8, distinct[i])
-                                  for i in range(len(kinds))]})
+                              "kernel_read_bytes_per_layer": floors.kernel_read_bytes_per_layer(
+                                  side, config, batch_size, args.context, torch.finfo(dtype).bits // 8,
+                                  experts.bytes_per_expert(0), distinct)})
         del states
         if device.type == "cuda":
             torch.cuda.empty_cache()

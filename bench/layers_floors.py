@@ -88,6 +88,13 @@ def kernel_read_bytes(side, config: ModelConfig, layer: int, batch_size: int, co
     return out
 
 
+def kernel_read_bytes_per_layer(side, config: ModelConfig, batch_size: int, context_tokens: int, element_bytes: int,
+                                expert_bytes: int, distinct_experts: list[float | None]) -> list[dict[str, float]]:
+    """`kernel_read_bytes` of every layer, KV rows and residual streams in the activation dtype (`element_bytes`)."""
+    return [kernel_read_bytes(side, config, layer, batch_size, context_tokens, element_bytes, expert_bytes,
+                              element_bytes, distinct_experts[layer]) for layer in range(len(distinct_experts))]
+
+
 def expected_distinct_experts(config: ModelConfig, batch_size: int) -> float:
     num_experts, top_k = config.n_routed_experts, config.num_experts_per_tok
     return num_experts * (1 - (1 - top_k / num_experts) ** batch_size)

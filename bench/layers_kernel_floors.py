@@ -17,7 +17,8 @@ from pathlib import Path
 
 
 def kernel_floor_rows(record: dict) -> list[dict]:
-    """Per decode entry of `record`: {"batch_size", "layers": [ {kernel: {device_us, launches, floor_us, x_floor}} ]}."""
+    """Per decode entry of `record`: {"batch_size", "layers": [{kernel: {device_us, launches, floor_us,
+    x_floor}}]}."""
     import torch
 
     from moemesh.bench import layers_floors as floors
@@ -40,10 +41,9 @@ def kernel_floor_rows(record: dict) -> list[dict]:
     out = []
     for entry in raw["decode"]:
         distinct = entry.get("distinct_experts_per_layer") or [None] * len(kinds)  # None: uniform routing
-        read = entry.get("kernel_read_bytes_per_layer") or [
-            floors.kernel_read_bytes(side, config, layer, entry["batch_size"], entry["context_tokens"], element_bytes,
-                                     raw["bytes"]["expert_bytes"], element_bytes, distinct[layer])
-            for layer in range(len(kinds))]
+        read = entry.get("kernel_read_bytes_per_layer") or floors.kernel_read_bytes_per_layer(
+            side, config, entry["batch_size"], entry["context_tokens"], element_bytes, raw["bytes"]["expert_bytes"],
+            distinct)
         layers = kernel_floors({**entry, "kernel_read_bytes_per_layer": read}, len(kinds), copy)
         out.append({"batch_size": entry["batch_size"], "layers": layers})
     return out
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"b={entry['batch_size']}: no kernel profile in this run")
             continue
         for layer, rows in enumerate(entry["layers"]):
-            print(f"b={entry['batch_size']} layer{layer} ({kinds[layer]}): kernel | device us | launches | floor us | x")
+            print(f"b={entry['batch_size']} layer{layer} ({kinds[layer]}): "
+                  "kernel | device us | launches | floor us | x")
             for name, row in sorted(rows.items(), key=lambda item: -(item[1]["device_us"] or 0)):
                 device = "-" if row["device_us"] is None else f"{row['device_us']:.1f}"
                 ratio = "-" if row["x_floor"] is None else f"{row['x_floor']:.1f}"

@@ -48,19 +48,27 @@ def _device_supports(device_index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+def _switch(device: torch.device) -> str | None:
+    """The switch's value where kernels on `device` launch as programmatic dependents ("1", "no-prefetch",
+    "wait-only"), else None (unset or 0, not CUDA, the interpreter, before sm_90)."""
+    value = os.environ.get(ENV_SWITCH, "0")
+    if value not in ("1", "no-prefetch", "wait-only") or device.type != "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return value if _device_supports(index) else None
+
+
 def dependent_launch_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch as programmatic dependents (read at each launch; cheap)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if os.environ.get(ENV_SWITCH, "0") not in ("1", "no-prefetch", "wait-only"):
-        return False
-    return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
+    return _switch(device) is not None
 
 
 def weight_prefetch_enabled(device: torch.device) -> bool:
     """Whether weight-streaming kernels prefetch their weight rows into L2 ahead of the wait
     (`MOEMESH_DEPENDENT_LAUNCH=no-prefetch` keeps the dependent launch without it, for measuring)."""
-    return dependent_launch_enabled(device) and os.environ.get(ENV_SWITCH) == "1"
+    return _switch(device) == "1"
 
 
 def weight_rows_prefetchable(device: torch.device, weights, *byte_offsets: int) -> bool:
@@ -77,10 +85,10 @@ WAIT_ONLY = 2  # wait; the next kernel is scheduled as this one's programs exit
 
 def dependent_launch(device: torch.device) -> dict:
     """Launch keywords for a kernel that calls `wait_for_inputs(USE_PDL)` first: the attribute and the mode."""
-    if not dependent_launch_enabled(device):
+    switch = _switch(device)
+    if switch is None:
         return {}
-    mode = WAIT_ONLY if os.environ.get(ENV_SWITCH) == "wait-only" else SIGNAL_AFTER_WAIT
-    return {"launch_pdl": True, "USE_PDL": mode}
+    return {"launch_pdl": True, "USE_PDL": WAIT_ONLY if switch == "wait-only" else SIGNAL_AFTER_WAIT}
 
 
 @triton.jit

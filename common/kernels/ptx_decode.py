@@ -21,10 +21,11 @@ from moemesh.common.kernels.dequant_tiles import (
     load_fp4_group_scales, load_fp4_groups, load_fp8_block_scales, load_fp8_codes,
 )
 
-# (magnitude shift, sign shift) that place a code's bits in a 16-bit lane: e2m1 low nibble (bits
-# 2..0 -> 8..6, bit 3 -> 15), e2m1 high nibble (bits 6..4 -> 8..6, bit 7 -> 15), e4m3 byte
-# (bits 6..0 -> 10..4, bit 7 -> 15).
-_E2M1_LOW, _E2M1_HIGH, _E4M3_BYTE = (6, 12), (2, 8), (4, 8)
+# (magnitude shift, sign shift) that place a code's bits in a 16-bit lane (< 0: a right shift): e2m1 nibble r
+# of a 16-bit half (bits 4r+2..4r -> 8..6, bit 4r+3 -> 15), so the low / high nibble of a byte are r = 0 / 1;
+# e4m3 byte (bits 6..0 -> 10..4, bit 7 -> 15).
+_E2M1_NIBBLE_SHIFTS = tuple((6 - 4 * r, 12 - 4 * r) for r in range(4))
+(_E2M1_LOW, _E2M1_HIGH), _E4M3_BYTE = _E2M1_NIBBLE_SHIFTS[:2], (4, 8)
 _E2M1_MAGNITUDE_MASK, _E4M3_MAGNITUDE_MASK = "0x01C001C0", "0x07F007F0"
 
 
@@ -136,7 +137,6 @@ def fp4_tile_halves_bf16_folded_asm(
 # each 16-bit half is code 4j + r, so the two halves already sit 16 bits apart like the two bf16
 # lanes: every output is placed straight from the word, one shift moving both lanes (bits crossing
 # the lane boundary fall outside the masks): magnitude bits 4r..4r+2 -> 6..8, sign 4r+3 -> 15.
-_E2M1_NIBBLE_SHIFTS = tuple((6 - 4 * r, 12 - 4 * r) for r in range(4))  # (magnitude, sign); < 0: right
 _E2M1_QUAD_ASM = _asm_block("sc, t, u", [
     "prmt.b32 sc, $5, $6, 0x7610",
     *_placed_outputs([("$4", shifts, "sc") for shifts in _E2M1_NIBBLE_SHIFTS], _E2M1_MAGNITUDE_MASK),
